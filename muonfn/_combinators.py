@@ -1,0 +1,192 @@
+"""Transforms built from transforms: sequence, routing by label, masking, guarding."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, TypeAlias
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from . import _tree
+from ._base import Transform
+from ._transforms import MaskLike, resolve_mask
+
+LabelsLike: TypeAlias = Mapping[Any, str] | TensorDictBase | Callable[[TensorDictBase], Mapping[Any, str]]
+
+_EMPTY = TensorDict({}, batch_size=[])
+
+
+def _state_keys(tx: Transform) -> list[str]:
+    """The top-level state keys a transform owns, read from its state for no parameters."""
+    return list(tx.init(_EMPTY).keys())
+
+
+def chain(*transforms: Transform) -> Transform:
+    r"""Applies ``transforms`` in order: the updates of one are the gradients of the next.
+
+    The state is the union of the members' states (``{"momentum": ..., "exp_avg": ...}``),
+    so keys stay readable; two members owning the same key is an error (wrap one in
+    :func:`named`).
+    """
+    owned = [_state_keys(t) for t in transforms]
+    seen: dict[str, int] = {}
+    for i, keys in enumerate(owned):
+        for key in keys:
+            if key in seen:
+                raise ValueError(
+                    f"chain: members {seen[key]} and {i} both keep state {key!r}; wrap one in muonfn.named(...)"
+                )
+            seen[key] = i
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        state = TensorDict({}, batch_size=params.batch_size)
+        for t in transforms:
+            state.update(t.init(params))
+        return state
+
+    def update(
+        grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
+    ) -> tuple[TensorDictBase, TensorDictBase]:
+        new_state = TensorDict({}, batch_size=state.batch_size)
+        for t, keys in zip(transforms, owned):
+            grads, member_state = t.update(grads, state.select(*keys), params)
+            new_state.update(member_state)
+        return grads, new_state
+
+    return Transform(init, update)
+
+
+def named(name: str, tx: Transform) -> Transform:
+    """Keeps ``tx``'s state under ``state[name]``."""
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        return TensorDict({name: tx.init(params)}, batch_size=params.batch_size)
+
+    def update(
+        grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
+    ) -> tuple[TensorDictBase, TensorDictBase]:
+        updates, inner = tx.update(grads, state[name], params)
+        return updates, TensorDict({name: inner}, batch_size=state.batch_size)
+
+    return Transform(init, update)
+
+
+def resolve_labels(labels: LabelsLike, params: TensorDictBase, names: Mapping[str, Any]) -> dict[_tree.Key, str]:
+    """Maps every leaf of ``params`` to one of ``names``; errors name the leaf."""
+    keys = _tree.leaf_keys(params)
+    if isinstance(labels, TensorDictBase):
+        table: Mapping[Any, Any] = {k: labels.get(k) for k in _tree.leaf_keys(labels)}
+    else:
+        table = labels(params) if callable(labels) else labels
+    assigned: dict[_tree.Key, str] = {}
+    for name, label in table.items():
+        label = getattr(label, "data", label)
+        try:
+            key = _tree.resolve_key(name, keys)
+        except KeyError:
+            continue  # labels may describe a whole model while only part of it is here
+        if label not in names:
+            raise ValueError(f"partition: {_tree.dotted(key)!r} has label {label!r}; known labels: {sorted(names)}")
+        assigned[key] = label
+    for key in keys:
+        if key not in assigned:
+            raise ValueError(f"partition: parameter {_tree.dotted(key)!r} has no label")
+    return assigned
+
+
+def partition(transforms: Mapping[str, Transform], labels: LabelsLike) -> Transform:
+    """Routes each leaf to the transform of its label; state is ``{label: state}``.
+
+    ``labels``: a mapping from key (tuple, plain or dotted name) to label, a TensorDict of
+    labels, or a callable ``params -> mapping`` (see :func:`muonfn.label_params`).
+    """
+    transforms = dict(transforms)
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        assigned = resolve_labels(labels, params, transforms)
+        state = {}
+        for name, t in transforms.items():
+            state[name] = t.init(params.select(*[k for k, v in assigned.items() if v == name]))
+        return TensorDict(state, batch_size=params.batch_size)
+
+    def update(
+        grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
+    ) -> tuple[TensorDictBase, TensorDictBase]:
+        keys = _tree.leaf_keys(grads)
+        assigned = resolve_labels(labels, params if params is not None else grads, transforms)
+        for key in keys:
+            if key not in assigned:
+                raise ValueError(f"partition: gradient {_tree.dotted(key)!r} has no matching parameter")
+        out: dict[_tree.Key, torch.Tensor] = {}
+        new_state = {}
+        for name, t in transforms.items():
+            mine = [k for k in keys if assigned[k] == name]
+            if not mine:
+                new_state[name] = state[name]
+                continue
+            sub_params = params.select(*mine) if params is not None else None
+            updates, new_state[name] = t.update(grads.select(*mine), state[name], sub_params)
+            out.update(zip(mine, _tree.leaves(updates.select(*mine))))
+        return _tree.build(keys, [out[k] for k in keys], grads), TensorDict(new_state, batch_size=state.batch_size)
+
+    return Transform(init, update)
+
+
+def masked(tx: Transform, mask: MaskLike) -> Transform:
+    """Applies ``tx`` to the leaves ``mask`` selects; the others pass through unchanged.
+
+    ``mask``: a mapping from key to bool or a callable ``params -> mapping``.
+    """
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        return tx.init(params.select(*resolve_mask(mask, params)))
+
+    def update(
+        grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
+    ) -> tuple[TensorDictBase, TensorDictBase]:
+        chosen = resolve_mask(mask, params if params is not None else grads)
+        wanted = set(_tree.leaf_keys(grads))
+        mine = [k for k in chosen if k in wanted]
+        if not mine:
+            return grads, state
+        sub_params = params.select(*mine) if params is not None else None
+        updates, state = tx.update(grads.select(*mine), state, sub_params)
+        return _tree.carry(grads, updates), state
+
+    return Transform(init, update)
+
+
+NOTFINITE = "notfinite_count"
+
+
+def apply_if_finite(tx: Transform) -> Transform:
+    """Skips a step whose gradients hold NaN or Inf: zero updates, state unchanged.
+
+    Skipped steps are counted in ``state["notfinite_count"]``. The test is a tensor
+    (no ``.item()``), so the guarded update stays traceable.
+    """
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        state = tx.init(params)
+        if NOTFINITE in state:
+            raise ValueError(f"apply_if_finite: the wrapped transform already keeps {NOTFINITE!r}")
+        device = next(iter(params.values(True, True)), torch.empty(0)).device
+        state[NOTFINITE] = torch.zeros(params.batch_size, dtype=torch.int64, device=device)
+        return state
+
+    def update(
+        grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
+    ) -> tuple[TensorDictBase, TensorDictBase]:
+        values = _tree.leaves(grads)
+        if not values:
+            return grads, state
+        finite = torch.stack([g.isfinite().all() for g in values]).all()
+        inner = state.exclude(NOTFINITE)
+        updates, new_inner = tx.update(grads, inner, params)
+        updates = updates.where(finite, torch.zeros((), dtype=values[0].dtype, device=values[0].device))
+        new_state = new_inner.where(finite, inner)
+        new_state[NOTFINITE] = state[NOTFINITE] + (~finite).to(torch.int64)
+        return updates, new_state
+
+    return Transform(init, update)

@@ -1,0 +1,151 @@
+r"""How a parameter tensor is seen as one or more matrices, and the scale each gets.
+
+Newton–Schulz orthogonalizes matrices; parameters come in other shapes. A
+:class:`MatrixView` declares, per leaf, which matrices a tensor holds:
+
+- 2-D ``(out, in)``: one matrix.
+- conv ``(out, in, *k)``: one ``(out, in·∏k)`` matrix (the default for ≥3-D leaves).
+- experts ``(E, out, in)``: ``batch_dims=1``, a batch of ``E`` matrices.
+- fused QKV ``(q + k + v, in)``: ``split=(q, k, v)``, each block its own matrix.
+- stored as ``(in, out)`` (Hugging Face ``Conv1D``): ``transposed=True``.
+
+Scale modes :math:`s(A, B)` for a logical matrix with ``A`` rows (fan-out) and ``B``
+columns (fan-in), each times ``extra_scale``:
+
+================== ===================== ==========================================
+mode               :math:`s(A, B)`        used by
+================== ===================== ==========================================
+``original``       √max(1, A/B)           Keller Jordan; torch.optim.Muon's default
+``match_rms_adamw`` 0.2·√max(A, B)        Moonlight; torch's ``match_rms_adamw``
+``spectral``       √max(A, B)             Megatron ``spectral``
+``unit_rms_norm``  √(A/B)                 Megatron ``unit_rms_norm``
+``none``           1
+================== ===================== ==========================================
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeAlias
+
+import torch
+
+from ._tree import Key, dotted, resolve_key
+
+SCALE_MODES: dict[str, Callable[[int, int], float]] = {
+    "original": lambda a, b: math.sqrt(max(1.0, a / b)),
+    "match_rms_adamw": lambda a, b: 0.2 * math.sqrt(max(a, b)),
+    "spectral": lambda a, b: math.sqrt(max(a, b)),
+    "unit_rms_norm": lambda a, b: math.sqrt(a / b),
+    "none": lambda a, b: 1.0,
+}
+
+
+def check_scale_mode(scale: str) -> None:
+    if scale not in SCALE_MODES:
+        raise ValueError(f"unknown scale mode {scale!r}; choose one of {sorted(SCALE_MODES)}")
+
+
+@dataclass(frozen=True)
+class MatrixView:
+    """Declares how one parameter tensor is read as matrices.
+
+    Args:
+        batch_dims: leading dimensions that index independent matrices (MoE experts:
+            ``(E, out, in)`` has ``batch_dims=1``). Dimensions after the first
+            non-batch one are flattened into the columns (conv kernels).
+        transposed: the tensor stores the matrix as ``(in, out)``.
+        split: sizes of the blocks a fused matrix is cut into along ``split_dim``
+            (e.g. ``(q, k, v)`` rows of a fused QKV projection).
+        split_dim: 0 to split the logical rows (fan-out), 1 the columns (fan-in).
+    """
+
+    batch_dims: int = 0
+    transposed: bool = False
+    split: tuple[int, ...] | None = None
+    split_dim: int = 0
+
+    def matrix_shape(self, shape: Sequence[int]) -> tuple[int, int]:
+        """The logical ``(out, in)`` shape of the (unsplit) matrix inside ``shape``."""
+        rest = list(shape[self.batch_dims :])
+        if self.transposed:
+            rest[-2], rest[-1] = rest[-1], rest[-2]
+        return rest[0], math.prod(rest[1:])
+
+    def blocks(self, shape: Sequence[int]) -> list[tuple[int, int]]:
+        """The ``(rows, cols)`` of every matrix block, in order."""
+        rows, cols = self.matrix_shape(shape)
+        if self.split is None:
+            return [(rows, cols)]
+        if self.split_dim == 0:
+            return [(s, cols) for s in self.split]
+        return [(rows, s) for s in self.split]
+
+    def check(self, key: Key, shape: Sequence[int]) -> None:
+        """Raises a ValueError naming ``key`` when this view cannot read ``shape``."""
+        name = dotted(key)
+        if self.batch_dims < 0 or len(shape) - self.batch_dims < 2:
+            raise ValueError(
+                f"{name!r}: shape {tuple(shape)} with batch_dims={self.batch_dims} holds no matrix "
+                "(Newton–Schulz needs at least 2 dimensions after the batch dimensions; label it for AdamW)"
+            )
+        if self.transposed and len(shape) - self.batch_dims != 2:
+            raise ValueError(
+                f"{name!r}: transposed=True needs a 2-D matrix after the batch dimensions, got {tuple(shape)}"
+            )
+        if self.split_dim not in (0, 1):
+            raise ValueError(f"{name!r}: split_dim must be 0 (rows) or 1 (columns), got {self.split_dim}")
+        if self.split is not None:
+            length = self.matrix_shape(shape)[self.split_dim]
+            if sum(self.split) != length or any(s < 1 for s in self.split):
+                raise ValueError(
+                    f"{name!r}: split {self.split} does not partition the {length} "
+                    f"{'rows' if self.split_dim == 0 else 'columns'} of shape {tuple(shape)}"
+                )
+
+    def to_matrices(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """The blocks of ``t``, each as a ``(count, rows, cols)`` batch."""
+        rows, cols = self.matrix_shape(t.shape)
+        m = (t.mT if self.transposed else t).reshape(-1, rows, cols)
+        if self.split is None:
+            return [m]
+        return list(m.split(list(self.split), dim=1 + self.split_dim))
+
+    def from_matrices(self, blocks: Sequence[torch.Tensor], shape: Sequence[int]) -> torch.Tensor:
+        """Inverse of :meth:`to_matrices` for a tensor of ``shape``."""
+        m = blocks[0] if len(blocks) == 1 else torch.cat(list(blocks), dim=1 + self.split_dim)
+        if self.transposed:
+            stored = list(shape)
+            stored[-2], stored[-1] = stored[-1], stored[-2]
+            return m.reshape(stored).mT
+        return m.reshape(shape)
+
+
+DEFAULT_VIEW = MatrixView()
+
+ViewsLike: TypeAlias = (
+    Mapping[str, MatrixView] | Mapping[Key, MatrixView] | Callable[[Key, torch.Tensor], MatrixView | None] | None
+)
+
+
+def resolve_views(views: ViewsLike, keys: Sequence[Key], tensors: Sequence[torch.Tensor]) -> list[MatrixView]:
+    """One view per leaf: the declared one, else the default (2-D as is, ≥3-D as conv)."""
+    if views is None:
+        return [DEFAULT_VIEW] * len(keys)
+    if callable(views):
+        return [views(k, t) or DEFAULT_VIEW for k, t in zip(keys, tensors)]
+    declared: dict[Key, MatrixView] = {}
+    for name, view in views.items():
+        try:
+            declared[resolve_key(name, keys)] = view
+        except KeyError:
+            continue  # a view for a leaf this transform does not see (e.g. routed to AdamW)
+    return [declared.get(k, DEFAULT_VIEW) for k in keys]
+
+
+def block_scales(view: MatrixView, shape: Sequence[int], scale: str, extra_scale: float) -> list[float]:
+    """The scale of every block of a leaf of ``shape``."""
+    fn = SCALE_MODES[scale]
+    return [fn(rows, cols) * extra_scale for rows, cols in view.blocks(shape)]
