@@ -8,6 +8,7 @@ implement momentum, Newton–Schulz and AdamW as composable transforms; a
 
 from ._base import Transform, apply_updates
 from ._combinators import apply_if_finite, chain, masked, named, partition
+from ._gram_newton_schulz import gram_newton_schulz
 from ._labels import DEFAULT_EXCLUDE, label_params, labels_from_module, views_from_module
 from ._newton_schulz import COEFFICIENTS, Coefficients, newton_schulz, polar
 from ._presets import adamw, muon
@@ -37,6 +38,7 @@ __all__ = [
     "apply_updates",
     "chain",
     "ema_momentum",
+    "gram_newton_schulz",
     "label_params",
     "labels_from_module",
     "masked",
