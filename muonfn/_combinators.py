@@ -78,7 +78,7 @@ def resolve_labels(labels: LabelsLike, params: TensorDictBase, names: Mapping[st
     if isinstance(labels, TensorDictBase):
         table: Mapping[Any, Any] = {k: labels.get(k) for k in _tree.leaf_keys(labels)}
     else:
-        table = labels(params) if callable(labels) else labels
+        table = labels if isinstance(labels, Mapping) else labels(params)
     assigned: dict[_tree.Key, str] = {}
     for name, label in table.items():
         label = getattr(label, "data", label)

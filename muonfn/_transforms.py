@@ -285,7 +285,7 @@ def resolve_mask(mask: MaskLike, params: TensorDictBase) -> list[_tree.Key]:
     keys = _tree.leaf_keys(params)
     if mask is None:
         return keys
-    table = mask(params) if callable(mask) else mask
+    table = mask if isinstance(mask, Mapping) else mask(params)
     chosen: set[_tree.Key] = set()
     for name, flag in table.items():
         try:

@@ -134,7 +134,7 @@ def resolve_views(views: ViewsLike, keys: Sequence[Key], tensors: Sequence[torch
     """One view per leaf: the declared one, else the default (2-D as is, ≥3-D as conv)."""
     if views is None:
         return [DEFAULT_VIEW] * len(keys)
-    if callable(views):
+    if not isinstance(views, Mapping):  # `callable` of a dict does not trace under torch.compile
         return [views(k, t) or DEFAULT_VIEW for k, t in zip(keys, tensors)]
     declared: dict[Key, MatrixView] = {}
     for name, view in views.items():
