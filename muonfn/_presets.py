@@ -67,6 +67,7 @@ def muon(
     collectives: Collectives | None = None,
     strategy: str = "owner",
     shard_specs: ShardSpecs | None = None,
+    ns_method: str = "standard",
 ) -> Transform:
     r"""Muon for matrices, AdamW for everything else.
 
@@ -84,6 +85,7 @@ def muon(
     heads and LoRA adapters); :func:`labels_from_module` labels by module type instead.
     ``views`` declares conv, expert, fused and transposed matrices (:class:`MatrixView`).
     ``weight_decay_mask`` limits decay to the leaves it selects (default: all).
+    ``ns_method="gram"``: Gram Newton–Schulz where it is cheaper (see :func:`orthogonalize`).
     State: ``{"muon": {"momentum"}, "adamw": {"step", "exp_avg", "exp_avg_sq"}}``.
     """
     muon_branch = chain(
@@ -101,6 +103,7 @@ def muon(
             collectives,
             strategy,
             shard_specs,
+            ns_method,
         ),
         add_decayed_weights(weight_decay, weight_decay_mask),
         scale_by_learning_rate(lr),

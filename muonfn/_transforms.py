@@ -15,7 +15,8 @@ from tensordict import TensorDict, TensorDictBase
 
 from . import _tree
 from ._base import Transform, empty_state
-from ._newton_schulz import CoefficientsLike, newton_schulz, ns_schedule
+from ._gram_newton_schulz import select_newton_schulz
+from ._newton_schulz import CoefficientsLike, ns_schedule
 from ._validation import Scalar, ScalarOrSchedule, check_grads, non_negative, positive, unit_interval
 from ._views import ViewsLike, block_scales, check_scale_mode, resolve_views
 
@@ -105,6 +106,7 @@ def orthogonalize(
     collectives: Collectives | None = None,
     strategy: str = "owner",
     shard_specs: ShardSpecs | None = None,
+    ns_method: str = "standard",
 ) -> Transform:
     r"""Replaces every matrix :math:`G` by :math:`s(A, B)\cdot\mathrm{NS}(G)`.
 
@@ -113,9 +115,11 @@ def orthogonalize(
     batch). ``scale`` picks :math:`s` (``"none"`` by default, see :func:`scale_by_shape`).
     With ``collectives``, sharded leaves (DTensors, or local shards described by
     ``shard_specs``) are orthogonalized as whole matrices by ``strategy``
-    (see :mod:`muonfn.distributed`). Stateless.
+    (see :mod:`muonfn.distributed`). ``ns_method="gram"`` runs
+    :func:`muonfn.gram_newton_schulz` on the shapes where it needs fewer flops. Stateless.
     """
     ns_schedule(coefficients, steps)
+    newton_schulz = select_newton_schulz(ns_method)
     positive("ns eps", eps)
     check_scale_mode(scale)
     if bucket_numel < 1:
@@ -201,6 +205,7 @@ def scale_by_muon(
     collectives: Collectives | None = None,
     strategy: str = "owner",
     shard_specs: ShardSpecs | None = None,
+    ns_method: str = "standard",
 ) -> Transform:
     r"""Muon's direction: :math:`s(A, B)\cdot\mathrm{NS}(u)` with :math:`u` the (Nesterov) EMA momentum.
 
@@ -224,6 +229,7 @@ def scale_by_muon(
             collectives,
             strategy,
             shard_specs,
+            ns_method,
         ),
     )
 

@@ -1,0 +1,208 @@
+"""The fast paths compute what the plain ones do: bucketed Newton–Schulz, multi-tensor
+elementwise math, the Gram method, compiled updates. Correctness only; speed is measured
+in benchmarks/."""
+
+import collections
+
+import pytest
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch.overrides import TorchFunctionMode
+
+import muonfn
+from muonfn import MatrixView
+
+# Real-model shapes. (MKL computes a few matrices with 5–11 rows differently in a batch
+# than alone, so bitwise batch = loop is a property of the BLAS for those; not used here.)
+SHAPES = {
+    "attn.q": (32, 32),
+    "attn.k": (32, 32),
+    "attn.qkv": (96, 32),  # tall: transposed inside NS
+    "mlp.up": (128, 32),
+    "mlp.down": (32, 128),
+    "mlp2.up": (128, 32),
+    "mlp2.down": (32, 128),
+    "conv.a": (16, 8, 3, 3),  # (16, 72)
+    "conv.b": (16, 8, 3, 3),
+    "experts": (3, 32, 128),  # batch_dims=1: three (32, 128) matrices
+    "fused": (80, 32),  # split (32, 16, 32) rows
+    "norm": (32,),
+}
+VIEWS = {"experts": MatrixView(batch_dims=1), "fused": MatrixView(split=(32, 16, 32))}
+
+
+def make(seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[TensorDict, TensorDict]:
+    g = torch.Generator().manual_seed(seed)
+    params = TensorDict(
+        {tuple(k.split(".")): torch.randn(s, generator=g).to(dtype) for k, s in SHAPES.items()}, batch_size=[]
+    )
+    grads = params.apply(lambda p: torch.randn(p.shape, generator=g).to(dtype))
+    return params, grads
+
+
+def matrices_only(td: TensorDictBase) -> TensorDictBase:
+    return td.exclude("norm")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("method", ["standard", "gram"])
+def test_bucketed_equals_unbatched_bitwise(dtype, method):
+    _, grads = make(dtype=dtype)
+    grads = matrices_only(grads)
+    outs = []
+    for bucket_numel in (1, 32 * 128 * 2, muonfn._transforms.DEFAULT_BUCKET_NUMEL):
+        tx = muonfn.orthogonalize(views=VIEWS, scale="match_rms_adamw", bucket_numel=bucket_numel, ns_method=method)
+        outs.append(tx.update(grads, tx.init(grads))[0])
+    for out in outs[1:]:
+        for key in grads.keys(True, True):
+            assert torch.equal(out[key], outs[0][key]), key
+
+
+def test_muon_step_does_not_depend_on_bucket_size():
+    params, grads = make(1)
+    results = []
+    for bucket_numel in (1, muonfn._transforms.DEFAULT_BUCKET_NUMEL):
+        tx = muonfn.muon(lr=0.1, views=VIEWS, bucket_numel=bucket_numel)
+        state, p = tx.init(params), params
+        for _ in range(2):
+            updates, state = tx.update(grads, state, p)
+            p = muonfn.apply_updates(p, updates)
+        results.append((p, state))
+    (p1, s1), (p2, s2) = results
+    assert (p1 == p2).all() and (s1 == s2).all()
+
+
+class CallCounter(TorchFunctionMode):
+    """Counts the torch functions called from Python (a foreach op counts once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.shapes: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        self.calls[name] += 1
+        if name in ("bmm", "baddbmm") and isinstance(args[0], torch.Tensor):
+            self.shapes.append((name, tuple(args[0].shape)))
+        return func(*args, **(kwargs or {}))
+
+
+def count_update(tx: muonfn.Transform, leaves: int, shape=(16, 48)) -> CallCounter:
+    g = torch.Generator().manual_seed(2)
+    leaf = lambda: {"w": torch.randn(shape, generator=g), "b": torch.randn(shape[0], generator=g)}  # noqa: E731
+    params = TensorDict({f"l{i}": leaf() for i in range(leaves)}, batch_size=[])
+    grads = params.apply(lambda p: torch.randn(p.shape, generator=g))
+    state = tx.init(params)
+    updates, state = tx.update(grads, state, params)  # the first step may differ (none does today)
+    with CallCounter() as counter:
+        updates, state = tx.update(grads, state, params)
+        muonfn.apply_updates(params, updates)
+    return counter
+
+
+# Per-leaf calls allowed on the hot path: metadata, views, and the 0-d cast of each leaf's
+# Adam step count; no elementwise math.
+PER_LEAF_OK = {"__get__", "is_complex", "numel", "size", "dim", "reshape", "view", "to", "_parse_to"}
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_elementwise_math_is_multi_tensor(name):
+    """Elementwise work runs as one multi-tensor call per op, whatever the number of leaves."""
+    tx = muonfn.adamw(weight_decay=0.1) if name == "adamw" else muonfn.muon(weight_decay=0.1)
+    few, many = count_update(tx, 2), count_update(tx, 6)
+    grows = {k for k in set(few.calls) | set(many.calls) if many.calls[k] != few.calls[k]}
+    assert grows <= PER_LEAF_OK, sorted(grows - PER_LEAF_OK)
+    foreach = {k for k in many.calls if k.startswith("_foreach_")}
+    assert {"_foreach_lerp", "_foreach_add", "_foreach_mul"} <= foreach
+
+
+def test_same_shape_matrices_share_one_batched_iteration():
+    """Six same-shape matrices cost the matmul calls of one: 3 per step, each on the whole batch."""
+    counter = count_update(muonfn.muon(), 6)
+    assert counter.calls["bmm"] + counter.calls["baddbmm"] == 3 * 5
+    assert {shape[0] for _, shape in counter.shapes} == {6}
+
+
+def test_bucket_cap_splits_batches():
+    mats = [torch.randn(1, 8, 24) for _ in range(7)]
+    seen = []
+
+    def ns(x):
+        seen.append(x.shape[0])
+        return muonfn.newton_schulz(x)
+
+    out = muonfn._transforms.orthogonalize_batches(mats, [1.0] * 7, ns, bucket_numel=3 * 8 * 24)
+    assert seen == [3, 3, 1]
+    for m, o in zip(mats, out):
+        assert torch.equal(o, muonfn.newton_schulz(m))
+    # a matrix larger than the cap is still orthogonalized, alone
+    seen.clear()
+    muonfn._transforms.orthogonalize_batches(mats[:2], [1.0, 1.0], ns, bucket_numel=10)
+    assert seen == [1, 1]
+
+
+def test_update_does_not_call_tensordict_apply(monkeypatch):
+    """TensorDict.apply runs a Python lambda per leaf; the update path uses multi-tensor ops."""
+    params, grads = make(3)
+    tx = muonfn.muon(views=VIEWS, weight_decay=0.1)
+    state = tx.init(params)
+    calls = []
+    original = TensorDictBase.apply
+
+    def counting_apply(self, *args, **kwargs):
+        calls.append(args[0] if args else kwargs.get("fn"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(TensorDictBase, "apply", counting_apply)
+    updates, state = tx.update(grads, state, params)
+    muonfn.apply_updates(params, updates)
+    assert calls == []
+
+
+def test_muon_with_gram_method():
+    g = torch.Generator().manual_seed(6)
+    shapes = {"a": (16, 48), "b": (16, 16), "c": (16,)}
+    params = TensorDict({k: torch.randn(s, generator=g) for k, s in shapes.items()}, batch_size=[])
+    grads = params.apply(lambda p: torch.randn(p.shape, generator=g))
+    updates = {}
+    for method in ("standard", "gram"):
+        tx = muonfn.muon(lr=0.1, ns_method=method)
+        updates[method], _ = tx.update(grads, tx.init(params), params)
+    rel = (updates["gram"]["a"] - updates["standard"]["a"]).norm() / updates["standard"]["a"].norm()
+    assert rel < 1e-5
+    assert torch.equal(updates["gram"]["b"], updates["standard"]["b"])  # square: the standard iteration
+    assert torch.equal(updates["gram"]["c"], updates["standard"]["c"])
+    with pytest.raises(ValueError, match="ns_method"):
+        muonfn.muon(ns_method="svd")
+    with pytest.raises(ValueError, match="ns_method"):
+        muonfn.orthogonalize(ns_method="svd")
+
+
+def test_compiled_update_fullgraph_matches_eager():
+    """``torch.compile(update, fullgraph=True)`` traces the whole Muon + AdamW step (no graph
+    breaks), with labels, views and a decay mask given as dicts; the learning rate is a
+    tensor changed in place, so steps never recompile."""
+    torch._dynamo.reset()
+    params, grads = (td.select("attn", "mlp", "experts", "fused", "norm") for td in make(4))
+    lr = torch.tensor(0.02)
+    labels = {"norm": "adamw", "attn.k": "adamw", "attn.q": "muon", "attn.qkv": "muon"}
+    labels.update({k: "muon" for k in ("mlp.up", "mlp.down", "experts", "fused")})
+    decay = {k: k != "norm" for k in labels}
+    tx = muonfn.muon(lr=lr, views=VIEWS, weight_decay=0.1, labels=labels, weight_decay_mask=decay)
+
+    def step(grads, state, params):
+        updates, state = tx.update(grads, state, params)
+        return muonfn.apply_updates(params, updates), state
+
+    compiled = torch.compile(step, fullgraph=True)
+    state_e = state_c = tx.init(params)
+    params_e = params_c = params
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i in range(3):
+            lr.fill_(0.02 / (i + 1))
+            params_e, state_e = step(grads, state_e, params_e)
+            params_c, state_c = compiled(grads, state_c, params_c)
+    for key in params.keys(True, True):
+        torch.testing.assert_close(params_c[key], params_e[key], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(state_c["adamw", "step", "norm"], state_e["adamw", "step", "norm"])
