@@ -1,0 +1,210 @@
+"""The optimizer steps the benchmarks compare, all over the same parameters and gradients.
+
+Every ``make_*`` function returns a zero-argument step function. Hyperparameters are
+the same for all (Muon lr 0.02, momentum 0.95 Nesterov, weight decay 0.1, update scale
+0.2·√max(A, B); AdamW lr 3e-4, betas (0.9, 0.95)); they do not change the cost.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from _sets import ParamSet
+from tensordict import TensorDict, TensorDictBase
+
+import muonfn
+
+LR, MOMENTUM, WD = 0.02, 0.95, 0.1
+ADAM_LR, BETAS, ADAM_EPS = 3e-4, (0.9, 0.95), 1e-8
+KELLER = (3.4445, -4.7750, 2.0315)
+
+Step = Callable[[], Any]
+
+
+def _key(name: str) -> tuple[str, ...]:
+    return tuple(name.split("."))
+
+
+def tensordicts(ps: ParamSet) -> tuple[TensorDictBase, TensorDictBase]:
+    """Params and grads as TensorDicts sharing storage with the module's tensors."""
+    named = ps.named()
+    params = TensorDict({_key(n): p.detach() for n, p in named}, batch_size=[])
+    grads = TensorDict({_key(n): p.grad for n, p in named}, batch_size=[])
+    return params, grads
+
+
+def muonfn_tx(ps: ParamSet, **options: Any) -> muonfn.Transform:
+    return muonfn.muon(
+        lr=LR,
+        momentum=MOMENTUM,
+        weight_decay=WD,
+        adamw_lr=ADAM_LR,
+        adamw_betas=BETAS,
+        adamw_eps=ADAM_EPS,
+        labels=ps.labels,
+        views=ps.views,
+        **options,
+    )
+
+
+def make_functional(ps: ParamSet, compile: bool = False, **options: Any) -> Step:
+    """``tx.update`` + ``apply_updates``: new params and state every step."""
+    tx = muonfn_tx(ps, **options)
+    params, grads = tensordicts(ps)
+    box = {"params": params, "state": tx.init(params)}
+
+    def step_fn(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase) -> Any:
+        updates, state = tx.update(grads, state, params)
+        return muonfn.apply_updates(params, updates), state
+
+    fn = torch.compile(step_fn, fullgraph=True) if compile else step_fn
+
+    def step() -> None:
+        box["params"], box["state"] = fn(grads, box["state"], box["params"])
+
+    return step
+
+
+def make_shim(ps: ParamSet) -> Step:
+    """The torch.optim shim over the module's parameters."""
+    import muonfn.optim  # raises ImportError where the shim is absent
+
+    opt = muonfn.optim.Muon(  # type: ignore[attr-defined]
+        ps.model.named_parameters(),
+        lr=LR,
+        momentum=MOMENTUM,
+        weight_decay=WD,
+        adamw_lr=ADAM_LR,
+        adamw_betas=BETAS,
+        adamw_eps=ADAM_EPS,
+        labels=ps.labels,
+        views=ps.views,
+    )
+    return opt.step
+
+
+def _matrix_params_2d(ps: ParamSet) -> list[torch.nn.Parameter]:
+    """torch.optim.Muon takes 2-D parameters only: conv kernels are given as their
+    ``(out, in·k·k)`` reshapes, experts one matrix each (views sharing storage, so the
+    step updates the module's tensors, as a user reshaping for torch would)."""
+    out = []
+    for name, p in ps.matrix_params():
+        for m, g in zip(ps.matrices(name, p.detach()), ps.matrices(name, p.grad)):
+            q = torch.nn.Parameter(m, requires_grad=False)
+            q.grad = g
+            out.append(q)
+    return out
+
+
+def make_torch_muon(ps: ParamSet) -> Step:
+    """torch.optim.Muon on the matrices + torch.optim.AdamW(foreach=True) on the rest."""
+    muon = torch.optim.Muon(
+        _matrix_params_2d(ps), lr=LR, momentum=MOMENTUM, weight_decay=WD, adjust_lr_fn="match_rms_adamw"
+    )
+    others = [p for _, p in ps.other_params()]
+    adamw = torch.optim.AdamW(others, lr=ADAM_LR, betas=BETAS, eps=ADAM_EPS, weight_decay=WD, foreach=True)
+
+    def step() -> None:
+        muon.step()
+        adamw.step()
+
+    return step
+
+
+def plain_newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """Newton–Schulz as a user writes it for the CPU: fp32, one (batch of) matrix at a time."""
+    a, b, c = KELLER
+    x = g.float()
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)
+    for _ in range(steps):
+        A = x @ x.mT
+        B = b * A + c * A @ A
+        x = a * x + B @ x
+    return (x.mT if tall else x).to(g.dtype)
+
+
+def make_plain_loop(ps: ParamSet) -> Step:
+    """A hand-written per-parameter loop (momentum, fp32 Newton–Schulz, decay, apply) +
+    torch.optim.AdamW(foreach=True) on the rest."""
+    mats = []
+    for name, p in ps.matrix_params():
+        view = ps.view(name)
+        scales = [0.2 * math.sqrt(max(r, c)) for r, c in view.blocks(p.shape)]
+        mats.append((p, torch.zeros_like(p), view, scales))
+    others = [p for _, p in ps.other_params()]
+    adamw = torch.optim.AdamW(others, lr=ADAM_LR, betas=BETAS, eps=ADAM_EPS, weight_decay=WD, foreach=True)
+
+    @torch.no_grad()
+    def step() -> None:
+        for p, buf, view, scales in mats:
+            buf.lerp_(p.grad, 1 - MOMENTUM)
+            u = p.grad.lerp(buf, MOMENTUM)
+            blocks = [plain_newton_schulz(m) * s for m, s in zip(view.to_matrices(u), scales)]
+            p.mul_(1 - LR * WD).add_(view.from_matrices(blocks, p.shape), alpha=-LR)
+        adamw.step()
+
+    return step
+
+
+# The elementwise part alone: AdamW on every parameter.
+
+
+def make_functional_adamw(ps: ParamSet, compile: bool = False) -> Step:
+    tx = muonfn.adamw(lr=ADAM_LR, betas=BETAS, eps=ADAM_EPS, weight_decay=WD)
+    params, grads = tensordicts(ps)
+    box = {"params": params, "state": tx.init(params)}
+
+    def step_fn(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase) -> Any:
+        updates, state = tx.update(grads, state, params)
+        return muonfn.apply_updates(params, updates), state
+
+    fn = torch.compile(step_fn, fullgraph=True) if compile else step_fn
+
+    def step() -> None:
+        box["params"], box["state"] = fn(grads, box["state"], box["params"])
+
+    return step
+
+
+def make_torch_adamw(ps: ParamSet, foreach: bool = True) -> Step:
+    params = [p for _, p in ps.named()]
+    opt = torch.optim.AdamW(params, lr=ADAM_LR, betas=BETAS, eps=ADAM_EPS, weight_decay=WD, foreach=foreach)
+    return opt.step
+
+
+def make_hand_adamw(ps: ParamSet, use_apply: bool) -> Step:
+    """AdamW written by hand over TensorDicts, functional like muonfn's: the same ops
+    either as TensorDict arithmetic (one multi-tensor kernel per op) or as
+    ``TensorDict.apply`` with per-leaf lambdas (a Python loop per op)."""
+    params, grads = tensordicts(ps)
+    b1, b2 = BETAS
+    box: dict[str, Any] = {
+        "params": params,
+        "m": params.apply(torch.zeros_like),
+        "v": params.apply(torch.zeros_like),
+        "t": 0,
+    }
+
+    def step() -> None:
+        box["t"] += 1
+        bc1, bc2 = 1 - b1 ** box["t"], 1 - b2 ** box["t"]
+        p, m, v = box["params"], box["m"], box["v"]
+        if use_apply:
+            m = m.apply(lambda m, g: m.lerp(g, 1 - b1), grads)
+            v = v.apply(lambda v, g: v.mul(b2).addcmul(g, g, value=1 - b2), grads)
+            denom = v.apply(lambda v: v.sqrt().div(math.sqrt(bc2)).add(ADAM_EPS))
+            p = p.apply(lambda p, m, d: p.mul(1 - ADAM_LR * WD).addcdiv(m, d, value=-ADAM_LR / bc1), m, denom)
+        else:
+            m = m.lerp(grads, 1 - b1)
+            v = v.mul(b2).addcmul(grads, grads, value=1 - b2)
+            denom = v.sqrt().div(math.sqrt(bc2)).add(ADAM_EPS)
+            p = p.mul(1 - ADAM_LR * WD).addcdiv(m, denom, value=-ADAM_LR / bc1)
+        box["params"], box["m"], box["v"] = p, m, v
+
+    return step

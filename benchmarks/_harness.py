@@ -1,0 +1,156 @@
+"""Timing, peak memory and machine description, the same code on CPU and CUDA.
+
+Timing: contenders run interleaved (round ``r`` times every contender once), so a
+noisy neighbour slows all of them alike; each timed call is bracketed by a device
+synchronisation, and the median over repetitions is reported.
+
+Peak memory: bytes allocated by PyTorch above what was live when the contender was
+built, over its construction and warm-up steps. On CUDA that is
+``torch.cuda.max_memory_allocated() - memory_allocated()`` at the start; on CPU the
+running sum of the allocation events of ``torch.profiler(profile_memory=True)`` (frees
+of tensors allocated before the window are not credited; buffers a BLAS library
+allocates by itself are not seen).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+MB = 2**20
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_peak(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float]:
+    """Runs ``fn`` and returns its result and the peak bytes it allocated above the start."""
+    if device.type == "cuda":
+        synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        out = fn()
+        synchronize(device)
+        return out, float(torch.cuda.max_memory_allocated(device) - base)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    live = peak = 0.0
+    for e in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"]):
+        if e["args"].get("Device Type", 0) == 0:
+            live += e["args"]["Bytes"]
+            peak = max(peak, live)
+    return out, peak
+
+
+@dataclass
+class Entry:
+    """A contender: ``make()`` builds it and returns its step function."""
+
+    name: str
+    make: Callable[[], Callable[[], Any]]
+    repeats: int
+    warmup: int = 2
+    times: list[float] = field(default_factory=list)
+    peak_bytes: float = float("nan")
+    step: Callable[[], Any] | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times) if self.times else float("nan")
+
+
+def run_interleaved(entries: list[Entry], device: torch.device, log: Callable[[str], None] = print) -> None:
+    """Builds and warms up every entry (measuring its peak memory), then times them round-robin."""
+    for e in entries:
+
+        def build_and_warm(e: Entry = e) -> Callable[[], Any]:
+            step = e.make()
+            for _ in range(e.warmup):
+                step()
+            return step
+
+        t0 = time.perf_counter()
+        e.step, e.peak_bytes = measure_peak(device, build_and_warm)
+        synchronize(device)
+        log(f"  {e.name}: built and warmed up in {time.perf_counter() - t0:.1f} s")
+    for r in range(max(e.repeats for e in entries)):
+        for e in entries:
+            if r >= e.repeats:
+                continue
+            assert e.step is not None
+            synchronize(device)
+            t0 = time.perf_counter()
+            e.step()
+            synchronize(device)
+            e.times.append(time.perf_counter() - t0)
+
+
+def matmul_entry(device: torch.device, dtype: torch.dtype, size: int, repeats: int) -> Entry:
+    """One ``size×size`` matmul: the hardware's throughput for this dtype."""
+
+    def make() -> Callable[[], Any]:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        a = torch.randn(size, size, generator=g).to(device, dtype)
+        b = torch.randn(size, size, generator=g).to(device, dtype)
+        return lambda: a @ b
+
+    return Entry(f"matmul {size}x{size} {str(dtype).removeprefix('torch.')}", make, repeats, warmup=1)
+
+
+def matmul_flops(size: int) -> float:
+    return 2.0 * size**3
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine(device: torch.device) -> dict[str, Any]:
+    import tensordict
+
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "tensordict": tensordict.__version__,
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "device": str(device),
+    }
+    if hasattr(os, "getloadavg"):
+        info["load_average_at_start"] = list(os.getloadavg())
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info["gpu"] = props.name
+        info["gpu_memory_gb"] = round(props.total_memory / 1e9, 1)
+        info["cuda"] = torch.version.cuda
+    return info

@@ -1,0 +1,398 @@
+"""muonfn benchmark suite: ``python benchmarks/run.py [--device cuda] [--quick]``.
+
+Sections (``--sections``, default ``step,ns,elementwise``; ``compile`` on request):
+
+- ``step``: one full optimizer step (Muon on the matrices, AdamW on the rest) on GPT-2
+  blocks, a ResNet and an MoE layer, for muonfn (functional, unbatched, Gram, shim),
+  torch.optim.Muon + torch.optim.AdamW and a hand-written fp32 loop; next to the
+  Newton–Schulz flops at the throughput of one large matmul measured in the same run.
+- ``ns``: standard against Gram Newton–Schulz on wide matrices, with their errors.
+- ``elementwise``: muonfn's AdamW against torch.optim.AdamW (foreach and for-loop), and
+  TensorDict arithmetic against ``TensorDict.apply`` for the same AdamW.
+- ``compile``: ``torch.compile(update, fullgraph=True)`` against eager: compile time and step.
+
+Prints tables and writes everything, with the machine description, as JSON
+(``--out``, default ``benchmarks/results/<device>-<date>.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent))  # run from a checkout without installing
+
+import _contenders as C  # noqa: E402
+import _sets  # noqa: E402
+import torch  # noqa: E402
+from _harness import MB, Entry, machine, matmul_entry, matmul_flops, run_interleaved, synchronize  # noqa: E402
+
+import muonfn  # noqa: E402
+from muonfn._gram_newton_schulz import (  # noqa: E402
+    gram_newton_schulz,
+    gram_newton_schulz_flops,
+    newton_schulz_flops,
+)
+
+SECTIONS = ("step", "ns", "elementwise", "compile")
+
+# Sizes: default (about a minute on 2 CPU cores), --quick, --smoke (a few seconds; for the tests).
+PROFILES: dict[str, dict[str, Any]] = {
+    "default": {
+        "gpt": {"width": 256, "depth": 4},
+        "conv": {"width": 16},
+        "moe": {"width": 128, "experts": 8, "hidden": 256},
+        "repeats": 10,
+        "slow_repeats": 2,
+        "matmul": 2048,
+        "ns_shapes": [(256, 1024), (768, 3072)],
+    },
+    "quick": {
+        "gpt": {"width": 128, "depth": 2},
+        "conv": {"width": 8},
+        "moe": {"width": 64, "experts": 4, "hidden": 128},
+        "repeats": 5,
+        "slow_repeats": 1,
+        "matmul": 1024,
+        "ns_shapes": [(256, 1024)],
+    },
+    "smoke": {
+        "gpt": {"width": 32, "depth": 1, "vocab": 64, "context": 16},
+        "conv": {"width": 4},
+        "moe": {"width": 16, "experts": 2, "hidden": 32},
+        "repeats": 2,
+        "slow_repeats": 1,
+        "matmul": 256,
+        "ns_shapes": [(16, 64)],
+    },
+}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def fmt(v: float, digits: int = 1) -> str:
+    return "—" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:.{digits}f}"
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+
+
+def entry_record(e: Entry) -> dict[str, Any]:
+    return {
+        "median_ms": e.median * 1e3,
+        "times_ms": [t * 1e3 for t in e.times],
+        "repeats": len(e.times),
+        "warmup": e.warmup,
+        "peak_mb": e.peak_bytes / MB,
+        **e.info,
+    }
+
+
+def ns_dtype(device: torch.device) -> torch.dtype:
+    from muonfn._newton_schulz import default_ns_dtype
+
+    return default_ns_dtype(device, torch.float32)
+
+
+def has_shim() -> bool:
+    try:
+        import muonfn.optim as shim
+    except ImportError:
+        return False
+    return hasattr(shim, "Muon")
+
+
+def section_step(args: argparse.Namespace, prof: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    slow_torch = device.type == "cpu"  # torch.optim.Muon computes in bf16: ~1 GFLOP/s without bf16 units
+    dtype = ns_dtype(device)
+    results: dict[str, Any] = {}
+    for set_name in args.sets:
+        ps = _sets.build(set_name, str(device), **prof[set_name])
+        summary = _sets.size_summary(ps)
+        log(f"[step] {ps.description}: {summary['params'] / 1e6:.2f} M params, {summary['ns_gflop']:.2f} GFLOP of NS")
+        slow = prof["slow_repeats"] if slow_torch else args.repeats
+        entries = [
+            matmul_entry(device, dtype, prof["matmul"], args.repeats),
+            Entry("muonfn", lambda: C.make_functional(ps), args.repeats),
+            Entry("muonfn unbatched", lambda: C.make_functional(ps, bucket_numel=1), args.repeats),
+            Entry("muonfn gram", lambda: C.make_functional(ps, ns_method="gram"), args.repeats),
+        ]
+        if has_shim():
+            entries.append(Entry("muonfn shim", lambda: C.make_shim(ps), args.repeats))
+        entries += [
+            Entry("torch Muon+AdamW", lambda: C.make_torch_muon(ps), slow, warmup=1 if slow_torch else 2),
+            Entry("plain fp32 loop", lambda: C.make_plain_loop(ps), args.repeats),
+        ]
+        run_interleaved(entries, device, log)
+        mm, contenders = entries[0], entries[1:]
+        rate = matmul_flops(prof["matmul"]) / mm.median
+        flops = ps.ns_flops()
+        limit = flops / rate
+        torch_median = next(e.median for e in contenders if e.name == "torch Muon+AdamW")
+        record: dict[str, Any] = {
+            "description": ps.description,
+            **summary,
+            "matmul": {"name": mm.name, **entry_record(mm), "gflops": rate / 1e9},
+            "ns_limit_ms": limit * 1e3,
+            "contenders": {},
+        }
+        rows = []
+        for e in contenders:
+            rec = entry_record(e)
+            rec["speedup_vs_torch_muon"] = torch_median / e.median
+            rec["ns_gflops"] = flops / e.median / 1e9
+            rec["x_limit"] = e.median / limit
+            record["contenders"][e.name] = rec
+            rows.append(
+                [
+                    e.name,
+                    fmt(e.median * 1e3),
+                    str(len(e.times)),
+                    fmt(rec["speedup_vs_torch_muon"], 2),
+                    fmt(rec["ns_gflops"]),
+                    fmt(rec["x_limit"], 2),
+                    fmt(rec["peak_mb"]),
+                ]
+            )
+        print(
+            f"\n{ps.description} — {summary['params'] / 1e6:.2f} M params, {summary['matrices']} matrices, "
+            f"NS {flops / 1e9:.2f} GFLOP; {mm.name}: {rate / 1e9:.1f} GFLOP/s → limit {limit * 1e3:.1f} ms"
+        )
+        print(
+            table(
+                ["contender", "median ms", "n", "× faster than torch", "NS GFLOP/s", "× limit", "peak MB"],
+                rows,
+            )
+        )
+        results[ps.name] = record
+    return results
+
+
+def section_ns(args: argparse.Namespace, prof: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    dtype = ns_dtype(device)
+    g = torch.Generator().manual_seed(0)
+    shapes = prof["ns_shapes"]
+    entries, inputs = [], {}
+    for m, n in shapes:
+        x = torch.randn(m, n, generator=g).to(device)
+        inputs[(m, n)] = x
+        entries.append(
+            Entry(f"standard {m}x{n}", lambda x=x: lambda: muonfn.newton_schulz(x, dtype=dtype), args.repeats)
+        )
+        entries.append(Entry(f"gram {m}x{n}", lambda x=x: lambda: gram_newton_schulz(x, dtype=dtype), args.repeats))
+    entries.append(matmul_entry(device, dtype, prof["matmul"], args.repeats))
+    log(f"[ns] {', '.join(f'{m}x{n}' for m, n in shapes)} in {dtype}")
+    run_interleaved(entries, device, log)
+    rate = matmul_flops(prof["matmul"]) / entries[-1].median
+    out: dict[str, Any] = {"dtype": str(dtype), "matmul_gflops": rate / 1e9, "shapes": {}}
+    rows = []
+    for (m, n), (std, gram) in zip(shapes, zip(entries[0::2], entries[1::2])):
+        x = inputs[(m, n)]
+        exact = muonfn.polar(x.double())
+        err = lambda y: ((y.double() - exact).norm() / exact.norm()).item()  # noqa: E731
+        ref = muonfn.newton_schulz(x, dtype=dtype)
+        rec = {}
+        for e, flops, y in (
+            (std, newton_schulz_flops(m, n, 5), ref),
+            (gram, gram_newton_schulz_flops(m, n, 5, dtype=dtype), gram_newton_schulz(x, dtype=dtype)),
+        ):
+            rec[e.name.split()[0]] = {
+                **entry_record(e),
+                "gflop": flops / 1e9,
+                "gflops": flops / e.median / 1e9,
+                "x_limit": e.median / (flops / rate),
+                "rel_error_vs_polar": err(y),
+                "rel_diff_vs_standard": ((y.double() - ref.double()).norm() / ref.double().norm()).item(),
+            }
+        rec["gram_speedup"] = std.median / gram.median
+        out["shapes"][f"{m}x{n}"] = rec
+        for name in ("standard", "gram"):
+            r = rec[name]
+            rows.append(
+                [
+                    f"{m}x{n}",
+                    name,
+                    fmt(r["median_ms"], 2),
+                    fmt(r["gflop"], 3),
+                    fmt(r["gflops"]),
+                    fmt(r["x_limit"], 2),
+                    f"{r['rel_error_vs_polar']:.3g}",
+                    f"{r['rel_diff_vs_standard']:.2g}",
+                ]
+            )
+    print(f"\nNewton–Schulz, 5 Keller steps in {dtype}; one {prof['matmul']}² matmul: {rate / 1e9:.1f} GFLOP/s")
+    print(
+        table(
+            ["shape", "method", "median ms", "GFLOP", "GFLOP/s", "× limit", "error vs polar", "diff vs standard"],
+            rows,
+        )
+    )
+    return out
+
+
+def section_elementwise(args: argparse.Namespace, prof: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    ps = _sets.build("gpt", str(device), **prof["gpt"])
+    log(f"[elementwise] AdamW on every parameter of {ps.description}")
+    entries = [
+        Entry("torch AdamW foreach", lambda: C.make_torch_adamw(ps, foreach=True), args.repeats),
+        Entry("muonfn adamw", lambda: C.make_functional_adamw(ps), args.repeats),
+        Entry("torch AdamW for-loop", lambda: C.make_torch_adamw(ps, foreach=False), args.repeats),
+        Entry("hand AdamW, TensorDict arithmetic", lambda: C.make_hand_adamw(ps, use_apply=False), args.repeats),
+        Entry("hand AdamW, TensorDict.apply", lambda: C.make_hand_adamw(ps, use_apply=True), args.repeats),
+    ]
+    run_interleaved(entries, device, log)
+    base = entries[0].median
+    out: dict[str, Any] = {"set": ps.name, "params": ps.numel(), "leaves": len(ps.named()), "contenders": {}}
+    rows = []
+    for e in entries:
+        rec = {**entry_record(e), "x_torch_foreach": e.median / base}
+        out["contenders"][e.name] = rec
+        rows.append([e.name, fmt(e.median * 1e3, 2), fmt(rec["x_torch_foreach"], 2), fmt(rec["peak_mb"])])
+    arith = out["contenders"]["hand AdamW, TensorDict arithmetic"]["median_ms"]
+    out["apply_over_arithmetic"] = out["contenders"]["hand AdamW, TensorDict.apply"]["median_ms"] / arith
+    print(f"\nAdamW step on {ps.numel() / 1e6:.2f} M params in {len(ps.named())} tensors ({ps.description})")
+    print(table(["contender", "median ms", "× torch foreach", "peak MB"], rows))
+    return out
+
+
+def section_compile(args: argparse.Namespace, prof: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    ps = _sets.build("gpt", str(device), **prof["gpt"])
+    log(f"[compile] torch.compile(fullgraph=True) of the muonfn step on {ps.description}")
+    out: dict[str, Any] = {"set": ps.name}
+    rows = []
+    for label, make_eager, make_compiled in (
+        ("muon", lambda: C.make_functional(ps), lambda: C.make_functional(ps, compile=True)),
+        ("adamw", lambda: C.make_functional_adamw(ps), lambda: C.make_functional_adamw(ps, compile=True)),
+    ):
+        t0 = time.perf_counter()
+        compiled = make_compiled()
+        compiled()
+        synchronize(device)
+        compile_s = time.perf_counter() - t0
+        entries = [
+            Entry(f"{label} eager", make_eager, args.repeats),
+            Entry(f"{label} compiled", lambda compiled=compiled: compiled, args.repeats, warmup=1),
+        ]
+        run_interleaved(entries, device, log)
+        eager, comp = entries
+        out[label] = {
+            "compile_s": compile_s,
+            "eager": entry_record(eager),
+            "compiled": entry_record(comp),
+            "speedup": eager.median / comp.median,
+        }
+        rows.append(
+            [
+                label,
+                fmt(compile_s),
+                fmt(eager.median * 1e3, 2),
+                fmt(comp.median * 1e3, 2),
+                fmt(out[label]["speedup"], 2),
+            ]
+        )
+    print(f"\ntorch.compile(fullgraph=True) of update + apply_updates, {ps.description}")
+    print(table(["transform", "compile s", "eager ms", "compiled ms", "speedup"], rows))
+    return out
+
+
+def targets(results: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets, evaluated on the GPT set (the first one in the run)."""
+    out: dict[str, Any] = {}
+    step = results.get("step", {})
+    gpt_sets = [v for k, v in step.items() if k.startswith("gpt")]
+    if gpt_sets:
+        c = gpt_sets[0]["contenders"]
+        out["muonfn_x_limit"] = {"value": c["muonfn"]["x_limit"], "target": "<= 1.3"}
+        out["plain_loop_over_muonfn"] = {
+            "value": c["plain fp32 loop"]["median_ms"] / c["muonfn"]["median_ms"],
+            "target": ">= 1.2",
+        }
+        out["torch_muon_over_muonfn"] = {"value": c["muonfn"]["speedup_vs_torch_muon"], "target": "> 1"}
+    if "elementwise" in results:
+        c = results["elementwise"]["contenders"]
+        out["elementwise_overhead"] = {"value": c["muonfn adamw"]["x_torch_foreach"] - 1.0, "target": "<= 0.10"}
+    for v in out.values():
+        bound = float(v["target"].split()[-1])
+        v["met"] = v["value"] <= bound if v["target"].startswith("<=") else v["value"] >= bound
+        if v["target"].startswith(">") and not v["target"].startswith(">="):
+            v["met"] = v["value"] > bound
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="smaller sets and fewer repeats")
+    size.add_argument("--smoke", action="store_true", help="the smallest configuration (a few seconds)")
+    p.add_argument("--sections", default="step,ns,elementwise", help=f"comma-separated, of {','.join(SECTIONS)}")
+    p.add_argument("--sets", default="gpt,conv,moe", help="parameter sets for the step section")
+    p.add_argument("--width", type=int, help="GPT width")
+    p.add_argument("--depth", type=int, help="GPT depth")
+    p.add_argument("--repeats", type=int, help="timed repetitions per contender")
+    p.add_argument("--slow-repeats", type=int, help="repetitions of torch.optim.Muon on CPU (bf16 there)")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads")
+    p.add_argument("--out", help="JSON path (default benchmarks/results/<device>-<timestamp>.json)")
+    args = p.parse_args(argv)
+
+    profile_name = "smoke" if args.smoke else "quick" if args.quick else "default"
+    prof = json.loads(json.dumps(PROFILES[profile_name]))  # a copy
+    if args.width:
+        prof["gpt"]["width"] = args.width
+    if args.depth:
+        prof["gpt"]["depth"] = args.depth
+    if args.slow_repeats:
+        prof["slow_repeats"] = args.slow_repeats
+    args.repeats = args.repeats or prof["repeats"]
+    args.sets = [s for s in args.sets.split(",") if s]
+    sections = [s for s in args.sections.split(",") if s]
+    unknown = set(sections) - set(SECTIONS) | set(args.sets) - {"gpt", "conv", "moe"}
+    if unknown:
+        p.error(f"unknown sections or sets: {sorted(unknown)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but CUDA is not available")
+
+    started = time.perf_counter()
+    results: dict[str, Any] = {
+        "machine": machine(device),
+        "profile": profile_name,
+        "config": {"sizes": prof, "repeats": args.repeats, "sections": sections, "sets": args.sets},
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
+    run = {"step": section_step, "ns": section_ns, "elementwise": section_elementwise, "compile": section_compile}
+    for name in sections:
+        results[name] = run[name](args, prof, device)
+    results["targets"] = targets(results)
+    if hasattr(os, "getloadavg"):
+        results["machine"]["load_average_at_end"] = list(os.getloadavg())
+    results["wall_s"] = time.perf_counter() - started
+    if results["targets"]:
+        print("\nTargets (GPT set):")
+        for k, v in results["targets"].items():
+            print(f"  {k}: {v['value']:.3f} (target {v['target']}) {'met' if v['met'] else 'MISSED'}")
+    out = Path(args.out) if args.out else HERE / "results" / f"{device.type}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(f"\nwrote {out} ({results['wall_s']:.0f} s)")
+    return results
+
+
+if __name__ == "__main__":
+    main()
