@@ -606,10 +606,17 @@ class _ParamState(MutableMapping[torch.Tensor, dict[str, Any]]):
         expected = _STATE_NAMES[slot.use_muon]
         if set(value) != set(expected):
             raise ValueError(f"state of {_tree.dotted(slot.key)!r} must have {sorted(expected)}, got {sorted(value)}")
-        state = self._optimizer._functional_state.clone(recurse=False)
+        state = self._optimizer._functional_state
+        entries = {}
         for name, field in expected.items():
-            state.set((slot.label, field, *slot.key), value[name])
-        self._optimizer.functional_state = state
+            key = (slot.label, field, *slot.key)
+            entries[key] = conform(
+                TensorDict({key: value[name]}, batch_size=[]), state.select(key), f"state[{_tree.dotted(slot.key)!r}]"
+            ).get(key)
+        new_state = state.clone(recurse=False)
+        for key, tensor in entries.items():
+            new_state.set(key, tensor)
+        self._optimizer._functional_state = new_state
 
     def __delitem__(self, p: torch.Tensor) -> None:
         slot = self._optimizer._slots.get(p)

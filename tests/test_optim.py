@@ -639,3 +639,14 @@ def test_compiled_training_step_matches_eager():
     assert_bitwise(TensorDict.from_module(model), TensorDict.from_module(eager))
     assert_bitwise(opt.functional_state, eager_opt.functional_state)
     assert int(opt.functional_state["adamw", "step", "0", "bias"]) == 3
+
+
+def test_bad_gradients_raise_before_anything_changes():
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"embed": nn.Embedding(5, 4, sparse=True), "proj": nn.Linear(4, 4)})
+    opt = Muon(model.named_parameters(), **HP)
+    model["proj"](model["embed"](torch.tensor([1, 2]))).sum().backward()
+    before = snapshot(model, opt)
+    with pytest.raises(TypeError, match=r"'embed.weight' is torch.sparse_coo"):
+        opt.step()
+    assert_unchanged(model, opt, before)
