@@ -24,6 +24,20 @@ under ``"muon"`` (k = 0) or ``f"muon_{k}"``, the k-th AdamW group under ``"adamw
 ``state["adamw", "step" | "exp_avg" | "exp_avg_sq", *key]``. ``opt.state[p]`` shows the
 same tensors under torch's names: ``{"momentum_buffer"}`` for Muon,
 ``{"step", "exp_avg", "exp_avg_sq"}`` for AdamW (``"step"`` an exact int64 count).
+
+**Checkpoints.** ``opt.state_dict()`` follows torch's format (state keyed by parameter
+index, hyperparameters in ``param_groups``) and loads with ``torch.load(weights_only=True)``;
+``muonfn.save(opt.functional_state, path)`` stores the TensorDict itself.
+
+Example::
+
+    opt = muonfn.optim.Muon(model.named_parameters(), lr=0.02, adamw_lr=3e-4)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)
+    for x, y in loader:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+        scheduler.step()
 """
 
 from __future__ import annotations
@@ -273,8 +287,9 @@ class Muon(torch.optim.Optimizer):
     @torch.compiler.disable
     def _synced_transform(self) -> Transform:
         """Copies the scheduled hyperparameters into their tensors; rebuilds the transform if settings changed."""
-        for i, (group, scalars) in enumerate(zip(self.param_groups, self._scalars)):
+        for i, group in enumerate(self.param_groups):
             _check_scheduled(i, group)
+        for group, scalars in zip(self.param_groups, self._scalars):
             for name, tensor in scalars.items():
                 tensor.fill_(group[name])
         signature = self._signature()
@@ -433,7 +448,8 @@ class Muon(torch.optim.Optimizer):
         """One update of every parameter that has a gradient; the others and their state are left alone.
 
         ``closure`` (optional) re-evaluates the model and returns the loss; it runs with
-        gradients enabled.
+        gradients enabled. Inside ``torch.compile`` the step runs eagerly (a graph break),
+        so its results are those of an eager step.
         """
         loss = None
         if closure is not None:
@@ -565,6 +581,8 @@ class Muon(torch.optim.Optimizer):
 def _loaded_value(name: str, torch_name: str, value: Any, param: torch.Tensor) -> torch.Tensor:
     """A state_dict entry cast as ``torch.optim`` casts it; a step count must be a whole number."""
     if torch_name == "step":
+        if isinstance(value, torch.Tensor) and value.numel() != 1:
+            raise ValueError(f"load_state_dict: parameter {name} has a step of shape {tuple(value.shape)}")
         count = float(value)
         if not (math.isfinite(count) and count >= 0 and count == int(count)):
             raise ValueError(f"load_state_dict: parameter {name} has step {value!r}; expected a count >= 0")

@@ -141,11 +141,13 @@ def test_is_a_torch_optimizer_with_two_routed_groups():
     assert len(opt.state) == 7 and list(opt.state) == [p for g in opt.param_groups for p in g["params"]]
 
 
-def test_matches_the_functional_loop_bit_for_bit():
-    data = batches(20)
-    model = mlp()
+@pytest.mark.parametrize(("dtype", "steps"), [(torch.float32, 20), (torch.bfloat16, 5)])
+def test_matches_the_functional_loop_bit_for_bit(dtype, steps):
+    # the shim feeds lr, momentum and weight_decay as float64 0-d tensors, the loop as Python floats
+    data = batches(steps, dtype=dtype)
+    model = mlp(dtype=dtype)
     opt = Muon(model.named_parameters(), **HP)
-    ref = mlp()
+    ref = mlp(dtype=dtype)
     tx = muonfn.muon(**HP)
     params = params_of(ref)
     state = tx.init(params)
