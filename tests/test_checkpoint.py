@@ -154,6 +154,8 @@ def test_round_trip_is_exact_and_interoperates_with_torch_save(tmp_path: pathlib
     checkpoint = trained_state()
     muonfn.save(checkpoint, tmp_path / "a.pt")
     assert_bitwise(muonfn.load(tmp_path / "a.pt"), checkpoint)
+    (tmp_path / "plain").write_bytes(b"")
+    assert (tmp_path / "a.pt").stat().st_mode == (tmp_path / "plain").stat().st_mode  # as torch.save would make it
     loaded = muonfn.load(tmp_path / "a.pt", like=checkpoint)
     assert list(loaded.keys(True, True)) == list(checkpoint.keys(True, True))
     assert loaded["state", "adamw", "step", "0", "bias"].dtype == torch.int64
