@@ -344,7 +344,12 @@ class Muon(torch.optim.Optimizer):
         use_muon = param_group.get("use_muon")
         if use_muon is None:
             detached = TensorDict(dict(zip(keys, [p.detach() for p in tensors])), batch_size=[])
-            table = resolve_labels(self._labels, detached, dict.fromkeys((MUON, ADAMW)))
+            try:
+                table = resolve_labels(self._labels, detached, dict.fromkeys((MUON, ADAMW)))
+            except ValueError as error:
+                if names is None:
+                    raise ValueError(f"{error} (parameters given without names are keyed by position)") from error
+                raise
             parts = [(route, [i for i, k in enumerate(keys) if table[k] == label]) for route, label in _ROUTES]
         elif isinstance(use_muon, bool):
             for split_only in _SPLIT_ONLY:

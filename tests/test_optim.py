@@ -171,6 +171,7 @@ def test_functional_state_handed_off_mid_run_and_back():
     with torch.no_grad():
         TensorDict.from_module(model).update_(params)
     fresh = Muon(model.named_parameters(), **HP)
+    assert_bitwise(fresh.transform.init(params), muonfn.muon(**HP).init(params))
     fresh.functional_state = state
     shim_steps(model, fresh, data[13:])
     assert_bitwise(TensorDict.from_module(model), TensorDict.from_module(model_u))
@@ -386,6 +387,8 @@ def test_bad_settings_raise_naming_the_culprit():
         Muon(model.parameters(), scale="bogus")
     with pytest.raises(ValueError, match="non-leaf"):
         Muon([model[0].weight * 2])
+    with pytest.raises(ValueError, match=r"'0' has no label \(parameters given without names are keyed by position\)"):
+        Muon(model.parameters(), labels=muonfn.labels_from_module(model))
 
 
 def test_param_group_changes_take_effect_at_the_next_step():
