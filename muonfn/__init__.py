@@ -7,6 +7,7 @@ implement momentum, Newton–Schulz and AdamW as composable transforms; a
 """
 
 from ._base import Transform, apply_updates
+from ._checkpoint import load, save
 from ._combinators import apply_if_finite, chain, masked, named, partition
 from ._gram_newton_schulz import gram_newton_schulz
 from ._labels import DEFAULT_EXCLUDE, label_params, labels_from_module, views_from_module
@@ -41,6 +42,7 @@ __all__ = [
     "gram_newton_schulz",
     "label_params",
     "labels_from_module",
+    "load",
     "masked",
     "muon",
     "named",
@@ -48,6 +50,7 @@ __all__ = [
     "orthogonalize",
     "partition",
     "polar",
+    "save",
     "scale_by_adam",
     "scale_by_learning_rate",
     "scale_by_muon",
