@@ -31,15 +31,17 @@ def adamw(
     eps: float = 1e-8,
     weight_decay: Scalar = 0.01,
     weight_decay_mask: MaskLike = None,
+    donate_state: bool = False,
 ) -> Transform:
     r"""AdamW exactly as ``torch.optim.AdamW``:
 
     .. math::  p \leftarrow p - \eta\lambda p - \eta\,\frac{m_t/(1-\beta_1^t)}{\sqrt{v_t/(1-\beta_2^t)} + \epsilon}
 
-    State: ``{"step", "exp_avg", "exp_avg_sq"}``.
+    State: ``{"step", "exp_avg", "exp_avg_sq"}``. ``donate_state=True`` updates it in place
+    (see :func:`scale_by_adam`).
     """
     return chain(
-        scale_by_adam(betas[0], betas[1], eps),
+        scale_by_adam(betas[0], betas[1], eps, donate_state),
         add_decayed_weights(weight_decay, weight_decay_mask),
         scale_by_learning_rate(lr),
     )
@@ -68,6 +70,7 @@ def muon(
     strategy: str = "owner",
     shard_specs: ShardSpecs | None = None,
     ns_method: str = "standard",
+    donate_state: bool = False,
 ) -> Transform:
     r"""Muon for matrices, AdamW for everything else.
 
@@ -86,6 +89,8 @@ def muon(
     ``views`` declares conv, expert, fused and transposed matrices (:class:`MatrixView`).
     ``weight_decay_mask`` limits decay to the leaves it selects (default: all).
     ``ns_method="gram"``: Gram Newton–Schulz where it is cheaper (see :func:`orthogonalize`).
+    ``donate_state=True`` updates the state in place instead of allocating a new one each
+    step (see :func:`ema_momentum`); the state passed to ``update`` is then consumed.
     State: ``{"muon": {"momentum"}, "adamw": {"step", "exp_avg", "exp_avg_sq"}}``.
     """
     muon_branch = chain(
@@ -104,6 +109,7 @@ def muon(
             strategy,
             shard_specs,
             ns_method,
+            donate_state,
         ),
         add_decayed_weights(weight_decay, weight_decay_mask),
         scale_by_learning_rate(lr),
@@ -114,5 +120,6 @@ def muon(
         adamw_eps,
         weight_decay if adamw_weight_decay is None else adamw_weight_decay,
         weight_decay_mask,
+        donate_state,
     )
     return partition({MUON: muon_branch, ADAMW: adamw_branch}, label_params if labels is None else labels)

@@ -36,13 +36,20 @@ def _one_minus(v: Scalar) -> Scalar:
     return v.neg().add(1) if isinstance(v, torch.Tensor) else 1.0 - v
 
 
-def ema_momentum(momentum: Scalar = 0.95, nesterov: bool = True) -> Transform:
+def ema_momentum(momentum: Scalar = 0.95, nesterov: bool = True, donate_state: bool = False) -> Transform:
     r"""Exponential moving average of the gradients (torch.optim.Muon's form).
 
     .. math::  b_t = \mu\, b_{t-1} + (1-\mu)\, g_t, \qquad
                u_t = \begin{cases} (1-\mu)\, g_t + \mu\, b_t & \text{Nesterov} \\ b_t \end{cases}
 
     State: ``{"momentum": b}`` shaped like the params, in their dtype.
+
+    ``donate_state=True`` updates the state's tensors in place and returns them in the new
+    state instead of allocating new ones, so that peak memory holds one copy of the state,
+    as with ``torch.optim``. The state passed to ``update`` is consumed: do not read it
+    afterwards (it holds the new values, or after an exception some of them), and do not
+    wrap the transform in :func:`apply_if_finite`, which falls back on the old state.
+    Results are bitwise those of ``donate_state=False``, under ``torch.compile`` too.
     """
     unit_interval("momentum", momentum)
 
@@ -54,7 +61,11 @@ def ema_momentum(momentum: Scalar = 0.95, nesterov: bool = True) -> Transform:
     ) -> tuple[TensorDictBase, TensorDictBase]:
         buf = state["momentum"]
         check_grads("ema_momentum", grads, buf)
-        new_buf = _tree.subset(buf, _tree.leaf_keys(grads)).lerp(grads, _one_minus(momentum))
+        current = _tree.subset(buf, _tree.leaf_keys(grads))
+        if donate_state:
+            new_buf = current.lerp_(grads, _one_minus(momentum))
+        else:
+            new_buf = current.lerp(grads, _one_minus(momentum))
         updates = grads.lerp(new_buf, momentum) if nesterov else new_buf
         return updates, TensorDict({"momentum": _tree.carry(buf, new_buf)}, batch_size=state.batch_size)
 
@@ -206,17 +217,18 @@ def scale_by_muon(
     strategy: str = "owner",
     shard_specs: ShardSpecs | None = None,
     ns_method: str = "standard",
+    donate_state: bool = False,
 ) -> Transform:
     r"""Muon's direction: :math:`s(A, B)\cdot\mathrm{NS}(u)` with :math:`u` the (Nesterov) EMA momentum.
 
     Equal to ``chain(ema_momentum(...), orthogonalize(...), scale_by_shape(...))``; the
     scale is applied inside the batched Newton–Schulz call to save a pass over memory.
-    State: ``{"momentum": ...}``.
+    State: ``{"momentum": ...}``; ``donate_state`` as in :func:`ema_momentum`.
     """
     from ._combinators import chain
 
     return chain(
-        ema_momentum(momentum, nesterov),
+        ema_momentum(momentum, nesterov, donate_state),
         orthogonalize(
             ns_coefficients,
             ns_steps,
@@ -234,7 +246,7 @@ def scale_by_muon(
     )
 
 
-def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Transform:
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, donate_state: bool = False) -> Transform:
     r"""Adam's direction with bias correction, exactly as torch.optim.AdamW computes it.
 
     .. math::  m_t = \beta_1 m_{t-1} + (1-\beta_1) g_t, \quad
@@ -243,6 +255,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Tran
 
     ``t`` counts per leaf, so a leaf that had no gradient keeps its own bias correction.
     State: ``{"step": int64 per leaf, "exp_avg": m, "exp_avg_sq": v}``.
+    ``donate_state=True`` updates the state in place (see :func:`ema_momentum`).
     """
     unit_interval("b1", b1)
     unit_interval("b2", b2)
@@ -264,15 +277,19 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Tran
     ) -> tuple[TensorDictBase, TensorDictBase]:
         check_grads("scale_by_adam", grads, state["exp_avg"])
         keys = _tree.leaf_keys(grads)
-        step = _tree.subset(state["step"], keys).add(1)
-        exp_avg = _tree.subset(state["exp_avg"], keys).lerp(grads, 1.0 - b1)
-        exp_avg_sq = _tree.subset(state["exp_avg_sq"], keys).mul(b2).addcmul(grads, grads, value=1.0 - b2)
+        step, exp_avg, exp_avg_sq = (_tree.subset(state[name], keys) for name in ("step", "exp_avg", "exp_avg_sq"))
+        if donate_state:
+            step, exp_avg, exp_avg_sq = step.add_(1), exp_avg.lerp_(grads, 1.0 - b1), exp_avg_sq.mul_(b2)
+        else:
+            step, exp_avg, exp_avg_sq = step.add(1), exp_avg.lerp(grads, 1.0 - b1), exp_avg_sq.mul(b2)
+        exp_avg_sq = exp_avg_sq.addcmul_(grads, grads, value=1.0 - b2)
         t = step.to(torch.float64)
         # 1 - beta**t, written with exp so that t may be a tensor
         bias_correction1 = t.mul(log_b1).exp().neg().add(1.0)
         bias_correction2 = t.mul(log_b2).exp().neg().add(1.0)
-        denom = exp_avg_sq.sqrt().div(bias_correction2.sqrt()).add(eps)
-        updates = exp_avg.div(bias_correction1).div(denom)
+        # in place on fresh temporaries only (fp64 0-d corrections would promote a 0-d leaf in place)
+        denom = exp_avg_sq.sqrt().div(bias_correction2.sqrt()).add_(eps)
+        updates = exp_avg.div(bias_correction1).div_(denom)
         new_state = TensorDict(
             {
                 "step": _tree.carry(state["step"], step),

@@ -179,30 +179,83 @@ def test_muon_with_gram_method():
         muonfn.orthogonalize(ns_method="svd")
 
 
+def run_steps(tx, params, grads_list):
+    state, p = tx.init(params), params
+    for grads in grads_list:
+        updates, state = tx.update(grads, state, p)
+        p = muonfn.apply_updates(p, updates)
+    return p, state
+
+
+@pytest.mark.parametrize("preset", ["muon", "adamw"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_donated_state_is_updated_in_place_with_the_same_results(preset, nesterov):
+    params, grads = make(5)
+    partial = grads.exclude("attn", "norm")  # leaves without a gradient keep their state
+    steps = [grads, partial, grads]
+    momentum = torch.tensor(0.9, dtype=torch.float64)
+    kwargs = {"lr": 0.05, "weight_decay": 0.1}
+    if preset == "muon":
+        build = lambda donate: muonfn.muon(  # noqa: E731
+            momentum=momentum, nesterov=nesterov, views=VIEWS, donate_state=donate, **kwargs
+        )
+    else:
+        build = lambda donate: muonfn.adamw(donate_state=donate, **kwargs)  # noqa: E731
+    p_ref, s_ref = run_steps(build(False), params, steps)
+
+    tx = build(True)
+    state = tx.init(params)
+    originals = {k: t for k, t in zip(state.keys(True, True), state.values(True, True))}
+    p = params
+    for g in steps:
+        updates, state = tx.update(g, state, p)
+        p = muonfn.apply_updates(p, updates)
+    assert (p == p_ref).all() and (state == s_ref).all()  # bit for bit
+    for key, t in zip(state.keys(True, True), state.values(True, True)):
+        assert t is originals[key], key  # the same tensors, updated in place
+
+
+def test_donation_keeps_carried_state_untouched():
+    params, grads = make(6)
+    tx = muonfn.muon(views=VIEWS, donate_state=True)
+    state = tx.init(params)
+    before = state.clone()
+    _, state = tx.update(grads.exclude("mlp"), state, params)
+    for key in before.keys(True, True):
+        assert torch.equal(state[key], before[key]) == ("mlp" in key), key
+
+
 def test_compiled_update_fullgraph_matches_eager():
     """``torch.compile(update, fullgraph=True)`` traces the whole Muon + AdamW step (no graph
-    breaks), with labels, views and a decay mask given as dicts; the learning rate is a
-    tensor changed in place, so steps never recompile."""
+    breaks), with labels, views and a decay mask given as dicts and the state donated; the
+    learning rate is a tensor changed in place, so steps never recompile. The compiled step
+    updates the donated state in place and matches the eager, undonated one."""
     torch._dynamo.reset()
     params, grads = (td.select("attn", "mlp", "experts", "fused", "norm") for td in make(4))
     lr = torch.tensor(0.02)
     labels = {"norm": "adamw", "attn.k": "adamw", "attn.q": "muon", "attn.qkv": "muon"}
     labels.update({k: "muon" for k in ("mlp.up", "mlp.down", "experts", "fused")})
     decay = {k: k != "norm" for k in labels}
-    tx = muonfn.muon(lr=lr, views=VIEWS, weight_decay=0.1, labels=labels, weight_decay_mask=decay)
+    options = {"lr": lr, "views": VIEWS, "weight_decay": 0.1, "labels": labels, "weight_decay_mask": decay}
+    eager_tx, donating_tx = muonfn.muon(**options), muonfn.muon(**options, donate_state=True)
 
-    def step(grads, state, params):
-        updates, state = tx.update(grads, state, params)
-        return muonfn.apply_updates(params, updates), state
+    def stepper(tx):
+        def step(grads, state, params):
+            updates, state = tx.update(grads, state, params)
+            return muonfn.apply_updates(params, updates), state
 
-    compiled = torch.compile(step, fullgraph=True)
-    state_e = state_c = tx.init(params)
+        return step
+
+    eager, compiled = stepper(eager_tx), torch.compile(stepper(donating_tx), fullgraph=True)
+    state_e, state_c = eager_tx.init(params), donating_tx.init(params)
+    donated = list(state_c.values(True, True))
     params_e = params_c = params
     with torch._dynamo.config.patch(error_on_recompile=True):
         for i in range(3):
             lr.fill_(0.02 / (i + 1))
-            params_e, state_e = step(grads, state_e, params_e)
+            params_e, state_e = eager(grads, state_e, params_e)
             params_c, state_c = compiled(grads, state_c, params_c)
+    assert all(a is b for a, b in zip(state_c.values(True, True), donated))
     for key in params.keys(True, True):
         torch.testing.assert_close(params_c[key], params_e[key], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(state_c["adamw", "step", "norm"], state_e["adamw", "step", "norm"])
