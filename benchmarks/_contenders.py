@@ -68,6 +68,20 @@ def make_functional(ps: ParamSet, compile: bool = False, **options: Any) -> Step
     return step
 
 
+def make_donated(ps: ParamSet, **options: Any) -> Step:
+    """``tx.update`` with ``donate_state=True`` and the updates added in place: the state and
+    the parameters are updated in place, as a torch.optim shim steps."""
+    tx = muonfn_tx(ps, donate_state=True, **options)
+    params, grads = tensordicts(ps)
+    box = {"state": tx.init(params)}
+
+    def step() -> None:
+        updates, box["state"] = tx.update(grads, box["state"], params)
+        params.add_(updates)
+
+    return step
+
+
 def make_shim(ps: ParamSet) -> Step:
     """The torch.optim shim over the module's parameters."""
     import muonfn.optim  # raises ImportError where the shim is absent
@@ -156,6 +170,7 @@ def make_plain_loop(ps: ParamSet) -> Step:
 
 
 def make_functional_adamw(ps: ParamSet, compile: bool = False) -> Step:
+    """``muonfn.adamw``'s update + ``apply_updates``: new params and state every step."""
     tx = muonfn.adamw(lr=ADAM_LR, betas=BETAS, eps=ADAM_EPS, weight_decay=WD)
     params, grads = tensordicts(ps)
     box = {"params": params, "state": tx.init(params)}
@@ -168,6 +183,19 @@ def make_functional_adamw(ps: ParamSet, compile: bool = False) -> Step:
 
     def step() -> None:
         box["params"], box["state"] = fn(grads, box["state"], box["params"])
+
+    return step
+
+
+def make_donated_adamw(ps: ParamSet) -> Step:
+    """``muonfn.adamw(donate_state=True)`` with the updates added in place."""
+    tx = muonfn.adamw(lr=ADAM_LR, betas=BETAS, eps=ADAM_EPS, weight_decay=WD, donate_state=True)
+    params, grads = tensordicts(ps)
+    box = {"state": tx.init(params)}
+
+    def step() -> None:
+        updates, box["state"] = tx.update(grads, box["state"], params)
+        params.add_(updates)
 
     return step
 
