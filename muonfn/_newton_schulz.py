@@ -12,8 +12,9 @@ while leaving the singular vectors alone.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from typing import NamedTuple, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 
 import torch
 
@@ -31,7 +32,10 @@ class Coefficients(NamedTuple):
     norm_factor: float = 1.0
 
 
-CoefficientsLike: TypeAlias = str | Coefficients | Sequence[Sequence[float]]
+CoefficientsLike: TypeAlias = str | Coefficients | Sequence[float] | Sequence[Sequence[float]]
+
+#: How often a single ``(a, b, c)`` triple runs when ``steps`` is not given (torch.optim.Muon's default).
+SINGLE_TRIPLE_STEPS = 5
 
 COEFFICIENTS: dict[str, Coefficients] = {
     # Jordan et al. (2024); torch.optim.Muon's default. Fast but loose: σ lands in [0.68, 1.13].
@@ -66,8 +70,12 @@ COEFFICIENTS: dict[str, Coefficients] = {
 def ns_schedule(coefficients: CoefficientsLike = "keller", steps: int | None = None) -> Coefficients:
     """Resolves a named or custom schedule and stretches it to ``steps``.
 
-    Fewer steps than the schedule truncate it; more repeat its last triple.
+    A schedule runs its triples in order: fewer steps truncate it, more repeat its last
+    triple. A single flat ``(a, b, c)`` (torch.optim.Muon's form) runs ``steps`` times,
+    5 by default.
     """
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"Newton–Schulz steps must be an integer >= 1, got {steps!r}")
     if isinstance(coefficients, str):
         if coefficients not in COEFFICIENTS:
             raise ValueError(
@@ -76,18 +84,28 @@ def ns_schedule(coefficients: CoefficientsLike = "keller", steps: int | None = N
             )
         schedule = COEFFICIENTS[coefficients]
     elif isinstance(coefficients, Coefficients):
-        schedule = coefficients
+        schedule = Coefficients(tuple(_triple(t, coefficients) for t in coefficients.triples), coefficients.norm_factor)
     else:
-        triples = tuple(tuple(float(v) for v in t) for t in coefficients)
-        if not triples or any(len(t) != 3 for t in triples):
-            raise ValueError(f"custom Newton–Schulz coefficients must be (a, b, c) triples, got {coefficients!r}")
-        schedule = Coefficients(triples)  # type: ignore[arg-type]
+        rows = [coefficients] * (steps or SINGLE_TRIPLE_STEPS) if _is_number_triple(coefficients) else coefficients
+        schedule = Coefficients(tuple(_triple(t, coefficients) for t in rows))
+    if not schedule.triples:
+        raise ValueError("Newton–Schulz coefficients need at least one (a, b, c) triple")
+    if not (isinstance(schedule.norm_factor, int | float) and 0 < schedule.norm_factor < math.inf):
+        raise ValueError(f"Newton–Schulz norm_factor must be finite and > 0, got {schedule.norm_factor!r}")
     if steps is None:
         return schedule
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"Newton–Schulz steps must be an integer >= 1, got {steps!r}")
     triples = schedule.triples[:steps] + (schedule.triples[-1],) * max(0, steps - len(schedule.triples))
     return schedule._replace(triples=triples)
+
+
+def _is_number_triple(t: object) -> bool:
+    return isinstance(t, Sequence) and len(t) == 3 and all(isinstance(v, int | float) for v in t)
+
+
+def _triple(t: Any, given: object) -> Triple:
+    if not (_is_number_triple(t) and all(math.isfinite(v) for v in t)):
+        raise ValueError(f"Newton–Schulz coefficients must be finite (a, b, c) triples, got {given!r}")
+    return float(t[0]), float(t[1]), float(t[2])
 
 
 def default_ns_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
@@ -127,18 +145,20 @@ def newton_schulz(
         dtype: dtype of the iteration's matmuls.
     """
     schedule = ns_schedule(coefficients, steps)
-    if not eps > 0:
+    if not (isinstance(eps, int | float) and eps > 0):
         raise ValueError(f"Newton–Schulz eps must be > 0, got {eps!r}")
     if x.ndim < 2:
         raise ValueError(f"newton_schulz needs a (..., m, n) tensor, got shape {tuple(x.shape)}")
-    if x.is_complex():
-        raise TypeError("newton_schulz does not support complex tensors")
+    if not x.is_floating_point():
+        raise TypeError(f"newton_schulz needs a real floating-point tensor, got {x.dtype}")
+    if dtype is not None and not dtype.is_floating_point:
+        raise TypeError(f"Newton–Schulz dtype must be a real floating-point dtype, got {dtype}")
     wide_dtype = torch.promote_types(x.dtype, torch.float32)
     ns_dtype = default_ns_dtype(x.device, x.dtype) if dtype is None else dtype
     tall = x.size(-2) > x.size(-1)
     g = x.mT if tall else x
     m, n = g.shape[-2:]
-    g = g.reshape(-1, m, n).to(wide_dtype)
+    g = g.reshape(g.shape[:-2].numel(), m, n).to(wide_dtype)
     norm = torch.linalg.matrix_norm(g, keepdim=True)
     if schedule.norm_factor != 1.0:
         norm = norm * schedule.norm_factor
