@@ -70,6 +70,23 @@ def gaussian(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> 
     return torch.randn(*shape, generator=generator(seed), dtype=torch.float64).to(dtype)
 
 
+def bmm_batch_consistent(m: int, n: int, batch: int) -> bool:
+    """Whether this BLAS gives a stacked product bitwise equal to the products one at a time.
+
+    MKL picks other kernels for some small batched shapes (here m ∈ {7, 9, 11}); newton_schulz is
+    held to bitwise only where its three matmul shapes are batch-consistent, to 1e-6 elsewhere.
+    """
+    m, n = min(m, n), max(m, n)
+    gen = generator(m * 1000 + n)
+    for left, right in (((m, n), (n, m)), ((m, m), (m, m)), ((m, m), (m, n))):
+        a = torch.randn(batch, *left, generator=gen)
+        b = torch.randn(batch, *right, generator=gen)
+        stacked = torch.bmm(a, b)
+        if not all(torch.equal(stacked[i], torch.bmm(a[i : i + 1], b[i : i + 1])[0]) for i in range(batch)):
+            return False
+    return True
+
+
 def composed_polynomial(schedule: Coefficients | str, x: torch.Tensor) -> torch.Tensor:
     """The scalar map ``p_K ∘ … ∘ p_1`` with ``p_k(σ) = a_k σ + b_k σ³ + c_k σ⁵``, in fp64."""
     triples = COEFFICIENTS[schedule].triples if isinstance(schedule, str) else schedule.triples

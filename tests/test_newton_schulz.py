@@ -6,6 +6,7 @@ import pytest
 import torch
 from _strategies import (
     Spectral,
+    bmm_batch_consistent,
     composed_polynomial,
     gaussian,
     generator,
@@ -69,23 +70,6 @@ def test_power_of_two_scale_invariance(sp: Spectral, name: str, dtype: torch.dty
 def test_transpose_equivariance(sp: Spectral, name: str, dtype: torch.dtype) -> None:
     g = sp.g.to(dtype)
     assert torch.equal(ns(g.mT, name), ns(g, name).mT)
-
-
-def bmm_batch_consistent(m: int, n: int, batch: int) -> bool:
-    """Whether this BLAS gives a stacked product bitwise equal to the products one at a time.
-
-    MKL picks other kernels for some small batched shapes (here m ∈ {7, 9, 11}); newton_schulz is
-    held to bitwise only where its three matmul shapes are batch-consistent, to 1e-6 elsewhere.
-    """
-    m, n = min(m, n), max(m, n)
-    gen = generator(m * 1000 + n)
-    for left, right in (((m, n), (n, m)), ((m, m), (m, m)), ((m, m), (m, n))):
-        a = torch.randn(batch, *left, generator=gen)
-        b = torch.randn(batch, *right, generator=gen)
-        stacked = torch.bmm(a, b)
-        if not all(torch.equal(stacked[i], torch.bmm(a[i : i + 1], b[i : i + 1])[0]) for i in range(batch)):
-            return False
-    return True
 
 
 @given(st.integers(2, 5), st.integers(1, 24), st.integers(1, 24), st.sampled_from(SETS), st.integers(0, 2**31 - 1))
