@@ -242,6 +242,10 @@ def scale_by_muon(
     )
 
 
+def _cast_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return t.to(like.dtype)
+
+
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Transform:
     r"""Adam's direction with bias correction, exactly as torch.optim.AdamW computes it.
 
@@ -280,7 +284,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Tran
         bias_correction1 = t.mul(log_b1).exp().neg().add(1.0)
         bias_correction2 = t.mul(log_b2).exp().neg().add(1.0)
         denom = exp_avg_sq.sqrt().div(bias_correction2.sqrt()).add(eps)
-        updates = exp_avg.div(bias_correction1).div(denom)
+        # a 0-d leaf meets the 0-d fp64 corrections as an equal and is promoted: cast it back
+        updates = exp_avg.div(bias_correction1).div(denom).apply(_cast_like, grads)
         new_state = TensorDict(
             {
                 "step": _tree.carry(state["step"], step),
