@@ -155,7 +155,9 @@ def newton_schulz(
         raise TypeError(f"Newton–Schulz dtype must be a real floating-point dtype, got {dtype}")
     wide_dtype = torch.promote_types(x.dtype, torch.float32)
     ns_dtype = default_ns_dtype(x.device, x.dtype) if dtype is None else dtype
-    tall = x.size(-2) > x.size(-1)
+    # iterate on the wide orientation, where A = XXᵀ is the small Gram matrix; a square
+    # transposed view is turned back too, so that f(Gᵀ) = f(G)ᵀ holds exactly for every shape
+    tall = x.size(-2) > x.size(-1) or (x.size(-2) == x.size(-1) and x.stride(-2) < x.stride(-1))
     g = x.mT if tall else x
     m, n = g.shape[-2:]
     g = g.reshape(g.shape[:-2].numel(), m, n).to(wide_dtype)
