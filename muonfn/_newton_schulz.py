@@ -129,17 +129,19 @@ def newton_schulz(
 
     Leading dimensions are a batch. The input is normalised by its Frobenius norm over
     the last two dimensions, :math:`X_0 = G / \max(c\|G\|_F, \varepsilon)`, in at least
-    fp32, and only then cast to ``dtype`` (``None``: bf16 on CUDA, fp32 or wider
-    elsewhere). The iteration runs on the wide orientation (``m <= n``; tall inputs are
+    fp32, and only then cast to ``dtype`` (``None``: bf16 on CUDA; elsewhere fp32, or
+    fp64 for fp64 inputs). The iteration runs on the wide orientation (``m <= n``; tall inputs are
     transposed and transposed back), so :math:`A = XX^\top` is the small Gram matrix.
 
     Exact properties: ``f(-G) = -f(G)``, ``f(0) = 0``, ``f(2**k G) = f(G)`` for
-    ``||G|| >= eps``, and ``f(G.mT) = f(G).mT``. Returns ``x.dtype``; never modifies ``x``.
+    ``||G|| >= eps``, ``f(G.mT) = f(G).mT``; on CPU a batch equals its matrices one by one
+    wherever the BLAS itself is batch-invariant. Returns ``x.dtype``; never modifies ``x``.
 
     Args:
         x: a tensor with at least two dimensions.
         coefficients: ``"keller"``, ``"cesista"``, ``"polar_express"``, a
-            :class:`Coefficients`, or a sequence of ``(a, b, c)`` triples.
+            :class:`Coefficients`, a sequence of ``(a, b, c)`` triples, or one flat
+            ``(a, b, c)`` (run ``steps`` times, 5 by default).
         steps: number of iterations (default: the schedule's length).
         eps: lower bound of the normalising norm; must be positive.
         dtype: dtype of the iteration's matmuls.

@@ -113,7 +113,8 @@ def orthogonalize(
     batch). ``scale`` picks :math:`s` (``"none"`` by default, see :func:`scale_by_shape`).
     With ``collectives``, sharded leaves (DTensors, or local shards described by
     ``shard_specs``) are orthogonalized as whole matrices by ``strategy``
-    (see :mod:`muonfn.distributed`). Stateless.
+    (see :mod:`muonfn.distributed`). Stateless; ``init`` checks that every leaf's view
+    can read it (a vector is no matrix).
     """
     ns_schedule(coefficients, steps)
     positive("ns eps", eps)
@@ -178,7 +179,7 @@ def scale_by_shape(scale: str = "match_rms_adamw", extra_scale: float = 1.0, vie
     (after the view: conv kernels flattened, ``(in, out)`` storage transposed, fused
     blocks each on their own). Modes: ``"original"`` √max(1, A/B), ``"match_rms_adamw"``
     0.2·√max(A, B), ``"spectral"`` √max(A, B), ``"unit_rms_norm"`` √(A/B), ``"none"`` 1.
-    Stateless.
+    Stateless; ``init`` checks that every leaf's view can read it.
     """
     check_scale(scale, extra_scale)
 

@@ -158,6 +158,17 @@ def test_muon_matrix_update_formula() -> None:
     assert state["adamw", "step", "b"] == 2
 
 
+def test_zero_gradient_gives_only_the_decay() -> None:
+    params = TensorDict({"w": gaussian(6, 9, seed=1), "e": gaussian(2, 6, 9, seed=2)}, batch_size=[])
+    tx = muonfn.muon(lr=0.1, weight_decay=0.5, views={"e": MatrixView(batch_dims=1)})
+    for dtype in (torch.float32, torch.bfloat16):
+        p = params.to(dtype)
+        updates, state = tx.update(p.apply(torch.zeros_like), tx.init(p), p)
+        for key in ("w", "e"):
+            assert torch.equal(updates[key], p[key].mul(0.5).mul(-0.1))
+            assert torch.equal(state["muon", "momentum", key], torch.zeros_like(p[key]))
+
+
 def test_adamw_settings_default_to_the_muon_ones() -> None:
     params = TensorDict({"w": gaussian(4, 4, seed=1), "b": gaussian(4, seed=2)}, batch_size=[])
     grads = random_like(params, 5)
@@ -241,7 +252,10 @@ def test_labels_from_module_by_type() -> None:
     labels = muonfn.labels_from_module(model)
     assert labels == {**EXPECTED_LABELS, "wpe": "adamw", "lora_A": "adamw"}
     model.lm_head.weight = model.embed_tokens.weight  # tied: the first owner's label
-    assert muonfn.labels_from_module(model)["lm_head.weight"] == "adamw"
+    tied = muonfn.labels_from_module(model)
+    assert tied["lm_head.weight"] == "adamw"
+    state = muonfn.muon(labels=tied).init(TensorDict.from_module(model).detach())  # both names are leaves
+    assert ("adamw", "exp_avg", "lm_head", "weight") in state.keys(True, True)
     assert muonfn.views_from_module(model) == {"attn.weight": MatrixView(transposed=True)}
 
 
