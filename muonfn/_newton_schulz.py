@@ -32,10 +32,7 @@ class Coefficients(NamedTuple):
     norm_factor: float = 1.0
 
 
-CoefficientsLike: TypeAlias = str | Coefficients | Sequence[float] | Sequence[Sequence[float]]
-
-#: How often a single ``(a, b, c)`` triple runs when ``steps`` is not given (torch.optim.Muon's default).
-SINGLE_TRIPLE_STEPS = 5
+CoefficientsLike: TypeAlias = str | Coefficients | Sequence[Sequence[float]]
 
 COEFFICIENTS: dict[str, Coefficients] = {
     # Jordan et al. (2024); torch.optim.Muon's default. Fast but loose: σ lands in [0.68, 1.13].
@@ -71,8 +68,7 @@ def ns_schedule(coefficients: CoefficientsLike = "keller", steps: int | None = N
     """Resolves a named or custom schedule and stretches it to ``steps``.
 
     A schedule runs its triples in order: fewer steps truncate it, more repeat its last
-    triple. A single flat ``(a, b, c)`` (torch.optim.Muon's form) runs ``steps`` times,
-    5 by default.
+    triple, so ``[(a, b, c)]`` with ``steps=5`` is torch.optim.Muon's iteration.
     """
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise ValueError(f"Newton–Schulz steps must be an integer >= 1, got {steps!r}")
@@ -85,9 +81,13 @@ def ns_schedule(coefficients: CoefficientsLike = "keller", steps: int | None = N
         schedule = COEFFICIENTS[coefficients]
     elif isinstance(coefficients, Coefficients):
         schedule = Coefficients(tuple(_triple(t, coefficients) for t in coefficients.triples), coefficients.norm_factor)
+    elif _is_number_triple(coefficients):
+        raise ValueError(
+            f"Newton–Schulz coefficients {coefficients!r} are one (a, b, c), not a schedule: pass "
+            "[(a, b, c)] with steps=5 (torch.optim.Muon's ns_coefficients and ns_steps)"
+        )
     else:
-        rows = [coefficients] * (steps or SINGLE_TRIPLE_STEPS) if _is_number_triple(coefficients) else coefficients
-        schedule = Coefficients(tuple(_triple(t, coefficients) for t in rows))
+        schedule = Coefficients(tuple(_triple(t, coefficients) for t in coefficients))
     if not schedule.triples:
         raise ValueError("Newton–Schulz coefficients need at least one (a, b, c) triple")
     if not (isinstance(schedule.norm_factor, int | float) and 0 < schedule.norm_factor < math.inf):
@@ -140,8 +140,7 @@ def newton_schulz(
     Args:
         x: a tensor with at least two dimensions.
         coefficients: ``"keller"``, ``"cesista"``, ``"polar_express"``, a
-            :class:`Coefficients`, a sequence of ``(a, b, c)`` triples, or one flat
-            ``(a, b, c)`` (run ``steps`` times, 5 by default).
+            :class:`Coefficients`, or a sequence of ``(a, b, c)`` triples.
         steps: number of iterations (default: the schedule's length).
         eps: lower bound of the normalising norm; must be positive.
         dtype: dtype of the iteration's matmuls.

@@ -39,15 +39,10 @@ def adamw(
     .. math::  p \leftarrow p - \eta\lambda p - \eta\,\frac{m_t/(1-\beta_1^t)}{\sqrt{v_t/(1-\beta_2^t)} + \epsilon}
 
     ``weight_decay_mask`` exempts the leaves it maps to ``False`` (see
-    :func:`add_decayed_weights`); ``init`` rejects names that are not parameters.
-    State: ``{"step", "exp_avg", "exp_avg_sq"}``.
+    :func:`add_decayed_weights`). Names it holds that are not among the parameters are
+    ignored, as ``adamw`` is often one branch of a :func:`partition`; :func:`muon` checks
+    them against all parameters. State: ``{"step", "exp_avg", "exp_avg_sq"}``.
     """
-    return _checks_names(_adamw(lr, betas, eps, weight_decay, weight_decay_mask), weight_decay_mask=weight_decay_mask)
-
-
-def _adamw(
-    lr: ScalarOrSchedule, betas: tuple[float, float], eps: float, weight_decay: Scalar, weight_decay_mask: MaskLike
-) -> Transform:
     return chain(
         scale_by_adam(betas[0], betas[1], eps),
         add_decayed_weights(weight_decay, weight_decay_mask),
@@ -55,7 +50,7 @@ def _adamw(
     )
 
 
-def _checks_names(tx: Transform, weight_decay_mask: MaskLike = None, views: ViewsLike = None) -> Transform:
+def _checks_names(tx: Transform, weight_decay_mask: MaskLike, views: ViewsLike) -> Transform:
     """``tx`` whose ``init`` first checks that every leaf named by the mask or views exists.
 
     The building blocks inside a partition see only their own leaves and so cannot tell a
@@ -136,7 +131,7 @@ def muon(
         add_decayed_weights(weight_decay, weight_decay_mask),
         scale_by_learning_rate(lr),
     )
-    adamw_branch = _adamw(
+    adamw_branch = adamw(
         lr if adamw_lr is None else adamw_lr,
         adamw_betas,
         adamw_eps,

@@ -186,6 +186,20 @@ def test_weight_decay_mask_in_the_presets() -> None:
         assert none is not plain
 
 
+def test_one_mask_serves_every_branch_of_a_partition() -> None:
+    """Each branch sees only its leaves of a mask written for the whole model."""
+    params = nested_params()
+    mask = {"0.bias": False, "1.weight": False}
+    tx = muonfn.partition(
+        {"x": muonfn.adamw(lr=0.1, weight_decay=0.5, weight_decay_mask=mask), "y": muonfn.adamw(lr=0.1)},
+        {"0.weight": "x", "0.bias": "x", "1.weight": "y", "1.bias": "y"},
+    )
+    grads = params.apply(torch.zeros_like)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    assert updates["0", "weight"].unique().tolist() == [pytest.approx(-0.05)]
+    assert updates["0", "bias"].unique().tolist() == [0.0]
+
+
 def test_schedule_learning_rate_in_the_presets() -> None:
     params = TensorDict.from_module(mlp()).detach()
     grads = random_like(params, 2)

@@ -52,8 +52,13 @@ BAD_HYPERPARAMETERS: dict[str, tuple[Callable[[], object], type[Exception], str]
         ValueError,
         r"must be finite \(a, b, c\) triples",
     ),
+    "coefficients one flat triple": (
+        lambda: muonfn.muon(ns_coefficients=(3.4445, -4.7750, 2.0315)),
+        ValueError,
+        r"are one \(a, b, c\), not a schedule: pass \[\(a, b, c\)\] with steps=5",
+    ),
     "coefficients not finite": (
-        lambda: muonfn.orthogonalize(coefficients=(3.0, float("nan"), 1.0)),
+        lambda: muonfn.orthogonalize(coefficients=[(3.0, float("nan"), 1.0)]),
         ValueError,
         r"must be finite \(a, b, c\) triples",
     ),
@@ -186,9 +191,12 @@ def test_views_name_an_unknown_key() -> None:
 
 
 def test_weight_decay_mask_names_an_unknown_key() -> None:
-    for tx in (muonfn.muon(weight_decay_mask={"0.bais": False}), muonfn.adamw(weight_decay_mask={"0.bais": False})):
-        with pytest.raises(ValueError, match=r"weight_decay_mask names '0.bais', which is not a parameter"):
-            tx.init(params())
+    tx = muonfn.muon(weight_decay_mask={"0.bais": False})
+    with pytest.raises(ValueError, match=r"weight_decay_mask names '0.bais', which is not a parameter"):
+        tx.init(params())
+    by_rank = muonfn.muon(weight_decay_mask=lambda p: {"0.bais": False})
+    with pytest.raises(ValueError, match=r"weight_decay_mask names '0.bais'"):
+        by_rank.init(params())
 
 
 def test_labels_name_an_unknown_key() -> None:

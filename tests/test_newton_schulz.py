@@ -213,11 +213,11 @@ def test_custom_triples() -> None:
     assert (svdvals(ns(sp.g, custom)) - expected_svdvals(sp, custom)).abs().max() < 1e-10
 
 
-def test_single_triple_repeats_like_torch() -> None:
-    """A flat (a, b, c), torch.optim.Muon's ns_coefficients form, runs `steps` times (default 5)."""
+def test_one_triple_with_steps_is_torchs_iteration() -> None:
+    """torch.optim.Muon's ns_coefficients=(a, b, c), ns_steps=5 is [(a, b, c)] with steps=5."""
     g = gaussian(5, 7, seed=2, dtype=torch.float64)
-    assert torch.equal(ns(g, (3.4445, -4.7750, 2.0315)), ns(g, "keller"))
-    assert torch.equal(ns(g, (3.4445, -4.7750, 2.0315), steps=2), ns(g, "keller", steps=2))
+    assert torch.equal(ns(g, [(3.4445, -4.7750, 2.0315)], steps=5), ns(g, "keller"))
+    assert torch.equal(ns(g, [(3.4445, -4.7750, 2.0315)], steps=2), ns(g, "keller", steps=2))
 
 
 # --- dtypes, precision, purity --------------------------------------------------------------------
