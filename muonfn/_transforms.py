@@ -136,11 +136,17 @@ def orthogonalize(
         keys = _tree.leaf_keys(grads)
         values = _tree.leaves(grads)
         leaf_views = resolve_views(views, keys, values)
-        for key, g, view in zip(keys, values, leaf_views):
-            view.check(key, g.shape)
-        if distributed is not None:
+        if distributed is not None:  # checks the views against the global shapes
             out = distributed(keys, values, leaf_views, ns, scale, extra_scale)
             return _tree.build(keys, out, grads), state
+        for key, g, view in zip(keys, values, leaf_views):
+            view.check(key, g.shape)
+            placements = tuple(getattr(g, "placements", ()))
+            if any(not p.is_replicate() for p in placements):
+                raise ValueError(
+                    f"{_tree.dotted(key)!r} is a DTensor sharded as {placements}: Newton–Schulz needs whole "
+                    "matrices; pass collectives=muonfn.distributed.torch_collectives(mesh)"
+                )
         matrices: list[torch.Tensor] = []
         scales: list[float] = []
         for g, view in zip(values, leaf_views):
