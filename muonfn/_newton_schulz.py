@@ -138,7 +138,8 @@ def newton_schulz(
     tall = x.size(-2) > x.size(-1)
     g = x.mT if tall else x
     m, n = g.shape[-2:]
-    g = g.reshape(-1, m, n).to(wide_dtype)
+    # one memory layout for every input: the matmuls and the norm round the same way whatever the strides
+    g = g.reshape(-1, m, n).to(wide_dtype).contiguous()
     norm = torch.linalg.matrix_norm(g, keepdim=True)
     if schedule.norm_factor != 1.0:
         norm = norm * schedule.norm_factor
