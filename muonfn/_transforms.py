@@ -252,7 +252,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Tran
     def init(params: TensorDictBase) -> TensorDictBase:
         return TensorDict(
             {
-                "step": params.apply(lambda p: torch.zeros((), dtype=torch.int64, device=p.device)),
+                # new_zeros: a DTensor param gets a replicated DTensor step on its own mesh, so the
+                # bias corrections combine with its moments even when params live on several meshes
+                "step": params.apply(lambda p: p.new_zeros((), dtype=torch.int64)),
                 "exp_avg": params.apply(torch.zeros_like),
                 "exp_avg_sq": params.apply(torch.zeros_like),
             },
