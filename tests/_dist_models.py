@@ -8,6 +8,8 @@ weight stored transposed.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,7 +92,24 @@ def drop_no_grad(grads: TensorDict, step: int) -> TensorDict:
     return grads.exclude(*NO_GRAD_KEYS) if step == NO_GRAD_STEP else grads
 
 
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """One intra-op thread: multithreaded CPU sgemm picks kernels by batch size for some small shapes,
+    so batched and looped Newton–Schulz agree bitwise only with a single thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def reference_run(steps: int = STEPS) -> Reference:
+    with one_thread():
+        return _reference_run(steps)
+
+
+def _reference_run(steps: int) -> Reference:
     model = make_net()
     params = TensorDict.from_module(model).detach().clone()
     tx = make_tx()

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
-from _dist_models import Reference, make_tx, reference_run, take
+from _dist_models import Reference, make_tx, one_thread, reference_run, take
 from hypothesis import given
 from hypothesis import strategies as st
 from tensordict import TensorDict
@@ -38,6 +38,12 @@ pytestmark = pytest.mark.timeout(300)
 Key = tuple[str, ...]
 # (key, global shape, rank) -> (the rank's box, the ShardSpec to declare or None), given the rank's collectives
 Sharding = Callable[[SimulatedCollectives, Key, torch.Size], tuple[Box, ShardSpec | None]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    with one_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

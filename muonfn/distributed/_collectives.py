@@ -83,7 +83,9 @@ class TorchCollectives:
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> None:
         import torch.distributed as dist
 
-        dist.all_gather_into_tensor(output, input, group=self.group)
+        # all_gather_single is the newer name (torch >= 2.13 deprecates all_gather_into_tensor)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(output, input, group=self.group)
 
     def all_to_all_single(
         self,
