@@ -19,7 +19,8 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 lint: $(STAMP)
-	$(PY) -m ruff check muonfn tests examples benchmarks
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
 test: lint
