@@ -35,6 +35,14 @@ def _one_minus(v: Scalar) -> Scalar:
     return v.neg().add(1) if isinstance(v, torch.Tensor) else 1.0 - v
 
 
+def _mul(td: TensorDictBase, v: Scalar) -> TensorDictBase:
+    """``td * v``. A tensor ``v`` meets DTensor leaves one at a time: a fused op would put it on
+    the first leaf's mesh, and leaves may live on several meshes (tensor parallel + FSDP)."""
+    if isinstance(v, torch.Tensor) and any(hasattr(x, "placements") for x in td.values(True, True)):
+        return td.apply(lambda x: x.mul(v))
+    return td.mul(v)
+
+
 def ema_momentum(momentum: Scalar = 0.95, nesterov: bool = True) -> Transform:
     r"""Exponential moving average of the gradients (torch.optim.Muon's form).
 
@@ -325,7 +333,7 @@ def add_decayed_weights(weight_decay: Scalar = 0.0, mask: MaskLike = None) -> Tr
         keys = resolve_mask(mask, _tree.subset(params, _tree.leaf_keys(grads)))
         if not keys:
             return grads, state
-        decayed = _tree.subset(grads, keys).add(_tree.subset(params, keys).mul(weight_decay))
+        decayed = _tree.subset(grads, keys).add(_mul(_tree.subset(params, keys), weight_decay))
         return _tree.carry(grads, decayed), state
 
     return Transform(empty_state, update)
@@ -355,7 +363,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule) -> Transform:
         ) -> tuple[TensorDictBase, TensorDictBase]:
             count = state["count"]
             lr = schedule(count)
-            updates = grads.mul(_neg(lr))
+            updates = _mul(grads, _neg(lr))
             return updates, TensorDict({"count": count + 1}, batch_size=state.batch_size)
 
         return Transform(init, update)
@@ -365,6 +373,6 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule) -> Transform:
     def scale(
         grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
     ) -> tuple[TensorDictBase, TensorDictBase]:
-        return grads.mul(_neg(lr)), state
+        return _mul(grads, _neg(lr)), state
 
     return Transform(empty_state, scale)
