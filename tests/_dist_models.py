@@ -134,3 +134,31 @@ def take(full: torch.Tensor, box: Box) -> torch.Tensor:
     out = torch.empty(tuple(length(r) for r in box), dtype=full.dtype)
     copy_out(full, box, out)
     return out
+
+
+def shim_reference_run(steps: int = STEPS) -> Reference:
+    """The same training through ``muonfn.optim.Muon`` (hyperparameters as tensors, in-place steps)."""
+    with one_thread():
+        model = make_net()
+        opt = make_shim(model)
+        history, grads_seen = [TensorDict.from_module(model).detach().clone()], []
+        for step, (x, y) in enumerate(batches(steps)):
+            opt.zero_grad()
+            loss_of(model, x, y).backward()
+            if step == NO_GRAD_STEP:
+                for key in NO_GRAD_KEYS:
+                    model.get_parameter(".".join(key)).grad = None
+            grads_seen.append(
+                TensorDict(
+                    {tuple(n.split(".")): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, []
+                )
+            )
+            opt.step()
+            history.append(TensorDict.from_module(model).detach().clone())
+        return Reference(history, grads_seen)
+
+
+def make_shim(model: nn.Module, **distributed: Any) -> torch.optim.Optimizer:
+    from muonfn.optim import Muon
+
+    return Muon(model.named_parameters(), lr=0.05, weight_decay=0.1, ns_dtype=torch.float32, views=VIEWS, **distributed)

@@ -9,7 +9,7 @@ import _dist_workers as workers
 import pytest
 import torch.distributed as dist
 from _dist_harness import run
-from _dist_models import Reference, reference_run
+from _dist_models import Reference, reference_run, shim_reference_run
 
 pytestmark = [
     pytest.mark.timeout(600),
@@ -22,14 +22,19 @@ def reference() -> Reference:
     return reference_run()
 
 
+@pytest.fixture(scope="module")
+def shim_reference() -> Reference:
+    return shim_reference_run()
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_fsdp2_matches_single_process(reference: Reference, world: int) -> None:
+def test_fsdp2_matches_single_process(reference: Reference, shim_reference: Reference, world: int) -> None:
     """Bitwise for both strategies (exact gradient shards), to tolerance end to end; HSDP and TP + FSDP2 on 4."""
-    run(workers.fsdp_cases, world, reference)
+    run(workers.fsdp_cases, world, reference, shim_reference if world == 4 else None)
 
 
-def test_shard_specs_over_gloo_and_explicit_groups() -> None:
-    run(workers.plain_shards_and_guards, 2)
+def test_shard_specs_optim_shim_and_explicit_groups(shim_reference: Reference) -> None:
+    run(workers.plain_shards_and_guards, 2, shim_reference)
 
 
 def test_dcp_checkpoint_reshards_2_to_3_to_1(reference: Reference, tmp_path) -> None:
