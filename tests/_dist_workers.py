@@ -35,7 +35,7 @@ from tensordict import TensorDict
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import muonfn
@@ -169,6 +169,14 @@ def fsdp_cases(rank: int, world: int, reference: Reference, shim_reference: Refe
         for strategy in STRATEGIES:
             exact_run(fsdp(make_net(), hsdp_mesh), hsdp, strategy, reference, "HSDP 2x2")
             exact_run(tp_fsdp(make_net(), tp_mesh), tp, strategy, reference, "TP2 + FSDP2")
+        # a DTensor on ranks the collectives do not span is refused, naming both groups
+        wide = distribute_tensor(torch.ones(4, 4), tp_mesh, [Shard(0), Shard(1)], src_data_rank=None)
+        try:
+            muonfn.orthogonalize(collectives=torch_collectives(tp_mesh["dp"])).update(TensorDict({"w": wide}, []), {})
+        except ValueError as e:
+            assert "outside the collectives' group" in str(e), e
+        else:
+            raise AssertionError("a DTensor outside the collectives' group must be refused")
         assert shim_reference is not None
         shim_run(tp_fsdp(make_net(), tp_mesh), tp, shim_reference, "optim.Muon under TP2 + FSDP2")
         dp_rank = tp_mesh.get_local_rank("dp")

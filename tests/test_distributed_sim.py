@@ -472,3 +472,41 @@ def test_simulated_collectives_exchange_data() -> None:
         assert total == 6
         assert out == ([0, 1, 1, 2, 2, 2] if r == 0 else [])
         assert sub_rank == 2 - r and sub_total == 3
+
+
+class _RecordingCollectives(CountingCollectives):
+    """Also records the largest receive buffer of any exchange: the whole matrices a rank holds at once."""
+
+    largest = 0
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes) -> None:
+        self.largest = max(self.largest, output.numel())
+        super().all_to_all_single(output, input, output_split_sizes, input_split_sizes)
+
+
+def test_owner_holds_at_most_a_bucket_of_whole_matrices_at_once() -> None:
+    full = gpt_matrices(layers=2, width=16)  # matrices of 256 to 1024 elements, 4096 in a layer
+    cap = 1500
+
+    def body(col: SimulatedCollectives):
+        recording = _RecordingCollectives(col)
+        out, boxes = orthogonalize_sharded(recording, full, fsdp(4), bucket_numel=cap)
+        return out, boxes, recording.largest, recording.calls["all_to_all_single"]
+
+    expected = muonfn.orthogonalize(dtype=torch.float32).update(TensorDict(full, []), TensorDict())[0]
+    for out, boxes, largest, exchanges in simulate(4, body):
+        assert largest <= cap
+        assert exchanges > 2  # several rounds
+        for name in full:
+            assert torch.equal(out[name], take(expected[name], boxes[name]))
+
+
+def test_mixed_dtypes_travel_separately() -> None:
+    torch.manual_seed(0)
+    full = {"a": torch.randn(6, 10).bfloat16(), "b": torch.randn(6, 10), "c": torch.randn(9, 4).double()}
+    expected = muonfn.orthogonalize(dtype=torch.float32).update(TensorDict(full, []), TensorDict())[0]
+    for strategy in STRATEGIES:
+        for out, boxes in simulate(3, orthogonalize_sharded, full, fsdp(3), strategy=strategy):
+            for name in full:
+                assert out[name].dtype == full[name].dtype
+                assert torch.equal(out[name], take(expected[name], boxes[name])), (strategy, name)
