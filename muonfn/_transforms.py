@@ -136,7 +136,16 @@ def orthogonalize(
     if collectives is not None:
         from .distributed import sharded_orthogonalizer
 
-        distributed = sharded_orthogonalizer(collectives, strategy, shard_specs, bucket_numel)
+        distributed = sharded_orthogonalizer(
+            collectives,
+            strategy,
+            shard_specs,
+            bucket_numel,
+            coefficients=coefficients,
+            steps=steps,
+            eps=eps,
+            dtype=dtype,
+        )
 
     def update(
         grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
