@@ -40,9 +40,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import muonfn
 from muonfn._tree import Key, leaf_keys
-from muonfn.distributed import STRATEGIES, ShardSpec, TorchCollectives, torch_collectives
+from muonfn.distributed import ShardSpec, TorchCollectives, torch_collectives
 from muonfn.distributed._layout import Box, placement_layout
 
+EXACT = ("owner", "gather")  # bitwise strategies ("tp_gram" is equal to rounding)
 SUBMODULES = ("embed", "fc1", "qkv", "conv", "fc2", "norm", "lm_head")
 
 
@@ -76,10 +77,14 @@ def key_of(name: str) -> Key:
     return tuple(name.split("."))
 
 
-def check_params(model: nn.Module, expected: TensorDict, what: str) -> None:
+def check_params(model: nn.Module, expected: TensorDict, what: str, exact: bool = True) -> None:
     for name, p in model.named_parameters():
         want = take(expected[key_of(name)], my_box(p))
-        assert torch.equal(p.to_local(), want), f"{what}: {name} ({p.placements}) differs on rank {dist.get_rank()}"
+        message = f"{what}: {name} ({p.placements}) differs on rank {dist.get_rank()}"
+        if exact:
+            assert torch.equal(p.to_local(), want), message
+        else:
+            torch.testing.assert_close(p.to_local(), want, rtol=1e-4, atol=2e-6, msg=message)
 
 
 def train_step(
@@ -129,7 +134,7 @@ def exact_run(model: nn.Module, collectives: TorchCollectives, strategy: str, re
     state = tx.init(TensorDict.from_module(model).detach())
     for step in range(STEPS):
         state = train_step(model, tx, state, step, reference, slice(None))
-    check_params(model, reference.params[-1], f"{what} {strategy}")
+    check_params(model, reference.params[-1], f"{what} {strategy}", exact=strategy in EXACT)
     check_state_mirrors_params(model, state)
 
 
@@ -158,7 +163,7 @@ def fsdp_cases(rank: int, world: int, reference: Reference, shim_reference: Refe
     (the latter also through the optim shim, whose tensor hyperparameters meet params on two meshes)."""
     mesh = init_device_mesh("cpu", (world,))
     collectives = torch_collectives(mesh)
-    for strategy in STRATEGIES:
+    for strategy in EXACT:
         exact_run(fsdp(make_net(), mesh), collectives, strategy, reference, f"FSDP2 on {world}")
     end_to_end_run(fsdp(make_net(), mesh), collectives, reference, share_of(rank, world), f"FSDP2 e2e on {world}")
     if world == 4:
@@ -166,9 +171,10 @@ def fsdp_cases(rank: int, world: int, reference: Reference, shim_reference: Refe
         hsdp = torch_collectives(hsdp_mesh)
         tp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         tp = torch_collectives(tp_mesh)
-        for strategy in STRATEGIES:
+        for strategy in EXACT:
             exact_run(fsdp(make_net(), hsdp_mesh), hsdp, strategy, reference, "HSDP 2x2")
             exact_run(tp_fsdp(make_net(), tp_mesh), tp, strategy, reference, "TP2 + FSDP2")
+        exact_run(tp_fsdp(make_net(), tp_mesh), tp, "tp_gram", reference, "TP2 + FSDP2")  # to rounding
         # a DTensor on ranks the collectives do not span is refused, naming both groups
         wide = distribute_tensor(torch.ones(4, 4), tp_mesh, [Shard(0), Shard(1)], src_data_rank=None)
         try:
@@ -212,12 +218,16 @@ def plain_shards_and_guards(rank: int, world: int, shim_reference: Reference) ->
     full = {"w": torch.randn(10, 6), "e": torch.randn(3, 5)}
     expected = muonfn.orthogonalize(dtype=torch.float32).update(TensorDict(full, []), TensorDict())[0]
     mine = {k: v.tensor_split(world)[rank] for k, v in full.items()}
-    for strategy in STRATEGIES:
+    for strategy in EXACT:
         specs = {"w": ShardSpec(0), "e": ShardSpec(0)}
         tx = muonfn.orthogonalize(collectives=group, strategy=strategy, shard_specs=specs)
         out = tx.update(TensorDict(mine, []), TensorDict())[0]
         for k in full:
             assert torch.equal(out[k], expected[k].tensor_split(world)[rank]), (strategy, k)
+    tx = muonfn.orthogonalize(collectives=group, strategy="tp_gram", shard_specs=specs)
+    out = tx.update(TensorDict(mine, []), TensorDict())[0]
+    for k in full:  # "w" is cut along its long side: Gram sums over gloo; "e" goes to its owner
+        torch.testing.assert_close(out[k], expected[k].tensor_split(world)[rank], rtol=1e-5, atol=1e-6)
 
     sharded = DTensor.from_local(mine["w"], mesh, [Shard(0)], run_check=False, shape=(10, 6), stride=(6, 1))
     try:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -106,24 +106,25 @@ class Layout:
     boxes: tuple[Box, ...]
     position: tuple[int, ...]
     replica: tuple[int, ...]
+    _rank_at: dict[tuple[int, int], int] = field(init=False, repr=False, compare=False)
 
-    def local_shape(self, rank: int) -> tuple[int, ...]:
-        return tuple(length(r) for r in self.boxes[rank])
-
-    def rank_at(self, replica: int, position: int) -> int:
-        return self._ranks[replica, position]
-
-    @property
-    def _ranks(self) -> dict[tuple[int, int], int]:
-        table = self.__dict__.get("_rank_table")
-        if table is None:
-            table = {(rep, pos): r for r, (rep, pos) in enumerate(zip(self.replica, self.position))}
-            object.__setattr__(self, "_rank_table", table)
-        return table
+    def __post_init__(self) -> None:
+        table = {(rep, pos): r for r, (rep, pos) in enumerate(zip(self.replica, self.position))}
+        object.__setattr__(self, "_rank_at", table)
 
     @property
     def positions(self) -> int:
         return max(self.position) + 1
+
+    @property
+    def replicas(self) -> int:
+        return max(self.replica) + 1
+
+    def rank_at(self, replica: int, position: int) -> int:
+        return self._rank_at[replica, position]
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        return tuple(length(r) for r in self.boxes[rank])
 
 
 def _ravel(coord: Sequence[int], sizes: Sequence[int]) -> int:
