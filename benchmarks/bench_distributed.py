@@ -1,4 +1,4 @@
-"""Step time and traffic of the distributed strategies, "owner" against "gather", on CPU with gloo.
+"""Step time and traffic of the distributed strategies ("owner", "gather", "tp_gram") on CPU with gloo.
 
 Spawns ``W`` processes for each ``W`` in ``--worlds``. Every rank holds ``Shard(0)``
 DTensor shards (FSDP2's layout) of a GPT-shaped set of matrices — per block ``qkv``
@@ -10,7 +10,10 @@ all (fp32, shards even):
 
 - owner: each rank receives ``2 (W-1) S / W²`` elements (a ``1/W`` share of the matrices
   arrives from the ``W-1`` other ranks, and its shards of the others' matrices come back);
-- gather: each rank receives ``(W-1) S / W`` elements (every other rank's shards).
+- gather: each rank receives ``(W-1) S / W`` elements (every other rank's shards);
+- tp_gram: matrices cut along their long side (here the tall ``qkv`` and ``fc``) all-reduce
+  their ``m × m`` Gram matrix at each of the 5 steps and their squared norm once:
+  ``2 (W-1) / W · (5 m² + 1)`` elements each (ring all-reduce); the rest go to owners.
 
 Usage: ``python benchmarks/bench_distributed.py [--width 256 --depth 4 --worlds 2 4 --out PATH]``.
 """
@@ -33,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-STRATEGY_ORDER = ("gather", "owner")
+STRATEGY_ORDER = ("gather", "owner", "tp_gram")
 
 
 def gpt_shapes(width: int, depth: int) -> dict[str, tuple[int, int]]:
@@ -44,6 +47,15 @@ def gpt_shapes(width: int, depth: int) -> dict[str, tuple[int, int]]:
 def ns_flops(rows: int, cols: int, steps: int = 5) -> int:
     m, n = min(rows, cols), max(rows, cols)
     return steps * (4 * m * m * n + 2 * m**3)
+
+
+def formula_elements(strategy: str, w: int, shapes: dict[str, tuple[int, int]]) -> float:
+    """Elements each rank receives per step (on average over ranks), as the module docstring says."""
+    if strategy == "gather":
+        return (w - 1) * sum(r * c for r, c in shapes.values()) / w
+    owned = [(r, c) for r, c in shapes.values() if strategy == "owner" or r <= c]  # tall ones use Gram sums
+    gram = [(r, c) for r, c in shapes.values() if strategy == "tp_gram" and r > c]
+    return 2 * (w - 1) * sum(r * c for r, c in owned) / w**2 + 2 * (w - 1) / w * sum(5 * c * c + 1 for _, c in gram)
 
 
 def worker(rank: int, world: int, port: int, config: dict[str, Any], out_path: str) -> None:
@@ -149,10 +161,7 @@ def main() -> None:
             )
             results += json.loads(pathlib.Path(out).read_text())
     for r in results:
-        w = r["world"]
-        per_rank = 2 * (w - 1) * elements / w**2 if r["strategy"] == "owner" else (w - 1) * elements / w
-        r["formula_bytes_received_per_rank"] = 4 * per_rank
-        r["ns_gflop_per_rank"] = total_flops / 1e9 / (w if r["strategy"] == "owner" else 1)
+        r["formula_bytes_received_per_rank"] = 4 * formula_elements(r["strategy"], r["world"], shapes)
     ratios = {}
     print(
         f"GPT-shaped matrices: width {args.width}, depth {args.depth}, {elements / 1e6:.2f} M elements, "
@@ -169,7 +178,11 @@ def main() -> None:
     for w in args.worlds:
         step = {r["strategy"]: r["median_step_s"] for r in results if r["world"] == w}
         ratios[str(w)] = step["owner"] / step["gather"]
-        print(f"W={w}: owner / gather step time = {ratios[str(w)]:.2f}" + ("  (target <= 0.5)" if w == 4 else ""))
+        print(
+            f"W={w}: owner / gather step time = {ratios[str(w)]:.2f}"
+            + ("  (target <= 0.5)" if w == 4 else "")
+            + f"; tp_gram / gather = {step['tp_gram'] / step['gather']:.2f}"
+        )
     out_path = pathlib.Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     summary = {
