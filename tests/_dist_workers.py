@@ -147,7 +147,7 @@ def end_to_end_run(
         state = train_step(model, tx, state, step, None, share)
     worst = 0.0
     for name, p in model.named_parameters():
-        got, want = p.full_tensor(), reference.params[-1][key_of(name)]
+        got, want = p.full_tensor().detach(), reference.params[-1][key_of(name)]
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{what}: {n}: {m}")
         worst = max(worst, float((got - want).abs().max()))
     return worst

@@ -62,7 +62,8 @@ def sharded_orthogonalizer(
     each with its input's type, placements and local shape. ``coefficients``, ``steps``,
     ``eps`` and ``dtype`` describe ``ns`` for ``"tp_gram"``, which runs the iteration itself.
     """
-    if collectives is None or not all(hasattr(collectives, a) for a in ("rank", "world_size", "all_to_all_single")):
+    needed = ("rank", "world_size", "all_gather_into_tensor", "all_to_all_single", "all_reduce")
+    if collectives is None or not all(hasattr(collectives, name) for name in needed):
         raise TypeError(f"collectives must implement muonfn.distributed.Collectives, got {collectives!r}")
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown distributed strategy {strategy!r}; choose one of {list(STRATEGIES)}")
@@ -110,14 +111,16 @@ def sharded_orthogonalizer(
         plans_now = [(group, plan_for(group, members)) for group, members in groups.values()]
 
         out: list[torch.Tensor | None] = [None] * len(leaves)
-        here = [(leaf, tuple(leaf.local.shape)) for leaf in leaves if leaf.group is None]
-        for leaf, _ in here:
-            leaf.view.check(leaf.key, leaf.local.shape)
+        # whole matrices where they lie: unsharded leaves, and shards that hold whole matrices (experts)
+        whole = [(leaf, tuple(leaf.local.shape)) for leaf in leaves if leaf.group is None]
+        for leaf, shape in whole:
+            leaf.view.check(leaf.key, shape)
         for _, plan in plans_now:
-            here += [
+            whole += [
                 (leaf, layout.shape) for leaf, layout, local in zip(plan.leaves, plan.layouts, plan.local) if local
             ]
-        for leaf, result in zip([leaf for leaf, _ in here], _orthogonalize_in_place(here, ns, scale, extra_scale)):
+        done = _orthogonalize_in_place(whole, ns, scale, extra_scale, bucket_numel)
+        for (leaf, _), result in zip(whole, done):
             out[leaf.index] = leaf.wrap(result)
 
         for group, plan in plans_now:
@@ -138,7 +141,7 @@ def sharded_orthogonalizer(
 
 
 def _orthogonalize_in_place(
-    leaves: list[tuple[Leaf, tuple[int, ...]]], ns: NS, scale: str, extra_scale: float
+    leaves: list[tuple[Leaf, tuple[int, ...]]], ns: NS, scale: str, extra_scale: float, cap: int
 ) -> list[torch.Tensor]:
     """Leaves whose local tensors hold whole matrices, each with its global shape (for the scale)."""
     matrices: list[torch.Tensor] = []
@@ -147,7 +150,7 @@ def _orthogonalize_in_place(
         if leaf.local.numel():
             matrices += leaf.view.to_matrices(leaf.local)
             scales += block_scales(leaf.view, shape, scale, extra_scale)
-    done = orthogonalize_batches(matrices, scales, ns, DEFAULT_BUCKET_NUMEL)
+    done = orthogonalize_batches(matrices, scales, ns, cap)
     results, pos = [], 0
     for leaf, shape in leaves:
         if leaf.local.numel():
