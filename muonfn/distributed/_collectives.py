@@ -71,6 +71,7 @@ class TorchCollectives:
         self._rank = dist.get_rank(group)
         self._world_size = dist.get_world_size(group)
         self._submeshes: dict[tuple[Any, ...], tuple[TorchCollectives, tuple[int, ...]]] = {}
+        self._by_mesh: dict[int, tuple[DeviceMesh, tuple[TorchCollectives, tuple[int, ...]]]] = {}
 
     @property
     def rank(self) -> int:
@@ -108,6 +109,9 @@ class TorchCollectives:
 
         ``mesh`` is the mesh of a DTensor leaf: this group's own mesh, or a sub-mesh of it.
         """
+        seen = self._by_mesh.get(id(mesh))
+        if seen is not None and seen[0] is mesh:
+            return seen[1]
         mesh_ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
         cache_key = (tuple(mesh.mesh.shape), tuple(mesh_ranks))
         if cache_key not in self._submeshes:
@@ -119,6 +123,7 @@ class TorchCollectives:
             collectives = self if sorted(mesh_ranks) == sorted(self.ranks) else torch_collectives(mesh)
             coords = tuple(collectives.ranks.index(r) for r in mesh_ranks)
             self._submeshes[cache_key] = (collectives, coords)
+        self._by_mesh[id(mesh)] = (mesh, self._submeshes[cache_key])  # keeps the mesh, so its id stays its own
         return self._submeshes[cache_key]
 
     def __repr__(self) -> str:

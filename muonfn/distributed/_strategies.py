@@ -82,7 +82,8 @@ def sharded_orthogonalizer(
         if plan is None:
             if len(plans) >= 16:
                 plans.clear()
-            plan = plans[key] = make_plan(group, members, strategy, bucket_numel)
+            plan = make_plan(group, members, strategy, bucket_numel)
+            plans[key] = plan.with_leaves([])  # the cache keeps no tensors alive
         return plan.with_leaves(members)
 
     def orthogonalize_sharded(
