@@ -14,11 +14,11 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from . import _tree
-from ._base import Transform, empty_state
+from ._base import InitFn, Transform, empty_state
 from ._gram_newton_schulz import select_newton_schulz
 from ._newton_schulz import CoefficientsLike, ns_schedule
 from ._validation import Scalar, ScalarOrSchedule, check_grads, non_negative, positive, unit_interval
-from ._views import ViewsLike, block_scales, check_scale_mode, resolve_views
+from ._views import ViewsLike, block_scales, check_scale, resolve_views
 
 if TYPE_CHECKING:
     from .distributed import Collectives, ShardSpecs
@@ -34,6 +34,14 @@ def _neg(v: Scalar) -> Scalar:
 
 def _one_minus(v: Scalar) -> Scalar:
     return v.neg().add(1) if isinstance(v, torch.Tensor) else 1.0 - v
+
+
+def _mul(td: TensorDictBase, v: Scalar) -> TensorDictBase:
+    """``td * v``. A tensor ``v`` meets DTensor leaves one at a time: a fused op would put it on
+    the first leaf's mesh, and leaves may live on several meshes (tensor parallel + FSDP)."""
+    if isinstance(v, torch.Tensor) and any(hasattr(x, "placements") for x in td.values(True, True)):
+        return td.apply(lambda x: x.mul(v))
+    return td.mul(v)
 
 
 def ema_momentum(momentum: Scalar = 0.95, nesterov: bool = True, donate_state: bool = False) -> Transform:
@@ -127,14 +135,18 @@ def orthogonalize(
     With ``collectives``, sharded leaves (DTensors, or local shards described by
     ``shard_specs``) are orthogonalized as whole matrices by ``strategy``
     (see :mod:`muonfn.distributed`). ``ns_method="gram"`` runs
-    :func:`muonfn.gram_newton_schulz` on the shapes where it needs fewer flops. Stateless.
+    :func:`muonfn.gram_newton_schulz` on the shapes where it needs fewer flops.
+    Stateless; ``init`` checks that every leaf's view can read it (a vector is no
+    matrix), or, with ``collectives``, the first update does.
     """
     ns_schedule(coefficients, steps)
     newton_schulz = select_newton_schulz(ns_method)
     positive("ns eps", eps)
-    check_scale_mode(scale)
-    if bucket_numel < 1:
-        raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
+    check_scale(scale, extra_scale)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"ns dtype must be a real floating-point torch.dtype, got {dtype!r}")
+    if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel < 1:
+        raise ValueError(f"bucket_numel must be an integer >= 1, got {bucket_numel!r}")
 
     def ns(x: torch.Tensor) -> torch.Tensor:
         return newton_schulz(x, coefficients, steps, eps, dtype)
@@ -143,7 +155,16 @@ def orthogonalize(
     if collectives is not None:
         from .distributed import sharded_orthogonalizer
 
-        distributed = sharded_orthogonalizer(collectives, strategy, shard_specs, bucket_numel)
+        distributed = sharded_orthogonalizer(
+            collectives,
+            strategy,
+            shard_specs,
+            bucket_numel,
+            coefficients=coefficients,
+            steps=steps,
+            eps=eps,
+            dtype=dtype,
+        )
 
     def update(
         grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
@@ -151,11 +172,17 @@ def orthogonalize(
         keys = _tree.leaf_keys(grads)
         values = _tree.leaves(grads)
         leaf_views = resolve_views(views, keys, values)
-        for key, g, view in zip(keys, values, leaf_views):
-            view.check(key, g.shape)
-        if distributed is not None:
+        if distributed is not None:  # checks the views against the global shapes
             out = distributed(keys, values, leaf_views, ns, scale, extra_scale)
             return _tree.build(keys, out, grads), state
+        for key, g, view in zip(keys, values, leaf_views):
+            view.check(key, g.shape)
+            placements = tuple(getattr(g, "placements", ()))
+            if any(not p.is_replicate() for p in placements):
+                raise ValueError(
+                    f"{_tree.dotted(key)!r} is a DTensor sharded as {placements}: Newton–Schulz needs whole "
+                    "matrices; pass collectives=muonfn.distributed.torch_collectives(mesh)"
+                )
         matrices: list[torch.Tensor] = []
         scales: list[float] = []
         for g, view in zip(values, leaf_views):
@@ -169,7 +196,20 @@ def orthogonalize(
             pos += n
         return _tree.build(keys, out, grads), state
 
-    return Transform(empty_state, update)
+    # sharded leaves may be local blocks: their views are checked against global shapes at update
+    return Transform(_view_checker(views) if distributed is None else empty_state, update)
+
+
+def _view_checker(views: ViewsLike) -> InitFn:
+    """An ``init`` that rejects leaves their view cannot read (a vector labelled as a matrix)."""
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        keys, values = _tree.leaf_keys(params), _tree.leaves(params)
+        for key, p, view in zip(keys, values, resolve_views(views, keys, values)):
+            view.check(key, p.shape)
+        return empty_state(params)
+
+    return init
 
 
 def scale_by_shape(scale: str = "match_rms_adamw", extra_scale: float = 1.0, views: ViewsLike = None) -> Transform:
@@ -179,9 +219,9 @@ def scale_by_shape(scale: str = "match_rms_adamw", extra_scale: float = 1.0, vie
     (after the view: conv kernels flattened, ``(in, out)`` storage transposed, fused
     blocks each on their own). Modes: ``"original"`` √max(1, A/B), ``"match_rms_adamw"``
     0.2·√max(A, B), ``"spectral"`` √max(A, B), ``"unit_rms_norm"`` √(A/B), ``"none"`` 1.
-    Stateless.
+    Stateless; ``init`` checks that every leaf's view can read it.
     """
-    check_scale_mode(scale)
+    check_scale(scale, extra_scale)
 
     def update(
         grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
@@ -199,7 +239,7 @@ def scale_by_shape(scale: str = "match_rms_adamw", extra_scale: float = 1.0, vie
                 out.append(view.from_matrices(blocks, g.shape))
         return _tree.build(keys, out, grads), state
 
-    return Transform(empty_state, update)
+    return Transform(_view_checker(views), update)
 
 
 def scale_by_muon(
@@ -246,6 +286,10 @@ def scale_by_muon(
     )
 
 
+def _cast_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return t.to(like.dtype)
+
+
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, donate_state: bool = False) -> Transform:
     r"""Adam's direction with bias correction, exactly as torch.optim.AdamW computes it.
 
@@ -265,7 +309,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, donate_
     def init(params: TensorDictBase) -> TensorDictBase:
         return TensorDict(
             {
-                "step": params.apply(lambda p: torch.zeros((), dtype=torch.int64, device=p.device)),
+                # new_zeros: a DTensor param gets a replicated DTensor step on its own mesh, so the
+                # bias corrections combine with its moments even when params live on several meshes
+                "step": params.apply(lambda p: p.new_zeros((), dtype=torch.int64)),
                 "exp_avg": params.apply(torch.zeros_like),
                 "exp_avg_sq": params.apply(torch.zeros_like),
             },
@@ -279,10 +325,11 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, donate_
         keys = _tree.leaf_keys(grads)
         step, exp_avg, exp_avg_sq = (_tree.subset(state[name], keys) for name in ("step", "exp_avg", "exp_avg_sq"))
         if donate_state:
-            step, exp_avg, exp_avg_sq = step.add_(1), exp_avg.lerp_(grads, 1.0 - b1), exp_avg_sq.mul_(b2)
-        else:
-            step, exp_avg, exp_avg_sq = step.add(1), exp_avg.lerp(grads, 1.0 - b1), exp_avg_sq.mul(b2)
-        exp_avg_sq = exp_avg_sq.addcmul_(grads, grads, value=1.0 - b2)
+            step, exp_avg = step.add_(1), exp_avg.lerp_(grads, 1.0 - b1)
+            exp_avg_sq = exp_avg_sq.mul_(b2).addcmul_(grads, grads, value=1.0 - b2)
+        else:  # (addcmul_ has no vmap batching rule)
+            step, exp_avg = step.add(1), exp_avg.lerp(grads, 1.0 - b1)
+            exp_avg_sq = exp_avg_sq.mul(b2).addcmul(grads, grads, value=1.0 - b2)
         t = step.to(torch.float64)
         # 1 - beta**t, written with exp so that t may be a tensor
         bias_correction1 = t.mul(log_b1).exp().neg().add(1.0)
@@ -290,6 +337,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, donate_
         # in place on fresh temporaries only (fp64 0-d corrections would promote a 0-d leaf in place)
         denom = exp_avg_sq.sqrt().div(bias_correction2.sqrt()).add_(eps)
         updates = exp_avg.div(bias_correction1).div_(denom)
+        if any(g.ndim == 0 for g in grads.values(True, True)):
+            # a 0-d leaf meets the 0-d fp64 corrections as an equal and is promoted: cast it back
+            updates = updates.apply(_cast_like, grads)
         new_state = TensorDict(
             {
                 "step": _tree.carry(state["step"], step),
@@ -303,21 +353,23 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, donate_
     return Transform(init, update)
 
 
-def resolve_mask(mask: MaskLike, params: TensorDictBase) -> list[_tree.Key]:
-    """The leaf keys a mask selects (all of them for ``None``)."""
+def resolve_mask(mask: MaskLike, params: TensorDictBase, default: bool) -> list[_tree.Key]:
+    """The leaf keys a mask selects: all of them for ``None``; leaves it does not name get ``default``.
+
+    Names that are not leaves of ``params`` are ignored: a transform inside
+    :func:`partition` sees only its own leaves of a mask written for the whole model.
+    """
     keys = _tree.leaf_keys(params)
     if mask is None:
         return keys
     table = mask if isinstance(mask, Mapping) else mask(params)
-    chosen: set[_tree.Key] = set()
+    flags: dict[_tree.Key, bool] = {}
     for name, flag in table.items():
         try:
-            key = _tree.resolve_key(name, keys)
+            flags[_tree.resolve_key(name, keys)] = bool(flag)
         except KeyError:
-            continue  # a mask may name leaves another branch owns
-        if flag:
-            chosen.add(key)
-    return [k for k in keys if k in chosen]
+            continue
+    return [k for k in keys if flags.get(k, default)]
 
 
 def add_decayed_weights(weight_decay: Scalar = 0.0, mask: MaskLike = None) -> Transform:
@@ -325,7 +377,8 @@ def add_decayed_weights(weight_decay: Scalar = 0.0, mask: MaskLike = None) -> Tr
 
     Followed by :func:`scale_by_learning_rate` this is :math:`p \leftarrow p - \eta\lambda p`
     with the unadjusted learning rate (torch semantics). ``mask``: a mapping from key to
-    bool, or a callable ``params -> mapping``; ``None`` decays every leaf. Stateless.
+    bool, or a callable ``params -> mapping``; leaves it does not name are decayed, so
+    ``{"norm.weight": False}`` exempts just that leaf. ``None`` decays every leaf. Stateless.
     """
     non_negative("weight_decay", weight_decay)
 
@@ -337,10 +390,10 @@ def add_decayed_weights(weight_decay: Scalar = 0.0, mask: MaskLike = None) -> Tr
         if params is None:
             raise ValueError("add_decayed_weights needs params: call update(grads, state, params)")
         check_grads("add_decayed_weights", grads, params)
-        keys = resolve_mask(mask, _tree.subset(params, _tree.leaf_keys(grads)))
+        keys = resolve_mask(mask, _tree.subset(params, _tree.leaf_keys(grads)), default=True)
         if not keys:
             return grads, state
-        decayed = _tree.subset(grads, keys).add(_tree.subset(params, keys).mul(weight_decay))
+        decayed = _tree.subset(grads, keys).add(_mul(_tree.subset(params, keys), weight_decay))
         return _tree.carry(grads, decayed), state
 
     return Transform(empty_state, update)
@@ -370,7 +423,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule) -> Transform:
         ) -> tuple[TensorDictBase, TensorDictBase]:
             count = state["count"]
             lr = schedule(count)
-            updates = grads.mul(_neg(lr))
+            updates = _mul(grads, _neg(lr))
             return updates, TensorDict({"count": count + 1}, batch_size=state.batch_size)
 
         return Transform(init, update)
@@ -380,6 +433,6 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule) -> Transform:
     def scale(
         grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
     ) -> tuple[TensorDictBase, TensorDictBase]:
-        return grads.mul(_neg(lr)), state
+        return _mul(grads, _neg(lr)), state
 
     return Transform(empty_state, scale)
