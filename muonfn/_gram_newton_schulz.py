@@ -68,9 +68,9 @@ def gram_newton_schulz(
 
     The same map as :func:`muonfn.newton_schulz` (same arguments, normalisation, dtypes,
     orientation and exact properties: ``f(-G) = -f(G)``, ``f(0) = 0``,
-    ``f(2**k G) = f(G)``, ``f(G.mT) = f(G).mT``), computed through the ``m×m`` Gram
-    matrix of the wide orientation; equal to it up to rounding. Cheaper than the
-    standard iteration once the long side exceeds about 1.5× the short one.
+    ``f(2**k G) = f(G)``, ``f(G.mT) = f(G).mT`` for non-square ``G``), computed through the
+    ``m×m`` Gram matrix of the wide orientation; equal to it up to rounding. Cheaper than
+    the standard iteration once the long side exceeds about 1.5× the short one.
 
     Args:
         restarts: step indices (0-based) before which the iterate is re-formed and the
@@ -78,20 +78,23 @@ def gram_newton_schulz(
             dtypes; see :func:`default_restarts`); ``()`` for none.
     """
     schedule = ns_schedule(coefficients, steps)
-    if not eps > 0:
+    if not (isinstance(eps, int | float) and eps > 0):
         raise ValueError(f"Newton–Schulz eps must be > 0, got {eps!r}")
     if x.ndim < 2:
         raise ValueError(f"gram_newton_schulz needs a (..., m, n) tensor, got shape {tuple(x.shape)}")
-    if x.is_complex():
-        raise TypeError("gram_newton_schulz does not support complex tensors")
+    if not x.is_floating_point():
+        raise TypeError(f"gram_newton_schulz needs a real floating-point tensor, got {x.dtype}")
+    if dtype is not None and not dtype.is_floating_point:
+        raise TypeError(f"Newton–Schulz dtype must be a real floating-point dtype, got {dtype}")
     num_steps = len(schedule.triples)
     wide_dtype = torch.promote_types(x.dtype, torch.float32)
     ns_dtype = default_ns_dtype(x.device, x.dtype) if dtype is None else dtype
     restart_at = _check_restarts(default_restarts(num_steps, ns_dtype) if restarts is None else restarts, num_steps)
+    # the preamble of newton_schulz: wide orientation by shape, one memory layout, fp32+ norm
     tall = x.size(-2) > x.size(-1)
     g = x.mT if tall else x
     m, n = g.shape[-2:]
-    g = g.reshape(-1, m, n).to(wide_dtype)
+    g = g.reshape(g.shape[:-2].numel(), m, n).to(wide_dtype).contiguous()
     norm = torch.linalg.matrix_norm(g, keepdim=True)
     if schedule.norm_factor != 1.0:
         norm = norm * schedule.norm_factor

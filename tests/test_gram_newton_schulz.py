@@ -142,8 +142,12 @@ def test_restarts_argument():
 def test_bad_input():
     with pytest.raises(ValueError, match="m, n"):
         gram_newton_schulz(torch.randn(4))
-    with pytest.raises(TypeError, match="complex"):
+    with pytest.raises(TypeError, match="floating"):
         gram_newton_schulz(torch.randn(4, 4, dtype=torch.complex64))
+    with pytest.raises(TypeError, match="floating"):
+        gram_newton_schulz(torch.ones(4, 4, dtype=torch.int64))
+    with pytest.raises(TypeError, match="dtype"):
+        gram_newton_schulz(torch.randn(4, 4), dtype=torch.int32)
     with pytest.raises(ValueError, match="eps"):
         gram_newton_schulz(torch.randn(4, 4), eps=0.0)
     with pytest.raises(ValueError, match="coefficient"):
