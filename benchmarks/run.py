@@ -1,6 +1,6 @@
 """muonfn benchmark suite: ``python benchmarks/run.py [--device cuda] [--quick]``.
 
-Sections (``--sections``, default ``step,ns,elementwise``; ``compile`` on request):
+Sections (``--sections``, default ``step,ns,elementwise,overhead``; ``compile`` on request):
 
 - ``step``: one full optimizer step (Muon on the matrices, AdamW on the rest) on GPT-2
   blocks, a ResNet and an MoE layer, for muonfn (functional, unbatched, Gram, shim),
@@ -9,6 +9,7 @@ Sections (``--sections``, default ``step,ns,elementwise``; ``compile`` on reques
 - ``ns``: standard against Gram Newton–Schulz on wide matrices, with their errors.
 - ``elementwise``: muonfn's AdamW against torch.optim.AdamW (foreach and for-loop), and
   TensorDict arithmetic against ``TensorDict.apply`` for the same AdamW.
+- ``overhead``: the fixed cost of an update (one-element tensors), nested against flat keys.
 - ``compile``: ``torch.compile(update, fullgraph=True)`` against eager: compile time and step.
 
 Prints tables and writes everything, with the machine description, as JSON
@@ -43,7 +44,7 @@ from muonfn._gram_newton_schulz import (  # noqa: E402
     newton_schulz_flops,
 )
 
-SECTIONS = ("step", "ns", "elementwise", "compile")
+SECTIONS = ("step", "ns", "elementwise", "overhead", "compile")
 
 # Sizes: default (about a minute on 2 CPU cores), --quick, --smoke (a few seconds; for the tests).
 PROFILES: dict[str, dict[str, Any]] = {
@@ -271,6 +272,50 @@ def section_elementwise(args: argparse.Namespace, prof: dict[str, Any], device: 
     return out
 
 
+def section_overhead(args: argparse.Namespace, prof: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The step's fixed cost: the GPT set's structure with one-element tensors, so that only
+    Python, TensorDict and dispatch remain; nested keys (as ``TensorDict.from_module``
+    gives) against the same leaves under flat keys."""
+    ps = _sets.build("gpt", str(device), **prof["gpt"])
+    log(f"[overhead] one-element tensors shaped like {ps.description}")
+    params, _ = C.tensordicts(ps)
+    nested = params.apply(lambda p: torch.zeros([1] * p.ndim, device=p.device))
+    flat = nested.flatten_keys("/")
+    flat_labels = {k.replace(".", "/"): v for k, v in ps.labels.items()}
+
+    def update(td: Any, labels: dict[str, str], preset: str) -> Any:
+        def make() -> Any:
+            tx = muonfn.adamw() if preset == "adamw" else muonfn.muon(labels=labels)
+            state = tx.init(td)
+            return lambda: tx.update(td, state, td)
+
+        return make
+
+    def torch_adamw() -> Any:
+        tensors = [p.clone() for p in nested.values(True, True)]
+        for t in tensors:
+            t.grad = torch.zeros_like(t)
+        return torch.optim.AdamW(tensors, foreach=True).step
+
+    repeats = max(args.repeats, 20)
+    entries = [
+        Entry("muonfn muon, nested keys", update(nested, ps.labels, "muon"), repeats),
+        Entry("muonfn muon, flat keys", update(flat, flat_labels, "muon"), repeats),
+        Entry("muonfn adamw, nested keys", update(nested, ps.labels, "adamw"), repeats),
+        Entry("muonfn adamw, flat keys", update(flat, flat_labels, "adamw"), repeats),
+        Entry("torch AdamW foreach", torch_adamw, repeats),
+    ]
+    run_interleaved(entries, device, log)
+    out: dict[str, Any] = {"set": ps.name, "leaves": len(ps.named()), "contenders": {}}
+    rows = []
+    for e in entries:
+        out["contenders"][e.name] = entry_record(e)
+        rows.append([e.name, fmt(e.median * 1e3, 2)])
+    print(f"\nFixed cost of one update: {len(ps.named())} one-element leaves shaped like {ps.description}")
+    print(table(["update", "median ms"], rows))
+    return out
+
+
 def section_compile(args: argparse.Namespace, prof: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """Eager against ``torch.compile(update + apply_updates, fullgraph=True)``, with the
     comparisons of the step and elementwise sections timed in the same rounds."""
@@ -374,7 +419,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="smaller sets and fewer repeats")
     size.add_argument("--smoke", action="store_true", help="the smallest configuration (a few seconds)")
-    p.add_argument("--sections", default="step,ns,elementwise", help=f"comma-separated, of {','.join(SECTIONS)}")
+    p.add_argument(
+        "--sections", default="step,ns,elementwise,overhead", help=f"comma-separated, of {','.join(SECTIONS)}"
+    )
     p.add_argument("--sets", default="gpt,conv,moe", help="parameter sets for the step section")
     p.add_argument("--width", type=int, help="GPT width")
     p.add_argument("--depth", type=int, help="GPT depth")
@@ -411,7 +458,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "config": {"sizes": prof, "repeats": args.repeats, "sections": sections, "sets": args.sets},
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
     }
-    run = {"step": section_step, "ns": section_ns, "elementwise": section_elementwise, "compile": section_compile}
+    run = {
+        "step": section_step,
+        "ns": section_ns,
+        "elementwise": section_elementwise,
+        "overhead": section_overhead,
+        "compile": section_compile,
+    }
     for name in sections:
         results[name] = run[name](args, prof, device)
     results["targets"] = targets(results)

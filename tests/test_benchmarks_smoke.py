@@ -60,6 +60,10 @@ def test_benchmark_suite_smoke(tmp_path):
     for c in elementwise.values():
         assert positive(c["median_ms"]) and positive(c["x_torch_foreach"]) and positive(c["peak_mb"])
 
+    overhead = results["overhead"]["contenders"]
+    assert {"muonfn muon, nested keys", "muonfn muon, flat keys", "torch AdamW foreach"} <= set(overhead)
+    assert all(positive(c["median_ms"]) for c in overhead.values())
+
     targets = results["targets"]
     assert {"muonfn_x_limit", "plain_loop_over_muonfn", "muonfn_adamw_overhead"} <= set(targets)
     for t in targets.values():
