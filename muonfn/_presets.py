@@ -43,12 +43,13 @@ def adamw(
     :func:`add_decayed_weights`). Names it holds that are not among the parameters are
     ignored, as ``adamw`` is often one branch of a :func:`partition`; :func:`muon` checks
     them against all parameters. State: ``{"step", "exp_avg", "exp_avg_sq"}``;
-    ``donate_state=True`` updates it in place (see :func:`ema_momentum`).
+    ``donate_state=True`` updates it, and the step's own temporaries, in place (see
+    :func:`ema_momentum`).
     """
     return chain(
         scale_by_adam(betas[0], betas[1], eps, donate_state),
-        add_decayed_weights(weight_decay, weight_decay_mask),
-        scale_by_learning_rate(lr),
+        add_decayed_weights(weight_decay, weight_decay_mask, inplace=donate_state),
+        scale_by_learning_rate(lr, inplace=donate_state),
     )
 
 
@@ -116,7 +117,8 @@ def muon(
     the parameters (a typo is an error) and every Muon leaf against its view.
     ``ns_method="gram"``: Gram Newton–Schulz where it is cheaper (see :func:`orthogonalize`).
     ``donate_state=True`` updates the state in place instead of allocating a new one each
-    step (see :func:`ema_momentum`); the state passed to ``update`` is then consumed.
+    step, and the decay and learning rate scale the updates in place (see
+    :func:`ema_momentum`); the state passed to ``update`` is then consumed.
     State: ``{"muon": {"momentum"}, "adamw": {"step", "exp_avg", "exp_avg_sq"}}``.
     """
     muon_branch = chain(
@@ -137,8 +139,8 @@ def muon(
             ns_method,
             donate_state,
         ),
-        add_decayed_weights(weight_decay, weight_decay_mask),
-        scale_by_learning_rate(lr),
+        add_decayed_weights(weight_decay, weight_decay_mask, inplace=donate_state),
+        scale_by_learning_rate(lr, inplace=donate_state),
     )
     adamw_branch = adamw(
         lr if adamw_lr is None else adamw_lr,

@@ -44,6 +44,13 @@ def _mul(td: TensorDictBase, v: Scalar) -> TensorDictBase:
     return td.mul(v)
 
 
+def _mul_(td: TensorDictBase, v: Scalar) -> TensorDictBase:
+    """``td *= v``, leaf by leaf for DTensor leaves as in :func:`_mul`."""
+    if isinstance(v, torch.Tensor) and any(hasattr(x, "placements") for x in td.values(True, True)):
+        return td.apply_(lambda x: x.mul_(v))
+    return td.mul_(v)
+
+
 def ema_momentum(momentum: Scalar = 0.95, nesterov: bool = True, donate_state: bool = False) -> Transform:
     r"""Exponential moving average of the gradients (torch.optim.Muon's form).
 
@@ -372,13 +379,15 @@ def resolve_mask(mask: MaskLike, params: TensorDictBase, default: bool) -> list[
     return [k for k in keys if flags.get(k, default)]
 
 
-def add_decayed_weights(weight_decay: Scalar = 0.0, mask: MaskLike = None) -> Transform:
+def add_decayed_weights(weight_decay: Scalar = 0.0, mask: MaskLike = None, inplace: bool = False) -> Transform:
     r"""Decoupled weight decay: :math:`u \leftarrow u + \lambda\,p` on the leaves ``mask`` selects.
 
     Followed by :func:`scale_by_learning_rate` this is :math:`p \leftarrow p - \eta\lambda p`
     with the unadjusted learning rate (torch semantics). ``mask``: a mapping from key to
     bool, or a callable ``params -> mapping``; leaves it does not name are decayed, so
     ``{"norm.weight": False}`` exempts just that leaf. ``None`` decays every leaf. Stateless.
+    ``inplace=True`` adds into the incoming updates (same bits, no new tensors): only after a
+    transform that returns fresh tensors, as in :func:`muonfn.muon` with ``donate_state``.
     """
     non_negative("weight_decay", weight_decay)
 
@@ -393,20 +402,23 @@ def add_decayed_weights(weight_decay: Scalar = 0.0, mask: MaskLike = None) -> Tr
         keys = resolve_mask(mask, _tree.subset(params, _tree.leaf_keys(grads)), default=True)
         if not keys:
             return grads, state
-        decayed = _tree.subset(grads, keys).add(_mul(_tree.subset(params, keys), weight_decay))
+        current, decay = _tree.subset(grads, keys), _mul(_tree.subset(params, keys), weight_decay)
+        decayed = current.add_(decay) if inplace else current.add(decay)
         return _tree.carry(grads, decayed), state
 
     return Transform(empty_state, update)
 
 
-def scale_by_learning_rate(learning_rate: ScalarOrSchedule) -> Transform:
+def scale_by_learning_rate(learning_rate: ScalarOrSchedule, inplace: bool = False) -> Transform:
     r""":math:`u \leftarrow -\eta\, u`, so that ``apply_updates`` descends.
 
     ``learning_rate`` is a float, a 0-d tensor (change it in place between steps: no
     recompilation), or a schedule ``step -> lr`` called with the 0-d int64 count of
-    previous updates (state ``{"count": ...}`` then).
+    previous updates (state ``{"count": ...}`` then). ``inplace=True`` scales the incoming
+    updates in place, as :func:`add_decayed_weights` does.
     """
     non_negative("learning rate", learning_rate)
+    scale_updates = _mul_ if inplace else _mul
 
     if callable(learning_rate) and not isinstance(learning_rate, torch.Tensor):
         schedule = learning_rate
@@ -423,7 +435,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule) -> Transform:
         ) -> tuple[TensorDictBase, TensorDictBase]:
             count = state["count"]
             lr = schedule(count)
-            updates = _mul(grads, _neg(lr))
+            updates = scale_updates(grads, _neg(lr))
             return updates, TensorDict({"count": count + 1}, batch_size=state.batch_size)
 
         return Transform(init, update)
@@ -433,6 +445,6 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule) -> Transform:
     def scale(
         grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
     ) -> tuple[TensorDictBase, TensorDictBase]:
-        return _mul(grads, _neg(lr)), state
+        return scale_updates(grads, _neg(lr)), state
 
     return Transform(empty_state, scale)

@@ -225,6 +225,25 @@ def test_donation_keeps_carried_state_untouched():
         assert torch.equal(state[key], before[key]) == ("mlp" in key), key
 
 
+@pytest.mark.parametrize("lr", [0.1, torch.tensor(0.1), lambda count: 0.1 / (1 + count)])
+def test_inplace_decay_and_learning_rate_overwrite_their_input_with_the_same_bits(lr):
+    params, grads = make(7)
+    params, grads = matrices_only(params), matrices_only(grads)
+    mask = {"attn.q": False}
+    expected = {}
+    for inplace in (False, True):
+        chain = muonfn.chain(
+            muonfn.add_decayed_weights(torch.tensor(0.1), mask, inplace=inplace),
+            muonfn.scale_by_learning_rate(lr, inplace=inplace),
+        )
+        incoming = grads.clone()
+        updates, _ = chain.update(incoming, chain.init(params), params)
+        expected[inplace] = updates
+        same = all(u is g for u, g in zip(updates.values(True, True), incoming.values(True, True)))
+        assert same == inplace
+    assert (expected[True] == expected[False]).all()
+
+
 def test_compiled_update_fullgraph_matches_eager():
     """``torch.compile(update, fullgraph=True)`` traces the whole Muon + AdamW step (no graph
     breaks), with labels, views and a decay mask given as dicts and the state donated; the
