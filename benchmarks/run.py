@@ -214,10 +214,14 @@ def section_ns(args: argparse.Namespace, prof: dict[str, Any], device: torch.dev
         )
         entries.append(Entry(f"gram {m}x{n}", lambda x=x: lambda: gram_newton_schulz(x, dtype=dtype), args.repeats))
     entries.append(matmul_entry(device, dtype, prof["matmul"], args.repeats))
+    # torch.optim.Muon computes in bf16 whatever the device: its throughput here explains its times
+    bf16 = matmul_entry(device, torch.bfloat16, min(prof["matmul"], 512), 3) if dtype != torch.bfloat16 else None
     log(f"[ns] {', '.join(f'{m}x{n}' for m, n in shapes)} in {dtype}")
-    run_interleaved(entries, device, log)
+    run_interleaved(entries + ([bf16] if bf16 else []), device, log)
     rate = matmul_flops(prof["matmul"]) / entries[-1].median
     out: dict[str, Any] = {"dtype": str(dtype), "matmul_gflops": rate / 1e9, "shapes": {}}
+    if bf16 is not None:
+        out["bf16_matmul"] = {"name": bf16.name, "gflops": matmul_flops(min(prof["matmul"], 512)) / bf16.median / 1e9}
     rows = []
     for (m, n), (std, gram) in zip(shapes, zip(entries[0::2], entries[1::2])):
         x = inputs[(m, n)]
@@ -254,7 +258,9 @@ def section_ns(args: argparse.Namespace, prof: dict[str, Any], device: torch.dev
                     f"{r['rel_diff_vs_standard']:.2g}",
                 ]
             )
-    print(f"\nNewton–Schulz, 5 Keller steps in {dtype}; one {prof['matmul']}² matmul: {rate / 1e9:.1f} GFLOP/s")
+    bf16_note = f"; {bf16.name}: {out['bf16_matmul']['gflops']:.2f} GFLOP/s" if bf16 is not None else ""
+    mm = f"one {prof['matmul']}² matmul: {rate / 1e9:.1f} GFLOP/s"
+    print(f"\nNewton–Schulz, 5 Keller steps in {dtype}; {mm}{bf16_note}")
     print(
         table(
             ["shape", "method", "median ms", "GFLOP", "GFLOP/s", "× limit", "error vs polar", "diff vs standard"],
