@@ -305,6 +305,9 @@ def section_overhead(args: argparse.Namespace, prof: dict[str, Any], device: tor
     params, _ = C.tensordicts(ps)
     nested = params.apply(lambda p: torch.zeros([1] * p.ndim, device=p.device))
     flat = nested.flatten_keys("/")
+    tiny_set = _sets.gpt(**prof["gpt"], device=str(device))
+    for p in tiny_set.model.parameters():
+        p.data, p.grad = torch.zeros([1] * p.ndim, device=p.device), torch.zeros([1] * p.ndim, device=p.device)
     flat_labels = {k.replace(".", "/"): v for k, v in ps.labels.items()}
 
     def update(td: Any, labels: dict[str, str], preset: str) -> Any:
@@ -328,6 +331,8 @@ def section_overhead(args: argparse.Namespace, prof: dict[str, Any], device: tor
         Entry("muonfn adamw, nested keys", update(nested, ps.labels, "adamw"), repeats),
         Entry("muonfn adamw, flat keys", update(flat, flat_labels, "adamw"), repeats),
         Entry("torch AdamW foreach", torch_adamw, repeats),
+        Entry("hand AdamW, TensorDict arithmetic", lambda: C.make_hand_adamw(tiny_set, use_apply=False), repeats),
+        Entry("hand AdamW, TensorDict.apply", lambda: C.make_hand_adamw(tiny_set, use_apply=True), repeats),
     ]
     run_interleaved(entries, device, log)
     out: dict[str, Any] = {"set": ps.name, "leaves": len(ps.named()), "contenders": {}}
