@@ -7,6 +7,7 @@ implement momentum, Newton–Schulz and AdamW as composable transforms; a
 """
 
 from ._base import Transform, apply_updates
+from ._checkpoint import load, save
 from ._combinators import apply_if_finite, chain, masked, named, partition
 from ._labels import DEFAULT_EXCLUDE, label_params, labels_from_module, views_from_module
 from ._newton_schulz import COEFFICIENTS, Coefficients, newton_schulz, polar
@@ -39,6 +40,7 @@ __all__ = [
     "ema_momentum",
     "label_params",
     "labels_from_module",
+    "load",
     "masked",
     "muon",
     "named",
@@ -46,6 +48,7 @@ __all__ = [
     "orthogonalize",
     "partition",
     "polar",
+    "save",
     "scale_by_adam",
     "scale_by_learning_rate",
     "scale_by_muon",

@@ -1,0 +1,121 @@
+"""Checkpoints: a TensorDict on disk, written atomically, read without running code.
+
+A checkpoint file is what ``torch.save(td.to_dict(), f)`` writes, so ``torch.load(f,
+weights_only=True)`` reads it too; ``td.memmap(path)`` / ``TensorDict.load_memmap(path)``
+is the other way to store one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from . import _tree
+
+PathLike = str | os.PathLike[str]
+
+
+def _plain(td: TensorDictBase, prefix: _tree.Key = ()) -> dict[str, Any]:
+    """Nested dicts of plain tensors (no subclasses such as memory-mapped tensors or parameters)."""
+    out: dict[str, Any] = {}
+    for key, value in td.items():
+        if isinstance(value, TensorDictBase):
+            out[key] = _plain(value, (*prefix, key))
+        elif isinstance(value, torch.Tensor):
+            out[key] = value.detach().as_subclass(torch.Tensor)
+        else:
+            name = _tree.dotted((*prefix, key))
+            raise TypeError(f"save: {name!r} is a {type(value).__name__}; a checkpoint holds tensors only")
+    return out
+
+
+def _fsync_directory(directory: str) -> None:
+    """Makes a rename durable (POSIX; elsewhere the rename is as durable as the platform makes it)."""
+    if os.name != "posix":
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(tree: TensorDictBase | Mapping[str, Any], path: PathLike) -> None:
+    """Writes ``tree`` (a TensorDict, or a mapping of tensors and TensorDicts) to ``path``.
+
+    The file is ``torch.save(tree.to_dict())``'s. It is written to a temporary file in
+    the same directory, flushed to disk and renamed over ``path`` in one step, so a
+    crash mid-save leaves the previous checkpoint at ``path`` intact.
+    """
+    td = tree if isinstance(tree, TensorDictBase) else TensorDict(dict(tree), batch_size=[])
+    data = _plain(td)
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(8)}.tmp")
+    # os.open rather than mkstemp: the checkpoint gets the permissions the umask gives any new file
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(data, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_directory(directory)
+
+
+def _nested(data: Any, path: PathLike, prefix: _tree.Key = ()) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        where = f" at {_tree.dotted(prefix)!r}" if prefix else ""
+        raise TypeError(f"load: {os.fspath(path)!r} holds a {type(data).__name__}{where}, not a TensorDict checkpoint")
+    for key, value in data.items():
+        if not isinstance(key, str):
+            raise TypeError(f"load: {os.fspath(path)!r} has a non-string key {key!r}")
+        if not isinstance(value, torch.Tensor):
+            _nested(value, path, (*prefix, key))
+    return data
+
+
+def load(
+    path: PathLike,
+    like: TensorDictBase | None = None,
+    map_location: str | torch.device | None = None,
+) -> TensorDict:
+    """Reads a checkpoint written by :func:`save` (or ``torch.save(td.to_dict(), f)``).
+
+    Unpickling runs with ``weights_only=True``: a checkpoint can hold tensors and plain
+    containers, never code. With ``like``, the result must have exactly ``like``'s keys,
+    shapes and dtypes (else a ``ValueError`` names the first key that differs); it comes
+    in ``like``'s key order, on ``like``'s devices. ``like`` itself is never modified.
+    """
+    data = _nested(torch.load(path, map_location=map_location, weights_only=True), path)
+    loaded = TensorDict(data, batch_size=[])
+    return loaded if like is None else conform(loaded, like, f"load({os.fspath(path)!r})")
+
+
+def conform(td: TensorDictBase, like: TensorDictBase, where: str) -> TensorDict:
+    """``td``'s leaves laid out as ``like``'s (key order, batch size, devices), after checking they match."""
+    given = dict(zip(_tree.leaf_keys(td), _tree.leaves(td)))
+    out = like.empty(recurse=True)
+    for key, ref in zip(_tree.leaf_keys(like), _tree.leaves(like)):
+        name = _tree.dotted(key)
+        value = given.pop(key, None)
+        if value is None:
+            raise ValueError(f"{where}: missing {name!r}")
+        if value.shape != ref.shape:
+            raise ValueError(f"{where}: {name!r} has shape {tuple(value.shape)}, expected {tuple(ref.shape)}")
+        if value.dtype != ref.dtype:
+            raise ValueError(f"{where}: {name!r} has dtype {value.dtype}, expected {ref.dtype}")
+        out.set(key, value.to(ref.device))
+    if given:
+        raise ValueError(f"{where}: unexpected {_tree.dotted(next(iter(given)))!r}")
+    return out

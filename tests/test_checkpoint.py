@@ -1,0 +1,263 @@
+"""Checkpoints are saved TensorDicts: atomic writes, weights-only reads, exact resume in a new process."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import nn
+
+import muonfn
+from muonfn.optim import Muon
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+HP = {"lr": 0.02, "momentum": 0.9, "weight_decay": 0.05, "adamw_lr": 0.004}
+K, N = 4, 9  # save after K steps, resume to N
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_bitwise(a: TensorDictBase, b: TensorDictBase) -> None:
+    keys_a = sorted(a.keys(include_nested=True, leaves_only=True), key=str)
+    keys_b = sorted(b.keys(include_nested=True, leaves_only=True), key=str)
+    assert keys_a == keys_b
+    for key in keys_a:
+        x, y = a.get(key), b.get(key)
+        assert (x.dtype, x.shape) == (y.dtype, y.shape), key
+        assert torch.equal(bits(x), bits(y)), key
+
+
+def model(dtype: torch.dtype = torch.float32) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)).to(
+        dtype
+    )
+
+
+def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randn(8, 5, generator=g), torch.randn(8, 2, generator=g)
+
+
+def functional_run(params: TensorDictBase, state: TensorDictBase, start: int, stop: int):
+    net = model()
+    tx = muonfn.muon(**HP)
+
+    def loss_fn(p, x, y):
+        with p.to_module(net):
+            return nn.functional.mse_loss(net(x), y)
+
+    for i in range(start, stop):
+        grads = torch.func.grad(loss_fn)(params, *batch(i))
+        updates, state = tx.update(grads, state, params)
+        params = muonfn.apply_updates(params, updates)
+    return params, state
+
+
+def shim_setup() -> tuple[nn.Module, Muon, torch.optim.lr_scheduler.LRScheduler]:
+    net = model()
+    opt = Muon(net.named_parameters(), **HP)
+    return net, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+
+
+def shim_run(net: nn.Module, opt: Muon, scheduler, start: int, stop: int) -> None:
+    for i in range(start, stop):
+        x, y = batch(i)
+        opt.zero_grad()
+        nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+        scheduler.step()
+
+
+def resume_worker(directory: str) -> None:
+    """Runs in a fresh interpreter: loads both checkpoints, trains to N steps, saves the results."""
+    d = pathlib.Path(directory)
+    fresh = TensorDict.from_module(model()).detach()
+    like = TensorDict({"params": fresh, "state": muonfn.muon(**HP).init(fresh)}, batch_size=[])
+    checkpoint = muonfn.load(d / "functional.pt", like=like)
+    params, state = functional_run(checkpoint["params"], checkpoint["state"], K, N)
+    muonfn.save({"params": params, "state": state}, d / "functional_final.pt")
+
+    net, opt, scheduler = shim_setup()
+    checkpoint = torch.load(d / "shim.pt", weights_only=True)
+    net.load_state_dict(checkpoint["model"])
+    opt.load_state_dict(checkpoint["optimizer"])
+    scheduler.load_state_dict(checkpoint["scheduler"])
+    shim_run(net, opt, scheduler, K, N)
+    torch.save({"model": net.state_dict(), "optimizer": opt.state_dict()}, d / "shim_final.pt")
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    d = tmp_path_factory.mktemp("resume")
+    params = TensorDict.from_module(model()).detach()
+    params, state = functional_run(params, muonfn.muon(**HP).init(params), 0, K)
+    muonfn.save({"params": params, "state": state}, d / "functional.pt")
+    net, opt, scheduler = shim_setup()
+    shim_run(net, opt, scheduler, 0, K)
+    checkpoint = {"model": net.state_dict(), "optimizer": opt.state_dict(), "scheduler": scheduler.state_dict()}
+    torch.save(checkpoint, d / "shim.pt")
+
+    path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", f"import test_checkpoint; test_checkpoint.resume_worker({str(d)!r})"],
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    return d
+
+
+def test_functional_resume_in_a_new_process_is_exact(resumed: pathlib.Path):
+    params = TensorDict.from_module(model()).detach()
+    params, state = functional_run(params, muonfn.muon(**HP).init(params), 0, N)
+    final = muonfn.load(resumed / "functional_final.pt")
+    assert_bitwise(final["params"], params)
+    assert_bitwise(final["state"], state)
+    assert int(final["state", "adamw", "step", "0", "bias"]) == N
+
+
+def test_shim_resume_in_a_new_process_is_exact(resumed: pathlib.Path):
+    net, opt, scheduler = shim_setup()
+    shim_run(net, opt, scheduler, 0, N)
+    final = torch.load(resumed / "shim_final.pt", weights_only=True)
+    assert_bitwise(TensorDict(final["model"], batch_size=[]), TensorDict(net.state_dict(), batch_size=[]))
+    other = Muon(model().named_parameters(), **HP)
+    other.load_state_dict(final["optimizer"])
+    assert_bitwise(other.functional_state, opt.functional_state)
+    assert [g["lr"] for g in other.param_groups] == [g["lr"] for g in opt.param_groups]
+
+
+# ---------------------------------------------------------------------------- save and load
+
+
+def trained_state(dtype: torch.dtype = torch.bfloat16) -> TensorDict:
+    params = TensorDict.from_module(model(dtype)).detach()
+    tx = muonfn.muon(**HP)
+    state = tx.init(params)
+    grads = params.apply(lambda p: torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())).to(dtype))
+    _, state = tx.update(grads, state, params)
+    return TensorDict({"params": params, "state": state}, batch_size=[])
+
+
+def test_round_trip_is_exact_and_interoperates_with_torch_save(tmp_path: pathlib.Path):
+    checkpoint = trained_state()
+    muonfn.save(checkpoint, tmp_path / "a.pt")
+    assert_bitwise(muonfn.load(tmp_path / "a.pt"), checkpoint)
+    (tmp_path / "plain").write_bytes(b"")
+    assert (tmp_path / "a.pt").stat().st_mode == (tmp_path / "plain").stat().st_mode  # as torch.save would make it
+    loaded = muonfn.load(tmp_path / "a.pt", like=checkpoint)
+    assert list(loaded.keys(True, True)) == list(checkpoint.keys(True, True))
+    assert loaded["state", "adamw", "step", "0", "bias"].dtype == torch.int64
+    # the file is torch.save(td.to_dict()), both ways
+    plain = torch.load(tmp_path / "a.pt", weights_only=True)
+    assert_bitwise(TensorDict(plain, batch_size=[]), checkpoint)
+    torch.save(checkpoint.to_dict(), tmp_path / "b.pt")
+    assert_bitwise(muonfn.load(tmp_path / "b.pt", like=checkpoint), checkpoint)
+    # a mapping of TensorDicts saves like the TensorDict holding them
+    muonfn.save({"params": checkpoint["params"], "state": checkpoint["state"]}, tmp_path / "c.pt")
+    assert_bitwise(muonfn.load(tmp_path / "c.pt"), checkpoint)
+
+
+def test_memmap_round_trip_is_exact(tmp_path: pathlib.Path):
+    checkpoint = trained_state()
+    checkpoint.memmap(tmp_path / "mm")
+    loaded = TensorDict.load_memmap(tmp_path / "mm")
+    assert_bitwise(loaded, checkpoint)
+    # memory-mapped leaves are saved as plain tensors, so weights_only loading accepts them
+    muonfn.save(loaded, tmp_path / "from_memmap.pt")
+    assert_bitwise(muonfn.load(tmp_path / "from_memmap.pt"), checkpoint)
+
+
+def test_failed_save_leaves_the_previous_checkpoint(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch):
+    path = tmp_path / "ckpt.pt"
+    good = trained_state()
+    muonfn.save(good, path)
+
+    def broken_save(obj, f):
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        muonfn.save(trained_state(torch.float32), path)
+    monkeypatch.undo()
+    assert_bitwise(muonfn.load(path), good)
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_crash_mid_save_leaves_the_previous_checkpoint(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch):
+    path = tmp_path / "ckpt.pt"
+    good = trained_state()
+    muonfn.save(good, path)
+
+    def dying_save(obj, f):
+        f.write(b"half a checkpoint")
+        f.flush()
+        os._exit(3)  # the process dies here: no cleanup, no exception handlers
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child never returns
+        try:
+            muonfn.save(trained_state(torch.float32), path)
+        finally:
+            os._exit(0)
+    monkeypatch.undo()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 3
+    assert_bitwise(muonfn.load(path), good)
+
+
+def test_load_never_runs_code(tmp_path: pathlib.Path):
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (exec, (f"open({str(marker)!r}, 'w').close()",))
+
+    torch.save({"x": Payload()}, tmp_path / "evil.pt")
+    with pytest.raises(pickle.UnpicklingError):
+        muonfn.load(tmp_path / "evil.pt")
+    assert not marker.exists()
+    torch.save(torch.ones(2), tmp_path / "tensor.pt")
+    with pytest.raises(TypeError, match="holds a Tensor"):
+        muonfn.load(tmp_path / "tensor.pt")
+
+
+def test_load_into_a_mismatched_structure_names_the_first_key(tmp_path: pathlib.Path):
+    like = trained_state()
+    kept = like.clone()
+    leaves = list(like.values(True, True))
+    cases = {
+        "missing": (like.exclude(("state", "adamw", "exp_avg", "0", "bias")), r"missing 'state.adamw.exp_avg.0.bias'"),
+        "extra": (like.clone(recurse=False).set(("state", "extra"), torch.ones(1)), r"unexpected 'state.extra'"),
+        "dtype": (like.float(), r"'params.0.weight' has dtype torch.float32, expected torch.bfloat16"),
+        "shape": (
+            like.clone(recurse=False).set(("params", "3", "weight"), torch.zeros(2, 8, dtype=torch.bfloat16)),
+            r"'params.3.weight' has shape \(2, 8\), expected \(8, 8\)",
+        ),
+    }
+    for name, (saved, message) in cases.items():
+        muonfn.save(saved, tmp_path / f"{name}.pt")
+        with pytest.raises(ValueError, match=message):
+            muonfn.load(tmp_path / f"{name}.pt", like=like)
+    assert all(a is b for a, b in zip(like.values(True, True), leaves))
+    assert_bitwise(like, kept)
+
+
+def test_save_refuses_what_is_not_a_tensor(tmp_path: pathlib.Path):
+    with pytest.raises(TypeError, match=r"'meta\.note' is a NonTensorData"):
+        muonfn.save({"meta": TensorDict({"note": "hello"}, batch_size=[])}, tmp_path / "x.pt")
+    assert os.listdir(tmp_path) == []

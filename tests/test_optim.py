@@ -1,0 +1,657 @@
+"""muonfn.optim.Muon: the torch.optim contract, checked bit for bit against the functional core."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import nn
+
+import muonfn
+from muonfn.optim import Muon
+
+HP = {"lr": 0.02, "momentum": 0.9, "weight_decay": 0.05, "adamw_lr": 0.004, "adamw_betas": (0.85, 0.97)}
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def mlp(seed: int = 0, hidden: int = 12, dtype: torch.dtype = torch.float32) -> nn.Sequential:
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Linear(6, hidden),
+        nn.LayerNorm(hidden),
+        nn.Tanh(),
+        nn.Linear(hidden, hidden),
+        nn.Tanh(),
+        nn.Linear(hidden, 3),
+    )
+    return model.to(dtype)
+
+
+def batches(n: int, seed: int = 1, dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, 6, generator=g).to(dtype), torch.randn(16, 3, generator=g).to(dtype)) for _ in range(n)]
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(model(x), y)
+
+
+def shim_steps(model: nn.Module, opt: torch.optim.Optimizer, data, scheduler=None) -> None:
+    for x, y in data:
+        opt.zero_grad()
+        loss_of(model, x, y).backward()
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+
+
+def functional_steps(model: nn.Module, tx: muonfn.Transform, params, state, data):
+    def loss_fn(p, x, y):
+        with p.to_module(model):
+            return loss_of(model, x, y)
+
+    for x, y in data:
+        grads = torch.func.grad(loss_fn)(params, x, y)
+        updates, state = tx.update(grads, state, params)
+        params = muonfn.apply_updates(params, updates)
+    return params, state
+
+
+def params_of(model: nn.Module) -> TensorDictBase:
+    return TensorDict.from_module(model).detach().clone()
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_bitwise(a: TensorDictBase, b: TensorDictBase) -> None:
+    """Same leaves with the same shapes, dtypes and bits (so -0.0 differs from 0.0)."""
+    keys_a = sorted(a.keys(include_nested=True, leaves_only=True), key=str)
+    keys_b = sorted(b.keys(include_nested=True, leaves_only=True), key=str)
+    assert keys_a == keys_b
+    for key in keys_a:
+        x, y = a.get(key), b.get(key)
+        assert (x.dtype, x.shape) == (y.dtype, y.shape), key
+        assert torch.equal(bits(x), bits(y)), key
+
+
+def snapshot(model: nn.Module, opt: Muon) -> tuple[TensorDictBase, TensorDictBase, list[dict]]:
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return params_of(model), opt.functional_state.clone(), copy.deepcopy(groups)
+
+
+def assert_unchanged(model: nn.Module, opt: Muon, before) -> None:
+    params, state, groups = before
+    assert_bitwise(TensorDict.from_module(model), params)
+    assert_bitwise(opt.functional_state, state)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == groups
+
+
+class Zoo(nn.Module):
+    """Embedding, conv, LayerNorm, biases and an output head tied to the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(11, 8)
+        self.conv = nn.Conv1d(8, 8, 3, padding=1)
+        self.norm = nn.LayerNorm(8)
+        self.proj = nn.Linear(8, 8)
+        self.lm_head = nn.Linear(8, 11, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        h = self.conv(h.transpose(1, 2)).transpose(1, 2)
+        return self.lm_head(self.proj(torch.tanh(self.norm(h))))
+
+
+# ---------------------------------------------------------------------------- the contract
+
+
+def test_is_a_torch_optimizer_with_two_routed_groups():
+    model = Zoo()
+    opt = Muon(model.named_parameters(), **HP)
+    assert isinstance(opt, torch.optim.Optimizer)
+    assert "betas" not in opt.defaults and opt.defaults["momentum"] == 0.9
+    assert [g["use_muon"] for g in opt.param_groups] == [True, False]
+    assert opt.param_groups[0]["param_names"] == ["conv.weight", "proj.weight"]
+    assert opt.param_groups[1]["param_names"] == ["embed.weight", "conv.bias", "norm.weight", "norm.bias", "proj.bias"]
+    assert [g["lr"] for g in opt.param_groups] == [0.02, 0.004]
+    assert opt.state[model.conv.weight].keys() == {"momentum_buffer"}
+    assert opt.state[model.embed.weight].keys() == {"step", "exp_avg", "exp_avg_sq"}
+    # opt.state shows the functional state's own tensors, before and after a step
+    for _ in range(2):
+        assert (
+            opt.state[model.conv.weight]["momentum_buffer"]
+            is opt.functional_state["muon", "momentum", "conv", "weight"]
+        )
+        assert opt.state[model.norm.bias]["step"] is opt.functional_state["adamw", "step", "norm", "bias"]
+        opt.zero_grad()
+        model(torch.randint(0, 11, (2, 5))).square().mean().backward()
+        opt.step()
+    assert opt.state[model.norm.bias]["step"].dtype == torch.int64
+    assert int(opt.state[model.norm.bias]["step"]) == 2
+    assert len(opt.state) == 7 and list(opt.state) == [p for g in opt.param_groups for p in g["params"]]
+
+
+@pytest.mark.parametrize(("dtype", "steps"), [(torch.float32, 20), (torch.bfloat16, 5)])
+def test_matches_the_functional_loop_bit_for_bit(dtype, steps):
+    # the shim feeds lr, momentum and weight_decay as float64 0-d tensors, the loop as Python floats
+    data = batches(steps, dtype=dtype)
+    model = mlp(dtype=dtype)
+    opt = Muon(model.named_parameters(), **HP)
+    ref = mlp(dtype=dtype)
+    tx = muonfn.muon(**HP)
+    params = params_of(ref)
+    state = tx.init(params)
+    assert_bitwise(opt.functional_state, state)  # the layout of muonfn.muon(...).init
+    shim_steps(model, opt, data)
+    params, state = functional_steps(ref, tx, params, state, data)
+    assert_bitwise(TensorDict.from_module(model), params)
+    assert_bitwise(opt.functional_state, state)
+
+
+def test_functional_state_handed_off_mid_run_and_back():
+    data = batches(20)
+    model_u = mlp()
+    opt_u = Muon(model_u.named_parameters(), **HP)
+    shim_steps(model_u, opt_u, data)
+
+    model = mlp()
+    opt = Muon(model.named_parameters(), **HP)
+    shim_steps(model, opt, data[:7])
+    params, state = functional_steps(mlp(), muonfn.muon(**HP), params_of(model), opt.functional_state, data[7:13])
+    with torch.no_grad():
+        TensorDict.from_module(model).update_(params)
+    fresh = Muon(model.named_parameters(), **HP)
+    assert_bitwise(fresh.transform.init(params), muonfn.muon(**HP).init(params))
+    fresh.functional_state = state
+    shim_steps(model, fresh, data[13:])
+    assert_bitwise(TensorDict.from_module(model), TensorDict.from_module(model_u))
+    assert_bitwise(fresh.functional_state, opt_u.functional_state)
+
+
+def test_every_parameter_updated_exactly_once_per_step_tied_head_included():
+    model = Zoo()
+    opt = Muon(model.named_parameters(), lr=0.01)
+    tx = muonfn.muon(lr=0.01)
+    named = dict(model.named_parameters())
+    params = TensorDict({tuple(n.split(".")): p.detach().clone() for n, p in named.items()}, batch_size=[])
+    state = tx.init(params)
+    assert ("muon", "momentum", "conv", "weight") in opt.functional_state.keys(True, True)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        opt.zero_grad()
+        nn.functional.cross_entropy(
+            model(torch.randint(0, 11, (4, 6), generator=g)).flatten(0, 1), torch.arange(24) % 11
+        ).backward()
+        grads = TensorDict({tuple(n.split(".")): p.grad.clone() for n, p in named.items()}, batch_size=[])
+        updates, state = tx.update(grads, state, params)
+        params = muonfn.apply_updates(params, updates)
+        opt.step()
+        current = TensorDict({tuple(n.split(".")): p.detach() for n, p in model.named_parameters()}, batch_size=[])
+        assert_bitwise(current, params)
+    assert model.lm_head.weight is model.embed.weight
+    assert_bitwise(opt.functional_state, state)
+
+
+def test_plain_tensors_are_keyed_by_position():
+    model = mlp()
+    opt = Muon(model.parameters(), lr=0.02)
+    # weights of the three Linear layers are the tensors given 0th, 4th and 6th
+    assert opt.functional_state["muon", "momentum"].keys() == {"0", "4", "6"}
+    assert "param_names" not in opt.param_groups[0]
+    shim_steps(model, opt, batches(2))
+    ref = mlp()
+    tx = muonfn.muon(lr=0.02)
+    params = params_of(ref)
+    params, _ = functional_steps(ref, tx, params, tx.init(params), batches(2))
+    assert_bitwise(TensorDict.from_module(model), params)
+    sd = opt.state_dict()
+    assert [g["params"] for g in sd["param_groups"]] == [[0, 1, 2], [3, 4, 5, 6, 7]]
+    assert sd["state"][0].keys() == {"momentum_buffer"} and sd["state"][3].keys() == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_per_group_hyperparameters_are_honoured():
+    model = mlp()
+    layers = [model[0], model[3], model[5]]
+    vectors = [p for m in (model[0], model[1], model[3], model[5]) for p in (m.weight, m.bias) if p.ndim == 1]
+    groups = [
+        {"lr": 0.05, "momentum": 0.8, "weight_decay": 0.0, "use_muon": True},
+        {"lr": 0.01, "momentum": 0.6, "weight_decay": 0.2, "nesterov": False, "use_muon": True},
+        {"lr": 0.003, "weight_decay": 0.0, "adamw_betas": (0.8, 0.9), "use_muon": False},
+    ]
+    members = [[layers[0].weight, layers[1].weight], [layers[2].weight], vectors]
+    opt = Muon([{**g, "params": m} for g, m in zip(groups, members)], lr=0.02)
+    assert list(opt.functional_state.keys()) == ["muon", "muon_1", "adamw"]
+    txs = [
+        muonfn.muon(lr=0.05, momentum=0.8, weight_decay=0.0, labels=lambda p: dict.fromkeys(p.keys(), "muon")),
+        muonfn.muon(
+            lr=0.01, momentum=0.6, weight_decay=0.2, nesterov=False, labels=lambda p: dict.fromkeys(p.keys(), "muon")
+        ),
+        muonfn.adamw(lr=0.003, betas=(0.8, 0.9), weight_decay=0.0),
+    ]
+    tds = [TensorDict({str(i): p.detach().clone() for i, p in enumerate(m)}, batch_size=[]) for m in members]
+    states = [tx.init(td) for tx, td in zip(txs, tds)]
+    for x, y in batches(3):
+        opt.zero_grad()
+        loss_of(model, x, y).backward()
+        for i, (tx, m) in enumerate(zip(txs, members)):
+            grads = TensorDict({str(j): p.grad.clone() for j, p in enumerate(m)}, batch_size=[])
+            updates, states[i] = tx.update(grads, states[i], tds[i])
+            tds[i] = muonfn.apply_updates(tds[i], updates)
+        opt.step()
+    for td, m in zip(tds, members):
+        assert_bitwise(TensorDict({str(j): p.detach() for j, p in enumerate(m)}, batch_size=[]), td)
+    assert_bitwise(
+        opt.functional_state["muon_1", "momentum"], TensorDict({"2": states[1]["muon", "momentum", "0"]}, [])
+    )
+
+
+def test_groups_without_use_muon_are_split_and_set_their_adamw_half():
+    named = list(mlp().named_parameters())
+    opt = Muon(
+        [{"params": named[:4], "weight_decay": 0.0, "adamw_lr": 1e-3}, {"params": named[4:], "lr": 0.05}],
+        lr=0.02,
+        adamw_lr=3e-3,
+    )
+    assert [(g["use_muon"], g["lr"], g["weight_decay"]) for g in opt.param_groups] == [
+        (True, 0.02, 0.0),
+        (False, 1e-3, 0.0),
+        (True, 0.05, 0.1),
+        (False, 3e-3, 0.1),
+    ]
+    assert opt.param_groups[2]["param_names"] == ["3.weight", "5.weight"]
+    assert list(opt.functional_state.keys()) == ["muon", "adamw", "muon_1", "adamw_1"]
+    # without adamw_lr anywhere, the AdamW half follows its group's lr
+    opt = Muon([{"params": named, "lr": 0.05}], lr=0.02)
+    assert [g["lr"] for g in opt.param_groups] == [0.05, 0.05]
+
+
+def test_params_without_grad_are_skipped_with_their_state():
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"trunk": nn.Linear(4, 8), "a": nn.Linear(8, 2), "b": nn.Linear(8, 2)})
+    opt = Muon(model.named_parameters(), **HP)
+    tx = muonfn.muon(**HP)
+    params = params_of(model)
+    state = tx.init(params)
+    g = torch.Generator().manual_seed(0)
+    for head in "aabab":
+        x = torch.randn(5, 4, generator=g)
+        opt.zero_grad()
+        model[head](torch.tanh(model["trunk"](x))).square().mean().backward()
+        other = "b" if head == "a" else "a"
+        before = (params_of(model[other]), opt.functional_state.clone())
+        opt.step()
+        assert model[other].weight.grad is None
+        assert_bitwise(params_of(model[other]), before[0])
+        for label, field in (("muon", "momentum"), ("adamw", "step"), ("adamw", "exp_avg"), ("adamw", "exp_avg_sq")):
+            assert_bitwise(opt.functional_state[label, field, other], before[1][label, field, other])
+        grads = TensorDict(
+            {(name, leaf): p.grad for name in ("trunk", head) for leaf, p in model[name].named_parameters()}, []
+        )
+        updates, state = tx.update(grads, state, params)
+        params = muonfn.apply_updates(params, updates)
+    assert_bitwise(TensorDict.from_module(model), params)
+    assert_bitwise(opt.functional_state, state)
+    steps = opt.functional_state["adamw", "step"]
+    assert (int(steps["trunk", "bias"]), int(steps["a", "bias"]), int(steps["b", "bias"])) == (5, 3, 2)
+
+
+def test_adamw_groups_match_torch_adamw_with_skipped_steps():
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 3), nn.Linear(4, 3)
+    b.load_state_dict(a.state_dict())
+    opt = Muon([{"params": a.parameters(), "use_muon": False}], lr=0.01, weight_decay=0.1, adamw_betas=(0.9, 0.99))
+    ref = torch.optim.AdamW(b.parameters(), lr=0.01, weight_decay=0.1, betas=(0.9, 0.99), foreach=False)
+    g = torch.Generator().manual_seed(0)
+    for i in range(6):
+        x = torch.randn(5, 4, generator=g)
+        for model, o in ((a, opt), (b, ref)):
+            o.zero_grad()
+            model(x).square().mean().backward()
+            if i % 3 == 1:
+                model.bias.grad = None  # the bias skips this step, and its bias correction with it
+            o.step()
+    torch.testing.assert_close(a.weight, b.weight, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(a.bias, b.bias, rtol=1e-6, atol=1e-7)
+    assert int(opt.state[a.bias]["step"]) == int(ref.state[b.bias]["step"]) == 4
+
+
+def test_closure_runs_with_grad_enabled_and_zero_grad():
+    model = mlp()
+    opt = Muon(model.named_parameters(), lr=0.02)
+    (x, y), *_ = batches(1)
+    before = params_of(model)
+
+    def closure():
+        opt.zero_grad()
+        loss = loss_of(model, x, y)
+        loss.backward()
+        return loss
+
+    with torch.no_grad():
+        loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor) and loss.requires_grad
+    assert not torch.equal(model[0].weight, before["0", "weight"])
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    state = opt.functional_state
+    opt.step()  # nothing has a gradient: nothing changes
+    assert opt.functional_state is state
+
+
+def test_add_param_group_initialises_new_state_only():
+    model = mlp()
+    named = list(model.named_parameters())
+    opt = Muon(named[:4], **HP)
+    shim_steps(model, opt, batches(2))
+    momentum = opt.functional_state["muon", "momentum", "0", "weight"]
+    opt.add_param_group({"params": named[4:], "lr": 0.01})
+    assert list(opt.functional_state.keys()) == ["muon", "adamw", "muon_1", "adamw_1"]
+    assert opt.functional_state["muon", "momentum", "0", "weight"] is momentum
+    assert not opt.functional_state["muon_1", "momentum", "3", "weight"].any()
+    assert [g["lr"] for g in opt.param_groups] == [0.02, 0.004, 0.01, 0.004]
+    before = snapshot(model, opt)
+    with pytest.raises(ValueError, match=r"'3.weight' is already in parameter group 2"):
+        opt.add_param_group({"params": [named[4]], "use_muon": True})
+    with pytest.raises(ValueError, match="without names"):
+        opt.add_param_group({"params": [nn.Parameter(torch.ones(2, 2))]})
+    assert_unchanged(model, opt, before)
+    shim_steps(model, opt, batches(1))
+    assert int(opt.functional_state["adamw_1", "step", "5", "bias"]) == 1
+
+
+def test_bad_settings_raise_naming_the_culprit():
+    model = mlp()
+    with pytest.raises(TypeError, match="lr_scheduler"):
+        Muon(model.parameters(), lr=lambda step: 0.1)
+    with pytest.raises(ValueError, match="momentum"):
+        Muon(model.parameters(), momentum=1.0)
+    with pytest.raises(ValueError, match=r"'0.bias'.*holds no matrix"):
+        Muon([{"params": [("0.bias", model[0].bias)], "use_muon": True}])
+    with pytest.raises(ValueError, match=r"'5.weight' is the same tensor as '0.weight'"):
+        Muon([("0.weight", model[0].weight), ("5.weight", model[0].weight)])
+    with pytest.raises(ValueError, match="adamw_lr"):
+        Muon([{"params": model.parameters(), "use_muon": False, "adamw_lr": 0.1}])
+    with pytest.raises(ValueError, match="scale mode"):
+        Muon(model.parameters(), scale="bogus")
+    with pytest.raises(ValueError, match="non-leaf"):
+        Muon([model[0].weight * 2])
+    with pytest.raises(ValueError, match=r"'0' has no label \(parameters given without names are keyed by position\)"):
+        Muon(model.parameters(), labels=muonfn.labels_from_module(model))
+
+
+def test_param_group_changes_take_effect_at_the_next_step():
+    data = batches(6)
+    model = mlp()
+    opt = Muon(model.named_parameters(), **HP)
+    ref = mlp()
+    params = params_of(ref)
+    state = muonfn.muon(**HP).init(params)
+    shim_steps(model, opt, data[:2])
+    params, state = functional_steps(ref, muonfn.muon(**HP), params, state, data[:2])
+
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    before = params_of(model)
+    shim_steps(model, opt, data[2:3])
+    assert_bitwise(TensorDict.from_module(model), before)  # lr 0: no move, but momentum advanced
+    changed = {**HP, "lr": 0.0, "adamw_lr": 0.0}
+    params, state = functional_steps(ref, muonfn.muon(**changed), params, state, data[2:3])
+    assert_bitwise(opt.functional_state, state)
+
+    opt.param_groups[0].update(lr=0.03, momentum=0.5, weight_decay=0.0, ns_steps=3, nesterov=False)
+    opt.param_groups[1].update(lr=0.001, adamw_betas=(0.5, 0.6), adamw_eps=1e-6)
+    changed = {**HP, "lr": 0.03, "momentum": 0.5, "weight_decay": 0.0, "ns_steps": 3, "nesterov": False}
+    changed |= {"adamw_lr": 0.001, "adamw_betas": (0.5, 0.6), "adamw_eps": 1e-6, "adamw_weight_decay": 0.05}
+    shim_steps(model, opt, data[3:])
+    params, state = functional_steps(ref, muonfn.muon(**changed), params, state, data[3:])
+    assert_bitwise(TensorDict.from_module(model), params)
+    assert_bitwise(opt.functional_state, state)
+
+    opt.param_groups[0]["lr"] = -1.0
+    before = snapshot(model, opt)
+    with pytest.raises(ValueError, match="param group 0: lr must be >= 0"):
+        shim_steps(model, opt, data[:1])
+    opt.param_groups[0]["lr"] = 0.03
+    before[2][0]["lr"] = 0.03
+    assert_unchanged(model, opt, before)
+
+
+SCHEDULERS = {
+    "lambda": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step)),
+    "cosine": lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=8),
+    "one_cycle": lambda opt: torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=[0.02, 0.004], total_steps=8, cycle_momentum=True, base_momentum=0.7, max_momentum=0.95
+    ),
+}
+
+
+@pytest.mark.parametrize("name", SCHEDULERS)
+def test_schedulers_drive_lr_and_momentum(name):
+    data = batches(8)
+    model = mlp()
+    opt = Muon(model.named_parameters(), **HP)
+    scheduler = SCHEDULERS[name](opt)
+    ref = mlp()
+    params = params_of(ref)
+    state = muonfn.muon(**HP).init(params)
+    seen = []
+    for x, y in data:
+        muon_group, adamw_group = opt.param_groups
+        seen.append((muon_group["lr"], adamw_group["lr"], muon_group["momentum"]))
+        tx = muonfn.muon(**{**HP, "lr": seen[-1][0], "adamw_lr": seen[-1][1], "momentum": seen[-1][2]})
+        params, state = functional_steps(ref, tx, params, state, [(x, y)])
+        shim_steps(model, opt, [(x, y)], scheduler)
+    assert_bitwise(TensorDict.from_module(model), params)
+    assert_bitwise(opt.functional_state, state)
+    lrs = [s[0] for s in seen]
+    assert len(set(lrs)) == len(lrs)
+    for muon_lr, adamw_lr, _ in seen:  # both groups scaled alike
+        assert adamw_lr / muon_lr == pytest.approx(HP["adamw_lr"] / HP["lr"], rel=1e-9)
+    if name == "one_cycle":
+        assert len({s[2] for s in seen}) > 4 and min(s[2] for s in seen) == pytest.approx(0.7, abs=0.05)
+        assert opt.param_groups[1]["adamw_betas"] == HP["adamw_betas"]
+
+
+# ---------------------------------------------------------------------------- state
+
+
+def test_state_dict_round_trip_continues_bit_for_bit():
+    data = batches(10)
+    model = mlp()
+    opt = Muon(model.named_parameters(), **HP)
+    shim_steps(model, opt, data[:5])
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
+    shim_steps(model, opt, data[5:])
+
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=True)
+    sd = checkpoint["optimizer"]
+    assert sorted(sd["state"]) == list(range(8)) and sd["param_groups"][0]["params"] == [0, 1, 2]
+    assert sd["state"][3]["step"].dtype == torch.int64
+    resumed = mlp(seed=7)
+    resumed.load_state_dict(checkpoint["model"])
+    opt2 = Muon(resumed.named_parameters(), lr=1.0, momentum=0.5)
+    opt2.load_state_dict(sd)
+    assert [g["lr"] for g in opt2.param_groups] == [0.02, 0.004] and opt2.param_groups[0]["momentum"] == 0.9
+    shim_steps(resumed, opt2, data[5:])
+    assert_bitwise(TensorDict.from_module(resumed), TensorDict.from_module(model))
+    assert_bitwise(opt2.functional_state, opt.functional_state)
+
+
+def test_load_state_dict_keeps_bf16_step_counts_exact():
+    model = mlp(dtype=torch.bfloat16)
+    opt = Muon(model.named_parameters(), **HP)
+    shim_steps(model, opt, batches(1, dtype=torch.bfloat16))
+    bias = model[0].bias
+    opt.state[bias] = {**opt.state[bias], "step": torch.tensor(257)}  # 257 has no bf16 representation
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    sd = torch.load(buffer, weights_only=True)
+    other = mlp(seed=3, dtype=torch.bfloat16)
+    opt2 = Muon(other.named_parameters(), **HP)
+    opt2.load_state_dict(sd)
+    assert_bitwise(opt2.functional_state, opt.functional_state)
+    assert opt2.state[other[0].bias]["step"].dtype == torch.int64
+    assert int(opt2.state[other[0].bias]["step"]) == 257
+    # torch.optim's float "step" loads as an exact integer count; other state is cast to the parameter's dtype
+    sd["state"][3] = {**sd["state"][3], "step": torch.tensor(300.0), "exp_avg": sd["state"][3]["exp_avg"].double()}
+    opt2.load_state_dict(sd)
+    assert opt2.state[other[0].bias]["step"].dtype == torch.int64 and int(opt2.state[other[0].bias]["step"]) == 300
+    assert opt2.state[other[0].bias]["exp_avg"].dtype == torch.bfloat16
+
+
+def test_load_state_dict_mismatch_names_the_parameter_and_changes_nothing():
+    model = mlp()
+    opt = Muon(model.named_parameters(), **HP)
+    shim_steps(model, opt, batches(2))
+    before = snapshot(model, opt)
+
+    wider = mlp(hidden=10)
+    other = Muon(wider.named_parameters(), **HP)
+    with pytest.raises(ValueError, match=r"'0.weight' \(index 0\).*shape \(10, 6\)"):
+        opt.load_state_dict(other.state_dict())
+
+    sd = copy.deepcopy(opt.state_dict())
+    sd["param_groups"][0]["lr"] = 123.0
+    del sd["state"][5]
+    with pytest.raises(ValueError, match=r"no state for parameter '1.bias' \(index 5\)"):
+        opt.load_state_dict(sd)
+
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][0] = {"exp_avg": sd["state"][0]["momentum_buffer"]}
+    with pytest.raises(ValueError, match=r"'0.weight' \(index 0\) has state \['exp_avg'\]"):
+        opt.load_state_dict(sd)
+
+    sd = copy.deepcopy(opt.state_dict())
+    sd["param_groups"][1]["momentum"] = 2.0  # harmless for AdamW; a bad momentum for Muon is caught
+    sd["param_groups"][0]["momentum"] = 2.0
+    with pytest.raises(ValueError, match="param group 0: momentum"):
+        opt.load_state_dict(sd)
+
+    split = Muon([{"params": [p], "use_muon": p.ndim == 2} for p in mlp().parameters()])
+    with pytest.raises(ValueError, match="8 parameter groups"):
+        opt.load_state_dict(split.state_dict())
+    assert_unchanged(model, opt, before)
+
+
+def test_functional_state_assignment_is_checked():
+    model = mlp()
+    opt = Muon(model.named_parameters(), **HP)
+    shim_steps(model, opt, batches(1))
+    before = snapshot(model, opt)
+    wider = params_of(mlp(hidden=10))
+    with pytest.raises(ValueError, match=r"'muon.momentum.0.weight' has shape \(10, 6\), expected \(12, 6\)"):
+        opt.functional_state = muonfn.muon(**HP).init(wider)
+    with pytest.raises(ValueError, match=r"'muon.momentum.0.weight' has dtype torch.float64"):
+        opt.functional_state = opt.functional_state.double()
+    with pytest.raises(ValueError, match=r"missing 'adamw.step.0.bias'"):
+        opt.functional_state = opt.functional_state.exclude(("adamw", "step", "0", "bias"))
+    extra = opt.functional_state.clone(recurse=False)
+    extra["adamw", "step", "9", "bias"] = torch.tensor(1)
+    with pytest.raises(ValueError, match=r"unexpected 'adamw.step.9.bias'"):
+        opt.functional_state = extra
+    with pytest.raises(ValueError, match=r"state of '0.weight' must have \['momentum_buffer'\]"):
+        opt.state[model[0].weight] = {"exp_avg": torch.zeros(12, 6)}
+    with pytest.raises(ValueError, match=r"'muon.momentum.0.weight' has shape \(6, 12\)"):
+        opt.state[model[0].weight] = {"momentum_buffer": torch.zeros(6, 12)}
+    assert_unchanged(model, opt, before)
+
+    opt.state[model[0].weight] = {"momentum_buffer": torch.ones(12, 6)}
+    assert torch.equal(opt.functional_state["muon", "momentum", "0", "weight"], torch.ones(12, 6))
+    del opt.state[model[1].bias]
+    assert int(opt.state[model[1].bias]["step"]) == 0 and not opt.state[model[1].bias]["exp_avg_sq"].any()
+    assert int(opt.state[model[0].bias]["step"]) == 1
+
+
+def test_deepcopy_is_independent():
+    model = mlp()
+    opt = Muon(model.named_parameters(), **HP)
+    shim_steps(model, opt, batches(1))
+    twin = copy.deepcopy({"model": model, "opt": opt})
+    before = snapshot(model, opt)
+    for group in twin["opt"].param_groups:
+        group["lr"] = 0.0
+    twin_params = params_of(twin["model"])
+    shim_steps(twin["model"], twin["opt"], batches(1))
+    assert_bitwise(TensorDict.from_module(twin["model"]), twin_params)  # the copy's own lr tensors
+    assert_unchanged(model, opt, before)
+
+
+# ---------------------------------------------------------------------------- amp and compile
+
+
+def test_grad_scaler_skips_inf_steps_and_is_exact_otherwise():
+    data = batches(6)
+    model, plain = mlp(), mlp()
+    opt, plain_opt = Muon(model.named_parameters(), **HP), Muon(plain.named_parameters(), **HP)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for i, (x, y) in enumerate(data):
+        opt.zero_grad()
+        scaler.scale(loss_of(model, x, y)).backward()
+        if i == 3:
+            model[3].weight.grad[0, 0] = float("inf")
+            before = snapshot(model, opt)
+            scaler.step(opt)
+            assert_unchanged(model, opt, before)
+        else:
+            scaler.step(opt)
+            shim_steps(plain, plain_opt, [(x, y)])
+        scaler.update()
+    assert scaler.get_scale() < 2.0**10
+    # power-of-two scaling is exact: the scaled run equals the plain one bit for bit
+    assert_bitwise(TensorDict.from_module(model), TensorDict.from_module(plain))
+    assert_bitwise(opt.functional_state, plain_opt.functional_state)
+
+
+def test_compiled_training_step_matches_eager():
+    # The step itself runs eagerly (a graph break); aot_eager compiles forward and backward
+    # without changing their rounding, so the results must agree bit for bit.
+    data = batches(3)
+    eager = mlp()
+    eager_opt = Muon(eager.named_parameters(), **HP)
+    shim_steps(eager, eager_opt, data, torch.optim.lr_scheduler.LambdaLR(eager_opt, lambda s: 0.5**s))
+
+    model = mlp()
+    opt = Muon(model.named_parameters(), **HP)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+
+    @torch.compile(backend="aot_eager")
+    def train_step(x, y):
+        opt.zero_grad()
+        loss = loss_of(model, x, y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    torch._dynamo.reset()
+    for x, y in data:
+        train_step(x, y)
+        scheduler.step()
+    assert_bitwise(TensorDict.from_module(model), TensorDict.from_module(eager))
+    assert_bitwise(opt.functional_state, eager_opt.functional_state)
+    assert int(opt.functional_state["adamw", "step", "0", "bias"]) == 3
+
+
+def test_bad_gradients_raise_before_anything_changes():
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"embed": nn.Embedding(5, 4, sparse=True), "proj": nn.Linear(4, 4)})
+    opt = Muon(model.named_parameters(), **HP)
+    model["proj"](model["embed"](torch.tensor([1, 2]))).sum().backward()
+    before = snapshot(model, opt)
+    with pytest.raises(TypeError, match=r"'embed.weight' is torch.sparse_coo"):
+        opt.step()
+    assert_unchanged(model, opt, before)
