@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
-import os
 import pathlib
 import sysconfig
 import time
@@ -183,16 +183,40 @@ class Run:
 
 
 def save_checkpoint(path: pathlib.Path, params: TensorDict, state: TensorDict, step: int, run: Run) -> None:
-    tmp = path.with_suffix(".tmp")
-    meta = dataclasses.asdict(run)
-    torch.save({"params": params.to_dict(), "state": state.to_dict(), "step": step, "run": json.dumps(meta)}, tmp)
-    os.replace(tmp, path)  # an interrupted save never destroys the previous checkpoint
+    """One file holding the parameters, the optimizer state and the run's record, written atomically."""
+    f64 = functools.partial(torch.tensor, dtype=torch.float64)
+    record = {
+        "step": torch.tensor(step),
+        "history": {k: f64(v) for k, v in run.history.items()},
+        "run": {
+            "lr": f64(run.lr),
+            "steps": torch.tensor(run.steps),
+            "eval_every": torch.tensor(run.eval_every),
+            "seconds": f64(run.seconds),
+            "tokens_per_second": f64(run.tokens_per_second),
+            "smooth_loss": f64(run.smooth_loss),
+            "done": torch.tensor(run.done),
+        },
+    }
+    muonfn.save({"params": params, "state": state, **record}, path)
 
 
-def load_checkpoint(path: pathlib.Path) -> tuple[TensorDict, TensorDict, int, Run]:
-    blob = torch.load(path, weights_only=True)
-    run = Run(**json.loads(blob["run"]))
-    return TensorDict(blob["params"]), TensorDict(blob["state"]), blob["step"], run
+def load_checkpoint(path: pathlib.Path, run: Run) -> tuple[TensorDict, TensorDict, int, Run]:
+    """The parameters, optimizer state and step saved at ``path``, and ``run`` as it was then."""
+    ckpt = muonfn.load(path)
+    saved = ckpt["run"]
+    if (saved["lr"].item(), saved["steps"].item()) != (run.lr, run.steps):
+        raise SystemExit(f"{path} holds a different run (lr {saved['lr'].item()}, {saved['steps'].item()} steps)")
+    restored = dataclasses.replace(
+        run,
+        eval_every=int(saved["eval_every"]),
+        history={k: v.tolist() for k, v in ckpt["history"].items()},
+        seconds=saved["seconds"].item(),
+        tokens_per_second=saved["tokens_per_second"].item(),
+        smooth_loss=saved["smooth_loss"].item(),
+        done=bool(saved["done"]),
+    )
+    return ckpt["params"], ckpt["state"], int(ckpt["step"]), restored
 
 
 def train(
@@ -214,10 +238,8 @@ def train(
     state = tx.init(params)
     start = 0
     if resume and path.exists():
-        saved_params, saved_state, start, saved = load_checkpoint(path)
-        if (saved.kind, saved.lr, saved.steps) != (run.kind, run.lr, run.steps):
-            raise SystemExit(f"{path} holds a different run ({saved.kind}, lr {saved.lr}, {saved.steps} steps)")
-        params, state, run = saved_params.to(device), saved_state.to(device), saved
+        saved_params, saved_state, start, run = load_checkpoint(path, run)
+        params, state = saved_params.to(device), saved_state.to(device)
         if run.done:
             return run
 
@@ -317,7 +339,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", help="a text file to train on (default: the standard library's source)")
     parser.add_argument("--out", default="runs/demo", help="output folder")
-    parser.add_argument("--steps", type=int, default=300, help="training steps of the final runs")
+    parser.add_argument("--steps", type=int, default=200, help="training steps of the final runs")
     parser.add_argument("--sweep-steps", type=int, help="steps of each sweep run (default: steps // 3)")
     parser.add_argument("--adamw-lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2])
     parser.add_argument("--muon-lrs", type=float, nargs="+", default=[3e-3, 1e-2, 3e-2])
@@ -478,7 +500,8 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> None:
         ax.plot(h["step"], h["val_loss"], color=colors[kind], label=f"{label} val")
     ax.axhline(results["target_val_loss"], color="gray", linestyle=":", label="AdamW final val")
     first_val = max(r["history"]["val_loss"][1] for r in results["final"].values() if len(r["history"]["step"]) > 1)
-    ax.set_ylim(results["target_val_loss"] - 0.3, first_val + 0.1)
+    lowest = min(min(r["history"]["val_loss"]) for r in results["final"].values())
+    ax.set_ylim(lowest - 0.1, first_val + 0.1)
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats / character)")
     ratio = results["steps_ratio"]
