@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import pathlib
@@ -182,10 +183,19 @@ class Run:
         return self.history["val_loss"][-1]
 
 
-def save_checkpoint(path: pathlib.Path, params: TensorDict, state: TensorDict, step: int, run: Run) -> None:
+def fingerprint(cfg: Config) -> torch.Tensor:
+    """A number that changes with any setting of the run, so a checkpoint is never resumed under others."""
+    digest = hashlib.sha256(json.dumps(dataclasses.asdict(cfg), sort_keys=True).encode()).digest()
+    return torch.tensor(int.from_bytes(digest[:7], "little"))
+
+
+def save_checkpoint(
+    path: pathlib.Path, params: TensorDict, state: TensorDict, step: int, run: Run, cfg: Config
+) -> None:
     """One file holding the parameters, the optimizer state and the run's record, written atomically."""
     f64 = functools.partial(torch.tensor, dtype=torch.float64)
     record = {
+        "config": fingerprint(cfg),
         "step": torch.tensor(step),
         "history": {k: f64(v) for k, v in run.history.items()},
         "run": {
@@ -201,9 +211,11 @@ def save_checkpoint(path: pathlib.Path, params: TensorDict, state: TensorDict, s
     muonfn.save({"params": params, "state": state, **record}, path)
 
 
-def load_checkpoint(path: pathlib.Path, run: Run) -> tuple[TensorDict, TensorDict, int, Run]:
+def load_checkpoint(path: pathlib.Path, run: Run, cfg: Config) -> tuple[TensorDict, TensorDict, int, Run]:
     """The parameters, optimizer state and step saved at ``path``, and ``run`` as it was then."""
     ckpt = muonfn.load(path)
+    if not torch.equal(ckpt["config"], fingerprint(cfg)):
+        raise SystemExit(f"{path} was written with other settings (model, data or budget); use another --out")
     saved = ckpt["run"]
     if (saved["lr"].item(), saved["steps"].item()) != (run.lr, run.steps):
         raise SystemExit(f"{path} holds a different run (lr {saved['lr'].item()}, {saved['steps'].item()} steps)")
@@ -238,7 +250,7 @@ def train(
     state = tx.init(params)
     start = 0
     if resume and path.exists():
-        saved_params, saved_state, start, run = load_checkpoint(path, run)
+        saved_params, saved_state, start, run = load_checkpoint(path, run, cfg)
         params, state = saved_params.to(device), saved_state.to(device)
         if run.done:
             return run
@@ -284,13 +296,13 @@ def train(
             run.history["seconds"].append(run.seconds)
             run.history["train_loss"].append(run.smooth_loss)
             run.history["val_loss"].append(evaluate(params))
-            save_checkpoint(path, params, state, done_steps, run)
+            save_checkpoint(path, params, state, done_steps, run, cfg)
         if hasattr(bar, "set_postfix"):
             bar.set_postfix(loss=f"{run.smooth_loss:.3f}", tok_s=f"{run.tokens_per_second:,.0f}")
     if hasattr(bar, "close"):
         bar.close()
     run.done = end == run.steps
-    save_checkpoint(path, params, state, end, run)
+    save_checkpoint(path, params, state, end, run, cfg)
     return run
 
 

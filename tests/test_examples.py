@@ -95,6 +95,13 @@ def _flatten(tree: dict, prefix: tuple = ()) -> dict:
     return out
 
 
+def test_demo_refuses_to_resume_under_other_settings(tmp_path, one_thread):
+    demo = load_example("demo")
+    demo.main(["--quick", "--no-progress", "--out", str(tmp_path), "--stop-after", "3"])
+    with pytest.raises(SystemExit, match="other settings"):
+        demo.main(["--quick", "--no-progress", "--out", str(tmp_path), "--resume", "--seed", "1"])
+
+
 def test_demo_steps_to_reach_interpolates():
     demo = load_example("demo")
     history = {"step": [0, 10, 20], "val_loss": [4.0, 3.0, 2.0]}
