@@ -353,9 +353,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default="runs/demo", help="output folder")
     parser.add_argument("--steps", type=int, default=200, help="training steps of the final runs")
     parser.add_argument("--sweep-steps", type=int, help="steps of each sweep run (default: steps // 3)")
-    parser.add_argument("--adamw-lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2])
-    parser.add_argument("--muon-lrs", type=float, nargs="+", default=[3e-3, 1e-2, 3e-2])
-    parser.add_argument("--no-sweep", action="store_true", help="train the first rate of each list only")
+    # The first rate of each grid is the one the sweep picks for the default model and data.
+    parser.add_argument("--adamw-lrs", type=float, nargs="+", default=[1e-2, 3e-3, 1e-3])
+    parser.add_argument("--muon-lrs", type=float, nargs="+", default=[3e-2, 1e-2, 3e-3])
+    parser.add_argument("--no-sweep", action="store_true", help="train the first rate of each grid only")
     parser.add_argument("--ctx", type=int, default=64)
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--depth", type=int, default=4)

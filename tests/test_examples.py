@@ -53,7 +53,7 @@ def test_demo_quick_writes_results_plot_and_checkpoints(tmp_path):
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert names == ["adamw-lr1e-03-12.pt", "muon-lr3e-03-12.pt"]
+    assert names == ["adamw-lr1e-02-12.pt", "muon-lr3e-02-12.pt"]
 
 
 @pytest.fixture
@@ -74,7 +74,7 @@ def test_demo_resume_continues_exactly(tmp_path, one_thread):
         a, b = resumed["final"][kind]["history"], straight["final"][kind]["history"]
         for curve in ("step", "train_loss", "val_loss"):  # not "seconds": wall time is not reproducible
             assert a[curve] == b[curve], (kind, curve)
-    for name in ("adamw-lr1e-03-12.pt", "muon-lr3e-03-12.pt"):
+    for name in ("adamw-lr1e-02-12.pt", "muon-lr3e-02-12.pt"):
         a = torch.load(tmp_path / "straight" / "checkpoints" / name, weights_only=True)
         b = torch.load(tmp_path / "split" / "checkpoints" / name, weights_only=True)
         assert int(a["step"]) == int(b["step"]) == 12
