@@ -35,8 +35,14 @@ def reference_ns(g: torch.Tensor, eps: float = 1e-7, coefficients=KELLER, steps:
 
 
 def gradients(shapes: dict[str, tuple[int, ...]], steps: int = STEPS, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Gaussian gradients; those of 1-D leaves (AdamW's) are ~1e-7, so that AdamW's eps matters and a
+    wrong one shows (Muon's matrices are scale-invariant)."""
     gen = torch.Generator().manual_seed(seed)
-    return [{k: torch.randn(s, generator=gen, dtype=torch.float64) for k, s in shapes.items()} for _ in range(steps)]
+
+    def draw(shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=torch.float64) * (1e-7 if len(shape) == 1 else 1.0)
+
+    return [{k: draw(s) for k, s in shapes.items()} for _ in range(steps)]
 
 
 def initial(shapes: dict[str, tuple[int, ...]], seed: int = 1) -> dict[str, torch.Tensor]:
