@@ -289,8 +289,13 @@ def train(
         run.smooth_loss = 0.9 * run.smooth_loss + 0.1 * loss_value
         done_steps = step + 1
         run.tokens_per_second = done_steps * tokens / run.seconds
-        if not math.isfinite(loss_value):
-            raise SystemExit(f"{run.name}: loss is {loss_value} at step {done_steps}")
+        if not math.isfinite(loss_value):  # diverged: a sweep point that lost, not an error
+            print(f"{run.name}: loss is {loss_value} at step {done_steps}; stopping this run")
+            for curve, value in (("step", done_steps), ("seconds", run.seconds), ("train_loss", math.inf)):
+                run.history[curve].append(value)
+            run.history["val_loss"].append(math.inf)
+            end = run.steps
+            break
         if done_steps % run.eval_every == 0 or done_steps == run.steps:
             run.history["step"].append(done_steps)
             run.history["seconds"].append(run.seconds)
@@ -432,37 +437,40 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     adamw, muon = final["adamw"], final["muon"]
     target = adamw.final_val
-    muon_steps = steps_to_reach(muon.history, target)
-    adamw_steps = steps_to_reach(adamw.history, target) or float(adamw.steps)
-    ratio = None if muon_steps is None else muon_steps / adamw_steps
-    muon_seconds = steps_to_reach(muon.history, target, "seconds")
-    adamw_seconds = steps_to_reach(adamw.history, target, "seconds") or adamw.seconds
+    if not math.isfinite(target):
+        print(f"AdamW diverged at lr {adamw.lr:.0e}: no target to compare with; use smaller --adamw-lrs")
+    reachable = math.isfinite(target)
+    muon_steps = steps_to_reach(muon.history, target) if reachable else None
+    adamw_steps = (steps_to_reach(adamw.history, target) or float(adamw.steps)) if reachable else None
+    ratio = None if muon_steps is None or adamw_steps is None else muon_steps / adamw_steps
+    muon_seconds = steps_to_reach(muon.history, target, "seconds") if reachable else None
+    adamw_seconds = (steps_to_reach(adamw.history, target, "seconds") or adamw.seconds) if reachable else None
     results = {
         "config": dataclasses.asdict(cfg),
         "device": str(device),
         "threads": torch.get_num_threads(),
         "parameters": n_params,
         "sweep": {
-            kind: [{"lr": r.lr, "steps": r.steps, "val_loss": r.final_val} for r in runs]
+            kind: [{"lr": r.lr, "steps": r.steps, "val_loss": _finite(r.final_val)} for r in runs]
             for kind, runs in swept.items()
         },
         "final": {
             kind: {
                 "lr": r.lr,
                 "steps": r.steps,
-                "train_loss": r.history["train_loss"][-1],
-                "val_loss": r.final_val,
+                "train_loss": _finite(r.history["train_loss"][-1]),
+                "val_loss": _finite(r.final_val),
                 "seconds": r.seconds,
                 "tokens_per_second": r.tokens_per_second,
-                "history": r.history,
+                "history": {k: [_finite(v) for v in curve] for k, curve in r.history.items()},
             }
             for kind, r in final.items()
         },
-        "target_val_loss": target,
+        "target_val_loss": _finite(target),
         "steps_to_target": {"adamw": adamw_steps, "muon": muon_steps},
         "steps_ratio": ratio,
         "seconds_to_target": {"adamw": adamw_seconds, "muon": muon_seconds},
-        "seconds_ratio": None if muon_seconds is None else muon_seconds / adamw_seconds,
+        "seconds_ratio": None if muon_seconds is None or adamw_seconds is None else muon_seconds / adamw_seconds,
     }
     (out / "results.json").write_text(json.dumps(results, indent=2))
     print_table(results)
@@ -471,21 +479,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return results
 
 
+def _finite(value: float) -> float | None:
+    """JSON has no infinity: a diverged run's loss is written as null."""
+    return value if math.isfinite(value) else None
+
+
+def _loss_cell(value: float | None, width: int) -> str:
+    return f"{'diverged':>{width}s}" if value is None else f"{value:{width}.4f}"
+
+
 def print_table(results: dict[str, Any]) -> None:
     for kind, runs in results["sweep"].items():
-        cells = ", ".join(f"{r['lr']:.0e}: {r['val_loss']:.4f}" for r in runs)
+        cells = ", ".join(f"{r['lr']:.0e}: {_loss_cell(r['val_loss'], 0)}" for r in runs)
         print(f"sweep {kind:5s} ({runs[0]['steps']} steps, val loss by lr)  {cells}")
     header = f"{'optimizer':9s} {'lr':>7s} {'train loss':>10s} {'val loss':>9s} {'steps to target':>15s} "
     print("\n" + header + f"{'wall time':>9s} {'tokens/s':>9s}")
     for kind, r in results["final"].items():
         reach = results["steps_to_target"][kind]
-        reach_cell = "never" if reach is None else f"{reach:.0f}"
+        reach_cell = "-" if results["target_val_loss"] is None else "never" if reach is None else f"{reach:.0f}"
+        losses = f"{_loss_cell(r['train_loss'], 10)} {_loss_cell(r['val_loss'], 9)}"
         print(
-            f"{kind:9s} {r['lr']:7.0e} {r['train_loss']:10.4f} {r['val_loss']:9.4f} {reach_cell:>15s} "
-            f"{r['seconds']:8.1f}s {r['tokens_per_second']:9,.0f}"
+            f"{kind:9s} {r['lr']:7.0e} {losses} {reach_cell:>15s} {r['seconds']:8.1f}s {r['tokens_per_second']:9,.0f}"
         )
     ratio = results["steps_ratio"]
     target = results["target_val_loss"]
+    if target is None:
+        return
     if ratio is None:
         print(f"\nMuon did not reach AdamW's final validation loss {target:.4f}.")
     else:
@@ -509,12 +528,17 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> None:
     for kind, r in results["final"].items():
         h = r["history"]
         label = f"{kind} (lr {r['lr']:.0e})"
-        ax.plot(h["step"][1:], h["train_loss"][1:], color=colors[kind], alpha=0.35, label=f"{label} train")
-        ax.plot(h["step"], h["val_loss"], color=colors[kind], label=f"{label} val")
-    ax.axhline(results["target_val_loss"], color="gray", linestyle=":", label="AdamW final val")
-    first_val = max(r["history"]["val_loss"][1] for r in results["final"].values() if len(r["history"]["step"]) > 1)
-    lowest = min(min(r["history"]["val_loss"]) for r in results["final"].values())
-    ax.set_ylim(lowest - 0.1, first_val + 0.1)
+        for curve, style in (("train_loss", {"alpha": 0.35}), ("val_loss", {})):
+            points = [(s, v) for s, v in zip(h["step"][1:], h[curve][1:]) if v is not None]
+            if curve == "val_loss":
+                points = [(0, h[curve][0]), *points]
+            ax.plot(*zip(*points), color=colors[kind], label=f"{label} {curve[:-5]}", **style)
+    if results["target_val_loss"] is not None:
+        ax.axhline(results["target_val_loss"], color="gray", linestyle=":", label="AdamW final val")
+    finite = [v for r in results["final"].values() for v in r["history"]["val_loss"][1:] if v is not None]
+    if finite:  # from the first evaluation after step 0 down to the lowest loss
+        first = [r["history"]["val_loss"][1] for r in results["final"].values() if len(r["history"]["step"]) > 1]
+        ax.set_ylim(min(finite) - 0.1, max(v for v in first if v is not None) + 0.1)
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats / character)")
     ratio = results["steps_ratio"]

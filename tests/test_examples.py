@@ -102,6 +102,15 @@ def test_demo_refuses_to_resume_under_other_settings(tmp_path, one_thread):
         demo.main(["--quick", "--no-progress", "--out", str(tmp_path), "--resume", "--seed", "1"])
 
 
+def test_demo_reports_a_diverged_run_instead_of_crashing(tmp_path, one_thread):
+    demo = load_example("demo")
+    results = demo.main(["--quick", "--no-progress", "--out", str(tmp_path), "--adamw-lrs", "50"])
+    assert results["final"]["adamw"]["val_loss"] is None
+    assert results["steps_ratio"] is None
+    assert results["final"]["muon"]["val_loss"] < results["final"]["muon"]["history"]["val_loss"][0]
+    assert "Infinity" not in (tmp_path / "results.json").read_text()
+
+
 def test_demo_steps_to_reach_interpolates():
     demo = load_example("demo")
     history = {"step": [0, 10, 20], "val_loss": [4.0, 3.0, 2.0]}
