@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor
 
 from . import _tree
 from ._base import Transform
@@ -72,11 +72,17 @@ def named(name: str, tx: Transform) -> Transform:
     return Transform(init, update)
 
 
-def resolve_labels(labels: LabelsLike, params: TensorDictBase, names: Mapping[str, Any]) -> dict[_tree.Key, str]:
-    """Maps every leaf of ``params`` to one of ``names``; errors name the leaf."""
+def resolve_labels(
+    labels: LabelsLike, params: TensorDictBase, names: Mapping[str, Any], strict: bool = False
+) -> dict[_tree.Key, str]:
+    """Maps every leaf of ``params`` to one of ``names``; errors name the leaf.
+
+    ``strict``: a label for a name that is not a leaf of ``params`` is an error (a typo);
+    otherwise it is ignored (``params`` may be the subset of leaves that have gradients).
+    """
     keys = _tree.leaf_keys(params)
     if isinstance(labels, TensorDictBase):
-        table: Mapping[Any, Any] = {k: labels.get(k) for k in _tree.leaf_keys(labels)}
+        table: Mapping[Any, Any] = {k: labels.get(k) for k in labels.keys(True, True, is_leaf=is_leaf_nontensor)}
     else:
         table = labels(params) if callable(labels) else labels
     assigned: dict[_tree.Key, str] = {}
@@ -85,7 +91,12 @@ def resolve_labels(labels: LabelsLike, params: TensorDictBase, names: Mapping[st
         try:
             key = _tree.resolve_key(name, keys)
         except KeyError:
-            continue  # labels may describe a whole model while only part of it is here
+            if strict:
+                raise ValueError(
+                    f"partition: labels name {name!r}, which is not a parameter "
+                    "(drop it from the labels, e.g. when its parameter is frozen)"
+                ) from None
+            continue
         if label not in names:
             raise ValueError(f"partition: {_tree.dotted(key)!r} has label {label!r}; known labels: {sorted(names)}")
         assigned[key] = label
@@ -99,12 +110,13 @@ def partition(transforms: Mapping[str, Transform], labels: LabelsLike) -> Transf
     """Routes each leaf to the transform of its label; state is ``{label: state}``.
 
     ``labels``: a mapping from key (tuple, plain or dotted name) to label, a TensorDict of
-    labels, or a callable ``params -> mapping`` (see :func:`muonfn.label_params`).
+    labels, or a callable ``params -> mapping`` (see :func:`muonfn.label_params`). Every
+    parameter needs a label, and ``init`` rejects labels for names that are not parameters.
     """
     transforms = dict(transforms)
 
     def init(params: TensorDictBase) -> TensorDictBase:
-        assigned = resolve_labels(labels, params, transforms)
+        assigned = resolve_labels(labels, params, transforms, strict=True)
         state = {}
         for name, t in transforms.items():
             state[name] = t.init(params.select(*[k for k, v in assigned.items() if v == name]))
@@ -136,16 +148,18 @@ def partition(transforms: Mapping[str, Transform], labels: LabelsLike) -> Transf
 def masked(tx: Transform, mask: MaskLike) -> Transform:
     """Applies ``tx`` to the leaves ``mask`` selects; the others pass through unchanged.
 
-    ``mask``: a mapping from key to bool or a callable ``params -> mapping``.
+    ``mask``: a mapping from key to bool or a callable ``params -> mapping``; leaves it
+    does not name are not selected. Names that are not leaves are ignored, so that one
+    mask can serve a whole model inside :func:`partition`.
     """
 
     def init(params: TensorDictBase) -> TensorDictBase:
-        return tx.init(params.select(*resolve_mask(mask, params)))
+        return tx.init(params.select(*resolve_mask(mask, params, default=False)))
 
     def update(
         grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
     ) -> tuple[TensorDictBase, TensorDictBase]:
-        chosen = resolve_mask(mask, params if params is not None else grads)
+        chosen = resolve_mask(mask, params if params is not None else grads, default=False)
         wanted = set(_tree.leaf_keys(grads))
         mine = [k for k in chosen if k in wanted]
         if not mine:
@@ -184,7 +198,7 @@ def apply_if_finite(tx: Transform) -> Transform:
         finite = torch.stack([g.isfinite().all() for g in values]).all()
         inner = state.exclude(NOTFINITE)
         updates, new_inner = tx.update(grads, inner, params)
-        updates = updates.where(finite, torch.zeros((), dtype=values[0].dtype, device=values[0].device))
+        updates = updates.where(finite, 0.0)
         new_state = new_inner.where(finite, inner)
         new_state[NOTFINITE] = state[NOTFINITE] + (~finite).to(torch.int64)
         return updates, new_state

@@ -12,8 +12,9 @@ while leaving the singular vectors alone.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from typing import NamedTuple, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 
 import torch
 
@@ -66,8 +67,11 @@ COEFFICIENTS: dict[str, Coefficients] = {
 def ns_schedule(coefficients: CoefficientsLike = "keller", steps: int | None = None) -> Coefficients:
     """Resolves a named or custom schedule and stretches it to ``steps``.
 
-    Fewer steps than the schedule truncate it; more repeat its last triple.
+    A schedule runs its triples in order: fewer steps truncate it, more repeat its last
+    triple, so ``[(a, b, c)]`` with ``steps=5`` is torch.optim.Muon's iteration.
     """
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"Newton–Schulz steps must be an integer >= 1, got {steps!r}")
     if isinstance(coefficients, str):
         if coefficients not in COEFFICIENTS:
             raise ValueError(
@@ -76,18 +80,32 @@ def ns_schedule(coefficients: CoefficientsLike = "keller", steps: int | None = N
             )
         schedule = COEFFICIENTS[coefficients]
     elif isinstance(coefficients, Coefficients):
-        schedule = coefficients
+        schedule = Coefficients(tuple(_triple(t, coefficients) for t in coefficients.triples), coefficients.norm_factor)
+    elif _is_number_triple(coefficients):
+        raise ValueError(
+            f"Newton–Schulz coefficients {coefficients!r} are one (a, b, c), not a schedule: pass "
+            "[(a, b, c)] with steps=5 (torch.optim.Muon's ns_coefficients and ns_steps)"
+        )
     else:
-        triples = tuple(tuple(float(v) for v in t) for t in coefficients)
-        if not triples or any(len(t) != 3 for t in triples):
-            raise ValueError(f"custom Newton–Schulz coefficients must be (a, b, c) triples, got {coefficients!r}")
-        schedule = Coefficients(triples)  # type: ignore[arg-type]
+        schedule = Coefficients(tuple(_triple(t, coefficients) for t in coefficients))
+    if not schedule.triples:
+        raise ValueError("Newton–Schulz coefficients need at least one (a, b, c) triple")
+    if not (isinstance(schedule.norm_factor, int | float) and 0 < schedule.norm_factor < math.inf):
+        raise ValueError(f"Newton–Schulz norm_factor must be finite and > 0, got {schedule.norm_factor!r}")
     if steps is None:
         return schedule
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"Newton–Schulz steps must be an integer >= 1, got {steps!r}")
     triples = schedule.triples[:steps] + (schedule.triples[-1],) * max(0, steps - len(schedule.triples))
     return schedule._replace(triples=triples)
+
+
+def _is_number_triple(t: object) -> bool:
+    return isinstance(t, Sequence) and len(t) == 3 and all(isinstance(v, int | float) for v in t)
+
+
+def _triple(t: Any, given: object) -> Triple:
+    if not (_is_number_triple(t) and all(math.isfinite(v) for v in t)):
+        raise ValueError(f"Newton–Schulz coefficients must be finite (a, b, c) triples, got {given!r}")
+    return float(t[0]), float(t[1]), float(t[2])
 
 
 def default_ns_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
@@ -111,12 +129,13 @@ def newton_schulz(
 
     Leading dimensions are a batch. The input is normalised by its Frobenius norm over
     the last two dimensions, :math:`X_0 = G / \max(c\|G\|_F, \varepsilon)`, in at least
-    fp32, and only then cast to ``dtype`` (``None``: bf16 on CUDA, fp32 or wider
-    elsewhere). The iteration runs on the wide orientation (``m <= n``; tall inputs are
+    fp32, and only then cast to ``dtype`` (``None``: bf16 on CUDA; elsewhere fp32, or
+    fp64 for fp64 inputs). The iteration runs on the wide orientation (``m <= n``; tall inputs are
     transposed and transposed back), so :math:`A = XX^\top` is the small Gram matrix.
 
     Exact properties: ``f(-G) = -f(G)``, ``f(0) = 0``, ``f(2**k G) = f(G)`` for
-    ``||G|| >= eps``, and ``f(G.mT) = f(G).mT``. Returns ``x.dtype``; never modifies ``x``.
+    ``||G|| >= eps``, ``f(G.mT) = f(G).mT``; on CPU a batch equals its matrices one by one
+    wherever the BLAS itself is batch-invariant. Returns ``x.dtype``; never modifies ``x``.
 
     Args:
         x: a tensor with at least two dimensions.
@@ -127,18 +146,22 @@ def newton_schulz(
         dtype: dtype of the iteration's matmuls.
     """
     schedule = ns_schedule(coefficients, steps)
-    if not eps > 0:
+    if not (isinstance(eps, int | float) and eps > 0):
         raise ValueError(f"Newton–Schulz eps must be > 0, got {eps!r}")
     if x.ndim < 2:
         raise ValueError(f"newton_schulz needs a (..., m, n) tensor, got shape {tuple(x.shape)}")
-    if x.is_complex():
-        raise TypeError("newton_schulz does not support complex tensors")
+    if not x.is_floating_point():
+        raise TypeError(f"newton_schulz needs a real floating-point tensor, got {x.dtype}")
+    if dtype is not None and not dtype.is_floating_point:
+        raise TypeError(f"Newton–Schulz dtype must be a real floating-point dtype, got {dtype}")
     wide_dtype = torch.promote_types(x.dtype, torch.float32)
     ns_dtype = default_ns_dtype(x.device, x.dtype) if dtype is None else dtype
-    tall = x.size(-2) > x.size(-1)
+    # iterate on the wide orientation, where A = XXᵀ is the small Gram matrix; a square
+    # transposed view is turned back too, so that f(Gᵀ) = f(G)ᵀ holds exactly for every shape
+    tall = x.size(-2) > x.size(-1) or (x.size(-2) == x.size(-1) and x.stride(-2) < x.stride(-1))
     g = x.mT if tall else x
     m, n = g.shape[-2:]
-    g = g.reshape(-1, m, n).to(wide_dtype)
+    g = g.reshape(g.shape[:-2].numel(), m, n).to(wide_dtype)
     norm = torch.linalg.matrix_norm(g, keepdim=True)
     if schedule.norm_factor != 1.0:
         norm = norm * schedule.norm_factor

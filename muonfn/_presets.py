@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from tensordict import TensorDictBase
 
+from . import _tree
 from ._base import Transform
 from ._combinators import LabelsLike, chain, partition
 from ._labels import ADAMW, MUON, label_params
@@ -18,7 +20,7 @@ from ._transforms import (
     scale_by_learning_rate,
     scale_by_muon,
 )
-from ._validation import Scalar, ScalarOrSchedule
+from ._validation import Scalar, ScalarOrSchedule, known_names
 from ._views import ViewsLike
 
 if TYPE_CHECKING:
@@ -36,13 +38,35 @@ def adamw(
 
     .. math::  p \leftarrow p - \eta\lambda p - \eta\,\frac{m_t/(1-\beta_1^t)}{\sqrt{v_t/(1-\beta_2^t)} + \epsilon}
 
-    State: ``{"step", "exp_avg", "exp_avg_sq"}``.
+    ``weight_decay_mask`` exempts the leaves it maps to ``False`` (see
+    :func:`add_decayed_weights`). Names it holds that are not among the parameters are
+    ignored, as ``adamw`` is often one branch of a :func:`partition`; :func:`muon` checks
+    them against all parameters. State: ``{"step", "exp_avg", "exp_avg_sq"}``.
     """
     return chain(
         scale_by_adam(betas[0], betas[1], eps),
         add_decayed_weights(weight_decay, weight_decay_mask),
         scale_by_learning_rate(lr),
     )
+
+
+def _checks_names(tx: Transform, weight_decay_mask: MaskLike, views: ViewsLike) -> Transform:
+    """``tx`` whose ``init`` first checks that every leaf named by the mask or views exists.
+
+    The building blocks inside a partition see only their own leaves and so cannot tell a
+    typo from another group's leaf; the preset sees them all.
+    """
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        keys = _tree.leaf_keys(params)
+        if weight_decay_mask is not None:
+            mask = weight_decay_mask(params) if callable(weight_decay_mask) else weight_decay_mask
+            known_names("weight_decay_mask", mask, keys)
+        if views is not None and not callable(views):
+            known_names("views", views, keys)
+        return tx.init(params)
+
+    return Transform(init, tx.update)
 
 
 def muon(
@@ -83,7 +107,9 @@ def muon(
     ``labels`` defaults to :func:`label_params` (≥2-D leaves except embeddings, output
     heads and LoRA adapters); :func:`labels_from_module` labels by module type instead.
     ``views`` declares conv, expert, fused and transposed matrices (:class:`MatrixView`).
-    ``weight_decay_mask`` limits decay to the leaves it selects (default: all).
+    ``weight_decay_mask`` exempts the leaves it maps to ``False`` (default: decay all).
+    ``init`` checks every name in ``labels``, ``views`` and ``weight_decay_mask`` against
+    the parameters (a typo is an error) and every Muon leaf against its view.
     State: ``{"muon": {"momentum"}, "adamw": {"step", "exp_avg", "exp_avg_sq"}}``.
     """
     muon_branch = chain(
@@ -112,4 +138,5 @@ def muon(
         weight_decay if adamw_weight_decay is None else adamw_weight_decay,
         weight_decay_mask,
     )
-    return partition({MUON: muon_branch, ADAMW: adamw_branch}, label_params if labels is None else labels)
+    tx = partition({MUON: muon_branch, ADAMW: adamw_branch}, label_params if labels is None else labels)
+    return _checks_names(tx, weight_decay_mask, views)

@@ -14,10 +14,10 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from . import _tree
-from ._base import Transform, empty_state
+from ._base import InitFn, Transform, empty_state
 from ._newton_schulz import CoefficientsLike, newton_schulz, ns_schedule
 from ._validation import Scalar, ScalarOrSchedule, check_grads, non_negative, positive, unit_interval
-from ._views import ViewsLike, block_scales, check_scale_mode, resolve_views
+from ._views import ViewsLike, block_scales, check_scale, resolve_views
 
 if TYPE_CHECKING:
     from .distributed import Collectives, ShardSpecs
@@ -113,13 +113,16 @@ def orthogonalize(
     batch). ``scale`` picks :math:`s` (``"none"`` by default, see :func:`scale_by_shape`).
     With ``collectives``, sharded leaves (DTensors, or local shards described by
     ``shard_specs``) are orthogonalized as whole matrices by ``strategy``
-    (see :mod:`muonfn.distributed`). Stateless.
+    (see :mod:`muonfn.distributed`). Stateless; ``init`` checks that every leaf's view
+    can read it (a vector is no matrix).
     """
     ns_schedule(coefficients, steps)
     positive("ns eps", eps)
-    check_scale_mode(scale)
-    if bucket_numel < 1:
-        raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
+    check_scale(scale, extra_scale)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"ns dtype must be a real floating-point torch.dtype, got {dtype!r}")
+    if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel < 1:
+        raise ValueError(f"bucket_numel must be an integer >= 1, got {bucket_numel!r}")
 
     def ns(x: torch.Tensor) -> torch.Tensor:
         return newton_schulz(x, coefficients, steps, eps, dtype)
@@ -154,7 +157,19 @@ def orthogonalize(
             pos += n
         return _tree.build(keys, out, grads), state
 
-    return Transform(empty_state, update)
+    return Transform(_view_checker(views), update)
+
+
+def _view_checker(views: ViewsLike) -> InitFn:
+    """An ``init`` that rejects leaves their view cannot read (a vector labelled as a matrix)."""
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        keys, values = _tree.leaf_keys(params), _tree.leaves(params)
+        for key, p, view in zip(keys, values, resolve_views(views, keys, values)):
+            view.check(key, p.shape)
+        return empty_state(params)
+
+    return init
 
 
 def scale_by_shape(scale: str = "match_rms_adamw", extra_scale: float = 1.0, views: ViewsLike = None) -> Transform:
@@ -164,9 +179,9 @@ def scale_by_shape(scale: str = "match_rms_adamw", extra_scale: float = 1.0, vie
     (after the view: conv kernels flattened, ``(in, out)`` storage transposed, fused
     blocks each on their own). Modes: ``"original"`` √max(1, A/B), ``"match_rms_adamw"``
     0.2·√max(A, B), ``"spectral"`` √max(A, B), ``"unit_rms_norm"`` √(A/B), ``"none"`` 1.
-    Stateless.
+    Stateless; ``init`` checks that every leaf's view can read it.
     """
-    check_scale_mode(scale)
+    check_scale(scale, extra_scale)
 
     def update(
         grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
@@ -184,7 +199,7 @@ def scale_by_shape(scale: str = "match_rms_adamw", extra_scale: float = 1.0, vie
                 out.append(view.from_matrices(blocks, g.shape))
         return _tree.build(keys, out, grads), state
 
-    return Transform(empty_state, update)
+    return Transform(_view_checker(views), update)
 
 
 def scale_by_muon(
@@ -228,6 +243,10 @@ def scale_by_muon(
     )
 
 
+def _cast_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return t.to(like.dtype)
+
+
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Transform:
     r"""Adam's direction with bias correction, exactly as torch.optim.AdamW computes it.
 
@@ -266,7 +285,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Tran
         bias_correction1 = t.mul(log_b1).exp().neg().add(1.0)
         bias_correction2 = t.mul(log_b2).exp().neg().add(1.0)
         denom = exp_avg_sq.sqrt().div(bias_correction2.sqrt()).add(eps)
-        updates = exp_avg.div(bias_correction1).div(denom)
+        # a 0-d leaf meets the 0-d fp64 corrections as an equal and is promoted: cast it back
+        updates = exp_avg.div(bias_correction1).div(denom).apply(_cast_like, grads)
         new_state = TensorDict(
             {
                 "step": _tree.carry(state["step"], step),
@@ -280,21 +300,23 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Tran
     return Transform(init, update)
 
 
-def resolve_mask(mask: MaskLike, params: TensorDictBase) -> list[_tree.Key]:
-    """The leaf keys a mask selects (all of them for ``None``)."""
+def resolve_mask(mask: MaskLike, params: TensorDictBase, default: bool) -> list[_tree.Key]:
+    """The leaf keys a mask selects: all of them for ``None``; leaves it does not name get ``default``.
+
+    Names that are not leaves of ``params`` are ignored: a transform inside
+    :func:`partition` sees only its own leaves of a mask written for the whole model.
+    """
     keys = _tree.leaf_keys(params)
     if mask is None:
         return keys
     table = mask(params) if callable(mask) else mask
-    chosen: set[_tree.Key] = set()
+    flags: dict[_tree.Key, bool] = {}
     for name, flag in table.items():
         try:
-            key = _tree.resolve_key(name, keys)
+            flags[_tree.resolve_key(name, keys)] = bool(flag)
         except KeyError:
-            continue  # a mask may name leaves another branch owns
-        if flag:
-            chosen.add(key)
-    return [k for k in keys if k in chosen]
+            continue
+    return [k for k in keys if flags.get(k, default)]
 
 
 def add_decayed_weights(weight_decay: Scalar = 0.0, mask: MaskLike = None) -> Transform:
@@ -302,7 +324,8 @@ def add_decayed_weights(weight_decay: Scalar = 0.0, mask: MaskLike = None) -> Tr
 
     Followed by :func:`scale_by_learning_rate` this is :math:`p \leftarrow p - \eta\lambda p`
     with the unadjusted learning rate (torch semantics). ``mask``: a mapping from key to
-    bool, or a callable ``params -> mapping``; ``None`` decays every leaf. Stateless.
+    bool, or a callable ``params -> mapping``; leaves it does not name are decayed, so
+    ``{"norm.weight": False}`` exempts just that leaf. ``None`` decays every leaf. Stateless.
     """
     non_negative("weight_decay", weight_decay)
 
@@ -314,7 +337,7 @@ def add_decayed_weights(weight_decay: Scalar = 0.0, mask: MaskLike = None) -> Tr
         if params is None:
             raise ValueError("add_decayed_weights needs params: call update(grads, state, params)")
         check_grads("add_decayed_weights", grads, params)
-        keys = resolve_mask(mask, _tree.subset(params, _tree.leaf_keys(grads)))
+        keys = resolve_mask(mask, _tree.subset(params, _tree.leaf_keys(grads)), default=True)
         if not keys:
             return grads, state
         decayed = _tree.subset(grads, keys).add(_tree.subset(params, keys).mul(weight_decay))

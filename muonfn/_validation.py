@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TypeAlias
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeAlias
 
 import torch
 from tensordict import TensorDictBase
 
-from ._tree import dotted, leaf_keys
+from ._tree import Key, dotted, leaf_keys, resolve_key
 
 Scalar: TypeAlias = float | torch.Tensor
 ScalarOrSchedule: TypeAlias = float | torch.Tensor | Callable[[torch.Tensor], Scalar]
@@ -28,8 +29,9 @@ def non_negative(name: str, v: ScalarOrSchedule) -> None:
     """Learning rates and weight decays: ``v >= 0`` (schedules are checked when called)."""
     if callable(v) and not isinstance(v, torch.Tensor):
         return
-    if not _value(name, v) >= 0:
-        raise ValueError(f"{name} must be >= 0, got {v!r}")
+    x = _value(name, v)
+    if not (math.isfinite(x) and x >= 0):
+        raise ValueError(f"{name} must be finite and >= 0, got {v!r}")
 
 
 def unit_interval(name: str, v: Scalar) -> None:
@@ -41,8 +43,20 @@ def unit_interval(name: str, v: Scalar) -> None:
 
 def positive(name: str, v: Scalar) -> None:
     """Epsilons: ``v > 0``."""
-    if not _value(name, v) > 0:
-        raise ValueError(f"{name} must be > 0, got {v!r}")
+    x = _value(name, v)
+    if not (math.isfinite(x) and x > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {v!r}")
+
+
+def known_names(where: str, names: Iterable[Any], keys: Sequence[Key]) -> None:
+    """Every user-written name must be a leaf of ``keys``: a typo is an error, never ignored."""
+    for name in names:
+        try:
+            resolve_key(name, keys)
+        except KeyError:
+            raise ValueError(
+                f"{where} names {name!r}, which is not a parameter; parameters are {[dotted(k) for k in keys]}"
+            ) from None
 
 
 def check_grads(where: str, grads: TensorDictBase, reference: TensorDictBase) -> None:

@@ -43,9 +43,14 @@ SCALE_MODES: dict[str, Callable[[int, int], float]] = {
 }
 
 
-def check_scale_mode(scale: str) -> None:
+def check_scale(scale: str, extra_scale: float) -> None:
     if scale not in SCALE_MODES:
         raise ValueError(f"unknown scale mode {scale!r}; choose one of {sorted(SCALE_MODES)}")
+    # a Python number: scales are fixed per shape, so they stay out of the traced update
+    if isinstance(extra_scale, bool) or not isinstance(extra_scale, int | float):
+        raise TypeError(f"extra_scale must be a float, got {type(extra_scale).__name__}")
+    if not (math.isfinite(extra_scale) and extra_scale >= 0):
+        raise ValueError(f"extra_scale must be finite and >= 0, got {extra_scale!r}")
 
 
 @dataclass(frozen=True)

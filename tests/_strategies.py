@@ -1,0 +1,141 @@
+"""Shared hypothesis strategies and helpers: matrices with controlled spectra, tiny models."""
+
+from __future__ import annotations
+
+import itertools
+from typing import NamedTuple
+
+import torch
+from hypothesis import strategies as st
+from tensordict import TensorDict
+
+from muonfn import COEFFICIENTS, Coefficients
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def orthonormal_columns(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    """A ``rows × cols`` matrix with orthonormal columns (fp64), from the QR of a Gaussian."""
+    q, r = torch.linalg.qr(torch.randn(rows, cols, generator=gen, dtype=torch.float64))
+    return q * torch.sign(torch.diagonal(r))
+
+
+def orthogonal(n: int, gen: torch.Generator) -> torch.Tensor:
+    return orthonormal_columns(n, n, gen)
+
+
+class Spectral(NamedTuple):
+    """``g = u @ diag(s) @ v.T`` in fp64; ``u``/``v`` complete to orthonormal bases (null spaces last)."""
+
+    g: torch.Tensor
+    u: torch.Tensor
+    s: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def rank(self) -> int:
+        return int((self.s > 0).sum())
+
+
+def with_spectrum(m: int, n: int, s: list[float], gen: torch.Generator) -> Spectral:
+    """``U · diag(s) · Vᵀ`` with Haar-random ``U`` (m×m) and ``V`` (n×n); ``len(s) <= min(m, n)``."""
+    u, v = orthogonal(m, gen), orthogonal(n, gen)
+    sv = torch.tensor(sorted(s, reverse=True), dtype=torch.float64)
+    k = len(s)
+    return Spectral(u[:, :k] @ torch.diag(sv) @ v[:, :k].T, u, sv, v)
+
+
+@st.composite
+def spectral_matrices(
+    draw: st.DrawFn, max_dim: int = 12, min_sigma: float = 1e-3, rank_deficient: bool = False
+) -> Spectral:
+    """Matrices of drawn shape whose singular values span ``[min_sigma, 1]`` times a drawn scale.
+
+    With ``rank_deficient`` at least one singular value is exactly zero (min(m, n) >= 2).
+    """
+    lo = 2 if rank_deficient else 1
+    m = draw(st.integers(lo, max_dim))
+    n = draw(st.integers(lo, max_dim))
+    k = min(m, n)
+    rank = draw(st.integers(1, k - 1)) if rank_deficient else k
+    sigmas = draw(st.lists(st.floats(min_sigma, 1.0), min_size=rank, max_size=rank))
+    scale = draw(st.sampled_from([1e-3, 1.0, 37.0, 1e4]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return with_spectrum(m, n, [scale * x for x in sigmas], generator(seed))
+
+
+def gaussian(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=generator(seed), dtype=torch.float64).to(dtype)
+
+
+def bmm_batch_consistent(m: int, n: int, batch: int) -> bool:
+    """Whether this BLAS computes Newton–Schulz's three products on a stack bitwise equal to the
+    products on each matrix alone (``X Xᵀ``, ``bA + cA·A``, ``aX + B·X`` on the wide ``m × n``).
+
+    MKL's result for a matrix can depend on the batch and on the alignment of its memory: some
+    small shapes (m ∈ {6, 7, 9, 11} here) differ in the last bit between a stacked call, where a
+    matrix sits at an offset, and a fresh allocation. Batched Newton–Schulz is held to bitwise
+    equality only where these products are.
+    """
+    m, n = min(m, n), max(m, n)
+    x = torch.randn(batch, m, n, generator=generator(m * 1000 + n))
+    a = torch.bmm(x, x.mT)
+    products = (
+        lambda x, a: torch.bmm(x, x.mT),
+        lambda x, a: torch.baddbmm(a, a, a, beta=-4.775, alpha=2.0315),
+        lambda x, a: torch.baddbmm(x, a, x, beta=3.4445),
+    )
+    for product in products:
+        stacked = product(x, a)
+        for j in range(batch):
+            if not torch.equal(stacked[j], product(x[j : j + 1].clone(), a[j : j + 1].clone())[0]):
+                return False
+    return True
+
+
+def composed_polynomial(schedule: Coefficients | str, x: torch.Tensor) -> torch.Tensor:
+    """The scalar map ``p_K ∘ … ∘ p_1`` with ``p_k(σ) = a_k σ + b_k σ³ + c_k σ⁵``, in fp64."""
+    triples = COEFFICIENTS[schedule].triples if isinstance(schedule, str) else schedule.triples
+    x = x.to(torch.float64)
+    for a, b, c in triples:
+        x = a * x + b * x**3 + c * x**5
+    return x
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = expected.to(torch.float64)
+    return float((actual.to(torch.float64) - expected).norm() / expected.norm().clamp_min(1e-300))
+
+
+def assert_td_equal(a: TensorDict, b: TensorDict) -> None:
+    """Same leaf keys, and every leaf bitwise equal (dtype included)."""
+    ka, kb = set(a.keys(True, True)), set(b.keys(True, True))
+    assert ka == kb, f"keys differ: {ka ^ kb}"
+    for key in ka:
+        x, y = a.get(key), b.get(key)
+        assert x.dtype == y.dtype, f"{key}: {x.dtype} != {y.dtype}"
+        assert torch.equal(x, y), f"{key}: max abs diff {(x.double() - y.double()).abs().max()}"
+
+
+def assert_td_close(a: TensorDict, b: TensorDict, atol: float, rtol: float = 0.0) -> None:
+    ka, kb = set(a.keys(True, True)), set(b.keys(True, True))
+    assert ka == kb, f"keys differ: {ka ^ kb}"
+    for key in ka:
+        torch.testing.assert_close(a.get(key), b.get(key), atol=atol, rtol=rtol, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def mlp(seed: int = 0, sizes: tuple[int, ...] = (6, 12, 8, 3), bias: bool = True) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    for i, (fan_in, fan_out) in enumerate(itertools.pairwise(sizes)):
+        if i:
+            layers.append(torch.nn.Tanh())
+        layers.append(torch.nn.Linear(fan_in, fan_out, bias=bias))
+    return torch.nn.Sequential(*layers)
+
+
+def random_like(td: TensorDict, seed: int, scale: float = 1.0) -> TensorDict:
+    gen = generator(seed)
+    return td.apply(lambda t: (scale * torch.randn(t.shape, generator=gen, dtype=torch.float64)).to(t.dtype))

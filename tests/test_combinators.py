@@ -1,0 +1,229 @@
+"""chain, named, partition, masked: state layout, routing, and leaves without gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _strategies import assert_td_equal, mlp, random_like
+from tensordict import TensorDict
+
+import muonfn
+
+
+def td(d: dict) -> TensorDict:
+    return TensorDict(d, batch_size=[])
+
+
+def nested_params() -> TensorDict:
+    return td(
+        {
+            "0": {"weight": torch.ones(4, 3), "bias": torch.ones(4)},
+            "1": {"weight": torch.ones(2, 4), "bias": torch.ones(2)},
+        }
+    )
+
+
+def scale(factor: float) -> muonfn.Transform:
+    """Stateless and easy to recognise: ``u = -factor · g``."""
+    return muonfn.scale_by_learning_rate(factor)
+
+
+# --- chain and named -------------------------------------------------------------------------------
+
+
+def test_chain_state_is_the_union_of_readable_keys() -> None:
+    params = nested_params()
+    tx = muonfn.chain(muonfn.ema_momentum(), muonfn.scale_by_adam(), muonfn.scale_by_learning_rate(lambda t: 0.1))
+    state = tx.init(params)
+    assert set(state.keys()) == {"momentum", "step", "exp_avg", "exp_avg_sq", "count"}
+    assert torch.equal(state["momentum", "0", "weight"], torch.zeros(4, 3))
+    _, new_state = tx.update(random_like(params, 0), state, params)
+    assert set(new_state.keys(True, True)) == set(state.keys(True, True))
+
+
+def test_chain_feeds_each_update_to_the_next() -> None:
+    grads = td({"w": torch.ones(2)})
+    out, _ = muonfn.chain(scale(2.0), scale(3.0)).update(grads, TensorDict())
+    assert out["w"].tolist() == [6.0, 6.0]
+
+
+def test_chain_rejects_two_members_with_the_same_state_key() -> None:
+    with pytest.raises(ValueError, match=r"members 0 and 1 both keep state 'momentum'.*named"):
+        muonfn.chain(muonfn.ema_momentum(), muonfn.ema_momentum(0.5))
+
+
+def test_named_keeps_state_apart() -> None:
+    params = td({"w": torch.zeros(3)})
+    tx = muonfn.chain(
+        muonfn.named("fast", muonfn.ema_momentum(0.5, False)), muonfn.named("slow", muonfn.ema_momentum(0.9, False))
+    )
+    state = tx.init(params)
+    _, state = tx.update(td({"w": torch.ones(3)}), state)
+    assert state["fast", "momentum", "w"].tolist() == [0.5] * 3
+    assert state["slow", "momentum", "w"].tolist() == [pytest.approx(0.1 * 0.5)] * 3  # fed the first's output
+
+
+# --- partition -------------------------------------------------------------------------------------
+
+
+LABEL_FORMS = {
+    "tuple": {("0", "weight"): "x", ("0", "bias"): "y", ("1", "weight"): "x", ("1", "bias"): "y"},
+    "dotted": {"0.weight": "x", "0.bias": "y", "1.weight": "x", "1.bias": "y"},
+    "callable": lambda p: {k: "x" if v.ndim == 2 else "y" for k, v in p.items(include_nested=True, leaves_only=True)},
+    "tensordict": td({"0": {"weight": "x", "bias": "y"}, "1": {"weight": "x", "bias": "y"}}),
+}
+
+
+@pytest.mark.parametrize("form", sorted(LABEL_FORMS))
+def test_partition_routes_by_label(form: str) -> None:
+    params = nested_params()
+    tx = muonfn.partition(
+        {"x": muonfn.chain(muonfn.ema_momentum(0.5, False), scale(1.0)), "y": scale(2.0)}, LABEL_FORMS[form]
+    )
+    state = tx.init(params)
+    assert set(state.keys(True, True)) == {("x", "momentum", "0", "weight"), ("x", "momentum", "1", "weight")}
+    grads = params.apply(torch.ones_like)
+    updates, state = tx.update(grads, state, params)
+    assert updates["0", "weight"].unique().tolist() == [-0.5]
+    assert updates["1", "bias"].unique().tolist() == [-2.0]
+    assert list(updates.keys(True, True)) == list(grads.keys(True, True))
+
+
+def test_partition_without_params_labels_the_gradients() -> None:
+    params = nested_params()
+    tx = muonfn.partition({"x": scale(1.0), "y": scale(2.0)}, LABEL_FORMS["callable"])
+    updates, _ = tx.update(params, tx.init(params))
+    assert updates["0", "bias"].unique().tolist() == [-2.0]
+
+
+def test_partition_label_errors() -> None:
+    params = nested_params()
+    labels = dict(LABEL_FORMS["dotted"])
+    with pytest.raises(ValueError, match=r"'0.bias' has label 'z'; known labels: \['x', 'y'\]"):
+        muonfn.partition({"x": scale(1.0), "y": scale(2.0)}, {**labels, "0.bias": "z"}).init(params)
+    missing = {k: v for k, v in labels.items() if k != "1.bias"}
+    with pytest.raises(ValueError, match=r"parameter '1.bias' has no label"):
+        muonfn.partition({"x": scale(1.0), "y": scale(2.0)}, missing).init(params)
+    with pytest.raises(ValueError, match=r"labels name '1.wieght', which is not a parameter"):
+        muonfn.partition({"x": scale(1.0), "y": scale(2.0)}, {**labels, "1.wieght": "y"}).init(params)
+    tx = muonfn.partition({"x": scale(1.0), "y": scale(2.0)}, labels)
+    with pytest.raises(ValueError, match=r"gradient '2.weight' has no matching parameter"):
+        tx.update(td({"2": {"weight": torch.ones(1)}}), tx.init(params), params)
+
+
+def test_a_group_without_leaves_keeps_an_empty_state() -> None:
+    params = td({"w": torch.ones(2, 2)})
+    tx = muonfn.muon(labels={"w": "muon"})
+    state = tx.init(params)
+    assert set(state.keys(True, True)) == {("muon", "momentum", "w")}
+    assert set(state["adamw"].keys()) == {"step", "exp_avg", "exp_avg_sq"}
+    updates, new_state = tx.update(params, state, params)
+    assert set(new_state.keys(True, True)) == {("muon", "momentum", "w")}
+    assert set(updates.keys()) == {"w"}
+
+
+# --- masked --------------------------------------------------------------------------------------------
+
+
+def test_masked_applies_to_selected_leaves_only() -> None:
+    params = nested_params()
+    grads = params.apply(torch.ones_like)
+    for mask in ({"0.weight": True, "1.weight": True}, lambda p: {k: v.ndim == 2 for k, v in p.items(True, True)}):
+        tx = muonfn.masked(muonfn.chain(muonfn.ema_momentum(0.5, False), scale(1.0)), mask)
+        state = tx.init(params)
+        assert set(state.keys(True, True)) == {("momentum", "0", "weight"), ("momentum", "1", "weight")}
+        updates, state = tx.update(grads, state, params)
+        assert updates["1", "weight"].unique().tolist() == [-0.5]
+        assert torch.equal(updates["0", "bias"], grads["0", "bias"])  # passed through
+    untouched, same = tx.update(td({"0": {"bias": torch.ones(4)}}), state, params)
+    assert same is state and torch.equal(untouched["0", "bias"], torch.ones(4))
+
+
+# --- leaves without gradients, masks and learning rates in the presets ------------------------------------
+
+
+def test_leaves_without_gradients_are_skipped() -> None:
+    """torch.optim skips p.grad is None: no update, state (Adam step included) unchanged, others advance."""
+    model = mlp()
+    params = TensorDict.from_module(model).detach()
+    tx = muonfn.muon(lr=0.1)
+    state = tx.init(params)
+    for t in range(2):
+        _, state = tx.update(random_like(params, t), state, params)
+    partial = random_like(params, 7).exclude(("0", "weight"), ("0", "bias"))
+    updates, new_state = tx.update(partial, state, params)
+    assert set(updates.keys(True, True)) == set(partial.keys(True, True))
+    for skipped in (
+        ("muon", "momentum", "0", "weight"),
+        ("adamw", "step", "0", "bias"),
+        ("adamw", "exp_avg", "0", "bias"),
+    ):
+        assert torch.equal(new_state[skipped], state[skipped])
+    assert int(new_state["adamw", "step", "2", "bias"]) == 3
+    assert int(new_state["adamw", "step", "0", "bias"]) == 2
+    assert not torch.equal(new_state["muon", "momentum", "2", "weight"], state["muon", "momentum", "2", "weight"])
+    stepped = muonfn.apply_updates(params, updates)
+    assert torch.equal(stepped["0", "weight"], params["0", "weight"])
+    assert not torch.equal(stepped["2", "weight"], params["2", "weight"])
+
+
+def test_weight_decay_mask_in_the_presets() -> None:
+    params = TensorDict.from_module(mlp()).detach()
+    grads = random_like(params, 1)
+    exempt = {"0.bias": False, "2.weight": False}
+    for make in (
+        lambda **kw: muonfn.muon(lr=0.1, weight_decay=0.5, **kw),
+        lambda **kw: muonfn.adamw(lr=0.1, weight_decay=0.5, **kw),
+    ):
+        masked, plain = make(weight_decay_mask=exempt), make()
+        u_masked, _ = masked.update(grads, masked.init(params), params)
+        u_plain, _ = plain.update(grads, plain.init(params), params)
+        for key in (("0", "bias"), ("2", "weight")):
+            # decay adds -lr·wd·p; without it the update differs by exactly that
+            torch.testing.assert_close(u_plain[key] - u_masked[key], -0.05 * params[key], rtol=1e-6, atol=1e-7)
+        for key in (("0", "weight"), ("2", "bias")):
+            assert torch.equal(u_masked[key], u_plain[key])
+
+
+def test_one_mask_serves_every_branch_of_a_partition() -> None:
+    """Each branch sees only its leaves of a mask written for the whole model."""
+    params = nested_params()
+    mask = {"0.bias": False, "1.weight": False}
+    tx = muonfn.partition(
+        {"x": muonfn.adamw(lr=0.1, weight_decay=0.5, weight_decay_mask=mask), "y": muonfn.adamw(lr=0.1)},
+        {"0.weight": "x", "0.bias": "x", "1.weight": "y", "1.bias": "y"},
+    )
+    grads = params.apply(torch.zeros_like)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    assert updates["0", "weight"].unique().tolist() == [pytest.approx(-0.05)]
+    assert updates["0", "bias"].unique().tolist() == [0.0]
+
+
+def test_schedule_learning_rate_in_the_presets() -> None:
+    params = TensorDict.from_module(mlp()).detach()
+    grads = random_like(params, 2)
+    schedule = lambda count: 0.1 * 0.5**count  # noqa: E731
+    for make in (muonfn.muon, muonfn.adamw):
+        scheduled, fixed = make(lr=schedule, weight_decay=0.0), make(lr=0.1, weight_decay=0.0)
+        s1, s2 = scheduled.init(params), fixed.init(params)
+        for t in range(3):
+            u1, s1 = scheduled.update(grads, s1, params)
+            u2, s2 = fixed.update(grads, s2, params)
+            for key in u1.keys(True, True):
+                torch.testing.assert_close(u1[key], u2[key] * 0.5**t, rtol=1e-6, atol=0)
+
+
+def test_tensor_learning_rate_changed_in_place_takes_effect() -> None:
+    params = TensorDict.from_module(mlp()).detach()
+    grads = random_like(params, 3)
+    lr = torch.tensor(0.1)
+    tx, reference = muonfn.muon(lr=lr, weight_decay=0.1), muonfn.muon(lr=0.1, weight_decay=0.1)
+    s1, s2 = tx.init(params), reference.init(params)
+    u1, s1 = tx.update(grads, s1, params)
+    u2, s2 = reference.update(grads, s2, params)
+    assert_td_equal(u1, u2)
+    lr.fill_(0.025)
+    u1, s1 = tx.update(grads, s1, params)
+    u2, s2 = reference.update(grads, s2, params)
+    for key in u1.keys(True, True):
+        torch.testing.assert_close(u1[key], u2[key] / 4, rtol=1e-6, atol=0)

@@ -1,0 +1,211 @@
+"""Bad input: one test per case, each error naming the culprit."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import muonfn
+from muonfn import MatrixView
+
+
+def params() -> TensorDict:
+    return TensorDict(
+        {"0": {"weight": torch.ones(4, 3), "bias": torch.ones(4)}, "1": {"weight": torch.ones(2, 4)}}, batch_size=[]
+    )
+
+
+# --- hyperparameters, rejected when the transform is built ----------------------------------------------
+
+BAD_HYPERPARAMETERS: dict[str, tuple[Callable[[], object], type[Exception], str]] = {
+    "lr < 0": (lambda: muonfn.muon(lr=-1e-3), ValueError, r"learning rate must be finite and >= 0, got -0.001"),
+    "lr tensor < 0": (lambda: muonfn.adamw(lr=torch.tensor(-0.1)), ValueError, r"learning rate must be"),
+    "lr nan": (lambda: muonfn.adamw(lr=float("nan")), ValueError, r"learning rate must be finite"),
+    "lr inf": (lambda: muonfn.scale_by_learning_rate(float("inf")), ValueError, r"learning rate must be finite"),
+    "adamw_lr < 0": (lambda: muonfn.muon(adamw_lr=-1.0), ValueError, r"learning rate must be"),
+    "lr not a number": (lambda: muonfn.adamw(lr="0.1"), TypeError, r"learning rate must be a float or a 0-d tensor"),
+    "lr tensor not 0-d": (lambda: muonfn.adamw(lr=torch.ones(2)), ValueError, r"must be a scalar"),
+    "momentum = 1": (lambda: muonfn.muon(momentum=1.0), ValueError, r"momentum must be in \[0, 1\), got 1.0"),
+    "momentum < 0": (lambda: muonfn.ema_momentum(-0.1), ValueError, r"momentum must be in \[0, 1\)"),
+    "momentum tensor": (lambda: muonfn.muon(momentum=torch.tensor(1.5)), ValueError, r"momentum must be in"),
+    "beta1 = 1": (lambda: muonfn.adamw(betas=(1.0, 0.999)), ValueError, r"b1 must be in \[0, 1\), got 1.0"),
+    "beta2 < 0": (lambda: muonfn.adamw(betas=(0.9, -0.5)), ValueError, r"b2 must be in \[0, 1\)"),
+    "adamw_betas": (lambda: muonfn.muon(adamw_betas=(0.9, 1.0)), ValueError, r"b2 must be in \[0, 1\)"),
+    "adam eps = 0": (lambda: muonfn.adamw(eps=0.0), ValueError, r"eps must be finite and > 0, got 0.0"),
+    "adamw_eps < 0": (lambda: muonfn.muon(adamw_eps=-1e-8), ValueError, r"eps must be finite and > 0"),
+    "ns eps = 0": (lambda: muonfn.muon(ns_eps=0.0), ValueError, r"ns eps must be finite and > 0, got 0.0"),
+    "orthogonalize eps < 0": (lambda: muonfn.orthogonalize(eps=-1.0), ValueError, r"ns eps must be"),
+    "weight_decay < 0": (lambda: muonfn.muon(weight_decay=-0.1), ValueError, r"weight_decay must be finite and >= 0"),
+    "adamw_weight_decay < 0": (lambda: muonfn.muon(adamw_weight_decay=-1.0), ValueError, r"weight_decay must be"),
+    "ns_steps = 0": (lambda: muonfn.muon(ns_steps=0), ValueError, r"steps must be an integer >= 1, got 0"),
+    "ns_steps not an int": (lambda: muonfn.muon(ns_steps=2.5), ValueError, r"steps must be an integer >= 1, got 2.5"),
+    "unknown coefficient set": (
+        lambda: muonfn.muon(ns_coefficients="kellr"),
+        ValueError,
+        r"unknown Newton–Schulz coefficient set 'kellr'; choose one of \['cesista', 'keller', 'polar_express'\]",
+    ),
+    "coefficients not triples": (
+        lambda: muonfn.muon(ns_coefficients=[(3.0, -4.0)]),
+        ValueError,
+        r"must be finite \(a, b, c\) triples",
+    ),
+    "coefficients one flat triple": (
+        lambda: muonfn.muon(ns_coefficients=(3.4445, -4.7750, 2.0315)),
+        ValueError,
+        r"are one \(a, b, c\), not a schedule: pass \[\(a, b, c\)\] with steps=5",
+    ),
+    "coefficients not finite": (
+        lambda: muonfn.orthogonalize(coefficients=[(3.0, float("nan"), 1.0)]),
+        ValueError,
+        r"must be finite \(a, b, c\) triples",
+    ),
+    "no coefficients": (lambda: muonfn.orthogonalize(coefficients=[]), ValueError, r"at least one \(a, b, c\) triple"),
+    "bad norm_factor": (
+        lambda: muonfn.orthogonalize(coefficients=muonfn.Coefficients(((3.0, -3.0, 1.0),), norm_factor=0.0)),
+        ValueError,
+        r"norm_factor must be finite and > 0",
+    ),
+    "unknown scale mode": (
+        lambda: muonfn.muon(scale="rms"),
+        ValueError,
+        r"unknown scale mode 'rms'; choose one of \['match_rms_adamw', 'none', 'original', 'spectral', "
+        r"'unit_rms_norm'\]",
+    ),
+    "unknown scale mode in scale_by_shape": (lambda: muonfn.scale_by_shape("max"), ValueError, r"unknown scale mode"),
+    "extra_scale < 0": (lambda: muonfn.muon(extra_scale=-1.0), ValueError, r"extra_scale must be finite and >= 0"),
+    "extra_scale tensor": (
+        lambda: muonfn.muon(extra_scale=torch.tensor(2.0)),
+        TypeError,
+        r"extra_scale must be a float",
+    ),
+    "ns_dtype not floating": (lambda: muonfn.muon(ns_dtype=torch.int32), TypeError, r"ns dtype must be a real float"),
+    "bucket_numel = 0": (lambda: muonfn.muon(bucket_numel=0), ValueError, r"bucket_numel must be an integer >= 1"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_HYPERPARAMETERS))
+def test_bad_hyperparameter(case: str) -> None:
+    build, error, match = BAD_HYPERPARAMETERS[case]
+    with pytest.raises(error, match=match):
+        build()
+
+
+NS_CASES: dict[str, tuple[dict, type[Exception], str]] = {
+    "eps = 0": ({"eps": 0.0}, ValueError, r"eps must be > 0, got 0.0"),
+    "steps = 0": ({"steps": 0}, ValueError, r"steps must be an integer >= 1, got 0"),
+    "unknown coefficient set": ({"coefficients": "fast"}, ValueError, r"unknown Newton–Schulz coefficient set 'fast'"),
+    "integer dtype": ({"dtype": torch.int64}, TypeError, r"dtype must be a real floating-point dtype"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NS_CASES))
+def test_bad_newton_schulz_argument(case: str) -> None:
+    kwargs, error, match = NS_CASES[case]
+    with pytest.raises(error, match=match):
+        muonfn.newton_schulz(torch.ones(3, 4), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("x", "match"),
+    [
+        (torch.ones(4), r"needs a \(\.\.\., m, n\) tensor, got shape \(4,\)"),
+        (torch.ones(3, 4, dtype=torch.complex64), r"needs a real floating-point tensor, got torch.complex64"),
+        (torch.ones(3, 4, dtype=torch.int32), r"needs a real floating-point tensor, got torch.int32"),
+    ],
+    ids=["vector", "complex", "integer"],
+)
+def test_bad_newton_schulz_input(x: torch.Tensor, match: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=match):
+        muonfn.newton_schulz(x)
+
+
+# --- gradients that do not match the parameters, rejected by update ---------------------------------------
+
+
+def bad_grads(case: str) -> TensorDict:
+    grads = params().apply(torch.ones_like)
+    if case == "unknown key":
+        grads["0", "wieght"] = torch.ones(4, 3)
+    elif case == "wrong shape":
+        grads["0", "weight"] = torch.ones(3, 4)
+    elif case == "wrong dtype":
+        grads["0", "weight"] = torch.ones(4, 3, dtype=torch.float64)
+    elif case == "complex":
+        grads["0", "weight"] = torch.ones(4, 3, dtype=torch.complex64)
+    elif case == "sparse":
+        grads["0", "weight"] = torch.ones(4, 3).to_sparse()
+    return grads
+
+
+GRAD_CASES = {
+    "unknown key": (ValueError, r"'0.wieght' has no matching parameter"),
+    "wrong shape": (ValueError, r"gradient '0.weight' has shape \(3, 4\), expected \(4, 3\)"),
+    "wrong dtype": (ValueError, r"gradient '0.weight' has dtype torch.float64, expected torch.float32"),
+    "complex": (TypeError, r"gradient '0.weight' is complex \(torch.complex64\); only real gradients"),
+    "sparse": (TypeError, r"gradient '0.weight' is torch.sparse_coo; only dense gradients"),
+}
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+@pytest.mark.parametrize("case", sorted(GRAD_CASES))
+def test_bad_gradients_name_the_key(case: str, optimizer: str) -> None:
+    tx = muonfn.muon() if optimizer == "muon" else muonfn.adamw()
+    p = params()
+    state = tx.init(p)
+    before = state.clone()
+    error, match = GRAD_CASES[case]
+    with pytest.raises(error, match=match):
+        tx.update(bad_grads(case), state, p)
+    assert (state == before).all()
+
+
+def test_decay_without_params() -> None:
+    tx = muonfn.adamw(weight_decay=0.1)
+    p = params()
+    with pytest.raises(ValueError, match=r"add_decayed_weights needs params"):
+        tx.update(p.apply(torch.ones_like), tx.init(p))
+
+
+# --- names and views, rejected by init -------------------------------------------------------------------
+
+
+def test_vector_labelled_muon() -> None:
+    labels = {"0.weight": "muon", "0.bias": "muon", "1.weight": "muon"}
+    with pytest.raises(ValueError, match=r"'0.bias': shape \(4,\) with batch_dims=0 holds no matrix"):
+        muonfn.muon(labels=labels).init(params())
+
+
+def test_bad_view_split() -> None:
+    tx = muonfn.muon(views={"0.weight": MatrixView(split=(2, 1))})
+    with pytest.raises(ValueError, match=r"'0.weight': split \(2, 1\) does not partition the 4 rows of shape \(4, 3\)"):
+        tx.init(params())
+
+
+def test_views_name_an_unknown_key() -> None:
+    tx = muonfn.muon(views={"1.wieght": MatrixView(transposed=True)})
+    with pytest.raises(ValueError, match=r"views names '1.wieght', which is not a parameter"):
+        tx.init(params())
+
+
+def test_weight_decay_mask_names_an_unknown_key() -> None:
+    tx = muonfn.muon(weight_decay_mask={"0.bais": False})
+    with pytest.raises(ValueError, match=r"weight_decay_mask names '0.bais', which is not a parameter"):
+        tx.init(params())
+    by_rank = muonfn.muon(weight_decay_mask=lambda p: {"0.bais": False})
+    with pytest.raises(ValueError, match=r"weight_decay_mask names '0.bais'"):
+        by_rank.init(params())
+
+
+def test_labels_name_an_unknown_key() -> None:
+    labels = {"0.weight": "muon", "0.bias": "adamw", "1.weight": "muon", "2.weight": "adamw"}
+    with pytest.raises(ValueError, match=r"labels name '2.weight', which is not a parameter"):
+        muonfn.muon(labels=labels).init(params())
+
+
+def test_unknown_label() -> None:
+    labels = {"0.weight": "muon", "0.bias": "adam", "1.weight": "muon"}
+    with pytest.raises(ValueError, match=r"'0.bias' has label 'adam'; known labels: \['adamw', 'muon'\]"):
+        muonfn.muon(labels=labels).init(params())

@@ -1,0 +1,177 @@
+"""Functional properties: purity, vmap ensembles, torch.compile, torch.func loops, apply_if_finite."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _strategies import assert_td_close, assert_td_equal, mlp, random_like
+from tensordict import TensorDict
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import muonfn
+from muonfn import MatrixView
+
+X = torch.randn(16, 6, generator=torch.Generator().manual_seed(0))
+Y = mlp(99)(X).detach()  # a teacher: the loss can go to zero
+
+
+def conv_and_experts() -> TensorDict:
+    """Leaves of every kind a view handles, plus vectors and a scalar."""
+    gen = torch.Generator().manual_seed(1)
+    return TensorDict(
+        {
+            "conv": torch.randn(6, 3, 2, 2, generator=gen),
+            "experts": torch.randn(2, 8, 4, generator=gen),
+            "qkv": torch.randn(12, 4, generator=gen),
+            "bias": torch.randn(6, generator=gen),
+            "scalar": torch.randn((), generator=gen),
+        },
+        batch_size=[],
+    )
+
+
+VIEWS = {"experts": MatrixView(batch_dims=1), "qkv": MatrixView(split=(8, 2, 2))}
+
+
+def optimizers() -> dict[str, muonfn.Transform]:
+    return {
+        "muon": muonfn.muon(lr=0.1, views=VIEWS),
+        "adamw": muonfn.adamw(lr=0.1),
+        "guarded": muonfn.apply_if_finite(muonfn.muon(lr=0.1, ns_coefficients="polar_express", views=VIEWS)),
+    }
+
+
+def storages(td: TensorDict) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in td.values(True, True)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["muon", "adamw", "guarded"])
+def test_update_is_pure(name: str, dtype: torch.dtype) -> None:
+    tx = optimizers()[name]
+    params = conv_and_experts().to(dtype)
+    state = tx.init(params)
+    _, state = tx.update(random_like(params, 2), state, params)  # a non-trivial state
+    grads = random_like(params, 3)
+    before = (params.clone(), grads.clone(), state.clone())
+    updates, new_state = tx.update(grads, state, params)
+    for original, copy in zip((params, grads, state), before):
+        assert_td_equal(original, copy)
+    assert all(u.dtype == dtype for u in updates.values(True, True))
+    # nothing returned aliases an input, so applying updates in place cannot corrupt them
+    assert not storages(updates) & (storages(params) | storages(grads) | storages(state))
+    assert not storages(new_state) & (storages(params) | storages(grads))
+
+
+def test_vmap_ensemble_equals_separate_updates() -> None:
+    models = [mlp(seed) for seed in range(3)]
+    stacked = torch.stack([TensorDict.from_module(m).detach() for m in models])
+    tx = muonfn.apply_if_finite(muonfn.muon(lr=0.05))
+    state = torch.vmap(tx.init)(stacked)
+    separate = [tx.init(stacked[i]) for i in range(3)]
+    for t in range(2):
+        grads = random_like(stacked, seed=10 + t)
+        if t == 1:
+            grads["0", "bias"][1, 0] = float("nan")  # only the second member skips this step
+        updates, state = torch.vmap(tx.update)(grads, state, stacked)
+        for i in range(3):
+            expected, separate[i] = tx.update(grads[i], separate[i], stacked[i])
+            assert_td_close(updates[i], expected, atol=1e-6)
+            assert_td_close(state[i], separate[i], atol=1e-6)
+    assert state["notfinite_count"].tolist() == [0, 1, 0]
+
+
+def test_compiled_update_matches_eager_without_recompiling() -> None:
+    """fullgraph=True: no graph breaks. A 0-d lr changed in place and a NaN step reuse the graph."""
+    params = TensorDict.from_module(mlp(4)).detach()
+    lr = torch.tensor(0.05)
+    tx = muonfn.apply_if_finite(muonfn.muon(lr=lr, weight_decay=0.1, ns_coefficients="cesista"))
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(tx.update, fullgraph=True, backend=counter)
+    eager_state = compiled_state = tx.init(params)
+    for t in range(3):
+        grads = random_like(params, seed=20 + t)
+        if t == 1:
+            lr.fill_(0.01)
+            grads["2", "weight"][0, 0] = float("inf")
+        eager, eager_state = tx.update(grads, eager_state, params)
+        got, compiled_state = compiled(grads, compiled_state, params)
+        assert_td_close(got, eager, atol=1e-6)
+        assert_td_close(compiled_state, eager_state, atol=1e-6)
+        params = muonfn.apply_updates(params, eager)
+    assert int(compiled_state["notfinite_count"]) == 1
+    assert counter.frame_count == 1
+
+
+def test_torch_func_loops_with_to_module_and_functional_call() -> None:
+    model = mlp(5)
+    params = TensorDict.from_module(model).detach()
+
+    def loss_to_module(p: TensorDict) -> torch.Tensor:
+        with p.to_module(model):
+            return torch.nn.functional.mse_loss(model(X), Y)
+
+    def loss_functional_call(p: TensorDict) -> torch.Tensor:
+        prediction = torch.func.functional_call(model, dict(p.flatten_keys(".").items()), (X,))
+        return torch.nn.functional.mse_loss(prediction, Y)
+
+    tx = muonfn.muon(lr=0.05)
+    trained = []
+    for loss in (loss_to_module, loss_functional_call):
+        p, state = params, tx.init(params)
+        losses = []
+        for _ in range(15):
+            grads, value = torch.func.grad_and_value(loss)(p)
+            updates, state = tx.update(grads, state, p)
+            p = muonfn.apply_updates(p, updates)
+            losses.append(float(value))
+        assert losses[-1] < 0.6 * losses[0]
+        trained.append(p)
+    assert_td_equal(trained[0], trained[1])
+    assert_td_equal(TensorDict.from_module(model).detach(), params)  # the module itself is untouched
+
+
+# --- apply_if_finite ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_apply_if_finite_skips_bad_steps_and_counts_them(bad: float) -> None:
+    params = conv_and_experts()
+    inner = muonfn.muon(lr=0.1, views=VIEWS)
+    tx = muonfn.apply_if_finite(inner)
+    state, plain = tx.init(params), inner.init(params)
+    assert set(state.keys()) == {"muon", "adamw", "notfinite_count"}
+    for t in range(3):
+        grads = random_like(params, seed=30 + t)
+        if t == 1:
+            grads["conv"][0, 0, 0, 0] = bad
+            updates, new_state = tx.update(grads, state, params)
+            assert all(torch.equal(u, torch.zeros_like(u)) for u in updates.values(True, True))
+            assert_td_equal(muonfn.apply_updates(params, updates), params)
+            assert_td_equal(new_state.exclude("notfinite_count"), state.exclude("notfinite_count"))
+            state = new_state
+            continue
+        updates, state = tx.update(grads, state, params)
+        expected, plain = inner.update(grads, plain, params)
+        assert_td_equal(updates, expected)
+        assert_td_equal(state.exclude("notfinite_count"), plain)
+    assert int(state["notfinite_count"]) == 1
+
+
+def test_every_dtype_is_kept_0d_leaves_included() -> None:
+    params = TensorDict({"w": torch.ones(4, 4), "s": torch.ones((), dtype=torch.bfloat16), "t": torch.ones(())}, [])
+    tx = muonfn.apply_if_finite(muonfn.muon())
+    state = tx.init(params)
+    for bad in (False, True):
+        grads = params.apply(torch.ones_like)
+        if bad:
+            grads["w"][0, 0] = float("nan")
+        updates, state = tx.update(grads, state, params)
+        assert {k: u.dtype for k, u in updates.items()} == {k: p.dtype for k, p in params.items()}
+        assert state["adamw", "exp_avg", "s"].dtype == torch.bfloat16
+
+
+def test_apply_if_finite_refuses_a_clashing_state_key() -> None:
+    inner = muonfn.apply_if_finite(muonfn.adamw())
+    with pytest.raises(ValueError, match="already keeps 'notfinite_count'"):
+        muonfn.apply_if_finite(inner).init(TensorDict({"w": torch.ones(2)}, []))

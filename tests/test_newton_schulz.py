@@ -1,0 +1,283 @@
+"""Newton–Schulz: exact symmetries, spectral mapping against the scalar polynomial, bands, oracles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _strategies import (
+    Spectral,
+    bmm_batch_consistent,
+    composed_polynomial,
+    gaussian,
+    generator,
+    orthogonal,
+    orthonormal_columns,
+    rel_err,
+    spectral_matrices,
+    with_spectrum,
+)
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from muonfn import COEFFICIENTS, Coefficients, newton_schulz, polar
+
+SETS = sorted(COEFFICIENTS)
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+
+# Spectral mapping, max abs error on the singular values (which are ~1). fp64/fp32 as REFERENCE.md;
+# bf16 measured here up to 0.054 (keller), 0.026 (cesista), 0.005 (polar_express) on ≤12×12 inputs.
+SPECTRAL_TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
+SPECTRAL_TOL_BF16 = {"keller": 0.08, "cesista": 0.05, "polar_express": 0.02}
+
+
+def ns(x: torch.Tensor, coefficients: object = "keller", **kw: object) -> torch.Tensor:
+    return newton_schulz(x, coefficients, **kw)  # type: ignore[arg-type]
+
+
+def expected_svdvals(sp: Spectral, coefficients: str | Coefficients) -> torch.Tensor:
+    """sorted p(σᵢ / (c‖G‖_F)), zeros for the null space, from the coefficients alone."""
+    c = COEFFICIENTS[coefficients] if isinstance(coefficients, str) else coefficients
+    full = torch.zeros(min(sp.g.shape), dtype=torch.float64)
+    full[: len(sp.s)] = sp.s
+    return composed_polynomial(c, full / (c.norm_factor * sp.s.norm())).sort().values
+
+
+def svdvals(x: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.svdvals(x.to(torch.float64)).sort().values
+
+
+# --- exact (bitwise) symmetries -------------------------------------------------------------------
+
+
+@given(spectral_matrices(), st.sampled_from(SETS), st.sampled_from(DTYPES))
+def test_odd_and_zero_at_zero(sp: Spectral, name: str, dtype: torch.dtype) -> None:
+    g = sp.g.to(dtype)
+    assert torch.equal(ns(-g, name), -ns(g, name))
+    zero = ns(torch.zeros_like(g), name)
+    assert torch.equal(zero, torch.zeros_like(g))
+    assert not zero.signbit().any()
+
+
+@given(spectral_matrices(), st.sampled_from(SETS), st.sampled_from(DTYPES), st.integers(-6, 6))
+def test_power_of_two_scale_invariance(sp: Spectral, name: str, dtype: torch.dtype, k: int) -> None:
+    g = sp.g.to(dtype)
+    scaled = g * 2.0**k
+    # the property needs the input itself to scale exactly (no fp16 overflow or subnormals)
+    # and both norms above eps, where the clamp makes the map linear instead
+    assume(bool(torch.isfinite(scaled).all()) and torch.equal(scaled / 2.0**k, g))
+    assume(min(g.double().norm(), scaled.double().norm()) > 1e-7)
+    assert torch.equal(ns(scaled, name), ns(g, name))
+
+
+@given(spectral_matrices(), st.sampled_from(SETS), st.sampled_from(DTYPES))
+def test_transpose_equivariance(sp: Spectral, name: str, dtype: torch.dtype) -> None:
+    g = sp.g.to(dtype)
+    assert torch.equal(ns(g.mT, name), ns(g, name).mT)
+
+
+@given(st.integers(2, 5), st.integers(1, 24), st.integers(1, 24), st.sampled_from(SETS), st.integers(0, 2**31 - 1))
+def test_batched_equals_looped(batch: int, m: int, n: int, name: str, seed: int) -> None:
+    x = gaussian(batch, 2, m, n, seed=seed)
+    x[0, 1] = 0.0  # a zero matrix in the batch must not disturb the others
+    out = ns(x, name)
+    assert out.shape == x.shape
+    looped = torch.stack([torch.stack([ns(x[i, j], name) for j in range(2)]) for i in range(batch)])
+    if bmm_batch_consistent(m, n, 2 * batch):
+        assert torch.equal(out, looped)
+    else:
+        torch.testing.assert_close(out, looped, atol=1e-5, rtol=0)
+    assert torch.equal(out[0, 1], torch.zeros(m, n))
+
+
+def test_batched_equals_looped_on_consistent_shapes() -> None:
+    x = gaussian(6, 16, 40, seed=1)
+    assert bmm_batch_consistent(16, 40, 6)
+    for name in SETS:
+        assert torch.equal(ns(x, name), torch.stack([ns(m, name) for m in x]))
+
+
+# --- equivariance and spectral mapping, to tolerance ----------------------------------------------
+
+
+@given(spectral_matrices(), st.sampled_from(SETS), st.integers(0, 2**31 - 1))
+def test_orthogonal_equivariance(sp: Spectral, name: str, seed: int) -> None:
+    m, n = sp.g.shape
+    gen = generator(seed)
+    u, v = orthogonal(m, gen), orthogonal(n, gen)
+    rotated = u @ sp.g @ v.T
+    assert rel_err(ns(rotated, name), u @ ns(sp.g, name) @ v.T) < 1e-12
+    f32 = ns(rotated.float(), name)
+    assert rel_err(f32, u @ ns(sp.g.float(), name).double() @ v.T) < 1e-4
+
+
+@given(spectral_matrices(rank_deficient=False), st.sampled_from(SETS), st.sampled_from([torch.float64, torch.float32]))
+def test_spectral_mapping(sp: Spectral, name: str, dtype: torch.dtype) -> None:
+    got = svdvals(ns(sp.g.to(dtype), name))
+    assert (got - expected_svdvals(sp, name)).abs().max() < SPECTRAL_TOL[dtype]
+
+
+@given(spectral_matrices(min_sigma=0.1), st.sampled_from(SETS))
+def test_spectral_mapping_bf16(sp: Spectral, name: str) -> None:
+    """Well-conditioned spectra only: bf16 cannot resolve σ below ~1% of ‖G‖ (REFERENCE.md)."""
+    got = svdvals(ns(sp.g.to(torch.bfloat16), name, dtype=torch.bfloat16))
+    assert (got - expected_svdvals(sp, name)).abs().max() < SPECTRAL_TOL_BF16[name]
+
+
+@given(spectral_matrices(rank_deficient=True), st.sampled_from(SETS))
+def test_spectral_mapping_rank_deficient_fp64(sp: Spectral, name: str) -> None:
+    got = svdvals(ns(sp.g, name))
+    assert (got - expected_svdvals(sp, name)).abs().max() < SPECTRAL_TOL[torch.float64]
+
+
+@given(spectral_matrices(rank_deficient=True), st.sampled_from(SETS), st.sampled_from([torch.float64, torch.float32]))
+def test_null_space_preserved(sp: Spectral, name: str, dtype: torch.dtype) -> None:
+    """f(G) = U p(Σ) Vᵀ with p(0) = 0: G's left and right null spaces stay null."""
+    out = ns(sp.g.to(dtype), name).double()
+    r = sp.rank
+    tol = 1e-10 if dtype == torch.float64 else 1e-3
+    assert (out @ sp.v[:, r:]).abs().max() < tol
+    assert (sp.u[:, r:].T @ out).abs().max() < tol
+    assert svdvals(out).max() > 0.5  # not trivially zero
+
+
+@pytest.mark.parametrize(
+    ("name", "band", "error"),
+    [("keller", (0.68, 1.14), 0.153), ("cesista", (0.97, 1.04), 0.017), ("polar_express", (0.99, 1.01), 0.0)],
+)
+def test_band_and_error_on_gaussian(name: str, band: tuple[float, float], error: float) -> None:
+    """σ band and relative Frobenius error vs UVᵀ on a 256×1024 Gaussian in fp32 (REFERENCE.md's table)."""
+    g = gaussian(256, 1024, seed=0)
+    out = ns(g, name, dtype=torch.float32)
+    s = svdvals(out)
+    assert band[0] <= s.min() and s.max() <= band[1]
+    assert abs(rel_err(out, polar(g.double())) - error) < 0.005
+
+
+@pytest.mark.parametrize("name", SETS)
+@pytest.mark.parametrize(("m", "n", "k"), [(6, 9, 1), (6, 9, 4), (9, 6, 6), (8, 8, 8)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_equal_singular_values_oracle(name: str, m: int, n: int, k: int, dtype: torch.dtype) -> None:
+    """G = c·Q₁Q₂ᵀ with k equal singular values: every σ/‖G‖ is 1/√k, so f(G) = p(1/(f·√k))·Q₁Q₂ᵀ."""
+    gen = generator(m * n * k)
+    q = orthonormal_columns(m, k, gen) @ orthonormal_columns(n, k, gen).T
+    factor = composed_polynomial(name, torch.tensor(1 / (COEFFICIENTS[name].norm_factor * k**0.5), dtype=torch.float64))
+    expected = factor * q
+    # fp32: rounding noise in the null space (k < min(m, n)) is amplified by p'(0) (~6300 for polar_express)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5 if k == min(m, n) else 1e-3
+    assert (ns((3.7 * q).to(dtype), name).double() - expected).abs().max() < tol
+
+
+def test_polar_matches_svd_factor() -> None:
+    gen = generator(0)
+    full = with_spectrum(7, 11, [3.0, 2.0, 1.0, 0.5, 0.1, 0.01, 0.001], gen)
+    assert rel_err(polar(full.g), full.u[:, :7] @ full.v[:, :7].T) < 1e-12
+    deficient = with_spectrum(7, 11, [3.0, 1.0, 0.5], gen)
+    expected = deficient.u[:, :3] @ deficient.v[:, :3].T
+    assert rel_err(polar(deficient.g), expected) < 1e-12
+    assert polar(deficient.g.float()).dtype == torch.float32
+    assert torch.equal(polar(torch.zeros(3, 4)), torch.zeros(3, 4))
+    batch = torch.stack([full.g[:, :7], deficient.g[:, 4:]])
+    assert torch.allclose(polar(batch)[1], polar(deficient.g[:, 4:]), atol=1e-12)
+
+
+# --- schedules --------------------------------------------------------------------------------------
+
+
+def stretched(name: str, steps: int) -> Coefficients:
+    triples = list(COEFFICIENTS[name].triples)
+    while len(triples) < steps:
+        triples.append(triples[-1])
+    return Coefficients(tuple(triples[:steps]), COEFFICIENTS[name].norm_factor)
+
+
+@pytest.mark.parametrize("name", SETS)
+@pytest.mark.parametrize("steps", [1, 3, 12])
+def test_steps_truncate_or_repeat_the_last_triple(name: str, steps: int) -> None:
+    sp = with_spectrum(5, 8, [1.0, 0.7, 0.2, 0.05, 0.01], generator(steps))
+    got = svdvals(ns(sp.g, name, steps=steps))
+    assert (got - expected_svdvals(sp, stretched(name, steps))).abs().max() < 1e-10
+    default = svdvals(ns(sp.g, name))
+    if steps < len(COEFFICIENTS[name].triples):
+        assert (got - default).abs().max() > 1e-6  # the step count matters
+
+
+def test_custom_triples() -> None:
+    sp = with_spectrum(6, 4, [1.0, 0.6, 0.3, 0.1], generator(1))
+    triples = [[3.0, -3.2, 1.2], (2.0, -1.5, 0.5)]
+    got = svdvals(ns(sp.g, triples))
+    assert (got - expected_svdvals(sp, Coefficients(((3.0, -3.2, 1.2), (2.0, -1.5, 0.5))))).abs().max() < 1e-10
+    longer = svdvals(ns(sp.g, triples, steps=4))
+    expected = expected_svdvals(sp, Coefficients(((3.0, -3.2, 1.2),) + ((2.0, -1.5, 0.5),) * 3))
+    assert (longer - expected).abs().max() < 1e-10
+    custom = Coefficients(((3.0, -3.2, 1.2),), norm_factor=1.5)
+    assert (svdvals(ns(sp.g, custom)) - expected_svdvals(sp, custom)).abs().max() < 1e-10
+
+
+def test_one_triple_with_steps_is_torchs_iteration() -> None:
+    """torch.optim.Muon's ns_coefficients=(a, b, c), ns_steps=5 is [(a, b, c)] with steps=5."""
+    g = gaussian(5, 7, seed=2, dtype=torch.float64)
+    assert torch.equal(ns(g, [(3.4445, -4.7750, 2.0315)], steps=5), ns(g, "keller"))
+    assert torch.equal(ns(g, [(3.4445, -4.7750, 2.0315)], steps=2), ns(g, "keller", steps=2))
+
+
+# --- dtypes, precision, purity --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_returns_input_dtype_and_never_mutates(dtype: torch.dtype) -> None:
+    for shape in [(5, 8), (8, 5), (3, 5, 8), (2, 3, 8, 5)]:
+        x = gaussian(*shape, seed=len(shape), dtype=dtype)
+        before = x.clone()
+        for ns_dtype in (None, torch.float32, torch.bfloat16, dtype):
+            out = ns(x, "polar_express", dtype=ns_dtype)
+            assert out.dtype == dtype and out.shape == x.shape
+            assert torch.equal(x, before)
+            out.add_(1.0)  # the result never aliases the input
+            assert torch.equal(x, before)
+
+
+def test_fp16_does_not_overflow() -> None:
+    """fp16 inputs near fp16's max: ‖G‖² would overflow in fp16, so the norm is taken in fp32."""
+    x = (gaussian(32, 48, seed=3) * 2e4).clamp(-6e4, 6e4).half()
+    reference = ns(x.float(), "cesista")
+    for ns_dtype in (None, torch.float16):
+        out = ns(x, "cesista", dtype=ns_dtype)
+        assert out.dtype == torch.float16 and torch.isfinite(out).all()
+        assert rel_err(out, reference) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tiny_and_zero_matrices_give_no_nan(dtype: torch.dtype) -> None:
+    tiny = torch.full((4, 6), torch.finfo(dtype).tiny, dtype=dtype)
+    for x in (torch.zeros(3, 4, 6, dtype=dtype), tiny, -tiny):
+        out = ns(x, "polar_express")
+        assert torch.isfinite(out).all()
+    assert torch.equal(ns(torch.zeros(3, 4, 6, dtype=dtype)), torch.zeros(3, 4, 6, dtype=dtype))
+
+
+def test_below_eps_the_map_is_linear_and_continuous() -> None:
+    """‖G‖ < eps: X₀ = G/eps, so halving G halves X₀ (no longer scale invariant), and f → 0 as G → 0."""
+    g = gaussian(4, 6, seed=4, dtype=torch.float64)
+    g = g / g.norm() * 1e-12
+    small, smaller = ns(g, steps=1), ns(g / 2, steps=1)
+    torch.testing.assert_close(smaller, small / 2, rtol=1e-8, atol=0)
+    assert not torch.allclose(smaller, small)
+    assert small.abs().max() < 1e-2
+
+
+def test_default_ns_dtype_on_cpu() -> None:
+    """On CPU the iteration runs in fp32 (fp64 inputs in fp64), not bf16, which is ~100× slower there."""
+    x = gaussian(16, 24, seed=5, dtype=torch.bfloat16)
+    assert torch.equal(ns(x), ns(x, dtype=torch.float32))
+    assert not torch.equal(ns(x), ns(x, dtype=torch.bfloat16))
+    y = gaussian(16, 24, seed=5, dtype=torch.float64)
+    assert torch.equal(ns(y), ns(y, dtype=torch.float64))
+
+
+def test_rectangular_and_degenerate_shapes() -> None:
+    for shape in [(1, 1), (1, 7), (7, 1), (0, 4), (2, 0, 3), (3, 1, 5)]:
+        x = torch.randn(shape, dtype=torch.float64)
+        out = ns(x, "polar_express")
+        assert out.shape == x.shape
+        if x.numel() and min(shape[-2:]) == 1:  # a vector's polar factor is its direction
+            torch.testing.assert_close(out, x / torch.linalg.matrix_norm(x, keepdim=True), atol=1e-6, rtol=0)

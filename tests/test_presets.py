@@ -1,0 +1,285 @@
+"""adamw and muon against torch.optim.AdamW and torch.optim.Muon, labels, views, state layout."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from _strategies import gaussian, mlp, random_like, rel_err
+from tensordict import TensorDict
+from torch.optim import _muon as torch_muon
+
+import muonfn
+from muonfn import MatrixView, newton_schulz
+
+X, Y = gaussian(32, 6, seed=100), gaussian(32, 3, seed=101)
+
+
+def make_loss(model: torch.nn.Module):
+    def loss(params: TensorDict) -> torch.Tensor:
+        with params.to_module(model):
+            return torch.nn.functional.mse_loss(model(X.to(params.dtype)), Y.to(params.dtype))
+
+    return loss
+
+
+def torch_grads(model: torch.nn.Module) -> None:
+    model.zero_grad()
+    dtype = next(model.parameters()).dtype
+    torch.nn.functional.mse_loss(model(X.to(dtype)), Y.to(dtype)).backward()
+
+
+def max_param_diff(model: torch.nn.Module, params: TensorDict) -> float:
+    theirs = TensorDict.from_module(model).detach()
+    return max(float((params[k] - theirs[k]).abs().max()) for k in params.keys(True, True))
+
+
+def run_both(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tx: muonfn.Transform, steps: int) -> float:
+    """Trains ``model`` with ``optimizer`` and a copy of its parameters with ``tx``; the worst parameter gap."""
+    params = TensorDict.from_module(model).detach().clone()
+    functional_model = copy.deepcopy(model)
+    loss = make_loss(functional_model)
+    state = tx.init(params)
+    worst = 0.0
+    for _ in range(steps):
+        torch_grads(model)
+        optimizer.step()
+        updates, state = tx.update(torch.func.grad(loss)(params), state, params)
+        params = muonfn.apply_updates(params, updates)
+        worst = max(worst, max_param_diff(model, params))
+    return worst
+
+
+# --- AdamW ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_adamw_matches_torch(weight_decay: float) -> None:
+    model = mlp(0, (6, 12, 8, 3))
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay, amsgrad=False
+    )
+    tx = muonfn.adamw(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay)
+    assert run_both(model, optimizer, tx, steps=20) <= 5e-6
+
+
+def test_adamw_defaults_are_torchs() -> None:
+    """adamw() with no arguments is torch.optim.AdamW() with no arguments (lr 1e-3, wd 0.01, ...)."""
+    model = mlp(1, (6, 12, 3))
+    assert run_both(model, torch.optim.AdamW(model.parameters()), muonfn.adamw(), steps=5) <= 5e-7
+
+
+# --- Muon ----------------------------------------------------------------------------------------------
+
+
+def muon_pair(model: torch.nn.Module, adjust_lr_fn: str | None, ns_dtype: torch.dtype, **kw):
+    lr, wd = 0.02, 0.1
+    optimizer = torch.optim.Muon(
+        model.parameters(), lr=lr, weight_decay=wd, momentum=0.9, nesterov=True, adjust_lr_fn=adjust_lr_fn
+    )
+    tx = muonfn.muon(
+        lr=lr,
+        weight_decay=wd,
+        momentum=0.9,
+        nesterov=True,
+        ns_coefficients="keller",
+        scale=adjust_lr_fn or "original",
+        ns_dtype=ns_dtype,
+        **kw,
+    )
+    return optimizer, tx
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("adjust_lr_fn", [None, "match_rms_adamw"])
+def test_muon_matches_torch_with_the_same_newton_schulz(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, adjust_lr_fn: str | None
+) -> None:
+    """torch's own Muon step with its bf16 Newton–Schulz swapped for ours in ``dtype``: the
+    trajectories agree to rounding, so NS precision is the only difference (next test)."""
+
+    def our_ns(grad: torch.Tensor, coefficients: tuple, steps: int, eps: float) -> torch.Tensor:
+        return newton_schulz(grad, [coefficients], steps, eps, dtype=dtype)
+
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", our_ns)
+    model = mlp(2, (6, 16, 24, 3), bias=False).to(dtype)
+    optimizer, tx = muon_pair(model, adjust_lr_fn, dtype)
+    tol = 1e-12 if dtype == torch.float64 else 3e-6
+    assert run_both(model, optimizer, tx, steps=20) <= tol
+
+
+def test_muon_matches_torch_bf16_newton_schulz() -> None:
+    """torch casts to bf16 before normalising, we normalise in fp32 and then cast: on the same
+    gradients the trajectories agree to bf16 accuracy (a few % of the distance travelled)."""
+    model = mlp(3, (6, 16, 24, 3), bias=False)
+    optimizer, tx = muon_pair(model, None, torch.bfloat16)
+    params = TensorDict.from_module(model).detach().clone()
+    start = params.clone()
+    state = tx.init(params)
+    for t in range(20):
+        grads = random_like(params, seed=t)
+        for (name, p), g in zip(model.named_parameters(), grads.values(True, True)):
+            assert tuple(name.split(".")) in grads.keys(True, True)
+            p.grad = g.clone()
+        optimizer.step()
+        updates, state = tx.update(grads, state, params)
+        params = muonfn.apply_updates(params, updates)
+    theirs = TensorDict.from_module(model).detach()
+    for key in params.keys(True, True):
+        travelled = (theirs[key] - start[key]).norm()
+        assert (params[key] - theirs[key]).norm() / travelled < 0.05
+
+
+@pytest.mark.parametrize("shape", [(16, 8), (24, 64), (64, 256)])
+def test_bf16_newton_schulz_against_torchs(shape: tuple[int, int]) -> None:
+    g = gaussian(*shape, seed=7)
+    theirs = torch_muon._zeropower_via_newtonschulz(g, (3.4445, -4.7750, 2.0315), 5, 1e-7).float()
+    ours = newton_schulz(g, "keller", dtype=torch.bfloat16)
+    exact = newton_schulz(g.double(), "keller")
+    assert rel_err(ours, theirs) < 0.05
+    assert rel_err(ours, exact) < 0.03 and rel_err(theirs, exact) < 0.03
+
+
+def test_muon_matrix_update_formula() -> None:
+    """−lr·s(A, B)·NS(u) − lr·wd·p with u the Nesterov EMA, for a matrix; AdamW for the rest."""
+    params = TensorDict({"w": gaussian(12, 20, seed=1), "b": gaussian(12, seed=2)}, batch_size=[])
+    lr, wd, mu = 0.03, 0.2, 0.9
+    tx = muonfn.muon(lr=lr, weight_decay=wd, momentum=mu, extra_scale=1.5)
+    g1, g2 = random_like(params, 3), random_like(params, 4)
+    state = tx.init(params)
+    _, state = tx.update(g1, state, params)
+    updates, state = tx.update(g2, state, params)
+    buf = (1 - mu) * (mu * g1["w"] + g2["w"])
+    u = (1 - mu) * g2["w"] + mu * buf
+    expected = -lr * (1.5 * 0.2 * math.sqrt(20) * newton_schulz(u) + wd * params["w"])
+    torch.testing.assert_close(updates["w"], expected, rtol=1e-5, atol=1e-7)
+    assert state["adamw", "step", "b"] == 2
+
+
+def test_zero_gradient_gives_only_the_decay() -> None:
+    params = TensorDict({"w": gaussian(6, 9, seed=1), "e": gaussian(2, 6, 9, seed=2)}, batch_size=[])
+    tx = muonfn.muon(lr=0.1, weight_decay=0.5, views={"e": MatrixView(batch_dims=1)})
+    for dtype in (torch.float32, torch.bfloat16):
+        p = params.to(dtype)
+        updates, state = tx.update(p.apply(torch.zeros_like), tx.init(p), p)
+        for key in ("w", "e"):
+            assert torch.equal(updates[key], p[key].mul(0.5).mul(-0.1))
+            assert torch.equal(state["muon", "momentum", key], torch.zeros_like(p[key]))
+
+
+def test_adamw_settings_default_to_the_muon_ones() -> None:
+    params = TensorDict({"w": gaussian(4, 4, seed=1), "b": gaussian(4, seed=2)}, batch_size=[])
+    grads = random_like(params, 5)
+
+    def adamw_part(tx: muonfn.Transform) -> torch.Tensor:
+        return tx.update(grads, tx.init(params), params)[0]["b"]
+
+    b_only = params.select("b")
+    same = muonfn.adamw(lr=0.3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.4)
+    assert torch.equal(
+        adamw_part(muonfn.muon(lr=0.3, weight_decay=0.4)),
+        same.update(grads.select("b"), same.init(b_only), b_only)[0]["b"],
+    )
+    other = muonfn.adamw(lr=0.01, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.0)
+    got = adamw_part(
+        muonfn.muon(
+            lr=0.3, weight_decay=0.4, adamw_lr=0.01, adamw_betas=(0.8, 0.9), adamw_eps=1e-6, adamw_weight_decay=0.0
+        )
+    )
+    assert torch.equal(got, other.update(grads.select("b"), other.init(b_only), b_only)[0]["b"])
+
+
+# --- labels, views and state layout -----------------------------------------------------------------------
+
+
+class Conv1D(torch.nn.Module):
+    """Hugging Face's Conv1D: a linear layer whose weight is stored (in, out)."""
+
+    def __init__(self, n_out: int, n_in: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(n_in, n_out))
+        self.bias = torch.nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight + self.bias
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(11, 8)
+        self.wpe = torch.nn.Parameter(torch.randn(5, 8))
+        self.conv = torch.nn.Conv1d(8, 8, 3, padding=1)
+        self.attn = Conv1D(24, 8)
+        self.mlp = torch.nn.Linear(24, 8)
+        self.norm = torch.nn.LayerNorm(8)
+        self.lora_A = torch.nn.Parameter(torch.randn(2, 8))
+        self.lm_head = torch.nn.Linear(8, 11, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(tokens) + self.wpe[: tokens.shape[-1]]
+        h = h + self.conv(h.mT).mT
+        h = self.norm(h + self.mlp(self.attn(h)) + (h @ self.lora_A.T).sum(-1, keepdim=True))
+        return self.lm_head(h)
+
+
+EXPECTED_LABELS = {
+    "embed_tokens.weight": "adamw",
+    "wpe": "adamw",
+    "conv.weight": "muon",
+    "conv.bias": "adamw",
+    "attn.weight": "muon",
+    "attn.bias": "adamw",
+    "mlp.weight": "muon",
+    "mlp.bias": "adamw",
+    "norm.weight": "adamw",
+    "norm.bias": "adamw",
+    "lora_A": "adamw",
+    "lm_head.weight": "adamw",
+}
+
+
+def test_default_labels_by_shape_and_name() -> None:
+    params = TensorDict.from_module(TinyLM()).detach()
+    assert muonfn.label_params(params) == EXPECTED_LABELS
+    assert muonfn.label_params(params, exclude=())["lm_head.weight"] == "muon"
+
+
+def test_labels_from_module_by_type() -> None:
+    model = TinyLM()
+    labels = muonfn.labels_from_module(model)
+    assert labels == {**EXPECTED_LABELS, "wpe": "adamw", "lora_A": "adamw"}
+    model.lm_head.weight = model.embed_tokens.weight  # tied: the first owner's label
+    tied = muonfn.labels_from_module(model)
+    assert tied["lm_head.weight"] == "adamw"
+    state = muonfn.muon(labels=tied).init(TensorDict.from_module(model).detach())  # both names are leaves
+    assert ("adamw", "exp_avg", "lm_head", "weight") in state.keys(True, True)
+    assert muonfn.views_from_module(model) == {"attn.weight": MatrixView(transposed=True)}
+
+
+def test_muon_state_layout_and_a_step_on_a_language_model() -> None:
+    model = TinyLM()
+    params = TensorDict.from_module(model).detach()
+    tx = muonfn.muon(lr=0.02, labels=muonfn.labels_from_module(model), views=muonfn.views_from_module(model))
+    state = tx.init(params)
+    muon_keys = {k for k, v in EXPECTED_LABELS.items() if v == "muon"}
+    assert {".".join(k[2:]) for k in state.keys(True, True) if k[0] == "muon"} == muon_keys
+    assert {k[:2] for k in state.keys(True, True)} == {
+        ("muon", "momentum"),
+        ("adamw", "step"),
+        ("adamw", "exp_avg"),
+        ("adamw", "exp_avg_sq"),
+    }
+    assert state["muon", "momentum", "attn", "weight"].shape == (8, 24)
+    tokens = torch.randint(0, 11, (4, 5))
+
+    def loss(p: TensorDict) -> torch.Tensor:
+        with p.to_module(model):
+            return torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+
+    updates, state = tx.update(torch.func.grad(loss)(params), state, params)
+    # the transposed Conv1D weight gets the (out, in) = (24, 8) update: scale 0.2·√24, singular values ≈ s·p(σ)
+    sv = torch.linalg.svdvals(updates["attn", "weight"] + 0.02 * 0.1 * params["attn", "weight"])
+    assert sv.max() <= 0.02 * 0.2 * math.sqrt(24) * 1.14

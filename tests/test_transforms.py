@@ -1,0 +1,261 @@
+"""The building blocks, each against its formula written out by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from _strategies import assert_td_equal, bmm_batch_consistent, gaussian, random_like
+from tensordict import TensorDict
+
+import muonfn
+from muonfn import MatrixView, newton_schulz
+
+F64 = torch.float64
+
+
+def td(**leaves: torch.Tensor) -> TensorDict:
+    return TensorDict(leaves, batch_size=[])
+
+
+def step(tx: muonfn.Transform, grads: TensorDict, state: TensorDict, params: TensorDict | None = None):
+    return tx.update(grads, state, params)
+
+
+# --- ema_momentum -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_ema_momentum_matches_closed_form(nesterov: bool) -> None:
+    mu = 0.9
+    params = td(w=torch.zeros(3, 4, dtype=F64), b=torch.zeros(5, dtype=F64))
+    tx = muonfn.ema_momentum(mu, nesterov)
+    state = tx.init(params)
+    grads = [random_like(params, seed=t) for t in range(4)]
+    for g in grads:
+        updates, state = step(tx, g, state)
+    for key in ("w", "b"):
+        buf = sum((1 - mu) * mu ** (3 - t) * grads[t][key] for t in range(4))
+        torch.testing.assert_close(state["momentum", key], buf, rtol=1e-14, atol=1e-15)
+        expected = (1 - mu) * grads[-1][key] + mu * buf if nesterov else buf
+        torch.testing.assert_close(updates[key], expected, rtol=1e-14, atol=1e-15)
+
+
+def test_ema_momentum_keeps_the_param_dtype_and_reads_a_tensor_momentum_each_step() -> None:
+    params = td(w=torch.zeros(2, 3, dtype=torch.bfloat16))
+    mu = torch.tensor(0.5)
+    tx = muonfn.ema_momentum(mu, nesterov=False)
+    state = tx.init(params)
+    assert state["momentum", "w"].dtype == torch.bfloat16
+    ones = params.apply(torch.ones_like)
+    _, state = step(tx, ones, state)
+    assert torch.equal(state["momentum", "w"], torch.full((2, 3), 0.5, dtype=torch.bfloat16))
+    mu.fill_(0.0)  # changed in place: the next step uses it
+    updates, state = step(tx, ones.mul(3), state)
+    assert torch.equal(updates["w"], torch.full((2, 3), 3.0, dtype=torch.bfloat16))
+
+
+# --- orthogonalize -----------------------------------------------------------------------------------
+
+
+def test_orthogonalize_is_newton_schulz_per_leaf() -> None:
+    assert bmm_batch_consistent(16, 24, 3)
+    grads = td(a=gaussian(16, 24, seed=1), b=gaussian(16, 24, seed=2), c=gaussian(24, 16, seed=3))
+    for name in ("keller", "polar_express"):
+        tx = muonfn.orthogonalize(name, steps=4)
+        out, _ = step(tx, grads, tx.init(grads))
+        for key in ("a", "b", "c"):  # a and b share a batched call; c's orientation differs
+            assert torch.equal(out[key], newton_schulz(grads[key], name, steps=4))
+
+
+def test_orthogonalize_buckets_do_not_change_the_result() -> None:
+    grads = td(**{f"w{i}": gaussian(16, 24, seed=i) for i in range(5)})
+    assert bmm_batch_consistent(16, 24, 5)
+    whole, _ = step(muonfn.orthogonalize(), grads, TensorDict())
+    for cap in (1, 16 * 24 * 2):
+        chunked, _ = step(muonfn.orthogonalize(bucket_numel=cap), grads, TensorDict())
+        assert_td_equal(chunked, whole)
+
+
+def test_conv_weights_are_flattened_and_scaled_by_the_flattened_shape() -> None:
+    g = gaussian(8, 4, 3, 3, seed=4)
+    tx = muonfn.orthogonalize(scale="original")
+    out, _ = step(tx, td(conv=g), TensorDict())
+    flat = g.reshape(8, 36)
+    expected = newton_schulz(flat) * math.sqrt(max(1.0, 8 / 36))
+    assert torch.equal(out["conv"], expected.reshape(8, 4, 3, 3))
+    out, _ = step(muonfn.orthogonalize(scale="match_rms_adamw"), td(conv=g), TensorDict())
+    assert torch.equal(out["conv"], (newton_schulz(flat) * (0.2 * 6.0)).reshape(8, 4, 3, 3))
+
+
+def test_experts_are_separate_matrices() -> None:
+    experts = gaussian(3, 12, 20, seed=5)
+    view = {"moe": MatrixView(batch_dims=1)}
+    tx = muonfn.orthogonalize(views=view, scale="spectral")
+    out, _ = step(tx, td(moe=experts), tx.init(td(moe=experts)))
+    separate = td(**{f"e{i}": experts[i] for i in range(3)})
+    singles, _ = step(muonfn.orthogonalize(scale="spectral"), separate, TensorDict())
+    expected = torch.stack([singles[f"e{i}"] for i in range(3)])
+    torch.testing.assert_close(out["moe"], expected, atol=1e-6, rtol=0)
+    # the scale is the expert's (12, 20), not the stacked (36, 20)
+    assert out["moe"].norm() / newton_schulz(experts).norm() == pytest.approx(math.sqrt(20), rel=1e-5)
+
+
+@pytest.mark.parametrize("scale", ["original", "unit_rms_norm", "match_rms_adamw"])
+def test_fused_qkv_equals_separate_q_k_v(scale: str) -> None:
+    """GQA: q has 4 heads, k and v one each (head dim 8), all from 16 inputs."""
+    q, k, v = gaussian(32, 16, seed=6), gaussian(8, 16, seed=7), gaussian(8, 16, seed=8)
+    tx = muonfn.orthogonalize(views={"qkv": MatrixView(split=(32, 8, 8))}, scale=scale)
+    fused, _ = step(tx, td(qkv=torch.cat([q, k, v])), TensorDict())
+    separate, _ = step(muonfn.orthogonalize(scale=scale), td(q=q, k=k, v=v), TensorDict())
+    assert torch.equal(fused["qkv"], torch.cat([separate["q"], separate["k"], separate["v"]]))
+    whole, _ = step(muonfn.orthogonalize(scale=scale), td(qkv=torch.cat([q, k, v])), TensorDict())
+    assert not torch.allclose(fused["qkv"], whole["qkv"], atol=1e-3)  # splitting matters
+
+
+@pytest.mark.parametrize("scale", ["original", "unit_rms_norm"])
+def test_transposed_storage_gives_the_transpose(scale: str) -> None:
+    """A (in, out)-stored weight is the transpose of the (out, in) one, asymmetric scale included."""
+    w = gaussian(24, 10, seed=9)  # logical (out, in) = (24, 10)
+    logical, _ = step(muonfn.orthogonalize(scale=scale), td(w=w), TensorDict())
+    tx = muonfn.orthogonalize(views={"w": MatrixView(transposed=True)}, scale=scale)
+    stored, _ = step(tx, td(w=w.mT.contiguous()), TensorDict())
+    torch.testing.assert_close(stored["w"], logical["w"].mT, atol=1e-5, rtol=0)  # other memory layout
+    plain, _ = step(muonfn.orthogonalize(scale=scale), td(w=w.mT.contiguous()), TensorDict())
+    assert not torch.allclose(plain["w"], logical["w"].mT, atol=1e-3)  # the declaration matters
+
+
+# --- scale_by_shape and scale_by_muon ---------------------------------------------------------------
+
+
+def test_scale_by_shape_factors() -> None:
+    grads = td(tall=torch.ones(64, 16), wide=torch.ones(16, 64), conv=torch.ones(8, 4, 3, 3))
+    out, _ = step(muonfn.scale_by_shape("original", extra_scale=3.0), grads, TensorDict())
+    assert out["tall"].unique().tolist() == [6.0]
+    assert out["wide"].unique().tolist() == [3.0]
+    assert out["conv"].unique().tolist() == [3.0]
+    out, _ = step(muonfn.scale_by_shape("unit_rms_norm"), grads, TensorDict())
+    assert out["wide"].unique().tolist() == [0.5]
+    views = {"tall": MatrixView(split=(48, 16))}
+    out, _ = step(muonfn.scale_by_shape("original", views=views), grads, TensorDict())
+    assert out["tall"][:48].unique().tolist() == [pytest.approx(math.sqrt(3))]
+    assert out["tall"][48:].unique().tolist() == [1.0]
+
+
+VIEWS = {
+    "qkv": MatrixView(split=(16, 4, 4)),
+    "conv1d": MatrixView(transposed=True),
+    "experts": MatrixView(batch_dims=1),
+}
+
+
+def model_like() -> TensorDict:
+    return td(
+        qkv=gaussian(24, 16, seed=10),
+        conv1d=gaussian(16, 40, seed=11),
+        experts=gaussian(2, 8, 16, seed=12),
+        conv=gaussian(6, 3, 2, 2, seed=13),
+        plain=gaussian(16, 24, seed=14),
+    )
+
+
+@pytest.mark.parametrize("scale", ["match_rms_adamw", "original", "unit_rms_norm"])
+def test_scale_by_muon_is_momentum_then_newton_schulz_then_shape_scale(scale: str) -> None:
+    params = model_like()
+    fused = muonfn.scale_by_muon(0.9, True, "cesista", scale=scale, extra_scale=0.7, views=VIEWS)
+    parts = muonfn.chain(
+        muonfn.ema_momentum(0.9, True),
+        muonfn.orthogonalize("cesista", views=VIEWS),
+        muonfn.scale_by_shape(scale, 0.7, views=VIEWS),
+    )
+    s1, s2 = fused.init(params), parts.init(params)
+    assert_td_equal(s1, s2)
+    for t in range(3):
+        grads = random_like(params, seed=100 + t)
+        u1, s1 = step(fused, grads, s1)
+        u2, s2 = step(parts, grads, s2)
+        assert_td_equal(u1, u2)
+        assert_td_equal(s1, s2)
+
+
+# --- scale_by_adam ------------------------------------------------------------------------------------
+
+
+def test_scale_by_adam_matches_the_formula_with_per_leaf_steps() -> None:
+    b1, b2, eps = 0.8, 0.95, 1e-6
+    params = td(w=torch.zeros(3, 4, dtype=F64), b=torch.zeros(4, dtype=F64))
+    tx = muonfn.scale_by_adam(b1, b2, eps)
+    state = tx.init(params)
+    seen: dict[str, list[torch.Tensor]] = {"w": [], "b": []}
+    for t in range(5):
+        grads = random_like(params, seed=t)
+        if t in (1, 2):  # "b" has no gradient on two steps
+            grads = grads.exclude("b")
+        updates, state = step(tx, grads, state)
+        for key in grads.keys():  # noqa: SIM118 (iterating a TensorDict walks its batch dimension)
+            seen[key].append(grads[key])
+            n = len(seen[key])
+            m = sum((1 - b1) * b1 ** (n - 1 - i) * g for i, g in enumerate(seen[key]))
+            v = sum((1 - b2) * b2 ** (n - 1 - i) * g * g for i, g in enumerate(seen[key]))
+            expected = (m / (1 - b1**n)) / ((v / (1 - b2**n)).sqrt() + eps)
+            torch.testing.assert_close(updates[key], expected, rtol=1e-12, atol=1e-14)
+        assert set(updates.keys()) == set(grads.keys())
+    assert int(state["step", "w"]) == 5 and int(state["step", "b"]) == 3
+    assert state["step", "w"].dtype == torch.int64
+
+
+# --- add_decayed_weights --------------------------------------------------------------------------------
+
+
+def test_decayed_weights_and_masks() -> None:
+    params = td(w=torch.full((2, 2), 2.0), norm=torch.full((2,), 3.0), bias=torch.full((2,), 5.0))
+    grads = params.apply(torch.ones_like)
+    everything, _ = step(muonfn.add_decayed_weights(0.1), grads, TensorDict(), params)
+    assert_td_equal(everything, grads + params * 0.1)
+    # a partial mapping exempts what it maps to False; everything else still decays
+    exempt, _ = step(muonfn.add_decayed_weights(0.1, {"norm": False, "bias": False}), grads, TensorDict(), params)
+    assert torch.equal(exempt["w"], everything["w"])
+    assert torch.equal(exempt["norm"], grads["norm"]) and torch.equal(exempt["bias"], grads["bias"])
+    by_rank = muonfn.add_decayed_weights(0.1, lambda p: {k: v.ndim >= 2 for k, v in p.items()})
+    out, _ = step(by_rank, grads, TensorDict(), params)
+    assert_td_equal(out, exempt)
+    wd = torch.tensor(0.1)
+    out, _ = step(muonfn.add_decayed_weights(wd), grads, TensorDict(), params)
+    assert_td_equal(out, everything)
+    wd.fill_(0.0)
+    out, _ = step(muonfn.add_decayed_weights(wd), grads, TensorDict(), params)
+    assert_td_equal(out, grads)
+
+
+def test_decay_only_touches_leaves_with_gradients() -> None:
+    params = td(w=torch.full((2, 2), 2.0), b=torch.full((2,), 3.0))
+    out, _ = step(muonfn.add_decayed_weights(0.5), td(w=torch.zeros(2, 2)), TensorDict(), params)
+    assert set(out.keys()) == {"w"} and out["w"].unique().tolist() == [1.0]
+
+
+# --- scale_by_learning_rate --------------------------------------------------------------------------------
+
+
+def test_learning_rate_float_tensor_and_schedule() -> None:
+    grads = td(w=torch.ones(3))
+    out, _ = step(muonfn.scale_by_learning_rate(0.25), grads, TensorDict())
+    assert out["w"].tolist() == [-0.25] * 3
+    lr = torch.tensor(0.5)
+    tx = muonfn.scale_by_learning_rate(lr)
+    assert step(tx, grads, TensorDict())[0]["w"].tolist() == [-0.5] * 3
+    lr.fill_(0.125)
+    assert step(tx, grads, TensorDict())[0]["w"].tolist() == [-0.125] * 3
+
+    seen = []
+
+    def schedule(count: torch.Tensor) -> torch.Tensor:
+        seen.append(int(count))
+        return 0.5**count
+
+    tx = muonfn.scale_by_learning_rate(schedule)
+    state = tx.init(grads)
+    for t in range(4):
+        out, state = step(tx, grads, state)
+        assert out["w"].tolist() == [-(0.5**t)] * 3
+    assert seen == [0, 1, 2, 3] and int(state["count"]) == 4

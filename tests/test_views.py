@@ -1,0 +1,126 @@
+"""MatrixView: which matrices a leaf holds, their logical (out, in) shapes, and the scale modes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from muonfn import SCALE_MODES, MatrixView
+from muonfn._views import block_scales, resolve_views
+
+# (out, in) = (A, B) -> expected factor, written out by hand
+KNOWN_FACTORS = {
+    (64, 16): {"original": 2.0, "match_rms_adamw": 1.6, "spectral": 8.0, "unit_rms_norm": 2.0, "none": 1.0},
+    (16, 64): {"original": 1.0, "match_rms_adamw": 1.6, "spectral": 8.0, "unit_rms_norm": 0.5, "none": 1.0},
+    (25, 25): {"original": 1.0, "match_rms_adamw": 1.0, "spectral": 5.0, "unit_rms_norm": 1.0, "none": 1.0},
+}
+
+
+@pytest.mark.parametrize("shape", sorted(KNOWN_FACTORS))
+@pytest.mark.parametrize("mode", sorted(SCALE_MODES))
+def test_scale_mode_factors(shape: tuple[int, int], mode: str) -> None:
+    assert SCALE_MODES[mode](*shape) == pytest.approx(KNOWN_FACTORS[shape][mode], rel=1e-15)
+    assert block_scales(MatrixView(), shape, mode, 0.5) == [pytest.approx(0.5 * KNOWN_FACTORS[shape][mode])]
+
+
+@pytest.mark.parametrize(
+    ("view", "shape", "logical", "blocks"),
+    [
+        (MatrixView(), (12, 5), (12, 5), [(12, 5)]),
+        (MatrixView(), (8, 3, 3, 3), (8, 27), [(8, 27)]),  # conv: (out, in·∏k)
+        (MatrixView(batch_dims=1), (4, 12, 5), (12, 5), [(12, 5)]),  # experts
+        (MatrixView(transposed=True), (5, 12), (12, 5), [(12, 5)]),  # Conv1D stores (in, out)
+        (MatrixView(split=(8, 2, 2)), (12, 5), (12, 5), [(8, 5), (2, 5), (2, 5)]),  # fused QKV, GQA sizes
+        (MatrixView(split=(2, 3), split_dim=1), (12, 5), (12, 5), [(12, 2), (12, 3)]),
+        (MatrixView(transposed=True, split=(8, 2, 2)), (5, 12), (12, 5), [(8, 5), (2, 5), (2, 5)]),
+        (MatrixView(batch_dims=1, transposed=True), (3, 5, 12), (12, 5), [(12, 5)]),
+    ],
+)
+def test_logical_shapes(view: MatrixView, shape: tuple[int, ...], logical: tuple[int, int], blocks: list) -> None:
+    view.check(("w",), shape)
+    assert view.matrix_shape(shape) == logical
+    assert view.blocks(shape) == blocks
+    pieces = view.to_matrices(torch.zeros(shape))
+    count = math.prod(shape[: view.batch_dims])
+    assert [tuple(p.shape) for p in pieces] == [(count, *b) for b in blocks]
+
+
+def test_conv_scale_uses_the_flattened_shape() -> None:
+    """(out, in, k, k) = (8, 4, 3, 3) is the 8×36 matrix: √max(1, 8/36) = 1, not √max(1, 8/4)."""
+    assert block_scales(MatrixView(), (8, 4, 3, 3), "original", 1.0) == [1.0]
+    assert block_scales(MatrixView(), (8, 4, 3, 3), "match_rms_adamw", 1.0) == [pytest.approx(0.2 * 6)]
+
+
+def test_transposed_storage_scales_by_the_logical_shape() -> None:
+    assert block_scales(MatrixView(transposed=True), (16, 64), "original", 1.0) == [2.0]
+    assert block_scales(MatrixView(), (16, 64), "original", 1.0) == [1.0]
+
+
+def test_split_blocks_are_scaled_on_their_own() -> None:
+    scales = block_scales(MatrixView(split=(32, 8, 8)), (48, 16), "original", 1.0)
+    assert scales == [pytest.approx(math.sqrt(2)), 1.0, 1.0]
+
+
+views_and_shapes = st.one_of(
+    st.tuples(st.just(MatrixView()), st.lists(st.integers(1, 4), min_size=2, max_size=4)),
+    st.tuples(st.just(MatrixView(batch_dims=1)), st.lists(st.integers(1, 4), min_size=3, max_size=4)),
+    st.tuples(st.just(MatrixView(transposed=True)), st.lists(st.integers(1, 4), min_size=2, max_size=2)),
+    st.tuples(st.just(MatrixView(batch_dims=1, transposed=True)), st.lists(st.integers(1, 4), min_size=3, max_size=3)),
+)
+
+
+@given(views_and_shapes, st.booleans(), st.integers(0, 1))
+def test_to_and_from_matrices_round_trip(view_shape: tuple[MatrixView, list[int]], split: bool, dim: int) -> None:
+    view, shape = view_shape
+    if split:
+        length = view.matrix_shape(shape)[dim]
+        view = MatrixView(view.batch_dims, view.transposed, (1,) * length, dim)
+    t = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    view.check(("w",), shape)
+    pieces = view.to_matrices(t)
+    assert torch.equal(view.from_matrices(pieces, shape), t)
+    # the pieces are the logical matrices: row r of a transposed view is column r of the storage
+    whole = torch.cat(pieces, dim=1 + view.split_dim) if len(pieces) > 1 else pieces[0]
+    stored = t.reshape(-1, *shape[view.batch_dims :])
+    if view.transposed:
+        assert torch.equal(whole, stored.mT)
+    else:
+        assert torch.equal(whole, stored.reshape(whole.shape))
+
+
+@pytest.mark.parametrize(
+    ("view", "shape", "match"),
+    [
+        (MatrixView(), (7,), "holds no matrix"),
+        (MatrixView(), (), "holds no matrix"),
+        (MatrixView(batch_dims=1), (4, 7), "holds no matrix"),
+        (MatrixView(batch_dims=-1), (4, 7), "holds no matrix"),
+        (MatrixView(transposed=True), (4, 7, 3), "transposed=True needs a 2-D"),
+        (MatrixView(split=(3, 3)), (7, 4), "does not partition the 7 rows"),
+        (MatrixView(split=(4, 0, 3)), (7, 4), "does not partition"),
+        (MatrixView(split=(2, 2), split_dim=1), (7, 5), "does not partition the 5 columns"),
+        (MatrixView(split=(7,), split_dim=2), (7, 4), "split_dim must be 0"),
+    ],
+)
+def test_bad_views_name_the_leaf(view: MatrixView, shape: tuple[int, ...], match: str) -> None:
+    with pytest.raises(ValueError, match=match) as info:
+        view.check(("block", "qkv", "weight"), shape)
+    assert "'block.qkv.weight'" in str(info.value)
+
+
+def test_resolve_views_by_tuple_dotted_and_callable() -> None:
+    keys = [("a", "weight"), ("b", "weight"), ("c",)]
+    tensors = [torch.zeros(2, 3), torch.zeros(3, 2), torch.zeros(4, 2, 2)]
+    experts, transposed = MatrixView(batch_dims=1), MatrixView(transposed=True)
+    got = resolve_views({("b", "weight"): transposed, "c": experts, "a.weight": transposed}, keys, tensors)
+    assert got == [transposed, transposed, experts]
+    assert resolve_views(None, keys, tensors) == [MatrixView()] * 3
+    by_rank = resolve_views(lambda key, t: experts if t.ndim == 3 else None, keys, tensors)
+    assert by_rank == [MatrixView(), MatrixView(), experts]
+    # inside a partition a view may name another group's leaf: resolve_views ignores it,
+    # the muon preset checks names against all parameters (tests/test_errors.py)
+    assert resolve_views({"elsewhere": experts}, keys, tensors) == [MatrixView()] * 3
