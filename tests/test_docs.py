@@ -75,3 +75,21 @@ def test_migration_claims_point_at_existing_tests():
     assert cited <= defined, f"cited but not defined: {sorted(cited - defined)}"
     migration_tests = set(re.findall(r"^def (test_\w+)", (ROOT / "tests" / "test_migration.py").read_text(), re.M))
     assert migration_tests <= cited, f"migration tests the page does not cite: {sorted(migration_tests - cited)}"
+
+
+def test_python_snippets_in_the_docs_parse():
+    pages = [*DOCS.glob("*.md"), ROOT / "README.md"]
+    for page in pages:
+        for i, block in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S)):
+            compile(block, f"{page.name} snippet {i}", "exec")
+
+
+def test_readme_quick_example_runs():
+    first = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)[0]
+    namespace: dict = {}
+    exec(compile(first, "README.md", "exec"), namespace)
+    params, model = namespace["params"], namespace["model"]
+    x, y = namespace["x"], namespace["y"]
+    with params.to_module(model):
+        loss = torch.nn.functional.cross_entropy(model(x), y).item()
+    assert loss < 0.5 * torch.log(torch.tensor(8.0)).item()  # well below chance after 100 steps
