@@ -161,7 +161,8 @@ def newton_schulz(
     tall = x.size(-2) > x.size(-1) or (x.size(-2) == x.size(-1) and x.stride(-2) < x.stride(-1))
     g = x.mT if tall else x
     m, n = g.shape[-2:]
-    g = g.reshape(g.shape[:-2].numel(), m, n).to(wide_dtype)
+    # one memory layout for every input: the matmuls and the norm round the same way whatever the strides
+    g = g.reshape(g.shape[:-2].numel(), m, n).to(wide_dtype).contiguous()
     norm = torch.linalg.matrix_norm(g, keepdim=True)
     if schedule.norm_factor != 1.0:
         norm = norm * schedule.norm_factor

@@ -35,6 +35,14 @@ def _one_minus(v: Scalar) -> Scalar:
     return v.neg().add(1) if isinstance(v, torch.Tensor) else 1.0 - v
 
 
+def _mul(td: TensorDictBase, v: Scalar) -> TensorDictBase:
+    """``td * v``. A tensor ``v`` meets DTensor leaves one at a time: a fused op would put it on
+    the first leaf's mesh, and leaves may live on several meshes (tensor parallel + FSDP)."""
+    if isinstance(v, torch.Tensor) and any(hasattr(x, "placements") for x in td.values(True, True)):
+        return td.apply(lambda x: x.mul(v))
+    return td.mul(v)
+
+
 def ema_momentum(momentum: Scalar = 0.95, nesterov: bool = True) -> Transform:
     r"""Exponential moving average of the gradients (torch.optim.Muon's form).
 
@@ -131,7 +139,16 @@ def orthogonalize(
     if collectives is not None:
         from .distributed import sharded_orthogonalizer
 
-        distributed = sharded_orthogonalizer(collectives, strategy, shard_specs, bucket_numel)
+        distributed = sharded_orthogonalizer(
+            collectives,
+            strategy,
+            shard_specs,
+            bucket_numel,
+            coefficients=coefficients,
+            steps=steps,
+            eps=eps,
+            dtype=dtype,
+        )
 
     def update(
         grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
@@ -139,11 +156,17 @@ def orthogonalize(
         keys = _tree.leaf_keys(grads)
         values = _tree.leaves(grads)
         leaf_views = resolve_views(views, keys, values)
-        for key, g, view in zip(keys, values, leaf_views):
-            view.check(key, g.shape)
-        if distributed is not None:
+        if distributed is not None:  # checks the views against the global shapes
             out = distributed(keys, values, leaf_views, ns, scale, extra_scale)
             return _tree.build(keys, out, grads), state
+        for key, g, view in zip(keys, values, leaf_views):
+            view.check(key, g.shape)
+            placements = tuple(getattr(g, "placements", ()))
+            if any(not p.is_replicate() for p in placements):
+                raise ValueError(
+                    f"{_tree.dotted(key)!r} is a DTensor sharded as {placements}: Newton–Schulz needs whole "
+                    "matrices; pass collectives=muonfn.distributed.torch_collectives(mesh)"
+                )
         matrices: list[torch.Tensor] = []
         scales: list[float] = []
         for g, view in zip(values, leaf_views):
@@ -265,7 +288,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Tran
     def init(params: TensorDictBase) -> TensorDictBase:
         return TensorDict(
             {
-                "step": params.apply(lambda p: torch.zeros((), dtype=torch.int64, device=p.device)),
+                # new_zeros: a DTensor param gets a replicated DTensor step on its own mesh, so the
+                # bias corrections combine with its moments even when params live on several meshes
+                "step": params.apply(lambda p: p.new_zeros((), dtype=torch.int64)),
                 "exp_avg": params.apply(torch.zeros_like),
                 "exp_avg_sq": params.apply(torch.zeros_like),
             },
@@ -340,7 +365,7 @@ def add_decayed_weights(weight_decay: Scalar = 0.0, mask: MaskLike = None) -> Tr
         keys = resolve_mask(mask, _tree.subset(params, _tree.leaf_keys(grads)), default=True)
         if not keys:
             return grads, state
-        decayed = _tree.subset(grads, keys).add(_tree.subset(params, keys).mul(weight_decay))
+        decayed = _tree.subset(grads, keys).add(_mul(_tree.subset(params, keys), weight_decay))
         return _tree.carry(grads, decayed), state
 
     return Transform(empty_state, update)
@@ -370,7 +395,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule) -> Transform:
         ) -> tuple[TensorDictBase, TensorDictBase]:
             count = state["count"]
             lr = schedule(count)
-            updates = grads.mul(_neg(lr))
+            updates = _mul(grads, _neg(lr))
             return updates, TensorDict({"count": count + 1}, batch_size=state.batch_size)
 
         return Transform(init, update)
@@ -380,6 +405,6 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule) -> Transform:
     def scale(
         grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
     ) -> tuple[TensorDictBase, TensorDictBase]:
-        return grads.mul(_neg(lr)), state
+        return _mul(grads, _neg(lr)), state
 
     return Transform(empty_state, scale)

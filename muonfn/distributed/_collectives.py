@@ -1,0 +1,252 @@
+"""The collectives interface, its torch.distributed implementation and a byte counter.
+
+A strategy never calls ``torch.distributed`` itself: it calls the four methods of a
+:class:`Collectives` the caller passed in. That keeps the math testable in one process
+(:func:`muonfn.distributed.simulate`) and makes every process group explicit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+@runtime_checkable
+class Collectives(Protocol):
+    """Collective operations over one group of ``world_size`` ranks, numbered from 0.
+
+    Every rank of the group calls the same operations in the same order; inputs are
+    1-D contiguous tensors of one dtype and device.
+    """
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """``output`` (``world_size * input.numel()`` elements) receives every rank's ``input``, in rank order."""
+        ...
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int],
+        input_split_sizes: Sequence[int],
+    ) -> None:
+        """Rank ``r`` sends ``input``'s ``r``-th split to every rank and receives their splits into ``output``.
+
+        Splits are consecutive runs of the given sizes (zero allowed), in rank order.
+        """
+        ...
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Replaces ``tensor`` by the sum over ranks, in place."""
+        ...
+
+
+class TorchCollectives:
+    """:class:`Collectives` over a ``torch.distributed`` process group (gloo or NCCL).
+
+    Made by :func:`torch_collectives`. Unequal exchanges use the single-tensor forms
+    (``all_to_all_single`` with split sizes, ``all_gather_into_tensor`` of padded
+    buffers), which gloo and NCCL both support.
+    """
+
+    def __init__(self, group: ProcessGroup, mesh: DeviceMesh | None = None) -> None:
+        import torch.distributed as dist
+
+        self.group = group
+        self.mesh = mesh
+        self.ranks: list[int] = list(dist.get_process_group_ranks(group))
+        self._rank = dist.get_rank(group)
+        self._world_size = dist.get_world_size(group)
+        self._submeshes: dict[tuple[Any, ...], tuple[TorchCollectives, tuple[int, ...]]] = {}
+        self._by_mesh: dict[int, tuple[DeviceMesh, tuple[TorchCollectives, tuple[int, ...]]]] = {}
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        # all_gather_single is the newer name (torch >= 2.13 deprecates all_gather_into_tensor)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(output, input, group=self.group)
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int],
+        input_split_sizes: Sequence[int],
+    ) -> None:
+        import torch.distributed as dist
+
+        dist.all_to_all_single(output, input, list(output_split_sizes), list(input_split_sizes), group=self.group)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, group=self.group)
+
+    def for_mesh(self, mesh: DeviceMesh) -> tuple[TorchCollectives, tuple[int, ...]]:
+        """The collectives spanning ``mesh`` and the group rank of each mesh coordinate (row-major).
+
+        ``mesh`` is the mesh of a DTensor leaf: this group's own mesh, or a sub-mesh of it.
+        """
+        seen = self._by_mesh.get(id(mesh))
+        if seen is not None and seen[0] is mesh:
+            return seen[1]
+        mesh_ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+        cache_key = (tuple(mesh.mesh.shape), tuple(mesh_ranks))
+        if cache_key not in self._submeshes:
+            if not set(mesh_ranks) <= set(self.ranks):
+                raise ValueError(
+                    f"a DTensor lives on a mesh of ranks {mesh_ranks}, outside the collectives' group {self.ranks}; "
+                    "pass torch_collectives() of the mesh the model is sharded on"
+                )
+            collectives = self if sorted(mesh_ranks) == sorted(self.ranks) else torch_collectives(mesh)
+            coords = tuple(collectives.ranks.index(r) for r in mesh_ranks)
+            self._submeshes[cache_key] = (collectives, coords)
+        self._by_mesh[id(mesh)] = (mesh, self._submeshes[cache_key])  # keeps the mesh, so its id stays its own
+        return self._submeshes[cache_key]
+
+    def __repr__(self) -> str:
+        return f"TorchCollectives(rank={self.rank}, world_size={self.world_size}, ranks={self.ranks})"
+
+
+def torch_collectives(mesh_or_group: DeviceMesh | ProcessGroup) -> TorchCollectives:
+    """:class:`Collectives` over a ``DeviceMesh`` (all of its ranks) or a ``ProcessGroup``.
+
+    The group is required: there is no fallback to the default (WORLD) group, so an
+    optimizer can never talk to ranks the caller did not name. A multi-dimensional mesh
+    needs ``mesh_dim_names`` (it is flattened into one group, collectively, on every rank).
+
+    Call it on every rank, e.g. ``muonfn.muon(..., collectives=torch_collectives(mesh))``
+    with the mesh given to ``fully_shard`` / ``parallelize_module``.
+    """
+    if mesh_or_group is None:
+        raise ValueError(
+            "torch_collectives needs an explicit DeviceMesh or ProcessGroup; "
+            "the default (WORLD) group is never used implicitly"
+        )
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not dist.is_initialized():
+        raise RuntimeError("torch_collectives: torch.distributed is not initialized (call init_process_group first)")
+    if isinstance(mesh_or_group, DeviceMesh):
+        mesh = mesh_or_group
+        if mesh.ndim == 1:
+            return TorchCollectives(mesh.get_group(), mesh)
+        if not mesh.mesh_dim_names:
+            raise ValueError(
+                f"torch_collectives: a {mesh.ndim}-D DeviceMesh needs mesh_dim_names to be flattened into one group"
+            )
+        return TorchCollectives(mesh._flatten().get_group(), mesh)
+    if isinstance(mesh_or_group, dist.ProcessGroup):
+        return TorchCollectives(mesh_or_group)
+    raise TypeError(f"torch_collectives expects a DeviceMesh or a ProcessGroup, got {type(mesh_or_group).__name__}")
+
+
+@dataclass
+class _Counters:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    calls: dict[str, int] = field(default_factory=dict)
+
+
+class CountingCollectives:
+    """Wraps a :class:`Collectives` and counts what this rank moves over the wire.
+
+    ``bytes_received`` / ``bytes_sent`` exclude a rank's exchange with itself;
+    ``all_reduce`` counts the ring algorithm's ``2(W-1)/W`` of the tensor each way.
+    ``calls`` counts operations by name. Sub-mesh collectives are wrapped too and add
+    to the same counters.
+    """
+
+    def __init__(self, inner: Collectives, _counters: _Counters | None = None) -> None:
+        self.inner = inner
+        self._counters = _counters if _counters is not None else _Counters()
+        self._wrapped: dict[int, CountingCollectives] = {}
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.inner.world_size
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._counters.bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        return self._counters.bytes_received
+
+    @property
+    def calls(self) -> dict[str, int]:
+        return dict(self._counters.calls)
+
+    def reset(self) -> None:
+        self._counters.bytes_sent = 0
+        self._counters.bytes_received = 0
+        self._counters.calls.clear()
+
+    def _count(self, name: str, sent: int, received: int) -> None:
+        self._counters.bytes_sent += sent
+        self._counters.bytes_received += received
+        self._counters.calls[name] = self._counters.calls.get(name, 0) + 1
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        others = self.world_size - 1
+        self._count("all_gather_into_tensor", others * input.nbytes, others * input.nbytes)
+        self.inner.all_gather_into_tensor(output, input)
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int],
+        input_split_sizes: Sequence[int],
+    ) -> None:
+        size = input.element_size()
+        me = self.rank
+        sent = sum(n for r, n in enumerate(input_split_sizes) if r != me) * size
+        received = sum(n for r, n in enumerate(output_split_sizes) if r != me) * size
+        self._count("all_to_all_single", sent, received)
+        self.inner.all_to_all_single(output, input, output_split_sizes, input_split_sizes)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        w = self.world_size
+        moved = 2 * (w - 1) * tensor.nbytes // w
+        self._count("all_reduce", moved, moved)
+        self.inner.all_reduce(tensor)
+
+    def for_mesh(self, mesh: Any) -> tuple[CountingCollectives, tuple[int, ...]]:
+        for_mesh = getattr(self.inner, "for_mesh", None)
+        if for_mesh is None:
+            raise TypeError(f"{type(self.inner).__name__} cannot serve DTensor leaves (it has no for_mesh)")
+        inner, coords = for_mesh(mesh)
+        if inner is self.inner:
+            return self, coords
+        if id(inner) not in self._wrapped:
+            self._wrapped[id(inner)] = CountingCollectives(inner, self._counters)
+        return self._wrapped[id(inner)], coords

@@ -1,0 +1,246 @@
+r"""Where each rank of a group keeps its part of a sharded tensor.
+
+A :class:`Layout` gives, for every rank and every tensor dimension, the *runs* of global
+indices the rank holds, in its local order; the local tensor is the Cartesian product
+:math:`T[R_0 \times R_1 \times \dots]`. ``Shard(d)`` keeps one run of dimension ``d``
+(``torch.chunk`` sizes: 10 rows on 4 ranks are 3, 3, 3, 1; 3 rows are 1, 1, 1, 0),
+``_StridedShard(d)`` (TP + FSDP) several, ``Replicate`` all of it. Ranks that differ only
+in their coordinates on replicated mesh dimensions hold the same data: they share a
+*position* and belong to different *replicas*.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+Run = tuple[int, int]
+Runs = tuple[Run, ...]
+Box = tuple[Runs, ...]
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Declares that a plain (non-DTensor) leaf is one rank's shard of a larger tensor.
+
+    Two forms:
+
+    - ``ShardSpec(dim)``: the tensor is cut along ``dim`` into contiguous blocks, one per
+      rank of ``group`` in rank order, of any sizes (empty ones included); the other
+      dimensions are whole. Hand-rolled tensor parallelism: ``ShardSpec(0)`` for a
+      column-parallel (output-sharded) weight, ``ShardSpec(1)`` for a row-parallel one.
+    - ``ShardSpec(placements=(Replicate(), Shard(0)), mesh_shape=(2, 2))``: the ranks of
+      ``group`` form a row-major mesh and the tensor is laid out as a DTensor with these
+      ``torch.distributed.tensor`` placements would be (``torch.chunk`` sizes).
+
+    ``group`` is the :class:`Collectives` of the ranks sharing the tensor; ``None`` means
+    the collectives passed to the optimizer. The global shape is worked out from every
+    rank's local shape (exchanged once, when a set of leaves is first seen).
+    """
+
+    dim: int | None = None
+    group: Any = None
+    placements: tuple[Any, ...] | None = None
+    mesh_shape: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.dim is None) == (self.placements is None):
+            raise ValueError("ShardSpec takes either dim or placements (with mesh_shape)")
+        if self.placements is not None:
+            if self.mesh_shape is None or len(self.mesh_shape) != len(self.placements):
+                raise ValueError("ShardSpec(placements=...) needs a mesh_shape with one size per placement")
+            for p in self.placements:
+                placement_kind(p)
+        elif self.mesh_shape is not None:
+            raise ValueError("ShardSpec(dim) takes no mesh_shape")
+
+
+def placement_kind(p: Any) -> tuple[str, int, int]:
+    """``("shard", dim, 1)``, ``("strided", dim, split_factor)`` or ``("replicate", -1, 1)``."""
+    name = type(p).__name__
+    if name == "_StridedShard":
+        return "strided", int(p.dim), int(p.split_factor)
+    if callable(getattr(p, "is_shard", None)) and p.is_shard():
+        return "shard", int(p.dim), 1
+    if callable(getattr(p, "is_replicate", None)) and p.is_replicate():
+        return "replicate", -1, 1
+    if callable(getattr(p, "is_partial", None)) and p.is_partial():
+        raise ValueError(f"placement {p} is a pending reduction; reduce gradients before the optimizer step")
+    raise ValueError(f"unsupported placement {p!r}")
+
+
+def length(runs: Runs) -> int:
+    return sum(b - a for a, b in runs)
+
+
+def _take(runs: Runs, start: int, stop: int) -> Runs:
+    """The entries ``start:stop`` of the index list ``runs`` describes."""
+    out = []
+    pos = 0
+    for a, b in runs:
+        lo, hi = max(start - pos, 0), min(stop - pos, b - a)
+        if lo < hi:
+            out.append((a + lo, a + hi))
+        pos += b - a
+    return tuple(out)
+
+
+def chunk(runs: Runs, parts: int, index: int) -> Runs:
+    """Part ``index`` of ``runs`` cut into ``parts`` with ``torch.chunk`` sizes (empty at the end)."""
+    n = length(runs)
+    size = -(-n // parts)
+    return _take(runs, index * size, min((index + 1) * size, n))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The global ``shape`` and, per group rank, its ``box`` (runs per dimension), its
+    ``position`` (ranks of equal position hold equal data) and its ``replica``."""
+
+    shape: tuple[int, ...]
+    boxes: tuple[Box, ...]
+    position: tuple[int, ...]
+    replica: tuple[int, ...]
+    _rank_at: dict[tuple[int, int], int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        table = {(rep, pos): r for r, (rep, pos) in enumerate(zip(self.replica, self.position))}
+        object.__setattr__(self, "_rank_at", table)
+
+    @property
+    def positions(self) -> int:
+        return max(self.position) + 1
+
+    @property
+    def replicas(self) -> int:
+        return max(self.replica) + 1
+
+    def rank_at(self, replica: int, position: int) -> int:
+        return self._rank_at[replica, position]
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        return tuple(length(r) for r in self.boxes[rank])
+
+
+def _ravel(coord: Sequence[int], sizes: Sequence[int]) -> int:
+    flat = 0
+    for c, s in zip(coord, sizes):
+        flat = flat * s + c
+    return flat
+
+
+def placement_layout(
+    shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Any], ranks: Sequence[int]
+) -> Layout:
+    """The layout of a DTensor-style placement over a mesh whose row-major coordinates are group ranks ``ranks``.
+
+    Placements apply left to right, except that ``_StridedShard(d, split_factor=k)``
+    applies after the ``Shard(d)`` placements to its right (whose mesh sizes multiply to
+    ``k``): FSDP2 shards the tensor-parallel shard.
+    """
+    ndim = len(shape)
+    kinds = []
+    for p in placements:
+        kind, dim, factor = placement_kind(p)
+        if kind != "replicate":
+            if not -ndim <= dim < ndim:
+                raise ValueError(f"placement {p} shards dimension {dim} of a {ndim}-D tensor")
+            dim %= ndim
+        kinds.append((kind, dim, factor))
+    for i, (kind, dim, factor) in enumerate(kinds):
+        if kind == "strided":
+            inner = math.prod(mesh_shape[j] for j in range(i + 1, len(kinds)) if kinds[j][:2] == ("shard", dim))
+            if factor != inner:
+                raise NotImplementedError(
+                    f"_StridedShard({dim}, split_factor={factor}) on mesh dimension {i} is only understood as "
+                    f"FSDP over tensor parallelism (split_factor = {inner} here)"
+                )
+    order = [i for i, k in enumerate(kinds) if k[0] == "shard"] + [i for i, k in enumerate(kinds) if k[0] == "strided"]
+    sharded = [i for i, k in enumerate(kinds) if k[0] != "replicate"]
+    replicated = [i for i, k in enumerate(kinds) if k[0] == "replicate"]
+    size = math.prod(mesh_shape)
+    if len(ranks) != size or sorted(ranks) != list(range(size)):
+        raise ValueError(f"a mesh of shape {tuple(mesh_shape)} needs {size} distinct group ranks, got {list(ranks)}")
+    boxes: list[Box] = [()] * size
+    position = [0] * size
+    replica = [0] * size
+    for flat, coord in enumerate(itertools.product(*(range(s) for s in mesh_shape))):
+        box: list[Runs] = [((0, n),) for n in shape]
+        for i in order:
+            dim = kinds[i][1]
+            box[dim] = chunk(box[dim], mesh_shape[i], coord[i])
+        rank = ranks[flat]
+        boxes[rank] = tuple(box)
+        position[rank] = _ravel([coord[i] for i in sharded], [mesh_shape[i] for i in sharded])
+        replica[rank] = _ravel([coord[i] for i in replicated], [mesh_shape[i] for i in replicated])
+    return Layout(tuple(shape), tuple(boxes), tuple(position), tuple(replica))
+
+
+def placement_global_shape(
+    local_shapes: Sequence[Sequence[int]], mesh_shape: Sequence[int], placements: Sequence[Any], ranks: Sequence[int]
+) -> tuple[int, ...]:
+    """The global shape implied by every rank's local shape (indexed by group rank)."""
+    ndim = len(local_shapes[0])
+    sharding: list[set[int]] = [set() for _ in range(ndim)]
+    for i, p in enumerate(placements):
+        kind, dim, _ = placement_kind(p)
+        if kind != "replicate":
+            sharding[dim % ndim].add(i)
+    shape = []
+    for d in range(ndim):
+        total = 0
+        for flat, coord in enumerate(itertools.product(*(range(s) for s in mesh_shape))):
+            if all(c == 0 for i, c in enumerate(coord) if i not in sharding[d]):
+                total += local_shapes[ranks[flat]][d]
+        shape.append(total)
+    return tuple(shape)
+
+
+def sizes_layout(local_shapes: Sequence[Sequence[int]], dim: int) -> Layout:
+    """Contiguous blocks of any sizes along ``dim``, one per rank in rank order."""
+    ndim = len(local_shapes[0])
+    others = {tuple(s[:dim]) + tuple(s[dim + 1 :]) for s in local_shapes}
+    if any(len(s) != ndim for s in local_shapes) or len(others) != 1:
+        raise ValueError(
+            f"shards along dimension {dim} must agree on every other dimension; shapes by rank: "
+            f"{[tuple(s) for s in local_shapes]}"
+        )
+    offsets = [0, *itertools.accumulate(s[dim] for s in local_shapes)]
+    shape = list(local_shapes[0])
+    shape[dim] = offsets[-1]
+    boxes = []
+    for r in range(len(local_shapes)):
+        box: list[Runs] = [((0, n),) for n in shape]
+        box[dim] = ((offsets[r], offsets[r + 1]),) if offsets[r] < offsets[r + 1] else ()
+        boxes.append(tuple(box))
+    n = len(local_shapes)
+    return Layout(tuple(shape), tuple(boxes), tuple(range(n)), (0,) * n)
+
+
+def _pieces(box: Box) -> list[tuple[tuple[slice, ...], tuple[slice, ...]]]:
+    """(global slices, local slices) of every block of a box."""
+    per_dim = []
+    for runs in box:
+        here, offset = [], 0
+        for a, b in runs:
+            here.append((slice(a, b), slice(offset, offset + b - a)))
+            offset += b - a
+        per_dim.append(here)
+    return [(tuple(g for g, _ in combo), tuple(loc for _, loc in combo)) for combo in itertools.product(*per_dim)]
+
+
+def copy_into(full: torch.Tensor, piece: torch.Tensor, box: Box) -> None:
+    """``full[box] = piece``."""
+    for whole, part in _pieces(box):
+        full[whole] = piece[part]
+
+
+def copy_out(full: torch.Tensor, box: Box, out: torch.Tensor) -> None:
+    """``out = full[box]`` (``out`` has the box's shape)."""
+    for whole, part in _pieces(box):
+        out[part] = full[whole]

@@ -1,0 +1,404 @@
+r"""Planning a distributed Newton–Schulz step: which piece of which matrix goes where.
+
+A leaf is cut into *units*: one per index of its view's batch dimensions (an expert of
+an MoE weight), the whole leaf otherwise. A unit every holder keeps whole (experts
+sharded over ranks, a replicated weight) is orthogonalized where it lies; the others are
+assembled on an owner (``"owner"``), on every rank (``"gather"``), or, for ``"tp_gram"``,
+left in place when the Gram matrix can be summed instead.
+
+Owners are chosen per unit by longest-processing-time first: heaviest unit first (flops
+:math:`4m^2n + 2m^3` per Newton–Schulz step, :math:`m \le n`), each to the least loaded
+position, ties to the rank already holding most of it. Replicas (HSDP) each get the same
+position, so exchanges stay inside a replica. Units then move in rounds of at most
+``bucket_numel`` elements of whole matrices per rank.
+
+A plan depends only on keys, shapes, layouts, views and dtypes: it is made once, after one
+small exchange that checks the ranks agree, and reused every step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import _tree
+from .._views import MatrixView
+from ._layout import Box, Layout, ShardSpec, length, placement_global_shape, placement_layout, sizes_layout
+
+
+@dataclass
+class Leaf:
+    """One gradient leaf as this rank sees it."""
+
+    index: int  # position among the leaves of the step
+    key: _tree.Key
+    local: torch.Tensor
+    view: MatrixView
+    group: Any = None  # Collectives the leaf is sharded over; None: not sharded
+    mesh_shape: tuple[int, ...] | None = None
+    placements: tuple[Any, ...] | None = None
+    coords: tuple[int, ...] | None = None  # group rank of each mesh coordinate, row-major
+    shape: tuple[int, ...] | None = None  # global shape, known up front for DTensors
+    spec: ShardSpec | None = None
+    wrap: Callable[[torch.Tensor], torch.Tensor] = field(default=lambda t: t)
+
+    @property
+    def name(self) -> str:
+        return _tree.dotted(self.key)
+
+    def signature(self) -> tuple[Any, ...]:
+        """What the plan depends on."""
+        spec = None if self.spec is None else (self.spec.dim, self.spec.placements, self.spec.mesh_shape)
+        local_shape = tuple(self.local.shape) if self.spec is not None else None
+        layout = (self.shape, local_shape, self.mesh_shape, self.placements, self.coords, spec)
+        return (self.key, *layout, self.local.dtype, self.local.device, self.view)
+
+
+def _dtensor_type() -> Any:
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def describe(
+    index: int, key: _tree.Key, value: torch.Tensor, view: MatrixView, spec: ShardSpec | None, collectives: Any
+) -> Leaf:
+    """A leaf with the group it is sharded over: a DTensor's mesh, a ShardSpec's group, or none."""
+    dtensor = _dtensor_type()
+    name = _tree.dotted(key)
+    if dtensor is not None and isinstance(value, dtensor):
+        if spec is not None:
+            raise ValueError(f"{name!r} is a DTensor, which describes its own sharding; drop its ShardSpec")
+        for_mesh = getattr(collectives, "for_mesh", None)
+        if for_mesh is None:
+            raise TypeError(f"{name!r} is a DTensor; its collectives must come from torch_collectives(mesh)")
+        dt: Any = value
+        mesh, placements = dt.device_mesh, tuple(dt.placements)
+        group, coords = for_mesh(mesh)
+        shape, stride = tuple(dt.shape), dt.stride()
+        from_local: Any = dtensor.from_local
+
+        def wrap(t: torch.Tensor) -> torch.Tensor:
+            return from_local(t, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+        return Leaf(index, key, dt.to_local(), view, group, tuple(mesh.shape), placements, coords, shape, wrap=wrap)
+    if spec is not None:
+        group = collectives if spec.group is None else spec.group
+        if spec.mesh_shape is not None and math.prod(spec.mesh_shape) != group.world_size:
+            raise ValueError(
+                f"{name!r}: ShardSpec mesh_shape {spec.mesh_shape} does not match a group of {group.world_size} ranks"
+            )
+        coords = tuple(range(group.world_size))
+        return Leaf(index, key, value, view, group, spec.mesh_shape, spec.placements, coords, spec=spec)
+    return Leaf(index, key, value, view)
+
+
+def handshake(group: Any, leaves: Sequence[Leaf]) -> list[list[tuple[int, ...]] | None]:
+    """Checks that every rank of ``group`` passes the same leaves; returns every rank's local
+    shape of each ShardSpec leaf (``None`` for DTensors, whose global shape is known)."""
+    described = "|".join(
+        f"{leaf.name}:{leaf.shape}:{leaf.local.ndim}:{leaf.local.dtype}:{leaf.view}:{leaf.placements}:"
+        f"{None if leaf.spec is None else leaf.spec.dim}"
+        for leaf in leaves
+    )
+    payload = [n for leaf in leaves if leaf.spec is not None for n in leaf.local.shape]
+    device = leaves[0].local.device
+    w = group.world_size
+    header = torch.tensor([zlib.crc32(described.encode()), len(payload)], dtype=torch.int64, device=device)
+    headers = torch.empty(2 * w, dtype=torch.int64, device=device)
+    group.all_gather_into_tensor(headers, header)
+    by_rank = headers.view(w, 2).tolist()
+    if any(h != by_rank[0] for h in by_rank):
+        differing = [r for r, h in enumerate(by_rank) if h != by_rank[group.rank]]
+        raise RuntimeError(
+            f"muonfn.distributed: ranks {differing} of this group orthogonalize different leaves than rank "
+            f"{group.rank} ({[leaf.name for leaf in leaves]}); every rank must pass gradients for the same "
+            "parameters, with the same views, dtypes and shard specs"
+        )
+    shapes: list[list[tuple[int, ...]] | None] = [None] * len(leaves)
+    if payload:
+        mine = torch.tensor(payload, dtype=torch.int64, device=device)
+        everyone = torch.empty(w * len(payload), dtype=torch.int64, device=device)
+        group.all_gather_into_tensor(everyone, mine)
+        table = everyone.view(w, len(payload)).tolist()
+        offset = 0
+        for i, leaf in enumerate(leaves):
+            if leaf.spec is not None:
+                n = leaf.local.ndim
+                shapes[i] = [tuple(row[offset : offset + n]) for row in table]
+                offset += n
+    return shapes
+
+
+def layout_of(leaf: Leaf, local_shapes: Sequence[Sequence[int]] | None) -> Layout:
+    """The leaf's layout over its group, checked against the local shapes known."""
+    try:
+        if leaf.spec is not None and leaf.spec.dim is not None:
+            assert local_shapes is not None
+            ndim = leaf.local.ndim
+            if not -ndim <= leaf.spec.dim < ndim:
+                raise ValueError(f"ShardSpec dim {leaf.spec.dim} is out of range for a {ndim}-D leaf")
+            return sizes_layout(local_shapes, leaf.spec.dim % ndim)
+        assert leaf.mesh_shape is not None and leaf.placements is not None and leaf.coords is not None
+        if leaf.shape is None:
+            assert local_shapes is not None
+            shape = placement_global_shape(local_shapes, leaf.mesh_shape, leaf.placements, leaf.coords)
+        else:
+            shape = leaf.shape
+        layout = placement_layout(shape, leaf.mesh_shape, leaf.placements, leaf.coords)
+    except (ValueError, NotImplementedError) as e:
+        raise type(e)(f"{leaf.name!r}: {e}") from None
+    known = dict(enumerate(local_shapes)) if local_shapes is not None else {leaf.group.rank: leaf.local.shape}
+    for r, actual in known.items():
+        if layout.local_shape(r) != tuple(actual):
+            raise ValueError(
+                f"{leaf.name!r}: rank {r} holds a shard of shape {tuple(actual)}, but placements {leaf.placements} "
+                f"on a mesh of shape {leaf.mesh_shape} give {layout.local_shape(r)} for a tensor of shape "
+                f"{layout.shape}"
+            )
+    return layout
+
+
+def ns_cost(rows: int, cols: int) -> int:
+    """Flops of one Newton–Schulz step on a ``rows × cols`` matrix."""
+    m, n = min(rows, cols), max(rows, cols)
+    return 4 * m * m * n + 2 * m * m * m
+
+
+def unit_view(view: MatrixView) -> MatrixView:
+    """The view of one unit: the leaf's view without its batch dimensions."""
+    return MatrixView(0, view.transposed, view.split, view.split_dim)
+
+
+def box_numel(box: Box) -> int:
+    return math.prod(length(r) for r in box)
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(length(r) for r in box)
+
+
+@dataclass
+class Unit:
+    leaf: int  # index into the plan's leaves
+    shape: tuple[int, ...]  # of the whole unit: the leaf's global shape after its batch dimensions
+    layout: Layout
+    holders: dict[int, tuple[int, Box]]  # group rank -> (its local batch position, its box of the unit)
+    cost: int
+    owner: int = 0  # position of the owner, the same in every replica
+
+    def owners(self) -> list[int]:
+        return [self.layout.rank_at(rep, self.owner) for rep in range(self.layout.replicas)]
+
+
+@dataclass
+class Batch:
+    """The units of one round that share a dtype and device, and this rank's traffic for them."""
+
+    dtype: torch.dtype
+    device: torch.device
+    units: list[int]
+    # owner: pieces this rank sends, as (unit, local position, peer), and receives, as
+    # (unit, peer, box), each sorted by peer and then unit; the split sizes per peer
+    sends: list[tuple[int, int, int]] = field(default_factory=list)
+    recvs: list[tuple[int, int, Box]] = field(default_factory=list)
+    send_splits: list[int] = field(default_factory=list)
+    recv_splits: list[int] = field(default_factory=list)
+    # gather: every rank's contribution padded to one length, and each (unit, rank)'s offset in it
+    padded: int = 0
+    offsets: dict[tuple[int, int], int] = field(default_factory=dict)
+
+
+@dataclass
+class GramBatch:
+    """Leaves whose Newton–Schulz runs on local column blocks (``"tp_gram"``), all of one
+    ``m × n`` shape and column split once in Newton–Schulz's wide orientation."""
+
+    leaves: list[int] = field(default_factory=list)
+    flips: list[bool] = field(default_factory=list)  # the local block is transposed into that orientation
+
+
+@dataclass
+class Plan:
+    leaves: list[Leaf]
+    layouts: list[Layout]
+    local: list[bool]  # every holder keeps whole matrices: nothing moves
+    units: list[Unit]
+    rounds: list[list[Batch]]
+    gram: list[GramBatch] = field(default_factory=list)
+
+    def with_leaves(self, leaves: list[Leaf]) -> Plan:
+        """This plan for this step's tensors (same signatures)."""
+        return Plan(leaves, self.layouts, self.local, self.units, self.rounds, self.gram)
+
+
+def gram_flip(leaf: Leaf, layout: Layout) -> bool | None:
+    """Whether Gram Newton–Schulz applies: a 2-D matrix without split, no replicas, each rank
+    holding one block of the long side (Newton–Schulz's columns) and all of the short side.
+    Returns whether the local block must be transposed, or ``None`` if it does not apply."""
+    view = leaf.view
+    if view.batch_dims or view.split is not None or len(layout.shape) != 2 or layout.replicas != 1:
+        return None
+    rows, cols = view.matrix_shape(layout.shape)
+    tall = rows > cols  # Newton–Schulz iterates on the transpose
+    flip = tall != view.transposed
+    long_dim = 0 if flip else 1
+    short_dim = 1 - long_dim
+    for box in layout.boxes:
+        if len(box[long_dim]) > 1 or box[short_dim] != ((0, layout.shape[short_dim]),):
+            return None
+    return flip
+
+
+def _holders(layout: Layout, batch_dims: int) -> dict[tuple[int, ...], dict[int, tuple[int, Box]]]:
+    """Per unit (index over the batch dimensions): the ranks holding part of it, their local position and box."""
+    holders: dict[tuple[int, ...], dict[int, tuple[int, Box]]] = {}
+    for r, box in enumerate(layout.boxes):
+        matrix_box = box[batch_dims:]
+        if box_numel(matrix_box) == 0:
+            continue
+        per_dim = [[j for a, b in runs for j in range(a, b)] for runs in box[:batch_dims]]
+        for pos, b in enumerate(itertools.product(*per_dim)):
+            holders.setdefault(b, {})[r] = (pos, matrix_box)
+    return holders
+
+
+def _assign_owners(units: list[Unit], load: list[int]) -> list[int]:
+    """Longest processing time first; returns the units in assignment order."""
+    order = sorted(range(len(units)), key=lambda u: (-units[u].cost, u))
+    for u in order:
+        unit, layout = units[u], units[u].layout
+
+        def score(p: int, unit: Unit = unit, layout: Layout = layout) -> tuple[int, int, int]:
+            ranks = [layout.rank_at(rep, p) for rep in range(layout.replicas)]
+            held = box_numel(unit.holders[ranks[0]][1]) if ranks[0] in unit.holders else 0
+            return max(load[r] for r in ranks), -held, p
+
+        unit.owner = min(range(layout.positions), key=score)
+        for r in unit.owners():
+            load[r] += unit.cost
+    return order
+
+
+def _owner_rounds(units: list[Unit], order: list[int], cap: int) -> list[list[int]]:
+    """Each owner takes its units in assignment order, at most ``cap`` elements of them a round."""
+    current: dict[int, int] = {}
+    filled: dict[tuple[int, int], int] = {}
+    rounds: list[list[int]] = []
+    for u in order:
+        owners = units[u].owners()
+        numel = math.prod(units[u].shape)
+        k = max(current.get(o, 0) for o in owners)
+        while any(filled.get((o, k), 0) > 0 and filled.get((o, k), 0) + numel > cap for o in owners):
+            k += 1
+        for o in owners:
+            current[o] = k
+            filled[o, k] = filled.get((o, k), 0) + numel
+        rounds += [[] for _ in range(k + 1 - len(rounds))]
+        rounds[k].append(u)
+    return rounds
+
+
+def _gather_rounds(units: list[Unit], cap: int) -> list[list[int]]:
+    """Consecutive units, at most ``cap`` elements of whole matrices a round (every rank holds them all)."""
+    rounds: list[list[int]] = []
+    filled = 0
+    for u, unit in enumerate(units):
+        numel = math.prod(unit.shape)
+        if not rounds or (filled and filled + numel > cap):
+            rounds.append([])
+            filled = 0
+        rounds[-1].append(u)
+        filled += numel
+    return rounds
+
+
+def _owner_traffic(batch: Batch, units: list[Unit], me: int, w: int) -> None:
+    sends: list[tuple[int, int, int]] = []  # (peer, unit, local position)
+    recvs: list[tuple[int, int, Box]] = []  # (peer, unit, box)
+    batch.send_splits = [0] * w
+    batch.recv_splits = [0] * w
+    for u in batch.units:
+        unit = units[u]
+        layout = unit.layout
+        if me in unit.holders:
+            pos, box = unit.holders[me]
+            owner = layout.rank_at(layout.replica[me], unit.owner)
+            sends.append((owner, u, pos))
+            batch.send_splits[owner] += box_numel(box)
+        if layout.position[me] == unit.owner:
+            for r, (_, box) in unit.holders.items():
+                if layout.replica[r] == layout.replica[me]:
+                    recvs.append((r, u, box))
+                    batch.recv_splits[r] += box_numel(box)
+    batch.sends = [(u, pos, peer) for peer, u, pos in sorted(sends)]
+    batch.recvs = [(u, peer, box) for peer, u, box in sorted(recvs, key=lambda s: (s[0], s[1]))]
+
+
+def _gather_traffic(batch: Batch, units: list[Unit], w: int) -> None:
+    lengths = [0] * w
+    for u in batch.units:
+        for r, (_, box) in sorted(units[u].holders.items()):
+            batch.offsets[u, r] = lengths[r]
+            lengths[r] += box_numel(box)
+    batch.padded = max(lengths)
+
+
+def make_plan(group: Any, leaves: list[Leaf], strategy: str, bucket_numel: int) -> Plan:
+    """The plan of one group's leaves (every rank of the group makes the same one)."""
+    shapes = handshake(group, leaves)
+    layouts = [layout_of(leaf, s) for leaf, s in zip(leaves, shapes)]
+    for leaf, layout in zip(leaves, layouts):
+        leaf.view.check(leaf.key, layout.shape)
+    w, me = group.world_size, group.rank
+    local: list[bool] = []
+    units: list[Unit] = []
+    gram: dict[tuple[Any, ...], GramBatch] = {}
+    load = [0] * w
+    for i, (leaf, layout) in enumerate(zip(leaves, layouts)):
+        k = leaf.view.batch_dims
+        shape = layout.shape[k:]
+        cost = sum(ns_cost(r, c) for r, c in unit_view(leaf.view).blocks(shape))
+        holders = _holders(layout, k)
+        whole = tuple(((0, n),) for n in shape)
+        local.append(all(box == whole for by_rank in holders.values() for _, box in by_rank.values()))
+        flip = gram_flip(leaf, layout) if strategy == "tp_gram" and not local[-1] else None
+        if local[-1]:
+            for by_rank in holders.values():
+                for r in by_rank:
+                    load[r] += cost
+        elif flip is not None:
+            long_dim = 0 if flip else 1
+            columns = tuple(box[long_dim] for box in layout.boxes)
+            key = (layout.shape[1 - long_dim], layout.shape[long_dim], columns, leaf.local.dtype, leaf.local.device)
+            together = gram.setdefault(key, GramBatch())
+            together.leaves.append(i)
+            together.flips.append(flip)
+            for r in range(w):
+                load[r] += cost // w
+        else:
+            units += [Unit(i, shape, layout, holders[b], cost) for b in sorted(holders)]
+    order = _assign_owners(units, load)
+    rounds = _gather_rounds(units, bucket_numel) if strategy == "gather" else _owner_rounds(units, order, bucket_numel)
+    batches = []
+    for members in rounds:
+        by_type: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        for u in sorted(members):
+            tensor = leaves[units[u].leaf].local
+            by_type.setdefault((tensor.dtype, tensor.device), []).append(u)
+        round_batches = [Batch(dtype, device, us) for (dtype, device), us in by_type.items()]
+        for batch in round_batches:
+            if strategy == "gather":
+                _gather_traffic(batch, units, w)
+            else:
+                _owner_traffic(batch, units, me, w)
+        batches.append(round_batches)
+    return Plan(leaves, layouts, local, units, batches, list(gram.values()))

@@ -1,0 +1,190 @@
+"""Simulated collectives: one thread per virtual rank, exchanging real data in one process.
+
+Each operation is a rendezvous: every rank of the group posts its input, waits at a
+barrier, reads what the others posted, and waits again before the buffers may be reused.
+The strategies therefore run exactly the code paths they run over ``torch.distributed``.
+Ranks that call different operations, or disagree on split sizes, get an error instead of
+a hang; a rank that raises aborts the others.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+class _Simulation:
+    """Bookkeeping shared by every group of one :func:`simulate` call."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.lock = threading.Lock()
+        self.groups: dict[tuple[int, ...], _Group] = {}
+        self.aborted = False
+
+    def group(self, members: tuple[int, ...]) -> _Group:
+        with self.lock:
+            if members not in self.groups:
+                self.groups[members] = _Group(self, members)
+                if self.aborted:
+                    self.groups[members].barrier.abort()
+            return self.groups[members]
+
+    def abort(self) -> None:
+        with self.lock:
+            self.aborted = True
+            for g in self.groups.values():
+                g.barrier.abort()
+
+
+class _Group:
+    def __init__(self, sim: _Simulation, members: tuple[int, ...]) -> None:
+        self.sim = sim
+        self.members = members
+        self.barrier = threading.Barrier(len(members), timeout=sim.timeout)
+        self.slots: list[tuple[str, Any]] = [("", None)] * len(members)
+
+
+class SimulatedCollectives:
+    """:class:`Collectives` of one virtual rank inside :func:`simulate`."""
+
+    def __init__(self, group: _Group, rank: int) -> None:
+        self._group = group
+        self._rank = rank
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return len(self._group.members)
+
+    def subgroup(self, ranks: Sequence[int]) -> SimulatedCollectives:
+        """The collectives of the ranks ``ranks`` (ranks of this group); call it on each of them.
+
+        Ranks of the subgroup are numbered by their position in ``ranks``.
+        """
+        ranks = tuple(int(r) for r in ranks)
+        if self.rank not in ranks:
+            raise ValueError(f"rank {self.rank} is not a member of the subgroup {ranks}")
+        if len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
+            raise ValueError(f"subgroup ranks {ranks} must be distinct ranks of a group of {self.world_size}")
+        members = tuple(self._group.members[r] for r in ranks)
+        return SimulatedCollectives(self._group.sim.group(members), ranks.index(self.rank))
+
+    def _wait(self, op: str) -> None:
+        try:
+            self._group.barrier.wait()
+        except threading.BrokenBarrierError:
+            if self._group.sim.aborted:
+                raise RuntimeError(f"simulated rank {self.rank}: {op} aborted because another rank failed") from None
+            raise TimeoutError(
+                f"simulated rank {self.rank}: {op} timed out after {self._group.sim.timeout}s; "
+                "the ranks of the group did not all join it"
+            ) from None
+
+    def _post(self, op: str, payload: Any) -> list[Any]:
+        """Posts ``payload``, waits for every rank, and returns all payloads (checking the ops agree)."""
+        self._group.slots[self.rank] = (op, payload)
+        self._wait(op)
+        ops = [name for name, _ in self._group.slots]
+        if any(name != op for name in ops):
+            raise RuntimeError(f"simulated collectives: ranks called different operations, by rank: {ops}")
+        return [p for _, p in self._group.slots]
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        inputs = self._post("all_gather_into_tensor", input)
+        try:
+            sizes = [t.numel() for t in inputs]
+            if len(set(sizes)) != 1 or output.numel() != sum(sizes):
+                raise RuntimeError(
+                    f"simulated all_gather_into_tensor: input sizes by rank {sizes}, output size {output.numel()}"
+                )
+            output.copy_(torch.cat([t.reshape(-1) for t in inputs]).view_as(output))
+        finally:
+            self._wait("all_gather_into_tensor")
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int],
+        input_split_sizes: Sequence[int],
+    ) -> None:
+        posts = self._post("all_to_all_single", (input, list(input_split_sizes)))
+        try:
+            w = self.world_size
+            if len(output_split_sizes) != w or len(input_split_sizes) != w:
+                raise RuntimeError(f"simulated all_to_all_single: split lists must have {w} entries")
+            if sum(input_split_sizes) != input.numel() or sum(output_split_sizes) != output.numel():
+                raise RuntimeError("simulated all_to_all_single: split sizes do not add up to the tensor sizes")
+            pieces = []
+            for src, (src_input, src_splits) in enumerate(posts):
+                start = sum(src_splits[: self.rank])
+                n = src_splits[self.rank]
+                if n != output_split_sizes[src]:
+                    raise RuntimeError(
+                        f"simulated all_to_all_single: rank {src} sends {n} elements to rank {self.rank}, "
+                        f"which expects {output_split_sizes[src]}"
+                    )
+                pieces.append(src_input.reshape(-1)[start : start + n])
+            output.copy_(torch.cat(pieces).view_as(output))
+        finally:
+            self._wait("all_to_all_single")
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        tensors = self._post("all_reduce", tensor)
+        try:
+            total = tensors[0].clone()
+            for t in tensors[1:]:
+                total += t
+        finally:
+            self._wait("all_reduce")
+        tensor.copy_(total)
+
+    def __repr__(self) -> str:
+        return f"SimulatedCollectives(rank={self.rank}, world_size={self.world_size})"
+
+
+def simulate(world_size: int, fn: Callable[..., T], *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[T]:
+    """Runs ``fn(collectives, *args, **kwargs)`` on ``world_size`` virtual ranks, one thread each.
+
+    Returns the ranks' results in rank order. If a rank raises, the others are aborted
+    and the first error is re-raised (with the rank noted); a rank waiting longer than
+    ``timeout`` seconds in a collective raises ``TimeoutError``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    sim = _Simulation(timeout)
+    root = sim.group(tuple(range(world_size)))
+    results: list[Any] = [None] * world_size
+    errors: list[BaseException | None] = [None] * world_size
+
+    def body(rank: int) -> None:
+        try:
+            results[rank] = fn(SimulatedCollectives(root, rank), *args, **kwargs)
+        except BaseException as e:
+            errors[rank] = e
+            sim.abort()
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"simulated-rank-{r}") for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        # the rank that failed first, not one that was aborted because of it
+        rank, error = next(
+            ((r, e) for r, e in failed if "aborted because another rank failed" not in str(e)), failed[0]
+        )
+        if hasattr(error, "add_note"):  # Python >= 3.11
+            error.add_note(f"(raised on simulated rank {rank} of {world_size})")
+        raise error
+    return results

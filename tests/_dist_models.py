@@ -1,0 +1,164 @@
+"""A small model with every kind of matrix, its reference (single-process) training run, and sharding helpers.
+
+Shared by the thread-simulation tests and the multi-process workers. Shapes are chosen so
+that 1-4 ranks see uneven shards (10 rows on 3 or 4 ranks), empty shards (3 rows on 4
+ranks), fused QKV blocks cut across ranks, experts spread over ranks, a conv kernel and a
+weight stored transposed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+import muonfn
+from muonfn.distributed._layout import Box, copy_out, length
+
+VOCAB, SEQ, BATCH, STEPS = 11, 5, 12, 10
+
+VIEWS = {
+    "qkv.weight": muonfn.MatrixView(split=(8, 8, 8)),
+    "experts": muonfn.MatrixView(batch_dims=1),
+    "proj_t": muonfn.MatrixView(transposed=True),
+}
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 6)
+        self.fc1 = nn.Linear(6, 10)  # 10 rows: 5,5 / 4,4,2 / 3,3,3,1
+        self.qkv = nn.Linear(10, 24)  # fused q, k, v of 8 rows each
+        self.conv = nn.Conv1d(8, 6, 3, padding=1)  # (6, 8, 3): one (6, 24) matrix
+        self.experts = nn.Parameter(torch.randn(5, 6, 6) / 6**0.5)  # 5 experts: 3,2 / 2,2,1 / 2,2,1,0
+        self.proj_t = nn.Parameter(torch.randn(6, 3) / 6**0.5)  # stored (in, out)
+        self.fc2 = nn.Linear(3, 3)  # 3 rows: an empty shard on 4 ranks
+        self.norm = nn.LayerNorm(3)
+        self.lm_head = nn.Linear(3, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(self.embed(tokens)))
+        q, k, v = self.qkv(h).split(8, dim=-1)
+        h = q * torch.sigmoid(k) + v
+        h = self.conv(h.transpose(1, 2)).transpose(1, 2)
+        h = torch.einsum("bti,eoi->bteo", h, self.experts).mean(2)
+        h = torch.tanh(h @ self.proj_t)
+        return self.lm_head(self.norm(self.fc2(h)))
+
+
+def make_net(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def make_tx(**distributed: Any) -> muonfn.Transform:
+    return muonfn.muon(lr=0.05, weight_decay=0.1, ns_dtype=torch.float32, views=VIEWS, **distributed)
+
+
+def batches(steps: int = STEPS, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+        for _ in range(steps)
+    ]
+
+
+def loss_of(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+
+
+@dataclass
+class Reference:
+    """The single-process run: ``params[t]`` before step ``t`` (``params[-1]`` at the end), ``grads[t]`` at step ``t``.
+
+    Step 3 leaves ``fc2.bias`` and ``experts`` without a gradient.
+    """
+
+    params: list[TensorDict]
+    grads: list[TensorDict]
+
+
+NO_GRAD_STEP = 3
+NO_GRAD_KEYS = (("fc2", "bias"), ("experts",))
+
+
+def drop_no_grad(grads: TensorDict, step: int) -> TensorDict:
+    return grads.exclude(*NO_GRAD_KEYS) if step == NO_GRAD_STEP else grads
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """One intra-op thread: multithreaded CPU sgemm picks kernels by batch size for some small shapes,
+    so batched and looped Newton–Schulz agree bitwise only with a single thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def reference_run(steps: int = STEPS) -> Reference:
+    with one_thread():
+        return _reference_run(steps)
+
+
+def _reference_run(steps: int) -> Reference:
+    model = make_net()
+    params = TensorDict.from_module(model).detach().clone()
+    tx = make_tx()
+    state = tx.init(params)
+
+    def loss_fn(p: TensorDict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with p.to_module(model):
+            return loss_of(model, x, y)
+
+    history, grads_seen = [params], []
+    for step, (x, y) in enumerate(batches(steps)):
+        grads = drop_no_grad(torch.func.grad(loss_fn)(params, x, y), step)
+        updates, state = tx.update(grads, state, params)
+        params = muonfn.apply_updates(params, updates)
+        history.append(params)
+        grads_seen.append(grads)
+    return Reference(history, grads_seen)
+
+
+def take(full: torch.Tensor, box: Box) -> torch.Tensor:
+    """``full[box]``: the shard a rank holds."""
+    out = torch.empty(tuple(length(r) for r in box), dtype=full.dtype)
+    copy_out(full, box, out)
+    return out
+
+
+def shim_reference_run(steps: int = STEPS) -> Reference:
+    """The same training through ``muonfn.optim.Muon`` (hyperparameters as tensors, in-place steps)."""
+    with one_thread():
+        model = make_net()
+        opt = make_shim(model)
+        history, grads_seen = [TensorDict.from_module(model).detach().clone()], []
+        for step, (x, y) in enumerate(batches(steps)):
+            opt.zero_grad()
+            loss_of(model, x, y).backward()
+            if step == NO_GRAD_STEP:
+                for key in NO_GRAD_KEYS:
+                    model.get_parameter(".".join(key)).grad = None
+            grads_seen.append(
+                TensorDict(
+                    {tuple(n.split(".")): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, []
+                )
+            )
+            opt.step()
+            history.append(TensorDict.from_module(model).detach().clone())
+        return Reference(history, grads_seen)
+
+
+def make_shim(model: nn.Module, **distributed: Any) -> torch.optim.Optimizer:
+    from muonfn.optim import Muon
+
+    return Muon(model.named_parameters(), lr=0.05, weight_decay=0.1, ns_dtype=torch.float32, views=VIEWS, **distributed)

@@ -1,0 +1,264 @@
+"""Bodies of the multi-process tests: ``fn(rank, world_size, ...)`` run by ``_dist_harness.run``.
+
+Two kinds of check:
+
+- *exact*: after a real forward and backward, every ``.grad`` is overwritten with this
+  rank's shard of the single-process gradient, so the optimizer sees bitwise the same
+  numbers; the params must then match the single-process run bitwise.
+- *end to end*: real backward, real reduce-scatter of each rank's share of the batch;
+  gradients differ from the single-process ones by rounding, so params are compared with
+  a tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from _dist_models import (
+    BATCH,
+    NO_GRAD_KEYS,
+    NO_GRAD_STEP,
+    STEPS,
+    Net,
+    Reference,
+    batches,
+    loss_of,
+    make_net,
+    make_shim,
+    make_tx,
+    take,
+)
+from tensordict import TensorDict
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import muonfn
+from muonfn._tree import Key, leaf_keys
+from muonfn.distributed import ShardSpec, TorchCollectives, torch_collectives
+from muonfn.distributed._layout import Box, placement_layout
+
+EXACT = ("owner", "gather")  # bitwise strategies ("tp_gram" is equal to rounding)
+SUBMODULES = ("embed", "fc1", "qkv", "conv", "fc2", "norm", "lm_head")
+
+
+def fsdp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    for name in SUBMODULES:
+        fully_shard(getattr(model, name), mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def tp_fsdp(model: Net, mesh: DeviceMesh) -> nn.Module:
+    """fc1 column-parallel, qkv row-parallel, fc2 column-parallel over "tp", then FSDP2 over "dp"."""
+    plan = {"fc1": ColwiseParallel(), "qkv": RowwiseParallel(), "fc2": ColwiseParallel(output_layouts=Replicate())}
+    parallelize_module(model, mesh["tp"], plan)
+    return fsdp(model, mesh["dp"])
+
+
+def my_box(p: DTensor) -> Box:
+    """The part of the global tensor this rank holds, as muonfn computes it from the placements."""
+    mesh = p.device_mesh
+    coord = mesh.get_coordinate()
+    assert coord is not None
+    flat = 0
+    for c, s in zip(coord, mesh.shape):
+        flat = flat * s + c
+    layout = placement_layout(tuple(p.shape), tuple(mesh.shape), tuple(p.placements), range(math.prod(mesh.shape)))
+    return layout.boxes[flat]
+
+
+def key_of(name: str) -> Key:
+    return tuple(name.split("."))
+
+
+def check_params(model: nn.Module, expected: TensorDict, what: str, exact: bool = True) -> None:
+    for name, p in model.named_parameters():
+        want = take(expected[key_of(name)], my_box(p))
+        message = f"{what}: {name} ({p.placements}) differs on rank {dist.get_rank()}"
+        if exact:
+            assert torch.equal(p.to_local(), want), message
+        else:
+            torch.testing.assert_close(p.to_local(), want, rtol=1e-4, atol=2e-6, msg=message)
+
+
+def train_step(
+    model: nn.Module, tx: muonfn.Transform, state: TensorDict, step: int, exact: Reference | None, data_slice: slice
+) -> TensorDict:
+    """One training step; with ``exact``, the gradients are shards of the reference's (after a real
+    backward on the first step only, which is all the optimizer's correctness needs)."""
+    if exact is None or step == 0:
+        tokens, targets = batches()[step]
+        loss_of(model, tokens[data_slice], targets[data_slice]).backward()
+    for name, p in model.named_parameters():
+        key = key_of(name)
+        if step == NO_GRAD_STEP and key in NO_GRAD_KEYS:
+            p.grad = None
+        elif exact is not None:
+            p.grad = DTensor.from_local(
+                take(exact.grads[step][key], my_box(p)),
+                p.device_mesh,
+                p.placements,
+                run_check=False,
+                shape=p.shape,
+                stride=p.stride(),
+            )
+    grads = TensorDict({key_of(n): p.grad for n, p in model.named_parameters() if p.grad is not None}, [])
+    with torch.no_grad():
+        params = TensorDict.from_module(model).detach()
+        updates, state = tx.update(grads, state, params)
+        new = muonfn.apply_updates(params, updates)
+        for name, p in model.named_parameters():  # TensorDict.copy_ uses _foreach_copy_, which DTensor lacks
+            p.copy_(new[key_of(name)])
+    model.zero_grad(set_to_none=True)
+    return state
+
+
+def check_state_mirrors_params(model: nn.Module, state: TensorDict) -> None:
+    momentum = state["muon", "momentum"]
+    params = dict(model.named_parameters())
+    for key in leaf_keys(momentum):
+        m, p = momentum[key], params[".".join(key)]
+        assert isinstance(m, DTensor) and m.placements == p.placements, key
+        assert m.to_local().shape == p.to_local().shape, key  # a shard, not a full copy
+
+
+def exact_run(model: nn.Module, collectives: TorchCollectives, strategy: str, reference: Reference, what: str) -> None:
+    check_params(model, reference.params[0], f"{what} initial layout")  # muonfn's layout is FSDP's
+    tx = make_tx(collectives=collectives, strategy=strategy)
+    state = tx.init(TensorDict.from_module(model).detach())
+    for step in range(STEPS):
+        state = train_step(model, tx, state, step, reference, slice(None))
+    check_params(model, reference.params[-1], f"{what} {strategy}", exact=strategy in EXACT)
+    check_state_mirrors_params(model, state)
+
+
+def end_to_end_run(
+    model: nn.Module, collectives: TorchCollectives, reference: Reference, share: slice, what: str
+) -> float:
+    tx = make_tx(collectives=collectives)
+    state = tx.init(TensorDict.from_module(model).detach())
+    for step in range(STEPS):
+        state = train_step(model, tx, state, step, None, share)
+    worst = 0.0
+    for name, p in model.named_parameters():
+        got, want = p.full_tensor().detach(), reference.params[-1][key_of(name)]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{what}: {n}: {m}")
+        worst = max(worst, float((got - want).abs().max()))
+    return worst
+
+
+def share_of(index: int, parts: int) -> slice:
+    size = BATCH // parts
+    return slice(index * size, (index + 1) * size)
+
+
+def fsdp_cases(rank: int, world: int, reference: Reference, shim_reference: Reference | None) -> None:
+    """FSDP2 over ``world`` ranks (both strategies, exact), end to end, and, on 4 ranks, HSDP and TP + FSDP
+    (the latter also through the optim shim, whose tensor hyperparameters meet params on two meshes)."""
+    mesh = init_device_mesh("cpu", (world,))
+    collectives = torch_collectives(mesh)
+    for strategy in EXACT:
+        exact_run(fsdp(make_net(), mesh), collectives, strategy, reference, f"FSDP2 on {world}")
+    end_to_end_run(fsdp(make_net(), mesh), collectives, reference, share_of(rank, world), f"FSDP2 e2e on {world}")
+    if world == 4:
+        hsdp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        hsdp = torch_collectives(hsdp_mesh)
+        tp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        tp = torch_collectives(tp_mesh)
+        for strategy in EXACT:
+            exact_run(fsdp(make_net(), hsdp_mesh), hsdp, strategy, reference, "HSDP 2x2")
+            exact_run(tp_fsdp(make_net(), tp_mesh), tp, strategy, reference, "TP2 + FSDP2")
+        exact_run(tp_fsdp(make_net(), tp_mesh), tp, "tp_gram", reference, "TP2 + FSDP2")  # to rounding
+        # a DTensor on ranks the collectives do not span is refused, naming both groups
+        wide = distribute_tensor(torch.ones(4, 4), tp_mesh, [Shard(0), Shard(1)], src_data_rank=None)
+        try:
+            muonfn.orthogonalize(collectives=torch_collectives(tp_mesh["dp"])).update(TensorDict({"w": wide}, []), {})
+        except ValueError as e:
+            assert "outside the collectives' group" in str(e), e
+        else:
+            raise AssertionError("a DTensor outside the collectives' group must be refused")
+        assert shim_reference is not None
+        shim_run(tp_fsdp(make_net(), tp_mesh), tp, shim_reference, "optim.Muon under TP2 + FSDP2")
+        dp_rank = tp_mesh.get_local_rank("dp")
+        end_to_end_run(tp_fsdp(make_net(), tp_mesh), tp, reference, share_of(dp_rank, 2), "TP2 + FSDP2 e2e")
+
+
+def shim_run(model: nn.Module, collectives: TorchCollectives, reference: Reference, what: str) -> None:
+    """``muonfn.optim.Muon(..., collectives=...)`` on a sharded model: bitwise the single-process shim."""
+    opt = make_shim(model, collectives=collectives)
+    for step in range(STEPS):
+        opt.zero_grad()
+        grads = reference.grads[step]
+        for name, p in model.named_parameters():
+            if key_of(name) in leaf_keys(grads):
+                p.grad = DTensor.from_local(
+                    take(grads[key_of(name)], my_box(p)),
+                    p.device_mesh,
+                    p.placements,
+                    run_check=False,
+                    shape=p.shape,
+                    stride=p.stride(),
+                )
+        opt.step()
+    check_params(model, reference.params[-1], what)
+
+
+def plain_shards_and_guards(rank: int, world: int, shim_reference: Reference) -> None:
+    """ShardSpec leaves over real gloo, the errors that keep communication explicit, and the optim shim."""
+    mesh = init_device_mesh("cpu", (world,))
+    shim_run(fsdp(make_net(), mesh), torch_collectives(mesh), shim_reference, f"optim.Muon under FSDP2 on {world}")
+    group = torch_collectives(dist.group.WORLD)
+    torch.manual_seed(0)
+    full = {"w": torch.randn(10, 6), "e": torch.randn(3, 5)}
+    expected = muonfn.orthogonalize(dtype=torch.float32).update(TensorDict(full, []), TensorDict())[0]
+    mine = {k: v.tensor_split(world)[rank] for k, v in full.items()}
+    for strategy in EXACT:
+        specs = {"w": ShardSpec(0), "e": ShardSpec(0)}
+        tx = muonfn.orthogonalize(collectives=group, strategy=strategy, shard_specs=specs)
+        out = tx.update(TensorDict(mine, []), TensorDict())[0]
+        for k in full:
+            assert torch.equal(out[k], expected[k].tensor_split(world)[rank]), (strategy, k)
+    tx = muonfn.orthogonalize(collectives=group, strategy="tp_gram", shard_specs=specs)
+    out = tx.update(TensorDict(mine, []), TensorDict())[0]
+    for k in full:  # "w" is cut along its long side: Gram sums over gloo; "e" goes to its owner
+        torch.testing.assert_close(out[k], expected[k].tensor_split(world)[rank], rtol=1e-5, atol=1e-6)
+
+    sharded = DTensor.from_local(mine["w"], mesh, [Shard(0)], run_check=False, shape=(10, 6), stride=(6, 1))
+    try:
+        muonfn.orthogonalize().update(TensorDict({"w": sharded}, []), TensorDict())
+    except ValueError as e:
+        assert "sharded" in str(e) and "collectives=" in str(e)
+    else:
+        raise AssertionError("a sharded DTensor without collectives must be refused")
+
+
+def dcp_segment(
+    rank: int,
+    world: int,
+    reference: Reference,
+    load: tuple[str, int] | None,
+    save: tuple[str, int] | None,
+) -> None:
+    """Trains steps ``[load step, STEPS)`` under FSDP2 on ``world`` ranks, resuming from and saving DCP checkpoints."""
+    mesh = init_device_mesh("cpu", (world,))
+    model = fsdp(make_net(seed=0 if load is None else 123), mesh)
+    tx = make_tx(collectives=torch_collectives(mesh))
+    state = tx.init(TensorDict.from_module(model).detach())
+    start = 0
+    if load is not None:
+        path, start = load
+        before = state["muon", "momentum", "fc1", "weight"].to_local().clone()
+        dcp.load({"model": model.state_dict(), "optim": state.to_dict()}, checkpoint_id=path)
+        assert not torch.equal(before, state["muon", "momentum", "fc1", "weight"].to_local())  # loaded in place
+        check_params(model, reference.params[start], f"params loaded on {world} ranks")
+    for step in range(start, STEPS):
+        if save is not None and step == save[1]:
+            dcp.save({"model": model.state_dict(), "optim": state.to_dict()}, checkpoint_id=save[0])
+        state = train_step(model, tx, state, step, reference, slice(None))
+    check_params(model, reference.params[-1], f"DCP resumed on {world} ranks")

@@ -1,0 +1,547 @@
+"""Distributed Muon in one process: virtual ranks (threads) exchanging real data.
+
+Every strategy and layout must reproduce the single-process optimizer bitwise (fp32
+Newton–Schulz on CPU), with uneven and empty shards, fused, expert, conv and transposed
+views, and a step where some parameters have no gradient.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from _dist_models import Reference, make_tx, one_thread, reference_run, take
+from hypothesis import given
+from hypothesis import strategies as st
+from tensordict import TensorDict
+from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+import muonfn
+from muonfn._tree import dotted, leaf_keys
+from muonfn.distributed import (
+    CountingCollectives,
+    ShardSpec,
+    SimulatedCollectives,
+    sharded_orthogonalizer,
+    simulate,
+    torch_collectives,
+)
+from muonfn.distributed._layout import Box, placement_global_shape, placement_layout
+
+pytestmark = pytest.mark.timeout(300)
+
+EXACT = ("owner", "gather")  # "tp_gram" sums Gram matrices over ranks: equal to rounding only
+
+Key = tuple[str, ...]
+# (key, global shape, rank) -> (the rank's box, the ShardSpec to declare or None), given the rank's collectives
+Sharding = Callable[[SimulatedCollectives, Key, torch.Size], tuple[Box, ShardSpec | None]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def reference() -> Reference:
+    return reference_run()
+
+
+def by_placements(mesh_shape: tuple[int, ...], placements_of: Callable[[Key, torch.Size], tuple[Any, ...]]) -> Sharding:
+    def shard(col: SimulatedCollectives, key: Key, shape: torch.Size) -> tuple[Box, ShardSpec | None]:
+        placements = placements_of(key, shape)
+        layout = placement_layout(shape, mesh_shape, placements, range(col.world_size))
+        return layout.boxes[col.rank], ShardSpec(placements=placements, mesh_shape=mesh_shape)
+
+    return shard
+
+
+def fsdp(world: int) -> Sharding:
+    return by_placements((world,), lambda key, shape: (Shard(0),))
+
+
+def hsdp() -> Sharding:
+    return by_placements((2, 2), lambda key, shape: (Replicate(), Shard(0)))
+
+
+COLWISE = {("fc1", "weight"), ("qkv", "weight")}
+
+
+def tp_fsdp() -> Sharding:
+    """dp × tp = 2 × 2: colwise weights as FSDP2 leaves them, the other matrices row- and column-sharded."""
+
+    def placements(key: Key, shape: torch.Size) -> tuple[Any, ...]:
+        if key in COLWISE:
+            return (_StridedShard(0, split_factor=2), Shard(0))
+        if len(shape) >= 2:
+            return (Shard(0), Shard(1))
+        return (Shard(0), Replicate())
+
+    return by_placements((2, 2), placements)
+
+
+def hand_rolled_tp() -> Sharding:
+    """2 data-parallel replicas of 2-way tensor parallelism over plain tensors: ShardSpec(dim, tp group)."""
+
+    def shard(col: SimulatedCollectives, key: Key, shape: torch.Size) -> tuple[Box, ShardSpec | None]:
+        dp, tp = divmod(col.rank, 2)
+        full: list[tuple[tuple[int, int], ...]] = [((0, n),) for n in shape]
+        if len(shape) < 2:
+            return tuple(full), None
+        dim = 0 if key in COLWISE else 1
+        n = shape[dim]
+        size = -(-n // 2)
+        lo, hi = min(tp * size, n), min((tp + 1) * size, n)
+        full[dim] = ((lo, hi),) if lo < hi else ()
+        return tuple(full), ShardSpec(dim, col.subgroup([2 * dp, 2 * dp + 1]))
+
+    return shard
+
+
+def odd_sizes() -> Sharding:
+    """ShardSpec(0) with blocks that are not torch.chunk's: 4 ranks holding 1/4, 0, rest, 1 rows."""
+
+    def shard(col: SimulatedCollectives, key: Key, shape: torch.Size) -> tuple[Box, ShardSpec | None]:
+        n = shape[0]
+        cuts = [0, 1 if n > 1 else n, 1 if n > 1 else n, n - 1 if n > 2 else n, n]
+        box = [((0, s),) for s in shape]
+        lo, hi = cuts[col.rank], cuts[col.rank + 1]
+        box[0] = ((lo, hi),) if lo < hi else ()
+        return tuple(box), ShardSpec(0)
+
+    return shard
+
+
+def train(
+    col: SimulatedCollectives, reference: Reference, sharding: Sharding, strategy: str, bucket_numel: int
+) -> tuple[TensorDict, TensorDict, dict[Key, Box]]:
+    """This rank's part of the reference run: shards of the reference's gradients in, shards of params out."""
+    keys = leaf_keys(reference.params[0])
+    boxes, specs = {}, {}
+    for key in keys:
+        boxes[key], spec = sharding(col, key, reference.params[0][key].shape)
+        if spec is not None:
+            specs[key] = spec
+    params = TensorDict({k: take(reference.params[0][k], boxes[k]) for k in keys}, batch_size=[])
+    tx = make_tx(collectives=col, strategy=strategy, shard_specs=specs, bucket_numel=bucket_numel)
+    state = tx.init(params)
+    for full in reference.grads:
+        grads = TensorDict({k: take(full[k], boxes[k]) for k in leaf_keys(full)}, batch_size=[])
+        updates, state = tx.update(grads, state, params)
+        params = muonfn.apply_updates(params, updates)
+    return params, state, boxes
+
+
+LAYOUTS = {
+    "fsdp1": (1, lambda: fsdp(1)),
+    "fsdp2": (2, lambda: fsdp(2)),
+    "fsdp3": (3, lambda: fsdp(3)),
+    "fsdp4": (4, lambda: fsdp(4)),
+    "hsdp2x2": (4, hsdp),
+    "tp2_fsdp2": (4, tp_fsdp),
+    "hand_rolled_tp2_dp2": (4, hand_rolled_tp),
+    "odd_sizes4": (4, odd_sizes),
+}
+
+
+@pytest.mark.parametrize("strategy", EXACT)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_training_matches_single_process_bitwise(reference: Reference, layout: str, strategy: str) -> None:
+    world, sharding = LAYOUTS[layout]
+    results = simulate(world, train, reference, sharding(), strategy, 1 << 26)
+    final = reference.params[-1]
+    for rank, (params, state, boxes) in enumerate(results):
+        for key in leaf_keys(final):
+            expected = take(final[key], boxes[key])
+            assert torch.equal(params[key], expected), f"rank {rank}: {dotted(key)} differs"
+        # momentum stays a shard: no rank keeps a full copy
+        for key in leaf_keys(state["muon", "momentum"]):
+            assert state["muon", "momentum"][key].shape == params[key].shape
+
+
+def test_small_buckets_move_in_rounds_and_stay_exact(reference: Reference) -> None:
+    """With bucket_numel below one matrix, every unit travels in its own round; results do not change."""
+    for strategy in EXACT:
+        results = simulate(3, train, reference, fsdp(3), strategy, 50)
+        for params, _, boxes in results:
+            for key in leaf_keys(params):
+                assert torch.equal(params[key], take(reference.params[-1][key], boxes[key])), dotted(key)
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+def nested_chunks(
+    index: torch.Tensor, mesh_shape: tuple[int, ...], placements: tuple[Any, ...], coord: tuple[int, ...]
+) -> torch.Tensor:
+    """The shard of ``index`` at ``coord``, by cutting with torch.chunk in the order FSDP2 and DTensor do."""
+    strided = [i for i, p in enumerate(placements) if isinstance(p, _StridedShard)]
+    order = [i for i in range(len(placements)) if i not in strided] + strided
+    for i in order:
+        p = placements[i]
+        if isinstance(p, Replicate):
+            continue
+        pieces = torch.chunk(index, mesh_shape[i], dim=p.dim)
+        index = pieces[coord[i]] if coord[i] < len(pieces) else index.narrow(p.dim, 0, 0)
+    return index
+
+
+def test_uneven_and_empty_shards_follow_torch_chunk() -> None:
+    rows = [placement_layout((10, 4), (4,), (Shard(0),), range(4)).local_shape(r)[0] for r in range(4)]
+    assert rows == [3, 3, 3, 1]
+    rows = [placement_layout((3, 4), (4,), (Shard(0),), range(4)).local_shape(r)[0] for r in range(4)]
+    assert rows == [1, 1, 1, 0]
+
+
+MESH_PLACEMENTS = [
+    ((4,), (Shard(0),)),
+    ((4,), (Shard(1),)),
+    ((2, 2), (Replicate(), Shard(0))),
+    ((2, 2), (Shard(0), Shard(1))),
+    ((2, 2), (Shard(0), Shard(0))),
+    ((2, 2), (_StridedShard(0, split_factor=2), Shard(0))),
+    ((2, 3), (_StridedShard(1, split_factor=3), Shard(1))),
+    ((3, 2), (Shard(1), Replicate())),
+]
+
+
+@given(
+    rows=st.integers(1, 13),
+    cols=st.integers(1, 13),
+    case=st.sampled_from(range(len(MESH_PLACEMENTS))),
+    ranks_seed=st.integers(0, 100),
+)
+def test_layout_matches_nested_chunking(rows: int, cols: int, case: int, ranks_seed: int) -> None:
+    mesh_shape, placements = MESH_PLACEMENTS[case]
+    size = math.prod(mesh_shape)
+    ranks = torch.randperm(size, generator=torch.Generator().manual_seed(ranks_seed)).tolist()
+    layout = placement_layout((rows, cols), mesh_shape, placements, ranks)
+    index = torch.arange(rows * cols).view(rows, cols)
+    local_shapes = [None] * size
+    for flat, coord in enumerate(itertools.product(*(range(s) for s in mesh_shape))):
+        rank = ranks[flat]
+        expected = nested_chunks(index, mesh_shape, placements, coord)
+        assert torch.equal(take(index, layout.boxes[rank]), expected)
+        local_shapes[rank] = tuple(expected.shape)
+    assert placement_global_shape(local_shapes, mesh_shape, placements, ranks) == (rows, cols)
+    # equal positions hold equal data; one rank per (replica, position)
+    assert len({(layout.replica[r], layout.position[r]) for r in range(size)}) == size
+
+
+# --------------------------------------------------------------------------- orthogonalize alone
+
+
+def full_and_shards(col: SimulatedCollectives, full: dict[str, torch.Tensor], sharding: Sharding):
+    boxes, specs = {}, {}
+    for name, tensor in full.items():
+        boxes[name], spec = sharding(col, (name,), tensor.shape)
+        if spec is not None:
+            specs[name] = spec
+    return boxes, specs
+
+
+def orthogonalize_sharded(col: SimulatedCollectives, full: dict[str, torch.Tensor], sharding: Sharding, **kw: Any):
+    boxes, specs = full_and_shards(col, full, sharding)
+    tx = muonfn.orthogonalize(dtype=torch.float32, collectives=col, shard_specs=specs, **kw)
+    grads = TensorDict({k: take(v, boxes[k]) for k, v in full.items()}, batch_size=[])
+    return tx.update(grads, tx.init(grads))[0], boxes
+
+
+VIEW_CASES = {
+    "plain": None,
+    "transposed": muonfn.MatrixView(transposed=True),
+    "split_rows": "split0",
+    "split_cols": "split1",
+}
+
+
+@given(
+    rows=st.integers(1, 12),
+    cols=st.integers(1, 12),
+    world=st.integers(1, 4),
+    dim=st.integers(0, 1),
+    view_case=st.sampled_from(list(VIEW_CASES)),
+    strategy=st.sampled_from(EXACT),
+    scale=st.sampled_from(["match_rms_adamw", "original", "unit_rms_norm"]),
+)
+def test_orthogonalize_sharded_equals_whole(
+    rows: int, cols: int, world: int, dim: int, view_case: str, strategy: str, scale: str
+) -> None:
+    torch.manual_seed(rows * 100 + cols)
+    full = {"w": torch.randn(rows, cols), "v": torch.randn(cols, rows), "u": torch.randn(rows, cols)}
+    view = VIEW_CASES[view_case]
+    if view == "split0" or view == "split1":
+        split_dim = 0 if view == "split0" else 1
+        n = (rows, cols)[split_dim]
+        split = (n,) if n < 2 else (n // 2, n - n // 2)
+        view = muonfn.MatrixView(split=split, split_dim=split_dim)
+    views = {"w": view} if view is not None else None
+    reference = muonfn.orthogonalize(dtype=torch.float32, views=views, scale=scale)
+    expected = reference.update(TensorDict(full, batch_size=[]), TensorDict())[0]
+    sharding = by_placements((world,), lambda key, shape: (Shard(dim),))
+    results = simulate(world, orthogonalize_sharded, full, sharding, views=views, scale=scale, strategy=strategy)
+    for out, boxes in results:
+        for name in full:
+            assert torch.equal(out[name], take(expected[name], boxes[name])), name
+
+
+def test_experts_sharded_by_expert_move_no_data() -> None:
+    """Shard(0) of an (E, out, in) expert weight gives whole matrices: Newton–Schulz runs where they lie."""
+    torch.manual_seed(0)
+    full = {"experts": torch.randn(5, 6, 4)}
+    views = {"experts": muonfn.MatrixView(batch_dims=1)}
+    expected = muonfn.orthogonalize(dtype=torch.float32, views=views).update(TensorDict(full, []), TensorDict())[0]
+
+    def body(col: SimulatedCollectives):
+        counted = CountingCollectives(col)
+        out, boxes = orthogonalize_sharded(counted, full, fsdp(4), views=views)
+        return out, boxes, counted.calls
+
+    for out, boxes, calls in simulate(4, body):
+        assert torch.equal(out["experts"], take(expected["experts"], boxes["experts"]))
+        assert "all_to_all_single" not in calls
+
+
+# --------------------------------------------------------------------------- balance and traffic
+
+
+def gpt_matrices(layers: int = 4, width: int = 16) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    shapes = {"qkv": (3 * width, width), "proj": (width, width), "fc": (4 * width, width), "fc2": (width, 4 * width)}
+    return {f"{i}_{name}": torch.randn(*shape) for i in range(layers) for name, shape in shapes.items()}
+
+
+def ns_flops(x: torch.Tensor) -> int:
+    m, n = sorted(x.shape[-2:])
+    return x.shape[0] * (4 * m * m * n + 2 * m**3)
+
+
+@pytest.mark.parametrize("strategy", EXACT)
+def test_owner_balances_flops_and_moves_the_expected_bytes(strategy: str) -> None:
+    full = gpt_matrices()
+    world = 4
+    total_numel = sum(t.numel() for t in full.values())
+    total_flops = sum(ns_flops(t.unsqueeze(0)) for t in full.values())
+
+    def body(col: SimulatedCollectives):
+        counted = CountingCollectives(col)
+        boxes, specs = full_and_shards(col, full, fsdp(world))
+        work = []
+
+        def ns(x: torch.Tensor) -> torch.Tensor:
+            work.append(ns_flops(x))
+            return muonfn.newton_schulz(x, dtype=torch.float32)
+
+        run = sharded_orthogonalizer(counted, strategy, specs)
+        keys = [(k,) for k in full]
+        values = [take(v, boxes[k]) for k, v in full.items()]
+        run(keys, values, [muonfn.MatrixView()] * len(keys), ns, "none", 1.0)
+        counted.reset()  # the first call also checked that the ranks agree; count a steady step
+        work.clear()
+        run(keys, values, [muonfn.MatrixView()] * len(keys), ns, "none", 1.0)
+        return sum(work), counted.bytes_received, counted.bytes_sent, counted.calls
+
+    results = simulate(world, body)
+    flops = [r[0] for r in results]
+    received = [r[1] for r in results]
+    if strategy == "owner":
+        assert sum(flops) == total_flops
+        assert max(flops) <= 1.1 * total_flops / world
+        # each matrix: W-1 shards to its owner, W-1 shards back (even shards here)
+        assert sum(received) == 2 * (world - 1) * total_numel * 4 // world
+        assert max(received) <= 1.25 * sum(received) / world
+        assert all(r[3] == {"all_to_all_single": 2} for r in results)
+    else:
+        assert flops == [total_flops] * world
+        assert received == [(world - 1) * total_numel * 4 // world] * world
+        assert all(r[3] == {"all_gather_into_tensor": 1} for r in results)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_ranks_passing_different_leaves_get_an_error_not_a_hang() -> None:
+    def body(col: SimulatedCollectives):
+        names = ["a", "b"] if col.rank == 0 else ["a"]
+        grads = TensorDict({n: torch.randn(2, 3) for n in names}, [])
+        tx = muonfn.orthogonalize(collectives=col, shard_specs={n: ShardSpec(0) for n in names})
+        tx.update(grads, TensorDict())
+
+    with pytest.raises(RuntimeError, match="different leaves"):
+        simulate(2, body, timeout=30)
+
+
+def test_shards_that_disagree_off_the_sharded_dim_are_named() -> None:
+    def body(col: SimulatedCollectives):
+        grads = TensorDict({"w": torch.randn(2, 3 + col.rank)}, [])
+        muonfn.orthogonalize(collectives=col, shard_specs={"w": ShardSpec(0)}).update(grads, TensorDict())
+
+    with pytest.raises(ValueError, match=r"'w'.*agree on every other dimension"):
+        simulate(2, body, timeout=30)
+
+
+def test_views_are_checked_against_the_global_shape() -> None:
+    def run(split: tuple[int, ...]):
+        def body(col: SimulatedCollectives):
+            grads = TensorDict({"qkv": torch.randn(4, 3)}, [])  # 8 rows in all
+            tx = muonfn.orthogonalize(
+                collectives=col, shard_specs={"qkv": ShardSpec(0)}, views={"qkv": muonfn.MatrixView(split=split)}
+            )
+            return tx.update(grads, TensorDict())[0]
+
+        return simulate(2, body, timeout=30)
+
+    run((3, 5))  # splits the 8 global rows: fine although each shard has 4
+    with pytest.raises(ValueError, match=r"'qkv'.*does not partition the 8"):
+        run((2, 2))
+
+
+def test_bad_configuration_is_refused_up_front() -> None:
+    with pytest.raises(ValueError, match="explicit DeviceMesh or ProcessGroup"):
+        torch_collectives(None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="either dim or placements"):
+        ShardSpec()
+    with pytest.raises(ValueError, match="mesh_shape"):
+        ShardSpec(placements=(Shard(0),))
+    with pytest.raises(TypeError, match="Collectives"):
+        muonfn.orthogonalize(collectives=object())
+
+    def body(col: SimulatedCollectives):
+        with pytest.raises(ValueError, match="unknown distributed strategy 'scatter'"):
+            muonfn.muon(collectives=col, strategy="scatter")
+        with pytest.raises(TypeError, match="ShardSpec"):
+            muonfn.orthogonalize(collectives=col, shard_specs={"w": 0})
+        grads = TensorDict({"w": torch.randn(4, 3)}, [])
+        spec = ShardSpec(placements=(Shard(0),), mesh_shape=(3,))
+        tx = muonfn.orthogonalize(collectives=col, shard_specs={"w": spec})
+        with pytest.raises(ValueError, match=r"'w'.*mesh_shape"):
+            tx.update(grads, TensorDict())
+
+    simulate(2, body, timeout=30)
+
+
+def test_simulation_reports_the_failing_rank_and_mismatched_calls() -> None:
+    def fails_on_one(col: SimulatedCollectives):
+        if col.rank == 1:
+            raise KeyError("boom")
+        col.all_reduce(torch.ones(1))  # would wait forever for rank 1
+
+    with pytest.raises(KeyError, match="boom"):
+        simulate(3, fails_on_one, timeout=30)
+
+    def mismatched(col: SimulatedCollectives):
+        if col.rank == 0:
+            col.all_reduce(torch.ones(1))
+        else:
+            col.all_gather_into_tensor(torch.empty(2), torch.ones(1))
+
+    with pytest.raises(RuntimeError, match="different operations"):
+        simulate(2, mismatched, timeout=30)
+
+    def wrong_splits(col: SimulatedCollectives):
+        col.all_to_all_single(torch.empty(2), torch.ones(2), [1, 1], [2, 0] if col.rank == 0 else [1, 1])
+
+    with pytest.raises(RuntimeError, match="expects"):
+        simulate(2, wrong_splits, timeout=30)
+
+
+def test_simulated_collectives_exchange_data() -> None:
+    def body(col: SimulatedCollectives):
+        r, w = col.rank, col.world_size
+        gathered = torch.empty(2 * w)
+        col.all_gather_into_tensor(gathered, torch.tensor([r, 10.0 * r]))
+        total = torch.tensor([float(r + 1)])
+        col.all_reduce(total)
+        # rank r sends r+1 copies of its rank to rank 0 and nothing elsewhere
+        sends = [r + 1 if d == 0 else 0 for d in range(w)]
+        recvs = [s + 1 for s in range(w)] if r == 0 else [0] * w
+        out = torch.empty(sum(recvs))
+        col.all_to_all_single(out, torch.full((r + 1,), float(r)), recvs, sends)
+        sub = col.subgroup([w - 1 - r for r in range(w)])
+        total_sub = torch.tensor([float(sub.rank)])
+        sub.all_reduce(total_sub)
+        return gathered.tolist(), total.item(), out.tolist(), sub.rank, total_sub.item()
+
+    results = simulate(3, body)
+    for r, (gathered, total, out, sub_rank, sub_total) in enumerate(results):
+        assert gathered == [0, 0, 1, 10, 2, 20]
+        assert total == 6
+        assert out == ([0, 1, 1, 2, 2, 2] if r == 0 else [])
+        assert sub_rank == 2 - r and sub_total == 3
+
+
+class _RecordingCollectives(CountingCollectives):
+    """Also records the largest receive buffer of any exchange: the whole matrices a rank holds at once."""
+
+    largest = 0
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes) -> None:
+        self.largest = max(self.largest, output.numel())
+        super().all_to_all_single(output, input, output_split_sizes, input_split_sizes)
+
+
+def test_owner_holds_at_most_a_bucket_of_whole_matrices_at_once() -> None:
+    full = gpt_matrices(layers=2, width=16)  # matrices of 256 to 1024 elements, 4096 in a layer
+    cap = 1500
+
+    def body(col: SimulatedCollectives):
+        recording = _RecordingCollectives(col)
+        out, boxes = orthogonalize_sharded(recording, full, fsdp(4), bucket_numel=cap)
+        return out, boxes, recording.largest, recording.calls["all_to_all_single"]
+
+    expected = muonfn.orthogonalize(dtype=torch.float32).update(TensorDict(full, []), TensorDict())[0]
+    for out, boxes, largest, exchanges in simulate(4, body):
+        assert largest <= cap
+        assert exchanges > 2  # several rounds
+        for name in full:
+            assert torch.equal(out[name], take(expected[name], boxes[name]))
+
+
+def test_mixed_dtypes_travel_separately() -> None:
+    torch.manual_seed(0)
+    full = {"a": torch.randn(6, 10).bfloat16(), "b": torch.randn(6, 10), "c": torch.randn(9, 4).double()}
+    expected = muonfn.orthogonalize(dtype=torch.float32).update(TensorDict(full, []), TensorDict())[0]
+    for strategy in EXACT:
+        for out, boxes in simulate(3, orthogonalize_sharded, full, fsdp(3), strategy=strategy):
+            for name in full:
+                assert out[name].dtype == full[name].dtype
+                assert torch.equal(out[name], take(expected[name], boxes[name])), (strategy, name)
+
+
+# --------------------------------------------------------------------------- tp_gram
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "fsdp4", "tp2_fsdp2", "hand_rolled_tp2_dp2"])
+def test_tp_gram_training_matches_to_rounding(reference: Reference, layout: str) -> None:
+    world, sharding = LAYOUTS[layout]
+    for params, _, boxes in simulate(world, train, reference, sharding(), "tp_gram", 1 << 26):
+        for key in leaf_keys(params):
+            expected = take(reference.params[-1][key], boxes[key])
+            torch.testing.assert_close(params[key], expected, rtol=1e-4, atol=2e-6, msg=dotted(key))
+
+
+def test_tp_gram_sums_grams_for_long_side_shards_and_sends_the_rest_to_owners() -> None:
+    torch.manual_seed(0)
+    # wide (8, 40) cut along its 40 columns, tall (40, 8) along its 40 rows: Gram; (8, 40) cut along rows: owner
+    full = {"wide": torch.randn(8, 40), "tall": torch.randn(40, 8), "rows_of_wide": torch.randn(8, 40)}
+    dims = {"wide": 1, "tall": 0, "rows_of_wide": 0}
+    sharding = by_placements((4,), lambda key, shape: (Shard(dims[key[0]]),))
+    expected = muonfn.orthogonalize(dtype=torch.float32).update(TensorDict(full, []), TensorDict())[0]
+
+    def body(col: SimulatedCollectives):
+        counted = CountingCollectives(col)
+        out, boxes = orthogonalize_sharded(counted, full, sharding, strategy="tp_gram")
+        counted.reset()
+        orthogonalize_sharded(counted, full, sharding, strategy="tp_gram")
+        return out, boxes, counted.calls
+
+    for out, boxes, calls in simulate(4, body):
+        for name in full:
+            torch.testing.assert_close(out[name], take(expected[name], boxes[name]), rtol=1e-5, atol=1e-6)
+        # one batch of two (8, 40) Gram problems: the norm, then one Gram per step (5); one owner round
+        assert calls["all_reduce"] == 6 and calls["all_to_all_single"] == 2

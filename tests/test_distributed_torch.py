@@ -1,0 +1,45 @@
+"""Distributed Muon over real torch.distributed (gloo, CPU processes): FSDP2, HSDP, TP + FSDP2, DCP.
+
+Which checks are bitwise and which use a tolerance is explained in ``_dist_workers``.
+"""
+
+from __future__ import annotations
+
+import _dist_workers as workers
+import pytest
+import torch.distributed as dist
+from _dist_harness import run
+from _dist_models import Reference, reference_run, shim_reference_run
+
+pytestmark = [
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"),
+]
+
+
+@pytest.fixture(scope="module")
+def reference() -> Reference:
+    return reference_run()
+
+
+@pytest.fixture(scope="module")
+def shim_reference() -> Reference:
+    return shim_reference_run()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_fsdp2_matches_single_process(reference: Reference, shim_reference: Reference, world: int) -> None:
+    """Bitwise for both strategies (exact gradient shards), to tolerance end to end; HSDP and TP + FSDP2 on 4."""
+    run(workers.fsdp_cases, world, reference, shim_reference if world == 4 else None)
+
+
+def test_shard_specs_optim_shim_and_explicit_groups(shim_reference: Reference) -> None:
+    run(workers.plain_shards_and_guards, 2, shim_reference)
+
+
+def test_dcp_checkpoint_reshards_2_to_3_to_1(reference: Reference, tmp_path) -> None:
+    """Saved on 2 ranks at step 4, resumed on 3, saved again at step 7, resumed on 1: bitwise the uninterrupted run."""
+    first, second = str(tmp_path / "two"), str(tmp_path / "three")
+    run(workers.dcp_segment, 2, reference, None, (first, 4))
+    run(workers.dcp_segment, 3, reference, (first, 4), (second, 7))
+    run(workers.dcp_segment, 1, reference, (second, 7), None)
