@@ -11,6 +11,9 @@ whole matrix and sends the shards back. Only the collectives passed in are used,
 default group. The optimizer state is a TensorDict of DTensors sharded like the parameters,
 so ``torch.distributed.checkpoint`` saves it with the model, each rank writing its shards,
 and loads it into a fresh model and state: training resumes bit for bit.
+
+The loop is the functional one; ``muonfn.optim.Muon(model.named_parameters(),
+collectives=torch_collectives(mesh))`` steps the same FSDP2 model as a torch optimizer.
 """
 
 from __future__ import annotations
