@@ -134,7 +134,7 @@ def newton_schulz(
     transposed and transposed back), so :math:`A = XX^\top` is the small Gram matrix.
 
     Exact properties: ``f(-G) = -f(G)``, ``f(0) = 0``, ``f(2**k G) = f(G)`` for
-    ``||G|| >= eps``, ``f(G.mT) = f(G).mT``; on CPU a batch equals its matrices one by one
+    ``||G|| >= eps``, ``f(G.mT) = f(G).mT`` for non-square ``G``; on CPU a batch equals its matrices one by one
     wherever the BLAS itself is batch-invariant. Returns ``x.dtype``; never modifies ``x``.
 
     Args:
@@ -156,9 +156,9 @@ def newton_schulz(
         raise TypeError(f"Newton–Schulz dtype must be a real floating-point dtype, got {dtype}")
     wide_dtype = torch.promote_types(x.dtype, torch.float32)
     ns_dtype = default_ns_dtype(x.device, x.dtype) if dtype is None else dtype
-    # iterate on the wide orientation, where A = XXᵀ is the small Gram matrix; a square
-    # transposed view is turned back too, so that f(Gᵀ) = f(G)ᵀ holds exactly for every shape
-    tall = x.size(-2) > x.size(-1) or (x.size(-2) == x.size(-1) and x.stride(-2) < x.stride(-1))
+    # iterate on the wide orientation, where A = XXᵀ is the small Gram matrix; decided by
+    # shape alone, so the result depends on values only, never on memory layout
+    tall = x.size(-2) > x.size(-1)
     g = x.mT if tall else x
     m, n = g.shape[-2:]
     # one memory layout for every input: the matmuls and the norm round the same way whatever the strides

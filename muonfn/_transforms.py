@@ -122,7 +122,7 @@ def orthogonalize(
     With ``collectives``, sharded leaves (DTensors, or local shards described by
     ``shard_specs``) are orthogonalized as whole matrices by ``strategy``
     (see :mod:`muonfn.distributed`). Stateless; ``init`` checks that every leaf's view
-    can read it (a vector is no matrix).
+    can read it (a vector is no matrix), or, with ``collectives``, the first update does.
     """
     ns_schedule(coefficients, steps)
     positive("ns eps", eps)
@@ -180,7 +180,8 @@ def orthogonalize(
             pos += n
         return _tree.build(keys, out, grads), state
 
-    return Transform(_view_checker(views), update)
+    # sharded leaves may be local blocks: their views are checked against global shapes at update
+    return Transform(_view_checker(views) if distributed is None else empty_state, update)
 
 
 def _view_checker(views: ViewsLike) -> InitFn:

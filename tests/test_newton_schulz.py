@@ -72,7 +72,13 @@ def test_power_of_two_scale_invariance(sp: Spectral, name: str, dtype: torch.dty
 @given(spectral_matrices(), st.sampled_from(SETS), st.sampled_from(DTYPES))
 def test_transpose_equivariance(sp: Spectral, name: str, dtype: torch.dtype) -> None:
     g = sp.g.to(dtype)
-    assert torch.equal(ns(g.mT, name), ns(g, name).mT)
+    if g.size(-2) != g.size(-1):
+        # the orientation follows the shape, so both sides iterate on the same wide matrix
+        assert torch.equal(ns(g.mT, name), ns(g, name).mT)
+    else:
+        # square: Gᵀ iterates on GᵀG where G iterates on GGᵀ, equal up to rounding
+        tol = {torch.float64: 1e-10, torch.float32: 1e-4}.get(dtype, 5e-2)
+        torch.testing.assert_close(ns(g.mT, name), ns(g, name).mT, atol=tol, rtol=tol)
 
 
 @given(st.integers(2, 5), st.integers(1, 24), st.integers(1, 24), st.sampled_from(SETS), st.integers(0, 2**31 - 1))
