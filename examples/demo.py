@@ -372,11 +372,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-chars", type=int, default=5_000_000)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, help="CPU threads (default: torch's; 1 is faster on a busy machine)")
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
     parser.add_argument("--stop-after", type=int, help="stop every run after this many steps (resume later)")
     parser.add_argument("--quick", action="store_true", help="a tiny budget for a smoke test")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.steps, args.width, args.depth, args.ctx, args.batch = 12, 32, 1, 16, 8
         args.eval_every, args.eval_batches, args.max_chars = 4, 2, 200_000
