@@ -340,6 +340,8 @@ def sweep(kind: str, grid: list[float], run_one: Callable[[str, float, int], Run
     """Trains ``grid``; while the best rate is at an edge, extends that edge by ×3 (at most twice)."""
     runs = {lr: run_one(kind, lr, steps) for lr in grid}
     for _ in range(2):
+        if not all(r.done for r in runs.values()):  # stopped early (--stop-after): decide after --resume
+            break
         best = min(runs, key=lambda lr: runs[lr].final_val)
         ordered = sorted(runs)
         if best == ordered[0]:
