@@ -1,60 +1,558 @@
-"""Trains a small character-level model on the Python standard library's source with muonfn."""
+"""Muon against a tuned AdamW on a small character-level GPT.
+
+Both optimizers train the same model from the same initialisation on the same batches for
+the same number of steps. The corpus needs no download: the Python standard library's own
+source files (``--data PATH`` for any text file). Protocol:
+
+1. Learning-rate sweep, for each optimizer, at a third of the budget: a grid of three
+   rates a factor ~3 apart, extended past whichever edge wins (at most twice), so that
+   neither optimizer is judged at a learning rate that is merely the edge of its grid.
+2. Each optimizer's best rate is trained for the full budget.
+3. Muon's validation curve is compared against AdamW's final validation loss: the first
+   step at which Muon gets there (linear interpolation between evaluations).
+
+Outputs under ``--out`` (default ``runs/demo``): ``results.json``, ``loss_curves.png`` and one
+checkpoint per run in ``checkpoints/`` (parameters and the optimizer state TensorDict).
+``--resume`` continues interrupted runs from their checkpoints and skips finished ones.
+
+    python examples/demo.py              # the full protocol, a few minutes on 2 CPU cores
+    python examples/demo.py --quick      # a seconds-long smoke run
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
+import hashlib
+import json
+import math
 import pathlib
 import sysconfig
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from tensordict import TensorDict
 from torch import nn
+from torch.nn import functional as F
 
 import muonfn
 
-
-def load_corpus(limit: int) -> str:
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    text = []
-    for path in sorted(root.glob("*.py")):
-        text.append(path.read_text(encoding="utf-8", errors="replace"))
-        if sum(map(len, text)) > limit:
-            break
-    return "".join(text)[:limit]
+# ---------------------------------------------------------------------------------------
+# Data: characters of a text corpus, split by file into train and validation.
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--chars", type=int, default=1_000_000)
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    text = load_corpus(args.chars)
-    vocab = sorted(set(text))
-    data = torch.tensor([vocab.index(c) for c in text[:200_000]], dtype=torch.long)
-    ctx, width = 64, 128
-    model = nn.Sequential(
-        nn.Embedding(len(vocab), width), nn.Linear(width, width), nn.GELU(), nn.Linear(width, len(vocab))
+def stdlib_sources() -> list[pathlib.Path]:
+    """The top-level ``*.py`` files of the running interpreter's standard library."""
+    return sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+
+
+def load_corpus(data: str | None, max_chars: int) -> tuple[str, str]:
+    """(train text, validation text): every 10th file (or 10th chunk of a single file) is validation."""
+    if data is None:
+        pieces = [p.read_text(encoding="utf-8", errors="replace") for p in stdlib_sources()]
+    else:
+        text = pathlib.Path(data).read_text(encoding="utf-8", errors="replace")
+        chunk = max(1, len(text) // 100)
+        pieces = [text[i : i + chunk] for i in range(0, len(text), chunk)]
+    if len(pieces) < 10:
+        raise SystemExit(f"corpus too small: {sum(map(len, pieces))} characters")
+    train = "".join(p for i, p in enumerate(pieces) if i % 10 != 9)
+    val = "".join(p for i, p in enumerate(pieces) if i % 10 == 9)
+    return train[:max_chars], val[: max_chars // 9]
+
+
+def encode(train: str, val: str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """Integer ids over the characters of both splits, and the vocabulary."""
+    codes = torch.frombuffer(bytearray((train + val).encode("utf-32-le")), dtype=torch.int32)
+    vocab, ids = torch.unique(codes, return_inverse=True)
+    chars = [chr(int(c)) for c in vocab]
+    return ids[: len(train)], ids[len(train) :], chars
+
+
+def batch(data: torch.Tensor, ctx: int, size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    start = torch.randint(0, len(data) - ctx - 1, (size,), generator=generator)
+    rows = start[:, None] + torch.arange(ctx + 1)
+    window = data[rows]
+    return window[:, :-1], window[:, 1:]
+
+
+# ---------------------------------------------------------------------------------------
+# Model: a pre-norm GPT.
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(width)
+        self.q = nn.Linear(width, width, bias=False)
+        self.k = nn.Linear(width, width, bias=False)
+        self.v = nn.Linear(width, width, bias=False)
+        self.proj = nn.Linear(width, width, bias=False)
+        self.ln2 = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 4 * width, bias=False)
+        self.fc_out = nn.Linear(4 * width, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        h = self.ln1(x)
+        q, k, v = (m(h).view(b, t, self.heads, c // self.heads).transpose(1, 2) for m in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, ctx: int, width: int, depth: int, heads: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.pos_embed = nn.Embedding(ctx, width)
+        self.blocks = nn.Sequential(*[Block(width, heads) for _ in range(depth)])
+        self.ln_f = nn.LayerNorm(width)
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx) + self.pos_embed(torch.arange(idx.shape[1], device=idx.device))
+        return self.lm_head(self.ln_f(self.blocks(x)))
+
+
+# ---------------------------------------------------------------------------------------
+# Optimizers.
+
+
+def schedule(lr: float, steps: int, warmup: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to lr/10 at ``steps``."""
+
+    def at(count: torch.Tensor) -> torch.Tensor:
+        t = count.to(torch.float32)
+        warm = ((t + 1) / warmup).clamp(max=1.0)
+        progress = ((t - warmup) / max(1, steps - warmup)).clamp(0.0, 1.0)
+        return lr * warm * (0.1 + 0.45 * (1 + torch.cos(math.pi * progress)))
+
+    return at
+
+
+def make_optimizer(kind: str, lr: float, steps: int, warmup: int, model: nn.Module) -> muonfn.Transform:
+    lr_at = schedule(lr, steps, warmup)
+    if kind == "muon":
+        # Linear weights: Muon; embeddings, head, norms: AdamW; one lr for both (match_rms_adamw scale).
+        return muonfn.muon(lr=lr_at, weight_decay=0.1, labels=muonfn.labels_from_module(model))
+    # muonfn.adamw computes exactly torch.optim.AdamW's update.
+    return muonfn.adamw(lr=lr_at, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+# ---------------------------------------------------------------------------------------
+# Training one run, checkpointed and resumable.
+
+
+@dataclasses.dataclass
+class Config:
+    steps: int
+    sweep_steps: int
+    ctx: int
+    width: int
+    depth: int
+    heads: int
+    batch: int
+    eval_every: int
+    eval_batches: int
+    warmup: int
+    seed: int
+    data: str | None
+    max_chars: int
+
+
+@dataclasses.dataclass
+class Run:
+    name: str
+    kind: str
+    lr: float
+    steps: int
+    eval_every: int
+    history: dict[str, list[float]]  # step, seconds, train_loss (smoothed), val_loss at evaluations
+    seconds: float = 0.0
+    tokens_per_second: float = 0.0
+    smooth_loss: float = 0.0
+    done: bool = False
+
+    @property
+    def final_val(self) -> float:
+        return self.history["val_loss"][-1]
+
+
+def fingerprint(cfg: Config) -> torch.Tensor:
+    """A number that changes with any setting of the run, so a checkpoint is never resumed under others."""
+    digest = hashlib.sha256(json.dumps(dataclasses.asdict(cfg), sort_keys=True).encode()).digest()
+    return torch.tensor(int.from_bytes(digest[:7], "little"))
+
+
+def save_checkpoint(
+    path: pathlib.Path, params: TensorDict, state: TensorDict, step: int, run: Run, cfg: Config
+) -> None:
+    """One file holding the parameters, the optimizer state and the run's record, written atomically."""
+    f64 = functools.partial(torch.tensor, dtype=torch.float64)
+    record = {
+        "config": fingerprint(cfg),
+        "step": torch.tensor(step),
+        "history": {k: f64(v) for k, v in run.history.items()},
+        "run": {
+            "lr": f64(run.lr),
+            "steps": torch.tensor(run.steps),
+            "eval_every": torch.tensor(run.eval_every),
+            "seconds": f64(run.seconds),
+            "tokens_per_second": f64(run.tokens_per_second),
+            "smooth_loss": f64(run.smooth_loss),
+            "done": torch.tensor(run.done),
+        },
+    }
+    muonfn.save({"params": params, "state": state, **record}, path)
+
+
+def load_checkpoint(path: pathlib.Path, run: Run, cfg: Config) -> tuple[TensorDict, TensorDict, int, Run]:
+    """The parameters, optimizer state and step saved at ``path``, and ``run`` as it was then."""
+    ckpt = muonfn.load(path)
+    if not torch.equal(ckpt["config"], fingerprint(cfg)):
+        raise SystemExit(f"{path} was written with other settings (model, data or budget); use another --out")
+    saved = ckpt["run"]
+    if (saved["lr"].item(), saved["steps"].item()) != (run.lr, run.steps):
+        raise SystemExit(f"{path} holds a different run (lr {saved['lr'].item()}, {saved['steps'].item()} steps)")
+    restored = dataclasses.replace(
+        run,
+        eval_every=int(saved["eval_every"]),
+        history={k: v.tolist() for k, v in ckpt["history"].items()},
+        seconds=saved["seconds"].item(),
+        tokens_per_second=saved["tokens_per_second"].item(),
+        smooth_loss=saved["smooth_loss"].item(),
+        done=bool(saved["done"]),
     )
-    params = TensorDict.from_module(model).detach()
-    tx = muonfn.muon(lr=0.02, labels=muonfn.labels_from_module(model))
+    return ckpt["params"], ckpt["state"], int(ckpt["step"]), restored
+
+
+def train(
+    run: Run,
+    cfg: Config,
+    data: tuple[torch.Tensor, torch.Tensor, int],
+    device: torch.device,
+    ckpt_dir: pathlib.Path,
+    resume: bool,
+    stop_after: int | None,
+    progress: bool,
+) -> Run:
+    train_ids, val_ids, vocab = data
+    path = ckpt_dir / f"{run.name}.pt"
+    torch.manual_seed(cfg.seed)
+    model = GPT(vocab, cfg.ctx, cfg.width, cfg.depth, cfg.heads).to(device)
+    tx = make_optimizer(run.kind, run.lr, run.steps, cfg.warmup, model)
+    params = TensorDict.from_module(model).detach().clone()
     state = tx.init(params)
+    start = 0
+    if resume and path.exists():
+        saved_params, saved_state, start, run = load_checkpoint(path, run, cfg)
+        params, state = saved_params.to(device), saved_state.to(device)
+        if run.done:
+            return run
 
     def loss_fn(p: TensorDict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with p.to_module(model):
-            return nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
-    start = time.perf_counter()
-    for step in range(args.steps):
-        idx = torch.randint(0, len(data) - ctx - 1, (32,))
-        x = torch.stack([data[i : i + ctx] for i in idx])
-        y = torch.stack([data[i + 1 : i + ctx + 1] for i in idx])
-        grads, loss = torch.func.grad_and_value(loss_fn)(params, x, y)
+    val_gen = torch.Generator().manual_seed(cfg.seed + 1)
+    val_batches = [batch(val_ids, cfg.ctx, cfg.batch, val_gen) for _ in range(cfg.eval_batches)]
+
+    @torch.no_grad()
+    def evaluate(p: TensorDict) -> float:
+        return sum(loss_fn(p, x.to(device), y.to(device)).item() for x, y in val_batches) / len(val_batches)
+
+    def train_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # Depends only on (seed, step): every run sees the same batches, resumed or not.
+        x, y = batch(train_ids, cfg.ctx, cfg.batch, torch.Generator().manual_seed(cfg.seed * 1_000_003 + step))
+        return x.to(device), y.to(device)
+
+    grad_fn = torch.func.grad_and_value(loss_fn)
+    tokens = cfg.batch * cfg.ctx
+    if start == 0:
+        with torch.no_grad():
+            run.smooth_loss = loss_fn(params, *train_batch(0)).item()
+        run.history = {"step": [0], "seconds": [0.0], "train_loss": [run.smooth_loss], "val_loss": [evaluate(params)]}
+    end = run.steps if stop_after is None else min(run.steps, stop_after)
+    bar = _progress(range(start, end), run.steps, start, f"{run.name:>14}", progress)
+    for step in bar:
+        tick = time.perf_counter()
+        grads, loss = grad_fn(params, *train_batch(step))
         updates, state = tx.update(grads, state, params)
         params = muonfn.apply_updates(params, updates)
-        if step % 20 == 0 or step == args.steps - 1:
-            print(f"step {step:4d}  loss {loss.item():.3f}  {time.perf_counter() - start:.1f}s")
+        loss_value = loss.item()
+        run.seconds += time.perf_counter() - tick
+        run.smooth_loss = 0.9 * run.smooth_loss + 0.1 * loss_value
+        done_steps = step + 1
+        run.tokens_per_second = done_steps * tokens / run.seconds
+        if not math.isfinite(loss_value):  # diverged: a sweep point that lost, not an error
+            print(f"{run.name}: loss is {loss_value} at step {done_steps}; stopping this run")
+            for curve, value in (("step", done_steps), ("seconds", run.seconds), ("train_loss", math.inf)):
+                run.history[curve].append(value)
+            run.history["val_loss"].append(math.inf)
+            end = run.steps
+            break
+        if done_steps % run.eval_every == 0 or done_steps == run.steps:
+            run.history["step"].append(done_steps)
+            run.history["seconds"].append(run.seconds)
+            run.history["train_loss"].append(run.smooth_loss)
+            run.history["val_loss"].append(evaluate(params))
+            save_checkpoint(path, params, state, done_steps, run, cfg)
+        if hasattr(bar, "set_postfix"):
+            bar.set_postfix(loss=f"{run.smooth_loss:.3f}", tok_s=f"{run.tokens_per_second:,.0f}")
+    if hasattr(bar, "close"):
+        bar.close()
+    run.done = end == run.steps
+    save_checkpoint(path, params, state, end, run, cfg)
+    return run
+
+
+def _progress(steps: range, total: int, initial: int, desc: str, enabled: bool) -> Any:
+    if not enabled:
+        return steps
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the demo extra is optional; train without a bar
+        return steps
+    return tqdm(steps, total=total, initial=initial, desc=desc, leave=True, dynamic_ncols=True)
+
+
+# ---------------------------------------------------------------------------------------
+# The protocol.
+
+
+def steps_to_reach(history: dict[str, list[float]], target: float, axis: str = "step") -> float | None:
+    """First step (or second, ``axis="seconds"``) at which the validation curve reaches ``target``,
+    interpolated linearly between evaluations."""
+    steps, losses = history[axis], history["val_loss"]
+    for i in range(1, len(steps)):
+        if losses[i] <= target:
+            s0, s1, l0, l1 = steps[i - 1], steps[i], losses[i - 1], losses[i]
+            return s1 if l0 == l1 else s0 + (s1 - s0) * (l0 - target) / (l0 - l1)
+    return None
+
+
+def sweep(kind: str, grid: list[float], run_one: Callable[[str, float, int], Run], steps: int) -> list[Run]:
+    """Trains ``grid``; while the best rate is at an edge, extends that edge by ×3 (at most twice)."""
+    runs = {lr: run_one(kind, lr, steps) for lr in grid}
+    for _ in range(2):
+        if not all(r.done for r in runs.values()):  # stopped early (--stop-after): decide after --resume
+            break
+        best = min(runs, key=lambda lr: runs[lr].final_val)
+        ordered = sorted(runs)
+        if best == ordered[0]:
+            new = best / 3
+        elif best == ordered[-1]:
+            new = best * 3
+        else:
+            break
+        runs[new] = run_one(kind, new, steps)
+    return [runs[lr] for lr in sorted(runs)]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", help="a text file to train on (default: the standard library's source)")
+    parser.add_argument("--out", default="runs/demo", help="output folder")
+    parser.add_argument("--steps", type=int, default=200, help="training steps of the final runs")
+    parser.add_argument("--sweep-steps", type=int, help="steps of each sweep run (default: steps // 3)")
+    # The first rate of each grid is the one the sweep picks for the default model and data.
+    parser.add_argument("--adamw-lrs", type=float, nargs="+", default=[1e-2, 3e-3, 1e-3])
+    parser.add_argument("--muon-lrs", type=float, nargs="+", default=[3e-2, 1e-2, 3e-3])
+    parser.add_argument("--no-sweep", action="store_true", help="train the first rate of each grid only")
+    parser.add_argument("--ctx", type=int, default=64)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--eval-batches", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-chars", type=int, default=5_000_000)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, help="CPU threads (default: torch's; 1 is faster on a busy machine)")
+    parser.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
+    parser.add_argument("--stop-after", type=int, help="stop every run after this many steps (resume later)")
+    parser.add_argument("--quick", action="store_true", help="a tiny budget for a smoke test")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.quick:
+        args.steps, args.width, args.depth, args.ctx, args.batch = 12, 32, 1, 16, 8
+        args.eval_every, args.eval_batches, args.max_chars = 4, 2, 200_000
+        args.adamw_lrs, args.muon_lrs = args.adamw_lrs[:1], args.muon_lrs[:1]
+        args.no_sweep = True
+    cfg = Config(
+        steps=args.steps,
+        sweep_steps=args.sweep_steps or max(1, args.steps // 3),
+        ctx=args.ctx,
+        width=args.width,
+        depth=args.depth,
+        heads=args.heads,
+        batch=args.batch,
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
+        warmup=max(1, args.steps // 30),
+        seed=args.seed,
+        data=args.data,
+        max_chars=args.max_chars,
+    )
+    out = pathlib.Path(args.out)
+    ckpt_dir = out / "checkpoints"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
+
+    train_text, val_text = load_corpus(cfg.data, cfg.max_chars)
+    train_ids, val_ids, vocab = encode(train_text, val_text)
+    data = (train_ids, val_ids, len(vocab))
+    n_params = sum(p.numel() for p in GPT(len(vocab), cfg.ctx, cfg.width, cfg.depth, cfg.heads).parameters())
+    print(
+        f"corpus: {len(train_ids):,} train / {len(val_ids):,} val characters, vocabulary {len(vocab)}; "
+        f"model: {n_params:,} parameters; device: {device}; threads: {torch.get_num_threads()}"
+    )
+
+    def run_one(kind: str, lr: float, steps: int) -> Run:
+        name = f"{kind}-lr{lr:.0e}-{steps}"
+        # Sweep runs are judged by their final validation loss only.
+        eval_every = cfg.eval_every if steps == cfg.steps else steps
+        run = Run(name=name, kind=kind, lr=lr, steps=steps, eval_every=eval_every, history={})
+        return train(run, cfg, data, device, ckpt_dir, args.resume, args.stop_after, not args.no_progress)
+
+    grids = {"adamw": args.adamw_lrs, "muon": args.muon_lrs}
+    swept: dict[str, list[Run]] = {}
+    best_lr: dict[str, float] = {}
+    for kind, grid in grids.items():
+        if args.no_sweep:
+            best_lr[kind] = grid[0]
+            continue
+        swept[kind] = sweep(kind, sorted(grid), run_one, cfg.sweep_steps)
+        if not all(r.done for r in swept[kind]):
+            print(f"stopped after {args.stop_after} steps; continue with --resume")
+            return {}
+        best_lr[kind] = min(swept[kind], key=lambda r: r.final_val).lr
+    final = {kind: run_one(kind, best_lr[kind], cfg.steps) for kind in grids}
+    if not all(r.done for r in final.values()):
+        print(f"stopped after {args.stop_after} steps; continue with --resume")
+        return {}
+
+    adamw, muon = final["adamw"], final["muon"]
+    target = adamw.final_val
+    if not math.isfinite(target):
+        print(f"AdamW diverged at lr {adamw.lr:.0e}: no target to compare with; use smaller --adamw-lrs")
+    reachable = math.isfinite(target)
+    muon_steps = steps_to_reach(muon.history, target) if reachable else None
+    adamw_steps = (steps_to_reach(adamw.history, target) or float(adamw.steps)) if reachable else None
+    ratio = None if muon_steps is None or adamw_steps is None else muon_steps / adamw_steps
+    muon_seconds = steps_to_reach(muon.history, target, "seconds") if reachable else None
+    adamw_seconds = (steps_to_reach(adamw.history, target, "seconds") or adamw.seconds) if reachable else None
+    results = {
+        "config": dataclasses.asdict(cfg),
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "parameters": n_params,
+        "sweep": {
+            kind: [{"lr": r.lr, "steps": r.steps, "val_loss": _finite(r.final_val)} for r in runs]
+            for kind, runs in swept.items()
+        },
+        "final": {
+            kind: {
+                "lr": r.lr,
+                "steps": r.steps,
+                "train_loss": _finite(r.history["train_loss"][-1]),
+                "val_loss": _finite(r.final_val),
+                "seconds": r.seconds,
+                "tokens_per_second": r.tokens_per_second,
+                "history": {k: [_finite(v) for v in curve] for k, curve in r.history.items()},
+            }
+            for kind, r in final.items()
+        },
+        "target_val_loss": _finite(target),
+        "steps_to_target": {"adamw": adamw_steps, "muon": muon_steps},
+        "steps_ratio": ratio,
+        "seconds_to_target": {"adamw": adamw_seconds, "muon": muon_seconds},
+        "seconds_ratio": None if muon_seconds is None or adamw_seconds is None else muon_seconds / adamw_seconds,
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    print_table(results)
+    plot(results, out / "loss_curves.png")
+    print(f"wrote {out / 'results.json'}, {out / 'loss_curves.png'} and checkpoints in {ckpt_dir}")
+    return results
+
+
+def _finite(value: float) -> float | None:
+    """JSON has no infinity: a diverged run's loss is written as null."""
+    return value if math.isfinite(value) else None
+
+
+def _loss_cell(value: float | None, width: int) -> str:
+    return f"{'diverged':>{width}s}" if value is None else f"{value:{width}.4f}"
+
+
+def print_table(results: dict[str, Any]) -> None:
+    for kind, runs in results["sweep"].items():
+        cells = ", ".join(f"{r['lr']:.0e}: {_loss_cell(r['val_loss'], 0)}" for r in runs)
+        print(f"sweep {kind:5s} ({runs[0]['steps']} steps, val loss by lr)  {cells}")
+    header = f"{'optimizer':9s} {'lr':>7s} {'train loss':>10s} {'val loss':>9s} {'steps to target':>15s} "
+    print("\n" + header + f"{'wall time':>9s} {'tokens/s':>9s}")
+    for kind, r in results["final"].items():
+        reach = results["steps_to_target"][kind]
+        reach_cell = "-" if results["target_val_loss"] is None else "never" if reach is None else f"{reach:.0f}"
+        losses = f"{_loss_cell(r['train_loss'], 10)} {_loss_cell(r['val_loss'], 9)}"
+        print(
+            f"{kind:9s} {r['lr']:7.0e} {losses} {reach_cell:>15s} {r['seconds']:8.1f}s {r['tokens_per_second']:9,.0f}"
+        )
+    ratio = results["steps_ratio"]
+    target = results["target_val_loss"]
+    if target is None:
+        return
+    if ratio is None:
+        print(f"\nMuon did not reach AdamW's final validation loss {target:.4f}.")
+    else:
+        print(
+            f"\nMuon reached AdamW's final validation loss {target:.4f} in {ratio:.2f}x the steps "
+            f"and {results['seconds_ratio']:.2f}x the training time."
+        )
+
+
+def plot(results: dict[str, Any], path: pathlib.Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # the demo extra is optional
+        print("matplotlib is not installed: no plot (pip install -e '.[demo]')")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = {"adamw": "tab:blue", "muon": "tab:orange"}
+    for kind, r in results["final"].items():
+        h = r["history"]
+        label = f"{kind} (lr {r['lr']:.0e})"
+        for curve, style in (("train_loss", {"alpha": 0.35}), ("val_loss", {})):
+            points = [(s, v) for s, v in zip(h["step"][1:], h[curve][1:]) if v is not None]
+            if curve == "val_loss":
+                points = [(0, h[curve][0]), *points]
+            ax.plot(*zip(*points), color=colors[kind], label=f"{label} {curve[:-5]}", **style)
+    if results["target_val_loss"] is not None:
+        ax.axhline(results["target_val_loss"], color="gray", linestyle=":", label="AdamW final val")
+    finite = [v for r in results["final"].values() for v in r["history"]["val_loss"][1:] if v is not None]
+    if finite:  # from the first evaluation after step 0 down to the lowest loss
+        first = [r["history"]["val_loss"][1] for r in results["final"].values() if len(r["history"]["step"]) > 1]
+        ax.set_ylim(min(finite) - 0.1, max(v for v in first if v is not None) + 0.1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats / character)")
+    ratio = results["steps_ratio"]
+    ax.set_title("Muon vs AdamW" + ("" if ratio is None else f": {ratio:.2f}x the steps to AdamW's final val loss"))
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -172,12 +172,13 @@ class Muon(torch.optim.Optimizer):
             ``weight_decay`` and the other defaults, ``"use_muon": True/False`` to route
             the whole group, or, when it leaves routing to ``labels``, ``adamw_lr`` and
             ``adamw_weight_decay`` for its AdamW half.
-        lr, momentum, nesterov, weight_decay, ns_coefficients, ns_steps, ns_dtype,
-        scale, extra_scale, adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay,
-        labels, views, weight_decay_mask, ns_eps, bucket_numel, collectives, strategy,
-        shard_specs: as in :func:`muonfn.muon`. ``adamw_lr`` and ``adamw_weight_decay``
-            (``None``: the Muon value) set the AdamW groups' ``lr`` and ``weight_decay``.
-            ``lr`` is a number; schedule it with ``torch.optim.lr_scheduler``.
+
+    The other arguments (``lr``, ``momentum``, ``nesterov``, ``weight_decay``, ``ns_*``,
+    ``scale``, ``extra_scale``, ``adamw_*``, ``labels``, ``views``, ``weight_decay_mask``,
+    ``bucket_numel``, ``collectives``, ``strategy``, ``shard_specs``) are those of
+    :func:`muonfn.muon`. ``adamw_lr`` and ``adamw_weight_decay`` (``None``: the Muon value)
+    set the AdamW groups' ``lr`` and ``weight_decay``. ``lr`` is a number; schedule it with
+    ``torch.optim.lr_scheduler``.
     """
 
     def __init__(

@@ -1,0 +1,178 @@
+"""Smoke tests: every example runs end to end on a small budget and checks its own result.
+
+Each example exits non-zero when its training did not work (loss not reduced, an identity it
+demonstrates not holding), so a zero exit status is the assertion; the output is checked too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+def run(args: list[str], timeout: float = 120, cwd: pathlib.Path = ROOT) -> str:
+    # One thread each: the models are tiny, and an oversubscribed OpenMP pool is slower than one thread.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    assert done.returncode == 0, f"{args} exited {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+def load_example(name: str):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_demo_quick_writes_results_plot_and_checkpoints(tmp_path):
+    out = run([str(EXAMPLES / "demo.py"), "--quick", "--no-progress", "--out", str(tmp_path)])
+    assert "steps to target" in out
+    results = json.loads((tmp_path / "results.json").read_text())
+    for kind in ("adamw", "muon"):
+        final = results["final"][kind]
+        assert final["steps"] == 12
+        assert final["val_loss"] < final["history"]["val_loss"][0]  # both learn something
+        assert final["tokens_per_second"] > 0
+    assert results["target_val_loss"] == results["final"]["adamw"]["val_loss"]
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["adamw-lr1e-02-12.pt", "muon-lr3e-02-12.pt"]
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_demo_resume_continues_exactly(tmp_path, one_thread):
+    demo = load_example("demo")
+    quick = ["--quick", "--no-progress"]
+    straight = demo.main([*quick, "--out", str(tmp_path / "straight")])
+    assert demo.main([*quick, "--out", str(tmp_path / "split"), "--stop-after", "5"]) == {}
+    resumed = demo.main([*quick, "--out", str(tmp_path / "split"), "--resume"])
+    for kind in ("adamw", "muon"):
+        a, b = resumed["final"][kind]["history"], straight["final"][kind]["history"]
+        for curve in ("step", "train_loss", "val_loss"):  # not "seconds": wall time is not reproducible
+            assert a[curve] == b[curve], (kind, curve)
+    for name in ("adamw-lr1e-02-12.pt", "muon-lr3e-02-12.pt"):
+        a = torch.load(tmp_path / "straight" / "checkpoints" / name, weights_only=True)
+        b = torch.load(tmp_path / "split" / "checkpoints" / name, weights_only=True)
+        assert int(a["step"]) == int(b["step"]) == 12
+        for part in ("params", "state"):
+            flat_a, flat_b = _flatten(a[part]), _flatten(b[part])
+            assert flat_a.keys() == flat_b.keys()
+            for key in flat_a:
+                assert torch.equal(flat_a[key], flat_b[key]), (name, part, key)
+
+
+def _flatten(tree: dict, prefix: tuple = ()) -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, (*prefix, key)))
+        else:
+            out[(*prefix, key)] = value
+    return out
+
+
+def test_demo_refuses_to_resume_under_other_settings(tmp_path, one_thread):
+    demo = load_example("demo")
+    demo.main(["--quick", "--no-progress", "--out", str(tmp_path), "--stop-after", "3"])
+    with pytest.raises(SystemExit, match="other settings"):
+        demo.main(["--quick", "--no-progress", "--out", str(tmp_path), "--resume", "--seed", "1"])
+
+
+def test_demo_reports_a_diverged_run_instead_of_crashing(tmp_path, one_thread):
+    demo = load_example("demo")
+    results = demo.main(["--quick", "--no-progress", "--out", str(tmp_path), "--adamw-lrs", "50"])
+    assert results["final"]["adamw"]["val_loss"] is None
+    assert results["steps_ratio"] is None
+    assert results["final"]["muon"]["val_loss"] < results["final"]["muon"]["history"]["val_loss"][0]
+    assert "Infinity" not in (tmp_path / "results.json").read_text()
+
+
+def test_demo_steps_to_reach_interpolates():
+    demo = load_example("demo")
+    history = {"step": [0, 10, 20], "val_loss": [4.0, 3.0, 2.0]}
+    assert demo.steps_to_reach(history, 2.5) == pytest.approx(15.0)
+    assert demo.steps_to_reach(history, 3.0) == pytest.approx(10.0)
+    assert demo.steps_to_reach(history, 1.0) is None
+
+
+def test_functional_loop():
+    out = run([str(EXAMPLES / "functional_loop.py"), "--steps", "80"])
+    assert "loss" in out and "optimizer state layout" in out
+
+
+def test_ensemble_vmap():
+    out = run([str(EXAMPLES / "ensemble_vmap.py"), "--steps", "40", "--members", "3"])
+    assert "one vmapped step == one step of each member alone" in out
+
+
+def test_custom_views():
+    out = run([str(EXAMPLES / "custom_views.py"), "--steps", "10"])
+    assert "wrong split rejected" in out
+    assert out.count("error vs its own polar factor") == 3
+
+
+def test_shim_script():
+    pytest.importorskip("muonfn.optim", reason="muonfn.optim (the torch.optim shim) is not available")
+    out = run([str(EXAMPLES / "shim_script.py"), "--steps", "60"])
+    assert "functional state" in out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_fsdp2_torchrun(tmp_path):
+    pytest.importorskip("torch.distributed.fsdp", reason="this torch build has no FSDP2")
+    distributed = pytest.importorskip("muonfn.distributed")
+    if not hasattr(distributed, "torch_collectives"):
+        pytest.skip("muonfn.distributed.torch_collectives is not available")
+    out = run(
+        [
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(_free_port()),
+            str(EXAMPLES / "fsdp2_torchrun.py"),
+            "--steps",
+            "3",
+            "--checkpoint",
+            str(tmp_path / "dcp"),
+        ],
+        timeout=180,
+    )
+    assert "resumed from the DCP checkpoint" in out
+
+
+def test_hf_trainer(tmp_path):
+    pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    pytest.importorskip("muonfn.optim", reason="muonfn.optim (the torch.optim shim) is not available")
+    out = run([str(EXAMPLES / "hf_trainer.py"), "--steps", "5", "--out", str(tmp_path)], timeout=180)
+    assert "train_loss" in out
