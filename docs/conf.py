@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -36,3 +37,13 @@ napoleon_numpy_docstring = False
 html_theme = "furo"
 html_title = f"muonfn {release}"
 html_static_path: list[str] = []
+
+
+def _plain_results_links(app: object, relative_path: pathlib.Path, parent_docname: str, content: list[str]) -> None:
+    """benchmarks/RESULTS.md links its JSON files, which are not pages of this site: cite them as paths."""
+    if relative_path.name == "RESULTS.md":
+        content[0] = re.sub(r"\[[^\]]+\]\((results/[^)\s]+)\)", r"`benchmarks/\1`", content[0])
+
+
+def setup(app: object) -> None:
+    app.connect("include-read", _plain_results_links)  # type: ignore[attr-defined]
