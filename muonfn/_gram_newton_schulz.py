@@ -31,7 +31,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ._newton_schulz import CoefficientsLike, default_ns_dtype, newton_schulz, ns_schedule
+from ._newton_schulz import (
+    CoefficientsLike,
+    default_ns_dtype,
+    newton_schulz,
+    normalized_wide,
+    ns_schedule,
+    restore_layout,
+)
 
 
 def default_restarts(steps: int, dtype: torch.dtype = torch.float32) -> tuple[int, ...]:
@@ -78,27 +85,9 @@ def gram_newton_schulz(
             dtypes; see :func:`default_restarts`); ``()`` for none.
     """
     schedule = ns_schedule(coefficients, steps)
-    if not (isinstance(eps, int | float) and eps > 0):
-        raise ValueError(f"Newton–Schulz eps must be > 0, got {eps!r}")
-    if x.ndim < 2:
-        raise ValueError(f"gram_newton_schulz needs a (..., m, n) tensor, got shape {tuple(x.shape)}")
-    if not x.is_floating_point():
-        raise TypeError(f"gram_newton_schulz needs a real floating-point tensor, got {x.dtype}")
-    if dtype is not None and not dtype.is_floating_point:
-        raise TypeError(f"Newton–Schulz dtype must be a real floating-point dtype, got {dtype}")
+    X, tall = normalized_wide("gram_newton_schulz", x, schedule, eps, dtype)
     num_steps = len(schedule.triples)
-    wide_dtype = torch.promote_types(x.dtype, torch.float32)
-    ns_dtype = default_ns_dtype(x.device, x.dtype) if dtype is None else dtype
-    restart_at = _check_restarts(default_restarts(num_steps, ns_dtype) if restarts is None else restarts, num_steps)
-    # the preamble of newton_schulz: wide orientation by shape, one memory layout, fp32+ norm
-    tall = x.size(-2) > x.size(-1)
-    g = x.mT if tall else x
-    m, n = g.shape[-2:]
-    g = g.reshape(g.shape[:-2].numel(), m, n).to(wide_dtype).contiguous()
-    norm = torch.linalg.matrix_norm(g, keepdim=True)
-    if schedule.norm_factor != 1.0:
-        norm = norm * schedule.norm_factor
-    X = (g / norm.clamp_min(eps)).to(ns_dtype)
+    restart_at = _check_restarts(default_restarts(num_steps, X.dtype) if restarts is None else restarts, num_steps)
 
     R = torch.bmm(X, X.mT)
     Q: torch.Tensor | None = None  # the identity
@@ -115,8 +104,7 @@ def gram_newton_schulz(
             R = torch.bmm(P, torch.bmm(R, P))
     if Q is not None:
         X = torch.bmm(Q, X)
-    out = X.to(x.dtype).reshape(*x.shape[:-2], m, n)
-    return out.mT if tall else out
+    return restore_layout(X, x, tall)
 
 
 def newton_schulz_flops(m: int, n: int, steps: int) -> float:

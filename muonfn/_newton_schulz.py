@@ -146,12 +146,27 @@ def newton_schulz(
         dtype: dtype of the iteration's matmuls.
     """
     schedule = ns_schedule(coefficients, steps)
+    X, tall = normalized_wide("newton_schulz", x, schedule, eps, dtype)
+    for a, b, c in schedule.triples:
+        A = torch.bmm(X, X.mT)
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        X = torch.baddbmm(X, B, X, beta=a)
+    return restore_layout(X, x, tall)
+
+
+def normalized_wide(
+    name: str, x: torch.Tensor, schedule: Coefficients, eps: float, dtype: torch.dtype | None
+) -> tuple[torch.Tensor, bool]:
+    """The preamble of every Newton–Schulz variant: checks, then ``x`` as a contiguous
+    ``(count, m, n)`` batch in the wide orientation (``m <= n``; ``tall`` says whether it was
+    transposed), divided by ``max(c‖x‖_F, eps)`` in at least fp32 and cast to the iteration dtype.
+    """
     if not (isinstance(eps, int | float) and eps > 0):
         raise ValueError(f"Newton–Schulz eps must be > 0, got {eps!r}")
     if x.ndim < 2:
-        raise ValueError(f"newton_schulz needs a (..., m, n) tensor, got shape {tuple(x.shape)}")
+        raise ValueError(f"{name} needs a (..., m, n) tensor, got shape {tuple(x.shape)}")
     if not x.is_floating_point():
-        raise TypeError(f"newton_schulz needs a real floating-point tensor, got {x.dtype}")
+        raise TypeError(f"{name} needs a real floating-point tensor, got {x.dtype}")
     if dtype is not None and not dtype.is_floating_point:
         raise TypeError(f"Newton–Schulz dtype must be a real floating-point dtype, got {dtype}")
     wide_dtype = torch.promote_types(x.dtype, torch.float32)
@@ -166,12 +181,12 @@ def newton_schulz(
     norm = torch.linalg.matrix_norm(g, keepdim=True)
     if schedule.norm_factor != 1.0:
         norm = norm * schedule.norm_factor
-    X = (g / norm.clamp_min(eps)).to(ns_dtype)
-    for a, b, c in schedule.triples:
-        A = torch.bmm(X, X.mT)
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        X = torch.baddbmm(X, B, X, beta=a)
-    out = X.to(x.dtype).reshape(*x.shape[:-2], m, n)
+    return (g / norm.clamp_min(eps)).to(ns_dtype), tall
+
+
+def restore_layout(X: torch.Tensor, x: torch.Tensor, tall: bool) -> torch.Tensor:
+    """Inverse of :func:`normalized_wide`'s reshaping: ``x``'s dtype, batch shape and orientation."""
+    out = X.to(x.dtype).reshape(*x.shape[:-2], *X.shape[-2:])
     return out.mT if tall else out
 
 
