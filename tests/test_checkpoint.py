@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from _bitwise import assert_bitwise
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
@@ -19,20 +20,6 @@ from muonfn.optim import Muon
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HP = {"lr": 0.02, "momentum": 0.9, "weight_decay": 0.05, "adamw_lr": 0.004}
 K, N = 4, 9  # save after K steps, resume to N
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_bitwise(a: TensorDictBase, b: TensorDictBase) -> None:
-    keys_a = sorted(a.keys(include_nested=True, leaves_only=True), key=str)
-    keys_b = sorted(b.keys(include_nested=True, leaves_only=True), key=str)
-    assert keys_a == keys_b
-    for key in keys_a:
-        x, y = a.get(key), b.get(key)
-        assert (x.dtype, x.shape) == (y.dtype, y.shape), key
-        assert torch.equal(bits(x), bits(y)), key
 
 
 def model(dtype: torch.dtype = torch.float32) -> nn.Sequential:

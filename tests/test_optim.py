@@ -7,6 +7,7 @@ import io
 
 import pytest
 import torch
+from _bitwise import assert_bitwise
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
@@ -64,21 +65,6 @@ def functional_steps(model: nn.Module, tx: muonfn.Transform, params, state, data
 
 def params_of(model: nn.Module) -> TensorDictBase:
     return TensorDict.from_module(model).detach().clone()
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_bitwise(a: TensorDictBase, b: TensorDictBase) -> None:
-    """Same leaves with the same shapes, dtypes and bits (so -0.0 differs from 0.0)."""
-    keys_a = sorted(a.keys(include_nested=True, leaves_only=True), key=str)
-    keys_b = sorted(b.keys(include_nested=True, leaves_only=True), key=str)
-    assert keys_a == keys_b
-    for key in keys_a:
-        x, y = a.get(key), b.get(key)
-        assert (x.dtype, x.shape) == (y.dtype, y.shape), key
-        assert torch.equal(bits(x), bits(y)), key
 
 
 def snapshot(model: nn.Module, opt: Muon) -> tuple[TensorDictBase, TensorDictBase, list[dict]]:
