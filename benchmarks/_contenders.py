@@ -52,7 +52,10 @@ def muonfn_tx(ps: ParamSet, **options: Any) -> muonfn.Transform:
 
 def make_functional(ps: ParamSet, compile: bool = False, **options: Any) -> Step:
     """``tx.update`` + ``apply_updates``: new params and state every step."""
-    tx = muonfn_tx(ps, **options)
+    return _functional_step(muonfn_tx(ps, **options), ps, compile)
+
+
+def _functional_step(tx: muonfn.Transform, ps: ParamSet, compile: bool) -> Step:
     params, grads = tensordicts(ps)
     box = {"params": params, "state": tx.init(params)}
 
@@ -171,20 +174,7 @@ def make_plain_loop(ps: ParamSet) -> Step:
 
 def make_functional_adamw(ps: ParamSet, compile: bool = False) -> Step:
     """``muonfn.adamw``'s update + ``apply_updates``: new params and state every step."""
-    tx = muonfn.adamw(lr=ADAM_LR, betas=BETAS, eps=ADAM_EPS, weight_decay=WD)
-    params, grads = tensordicts(ps)
-    box = {"params": params, "state": tx.init(params)}
-
-    def step_fn(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase) -> Any:
-        updates, state = tx.update(grads, state, params)
-        return muonfn.apply_updates(params, updates), state
-
-    fn = torch.compile(step_fn, fullgraph=True) if compile else step_fn
-
-    def step() -> None:
-        box["params"], box["state"] = fn(grads, box["state"], box["params"])
-
-    return step
+    return _functional_step(muonfn.adamw(lr=ADAM_LR, betas=BETAS, eps=ADAM_EPS, weight_decay=WD), ps, compile)
 
 
 def make_donated_adamw(ps: ParamSet) -> Step:
