@@ -36,18 +36,22 @@ def tensordicts(ps: ParamSet) -> tuple[TensorDictBase, TensorDictBase]:
     return params, grads
 
 
+def _settings(ps: ParamSet) -> dict[str, Any]:
+    """The hyperparameters every muonfn contender shares (functional and shim alike)."""
+    return {
+        "lr": LR,
+        "momentum": MOMENTUM,
+        "weight_decay": WD,
+        "adamw_lr": ADAM_LR,
+        "adamw_betas": BETAS,
+        "adamw_eps": ADAM_EPS,
+        "labels": ps.labels,
+        "views": ps.views,
+    }
+
+
 def muonfn_tx(ps: ParamSet, **options: Any) -> muonfn.Transform:
-    return muonfn.muon(
-        lr=LR,
-        momentum=MOMENTUM,
-        weight_decay=WD,
-        adamw_lr=ADAM_LR,
-        adamw_betas=BETAS,
-        adamw_eps=ADAM_EPS,
-        labels=ps.labels,
-        views=ps.views,
-        **options,
-    )
+    return muonfn.muon(**_settings(ps), **options)
 
 
 def make_functional(ps: ParamSet, compile: bool = False, **options: Any) -> Step:
@@ -87,19 +91,9 @@ def make_donated(ps: ParamSet, **options: Any) -> Step:
 
 def make_shim(ps: ParamSet) -> Step:
     """The torch.optim shim over the module's parameters."""
-    import muonfn.optim  # raises ImportError where the shim is absent
+    import muonfn.optim
 
-    opt = muonfn.optim.Muon(  # type: ignore[attr-defined]
-        ps.model.named_parameters(),
-        lr=LR,
-        momentum=MOMENTUM,
-        weight_decay=WD,
-        adamw_lr=ADAM_LR,
-        adamw_betas=BETAS,
-        adamw_eps=ADAM_EPS,
-        labels=ps.labels,
-        views=ps.views,
-    )
+    opt = muonfn.optim.Muon(ps.model.named_parameters(), **_settings(ps))
     return opt.step
 
 
