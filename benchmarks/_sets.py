@@ -15,7 +15,7 @@ from tensordict import TensorDict
 from torch import nn
 
 import muonfn
-from muonfn._gram_newton_schulz import newton_schulz_flops
+from muonfn.linalg import newton_schulz_flops
 
 
 @dataclass

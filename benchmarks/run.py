@@ -38,7 +38,7 @@ import torch  # noqa: E402
 from _harness import MB, Entry, machine, matmul_entry, matmul_flops, run_interleaved, synchronize  # noqa: E402
 
 import muonfn  # noqa: E402
-from muonfn._gram_newton_schulz import (  # noqa: E402
+from muonfn.linalg import (  # noqa: E402
     gram_newton_schulz,
     gram_newton_schulz_flops,
     newton_schulz_flops,
@@ -120,7 +120,7 @@ def entry_record(e: Entry) -> dict[str, Any]:
 
 
 def ns_dtype(device: torch.device) -> torch.dtype:
-    from muonfn._newton_schulz import default_ns_dtype
+    from muonfn.linalg import default_ns_dtype
 
     return default_ns_dtype(device, torch.float32)
 

@@ -1,30 +1,62 @@
 """muonfn: Muon as pure functions over TensorDicts.
 
 ``init(params) -> state`` and ``update(grads, state, params) -> (updates, state)``
-implement momentum, Newton–Schulz and AdamW as composable transforms; a
-``torch.optim`` shim lives in :mod:`muonfn.optim`, distributed layouts in
-:mod:`muonfn.distributed`.
+implement momentum, Newton–Schulz and AdamW as composable transforms. The layers, each a
+subpackage: :mod:`muonfn.linalg` (Newton–Schulz, views, batching; plain tensors),
+:mod:`muonfn.transforms` (building blocks and combinators), :mod:`muonfn.presets`
+(:func:`muon`, :func:`adamw`), :mod:`muonfn.optim` (the ``torch.optim`` shim) and
+:mod:`muonfn.distributed` (sharded parameters, injected as an orthogonalizer).
+``muonfn.optim`` and ``muonfn.distributed`` load on first use.
 """
 
-from ._base import Transform, apply_updates
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._checkpoint import load, save
-from ._combinators import apply_if_finite, chain, masked, named, partition
-from ._gram_newton_schulz import gram_newton_schulz
-from ._labels import DEFAULT_EXCLUDE, label_params, labels_from_module, views_from_module
-from ._newton_schulz import COEFFICIENTS, Coefficients, newton_schulz, polar
-from ._presets import adamw, muon
-from ._transforms import (
+from .linalg import (
+    COEFFICIENTS,
+    SCALE_MODES,
+    Coefficients,
+    MatrixView,
+    NewtonSchulz,
+    gram_newton_schulz,
+    newton_schulz,
+    polar,
+)
+from .presets import DEFAULT_EXCLUDE, adamw, label_params, labels_from_module, muon, views_from_module
+from .transforms import (
+    Transform,
     add_decayed_weights,
+    apply_if_finite,
+    apply_updates,
+    chain,
     ema_momentum,
+    masked,
+    named,
     orthogonalize,
+    partition,
     scale_by_adam,
     scale_by_learning_rate,
     scale_by_muon,
     scale_by_shape,
 )
-from ._views import SCALE_MODES, MatrixView
+
+if TYPE_CHECKING:
+    from . import distributed, optim
 
 __version__ = "0.1.0"
+
+_LAZY_SUBMODULES = ("optim", "distributed")
+
+
+def __getattr__(name: str) -> Any:
+    # `import muonfn` then `muonfn.optim.Muon(...)` works without paying for torch.distributed up front
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "COEFFICIENTS",
@@ -32,12 +64,14 @@ __all__ = [
     "SCALE_MODES",
     "Coefficients",
     "MatrixView",
+    "NewtonSchulz",
     "Transform",
     "adamw",
     "add_decayed_weights",
     "apply_if_finite",
     "apply_updates",
     "chain",
+    "distributed",
     "ema_momentum",
     "gram_newton_schulz",
     "label_params",
@@ -47,6 +81,7 @@ __all__ = [
     "muon",
     "named",
     "newton_schulz",
+    "optim",
     "orthogonalize",
     "partition",
     "polar",

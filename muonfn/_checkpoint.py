@@ -99,23 +99,4 @@ def load(
     """
     data = _nested(torch.load(path, map_location=map_location, weights_only=True), path)
     loaded = TensorDict(data, batch_size=[])
-    return loaded if like is None else conform(loaded, like, f"load({os.fspath(path)!r})")
-
-
-def conform(td: TensorDictBase, like: TensorDictBase, where: str) -> TensorDict:
-    """``td``'s leaves laid out as ``like``'s (key order, batch size, devices), after checking they match."""
-    given = dict(zip(_tree.leaf_keys(td), _tree.leaves(td)))
-    out = like.empty(recurse=True)
-    for key, ref in zip(_tree.leaf_keys(like), _tree.leaves(like)):
-        name = _tree.dotted(key)
-        value = given.pop(key, None)
-        if value is None:
-            raise ValueError(f"{where}: missing {name!r}")
-        if value.shape != ref.shape:
-            raise ValueError(f"{where}: {name!r} has shape {tuple(value.shape)}, expected {tuple(ref.shape)}")
-        if value.dtype != ref.dtype:
-            raise ValueError(f"{where}: {name!r} has dtype {value.dtype}, expected {ref.dtype}")
-        out.set(key, value.to(ref.device))
-    if given:
-        raise ValueError(f"{where}: unexpected {_tree.dotted(next(iter(given)))!r}")
-    return out
+    return loaded if like is None else _tree.laid_out_like(loaded, like, f"load({os.fspath(path)!r})")

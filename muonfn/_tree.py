@@ -1,27 +1,13 @@
-"""Key and structure helpers for TensorDicts of parameters.
-
-Leaves are addressed by tuple keys (``("block", "0", "weight")``); users may also
-write the dotted names of ``named_parameters()`` (``"block.0.weight"``).
-"""
+"""Structure helpers for TensorDicts of parameters, states and updates."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-Key = tuple[str, ...]
-
-
-def as_key(key: str | Sequence[str]) -> Key:
-    """Normalises a TensorDict key (``"w"`` or ``("a", "w")``) to a tuple."""
-    return (key,) if isinstance(key, str) else tuple(key)
-
-
-def dotted(key: Key) -> str:
-    """The ``named_parameters()`` spelling of a key."""
-    return ".".join(key)
+from ._keys import Key, as_key, dotted
 
 
 def leaf_keys(td: TensorDictBase) -> list[Key]:
@@ -31,17 +17,6 @@ def leaf_keys(td: TensorDictBase) -> list[Key]:
 
 def leaves(td: TensorDictBase) -> list[torch.Tensor]:
     return list(td.values(include_nested=True, leaves_only=True))
-
-
-def resolve_key(name: str | Sequence[str], known: Iterable[Key]) -> Key:
-    """Maps a user-written key to a leaf key: tuple, plain or dotted string."""
-    known_set = set(known)
-    key = as_key(name)
-    if key in known_set:
-        return key
-    if isinstance(name, str) and tuple(name.split(".")) in known_set:
-        return tuple(name.split("."))
-    raise KeyError(f"{name!r} is not a parameter key")
 
 
 def build(keys: Sequence[Key], values: Sequence[torch.Tensor], like: TensorDictBase) -> TensorDict:
@@ -69,3 +44,26 @@ def carry(old: TensorDictBase, new: TensorDictBase) -> TensorDictBase:
     wanted = set(new_keys)
     values = [new.get(k) if k in wanted else old.get(k) for k in old_keys]
     return build(old_keys, values, old)
+
+
+def laid_out_like(td: TensorDictBase, like: TensorDictBase, where: str) -> TensorDict:
+    """``td``'s leaves laid out as ``like``'s (key order, batch size, devices), after checking they match.
+
+    Raises a ``ValueError`` naming ``where`` and the first key that is missing, unexpected,
+    or of another shape or dtype.
+    """
+    given = dict(zip(leaf_keys(td), leaves(td)))
+    out = like.empty(recurse=True)
+    for key, ref in zip(leaf_keys(like), leaves(like)):
+        name = dotted(key)
+        value = given.pop(key, None)
+        if value is None:
+            raise ValueError(f"{where}: missing {name!r}")
+        if value.shape != ref.shape:
+            raise ValueError(f"{where}: {name!r} has shape {tuple(value.shape)}, expected {tuple(ref.shape)}")
+        if value.dtype != ref.dtype:
+            raise ValueError(f"{where}: {name!r} has dtype {value.dtype}, expected {ref.dtype}")
+        out.set(key, value.to(ref.device))
+    if given:
+        raise ValueError(f"{where}: unexpected {dotted(next(iter(given)))!r}")
+    return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeAlias
@@ -9,29 +10,60 @@ from typing import Any, TypeAlias
 import torch
 from tensordict import TensorDictBase
 
-from ._tree import Key, dotted, leaf_keys, resolve_key
+from ._keys import Key, dotted, resolve_table
 
 Scalar: TypeAlias = float | torch.Tensor
-ScalarOrSchedule: TypeAlias = float | torch.Tensor | Callable[[torch.Tensor], Scalar]
+Schedule: TypeAlias = Callable[[torch.Tensor], Scalar]
+ScalarOrSchedule: TypeAlias = float | torch.Tensor | Schedule
 
 
 def _value(name: str, v: Scalar) -> float:
     if isinstance(v, torch.Tensor):
-        if v.numel() != 1:
-            raise ValueError(f"{name} must be a scalar, got a tensor of shape {tuple(v.shape)}")
+        if v.ndim != 0:
+            raise ValueError(
+                f"{name} must be a float or a 0-d tensor, got a tensor of shape {tuple(v.shape)} "
+                "(a 1-element tensor would broadcast the parameters to its shape; pass tensor.reshape(()))"
+            )
+        if v.is_complex() or v.dtype == torch.bool:
+            raise TypeError(f"{name} must be a real float or a 0-d real tensor, got a {v.dtype} tensor")
         return float(v.detach().cpu())
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
+    if isinstance(v, bool) or not isinstance(v, int | float):
         raise TypeError(f"{name} must be a float or a 0-d tensor, got {type(v).__name__}")
     return float(v)
 
 
+def _is_schedule(v: object) -> bool:
+    return callable(v) and not isinstance(v, torch.Tensor)
+
+
 def non_negative(name: str, v: ScalarOrSchedule) -> None:
-    """Learning rates and weight decays: ``v >= 0`` (schedules are checked when called)."""
-    if callable(v) and not isinstance(v, torch.Tensor):
+    """Learning rates and weight decays: ``v >= 0`` (schedules: see :func:`checked_schedule`)."""
+    if _is_schedule(v):
         return
-    x = _value(name, v)
+    x = _value(name, v)  # type: ignore[arg-type]
     if not (math.isfinite(x) and x >= 0):
         raise ValueError(f"{name} must be finite and >= 0, got {v!r}")
+
+
+def checked_schedule(name: str, schedule: Schedule) -> Schedule:
+    """``schedule`` whose Python-number results are checked (finite, ``>= 0``) at every call.
+
+    A tensor result is passed through: checking it would read it back from the device and
+    stall the step (and break ``torch.compile(fullgraph=True)``).
+    """
+
+    @functools.wraps(schedule)
+    def call(count: torch.Tensor) -> Scalar:
+        value = schedule(count)
+        if isinstance(value, torch.Tensor):
+            return value
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"the {name} schedule must return a float or a 0-d tensor, got {type(value).__name__}")
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"the {name} schedule returned {value!r}; it must be finite and >= 0")
+        return value
+
+    return call
 
 
 def unit_interval(name: str, v: Scalar) -> None:
@@ -48,27 +80,32 @@ def positive(name: str, v: Scalar) -> None:
         raise ValueError(f"{name} must be finite and > 0, got {v!r}")
 
 
+def flag(name: str, v: object) -> bool:
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} must be True or False, got {v!r}")
+    return v
+
+
 def known_names(where: str, names: Iterable[Any], keys: Sequence[Key]) -> None:
     """Every user-written name must be a leaf of ``keys``: a typo is an error, never ignored."""
-    for name in names:
-        try:
-            resolve_key(name, keys)
-        except KeyError:
-            raise ValueError(
-                f"{where} names {name!r}, which is not a parameter; parameters are {[dotted(k) for k in keys]}"
-            ) from None
+    resolve_table(dict.fromkeys(names), keys, where=where)
 
 
 def check_grads(where: str, grads: TensorDictBase, reference: TensorDictBase) -> None:
     """Every gradient leaf must be a dense real tensor matching ``reference``'s leaf.
 
     ``grads`` may hold fewer leaves than ``reference`` (a leaf without a gradient is
-    skipped), never other ones.
+    skipped), never other ones; its batch size must be ``reference``'s.
     """
-    known = {k: v for k, v in zip(leaf_keys(reference), reference.values(True, True))}
-    for key, g in zip(leaf_keys(grads), grads.values(True, True)):
-        name = dotted(key)
+    if grads.batch_size != reference.batch_size:
+        raise ValueError(
+            f"{where}: gradients have batch size {tuple(grads.batch_size)}, the state "
+            f"{tuple(reference.batch_size)}; pass gradients shaped like the params given to init"
+        )
+    known = dict(zip(reference.keys(True, True), reference.values(True, True)))
+    for key, g in zip(grads.keys(True, True), grads.values(True, True)):
         ref = known.get(key)
+        name = dotted((key,) if isinstance(key, str) else key)
         if ref is None:
             raise ValueError(f"{where}: gradient {name!r} has no matching parameter or state")
         if g.layout is not torch.strided:

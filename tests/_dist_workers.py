@@ -39,8 +39,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import muonfn
-from muonfn._tree import Key, leaf_keys
-from muonfn.distributed import ShardSpec, TorchCollectives, torch_collectives
+from muonfn._keys import Key
+from muonfn._tree import leaf_keys
+from muonfn.distributed import ShardSpec, TorchCollectives, sharded_orthogonalizer, torch_collectives
 from muonfn.distributed._layout import Box, placement_layout
 
 EXACT = ("owner", "gather")  # bitwise strategies ("tp_gram" is equal to rounding)
@@ -178,7 +179,9 @@ def fsdp_cases(rank: int, world: int, reference: Reference, shim_reference: Refe
         # a DTensor on ranks the collectives do not span is refused, naming both groups
         wide = distribute_tensor(torch.ones(4, 4), tp_mesh, [Shard(0), Shard(1)], src_data_rank=None)
         try:
-            muonfn.orthogonalize(collectives=torch_collectives(tp_mesh["dp"])).update(TensorDict({"w": wide}, []), {})
+            muonfn.orthogonalize(orthogonalizer=sharded_orthogonalizer(torch_collectives(tp_mesh["dp"]))).update(
+                TensorDict({"w": wide}, []), {}
+            )
         except ValueError as e:
             assert "outside the collectives' group" in str(e), e
         else:
@@ -220,11 +223,11 @@ def plain_shards_and_guards(rank: int, world: int, shim_reference: Reference) ->
     mine = {k: v.tensor_split(world)[rank] for k, v in full.items()}
     for strategy in EXACT:
         specs = {"w": ShardSpec(0), "e": ShardSpec(0)}
-        tx = muonfn.orthogonalize(collectives=group, strategy=strategy, shard_specs=specs)
+        tx = muonfn.orthogonalize(orthogonalizer=sharded_orthogonalizer(group, strategy=strategy, shard_specs=specs))
         out = tx.update(TensorDict(mine, []), TensorDict())[0]
         for k in full:
             assert torch.equal(out[k], expected[k].tensor_split(world)[rank]), (strategy, k)
-    tx = muonfn.orthogonalize(collectives=group, strategy="tp_gram", shard_specs=specs)
+    tx = muonfn.orthogonalize(orthogonalizer=sharded_orthogonalizer(group, strategy="tp_gram", shard_specs=specs))
     out = tx.update(TensorDict(mine, []), TensorDict())[0]
     for k in full:  # "w" is cut along its long side: Gram sums over gloo; "e" goes to its owner
         torch.testing.assert_close(out[k], expected[k].tensor_split(world)[rank], rtol=1e-5, atol=1e-6)

@@ -55,7 +55,8 @@ def test_chain_rejects_two_members_with_the_same_state_key() -> None:
 def test_named_keeps_state_apart() -> None:
     params = td({"w": torch.zeros(3)})
     tx = muonfn.chain(
-        muonfn.named("fast", muonfn.ema_momentum(0.5, False)), muonfn.named("slow", muonfn.ema_momentum(0.9, False))
+        muonfn.named("fast", muonfn.ema_momentum(0.5, nesterov=False)),
+        muonfn.named("slow", muonfn.ema_momentum(0.9, nesterov=False)),
     )
     state = tx.init(params)
     _, state = tx.update(td({"w": torch.ones(3)}), state)
@@ -78,7 +79,7 @@ LABEL_FORMS = {
 def test_partition_routes_by_label(form: str) -> None:
     params = nested_params()
     tx = muonfn.partition(
-        {"x": muonfn.chain(muonfn.ema_momentum(0.5, False), scale(1.0)), "y": scale(2.0)}, LABEL_FORMS[form]
+        {"x": muonfn.chain(muonfn.ema_momentum(0.5, nesterov=False), scale(1.0)), "y": scale(2.0)}, LABEL_FORMS[form]
     )
     state = tx.init(params)
     assert set(state.keys(True, True)) == {("x", "momentum", "0", "weight"), ("x", "momentum", "1", "weight")}
@@ -104,7 +105,7 @@ def test_partition_label_errors() -> None:
     missing = {k: v for k, v in labels.items() if k != "1.bias"}
     with pytest.raises(ValueError, match=r"parameter '1.bias' has no label"):
         muonfn.partition({"x": scale(1.0), "y": scale(2.0)}, missing).init(params)
-    with pytest.raises(ValueError, match=r"labels name '1.wieght', which is not a parameter"):
+    with pytest.raises(ValueError, match=r"labels names '1.wieght', which is not a parameter"):
         muonfn.partition({"x": scale(1.0), "y": scale(2.0)}, {**labels, "1.wieght": "y"}).init(params)
     tx = muonfn.partition({"x": scale(1.0), "y": scale(2.0)}, labels)
     with pytest.raises(ValueError, match=r"gradient '2.weight' has no matching parameter"):
@@ -129,7 +130,7 @@ def test_masked_applies_to_selected_leaves_only() -> None:
     params = nested_params()
     grads = params.apply(torch.ones_like)
     for mask in ({"0.weight": True, "1.weight": True}, lambda p: {k: v.ndim == 2 for k, v in p.items(True, True)}):
-        tx = muonfn.masked(muonfn.chain(muonfn.ema_momentum(0.5, False), scale(1.0)), mask)
+        tx = muonfn.masked(muonfn.chain(muonfn.ema_momentum(0.5, nesterov=False), scale(1.0)), mask)
         state = tx.init(params)
         assert set(state.keys(True, True)) == {("momentum", "0", "weight"), ("momentum", "1", "weight")}
         updates, state = tx.update(grads, state, params)

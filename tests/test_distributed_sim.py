@@ -21,7 +21,8 @@ from tensordict import TensorDict
 from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
 import muonfn
-from muonfn._tree import dotted, leaf_keys
+from muonfn._keys import dotted
+from muonfn._tree import leaf_keys
 from muonfn.distributed import (
     CountingCollectives,
     ShardSpec,
@@ -30,6 +31,7 @@ from muonfn.distributed import (
     simulate,
     torch_collectives,
 )
+from muonfn.distributed import sharded_orthogonalizer as sharded
 from muonfn.distributed._layout import Box, placement_global_shape, placement_layout
 
 pytestmark = pytest.mark.timeout(300)
@@ -247,7 +249,8 @@ def full_and_shards(col: SimulatedCollectives, full: dict[str, torch.Tensor], sh
 
 def orthogonalize_sharded(col: SimulatedCollectives, full: dict[str, torch.Tensor], sharding: Sharding, **kw: Any):
     boxes, specs = full_and_shards(col, full, sharding)
-    tx = muonfn.orthogonalize(dtype=torch.float32, collectives=col, shard_specs=specs, **kw)
+    distributed = {k: kw.pop(k) for k in ("strategy", "bucket_numel") if k in kw}
+    tx = muonfn.orthogonalize(dtype=torch.float32, orthogonalizer=sharded(col, shard_specs=specs, **distributed), **kw)
     grads = TensorDict({k: take(v, boxes[k]) for k, v in full.items()}, batch_size=[])
     return tx.update(grads, tx.init(grads))[0], boxes
 
@@ -337,13 +340,13 @@ def test_owner_balances_flops_and_moves_the_expected_bytes(strategy: str) -> Non
             work.append(ns_flops(x))
             return muonfn.newton_schulz(x, dtype=torch.float32)
 
-        run = sharded_orthogonalizer(counted, strategy, specs)
+        run = sharded_orthogonalizer(counted, strategy=strategy, shard_specs=specs)
         keys = [(k,) for k in full]
         values = [take(v, boxes[k]) for k, v in full.items()]
-        run(keys, values, [muonfn.MatrixView()] * len(keys), ns, "none", 1.0)
+        run(keys, values, [muonfn.MatrixView()] * len(keys), ns, muonfn.linalg.shape_scale("none"))
         counted.reset()  # the first call also checked that the ranks agree; count a steady step
         work.clear()
-        run(keys, values, [muonfn.MatrixView()] * len(keys), ns, "none", 1.0)
+        run(keys, values, [muonfn.MatrixView()] * len(keys), ns, muonfn.linalg.shape_scale("none"))
         return sum(work), counted.bytes_received, counted.bytes_sent, counted.calls
 
     results = simulate(world, body)
@@ -369,7 +372,7 @@ def test_ranks_passing_different_leaves_get_an_error_not_a_hang() -> None:
     def body(col: SimulatedCollectives):
         names = ["a", "b"] if col.rank == 0 else ["a"]
         grads = TensorDict({n: torch.randn(2, 3) for n in names}, [])
-        tx = muonfn.orthogonalize(collectives=col, shard_specs={n: ShardSpec(0) for n in names})
+        tx = muonfn.orthogonalize(orthogonalizer=sharded(col, shard_specs={n: ShardSpec(0) for n in names}))
         tx.update(grads, TensorDict())
 
     with pytest.raises(RuntimeError, match="different leaves"):
@@ -379,7 +382,7 @@ def test_ranks_passing_different_leaves_get_an_error_not_a_hang() -> None:
 def test_shards_that_disagree_off_the_sharded_dim_are_named() -> None:
     def body(col: SimulatedCollectives):
         grads = TensorDict({"w": torch.randn(2, 3 + col.rank)}, [])
-        muonfn.orthogonalize(collectives=col, shard_specs={"w": ShardSpec(0)}).update(grads, TensorDict())
+        muonfn.orthogonalize(orthogonalizer=sharded(col, shard_specs={"w": ShardSpec(0)})).update(grads, TensorDict())
 
     with pytest.raises(ValueError, match=r"'w'.*agree on every other dimension"):
         simulate(2, body, timeout=30)
@@ -390,7 +393,8 @@ def test_views_are_checked_against_the_global_shape() -> None:
         def body(col: SimulatedCollectives):
             grads = TensorDict({"qkv": torch.randn(4, 3)}, [])  # 8 rows in all
             tx = muonfn.orthogonalize(
-                collectives=col, shard_specs={"qkv": ShardSpec(0)}, views={"qkv": muonfn.MatrixView(split=split)}
+                orthogonalizer=sharded(col, shard_specs={"qkv": ShardSpec(0)}),
+                views={"qkv": muonfn.MatrixView(split=split)},
             )
             return tx.update(grads, TensorDict())[0]
 
@@ -409,16 +413,16 @@ def test_bad_configuration_is_refused_up_front() -> None:
     with pytest.raises(ValueError, match="mesh_shape"):
         ShardSpec(placements=(Shard(0),))
     with pytest.raises(TypeError, match="Collectives"):
-        muonfn.orthogonalize(collectives=object())
+        sharded(object())  # type: ignore[arg-type]
 
     def body(col: SimulatedCollectives):
         with pytest.raises(ValueError, match="unknown distributed strategy 'scatter'"):
             muonfn.muon(collectives=col, strategy="scatter")
         with pytest.raises(TypeError, match="ShardSpec"):
-            muonfn.orthogonalize(collectives=col, shard_specs={"w": 0})
+            sharded(col, shard_specs={"w": 0})  # type: ignore[dict-item]
         grads = TensorDict({"w": torch.randn(4, 3)}, [])
         spec = ShardSpec(placements=(Shard(0),), mesh_shape=(3,))
-        tx = muonfn.orthogonalize(collectives=col, shard_specs={"w": spec})
+        tx = muonfn.orthogonalize(orthogonalizer=sharded(col, shard_specs={"w": spec}))
         with pytest.raises(ValueError, match=r"'w'.*mesh_shape"):
             tx.update(grads, TensorDict())
 

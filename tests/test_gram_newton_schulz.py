@@ -7,11 +7,11 @@ from hypothesis import strategies as st
 
 import muonfn
 from muonfn import gram_newton_schulz, newton_schulz, polar
-from muonfn._gram_newton_schulz import (
+from muonfn.linalg import (
+    NewtonSchulz,
     default_restarts,
     gram_newton_schulz_flops,
     newton_schulz_flops,
-    select_newton_schulz,
 )
 
 
@@ -167,12 +167,12 @@ def test_flop_counts():
     assert gram_newton_schulz_flops(m, 97, 5, dtype=torch.bfloat16) < newton_schulz_flops(m, 97, 5)
 
 
-def test_select_newton_schulz():
-    assert select_newton_schulz("standard") is newton_schulz
-    gram = select_newton_schulz("gram")
+def test_ns_method_picks_gram_where_cheaper():
     wide = torch.randn(8, 40, dtype=torch.float64)
     square = torch.randn(8, 8, dtype=torch.float64)
+    assert torch.equal(NewtonSchulz(method="standard")(wide), newton_schulz(wide))
+    gram = NewtonSchulz(method="gram")
     assert torch.equal(gram(wide), gram_newton_schulz(wide))
     assert torch.equal(gram(square), newton_schulz(square))  # no flops to save
     with pytest.raises(ValueError, match="ns_method"):
-        select_newton_schulz("svd")
+        NewtonSchulz(method="svd")  # type: ignore[arg-type]

@@ -407,7 +407,7 @@ def test_param_group_changes_take_effect_at_the_next_step():
 
     opt.param_groups[0]["lr"] = -1.0
     before = snapshot(model, opt)
-    with pytest.raises(ValueError, match="param group 0: lr must be >= 0"):
+    with pytest.raises(ValueError, match="param group 0: lr must be finite and >= 0"):
         shim_steps(model, opt, data[:1])
     opt.param_groups[0]["lr"] = 0.03
     before[2][0]["lr"] = 0.03

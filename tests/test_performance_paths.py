@@ -11,6 +11,7 @@ from torch.overrides import TorchFunctionMode
 
 import muonfn
 from muonfn import MatrixView
+from muonfn.linalg import orthogonalize_blocks
 
 # Real-model shapes. (MKL computes a few matrices with 5–11 rows differently in a batch
 # than alone, so bitwise batch = loop is a property of the BLAS for those; not used here.)
@@ -50,7 +51,7 @@ def test_bucketed_equals_unbatched_bitwise(dtype, method):
     _, grads = make(dtype=dtype)
     grads = matrices_only(grads)
     outs = []
-    for bucket_numel in (1, 32 * 128 * 2, muonfn._transforms.DEFAULT_BUCKET_NUMEL):
+    for bucket_numel in (1, 32 * 128 * 2, muonfn.linalg.DEFAULT_BUCKET_NUMEL):
         tx = muonfn.orthogonalize(views=VIEWS, scale="match_rms_adamw", bucket_numel=bucket_numel, ns_method=method)
         outs.append(tx.update(grads, tx.init(grads))[0])
     for out in outs[1:]:
@@ -61,7 +62,7 @@ def test_bucketed_equals_unbatched_bitwise(dtype, method):
 def test_muon_step_does_not_depend_on_bucket_size():
     params, grads = make(1)
     results = []
-    for bucket_numel in (1, muonfn._transforms.DEFAULT_BUCKET_NUMEL):
+    for bucket_numel in (1, muonfn.linalg.DEFAULT_BUCKET_NUMEL):
         tx = muonfn.muon(lr=0.1, views=VIEWS, bucket_numel=bucket_numel)
         state, p = tx.init(params), params
         for _ in range(2):
@@ -132,13 +133,14 @@ def test_bucket_cap_splits_batches():
         seen.append(x.shape[0])
         return muonfn.newton_schulz(x)
 
-    out = muonfn._transforms.orthogonalize_batches(mats, [1.0] * 7, ns, bucket_numel=3 * 8 * 24)
+    none = muonfn.linalg.shape_scale("none")
+    out = orthogonalize_blocks(mats, [MatrixView(batch_dims=1)] * 7, ns, none, bucket_numel=3 * 8 * 24)
     assert seen == [3, 3, 1]
     for m, o in zip(mats, out):
         assert torch.equal(o, muonfn.newton_schulz(m))
     # a matrix larger than the cap is still orthogonalized, alone
     seen.clear()
-    muonfn._transforms.orthogonalize_batches(mats[:2], [1.0, 1.0], ns, bucket_numel=10)
+    orthogonalize_blocks(mats[:2], [MatrixView(batch_dims=1)] * 2, ns, none, bucket_numel=10)
     assert seen == [1, 1]
 
 
@@ -233,7 +235,7 @@ def test_inplace_decay_and_learning_rate_overwrite_their_input_with_the_same_bit
     expected = {}
     for inplace in (False, True):
         chain = muonfn.chain(
-            muonfn.add_decayed_weights(torch.tensor(0.1), mask, inplace=inplace),
+            muonfn.add_decayed_weights(torch.tensor(0.1), mask=mask, inplace=inplace),
             muonfn.scale_by_learning_rate(lr, inplace=inplace),
         )
         incoming = grads.clone()

@@ -101,7 +101,7 @@ def test_muon_matches_torch_with_the_same_newton_schulz(
     trajectories agree to rounding, so NS precision is the only difference (next test)."""
 
     def our_ns(grad: torch.Tensor, coefficients: tuple, steps: int, eps: float) -> torch.Tensor:
-        return newton_schulz(grad, [coefficients], steps, eps, dtype=dtype)
+        return newton_schulz(grad, [coefficients], steps=steps, eps=eps, dtype=dtype)
 
     monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", our_ns)
     model = mlp(2, (6, 16, 24, 3), bias=False).to(dtype)

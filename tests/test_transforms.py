@@ -30,7 +30,7 @@ def step(tx: muonfn.Transform, grads: TensorDict, state: TensorDict, params: Ten
 def test_ema_momentum_matches_closed_form(nesterov: bool) -> None:
     mu = 0.9
     params = td(w=torch.zeros(3, 4, dtype=F64), b=torch.zeros(5, dtype=F64))
-    tx = muonfn.ema_momentum(mu, nesterov)
+    tx = muonfn.ema_momentum(mu, nesterov=nesterov)
     state = tx.init(params)
     grads = [random_like(params, seed=t) for t in range(4)]
     for g in grads:
@@ -163,11 +163,13 @@ def model_like() -> TensorDict:
 @pytest.mark.parametrize("scale", ["match_rms_adamw", "original", "unit_rms_norm"])
 def test_scale_by_muon_is_momentum_then_newton_schulz_then_shape_scale(scale: str) -> None:
     params = model_like()
-    fused = muonfn.scale_by_muon(0.9, True, "cesista", scale=scale, extra_scale=0.7, views=VIEWS)
+    fused = muonfn.scale_by_muon(
+        0.9, nesterov=True, ns_coefficients="cesista", scale=scale, extra_scale=0.7, views=VIEWS
+    )
     parts = muonfn.chain(
-        muonfn.ema_momentum(0.9, True),
+        muonfn.ema_momentum(0.9, nesterov=True),
         muonfn.orthogonalize("cesista", views=VIEWS),
-        muonfn.scale_by_shape(scale, 0.7, views=VIEWS),
+        muonfn.scale_by_shape(scale, extra_scale=0.7, views=VIEWS),
     )
     s1, s2 = fused.init(params), parts.init(params)
     assert_td_equal(s1, s2)
@@ -185,7 +187,7 @@ def test_scale_by_muon_is_momentum_then_newton_schulz_then_shape_scale(scale: st
 def test_scale_by_adam_matches_the_formula_with_per_leaf_steps() -> None:
     b1, b2, eps = 0.8, 0.95, 1e-6
     params = td(w=torch.zeros(3, 4, dtype=F64), b=torch.zeros(4, dtype=F64))
-    tx = muonfn.scale_by_adam(b1, b2, eps)
+    tx = muonfn.scale_by_adam(b1, b2, eps=eps)
     state = tx.init(params)
     seen: dict[str, list[torch.Tensor]] = {"w": [], "b": []}
     for t in range(5):
@@ -214,10 +216,10 @@ def test_decayed_weights_and_masks() -> None:
     everything, _ = step(muonfn.add_decayed_weights(0.1), grads, TensorDict(), params)
     assert_td_equal(everything, grads + params * 0.1)
     # a partial mapping exempts what it maps to False; everything else still decays
-    exempt, _ = step(muonfn.add_decayed_weights(0.1, {"norm": False, "bias": False}), grads, TensorDict(), params)
+    exempt, _ = step(muonfn.add_decayed_weights(0.1, mask={"norm": False, "bias": False}), grads, TensorDict(), params)
     assert torch.equal(exempt["w"], everything["w"])
     assert torch.equal(exempt["norm"], grads["norm"]) and torch.equal(exempt["bias"], grads["bias"])
-    by_rank = muonfn.add_decayed_weights(0.1, lambda p: {k: v.ndim >= 2 for k, v in p.items()})
+    by_rank = muonfn.add_decayed_weights(0.1, mask=lambda p: {k: v.ndim >= 2 for k, v in p.items()})
     out, _ = step(by_rank, grads, TensorDict(), params)
     assert_td_equal(out, exempt)
     wd = torch.tensor(0.1)

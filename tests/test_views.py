@@ -10,7 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from muonfn import SCALE_MODES, MatrixView
-from muonfn._views import block_scales, resolve_views
+from muonfn.linalg import block_scales, shape_scale
+from muonfn.transforms import resolve_views
 
 # (out, in) = (A, B) -> expected factor, written out by hand
 KNOWN_FACTORS = {
@@ -24,7 +25,9 @@ KNOWN_FACTORS = {
 @pytest.mark.parametrize("mode", sorted(SCALE_MODES))
 def test_scale_mode_factors(shape: tuple[int, int], mode: str) -> None:
     assert SCALE_MODES[mode](*shape) == pytest.approx(KNOWN_FACTORS[shape][mode], rel=1e-15)
-    assert block_scales(MatrixView(), shape, mode, 0.5) == [pytest.approx(0.5 * KNOWN_FACTORS[shape][mode])]
+    assert block_scales(MatrixView(), shape, shape_scale(mode, 0.5)) == [
+        pytest.approx(0.5 * KNOWN_FACTORS[shape][mode])
+    ]
 
 
 @pytest.mark.parametrize(
@@ -51,17 +54,17 @@ def test_logical_shapes(view: MatrixView, shape: tuple[int, ...], logical: tuple
 
 def test_conv_scale_uses_the_flattened_shape() -> None:
     """(out, in, k, k) = (8, 4, 3, 3) is the 8×36 matrix: √max(1, 8/36) = 1, not √max(1, 8/4)."""
-    assert block_scales(MatrixView(), (8, 4, 3, 3), "original", 1.0) == [1.0]
-    assert block_scales(MatrixView(), (8, 4, 3, 3), "match_rms_adamw", 1.0) == [pytest.approx(0.2 * 6)]
+    assert block_scales(MatrixView(), (8, 4, 3, 3), shape_scale("original", 1.0)) == [1.0]
+    assert block_scales(MatrixView(), (8, 4, 3, 3), shape_scale("match_rms_adamw", 1.0)) == [pytest.approx(0.2 * 6)]
 
 
 def test_transposed_storage_scales_by_the_logical_shape() -> None:
-    assert block_scales(MatrixView(transposed=True), (16, 64), "original", 1.0) == [2.0]
-    assert block_scales(MatrixView(), (16, 64), "original", 1.0) == [1.0]
+    assert block_scales(MatrixView(transposed=True), (16, 64), shape_scale("original", 1.0)) == [2.0]
+    assert block_scales(MatrixView(), (16, 64), shape_scale("original", 1.0)) == [1.0]
 
 
 def test_split_blocks_are_scaled_on_their_own() -> None:
-    scales = block_scales(MatrixView(split=(32, 8, 8)), (48, 16), "original", 1.0)
+    scales = block_scales(MatrixView(split=(32, 8, 8)), (48, 16), shape_scale("original", 1.0))
     assert scales == [pytest.approx(math.sqrt(2)), 1.0, 1.0]
 
 

@@ -62,8 +62,8 @@ thread each, over :class:`SimulatedCollectives` that really exchange data;
 
 from ._collectives import Collectives, CountingCollectives, TorchCollectives, torch_collectives
 from ._layout import ShardSpec
+from ._orthogonalizer import STRATEGIES, ShardedOrthogonalizer, ShardSpecs, Strategy, sharded_orthogonalizer
 from ._simulate import SimulatedCollectives, simulate
-from ._strategies import STRATEGIES, ShardSpecs, sharded_orthogonalizer
 
 __all__ = [
     "STRATEGIES",
@@ -71,7 +71,9 @@ __all__ = [
     "CountingCollectives",
     "ShardSpec",
     "ShardSpecs",
+    "ShardedOrthogonalizer",
     "SimulatedCollectives",
+    "Strategy",
     "TorchCollectives",
     "sharded_orthogonalizer",
     "simulate",

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from .. import _tree
-from .._views import MatrixView
+from .._keys import Key, dotted
+from ..linalg import MatrixFn, MatrixView, ScaleFn, newton_schulz_flops, orthogonalize_blocks
 from ._layout import Box, Layout, ShardSpec, length, placement_global_shape, placement_layout, sizes_layout
 
 
@@ -37,7 +37,7 @@ class Leaf:
     """One gradient leaf as this rank sees it."""
 
     index: int  # position among the leaves of the step
-    key: _tree.Key
+    key: Key
     local: torch.Tensor
     view: MatrixView
     group: Any = None  # Collectives the leaf is sharded over; None: not sharded
@@ -50,7 +50,7 @@ class Leaf:
 
     @property
     def name(self) -> str:
-        return _tree.dotted(self.key)
+        return dotted(self.key)
 
     def signature(self) -> tuple[Any, ...]:
         """What the plan depends on."""
@@ -69,11 +69,11 @@ def _dtensor_type() -> Any:
 
 
 def describe(
-    index: int, key: _tree.Key, value: torch.Tensor, view: MatrixView, spec: ShardSpec | None, collectives: Any
+    index: int, key: Key, value: torch.Tensor, view: MatrixView, spec: ShardSpec | None, collectives: Any
 ) -> Leaf:
     """A leaf with the group it is sharded over: a DTensor's mesh, a ShardSpec's group, or none."""
     dtensor = _dtensor_type()
-    name = _tree.dotted(key)
+    name = dotted(key)
     if dtensor is not None and isinstance(value, dtensor):
         if spec is not None:
             raise ValueError(f"{name!r} is a DTensor, which describes its own sharding; drop its ShardSpec")
@@ -165,12 +165,6 @@ def layout_of(leaf: Leaf, local_shapes: Sequence[Sequence[int]] | None) -> Layou
                 f"{layout.shape}"
             )
     return layout
-
-
-def ns_cost(rows: int, cols: int) -> int:
-    """Flops of one Newton–Schulz step on a ``rows × cols`` matrix."""
-    m, n = min(rows, cols), max(rows, cols)
-    return 4 * m * m * n + 2 * m * m * m
 
 
 def unit_view(view: MatrixView) -> MatrixView:
@@ -366,7 +360,7 @@ def make_plan(group: Any, leaves: list[Leaf], strategy: str, bucket_numel: int) 
     for i, (leaf, layout) in enumerate(zip(leaves, layouts)):
         k = leaf.view.batch_dims
         shape = layout.shape[k:]
-        cost = sum(ns_cost(r, c) for r, c in unit_view(leaf.view).blocks(shape))
+        cost = int(sum(newton_schulz_flops(r, c, 1) for r, c in unit_view(leaf.view).blocks(shape)))
         holders = _holders(layout, k)
         whole = tuple(((0, n),) for n in shape)
         local.append(all(box == whole for by_rank in holders.values() for _, box in by_rank.values()))
@@ -402,3 +396,17 @@ def make_plan(group: Any, leaves: list[Leaf], strategy: str, bucket_numel: int) 
                 _owner_traffic(batch, units, me, w)
         batches.append(round_batches)
     return Plan(leaves, layouts, local, units, batches, list(gram.values()))
+
+
+def local_units(plan: Plan, leaf: int, tensor: torch.Tensor) -> torch.Tensor:
+    """A local shard as ``(local units, *shard of one unit)``."""
+    return tensor.reshape(-1, *tensor.shape[plan.leaves[leaf].view.batch_dims :])
+
+
+def orthogonalize_units(
+    plan: Plan, units: list[int], fulls: dict[int, torch.Tensor], ns: MatrixFn, scale: ScaleFn, cap: int
+) -> dict[int, torch.Tensor]:
+    """``scale * NS`` of whole units, through each leaf's view; same shapes batched."""
+    views = [unit_view(plan.leaves[plan.units[u].leaf].view) for u in units]
+    done = orthogonalize_blocks([fulls[u] for u in units], views, ns, scale, bucket_numel=cap)
+    return dict(zip(units, done))

@@ -26,24 +26,29 @@ mode               :math:`s(A, B)`        used by
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Literal, TypeAlias, get_args
 
 import torch
 
-from ._tree import Key, dotted, resolve_key
+from .._keys import Key, dotted
 
-SCALE_MODES: dict[str, Callable[[int, int], float]] = {
+ScaleMode: TypeAlias = Literal["original", "match_rms_adamw", "spectral", "unit_rms_norm", "none"]
+ScaleFn: TypeAlias = Callable[[int, int], float]
+
+SCALE_MODES: dict[str, ScaleFn] = {
     "original": lambda a, b: math.sqrt(max(1.0, a / b)),
     "match_rms_adamw": lambda a, b: 0.2 * math.sqrt(max(a, b)),
     "spectral": lambda a, b: math.sqrt(max(a, b)),
     "unit_rms_norm": lambda a, b: math.sqrt(a / b),
     "none": lambda a, b: 1.0,
 }
+assert tuple(SCALE_MODES) == get_args(ScaleMode)
 
 
-def check_scale(scale: str, extra_scale: float) -> None:
+def shape_scale(scale: ScaleMode, extra_scale: float = 1.0) -> ScaleFn:
+    """The scale of an ``A × B`` matrix block: ``SCALE_MODES[scale](A, B) * extra_scale``, checked."""
     if scale not in SCALE_MODES:
         raise ValueError(f"unknown scale mode {scale!r}; choose one of {sorted(SCALE_MODES)}")
     # a Python number: scales are fixed per shape, so they stay out of the traced update
@@ -51,6 +56,10 @@ def check_scale(scale: str, extra_scale: float) -> None:
         raise TypeError(f"extra_scale must be a float, got {type(extra_scale).__name__}")
     if not (math.isfinite(extra_scale) and extra_scale >= 0):
         raise ValueError(f"extra_scale must be finite and >= 0, got {extra_scale!r}")
+    mode = SCALE_MODES[scale]
+    if extra_scale == 1.0:
+        return mode
+    return lambda a, b: mode(a, b) * extra_scale
 
 
 @dataclass(frozen=True)
@@ -130,27 +139,7 @@ class MatrixView:
 
 DEFAULT_VIEW = MatrixView()
 
-ViewsLike: TypeAlias = (
-    Mapping[str, MatrixView] | Mapping[Key, MatrixView] | Callable[[Key, torch.Tensor], MatrixView | None] | None
-)
 
-
-def resolve_views(views: ViewsLike, keys: Sequence[Key], tensors: Sequence[torch.Tensor]) -> list[MatrixView]:
-    """One view per leaf: the declared one, else the default (2-D as is, ≥3-D as conv)."""
-    if views is None:
-        return [DEFAULT_VIEW] * len(keys)
-    if not isinstance(views, Mapping):  # `callable` of a dict does not trace under torch.compile
-        return [views(k, t) or DEFAULT_VIEW for k, t in zip(keys, tensors)]
-    declared: dict[Key, MatrixView] = {}
-    for name, view in views.items():
-        try:
-            declared[resolve_key(name, keys)] = view
-        except KeyError:
-            continue  # a view for a leaf this transform does not see (e.g. routed to AdamW)
-    return [declared.get(k, DEFAULT_VIEW) for k in keys]
-
-
-def block_scales(view: MatrixView, shape: Sequence[int], scale: str, extra_scale: float) -> list[float]:
+def block_scales(view: MatrixView, shape: Sequence[int], scale: ScaleFn) -> list[float]:
     """The scale of every block of a leaf of ``shape``."""
-    fn = SCALE_MODES[scale]
-    return [fn(rows, cols) * extra_scale for rows, cols in view.blocks(shape)]
+    return [scale(rows, cols) for rows, cols in view.blocks(shape)]

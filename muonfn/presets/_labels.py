@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from tensordict import TensorDictBase
 from torch import nn
 
-from . import _tree
-from ._views import MatrixView
+from .. import _tree
+from ..linalg import MatrixView
 
 MUON = "muon"
 ADAMW = "adamw"

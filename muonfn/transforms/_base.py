@@ -6,7 +6,7 @@ from typing import NamedTuple, Protocol
 
 from tensordict import TensorDict, TensorDictBase
 
-from . import _tree
+from .. import _tree
 
 
 class InitFn(Protocol):

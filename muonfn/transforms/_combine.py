@@ -8,9 +8,11 @@ from typing import Any, TypeAlias
 import torch
 from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor
 
-from . import _tree
+from .. import _tree
+from .._keys import Key, dotted, resolve_table
 from ._base import Transform
-from ._transforms import MaskLike, resolve_mask
+from ._masks import MaskLike, resolve_mask
+from ._state import NOTFINITE_COUNT
 
 LabelsLike: TypeAlias = Mapping[Any, str] | TensorDictBase | Callable[[TensorDictBase], Mapping[Any, str]]
 
@@ -72,37 +74,32 @@ def named(name: str, tx: Transform) -> Transform:
     return Transform(init, update)
 
 
+def label_table(labels: LabelsLike, params: TensorDictBase) -> Mapping[Any, Any]:
+    """The names-to-labels table ``labels`` gives for these ``params``."""
+    if isinstance(labels, TensorDictBase):
+        return {k: labels.get(k) for k in labels.keys(True, True, is_leaf=is_leaf_nontensor)}
+    return labels if isinstance(labels, Mapping) else labels(params)
+
+
 def resolve_labels(
     labels: LabelsLike, params: TensorDictBase, names: Mapping[str, Any], strict: bool = False
-) -> dict[_tree.Key, str]:
+) -> dict[Key, str]:
     """Maps every leaf of ``params`` to one of ``names``; errors name the leaf.
 
     ``strict``: a label for a name that is not a leaf of ``params`` is an error (a typo);
     otherwise it is ignored (``params`` may be the subset of leaves that have gradients).
     """
     keys = _tree.leaf_keys(params)
-    if isinstance(labels, TensorDictBase):
-        table: Mapping[Any, Any] = {k: labels.get(k) for k in labels.keys(True, True, is_leaf=is_leaf_nontensor)}
-    else:
-        table = labels if isinstance(labels, Mapping) else labels(params)
-    assigned: dict[_tree.Key, str] = {}
-    for name, label in table.items():
+    table = resolve_table(label_table(labels, params), keys, where="partition: labels" if strict else None)
+    assigned: dict[Key, str] = {}
+    for key, label in table.items():
         label = getattr(label, "data", label)
-        try:
-            key = _tree.resolve_key(name, keys)
-        except KeyError:
-            if strict:
-                raise ValueError(
-                    f"partition: labels name {name!r}, which is not a parameter "
-                    "(drop it from the labels, e.g. when its parameter is frozen)"
-                ) from None
-            continue
         if label not in names:
-            raise ValueError(f"partition: {_tree.dotted(key)!r} has label {label!r}; known labels: {sorted(names)}")
+            raise ValueError(f"partition: {dotted(key)!r} has label {label!r}; known labels: {sorted(names)}")
         assigned[key] = label
     for key in keys:
         if key not in assigned:
-            raise ValueError(f"partition: parameter {_tree.dotted(key)!r} has no label")
+            raise ValueError(f"partition: parameter {dotted(key)!r} has no label")
     return assigned
 
 
@@ -129,8 +126,8 @@ def partition(transforms: Mapping[str, Transform], labels: LabelsLike) -> Transf
         assigned = resolve_labels(labels, params if params is not None else grads, transforms)
         for key in keys:
             if key not in assigned:
-                raise ValueError(f"partition: gradient {_tree.dotted(key)!r} has no matching parameter")
-        out: dict[_tree.Key, torch.Tensor] = {}
+                raise ValueError(f"partition: gradient {dotted(key)!r} has no matching parameter")
+        out: dict[Key, torch.Tensor] = {}
         new_state = {}
         for name, t in transforms.items():
             mine = [k for k in keys if assigned[k] == name]
@@ -171,9 +168,6 @@ def masked(tx: Transform, mask: MaskLike) -> Transform:
     return Transform(init, update)
 
 
-NOTFINITE = "notfinite_count"
-
-
 def apply_if_finite(tx: Transform) -> Transform:
     """Skips a step whose gradients hold NaN or Inf: zero updates, state unchanged.
 
@@ -183,10 +177,10 @@ def apply_if_finite(tx: Transform) -> Transform:
 
     def init(params: TensorDictBase) -> TensorDictBase:
         state = tx.init(params)
-        if NOTFINITE in state:
-            raise ValueError(f"apply_if_finite: the wrapped transform already keeps {NOTFINITE!r}")
+        if NOTFINITE_COUNT in state:
+            raise ValueError(f"apply_if_finite: the wrapped transform already keeps {NOTFINITE_COUNT!r}")
         device = next(iter(params.values(True, True)), torch.empty(0)).device
-        state[NOTFINITE] = torch.zeros(params.batch_size, dtype=torch.int64, device=device)
+        state[NOTFINITE_COUNT] = torch.zeros(params.batch_size, dtype=torch.int64, device=device)
         return state
 
     def update(
@@ -196,11 +190,11 @@ def apply_if_finite(tx: Transform) -> Transform:
         if not values:
             return grads, state
         finite = torch.stack([g.isfinite().all() for g in values]).all()
-        inner = state.exclude(NOTFINITE)
+        inner = state.exclude(NOTFINITE_COUNT)
         updates, new_inner = tx.update(grads, inner, params)
         updates = updates.where(finite, 0.0)
         new_state = new_inner.where(finite, inner)
-        new_state[NOTFINITE] = state[NOTFINITE] + (~finite).to(torch.int64)
+        new_state[NOTFINITE_COUNT] = state[NOTFINITE_COUNT] + (~finite).to(torch.int64)
         return updates, new_state
 
     return Transform(init, update)

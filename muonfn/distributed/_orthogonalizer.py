@@ -1,0 +1,151 @@
+r"""The sharded orthogonalizer: Newton–Schulz on whole matrices assembled from shards.
+
+It is an :class:`~muonfn.linalg.Orthogonalizer`, so :func:`muonfn.orthogonalize` takes it
+like the local one. Leaves are DTensors (their placements say how they are sharded),
+plain tensors named in ``shard_specs`` (local shards, see :class:`ShardSpec`) or plain
+tensors (whole matrices, orthogonalized locally). A :class:`~._plan.Plan` per set of
+leaves says which piece goes where; the strategy (``"owner"``, ``"gather"``,
+``"tp_gram"``) carries it out.
+
+Orientation and scale always come from a unit's global shape, and ``"owner"`` and
+``"gather"`` run the math on the assembled tensor, so their results are bitwise the
+single-process ones whenever Newton–Schulz is batch invariant (as fp32 ``bmm`` on CPU with
+one intra-op thread is; multithreaded CPU BLAS may pick kernels by batch size).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, TypeAlias, get_args
+
+import torch
+
+from .._keys import Key, resolve_table
+from ..linalg import DEFAULT_BUCKET_NUMEL, MatrixFn, MatrixView, ScaleFn, check_bucket_numel, orthogonalize_blocks
+from ._collectives import Collectives
+from ._gather import run_gather
+from ._layout import ShardSpec
+from ._owner import run_owner
+from ._plan import Leaf, Plan, describe, make_plan
+from ._tp_gram import run_tp_gram
+
+Strategy: TypeAlias = Literal["owner", "gather", "tp_gram"]
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+
+ShardSpecs: TypeAlias = Mapping[Any, ShardSpec]
+
+_REQUIRED = ("rank", "world_size", "all_gather_into_tensor", "all_to_all_single", "all_reduce")
+
+
+class ShardedOrthogonalizer:
+    """Orthogonalizes sharded leaves as whole matrices through ``collectives`` (see :func:`sharded_orthogonalizer`)."""
+
+    def __init__(
+        self, collectives: Collectives, strategy: Strategy, shard_specs: ShardSpecs, bucket_numel: int
+    ) -> None:
+        self.collectives = collectives
+        self.strategy = strategy
+        self.shard_specs = dict(shard_specs)
+        self.bucket_numel = bucket_numel
+        self._plans: dict[tuple[Any, ...], Plan] = {}
+
+    def _plan(self, group: Any, members: list[Leaf]) -> Plan:
+        key = (id(group), tuple(leaf.signature() for leaf in members))
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= 16:
+                self._plans.clear()
+            plan = make_plan(group, members, self.strategy, self.bucket_numel)
+            self._plans[key] = plan.with_leaves([])  # the cache keeps no tensors alive
+        return plan.with_leaves(members)
+
+    def __call__(
+        self,
+        keys: Sequence[Key],
+        tensors: Sequence[torch.Tensor],
+        views: Sequence[MatrixView],
+        ns: MatrixFn,
+        scale: ScaleFn,
+    ) -> list[torch.Tensor]:
+        # specs for leaves without a gradient this step, or routed elsewhere, are skipped
+        declared = resolve_table(self.shard_specs, keys)
+        leaves = [
+            describe(i, key, value, view, declared.get(key), self.collectives)
+            for i, (key, value, view) in enumerate(zip(keys, tensors, views))
+        ]
+        groups: dict[int, tuple[Any, list[Leaf]]] = {}
+        for leaf in leaves:
+            if leaf.group is not None:
+                groups.setdefault(id(leaf.group), (leaf.group, []))[1].append(leaf)
+        # plans first: making one exchanges shapes, and every rank must reach that in the same order
+        plans_now = [(group, self._plan(group, members)) for group, members in groups.values()]
+
+        out: list[torch.Tensor | None] = [None] * len(leaves)
+        # whole matrices where they lie: unsharded leaves, and shards that hold whole matrices (experts)
+        whole = [(leaf, tuple(leaf.local.shape)) for leaf in leaves if leaf.group is None]
+        for leaf, shape in whole:
+            leaf.view.check(leaf.key, shape)
+        for _, plan in plans_now:
+            whole += [
+                (leaf, layout.shape) for leaf, layout, local in zip(plan.leaves, plan.layouts, plan.local) if local
+            ]
+        done = orthogonalize_blocks(
+            [leaf.local for leaf, _ in whole],
+            [leaf.view for leaf, _ in whole],
+            ns,
+            scale,
+            bucket_numel=self.bucket_numel,
+            shapes=[shape for _, shape in whole],
+        )
+        for (leaf, _), result in zip(whole, done):
+            out[leaf.index] = leaf.wrap(result)
+
+        for group, plan in plans_now:
+            results = [torch.empty_like(leaf.local) for leaf in plan.leaves]
+            for gram_batch in plan.gram:
+                run_tp_gram(group, plan, gram_batch, results, ns, scale)
+            run = run_gather if self.strategy == "gather" else run_owner
+            for round_batches in plan.rounds:
+                for batch in round_batches:
+                    run(group, plan, batch, results, ns, scale, self.bucket_numel)
+            for leaf, local, result in zip(plan.leaves, plan.local, results):
+                if not local:
+                    out[leaf.index] = leaf.wrap(result)
+        assert all(t is not None for t in out)
+        return out  # type: ignore[return-value]
+
+    def __repr__(self) -> str:
+        return f"ShardedOrthogonalizer({self.collectives!r}, strategy={self.strategy!r})"
+
+
+def sharded_orthogonalizer(
+    collectives: Collectives,
+    *,
+    strategy: Strategy = "owner",
+    shard_specs: ShardSpecs | None = None,
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+) -> ShardedOrthogonalizer:
+    """The :class:`~muonfn.linalg.Orthogonalizer` of sharded parameters, for :func:`muonfn.orthogonalize`.
+
+    Args:
+        collectives: the :class:`Collectives` of the ranks the parameters are sharded over
+            (``torch_collectives(mesh)``); never a default group.
+        strategy: ``"owner"`` (default), ``"gather"`` or ``"tp_gram"`` (see :mod:`muonfn.distributed`).
+        shard_specs: plain local tensors that are shards, by parameter name (:class:`ShardSpec`).
+        bucket_numel: at most this many elements of whole matrices per rank and round.
+
+    Returns:
+        An orthogonalizer returning each leaf with its input's type, placements and local shape.
+
+    Example:
+        >>> tx = muonfn.orthogonalize(orthogonalizer=sharded_orthogonalizer(torch_collectives(mesh)))  # doctest: +SKIP
+    """
+    if collectives is None or not all(hasattr(collectives, name) for name in _REQUIRED):
+        raise TypeError(f"collectives must implement muonfn.distributed.Collectives, got {collectives!r}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown distributed strategy {strategy!r}; choose one of {list(STRATEGIES)}")
+    specs = dict(shard_specs or {})
+    for name, spec in specs.items():
+        if not isinstance(spec, ShardSpec):
+            raise TypeError(f"shard_specs[{name!r}] must be a muonfn.distributed.ShardSpec, got {spec!r}")
+    return ShardedOrthogonalizer(collectives, strategy, specs, check_bucket_numel(bucket_numel))

@@ -1,0 +1,45 @@
+r"""``muonfn.optim``: a ``torch.optim.Optimizer`` that steps with the functional core.
+
+:class:`Muon` translates between the ``torch.optim`` contract (``param_groups``,
+``state``, ``step``, ``state_dict``) and ``muonfn``'s pure functions; every number it
+writes comes from ``Transform.update``.
+
+**Param groups.** Every group is routed wholly to Muon or to AdamW; its ``"use_muon"``
+entry says which. A group given without ``"use_muon"`` (plain ``params``, or a dict
+without the key) is split by ``labels`` into a Muon group followed by an AdamW group,
+both kept even when empty, so ``Muon(model.named_parameters())`` has exactly two groups
+and a scheduler scales both learning rates alike. Scheduled hyperparameters (``lr``,
+``momentum``, ``weight_decay``) are read from ``param_groups`` at every step; the others
+(``nesterov``, ``ns_*``, ``scale``, ``extra_scale``, ``adamw_betas``, ``adamw_eps``) may be
+changed too and rebuild the transform. ``momentum`` drives Muon only: AdamW's
+``adamw_betas`` are not touched by schedulers that cycle momentum.
+
+**State.** ``opt.functional_state`` is the TensorDict ``Transform.update`` takes and
+returns. Parameters are keyed by their ``named_parameters()`` names split at dots
+(``("0", "weight")``, as in ``TensorDict.from_module``), or by their position
+(``("0",)``, ``("1",)``, ...) when given without names. The k-th Muon group keeps its state
+under ``"muon"`` (k = 0) or ``f"muon_{k}"``, the k-th AdamW group under ``"adamw"`` or
+``f"adamw_{k}"``, so for the default two groups the layout is that of
+``muonfn.muon(...).init(params)``: ``state["muon", "momentum", *key]`` and
+``state["adamw", "step" | "exp_avg" | "exp_avg_sq", *key]``. ``opt.state[p]`` shows the
+same tensors under torch's names: ``{"momentum_buffer"}`` for Muon,
+``{"step", "exp_avg", "exp_avg_sq"}`` for AdamW (``"step"`` an exact int64 count).
+
+**Checkpoints.** ``opt.state_dict()`` follows torch's format (state keyed by parameter
+index, hyperparameters in ``param_groups``) and loads with ``torch.load(weights_only=True)``;
+``muonfn.save(opt.functional_state, path)`` stores the TensorDict itself.
+
+Example::
+
+    opt = muonfn.optim.Muon(model.named_parameters(), lr=0.02, adamw_lr=3e-4)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)
+    for x, y in loader:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+        scheduler.step()
+"""
+
+from ._optimizer import Muon
+
+__all__ = ["Muon"]

@@ -1,0 +1,148 @@
+"""Param groups of the shim: how parameters are read, routed, keyed and scheduled."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from .._keys import Key, dotted
+from .._validation import non_negative, unit_interval
+from ..linalg import Coefficients, CoefficientsLike
+from ..presets import ADAMW, MUON, TORCH_STATE_NAMES
+
+#: Hyperparameters fed to the transform as 0-d tensors, refreshed before every step.
+SCHEDULED = ("lr", "momentum", "weight_decay")
+MUON_SETTINGS = ("nesterov", "ns_coefficients", "ns_steps", "ns_dtype", "ns_eps", "ns_method", "scale", "extra_scale")
+ADAMW_SETTINGS = ("adamw_betas", "adamw_eps")
+#: Group keys that only say how a group given without ``use_muon`` sets its AdamW half.
+SPLIT_ONLY = ("adamw_lr", "adamw_weight_decay")
+ROUTES = ((True, MUON), (False, ADAMW))
+
+
+def state_names(use_muon: bool) -> dict[str, str]:
+    """torch's name of each state entry of a group -> its field in the functional state."""
+    return TORCH_STATE_NAMES[MUON if use_muon else ADAMW]
+
+
+class Slot(NamedTuple):
+    """Where a parameter lives: its group, its key, and its group's state label."""
+
+    group: int
+    key: Key
+    label: str
+    use_muon: bool
+
+
+def group_labels(routes: Sequence[bool]) -> list[str]:
+    """``"muon"``, ``"adamw"``, ``"muon_1"``, ...: the k-th group of a kind gets suffix k (none for 0)."""
+    seen = {True: 0, False: 0}
+    labels = []
+    for use_muon in routes:
+        k = seen[use_muon]
+        seen[use_muon] += 1
+        base = MUON if use_muon else ADAMW
+        labels.append(base if k == 0 else f"{base}_{k}")
+    return labels
+
+
+def index_slots(groups: Sequence[Mapping[str, Any]], keys: Mapping[torch.Tensor, Key]) -> dict[torch.Tensor, Slot]:
+    """Every parameter's group, key and state label."""
+    labels = group_labels([g["use_muon"] for g in groups])
+    return {p: Slot(i, keys[p], labels[i], g["use_muon"]) for i, g in enumerate(groups) for p in g["params"]}
+
+
+def group_value(group_index: int, name: str, value: Any) -> float:
+    """A group's number as a float; like torch, any one-element tensor is a number here."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"param group {group_index}: {name} must be a number, got a tensor of shape {value.shape}")
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"param group {group_index}: {name} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def new_scalars(group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The 0-d tensors a group's transform reads its scheduled hyperparameters from.
+
+    float64 on the host: the core then computes what it computes from a Python float
+    (``1 - momentum`` in double, one rounding to the parameter's dtype), bit for bit, and
+    reading them never waits for a device.
+    """
+    names = SCHEDULED if group["use_muon"] else ("lr", "weight_decay")
+    return {name: torch.tensor(float(group[name]), dtype=torch.float64) for name in names}
+
+
+def check_scheduled(group_index: int, group: Mapping[str, Any]) -> None:
+    """The core's checks, for values a scheduler or a user may have changed since construction."""
+    names = SCHEDULED if group["use_muon"] else ("lr", "weight_decay")
+    for name in names:
+        value = group_value(group_index, name, group[name])
+        check = unit_interval if name == "momentum" else non_negative
+        check(f"param group {group_index}: {name}", value)
+
+
+def plain_coefficients(value: CoefficientsLike) -> Any:
+    """A schedule in a form ``torch.load(weights_only=True)`` reads back: a name, or a tuple of
+    triples with, for a norm factor other than 1, ``("norm_factor", c)`` in front."""
+    if isinstance(value, str):
+        return value
+    triples = value.triples if isinstance(value, Coefficients) else value
+    plain = tuple(tuple(float(v) for v in t) for t in triples)
+    if isinstance(value, Coefficients) and value.norm_factor != 1.0:
+        return (("norm_factor", float(value.norm_factor)), *plain)
+    return plain
+
+
+def coefficients_of(value: Any) -> CoefficientsLike:
+    """Inverse of :func:`plain_coefficients`."""
+    if isinstance(value, tuple) and value and isinstance(value[0], tuple) and value[0][:1] == ("norm_factor",):
+        return Coefficients(tuple(value[1:]), value[0][1])
+    return value
+
+
+def read_params(
+    param_group: Mapping[str, Any], existing: Sequence[Mapping[str, Any]]
+) -> tuple[list[torch.Tensor], list[str] | None]:
+    """The tensors of a group and their names (``None`` without), as torch reads them."""
+    params = param_group["params"]
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    elif isinstance(params, set):
+        raise TypeError("optimizer parameters need a deterministic order: pass a list, not a set")
+    params = list(params)
+    named = [isinstance(p, tuple) for p in params]
+    if any(named) and not all(named):
+        raise ValueError("all optimizer params should be with or without names; some names are missing")
+    with_names = bool(params) and all(named)
+    if existing and with_names != ("param_names" in existing[0]):
+        raise ValueError(
+            "all optimizer param groups should be with/without names; "
+            f"cannot add a param group {'with' if with_names else 'without'} names"
+        )
+    if with_names:
+        return [p for _, p in params], [name for name, _ in params]
+    return params, None
+
+
+def check_new_params(tensors: Sequence[Any], keys: Sequence[Key], slots: Mapping[torch.Tensor, Slot]) -> None:
+    """New parameters must be distinct leaf floating-point tensors, under names not yet taken."""
+    known_keys = {slot.key for slot in slots.values()}
+    seen: dict[torch.Tensor, str] = {}
+    for p, key in zip(tensors, keys):
+        name = dotted(key)
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"optimizer can only optimize tensors, but {name!r} is a {type(p).__name__}")
+        if not (p.is_leaf or p.retains_grad):
+            raise ValueError(f"can't optimize a non-leaf tensor ({name!r})")
+        if not p.is_floating_point():
+            raise TypeError(f"parameter {name!r} has dtype {p.dtype}; only real floating-point tensors train")
+        if p in seen:
+            raise ValueError(f"parameter {name!r} is the same tensor as {seen[p]!r}; pass each tensor once")
+        if p in slots:
+            raise ValueError(f"parameter {name!r} is already in parameter group {slots[p].group}")
+        if key in known_keys:
+            raise ValueError(f"a parameter named {name!r} is already being optimized")
+        seen[p] = name

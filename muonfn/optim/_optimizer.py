@@ -1,0 +1,384 @@
+"""The ``torch.optim.Optimizer`` subclass: translates param groups into the presets' branches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from .. import _tree
+from .._validation import Scalar
+from ..linalg import CoefficientsLike, NSMethod, Orthogonalizer, ScaleMode
+from ..presets import ADAMW, MUON, adamw, check_names, label_params, muon_branch, muon_orthogonalizer
+from ..transforms import LabelsLike, MaskLike, Transform, ViewsLike, partition, resolve_labels, resolve_views
+from . import _groups
+from ._param_state import ParamState
+from ._state_dict import translate_state_dict
+
+if TYPE_CHECKING:
+    from ..distributed import Collectives, ShardSpecs, Strategy
+
+
+class Muon(torch.optim.Optimizer):
+    r"""Muon for matrices and AdamW for the rest, as a ``torch.optim.Optimizer``.
+
+    Takes the keywords of :func:`muonfn.muon` (see there for the math) and steps with the
+    ``update`` of the same branches; see :mod:`muonfn.optim` for how groups and state are
+    laid out.
+
+    Args:
+        params: ``model.named_parameters()`` (names drive ``labels``), an iterable of
+            tensors, or param-group dicts. A dict may set ``lr``, ``momentum``,
+            ``weight_decay`` and the other defaults, ``"use_muon": True/False`` to route
+            the whole group, or, when it leaves routing to ``labels``, ``adamw_lr`` and
+            ``adamw_weight_decay`` for its AdamW half.
+        lr: a number (or a one-element tensor); schedule it with ``torch.optim.lr_scheduler``.
+
+    The other keywords are those of :func:`muonfn.muon`. ``adamw_lr`` and
+    ``adamw_weight_decay`` (``None``: the Muon value) set the AdamW groups' ``lr`` and
+    ``weight_decay``. ``labels``, ``views``, ``weight_decay_mask`` and ``shard_specs`` are
+    checked against the parameters' names at construction: a typo is an error.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> opt = muonfn.optim.Muon(model.named_parameters(), lr=0.02)
+        >>> [(g["use_muon"], g["param_names"]) for g in opt.param_groups]
+        [(True, ['0.weight', '1.weight']), (False, ['0.bias', '1.bias'])]
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[dict[str, Any]],
+        lr: Scalar = 1e-3,
+        *,
+        momentum: Scalar = 0.95,
+        nesterov: bool = True,
+        weight_decay: Scalar = 0.1,
+        ns_coefficients: CoefficientsLike = "keller",
+        ns_steps: int | None = None,
+        ns_dtype: torch.dtype | None = None,
+        ns_eps: float = 1e-7,
+        ns_method: NSMethod = "standard",
+        scale: ScaleMode = "match_rms_adamw",
+        extra_scale: float = 1.0,
+        adamw_lr: Scalar | None = None,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: Scalar | None = None,
+        labels: LabelsLike | None = None,
+        views: ViewsLike = None,
+        weight_decay_mask: MaskLike = None,
+        bucket_numel: int | None = None,
+        collectives: Collectives | None = None,
+        strategy: Strategy = "owner",
+        shard_specs: ShardSpecs | None = None,
+        donate_state: bool = False,
+    ) -> None:
+        for name, value in (("lr", lr), ("adamw_lr", adamw_lr)):
+            if callable(value) and not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"Muon({name}=...) takes a number; schedule it with torch.optim.lr_scheduler "
+                    "(schedule functions are for muonfn.muon)"
+                )
+        defaults: dict[str, Any] = {
+            "lr": lr,
+            "momentum": momentum,
+            "weight_decay": weight_decay,
+            "nesterov": nesterov,
+            "ns_coefficients": _groups.plain_coefficients(ns_coefficients),
+            "ns_steps": ns_steps,
+            "ns_dtype": ns_dtype,
+            "ns_eps": ns_eps,
+            "ns_method": ns_method,
+            "scale": scale,
+            "extra_scale": extra_scale,
+            "adamw_betas": tuple(adamw_betas),
+            "adamw_eps": adamw_eps,
+        }
+        self._adamw_lr = adamw_lr
+        self._adamw_weight_decay = adamw_weight_decay
+        self._labels: LabelsLike = label_params if labels is None else labels
+        self._views = views
+        self._weight_decay_mask = weight_decay_mask
+        self._bucket_numel = bucket_numel
+        self._donate_state = donate_state
+        self._orthogonalizer: Orthogonalizer | None = muon_orthogonalizer(
+            collectives, strategy, shard_specs, bucket_numel
+        )
+        self._functional_state: TensorDictBase = TensorDict({}, batch_size=[])
+        self._scalars: list[dict[str, torch.Tensor]] = []
+        self._slots: dict[torch.Tensor, _groups.Slot] = {}
+        self._cache: tuple[list[Any], Transform] | None = None
+        super().__init__(params, defaults)  # routes every group through add_param_group
+        check_names(
+            self._param_tensordict(),
+            labels=labels,
+            views=views,
+            weight_decay_mask=weight_decay_mask,
+            shard_specs=shard_specs,
+        )
+        self.state = ParamState(self)  # type: ignore[assignment]
+
+    # ------------------------------------------------------------------ layout
+
+    def _branch(self, group: Mapping[str, Any], scalars: Mapping[str, torch.Tensor]) -> Transform:
+        """The transform of one group: a branch of :func:`muonfn.muon`, built by the preset's own builders."""
+        # the core skips a zero decay given as a number (as muon(weight_decay=0.0) does)
+        weight_decay: Scalar = 0.0 if _is_zero(group["weight_decay"]) else scalars["weight_decay"]
+        if group["use_muon"]:
+            return muon_branch(
+                lr=scalars["lr"],
+                momentum=scalars["momentum"],
+                nesterov=group["nesterov"],
+                weight_decay=weight_decay,
+                ns_coefficients=_groups.coefficients_of(group["ns_coefficients"]),
+                ns_steps=group["ns_steps"],
+                ns_dtype=group["ns_dtype"],
+                ns_eps=group["ns_eps"],
+                ns_method=group["ns_method"],
+                scale=group["scale"],
+                extra_scale=group["extra_scale"],
+                views=self._views,
+                weight_decay_mask=self._weight_decay_mask,
+                orthogonalizer=self._orthogonalizer,
+                bucket_numel=self._bucket_numel,
+                donate_state=self._donate_state,
+            )
+        return adamw(
+            scalars["lr"],
+            betas=group["adamw_betas"],
+            eps=group["adamw_eps"],
+            weight_decay=weight_decay,
+            weight_decay_mask=self._weight_decay_mask,
+            donate_state=self._donate_state,
+        )
+
+    def _signature(self) -> list[Any]:
+        """What the transform is built from besides the scheduled scalars (and the layout, which resets the cache)."""
+        signature: list[Any] = []
+        for group in self.param_groups:
+            settings = _groups.MUON_SETTINGS if group["use_muon"] else _groups.ADAMW_SETTINGS
+            signature.append((group["use_muon"], [group[k] for k in settings], _is_zero(group["weight_decay"])))
+        return signature
+
+    def _build(self, scalars: Sequence[Mapping[str, torch.Tensor]]) -> Transform:
+        """``partition`` over the groups' branches, each parameter labelled by its group."""
+        labels = _groups.group_labels([g["use_muon"] for g in self.param_groups])
+        branches = {label: self._branch(g, s) for label, g, s in zip(labels, self.param_groups, scalars)}
+        return partition(branches, {slot.key: slot.label for slot in self._slots.values()})
+
+    @torch.compiler.disable
+    def _synced_transform(self) -> Transform:
+        """Copies the scheduled hyperparameters into their tensors; rebuilds the transform if settings changed."""
+        for i, group in enumerate(self.param_groups):
+            _groups.check_scheduled(i, group)
+        for group, scalars in zip(self.param_groups, self._scalars):
+            for name, tensor in scalars.items():
+                tensor.fill_(float(group[name]))
+        signature = self._signature()
+        if self._cache is None or self._cache[0] != signature:
+            self._cache = (signature, self._build(self._scalars))
+        return self._cache[1]
+
+    @property
+    def transform(self) -> Transform:
+        """The :class:`~muonfn.Transform` this optimizer steps with.
+
+        Its ``lr``, ``momentum`` and ``weight_decay`` are 0-d tensors this optimizer refills
+        from ``param_groups`` before each of its steps.
+        """
+        return self._synced_transform()
+
+    def _param_tensordict(self, device: str | torch.device | None = None) -> TensorDict:
+        keys, values = [], []
+        for p, slot in self._slots.items():
+            keys.append(slot.key)
+            values.append(p.detach() if device is None else torch.empty_like(p, device=device))
+        return TensorDict(dict(zip(keys, values)), batch_size=[])
+
+    def _layout(self) -> TensorDictBase:
+        """The functional state's structure: expanded one-element tensors of each leaf's shape, dtype and device."""
+        scalars = [_groups.new_scalars(g) for g in self.param_groups]
+        meta = self._build(scalars).init(self._param_tensordict("meta"))
+        devices = {slot.key: p.device for p, slot in self._slots.items()}
+        layout = meta.empty(recurse=True)
+        for key, t in zip(_tree.leaf_keys(meta), _tree.leaves(meta)):
+            # state leaves are keyed (label, field, *parameter key)
+            layout.set(key, torch.empty((), dtype=t.dtype, device=devices[key[2:]]).expand(t.shape))
+        return layout
+
+    # ------------------------------------------------------------------ groups
+
+    @torch.compiler.disable
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds parameters; a group without ``"use_muon"`` is split by ``labels`` into a Muon and an AdamW group.
+
+        Everything is checked before anything changes: on an error the optimizer is as it was.
+        """
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        tensors, names = _groups.read_params(param_group, self.param_groups)
+        if names is not None:
+            keys = [tuple(name.split(".")) for name in names]
+        else:  # by position in the order the optimizer was given them
+            keys = [(str(i),) for i in range(len(self._slots), len(self._slots) + len(tensors))]
+        _groups.check_new_params(tensors, keys, self._slots)
+
+        use_muon = param_group.get("use_muon")
+        if use_muon is None:
+            detached = TensorDict(dict(zip(keys, [p.detach() for p in tensors])), batch_size=[])
+            try:
+                table = resolve_labels(self._labels, detached, dict.fromkeys((MUON, ADAMW)))
+            except ValueError as error:
+                if names is None:
+                    raise ValueError(f"{error} (parameters given without names are keyed by position)") from error
+                raise
+            parts = [(route, [i for i, k in enumerate(keys) if table[k] == label]) for route, label in _groups.ROUTES]
+        elif isinstance(use_muon, bool):
+            for split_only in _groups.SPLIT_ONLY:
+                if split_only in param_group:
+                    raise ValueError(
+                        f"{split_only!r} sets the AdamW half of a group split by labels; this group has "
+                        f"use_muon={use_muon}: set its {split_only.removeprefix('adamw_')!r} instead"
+                    )
+            parts = [(use_muon, list(range(len(tensors))))]
+        else:
+            raise TypeError(f"use_muon must be True or False, got {use_muon!r}")
+
+        new_groups = []
+        for route, members in parts:
+            group = {k: v for k, v in param_group.items() if k not in ("params", "param_names", *_groups.SPLIT_ONLY)}
+            group["params"] = [tensors[i] for i in members]
+            if names is not None:
+                group["param_names"] = [names[i] for i in members]
+            if not route:
+                # the AdamW half: adamw_lr / adamw_weight_decay of the group, else of the optimizer, else
+                # the group's lr / weight_decay ("None means the Muon value", as in muonfn.muon)
+                for name, fallback in (("lr", self._adamw_lr), ("weight_decay", self._adamw_weight_decay)):
+                    value = param_group.get(f"adamw_{name}", fallback)
+                    if value is not None:
+                        group[name] = value
+            for name, default in self.defaults.items():
+                group.setdefault(name, default)
+            group["use_muon"] = route
+            group["ns_coefficients"] = _groups.plain_coefficients(_groups.coefficients_of(group["ns_coefficients"]))
+            new_groups.append(group)
+
+        groups = [*self.param_groups, *new_groups]
+        slots = _groups.index_slots(groups, {**{p: s.key for p, s in self._slots.items()}, **dict(zip(tensors, keys))})
+        labels = _groups.group_labels([g["use_muon"] for g in groups])
+        state = self._functional_state.clone(recurse=False)
+        scalars = list(self._scalars)
+        for i in range(len(self.param_groups), len(groups)):
+            group = groups[i]
+            _groups.check_scheduled(i, group)
+            scalars.append(_groups.new_scalars(group))
+            branch = self._branch(group, scalars[i])  # the core checks the other settings
+            group_keys = [slots[p].key for p in group["params"]]
+            if group["use_muon"]:  # against global shapes, also where the branch's init cannot (sharded)
+                views = resolve_views(self._views, group_keys, group["params"])
+                for leaf_key, p, view in zip(group_keys, group["params"], views):
+                    view.check(leaf_key, p.shape)
+            state[labels[i]] = branch.init(
+                TensorDict(dict(zip(group_keys, [p.detach() for p in group["params"]])), batch_size=[])
+            )
+
+        self.param_groups.extend(new_groups)
+        self._scalars = scalars
+        self._slots = slots
+        self._functional_state = state
+        self._cache = None
+
+    # ------------------------------------------------------------------ step
+
+    @torch.compiler.disable
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One update of every parameter that has a gradient; the others and their state are left alone.
+
+        ``closure`` (optional) re-evaluates the model and returns the loss; it runs with
+        gradients enabled. Inside ``torch.compile`` the step runs eagerly (a graph break),
+        so its results are those of an eager step.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        transform = self._synced_transform()
+        with torch.no_grad():
+            keys, targets, grads = [], [], []
+            for p, slot in self._slots.items():
+                if p.grad is not None:
+                    keys.append(slot.key)
+                    targets.append(p)
+                    grads.append(p.grad)
+            if not grads:
+                return loss
+            updates, state = transform.update(
+                TensorDict(dict(zip(keys, grads)), batch_size=[]),
+                self._functional_state,
+                self._param_tensordict(),
+            )
+            torch._foreach_add_(targets, [updates.get(k) for k in keys])
+        self._functional_state = state
+        return loss
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def functional_state(self) -> TensorDictBase:
+        """The state TensorDict ``Transform.update`` takes and returns (see :mod:`muonfn.optim`).
+
+        Assigning one (taken from this optimizer, or from ``muonfn.muon(...)``'s ``init``
+        and ``update`` for the same parameters) replaces the state after checking that its
+        keys, shapes, dtypes and devices are those expected; on a mismatch nothing changes.
+        """
+        return self._functional_state
+
+    @functional_state.setter
+    def functional_state(self, state: TensorDictBase | Mapping[str, Any]) -> None:
+        self._functional_state = self._checked_state(state, "functional_state")
+
+    def _checked_state(self, state: TensorDictBase | Mapping[str, Any], where: str) -> TensorDict:
+        """``state`` laid out as expected, on its parameters' devices; else an error naming the first difference."""
+        if not isinstance(state, TensorDictBase):
+            state = TensorDict(dict(state), batch_size=[])
+        if state.batch_size != torch.Size([]):
+            raise ValueError(f"{where}: batch size {tuple(state.batch_size)}, expected ()")
+        return _tree.laid_out_like(state, self._layout(), where)
+
+    @torch.compiler.disable
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a :meth:`state_dict` (torch's format); on any mismatch raises naming the parameter and changes nothing.
+
+        As in torch, state tensors are cast to their parameter's dtype and device, except
+        the integer ``"step"`` counts, which come back exact, and the saved groups are
+        deep-copied. The saved hyperparameters replace the current ones; groups keep their
+        parameters and routes, and take the saved ``param_names`` when they have none.
+        """
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        groups, entries = translate_state_dict(self, state_dict)
+        state = self._checked_state(TensorDict(entries, batch_size=[]), "load_state_dict")
+
+        self.param_groups = groups
+        self._functional_state = state
+        self._cache = None
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the cached transform closes over this instance's scalar tensors; a copy builds its own
+        return {k: v for k, v in self.__dict__.items() if k != "_cache"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._cache = None
+
+
+def _is_zero(value: Any) -> bool:
+    return float(value) == 0.0

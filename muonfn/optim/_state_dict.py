@@ -1,0 +1,94 @@
+"""torch's ``state_dict`` format, read back into param groups and functional-state entries."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .._keys import Key, dotted
+from . import _groups
+
+if TYPE_CHECKING:
+    from ._optimizer import Muon
+
+
+def loaded_value(name: str, torch_name: str, value: Any, param: torch.Tensor) -> torch.Tensor:
+    """A state_dict entry cast as ``torch.optim`` casts it; a step count must be a whole number."""
+    if torch_name == "step":
+        if isinstance(value, torch.Tensor) and value.numel() != 1:
+            raise ValueError(f"load_state_dict: parameter {name} has a step of shape {tuple(value.shape)}")
+        count = float(value)
+        if not (math.isfinite(count) and count >= 0 and count == int(count)):
+            raise ValueError(f"load_state_dict: parameter {name} has step {value!r}; expected a count >= 0")
+        return torch.tensor(int(count), dtype=torch.int64, device=param.device)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"load_state_dict: parameter {name}: {torch_name} is a {type(value).__name__}, not a tensor")
+    if value.shape != param.shape:
+        raise ValueError(
+            f"load_state_dict: parameter {name}: {torch_name} has shape {tuple(value.shape)}, "
+            f"the parameter {tuple(param.shape)}"
+        )
+    return value.to(dtype=param.dtype, device=param.device)
+
+
+def translate_state_dict(opt: Muon, state_dict: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[Key, torch.Tensor]]:
+    """The param groups and the functional-state entries ``state_dict`` holds for ``opt``'s parameters.
+
+    Checks everything (group sizes and routes, every parameter's entries, the
+    hyperparameters) and raises naming the first mismatch; changes nothing.
+    """
+    saved_groups = state_dict["param_groups"]
+    saved_state = state_dict["state"]
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(
+            f"load_state_dict: the state_dict has {len(saved_groups)} parameter groups, "
+            f"this optimizer {len(opt.param_groups)}"
+        )
+    groups: list[dict[str, Any]] = []
+    entries: dict[Key, torch.Tensor] = {}
+    labels = _groups.group_labels([g["use_muon"] for g in opt.param_groups])
+    claimed = set()
+    for i, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(
+                f"load_state_dict: parameter group {i} has {len(saved['params'])} parameters in the "
+                f"state_dict and {len(group['params'])} here"
+            )
+        route = group["use_muon"]
+        if saved.get("use_muon", route) != route:
+            raise ValueError(
+                f"load_state_dict: parameter group {i} is a {'Muon' if route else 'AdamW'} group here "
+                f"and a {'Muon' if not route else 'AdamW'} group in the state_dict"
+            )
+        expected = _groups.state_names(route)
+        for index, p in zip(saved["params"], group["params"]):
+            slot = opt._slots[p]
+            name = f"{dotted(slot.key)!r} (index {index})"
+            if index not in saved_state:
+                raise ValueError(f"load_state_dict: the state_dict has no state for parameter {name}")
+            claimed.add(index)
+            entry = saved_state[index]
+            if set(entry) != set(expected):
+                raise ValueError(
+                    f"load_state_dict: parameter {name} has state {sorted(entry)}, expected {sorted(expected)}"
+                )
+            for torch_name, field in expected.items():
+                entries[(labels[i], field, *slot.key)] = loaded_value(name, torch_name, entry[torch_name], p)
+        # torch deep-copies the saved groups: a scheduler of the source must not reach this optimizer
+        new_group = copy.deepcopy({k: v for k, v in saved.items() if k != "params"})
+        new_group["params"] = group["params"]
+        if "param_names" in group:
+            new_group["param_names"] = group["param_names"]
+        new_group["use_muon"] = route
+        for key, default in opt.defaults.items():
+            new_group.setdefault(key, default)
+        _groups.check_scheduled(i, new_group)
+        opt._branch(new_group, _groups.new_scalars(new_group))  # the core checks the other settings
+        groups.append(new_group)
+    unclaimed = [k for k in saved_state if k not in claimed]
+    if unclaimed:
+        raise ValueError(f"load_state_dict: the state_dict has state for parameter ids {unclaimed} in no group")
+    return groups, entries

@@ -1,0 +1,290 @@
+"""Ready-made optimizers: Muon for matrices with AdamW for the rest, and AdamW alone.
+
+Each is a :func:`~muonfn.partition` of named branches; :func:`muon_branch` and
+:func:`adamw` are also what the ``torch.optim`` shim builds its groups from, so the two
+front ends cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tensordict import TensorDictBase
+
+from .. import _tree
+from .._validation import Scalar, ScalarOrSchedule, known_names
+from ..linalg import CoefficientsLike, NSMethod, Orthogonalizer, ScaleMode
+from ..transforms import (
+    EXP_AVG,
+    EXP_AVG_SQ,
+    MOMENTUM,
+    STEP,
+    LabelsLike,
+    MaskLike,
+    Transform,
+    ViewsLike,
+    add_decayed_weights,
+    chain,
+    mask_table,
+    partition,
+    scale_by_adam,
+    scale_by_learning_rate,
+    scale_by_muon,
+)
+from ._labels import ADAMW, MUON, label_params
+
+if TYPE_CHECKING:
+    from ..distributed import Collectives, ShardSpecs, Strategy
+
+#: torch.optim's name of each state entry of a branch -> that branch's state field.
+TORCH_STATE_NAMES: dict[str, dict[str, str]] = {
+    MUON: {"momentum_buffer": MOMENTUM},
+    ADAMW: {"step": STEP, "exp_avg": EXP_AVG, "exp_avg_sq": EXP_AVG_SQ},
+}
+
+
+def adamw(
+    lr: ScalarOrSchedule = 1e-3,
+    *,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: Scalar = 0.01,
+    weight_decay_mask: MaskLike = None,
+    donate_state: bool = False,
+) -> Transform:
+    r"""AdamW exactly as ``torch.optim.AdamW``:
+
+    .. math::  p \leftarrow p - \eta\lambda p - \eta\,\frac{m_t/(1-\beta_1^t)}{\sqrt{v_t/(1-\beta_2^t)} + \epsilon}
+
+    Args:
+        lr: :math:`\eta`: a float, a 0-d tensor or a schedule (see :func:`scale_by_learning_rate`).
+        betas: :math:`(\beta_1, \beta_2)`.
+        eps: :math:`\epsilon`.
+        weight_decay: :math:`\lambda`.
+        weight_decay_mask: exempts the leaves it maps to ``False`` (see
+            :func:`add_decayed_weights`). Names it holds that are not among the parameters
+            are ignored, as ``adamw`` is often one branch of a :func:`partition`;
+            :func:`muon` checks them against all parameters.
+        donate_state: update the state, and the step's own temporaries, in place (see
+            :func:`ema_momentum`).
+
+    Returns:
+        A :class:`Transform` with state ``{"step", "exp_avg", "exp_avg_sq"}``.
+
+    Example:
+        >>> params = TensorDict({"w": torch.ones(3)}, [])
+        >>> tx = muonfn.adamw(lr=0.1)
+        >>> updates, state = tx.update(TensorDict({"w": torch.ones(3)}, []), tx.init(params), params)
+        >>> updates["w"]  # -lr·sign(g) at step 1, minus lr·wd·p
+        tensor([-0.1010, -0.1010, -0.1010])
+    """
+    betas = _pair("betas", betas)
+    return chain(
+        scale_by_adam(betas[0], betas[1], eps=eps, donate_state=donate_state),
+        add_decayed_weights(weight_decay, mask=weight_decay_mask, inplace=donate_state),
+        scale_by_learning_rate(lr, inplace=donate_state),
+    )
+
+
+def _pair(name: str, betas: Any) -> tuple[float, float]:
+    if not (isinstance(betas, tuple | list) and len(betas) == 2):
+        raise ValueError(f"{name} must be a pair (beta1, beta2), got {betas!r}")
+    return betas[0], betas[1]
+
+
+def muon_branch(
+    *,
+    lr: ScalarOrSchedule,
+    momentum: Scalar,
+    nesterov: bool,
+    weight_decay: Scalar,
+    ns_coefficients: CoefficientsLike,
+    ns_steps: int | None,
+    ns_dtype: torch.dtype | None,
+    ns_eps: float,
+    ns_method: NSMethod,
+    scale: ScaleMode,
+    extra_scale: float,
+    views: ViewsLike,
+    weight_decay_mask: MaskLike,
+    orthogonalizer: Orthogonalizer | None,
+    bucket_numel: int | None,
+    donate_state: bool,
+) -> Transform:
+    """The Muon branch of :func:`muon`: momentum, Newton–Schulz and shape scale, decay, learning rate."""
+    return chain(
+        scale_by_muon(
+            momentum,
+            nesterov=nesterov,
+            ns_coefficients=ns_coefficients,
+            ns_steps=ns_steps,
+            ns_dtype=ns_dtype,
+            ns_eps=ns_eps,
+            ns_method=ns_method,
+            scale=scale,
+            extra_scale=extra_scale,
+            views=views,
+            bucket_numel=None if orthogonalizer is not None else bucket_numel,
+            orthogonalizer=orthogonalizer,
+            donate_state=donate_state,
+        ),
+        add_decayed_weights(weight_decay, mask=weight_decay_mask, inplace=donate_state),
+        scale_by_learning_rate(lr, inplace=donate_state),
+    )
+
+
+def muon_orthogonalizer(
+    collectives: Collectives | None,
+    strategy: Strategy,
+    shard_specs: ShardSpecs | None,
+    bucket_numel: int | None,
+) -> Orthogonalizer | None:
+    """The orthogonalizer ``collectives=`` asks for (``None``: the local one).
+
+    Distributed settings without collectives would be ignored, so they are an error.
+    """
+    if collectives is None:
+        if shard_specs:
+            raise ValueError("shard_specs describe shards for collectives=...; pass the collectives of their group")
+        if strategy != "owner":
+            raise ValueError(f"strategy={strategy!r} takes effect with collectives=...; pass them, or drop strategy")
+        return None
+    from ..distributed import sharded_orthogonalizer
+
+    kwargs: dict[str, Any] = {} if bucket_numel is None else {"bucket_numel": bucket_numel}
+    return sharded_orthogonalizer(collectives, strategy=strategy, shard_specs=shard_specs, **kwargs)
+
+
+def check_names(params: TensorDictBase, **tables: Any) -> None:
+    """Every leaf named by the given tables must be a leaf of ``params``: a typo is an error.
+
+    A table is a mapping of names, or for ``weight_decay_mask`` and ``labels`` a callable
+    ``params -> mapping``; callable views are not checked, nor labels given as a TensorDict.
+    """
+    keys = _tree.leaf_keys(params)
+    for where, table in tables.items():
+        if where == "weight_decay_mask":
+            table = mask_table(table, params)
+        elif where == "labels" and callable(table) and not isinstance(table, TensorDictBase):
+            table = table(params)
+        if table is not None and not callable(table) and not isinstance(table, TensorDictBase):
+            known_names(where, table, keys)
+
+
+def checks_names(tx: Transform, **tables: Any) -> Transform:
+    """``tx`` whose ``init`` first runs :func:`check_names` on its params.
+
+    The building blocks inside a partition see only their own leaves and so cannot tell a
+    typo from another group's leaf; the preset sees them all.
+    """
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        check_names(params, **tables)
+        return tx.init(params)
+
+    return Transform(init, tx.update)
+
+
+def muon(
+    lr: ScalarOrSchedule = 1e-3,
+    *,
+    momentum: Scalar = 0.95,
+    nesterov: bool = True,
+    weight_decay: Scalar = 0.1,
+    ns_coefficients: CoefficientsLike = "keller",
+    ns_steps: int | None = None,
+    ns_dtype: torch.dtype | None = None,
+    ns_eps: float = 1e-7,
+    ns_method: NSMethod = "standard",
+    scale: ScaleMode = "match_rms_adamw",
+    extra_scale: float = 1.0,
+    adamw_lr: ScalarOrSchedule | None = None,
+    adamw_betas: tuple[float, float] = (0.9, 0.95),
+    adamw_eps: float = 1e-8,
+    adamw_weight_decay: Scalar | None = None,
+    labels: LabelsLike | None = None,
+    views: ViewsLike = None,
+    weight_decay_mask: MaskLike = None,
+    bucket_numel: int | None = None,
+    collectives: Collectives | None = None,
+    strategy: Strategy = "owner",
+    shard_specs: ShardSpecs | None = None,
+    donate_state: bool = False,
+) -> Transform:
+    r"""Muon for matrices, AdamW for everything else.
+
+    Matrix leaves (label ``"muon"``) get
+
+    .. math::  p \leftarrow p - \eta\, s(A, B)\,\mathrm{NS}(u_t) - \eta\lambda p
+
+    with :math:`u_t` the Nesterov EMA momentum (see :func:`ema_momentum`) and :math:`s`
+    the ``scale`` mode times ``extra_scale``; the default ``"match_rms_adamw"``
+    (0.2·√max(A, B)) gives the update AdamW's RMS, so one ``lr`` and ``weight_decay`` serve
+    both groups. Other leaves (label ``"adamw"``) get :func:`adamw` with the ``adamw_*``
+    settings, each ``None`` meaning "the Muon value".
+
+    Args:
+        lr: :math:`\eta`: a float, a 0-d tensor or a schedule ``step -> lr``.
+        momentum: :math:`\mu` of the EMA momentum, in [0, 1).
+        nesterov: use the Nesterov look-ahead.
+        weight_decay: decoupled :math:`\lambda`, applied with the unadjusted ``lr``.
+        ns_coefficients, ns_steps, ns_dtype, ns_eps, ns_method: the Newton–Schulz
+            iteration (see :func:`orthogonalize`); ``ns_method="gram"`` runs Gram
+            Newton–Schulz where it is cheaper.
+        scale, extra_scale: the shape scale :math:`s` (see :func:`scale_by_shape`).
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW branch.
+        labels: routes leaves to ``"muon"`` or ``"adamw"``; default :func:`label_params`
+            (≥2-D leaves except embeddings, output heads and token parameters);
+            :func:`labels_from_module` labels by module type instead.
+        views: conv, expert, fused and transposed matrices (:class:`MatrixView` by name).
+        weight_decay_mask: exempts the leaves it maps to ``False`` (default: decay all).
+        bucket_numel: at most this many elements per batched Newton–Schulz call.
+        collectives, strategy, shard_specs: sharded parameters (see :mod:`muonfn.distributed`).
+        donate_state: update the state in place instead of allocating a new one each step
+            (the state passed to ``update`` is then consumed; see :func:`ema_momentum`).
+
+    ``init`` checks every name in ``labels``, ``views``, ``weight_decay_mask`` and
+    ``shard_specs`` against the parameters (a typo is an error) and every Muon leaf against
+    its view.
+
+    Returns:
+        A :class:`Transform` with state ``{"muon": {"momentum"}, "adamw": {"step", "exp_avg", "exp_avg_sq"}}``.
+
+    Example:
+        >>> params = TensorDict({"w": torch.randn(4, 8), "b": torch.zeros(4)}, [])
+        >>> tx = muonfn.muon(lr=0.02)
+        >>> state = tx.init(params)
+        >>> sorted(state.keys(True, True))
+        [('adamw', 'exp_avg', 'b'), ('adamw', 'exp_avg_sq', 'b'), ('adamw', 'step', 'b'), ('muon', 'momentum', 'w')]
+    """
+    branches = {
+        MUON: muon_branch(
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            ns_coefficients=ns_coefficients,
+            ns_steps=ns_steps,
+            ns_dtype=ns_dtype,
+            ns_eps=ns_eps,
+            ns_method=ns_method,
+            scale=scale,
+            extra_scale=extra_scale,
+            views=views,
+            weight_decay_mask=weight_decay_mask,
+            orthogonalizer=muon_orthogonalizer(collectives, strategy, shard_specs, bucket_numel),
+            bucket_numel=bucket_numel,
+            donate_state=donate_state,
+        ),
+        ADAMW: adamw(
+            lr if adamw_lr is None else adamw_lr,
+            betas=adamw_betas,
+            eps=adamw_eps,
+            weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay,
+            weight_decay_mask=weight_decay_mask,
+            donate_state=donate_state,
+        ),
+    }
+    tx = partition(branches, label_params if labels is None else labels)
+    return checks_names(tx, weight_decay_mask=weight_decay_mask, views=views, shard_specs=shard_specs)

@@ -1,0 +1,49 @@
+"""Transforms: small gradient transformations and the combinators that compose them.
+
+Each building block is a function returning a :class:`Transform` (``init``, ``update``);
+the combinators build transforms from transforms. Nothing here knows about ranks: the
+distributed strategies reach :func:`orthogonalize` as an injected ``orthogonalizer``.
+"""
+
+from ._adam import scale_by_adam
+from ._base import InitFn, Transform, UpdateFn, apply_updates, empty_state
+from ._combine import LabelsLike, apply_if_finite, chain, masked, named, partition, resolve_labels
+from ._decay import add_decayed_weights
+from ._learning_rate import scale_by_learning_rate
+from ._masks import MaskLike, mask_table, resolve_mask
+from ._momentum import ema_momentum
+from ._orthogonalize import ViewsLike, orthogonalize, resolve_views, scale_by_muon, scale_by_shape
+from ._state import COUNT, EXP_AVG, EXP_AVG_SQ, MOMENTUM, NOTFINITE_COUNT, STEP
+
+__all__ = [
+    "COUNT",
+    "EXP_AVG",
+    "EXP_AVG_SQ",
+    "MOMENTUM",
+    "NOTFINITE_COUNT",
+    "STEP",
+    "InitFn",
+    "LabelsLike",
+    "MaskLike",
+    "Transform",
+    "UpdateFn",
+    "ViewsLike",
+    "add_decayed_weights",
+    "apply_if_finite",
+    "apply_updates",
+    "chain",
+    "ema_momentum",
+    "empty_state",
+    "mask_table",
+    "masked",
+    "named",
+    "orthogonalize",
+    "partition",
+    "resolve_labels",
+    "resolve_mask",
+    "resolve_views",
+    "scale_by_adam",
+    "scale_by_learning_rate",
+    "scale_by_muon",
+    "scale_by_shape",
+]

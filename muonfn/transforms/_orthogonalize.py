@@ -1,0 +1,193 @@
+"""Orthogonalization of matrix leaves, and the shape scale that goes with it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeAlias
+
+import torch
+from tensordict import TensorDictBase
+
+from .. import _tree
+from .._keys import Key, resolve_table
+from .._validation import Scalar
+from ..linalg import (
+    DEFAULT_VIEW,
+    CoefficientsLike,
+    LocalOrthogonalizer,
+    MatrixView,
+    NewtonSchulz,
+    NSMethod,
+    Orthogonalizer,
+    ScaleMode,
+    block_scales,
+    shape_scale,
+)
+from ._base import InitFn, Transform, empty_state
+from ._combine import chain
+from ._momentum import ema_momentum
+
+ViewsLike: TypeAlias = (
+    Mapping[str, MatrixView] | Mapping[Key, MatrixView] | Callable[[Key, torch.Tensor], MatrixView | None] | None
+)
+
+
+def resolve_views(views: ViewsLike, keys: Sequence[Key], tensors: Sequence[torch.Tensor]) -> list[MatrixView]:
+    """One view per leaf: the declared one, else the default (2-D as is, ≥3-D as conv).
+
+    Names that are not among ``keys`` are skipped (a view for a leaf routed elsewhere).
+    """
+    if views is None:
+        return [DEFAULT_VIEW] * len(keys)
+    if not isinstance(views, Mapping):  # `callable` of a dict does not trace under torch.compile
+        return [views(k, t) or DEFAULT_VIEW for k, t in zip(keys, tensors)]
+    declared = resolve_table(views, keys)
+    return [declared.get(k, DEFAULT_VIEW) for k in keys]
+
+
+def _view_checker(views: ViewsLike) -> InitFn:
+    """An ``init`` that rejects leaves their view cannot read (a vector labelled as a matrix)."""
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        keys, values = _tree.leaf_keys(params), _tree.leaves(params)
+        for key, p, view in zip(keys, values, resolve_views(views, keys, values)):
+            view.check(key, p.shape)
+        return empty_state(params)
+
+    return init
+
+
+def orthogonalize(
+    coefficients: CoefficientsLike = "keller",
+    *,
+    steps: int | None = None,
+    eps: float = 1e-7,
+    dtype: torch.dtype | None = None,
+    ns_method: NSMethod = "standard",
+    views: ViewsLike = None,
+    scale: ScaleMode = "none",
+    extra_scale: float = 1.0,
+    bucket_numel: int | None = None,
+    orthogonalizer: Orthogonalizer | None = None,
+) -> Transform:
+    r"""Replaces every matrix :math:`G` by :math:`s(A, B)\cdot\mathrm{NS}(G)`.
+
+    Args:
+        coefficients: the Newton–Schulz schedule (see :func:`muonfn.newton_schulz`).
+        steps: Newton–Schulz steps (default: the schedule's length).
+        eps: lower bound of the normalising norm.
+        dtype: dtype of the Newton–Schulz matmuls (``None``: bf16 on CUDA, else fp32/fp64).
+        ns_method: ``"standard"``, or ``"gram"`` for :func:`muonfn.gram_newton_schulz` on the
+            shapes where it needs fewer flops.
+        views: how leaves are read as matrices (:class:`MatrixView` by name, or a callable
+            ``(key, tensor) -> view``); conv kernels are flattened by default.
+        scale: the shape scale :math:`s` (``"none"`` by default, see :func:`scale_by_shape`).
+        extra_scale: a factor on :math:`s`.
+        bucket_numel: at most this many elements per batched Newton–Schulz call of the local
+            orthogonalizer (default :math:`2^{26}`).
+        orthogonalizer: who runs the batched calls; default
+            :class:`muonfn.linalg.LocalOrthogonalizer`. Sharded parameters take
+            :func:`muonfn.distributed.sharded_orthogonalizer`.
+
+    Returns:
+        A stateless :class:`Transform`. With the local orthogonalizer ``init`` checks that
+        every leaf's view can read it (a vector is no matrix); a sharded one checks views
+        against global shapes at the first update.
+    """
+    ns = NewtonSchulz(coefficients, steps, eps, dtype, ns_method)
+    scale_fn = shape_scale(scale, extra_scale)
+    if orthogonalizer is None:
+        orthogonalizer = (
+            LocalOrthogonalizer() if bucket_numel is None else LocalOrthogonalizer(bucket_numel=bucket_numel)
+        )
+    elif bucket_numel is not None:
+        raise ValueError("orthogonalize: bucket_numel configures the local orthogonalizer; set it on the one you pass")
+    run = orthogonalizer
+
+    def update(
+        grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
+    ) -> tuple[TensorDictBase, TensorDictBase]:
+        keys = _tree.leaf_keys(grads)
+        values = _tree.leaves(grads)
+        out = run(keys, values, resolve_views(views, keys, values), ns, scale_fn)
+        return _tree.build(keys, out, grads), state
+
+    # sharded leaves may be local blocks: their views are checked against global shapes at update
+    return Transform(_view_checker(views) if isinstance(run, LocalOrthogonalizer) else empty_state, update)
+
+
+def scale_by_shape(
+    scale: ScaleMode = "match_rms_adamw", *, extra_scale: float = 1.0, views: ViewsLike = None
+) -> Transform:
+    r"""Multiplies every matrix block by :math:`s(A, B)\cdot` ``extra_scale``.
+
+    ``A``/``B`` are the rows (fan-out) and columns (fan-in) of the logical matrix
+    (after the view: conv kernels flattened, ``(in, out)`` storage transposed, fused
+    blocks each on their own). Modes: ``"original"`` √max(1, A/B), ``"match_rms_adamw"``
+    0.2·√max(A, B), ``"spectral"`` √max(A, B), ``"unit_rms_norm"`` √(A/B), ``"none"`` 1.
+
+    Returns:
+        A stateless :class:`Transform`; ``init`` checks that every leaf's view can read it.
+    """
+    scale_fn = shape_scale(scale, extra_scale)
+
+    def update(
+        grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
+    ) -> tuple[TensorDictBase, TensorDictBase]:
+        keys = _tree.leaf_keys(grads)
+        values = _tree.leaves(grads)
+        out = []
+        for key, g, view in zip(keys, values, resolve_views(views, keys, values)):
+            view.check(key, g.shape)
+            scales = block_scales(view, g.shape, scale_fn)
+            if len(scales) == 1:
+                out.append(g.mul(scales[0]))
+            else:
+                blocks = [b.mul(s) for b, s in zip(view.to_matrices(g), scales)]
+                out.append(view.from_matrices(blocks, g.shape))
+        return _tree.build(keys, out, grads), state
+
+    return Transform(_view_checker(views), update)
+
+
+def scale_by_muon(
+    momentum: Scalar = 0.95,
+    *,
+    nesterov: bool = True,
+    ns_coefficients: CoefficientsLike = "keller",
+    ns_steps: int | None = None,
+    ns_dtype: torch.dtype | None = None,
+    ns_eps: float = 1e-7,
+    ns_method: NSMethod = "standard",
+    scale: ScaleMode = "match_rms_adamw",
+    extra_scale: float = 1.0,
+    views: ViewsLike = None,
+    bucket_numel: int | None = None,
+    orthogonalizer: Orthogonalizer | None = None,
+    donate_state: bool = False,
+) -> Transform:
+    r"""Muon's direction: :math:`s(A, B)\cdot\mathrm{NS}(u)` with :math:`u` the (Nesterov) EMA momentum.
+
+    Equal to ``chain(ema_momentum(...), orthogonalize(...), scale_by_shape(...))``; the
+    scale is applied inside the batched Newton–Schulz call to save a pass over memory.
+    The ``ns_*`` arguments are :func:`orthogonalize`'s ``coefficients``, ``steps``,
+    ``dtype``, ``eps`` and ``ns_method``; ``donate_state`` is :func:`ema_momentum`'s.
+
+    Returns:
+        A :class:`Transform` with state ``{"momentum": ...}``.
+    """
+    return chain(
+        ema_momentum(momentum, nesterov=nesterov, donate_state=donate_state),
+        orthogonalize(
+            ns_coefficients,
+            steps=ns_steps,
+            eps=ns_eps,
+            dtype=ns_dtype,
+            ns_method=ns_method,
+            views=views,
+            scale=scale,
+            extra_scale=extra_scale,
+            bucket_numel=bucket_numel,
+            orthogonalizer=orthogonalizer,
+        ),
+    )

@@ -1,0 +1,8 @@
+"""The names of the state entries the transforms keep: one schema for the transforms, presets and shim."""
+
+MOMENTUM = "momentum"
+STEP = "step"
+EXP_AVG = "exp_avg"
+EXP_AVG_SQ = "exp_avg_sq"
+COUNT = "count"
+NOTFINITE_COUNT = "notfinite_count"
