@@ -549,3 +549,17 @@ def test_tp_gram_sums_grams_for_long_side_shards_and_sends_the_rest_to_owners() 
             torch.testing.assert_close(out[name], take(expected[name], boxes[name]), rtol=1e-5, atol=1e-6)
         # one batch of two (8, 40) Gram problems: the norm, then one Gram per step (5); one owner round
         assert calls["all_reduce"] == 6 and calls["all_to_all_single"] == 2
+
+
+def test_tp_gram_normalises_without_overflow() -> None:
+    """Column blocks of 1e30-scale entries: the max-abs rescaling is reduced over ranks too, so the
+    squared norm cannot overflow and the update is the unscaled one, not zero."""
+    torch.manual_seed(1)
+    full = {"wide": torch.randn(8, 40)}
+    sharding = by_placements((4,), lambda key, shape: (Shard(1),))
+    expected = muonfn.orthogonalize(dtype=torch.float32).update(TensorDict(full, []), TensorDict())[0]
+    huge = {"wide": full["wide"] * 1e30}
+
+    for out, boxes in simulate(4, lambda col: orthogonalize_sharded(col, huge, sharding, strategy="tp_gram")):
+        assert torch.isfinite(out["wide"]).all()
+        torch.testing.assert_close(out["wide"], take(expected["wide"], boxes["wide"]), rtol=1e-5, atol=1e-6)

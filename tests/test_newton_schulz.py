@@ -19,6 +19,7 @@ from _strategies import (
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+import muonfn
 from muonfn import COEFFICIENTS, Coefficients, newton_schulz, polar
 
 SETS = sorted(COEFFICIENTS)
@@ -67,6 +68,38 @@ def test_power_of_two_scale_invariance(sp: Spectral, name: str, dtype: torch.dty
     assume(bool(torch.isfinite(scaled).all()) and torch.equal(scaled / 2.0**k, g))
     assume(min(g.double().norm(), scaled.double().norm()) > 1e-7)
     assert torch.equal(ns(scaled, name), ns(g, name))
+
+
+@given(
+    spectral_matrices(),
+    st.sampled_from(SETS),
+    st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),
+    st.integers(-120, 120),
+    st.sampled_from(["standard", "gram"]),
+)
+def test_scale_invariance_across_the_whole_exponent_range(
+    sp: Spectral, name: str, dtype: torch.dtype, k: int, method: str
+) -> None:
+    """f(2ᵏG) = f(G) bitwise for |k| up to 120: entries near fp32's maximum (2¹²⁰ ≈ 1.3e36) square
+    to infinity, so the norm is taken after an exact power-of-two rescaling by the largest entry."""
+    base = 0 if k >= 0 else 100  # keep ‖2ᵏG‖ above eps, where the map is scale invariant
+    g = (sp.g * 2.0**base).to(dtype)
+    assume(sp.g.norm() > 1e-3)
+    f = muonfn.NewtonSchulz(name, method=method)  # type: ignore[arg-type]
+    reference = f(sp.g.to(dtype))
+    assert torch.equal(f(g), reference)
+    assert torch.equal(f(g * 2.0**k), reference)
+
+
+def test_large_finite_gradients_are_orthogonalized_not_zeroed() -> None:
+    """‖G‖_F of 1e18-scale fp32 entries overflows when squared directly; the result must not be zero."""
+    g = gaussian(16, 32, seed=11)
+    expected = ns(g, "polar_express")
+    for scale in (1e18, 1e30, 3e37):
+        out = ns(g * scale, "polar_express")
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+        torch.testing.assert_close(muonfn.gram_newton_schulz(g * scale, "polar_express"), expected, rtol=0, atol=1e-4)
 
 
 @given(spectral_matrices(), st.sampled_from(SETS), st.sampled_from(DTYPES))
