@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# the CPU build of torch (a bare `torch` requirement would pull a multi-GB CUDA build)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev,demo,docs]"
+	$(PY) -m pip install -q -e ".[dev,demo,docs,hf]"
 	touch $(STAMP)
 
 install: $(STAMP)

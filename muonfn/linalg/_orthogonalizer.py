@@ -40,6 +40,7 @@ class Orthogonalizer(Protocol):
 
 
 def check_bucket_numel(bucket_numel: int) -> int:
+    """``bucket_numel`` if it is an integer >= 1; else a ValueError naming it."""
     if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel < 1:
         raise ValueError(f"bucket_numel must be an integer >= 1, got {bucket_numel!r}")
     return bucket_numel
