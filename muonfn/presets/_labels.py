@@ -42,21 +42,21 @@ _MATRIX_MODULES = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd)
 def labels_from_module(model: nn.Module, exclude: Sequence[str] = DEFAULT_EXCLUDE) -> dict[str, str]:
     """Labels by module type: weights of Linear and Conv layers (and Hugging Face ``Conv1D``)
     go to Muon; embeddings, norms, biases and anything whose name matches ``exclude``
-    (output heads) go to AdamW. Keys are ``named_parameters()`` names.
+    (output heads) go to AdamW. Keys are ``model.named_parameters()`` names.
 
-    Shared parameters (a tied output head) take the label of their first owner.
+    A shared parameter (a tied output head) appears once, under the name ``named_parameters()``
+    gives it (its first owner), with that owner's label.
     """
     labels: dict[str, str] = {}
-    first_label: dict[int, str] = {}
-    for module_name, module in model.named_modules(remove_duplicate=False):
+    for module_name, module in model.named_modules():
         is_matrix_module = isinstance(module, _MATRIX_MODULES) or type(module).__name__ == "Conv1D"
-        for param_name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+        for param_name, param in module.named_parameters(recurse=False):
             name = f"{module_name}.{param_name}" if module_name else param_name
             wants_muon = (
                 is_matrix_module and param_name == "weight" and param.ndim >= 2 and not _excluded(name, exclude)
             )
-            labels[name] = first_label.setdefault(id(param), MUON if wants_muon else ADAMW)
-    return labels
+            labels[name] = MUON if wants_muon else ADAMW
+    return {name: labels[name] for name, _ in model.named_parameters()}
 
 
 def views_from_module(model: nn.Module) -> dict[str, MatrixView]:
