@@ -22,3 +22,24 @@ def test_muon_step_reduces_loss():
         updates, state = tx.update(grads, state, params)
         params = muonfn.apply_updates(params, updates)
     assert loss_fn(params).item() < 0.5 * first
+
+
+def test_import_muonfn_reaches_the_shim_and_distributed_lazily():
+    """The README's first lines: ``import muonfn`` then ``muonfn.optim.Muon(...)``, in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, muonfn\n"
+        "assert 'muonfn.distributed' not in sys.modules  # loaded on first use only\n"
+        "opt = muonfn.optim.Muon(torch.nn.Linear(4, 3).named_parameters(), lr=0.02)\n"
+        "assert callable(muonfn.distributed.torch_collectives)\n"
+        "try:\n"
+        "    muonfn.nonexistent\n"
+        "except AttributeError as e:\n"
+        "    assert 'nonexistent' in str(e)\n"
+        "else:\n"
+        "    raise SystemExit('no AttributeError')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
