@@ -89,11 +89,11 @@ def make_donated(ps: ParamSet, **options: Any) -> Step:
     return step
 
 
-def make_shim(ps: ParamSet) -> Step:
-    """The torch.optim shim over the module's parameters."""
+def make_shim(ps: ParamSet, **options: Any) -> Step:
+    """The torch.optim shim over the module's parameters (``options``: e.g. ``donate_state=True``)."""
     import muonfn.optim
 
-    opt = muonfn.optim.Muon(ps.model.named_parameters(), **_settings(ps))
+    opt = muonfn.optim.Muon(ps.model.named_parameters(), **_settings(ps), **options)
     return opt.step
 
 

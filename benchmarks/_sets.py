@@ -1,4 +1,5 @@
-"""Parameter sets the benchmarks step: GPT-2 blocks, a conv net, a mixture-of-experts layer.
+"""Parameter sets the benchmarks step: GPT-2 blocks (and GPT-2 small and medium), a conv net,
+a mixture-of-experts layer.
 
 Only parameters and gradients matter to an optimizer step, so each set is a module tree
 with random weights and a fixed random gradient per parameter (no forward pass). Every
@@ -8,7 +9,9 @@ how many Newton–Schulz flops one step costs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from tensordict import TensorDict
@@ -83,15 +86,36 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(width)
 
 
-def gpt(width: int = 256, depth: int = 4, vocab: int = 4096, context: int = 512, device: str = "cpu") -> ParamSet:
+def gpt(
+    width: int = 256, depth: int = 4, vocab: int = 4096, context: int = 512, device: str = "cpu", name: str = ""
+) -> ParamSet:
     """Block matrices (fused QKV as one matrix, as torch.optim.Muon sees it) go to Muon;
     embeddings, norms and biases to AdamW."""
     model = GPT(width, depth, vocab, context).to(device)
     _fill_grads(model, torch.Generator().manual_seed(0))
     labels = muonfn.label_params(TensorDict.from_module(model))
     return ParamSet(
-        f"gpt-w{width}-d{depth}", f"GPT-2 blocks, width {width}, depth {depth}, vocab {vocab}", model, labels
+        name or f"gpt-w{width}-d{depth}", f"GPT-2 blocks, width {width}, depth {depth}, vocab {vocab}", model, labels
     )
+
+
+#: GPT-2's published shapes, the output head tied to the token embedding: 124,439,808 and
+#: 354,823,168 parameters.
+GPT2_SIZES: dict[str, dict[str, int]] = {
+    "gpt2-small": {"width": 768, "depth": 12, "vocab": 50257, "context": 1024},
+    "gpt2-medium": {"width": 1024, "depth": 24, "vocab": 50257, "context": 1024},
+}
+
+
+def gpt2(size: str, device: str = "cpu", **sizes: int) -> ParamSet:
+    """GPT-2 small or medium (``size``: a key of :data:`GPT2_SIZES`), named so in the results
+    whatever its sizes; ``sizes`` shrink it (the smoke profile), and the description says so."""
+    dims = {**GPT2_SIZES[size], **sizes}
+    ps = gpt(**dims, device=device, name=size)
+    shrunk = "" if dims == GPT2_SIZES[size] else " (shrunk)"
+    title = size.replace("gpt2-", "GPT-2 ")
+    ps.description = f"{title}{shrunk}, width {dims['width']}, depth {dims['depth']}, vocab {dims['vocab']}"
+    return ps
 
 
 class BasicBlock(nn.Module):
@@ -169,9 +193,17 @@ def moe(width: int = 128, depth: int = 1, experts: int = 8, hidden: int = 256, d
     )
 
 
+BUILDERS: dict[str, Callable[..., ParamSet]] = {
+    "gpt": gpt,
+    "conv": convnet,
+    "moe": moe,
+    **{size: partial(gpt2, size) for size in GPT2_SIZES},
+}
+SETS = tuple(BUILDERS)
+
+
 def build(name: str, device: str, **sizes: int) -> ParamSet:
-    builders = {"gpt": gpt, "conv": convnet, "moe": moe}
-    return builders[name](device=device, **sizes)
+    return BUILDERS[name](device=device, **sizes)
 
 
 def size_summary(ps: ParamSet) -> dict[str, object]:

@@ -3,17 +3,20 @@
 Sections (``--sections``, default ``step,ns,elementwise,overhead``; ``compile`` on request):
 
 - ``step``: one full optimizer step (Muon on the matrices, AdamW on the rest) on GPT-2
-  blocks, a ResNet and an MoE layer, for muonfn (functional, unbatched, Gram, shim),
-  torch.optim.Muon + torch.optim.AdamW and a hand-written fp32 loop; next to the
-  Newton–Schulz flops at the throughput of one large matmul measured in the same run.
-- ``ns``: standard against Gram Newton–Schulz on wide matrices, with their errors.
+  blocks, a ResNet and an MoE layer (``--sets``; on CUDA GPT-2 small and medium by
+  default), for muonfn (functional, unbatched, Gram, shim), torch.optim.Muon +
+  torch.optim.AdamW and a hand-written fp32 loop; next to the Newton–Schulz flops at the
+  throughput of one large matmul measured in the same run.
+- ``ns``: standard against Gram Newton–Schulz on wide matrices, with their errors; and the
+  throughput of batched Newton–Schulz on large same-shape buckets (64 × 1024×4096 on CUDA)
+  as a fraction of the matmul rate of its dtype (bf16 on CUDA).
 - ``elementwise``: muonfn's AdamW against torch.optim.AdamW (foreach and for-loop), and
   TensorDict arithmetic against ``TensorDict.apply`` for the same AdamW.
 - ``overhead``: the fixed cost of an update (one-element tensors), nested against flat keys.
 - ``compile``: ``torch.compile(update, fullgraph=True)`` against eager: compile time and step.
 
 Prints tables and writes everything, with the machine description, as JSON
-(``--out``, default ``benchmarks/results/<device>-<date>.json``).
+(``--out``, default ``benchmarks/results/<device>-<date>.json``, e.g. ``cuda-<date>.json``).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from muonfn.linalg import (  # noqa: E402
 )
 
 SECTIONS = ("step", "ns", "elementwise", "overhead", "compile")
+DEFAULT_SETS = {"cpu": "gpt,conv,moe", "cuda": "gpt2-small,gpt2-medium,conv,moe"}
 
 # Sizes: default (about a minute on 2 CPU cores), --quick, --smoke (a few seconds; for the tests).
 PROFILES: dict[str, dict[str, Any]] = {
@@ -52,34 +56,46 @@ PROFILES: dict[str, dict[str, Any]] = {
         "gpt": {"width": 256, "depth": 4},
         "conv": {"width": 16},
         "moe": {"width": 128, "experts": 8, "hidden": 256},
+        # at their real sizes (only on request on a CPU: one step of GPT-2 small is ~1.5 TFLOP of NS)
+        "gpt2-small": {},
+        "gpt2-medium": {},
         "repeats": 10,
         "slow_repeats": 2,
         "matmul": 2048,
         "ns_shapes": [(256, 1024), (768, 3072)],
+        "ns_batches": [(8, 256, 1024)],
     },
     "quick": {
         "gpt": {"width": 128, "depth": 2},
         "conv": {"width": 8},
         "moe": {"width": 64, "experts": 4, "hidden": 128},
+        "gpt2-small": {},
+        "gpt2-medium": {},
         "repeats": 5,
         "slow_repeats": 1,
         "matmul": 1024,
         "ns_shapes": [(256, 1024)],
+        "ns_batches": [(4, 256, 1024)],
     },
     "smoke": {
         "gpt": {"width": 32, "depth": 1, "vocab": 64, "context": 16},
         "conv": {"width": 4},
         "moe": {"width": 16, "experts": 2, "hidden": 32},
+        # GPT-2's shapes shrunk to a few thousand parameters: the code path, not the sizes
+        "gpt2-small": {"width": 32, "depth": 1, "vocab": 64, "context": 16},
+        "gpt2-medium": {"width": 48, "depth": 2, "vocab": 64, "context": 16},
         "repeats": 2,
         "slow_repeats": 1,
         "matmul": 256,
         "ns_shapes": [(16, 64)],
+        "ns_batches": [(3, 16, 64)],
     },
 }
 
 
-# On a GPU the CPU sizes are launch-bound toys: GPT-2 small's blocks, wider convs and experts,
-# and a matmul big enough to reach the tensor cores' throughput.
+# On a GPU the CPU sizes are launch-bound toys: GPT-2 small's blocks (the set of the elementwise,
+# overhead and compile sections), wider convs and experts, a matmul big enough to reach the
+# tensor cores' throughput, and Newton–Schulz buckets of the size GPT-2 medium's MLPs give.
 CUDA_SIZES: dict[str, dict[str, Any]] = {
     "default": {
         "gpt": {"width": 768, "depth": 12, "vocab": 50257, "context": 1024},
@@ -87,8 +103,9 @@ CUDA_SIZES: dict[str, dict[str, Any]] = {
         "moe": {"width": 512, "experts": 8, "hidden": 2048, "depth": 2},
         "matmul": 8192,
         "ns_shapes": [(256, 1024), (768, 3072), (1024, 4096), (4096, 16384)],
+        "ns_batches": [(64, 1024, 4096), (16, 1024, 4096), (48, 768, 3072), (24, 1024, 1024)],
     },
-    "quick": {"matmul": 4096},
+    "quick": {"matmul": 4096, "ns_batches": [(64, 1024, 4096)]},
     "smoke": {},
 }
 
@@ -151,6 +168,7 @@ def section_step(args: argparse.Namespace, prof: dict[str, Any], device: torch.d
         ]
         if has_shim():
             entries.append(Entry("muonfn shim", lambda: C.make_shim(ps), args.repeats))
+            entries.append(Entry("muonfn shim donated", lambda: C.make_shim(ps, donate_state=True), args.repeats))
         entries += [
             Entry("torch Muon+AdamW", lambda: C.make_torch_muon(ps), slow, warmup=1 if slow_torch else 2),
             Entry("plain fp32 loop", lambda: C.make_plain_loop(ps), args.repeats),
@@ -213,12 +231,19 @@ def section_ns(args: argparse.Namespace, prof: dict[str, Any], device: torch.dev
             Entry(f"standard {m}x{n}", lambda x=x: lambda: muonfn.newton_schulz(x, dtype=dtype), args.repeats)
         )
         entries.append(Entry(f"gram {m}x{n}", lambda x=x: lambda: gram_newton_schulz(x, dtype=dtype), args.repeats))
-    entries.append(matmul_entry(device, dtype, prof["matmul"], args.repeats))
+    # large same-shape buckets, as the optimizer batches them: fp32 inputs (momenta of fp32
+    # parameters), the iteration in the default dtype (bf16 on CUDA), drawn on the device
+    batches, batch_inputs = [], {}
+    for count, m, n in prof["ns_batches"]:
+        x = torch.randn(count, m, n, generator=torch.Generator(device).manual_seed(count * m + n), device=device)
+        batch_inputs[(count, m, n)] = x
+        batches.append(Entry(f"batch {count}x{m}x{n}", lambda x=x: lambda: muonfn.newton_schulz(x), args.repeats))
+    mm = matmul_entry(device, dtype, prof["matmul"], args.repeats)
     # torch.optim.Muon computes in bf16 whatever the device: its throughput here explains its times
     bf16 = matmul_entry(device, torch.bfloat16, min(prof["matmul"], 512), 3) if dtype != torch.bfloat16 else None
-    log(f"[ns] {', '.join(f'{m}x{n}' for m, n in shapes)} in {dtype}")
-    run_interleaved(entries + ([bf16] if bf16 else []), device, log)
-    rate = matmul_flops(prof["matmul"]) / entries[-1].median
+    log(f"[ns] {', '.join(f'{m}x{n}' for m, n in shapes)} and batches {prof['ns_batches']} in {dtype}")
+    run_interleaved(entries + batches + [mm] + ([bf16] if bf16 else []), device, log)
+    rate = matmul_flops(prof["matmul"]) / mm.median
     out: dict[str, Any] = {"dtype": str(dtype), "matmul_gflops": rate / 1e9, "shapes": {}}
     if bf16 is not None:
         out["bf16_matmul"] = {"name": bf16.name, "gflops": matmul_flops(min(prof["matmul"], 512)) / bf16.median / 1e9}
@@ -259,14 +284,34 @@ def section_ns(args: argparse.Namespace, prof: dict[str, Any], device: torch.dev
                 ]
             )
     bf16_note = f"; {bf16.name}: {out['bf16_matmul']['gflops']:.2f} GFLOP/s" if bf16 is not None else ""
-    mm = f"one {prof['matmul']}² matmul: {rate / 1e9:.1f} GFLOP/s"
-    print(f"\nNewton–Schulz, 5 Keller steps in {dtype}; {mm}{bf16_note}")
+    mm_note = f"one {prof['matmul']}² matmul: {rate / 1e9:.1f} GFLOP/s"
+    print(f"\nNewton–Schulz, 5 Keller steps in {dtype}; {mm_note}{bf16_note}")
     print(
         table(
             ["shape", "method", "median ms", "GFLOP", "GFLOP/s", "× limit", "error vs polar", "diff vs standard"],
             rows,
         )
     )
+    out["matmul"] = {"name": mm.name, **entry_record(mm), "tflops": rate / 1e12}
+    out["batches"] = {}
+    rows = []
+    for (count, m, n), e in zip(prof["ns_batches"], batches):
+        flops = count * newton_schulz_flops(m, n, 5)
+        y = muonfn.newton_schulz(batch_inputs[(count, m, n)])
+        rec = {
+            **entry_record(e),
+            "input_dtype": "torch.float32",
+            "tflop": flops / 1e12,
+            "tflops": flops / e.median / 1e12,
+            # achieved throughput over the matmul rate: 1 / × limit
+            "x_matmul_rate": flops / e.median / rate,
+            "finite": bool(torch.isfinite(y).all()),
+        }
+        out["batches"][f"{count}x{m}x{n}"] = rec
+        cells = [rec["median_ms"], rec["tflop"], rec["tflops"], rec["x_matmul_rate"]]
+        rows.append([f"{count} × {m}x{n}", *(fmt(v, d) for v, d in zip(cells, (2, 3, 2, 2)))])
+    print(f"\nBatched Newton–Schulz, fp32 input, 5 Keller steps in {dtype}; {mm_note} (target ≥ 0.60×)")
+    print(table(["batch", "median ms", "TFLOP", "TFLOP/s", "× matmul rate"], rows))
     return out
 
 
@@ -411,38 +456,53 @@ def section_compile(args: argparse.Namespace, prof: dict[str, Any], device: torc
 
 
 def targets(results: dict[str, Any]) -> dict[str, Any]:
-    """The issue's targets on the GPT set, for every muonfn variant measured."""
+    """The issue's targets on the first GPT set of the step section (GPT-2 small on CUDA), for
+    every muonfn variant measured, and on the first (largest) batch of the ns section."""
     out: dict[str, Any] = {}
 
-    def add(name: str, value: float, target: str) -> None:
+    def add(name: str, value: float, target: str, on: str) -> None:
         bound = float(target.split()[-1])
         met = value <= bound if target.startswith("<=") else value >= bound
-        out[name] = {"value": value, "target": target, "met": met}
+        out[name] = {"value": value, "target": target, "met": met, "on": on}
 
     for section in ("step", "compile"):
         records = results.get(section, {})
+        on = records.get("set", "")
         if section == "step":
-            records = next((v for k, v in records.items() if k.startswith("gpt")), {})
+            on, records = next(((k, v) for k, v in records.items() if k.startswith("gpt")), ("", {}))
         c = records.get("contenders", {})
         if "plain fp32 loop" not in c:
             continue
         for name in ("muonfn", "muonfn donated", "muonfn gram", "muonfn compiled", "muonfn gram compiled"):
             if name in c and not (section == "compile" and name == "muonfn"):
                 key = name.replace(" ", "_")
-                add(f"{key}_x_limit", c[name]["x_limit"], "<= 1.3")
-                add(f"plain_loop_over_{key}", c["plain fp32 loop"]["median_ms"] / c[name]["median_ms"], ">= 1.2")
+                add(f"{key}_x_limit", c[name]["x_limit"], "<= 1.3", on)
+                plain = c["plain fp32 loop"]["median_ms"] / c[name]["median_ms"]
+                add(f"plain_loop_over_{key}", plain, ">= 1.2", on)
         if section == "step":
-            add("torch_muon_over_muonfn", c["muonfn"]["speedup_vs_torch_muon"], ">= 1.0")
+            add("torch_muon_over_muonfn", c["muonfn"]["speedup_vs_torch_muon"], ">= 1.0", on)
+            # peak memory above parameters and gradients (construction + warm-up steps)
+            torch_peak = c["torch Muon+AdamW"]["peak_mb"]
+            for name in ("muonfn shim", "muonfn shim donated"):
+                if name in c:
+                    over = c[name]["peak_mb"] / torch_peak - 1.0
+                    add(f"{name.replace(' ', '_')}_peak_over_torch", over, "<= 0.10", on)
+    batches = results.get("ns", {}).get("batches", {})
+    if batches:
+        shape, record = next(iter(batches.items()))
+        add("ns_batch_x_matmul_rate", record["x_matmul_rate"], ">= 0.6", f"ns batch {shape}")
     adamw_variants = {"elementwise": ("muonfn adamw", "muonfn adamw donated"), "compile": ("muonfn adamw compiled",)}
     for section, names in adamw_variants.items():
         c = results.get(section, {}).get("contenders", {})
         for name in names:
             if name in c:
-                add(f"{name.replace(' ', '_')}_overhead", c[name]["x_torch_foreach"] - 1.0, "<= 0.10")
+                overhead = c[name]["x_torch_foreach"] - 1.0
+                add(f"{name.replace(' ', '_')}_overhead", overhead, "<= 0.10", results[section].get("set", ""))
     return out
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def configure(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[str, Any], list[str]]:
+    """The parsed arguments, the sizes of this run and its sections (checks nothing about the device)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     size = p.add_mutually_exclusive_group()
@@ -451,7 +511,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument(
         "--sections", default="step,ns,elementwise,overhead", help=f"comma-separated, of {','.join(SECTIONS)}"
     )
-    p.add_argument("--sets", default="gpt,conv,moe", help="parameter sets for the step section")
+    p.add_argument(
+        "--sets",
+        help=f"parameter sets for the step section, of {','.join(_sets.SETS)} "
+        f"(default {DEFAULT_SETS['cpu']}; on CUDA {DEFAULT_SETS['cuda']})",
+    )
     p.add_argument("--width", type=int, help="GPT width")
     p.add_argument("--depth", type=int, help="GPT depth")
     p.add_argument("--repeats", type=int, help="timed repetitions per contender")
@@ -471,16 +535,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.slow_repeats:
         prof["slow_repeats"] = args.slow_repeats
     args.repeats = args.repeats or prof["repeats"]
-    args.sets = [s for s in args.sets.split(",") if s]
+    default_sets = DEFAULT_SETS["cuda" if args.device.startswith("cuda") else "cpu"]
+    args.sets = [s for s in (args.sets or default_sets).split(",") if s]
     sections = [s for s in args.sections.split(",") if s]
-    unknown = set(sections) - set(SECTIONS) | set(args.sets) - {"gpt", "conv", "moe"}
+    unknown = set(sections) - set(SECTIONS) | set(args.sets) - set(_sets.SETS)
     if unknown:
         p.error(f"unknown sections or sets: {sorted(unknown)}")
+    return args, prof, sections
+
+
+def default_out(device: torch.device) -> Path:
+    """``benchmarks/results/<device type>-<timestamp>.json``: ``cuda-…`` for a GPU run."""
+    return HERE / "results" / f"{device.type}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args, prof, sections = configure(argv)
+    profile_name = "smoke" if args.smoke else "quick" if args.quick else "default"
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda but CUDA is not available")
+        sys.exit("run.py: error: --device cuda but CUDA is not available")
 
     started = time.perf_counter()
     results: dict[str, Any] = {
@@ -503,10 +579,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["machine"]["load_average_at_end"] = list(os.getloadavg())
     results["wall_s"] = time.perf_counter() - started
     if results["targets"]:
-        print("\nTargets (GPT set):")
+        print("\nTargets:")
         for k, v in results["targets"].items():
-            print(f"  {k}: {v['value']:.3f} (target {v['target']}) {'met' if v['met'] else 'MISSED'}")
-    out = Path(args.out) if args.out else HERE / "results" / f"{device.type}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+            print(f"  {k}: {v['value']:.3f} (target {v['target']}, {v['on']}) {'met' if v['met'] else 'MISSED'}")
+    out = Path(args.out) if args.out else default_out(device)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     print(f"\nwrote {out} ({results['wall_s']:.0f} s)")

@@ -6,6 +6,7 @@ import os
 # too, so that subprocesses compute with the same thread count (bitwise comparisons depend on it).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -17,3 +18,35 @@ settings.register_profile(
 )
 settings.register_profile("dev", deadline=None, max_examples=100)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+DEVICE_ENV = "MUONFN_TEST_DEVICE"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--device",
+        default=None,
+        help=f"device of the device-agnostic tests (the `device` fixture): cpu or cuda; default ${DEVICE_ENV} or cpu",
+    )
+
+
+def chosen_device(config: pytest.Config) -> torch.device:
+    """The device the ``device`` fixture gives: ``--device``, else ``$MUONFN_TEST_DEVICE``, else CPU."""
+    return torch.device(config.getoption("--device") or os.environ.get(DEVICE_ENV) or "cpu")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # asking for a GPU that is not there is an error, not a silent run on the CPU
+    device = chosen_device(config)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(f"--device {device} (or ${DEVICE_ENV}) asks for CUDA, which is not available")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"muonfn test device: {chosen_device(config)}"
+
+
+@pytest.fixture(scope="session")
+def device(pytestconfig: pytest.Config) -> torch.device:
+    """Where the device-agnostic tests put their tensors (``--device cuda`` or ``MUONFN_TEST_DEVICE=cuda``)."""
+    return chosen_device(pytestconfig)

@@ -1,45 +1,60 @@
 """The benchmark suite runs end to end in its smallest configuration and writes sane JSON.
 
-Checks fields and that numbers are positive and finite; never speed.
+Checks fields and that numbers are positive and finite; never speed. The CUDA configuration
+(GPT-2 small and medium, large Newton–Schulz buckets) is checked as configuration here, and
+runs at its smoke sizes on the CPU through the same code.
 """
 
+import importlib.util
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
+GPT2_SETS = {"gpt2-small", "gpt2-medium"}
 
 
 def positive(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
+def load_run():
+    spec = importlib.util.spec_from_file_location("benchmarks_run", ROOT / "benchmarks" / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_benchmark_suite_smoke(tmp_path):
     out = tmp_path / "smoke.json"
+    sets = "gpt,conv,moe,gpt2-small,gpt2-medium"
+    command = [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--smoke", "--threads", "1", "--device", "cpu"]
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--smoke", "--threads", "1", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
+        [*command, "--sets", sets, "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| contender" in proc.stdout and "Targets" in proc.stdout
+    assert "Batched Newton–Schulz" in proc.stdout
     results = json.loads(out.read_text())
 
     assert results["machine"]["torch"] and results["machine"]["cpu_count"] >= 1
+    assert results["machine"]["device"] == "cpu"
     assert results["profile"] == "smoke"
 
     step = results["step"]
-    assert len(step) == 3  # GPT, conv net, MoE
+    assert len(step) == 5  # GPT, conv net, MoE, GPT-2 small and medium (shrunk)
+    assert set(step) >= GPT2_SETS
     for record in step.values():
         assert positive(record["ns_gflop"]) and positive(record["ns_limit_ms"])
         assert positive(record["matmul"]["gflops"])
         contenders = record["contenders"]
         muonfn_variants = {"muonfn", "muonfn donated", "muonfn unbatched", "muonfn gram"}
-        assert muonfn_variants | {"torch Muon+AdamW", "plain fp32 loop"} <= set(contenders)
+        shim_variants = {"muonfn shim", "muonfn shim donated"}
+        assert muonfn_variants | shim_variants | {"torch Muon+AdamW", "plain fp32 loop"} <= set(contenders)
         for c in contenders.values():
             assert c["repeats"] >= 1 and len(c["times_ms"]) == c["repeats"]
             for field in ("median_ms", "speedup_vs_torch_muon", "ns_gflops", "x_limit", "peak_mb"):
@@ -52,6 +67,12 @@ def test_benchmark_suite_smoke(tmp_path):
             r = shape[method]
             assert positive(r["median_ms"]) and positive(r["gflop"]) and positive(r["rel_error_vs_polar"])
             assert r["rel_diff_vs_standard"] < 1e-3
+    assert positive(ns["matmul"]["tflops"])
+    assert list(ns["batches"]) == ["3x16x64"]
+    for batch in ns["batches"].values():
+        assert batch["finite"]
+        for field in ("median_ms", "tflop", "tflops", "x_matmul_rate"):
+            assert positive(batch[field]), field
 
     elementwise = results["elementwise"]["contenders"]
     assert {"torch AdamW foreach", "muonfn adamw", "muonfn adamw donated", "hand AdamW, TensorDict.apply"} <= set(
@@ -65,6 +86,38 @@ def test_benchmark_suite_smoke(tmp_path):
     assert all(positive(c["median_ms"]) for c in overhead.values())
 
     targets = results["targets"]
-    assert {"muonfn_x_limit", "plain_loop_over_muonfn", "muonfn_adamw_overhead"} <= set(targets)
+    expected = {"muonfn_x_limit", "plain_loop_over_muonfn", "muonfn_adamw_overhead", "ns_batch_x_matmul_rate"}
+    assert expected | {"muonfn_shim_peak_over_torch", "muonfn_shim_donated_peak_over_torch"} <= set(targets)
     for t in targets.values():
-        assert math.isfinite(t["value"]) and isinstance(t["met"], bool)
+        assert math.isfinite(t["value"]) and isinstance(t["met"], bool) and t["on"]
+
+
+def test_cuda_configuration():
+    """``--device cuda`` steps GPT-2 small and medium at their real sizes, times Newton–Schulz on
+    64 × 1024×4096 buckets against an 8192² matmul, and writes ``results/cuda-*.json``."""
+    run = load_run()
+    args, prof, sections = run.configure(["--device", "cuda"])
+    assert args.sets == ["gpt2-small", "gpt2-medium", "conv", "moe"]
+    assert sections == ["step", "ns", "elementwise", "overhead"]
+    assert prof["gpt2-small"] == {} and prof["gpt2-medium"] == {}  # the builders' real sizes
+    assert prof["ns_batches"][0] == [64, 1024, 4096] and prof["matmul"] == 8192
+    assert run.default_out(torch.device("cuda")).match("results/cuda-*.json")
+    assert run.configure(["--device", "cpu"])[0].sets == ["gpt", "conv", "moe"]
+    _, smoke, _ = run.configure(["--device", "cuda", "--smoke", "--sets", "gpt2-medium"])
+    assert smoke["gpt2-medium"]["width"] < 1024
+
+
+def test_gpt2_sets_have_gpt2s_parameter_counts():
+    """GPT-2 small and medium with the head tied to the token embedding: 124.4 M and 354.8 M
+    parameters (counted on the meta device, without allocating them)."""
+    run = load_run()  # puts benchmarks/ on the path
+    sets = sys.modules["_sets"]
+    expected = {"gpt2-small": 124_439_808, "gpt2-medium": 354_823_168}
+    for name, dims in sets.GPT2_SIZES.items():
+        with torch.device("meta"):
+            model = sets.GPT(dims["width"], dims["depth"], dims["vocab"], dims["context"])
+        assert sum(p.numel() for p in model.parameters()) == expected[name]
+        assert name in run._sets.SETS
+    shrunk = sets.build("gpt2-medium", "cpu", width=16, depth=2, vocab=32, context=8)
+    assert shrunk.name == "gpt2-medium" and "shrunk" in shrunk.description
+    assert len(shrunk.matrix_params()) == 4 * 2  # fused QKV, attention and MLP projections per block

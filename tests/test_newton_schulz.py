@@ -44,15 +44,15 @@ def expected_svdvals(sp: Spectral, coefficients: str | Coefficients) -> torch.Te
 
 
 def svdvals(x: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.svdvals(x.to(torch.float64)).sort().values
+    return torch.linalg.svdvals(x.to("cpu", torch.float64)).sort().values
 
 
 # --- exact (bitwise) symmetries -------------------------------------------------------------------
 
 
 @given(spectral_matrices(), st.sampled_from(SETS), st.sampled_from(DTYPES))
-def test_odd_and_zero_at_zero(sp: Spectral, name: str, dtype: torch.dtype) -> None:
-    g = sp.g.to(dtype)
+def test_odd_and_zero_at_zero(device: torch.device, sp: Spectral, name: str, dtype: torch.dtype) -> None:
+    g = sp.g.to(device, dtype)
     assert torch.equal(ns(-g, name), -ns(g, name))
     zero = ns(torch.zeros_like(g), name)
     assert torch.equal(zero, torch.zeros_like(g))
@@ -60,8 +60,10 @@ def test_odd_and_zero_at_zero(sp: Spectral, name: str, dtype: torch.dtype) -> No
 
 
 @given(spectral_matrices(), st.sampled_from(SETS), st.sampled_from(DTYPES), st.integers(-6, 6))
-def test_power_of_two_scale_invariance(sp: Spectral, name: str, dtype: torch.dtype, k: int) -> None:
-    g = sp.g.to(dtype)
+def test_power_of_two_scale_invariance(
+    device: torch.device, sp: Spectral, name: str, dtype: torch.dtype, k: int
+) -> None:
+    g = sp.g.to(device, dtype)
     scaled = g * 2.0**k
     # the property needs the input itself to scale exactly (no fp16 overflow or subnormals)
     # and both norms above eps, where the clamp makes the map linear instead
@@ -156,9 +158,9 @@ def test_spectral_mapping(sp: Spectral, name: str, dtype: torch.dtype) -> None:
 
 
 @given(spectral_matrices(min_sigma=0.1), st.sampled_from(SETS))
-def test_spectral_mapping_bf16(sp: Spectral, name: str) -> None:
+def test_spectral_mapping_bf16(device: torch.device, sp: Spectral, name: str) -> None:
     """Well-conditioned spectra only: bf16 cannot resolve σ below ~1% of ‖G‖ (REFERENCE.md)."""
-    got = svdvals(ns(sp.g.to(torch.bfloat16), name, dtype=torch.bfloat16))
+    got = svdvals(ns(sp.g.to(device, torch.bfloat16), name, dtype=torch.bfloat16))
     assert (got - expected_svdvals(sp, name)).abs().max() < SPECTRAL_TOL_BF16[name]
 
 
@@ -183,10 +185,10 @@ def test_null_space_preserved(sp: Spectral, name: str, dtype: torch.dtype) -> No
     ("name", "band", "error"),
     [("keller", (0.68, 1.14), 0.153), ("cesista", (0.97, 1.04), 0.017), ("polar_express", (0.99, 1.01), 0.0)],
 )
-def test_band_and_error_on_gaussian(name: str, band: tuple[float, float], error: float) -> None:
+def test_band_and_error_on_gaussian(name: str, band: tuple[float, float], error: float, device: torch.device) -> None:
     """σ band and relative Frobenius error vs UVᵀ on a 256×1024 Gaussian in fp32 (REFERENCE.md's table)."""
     g = gaussian(256, 1024, seed=0)
-    out = ns(g, name, dtype=torch.float32)
+    out = ns(g.to(device), name, dtype=torch.float32).cpu()
     s = svdvals(out)
     assert band[0] <= s.min() and s.max() <= band[1]
     assert abs(rel_err(out, polar(g.double())) - error) < 0.005
@@ -263,13 +265,13 @@ def test_one_triple_with_steps_is_torchs_iteration() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_returns_input_dtype_and_never_mutates(dtype: torch.dtype) -> None:
+def test_returns_input_dtype_and_never_mutates(dtype: torch.dtype, device: torch.device) -> None:
     for shape in [(5, 8), (8, 5), (3, 5, 8), (2, 3, 8, 5)]:
-        x = gaussian(*shape, seed=len(shape), dtype=dtype)
+        x = gaussian(*shape, seed=len(shape), dtype=dtype).to(device)
         before = x.clone()
         for ns_dtype in (None, torch.float32, torch.bfloat16, dtype):
             out = ns(x, "polar_express", dtype=ns_dtype)
-            assert out.dtype == dtype and out.shape == x.shape
+            assert out.dtype == dtype and out.shape == x.shape and out.device == x.device
             assert torch.equal(x, before)
             out.add_(1.0)  # the result never aliases the input
             assert torch.equal(x, before)
@@ -286,12 +288,13 @@ def test_fp16_does_not_overflow() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_tiny_and_zero_matrices_give_no_nan(dtype: torch.dtype) -> None:
-    tiny = torch.full((4, 6), torch.finfo(dtype).tiny, dtype=dtype)
-    for x in (torch.zeros(3, 4, 6, dtype=dtype), tiny, -tiny):
+def test_tiny_and_zero_matrices_give_no_nan(dtype: torch.dtype, device: torch.device) -> None:
+    tiny = torch.full((4, 6), torch.finfo(dtype).tiny, dtype=dtype, device=device)
+    zeros = torch.zeros(3, 4, 6, dtype=dtype, device=device)
+    for x in (zeros, tiny, -tiny):
         out = ns(x, "polar_express")
         assert torch.isfinite(out).all()
-    assert torch.equal(ns(torch.zeros(3, 4, 6, dtype=dtype)), torch.zeros(3, 4, 6, dtype=dtype))
+    assert torch.equal(ns(zeros), zeros)
 
 
 def test_below_eps_the_map_is_linear_and_continuous() -> None:

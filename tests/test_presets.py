@@ -18,17 +18,19 @@ X, Y = gaussian(32, 6, seed=100), gaussian(32, 3, seed=101)
 
 
 def make_loss(model: torch.nn.Module):
+    device = next(model.parameters()).device
+
     def loss(params: TensorDict) -> torch.Tensor:
         with params.to_module(model):
-            return torch.nn.functional.mse_loss(model(X.to(params.dtype)), Y.to(params.dtype))
+            return torch.nn.functional.mse_loss(model(X.to(device, params.dtype)), Y.to(device, params.dtype))
 
     return loss
 
 
 def torch_grads(model: torch.nn.Module) -> None:
     model.zero_grad()
-    dtype = next(model.parameters()).dtype
-    torch.nn.functional.mse_loss(model(X.to(dtype)), Y.to(dtype)).backward()
+    p = next(model.parameters())
+    torch.nn.functional.mse_loss(model(X.to(p.device, p.dtype)), Y.to(p.device, p.dtype)).backward()
 
 
 def max_param_diff(model: torch.nn.Module, params: TensorDict) -> float:
@@ -56,8 +58,8 @@ def run_both(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tx: muonf
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
-def test_adamw_matches_torch(weight_decay: float) -> None:
-    model = mlp(0, (6, 12, 8, 3))
+def test_adamw_matches_torch(weight_decay: float, device: torch.device) -> None:
+    model = mlp(0, (6, 12, 8, 3)).to(device)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay, amsgrad=False
     )
@@ -95,7 +97,7 @@ def muon_pair(model: torch.nn.Module, adjust_lr_fn: str | None, ns_dtype: torch.
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("adjust_lr_fn", [None, "match_rms_adamw"])
 def test_muon_matches_torch_with_the_same_newton_schulz(
-    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, adjust_lr_fn: str | None
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, adjust_lr_fn: str | None, device: torch.device
 ) -> None:
     """torch's own Muon step with its bf16 Newton–Schulz swapped for ours in ``dtype``: the
     trajectories agree to rounding, so NS precision is the only difference (next test)."""
@@ -104,22 +106,22 @@ def test_muon_matches_torch_with_the_same_newton_schulz(
         return newton_schulz(grad, [coefficients], steps=steps, eps=eps, dtype=dtype)
 
     monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", our_ns)
-    model = mlp(2, (6, 16, 24, 3), bias=False).to(dtype)
+    model = mlp(2, (6, 16, 24, 3), bias=False).to(device, dtype)
     optimizer, tx = muon_pair(model, adjust_lr_fn, dtype)
     tol = 1e-12 if dtype == torch.float64 else 3e-6
     assert run_both(model, optimizer, tx, steps=20) <= tol
 
 
-def test_muon_matches_torch_bf16_newton_schulz() -> None:
+def test_muon_matches_torch_bf16_newton_schulz(device: torch.device) -> None:
     """torch casts to bf16 before normalising, we normalise in fp32 and then cast: on the same
     gradients the trajectories agree to bf16 accuracy (a few % of the distance travelled)."""
-    model = mlp(3, (6, 16, 24, 3), bias=False)
+    model = mlp(3, (6, 16, 24, 3), bias=False).to(device)
     optimizer, tx = muon_pair(model, None, torch.bfloat16)
     params = TensorDict.from_module(model).detach().clone()
     start = params.clone()
     state = tx.init(params)
     for t in range(20):
-        grads = random_like(params, seed=t)
+        grads = random_like(params, seed=t).to(device)
         for (name, p), g in zip(model.named_parameters(), grads.values(True, True)):
             assert tuple(name.split(".")) in grads.keys(True, True)
             p.grad = g.clone()
@@ -133,8 +135,8 @@ def test_muon_matches_torch_bf16_newton_schulz() -> None:
 
 
 @pytest.mark.parametrize("shape", [(16, 8), (24, 64), (64, 256)])
-def test_bf16_newton_schulz_against_torchs(shape: tuple[int, int]) -> None:
-    g = gaussian(*shape, seed=7)
+def test_bf16_newton_schulz_against_torchs(shape: tuple[int, int], device: torch.device) -> None:
+    g = gaussian(*shape, seed=7).to(device)
     theirs = torch_muon._zeropower_via_newtonschulz(g, (3.4445, -4.7750, 2.0315), 5, 1e-7).float()
     ours = newton_schulz(g, "keller", dtype=torch.bfloat16)
     exact = newton_schulz(g.double(), "keller")
@@ -158,8 +160,8 @@ def test_muon_matrix_update_formula() -> None:
     assert state["adamw", "step", "b"] == 2
 
 
-def test_zero_gradient_gives_only_the_decay() -> None:
-    params = TensorDict({"w": gaussian(6, 9, seed=1), "e": gaussian(2, 6, 9, seed=2)}, batch_size=[])
+def test_zero_gradient_gives_only_the_decay(device: torch.device) -> None:
+    params = TensorDict({"w": gaussian(6, 9, seed=1), "e": gaussian(2, 6, 9, seed=2)}, batch_size=[]).to(device)
     tx = muonfn.muon(lr=0.1, weight_decay=0.5, views={"e": MatrixView(batch_dims=1)})
     for dtype in (torch.float32, torch.bfloat16):
         p = params.to(dtype)
@@ -169,9 +171,9 @@ def test_zero_gradient_gives_only_the_decay() -> None:
             assert torch.equal(state["muon", "momentum", key], torch.zeros_like(p[key]))
 
 
-def test_adamw_settings_default_to_the_muon_ones() -> None:
-    params = TensorDict({"w": gaussian(4, 4, seed=1), "b": gaussian(4, seed=2)}, batch_size=[])
-    grads = random_like(params, 5)
+def test_adamw_settings_default_to_the_muon_ones(device: torch.device) -> None:
+    params = TensorDict({"w": gaussian(4, 4, seed=1), "b": gaussian(4, seed=2)}, batch_size=[]).to(device)
+    grads = random_like(params, 5).to(device)
 
     def adamw_part(tx: muonfn.Transform) -> torch.Tensor:
         return tx.update(grads, tx.init(params), params)[0]["b"]

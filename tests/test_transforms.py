@@ -27,12 +27,12 @@ def step(tx: muonfn.Transform, grads: TensorDict, state: TensorDict, params: Ten
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_ema_momentum_matches_closed_form(nesterov: bool) -> None:
+def test_ema_momentum_matches_closed_form(nesterov: bool, device: torch.device) -> None:
     mu = 0.9
-    params = td(w=torch.zeros(3, 4, dtype=F64), b=torch.zeros(5, dtype=F64))
+    params = td(w=torch.zeros(3, 4, dtype=F64), b=torch.zeros(5, dtype=F64)).to(device)
     tx = muonfn.ema_momentum(mu, nesterov=nesterov)
     state = tx.init(params)
-    grads = [random_like(params, seed=t) for t in range(4)]
+    grads = [random_like(params, seed=t).to(device) for t in range(4)]
     for g in grads:
         updates, state = step(tx, g, state)
     for key in ("w", "b"):
@@ -42,18 +42,18 @@ def test_ema_momentum_matches_closed_form(nesterov: bool) -> None:
         torch.testing.assert_close(updates[key], expected, rtol=1e-14, atol=1e-15)
 
 
-def test_ema_momentum_keeps_the_param_dtype_and_reads_a_tensor_momentum_each_step() -> None:
-    params = td(w=torch.zeros(2, 3, dtype=torch.bfloat16))
+def test_ema_momentum_keeps_the_param_dtype_and_reads_a_tensor_momentum_each_step(device: torch.device) -> None:
+    params = td(w=torch.zeros(2, 3, dtype=torch.bfloat16)).to(device)
     mu = torch.tensor(0.5)
     tx = muonfn.ema_momentum(mu, nesterov=False)
     state = tx.init(params)
     assert state["momentum", "w"].dtype == torch.bfloat16
     ones = params.apply(torch.ones_like)
     _, state = step(tx, ones, state)
-    assert torch.equal(state["momentum", "w"], torch.full((2, 3), 0.5, dtype=torch.bfloat16))
+    assert torch.equal(state["momentum", "w"], torch.full((2, 3), 0.5, dtype=torch.bfloat16, device=device))
     mu.fill_(0.0)  # changed in place: the next step uses it
     updates, state = step(tx, ones.mul(3), state)
-    assert torch.equal(updates["w"], torch.full((2, 3), 3.0, dtype=torch.bfloat16))
+    assert torch.equal(updates["w"], torch.full((2, 3), 3.0, dtype=torch.bfloat16, device=device))
 
 
 # --- orthogonalize -----------------------------------------------------------------------------------
@@ -161,8 +161,8 @@ def model_like() -> TensorDict:
 
 
 @pytest.mark.parametrize("scale", ["match_rms_adamw", "original", "unit_rms_norm"])
-def test_scale_by_muon_is_momentum_then_newton_schulz_then_shape_scale(scale: str) -> None:
-    params = model_like()
+def test_scale_by_muon_is_momentum_then_newton_schulz_then_shape_scale(scale: str, device: torch.device) -> None:
+    params = model_like().to(device)
     fused = muonfn.scale_by_muon(
         0.9, nesterov=True, ns_coefficients="cesista", scale=scale, extra_scale=0.7, views=VIEWS
     )
@@ -174,7 +174,7 @@ def test_scale_by_muon_is_momentum_then_newton_schulz_then_shape_scale(scale: st
     s1, s2 = fused.init(params), parts.init(params)
     assert_td_equal(s1, s2)
     for t in range(3):
-        grads = random_like(params, seed=100 + t)
+        grads = random_like(params, seed=100 + t).to(device)
         u1, s1 = step(fused, grads, s1)
         u2, s2 = step(parts, grads, s2)
         assert_td_equal(u1, u2)
@@ -184,14 +184,14 @@ def test_scale_by_muon_is_momentum_then_newton_schulz_then_shape_scale(scale: st
 # --- scale_by_adam ------------------------------------------------------------------------------------
 
 
-def test_scale_by_adam_matches_the_formula_with_per_leaf_steps() -> None:
+def test_scale_by_adam_matches_the_formula_with_per_leaf_steps(device: torch.device) -> None:
     b1, b2, eps = 0.8, 0.95, 1e-6
-    params = td(w=torch.zeros(3, 4, dtype=F64), b=torch.zeros(4, dtype=F64))
+    params = td(w=torch.zeros(3, 4, dtype=F64), b=torch.zeros(4, dtype=F64)).to(device)
     tx = muonfn.scale_by_adam(b1, b2, eps=eps)
     state = tx.init(params)
     seen: dict[str, list[torch.Tensor]] = {"w": [], "b": []}
     for t in range(5):
-        grads = random_like(params, seed=t)
+        grads = random_like(params, seed=t).to(device)
         if t in (1, 2):  # "b" has no gradient on two steps
             grads = grads.exclude("b")
         updates, state = step(tx, grads, state)
@@ -210,8 +210,8 @@ def test_scale_by_adam_matches_the_formula_with_per_leaf_steps() -> None:
 # --- add_decayed_weights --------------------------------------------------------------------------------
 
 
-def test_decayed_weights_and_masks() -> None:
-    params = td(w=torch.full((2, 2), 2.0), norm=torch.full((2,), 3.0), bias=torch.full((2,), 5.0))
+def test_decayed_weights_and_masks(device: torch.device) -> None:
+    params = td(w=torch.full((2, 2), 2.0), norm=torch.full((2,), 3.0), bias=torch.full((2,), 5.0)).to(device)
     grads = params.apply(torch.ones_like)
     everything, _ = step(muonfn.add_decayed_weights(0.1), grads, TensorDict(), params)
     assert_td_equal(everything, grads + params * 0.1)
@@ -239,8 +239,8 @@ def test_decay_only_touches_leaves_with_gradients() -> None:
 # --- scale_by_learning_rate --------------------------------------------------------------------------------
 
 
-def test_learning_rate_float_tensor_and_schedule() -> None:
-    grads = td(w=torch.ones(3))
+def test_learning_rate_float_tensor_and_schedule(device: torch.device) -> None:
+    grads = td(w=torch.ones(3)).to(device)
     out, _ = step(muonfn.scale_by_learning_rate(0.25), grads, TensorDict())
     assert out["w"].tolist() == [-0.25] * 3
     lr = torch.tensor(0.5)
