@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import re
 
 import pytest
 import torch
@@ -641,3 +642,35 @@ def test_bad_gradients_raise_before_anything_changes():
     with pytest.raises(TypeError, match=r"'embed.weight' is torch.sparse_coo"):
         opt.step()
     assert_unchanged(model, opt, before)
+
+
+# ---------------------------------------------------------------------------- opt.state and state_dict as torch's
+
+
+def test_adamw_betas_must_be_a_pair():
+    model = mlp()
+    for betas in [(0.9, 0.95, 0.99), (0.9,), 0.9]:
+        with pytest.raises(
+            ValueError, match=rf"^adamw_betas must be a pair \(beta1, beta2\), got {re.escape(repr(betas))}$"
+        ):
+            Muon(model.named_parameters(), adamw_betas=betas)
+    with pytest.raises(ValueError, match=r"param group 0: adamw_betas must be a pair"):
+        Muon([{"params": model.parameters(), "use_muon": False, "adamw_betas": (0.9,)}])
+    opt = Muon(model.named_parameters(), **HP)
+    opt.param_groups[1]["adamw_betas"] = (0.9, 0.95, 0.99)
+    before = snapshot(model, opt)
+    with pytest.raises(ValueError, match=r"param group 1: adamw_betas must be a pair"):
+        shim_steps(model, opt, batches(1))
+    assert_unchanged(model, opt, before)
+
+
+def test_a_repeated_tensor_is_named_by_the_key_it_has():
+    model = mlp()
+    tensors = list(model.parameters())
+    with pytest.raises(ValueError, match=r"^parameter '0' is already in parameter group 0$"):
+        Muon([{"params": tensors[:2]}, {"params": [tensors[2], tensors[0]]}])
+    opt = Muon(model.named_parameters(), **HP)
+    with pytest.raises(
+        ValueError, match=r"^parameter '0.bias' \(given again as 'b'\) is already in parameter group 1$"
+    ):
+        opt.add_param_group({"params": [("b", model[0].bias)], "use_muon": False})

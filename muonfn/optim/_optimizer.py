@@ -82,6 +82,7 @@ class Muon(torch.optim.Optimizer):
                     f"Muon({name}=...) takes a number; schedule it with torch.optim.lr_scheduler "
                     "(schedule functions are for muonfn.muon)"
                 )
+        _groups.check_betas("adamw_betas", adamw_betas)
         defaults: dict[str, Any] = {
             "lr": lr,
             "momentum": momentum,
@@ -224,7 +225,7 @@ class Muon(torch.optim.Optimizer):
             keys = [tuple(name.split(".")) for name in names]
         else:  # by position in the order the optimizer was given them
             keys = [(str(i),) for i in range(len(self._slots), len(self._slots) + len(tensors))]
-        _groups.check_new_params(tensors, keys, self._slots)
+        _groups.check_new_params(tensors, keys, self._slots, named=names is not None)
 
         use_muon = param_group.get("use_muon")
         if use_muon is None:
