@@ -674,3 +674,31 @@ def test_a_repeated_tensor_is_named_by_the_key_it_has():
         ValueError, match=r"^parameter '0.bias' \(given again as 'b'\) is already in parameter group 1$"
     ):
         opt.add_param_group({"params": [("b", model[0].bias)], "use_muon": False})
+
+
+def test_one_element_tensors_are_numbers_in_groups_and_schedulers():
+    def run(number) -> tuple[nn.Module, Muon]:
+        model = mlp()
+        opt = Muon(
+            [{"params": model.named_parameters(), "lr": number(0.02), "weight_decay": number(0.05)}],
+            momentum=number(0.9),
+            adamw_betas=(0.85, 0.97),
+        )
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(
+            opt, max_lr=[0.02, 0.004], total_steps=6, base_momentum=0.7, max_momentum=0.95
+        )
+        shim_steps(model, opt, batches(5), scheduler)
+        return model, opt
+
+    floats = run(float)
+    for shape in [(), (1,), (1, 1)]:
+        tensors = run(lambda v: torch.full(shape, v, dtype=torch.float64))
+        # the two halves of the one dict are two groups to the scheduler: no tensor couples them
+        assert tensors[1].param_groups[0]["lr"] is not tensors[1].param_groups[1]["lr"]
+        assert [float(g["lr"]) for g in tensors[1].param_groups] == [g["lr"] for g in floats[1].param_groups]
+        assert_bitwise(TensorDict.from_module(tensors[0]), TensorDict.from_module(floats[0]))
+        assert_bitwise(tensors[1].functional_state, floats[1].functional_state)
+    opt = tensors[1]
+    opt.param_groups[0]["lr"] = torch.tensor([0.1, 0.2])
+    with pytest.raises(ValueError, match=r"param group 0: lr must be a number, got a tensor of shape \(2,\)"):
+        opt.step()

@@ -248,7 +248,7 @@ class Muon(torch.optim.Optimizer):
         else:
             raise TypeError(f"use_muon must be True or False, got {use_muon!r}")
 
-        new_groups = []
+        new_groups: list[dict[str, Any]] = []
         for route, members in parts:
             group = {k: v for k, v in param_group.items() if k not in ("params", "param_names", *_groups.SPLIT_ONLY)}
             group["params"] = [tensors[i] for i in members]
@@ -265,6 +265,11 @@ class Muon(torch.optim.Optimizer):
                 group.setdefault(name, default)
             group["use_muon"] = route
             group["ns_coefficients"] = _groups.plain_coefficients(_groups.coefficients_of(group["ns_coefficients"]))
+            if new_groups:
+                # the halves of one dict are two groups to a scheduler: a tensor they shared would couple them
+                first = new_groups[0]
+                for name in [k for k, v in group.items() if isinstance(v, torch.Tensor) and v is first.get(k)]:
+                    group[name] = group[name].clone()
             new_groups.append(group)
 
         groups = [*self.param_groups, *new_groups]
