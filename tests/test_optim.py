@@ -647,6 +647,45 @@ def test_bad_gradients_raise_before_anything_changes():
 # ---------------------------------------------------------------------------- opt.state and state_dict as torch's
 
 
+def test_param_state_is_a_live_view_that_writes_through():
+    model = mlp()
+    opt = Muon(model.named_parameters(), **HP)
+    shim_steps(model, opt, batches(2))
+    weight, bias = model[0].weight, model[0].bias
+    entries = opt.state[weight]
+    entries["momentum_buffer"] = torch.ones(12, 6)
+    assert torch.equal(opt.functional_state["muon", "momentum", "0", "weight"], torch.ones(12, 6))
+    opt.state[bias].update({"exp_avg": torch.full((12,), 2.0)}, step=torch.tensor(7))
+    assert torch.equal(opt.functional_state["adamw", "exp_avg", "0", "bias"], torch.full((12,), 2.0))
+    assert int(opt.functional_state["adamw", "step", "0", "bias"]) == 7
+    # reads follow the functional state, also after a step replaced its tensors
+    shim_steps(model, opt, batches(1, seed=5))
+    assert entries["momentum_buffer"] is opt.functional_state["muon", "momentum", "0", "weight"]
+    assert int(opt.state[bias]["step"]) == 8
+    assert "step" in opt.state[bias] and opt.state[bias].get("max_exp_avg_sq") is None
+    assert list(opt.state[bias]) == ["step", "exp_avg", "exp_avg_sq"] and len(entries) == 1
+
+    before = snapshot(model, opt)
+    with pytest.raises(ValueError, match=r"state of '0.weight' has no entry 'exp_avg'; its entries are \['momentum_"):
+        entries["exp_avg"] = torch.zeros(12, 6)
+    with pytest.raises(ValueError, match=r"state of '0.bias' has no entry 'momentum_buffer'"):
+        opt.state[bias].update(exp_avg=torch.zeros(12), momentum_buffer=torch.zeros(12))  # exp_avg not written either
+    with pytest.raises(ValueError, match=r"'adamw.exp_avg_sq.0.bias' has shape \(6,\), expected \(12,\)"):
+        opt.state[bias]["exp_avg_sq"] = torch.zeros(6)
+    with pytest.raises(ValueError, match=r"'adamw.step.0.bias' has dtype torch.float32, expected torch.int64"):
+        opt.state[bias]["step"] = torch.tensor(3.0)
+    with pytest.raises(TypeError, match=r"'0.bias'.*must be a tensor, got str"):
+        opt.state[bias]["exp_avg"] = "zeros"
+    with pytest.raises(TypeError, match=r"the state of '0.weight' always holds \['momentum_buffer'\]"):
+        del entries["momentum_buffer"]
+    assert_unchanged(model, opt, before)
+
+    opt.state[bias].clear()  # torch's way to forget a parameter's state: back to the initial one
+    assert int(opt.state[bias]["step"]) == 0 and not opt.state[bias]["exp_avg"].any()
+    popped = opt.state.pop(model[3].bias)  # the entries as they were; the state starts afresh
+    assert int(popped["step"]) == 3 and int(opt.state[model[3].bias]["step"]) == 0
+
+
 def test_adamw_betas_must_be_a_pair():
     model = mlp()
     for betas in [(0.9, 0.95, 0.99), (0.9,), 0.9]:

@@ -15,7 +15,7 @@ from ..presets import ADAMW, MUON, adamw, check_names, label_params, muon_branch
 from ..transforms import LabelsLike, MaskLike, Transform, ViewsLike, partition, resolve_labels, resolve_views
 from . import _groups
 from ._param_state import ParamState
-from ._state_dict import translate_state_dict
+from ._state_dict import packed_state_dict, translate_state_dict
 
 if TYPE_CHECKING:
     from ..distributed import Collectives, ShardSpecs, Strategy
@@ -354,6 +354,31 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"{where}: batch size {tuple(state.batch_size)}, expected ()")
         return _tree.laid_out_like(state, self._layout(), where)
 
+    def _initial_entries(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``p``'s state as its branch's ``init`` makes it, under torch's names."""
+        slot = self._slots[p]
+        group = self.param_groups[slot.group]
+        fresh = self._branch(group, _groups.new_scalars(group)).init(TensorDict({slot.key: p.detach()}, batch_size=[]))
+        return {name: fresh.get((field, *slot.key)) for name, field in _groups.state_names(slot.use_muon).items()}
+
+    @torch.compiler.disable
+    def state_dict(self) -> dict[str, Any]:
+        """The state in torch's format, ``{"state": {index: {name: tensor}}, "param_groups": [...]}``.
+
+        It loads with ``torch.load(weights_only=True)``. Parameters are numbered across
+        groups in order; entries of :attr:`state` under other keys (a hook's, say) are kept
+        under those keys, as torch keeps them. An entry under a tensor that is not a
+        parameter cannot be numbered: it is an error, unless empty.
+        """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = packed_state_dict(self)
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
     @torch.compiler.disable
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a :meth:`state_dict` (torch's format); on any mismatch raises naming the parameter and changes nothing.
@@ -376,6 +401,11 @@ class Muon(torch.optim.Optimizer):
         self._cache = None
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    @property
+    def _param_state(self) -> ParamState:
+        """:attr:`state`, typed as what it is (torch declares a ``defaultdict``)."""
+        return self.state  # type: ignore[return-value]
 
     def __getstate__(self) -> dict[str, Any]:
         # the cached transform closes over this instance's scalar tensors; a copy builds its own

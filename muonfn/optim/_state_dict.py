@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,6 +33,38 @@ def loaded_value(name: str, torch_name: str, value: Any, param: torch.Tensor) ->
             f"the parameter {tuple(param.shape)}"
         )
     return value.to(dtype=param.dtype, device=param.device)
+
+
+def packed_state_dict(opt: Muon) -> dict[str, Any]:
+    """``opt``'s state in torch's format: parameters by index, counted across groups in order.
+
+    A parameter's state is a plain dict of its current tensors (so that
+    ``torch.load(weights_only=True)`` reads it back); the other entries of ``opt.state``
+    are kept under their own keys, as torch keeps them.
+    """
+    index: dict[torch.Tensor, int] = {}
+    param_groups = []
+    for group in opt.param_groups:
+        packed = {k: v for k, v in group.items() if k != "params"}
+        packed["params"] = [index.setdefault(p, len(index)) for p in group["params"]]
+        param_groups.append(packed)
+    state: dict[Any, Any] = {i: dict(opt.state[p]) for p, i in index.items()}
+    for key, value in opt._param_state.others.items():
+        if isinstance(key, torch.Tensor):
+            if isinstance(value, Mapping) and not value:
+                continue  # left by a lookup (a defaultdict's); it reads back as {} without being saved
+            raise ValueError(
+                f"state_dict: opt.state has an entry under a tensor of shape {tuple(key.shape)} that is not a "
+                "parameter of this optimizer; a state_dict keys state by parameter index, so it cannot be "
+                "saved (store it under a string key instead)"
+            )
+        if key in state:
+            raise ValueError(
+                f"state_dict: opt.state[{key!r}] is not a parameter's state, but {key!r} is the index of "
+                "a parameter in the state_dict; store it under another key"
+            )
+        state[key] = value
+    return {"state": state, "param_groups": param_groups}
 
 
 def translate_state_dict(opt: Muon, state_dict: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[Key, torch.Tensor]]:
