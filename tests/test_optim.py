@@ -686,6 +686,76 @@ def test_param_state_is_a_live_view_that_writes_through():
     assert int(popped["step"]) == 3 and int(opt.state[model[3].bias]["step"]) == 0
 
 
+def test_load_state_dict_does_not_share_group_tensors_with_the_source():
+    source = Muon(mlp().named_parameters(), lr=torch.tensor(0.02, dtype=torch.float64), adamw_lr=torch.tensor(0.004))
+    target = Muon(mlp().named_parameters(), lr=0.1)
+    target.load_state_dict(source.state_dict())
+    assert all(t["lr"] is not s["lr"] for t, s in zip(target.param_groups, source.param_groups))
+    scheduler = torch.optim.lr_scheduler.StepLR(source, step_size=1, gamma=0.1)
+    source.step()
+    scheduler.step()
+    assert float(source.param_groups[0]["lr"]) == pytest.approx(0.002)
+    assert [float(g["lr"]) for g in target.param_groups] == [0.02, float(torch.tensor(0.004))]
+
+
+def test_non_parameter_state_entries_travel_through_state_dict_as_in_torch():
+    def mark(optimizer: torch.optim.Optimizer) -> None:  # torch's own state_dict hook tests do this
+        optimizer.state["test"] = 1
+
+    model = mlp()
+    opt = Muon(model.named_parameters(), **HP)
+    sgd = torch.optim.SGD(mlp().parameters(), lr=0.1)
+    for o in (opt, sgd):
+        o.register_state_dict_pre_hook(mark)
+    shim_steps(model, opt, batches(2))
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    sd = torch.load(buffer, weights_only=True)
+    assert sd["state"]["test"] == 1 and sorted(k for k in sd["state"] if k != "test") == list(range(8))
+
+    other = Muon(mlp(seed=3).named_parameters(), **HP)
+    other.state["stale"] = 2  # a load replaces the whole state, as torch's does
+    other.load_state_dict(sd)
+    sgd_other = torch.optim.SGD(mlp().parameters(), lr=0.1)
+    sgd_other.state["stale"] = 2
+    sgd_other.load_state_dict(sgd.state_dict())
+    for o in (other, sgd_other):
+        assert o.state["test"] == 1 and "stale" not in o.state
+    assert_bitwise(other.functional_state, opt.functional_state)
+    third = Muon(mlp().named_parameters(), **HP)
+    third.load_state_dict(other.state_dict())
+    assert third.state["test"] == 1
+
+    # lookups other than [] leave no entry behind, as a defaultdict's
+    stray = torch.zeros(2)
+    assert opt.state.get(stray) is None and opt.state.get("missing", 5) == 5 and stray not in opt.state
+    assert opt.state.setdefault("k", 3) == 3 and opt.state.pop("k") == 3 and "k" not in opt.state
+    assert opt.state.get(model[0].weight).keys() == {"momentum_buffer"}
+
+    # a lookup under a tensor that is no parameter leaves an empty entry (a defaultdict's): nothing to save
+    frozen = torch.zeros(3)
+    assert opt.state[frozen] == {} and frozen in opt.state
+    assert len(opt.state_dict()["state"]) == 9
+    opt.state[frozen]["ema"] = torch.ones(3)  # torch's state_dict cannot number it either
+    with pytest.raises(ValueError, match=r"tensor of shape \(3,\) that is not a parameter of this optimizer"):
+        opt.state_dict()
+
+
+def test_load_state_dict_keeps_saved_param_names_in_an_unnamed_optimizer():
+    named = Muon(mlp().named_parameters(), **HP)
+    plain = Muon(mlp().parameters(), **HP)
+    plain.load_state_dict(named.state_dict())
+    names = [g["param_names"] for g in named.param_groups]
+    assert names == [["0.weight", "3.weight", "5.weight"], ["0.bias", "1.weight", "1.bias", "3.bias", "5.bias"]]
+    assert [g.get("param_names") for g in plain.param_groups] == names
+    # as torch keeps them
+    sgd = torch.optim.SGD(mlp().parameters(), lr=0.1)
+    sgd.load_state_dict(torch.optim.SGD(mlp().named_parameters(), lr=0.1).state_dict())
+    assert sgd.param_groups[0]["param_names"] == [n for n, _ in mlp().named_parameters()]
+    assert [g["param_names"] for g in plain.state_dict()["param_groups"]] == names
+
+
 def test_adamw_betas_must_be_a_pair():
     model = mlp()
     for betas in [(0.9, 0.95, 0.99), (0.9,), 0.9]:

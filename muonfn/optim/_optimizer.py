@@ -387,17 +387,20 @@ class Muon(torch.optim.Optimizer):
         the integer ``"step"`` counts, which come back exact, and the saved groups are
         deep-copied. The saved hyperparameters replace the current ones; groups keep their
         parameters and routes, and take the saved ``param_names`` when they have none.
+        Entries under keys that are no parameter's index replace those of :attr:`state`
+        under keys that are not parameters, as torch's ``load_state_dict`` carries them.
         """
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        groups, entries = translate_state_dict(self, state_dict)
-        state = self._checked_state(TensorDict(entries, batch_size=[]), "load_state_dict")
+        loaded = translate_state_dict(self, state_dict)
+        state = self._checked_state(TensorDict(loaded.entries, batch_size=[]), "load_state_dict")
 
-        self.param_groups = groups
+        self.param_groups = loaded.groups
         self._functional_state = state
+        self._param_state.others = loaded.others
         self._cache = None
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)

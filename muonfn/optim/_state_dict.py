@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -67,7 +67,17 @@ def packed_state_dict(opt: Muon) -> dict[str, Any]:
     return {"state": state, "param_groups": param_groups}
 
 
-def translate_state_dict(opt: Muon, state_dict: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[Key, torch.Tensor]]:
+class Loaded(NamedTuple):
+    """What a state_dict holds for an optimizer, checked and translated."""
+
+    groups: list[dict[str, Any]]
+    #: the functional-state entries of its parameters
+    entries: dict[Key, torch.Tensor]
+    #: the entries under keys that are none of its parameters' indices, carried as torch carries them
+    others: dict[Any, Any]
+
+
+def translate_state_dict(opt: Muon, state_dict: dict[str, Any]) -> Loaded:
     """The param groups and the functional-state entries ``state_dict`` holds for ``opt``'s parameters.
 
     Checks everything (group sizes and routes, every parameter's entries, the
@@ -121,7 +131,5 @@ def translate_state_dict(opt: Muon, state_dict: dict[str, Any]) -> tuple[list[di
         _groups.check_scheduled(i, new_group)
         opt._branch(new_group, _groups.new_scalars(new_group))  # the core checks the other settings
         groups.append(new_group)
-    unclaimed = [k for k in saved_state if k not in claimed]
-    if unclaimed:
-        raise ValueError(f"load_state_dict: the state_dict has state for parameter ids {unclaimed} in no group")
-    return groups, entries
+    others = {k: v for k, v in saved_state.items() if k not in claimed}
+    return Loaded(groups, entries, others)
