@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import copy
 import io
 import re
@@ -783,6 +784,53 @@ def test_a_repeated_tensor_is_named_by_the_key_it_has():
         ValueError, match=r"^parameter '0.bias' \(given again as 'b'\) is already in parameter group 1$"
     ):
         opt.add_param_group({"params": [("b", model[0].bias)], "use_muon": False})
+
+
+NAME_TYPOS = {
+    "labels": {**{n: "muon" if p.ndim == 2 else "adamw" for n, p in mlp().named_parameters()}, "5.wieght": "muon"},
+    "views": {"3.wieght": muonfn.MatrixView(transposed=True)},
+    "weight_decay_mask": {"1.bais": False},
+}
+
+
+@pytest.mark.parametrize("table", [*NAME_TYPOS, "weight_decay_mask as a function"])
+def test_name_typos_are_rejected_as_by_muonfn_muon(table):
+    kwargs = {table: NAME_TYPOS[table]} if table in NAME_TYPOS else {"weight_decay_mask": lambda p: {"1.bais": False}}
+    model = mlp()
+    with pytest.raises(ValueError) as functional:
+        muonfn.muon(**kwargs).init(params_of(model))
+    with pytest.raises(ValueError, match=r"names '\d.\w+', which is not a parameter; parameters are") as shim:
+        Muon(model.named_parameters(), **kwargs)
+    assert same_name_error(str(shim.value), str(functional.value))
+
+
+def same_name_error(shim: str, functional: str) -> bool:
+    """The same message (the functional one may say it comes from ``partition``); the shim may list
+    the parameters in its groups' order."""
+    head, names = shim.split("; parameters are ")
+    functional_head, functional_names = functional.split("; parameters are ")
+    same_names = sorted(ast.literal_eval(names)) == sorted(ast.literal_eval(functional_names))
+    return head == functional_head.removeprefix("partition: ") and same_names
+
+
+def test_shard_spec_typos_are_rejected_as_by_muonfn_muon():
+    from muonfn.distributed import ShardSpec, simulate
+
+    def messages(collectives) -> list[str]:
+        model = mlp()
+        specs = {"3.wieght": ShardSpec(0)}
+        found = []
+        for build in (
+            lambda: muonfn.muon(collectives=collectives, shard_specs=specs).init(params_of(model)),
+            lambda: Muon(model.named_parameters(), collectives=collectives, shard_specs=specs),
+        ):
+            with pytest.raises(ValueError, match=r"shard_specs names '3.wieght', which is not a parameter") as error:
+                build()
+            found.append(str(error.value))
+        return found
+
+    (functional, shim), *_ = simulate(1, messages)
+    assert same_name_error(shim, functional)
 
 
 def test_one_element_tensors_are_numbers_in_groups_and_schedulers():
