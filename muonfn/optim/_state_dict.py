@@ -78,7 +78,8 @@ class Loaded(NamedTuple):
 
 
 def translate_state_dict(opt: Muon, state_dict: dict[str, Any]) -> Loaded:
-    """The param groups and the functional-state entries ``state_dict`` holds for ``opt``'s parameters.
+    """The param groups and the functional-state entries ``state_dict`` holds for ``opt``'s parameters,
+    and its entries under other keys.
 
     Checks everything (group sizes and routes, every parameter's entries, the
     hyperparameters) and raises naming the first mismatch; changes nothing.
