@@ -248,3 +248,35 @@ def test_save_refuses_what_is_not_a_tensor(tmp_path: pathlib.Path):
     with pytest.raises(TypeError, match=r"'meta\.note' is a NonTensorData"):
         muonfn.save({"meta": TensorDict({"note": "hello"}, batch_size=[])}, tmp_path / "x.pt")
     assert os.listdir(tmp_path) == []
+
+
+def test_shim_with_polar_express_resumes_from_a_file_bitwise(tmp_path: pathlib.Path):
+    """The schedule's norm factor (1.01) is saved as plain data and restored with the triples."""
+    coefficients = muonfn.COEFFICIENTS["polar_express"]
+
+    def setup(ns_coefficients) -> tuple[nn.Module, Muon, torch.optim.lr_scheduler.LRScheduler]:
+        net = model()
+        opt = Muon(net.named_parameters(), **HP, ns_coefficients=ns_coefficients)
+        return net, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+
+    net, opt, scheduler = setup(coefficients)
+    shim_run(net, opt, scheduler, 0, K)
+    checkpoint = {"model": net.state_dict(), "optimizer": opt.state_dict(), "scheduler": scheduler.state_dict()}
+    torch.save(checkpoint, tmp_path / "polar.pt")
+    shim_run(net, opt, scheduler, K, N)
+
+    loaded = torch.load(tmp_path / "polar.pt", weights_only=True)
+    resumed, resumed_opt, resumed_scheduler = setup("keller")  # the state_dict brings polar_express back
+    resumed.load_state_dict(loaded["model"])
+    resumed_opt.load_state_dict(loaded["optimizer"])
+    resumed_scheduler.load_state_dict(loaded["scheduler"])
+    for group in resumed_opt.param_groups:
+        assert group["ns_coefficients"] == (("norm_factor", 1.01), *coefficients.triples)
+    shim_run(resumed, resumed_opt, resumed_scheduler, K, N)
+    assert_bitwise(TensorDict.from_module(resumed), TensorDict.from_module(net))
+    assert_bitwise(resumed_opt.functional_state, opt.functional_state)
+
+    # the norm factor shows in the parameters: without it the same run ends elsewhere
+    plain, plain_opt, plain_scheduler = setup(coefficients.triples)
+    shim_run(plain, plain_opt, plain_scheduler, 0, N)
+    assert not torch.equal(plain[0].weight, net[0].weight)

@@ -8,14 +8,18 @@ difference in the formula, not rounding, is what a failure shows.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 
 import pytest
 import torch
+from _bitwise import assert_bitwise
 from tensordict import TensorDict
+from torch.optim import _muon as torch_muon
 
 import muonfn
+import muonfn.optim
 
 KELLER = (3.4445, -4.7750, 2.0315)
 SHAPES = {"wide": (8, 24), "tall": (24, 8), "square": (16, 16)}
@@ -314,3 +318,229 @@ def test_adamw_matches_torch_adamw():
         theirs.step()
         for k, p in modules.items():
             torch.testing.assert_close(ours[t][k], p.detach(), rtol=1e-12, atol=1e-14)
+
+
+# --- moving a run between torch.optim.Muon + torch.optim.AdamW and muonfn.optim.Muon --------
+
+
+def small_net() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.LayerNorm(16), torch.nn.Tanh(), torch.nn.Linear(16, 8), torch.nn.Linear(8, 3)
+    )
+
+
+def by_ndim(model: torch.nn.Module) -> dict[str, str]:
+    """torch's split: Muon takes the 2-D parameters, AdamW the rest."""
+    return {name: "muon" if p.ndim == 2 else "adamw" for name, p in model.named_parameters()}
+
+
+def fixed_grads(model: torch.nn.Module, steps: int) -> list[dict[str, torch.Tensor]]:
+    """The same gradients for both optimizers, so that any difference in state is the optimizers'."""
+    gen = torch.Generator().manual_seed(5)
+    return [{n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()} for _ in range(steps)]
+
+
+def step_with(model: torch.nn.Module, grads: dict[str, torch.Tensor], *optimizers: torch.optim.Optimizer) -> None:
+    for name, p in model.named_parameters():
+        p.grad = grads[name].clone()
+    for opt in optimizers:
+        opt.step()
+
+
+def fp32_newton_schulz(grad: torch.Tensor, coefficients: tuple, steps: int, eps: float) -> torch.Tensor:
+    """muonfn's Newton–Schulz in fp32 in place of torch's bf16 one, so that only the state can differ."""
+    return muonfn.newton_schulz(grad, [coefficients], steps=steps, eps=eps, dtype=torch.float32)
+
+
+def torch_pair(model: torch.nn.Module, **muon_kwargs) -> tuple[torch.optim.Muon, torch.optim.AdamW]:
+    named = list(model.named_parameters())
+    muon = torch.optim.Muon([(n, p) for n, p in named if p.ndim == 2], **muon_kwargs)
+    adamw = torch.optim.AdamW(
+        [(n, p) for n, p in named if p.ndim != 2], lr=3e-3, betas=(0.9, 0.95), weight_decay=0.01, foreach=False
+    )
+    return muon, adamw
+
+
+def assert_same_state(shim: muonfn.optim.Muon, model: torch.nn.Module, muon, adamw, torch_model) -> None:
+    """Every state tensor bit for bit; ``step`` as the same count."""
+    ours = dict(model.named_parameters())
+    for name, p in torch_model.named_parameters():
+        mine, theirs = shim.state[ours[name]], (muon if p.ndim == 2 else adamw).state[p]
+        assert mine.keys() == theirs.keys(), name
+        for key in theirs:
+            if key == "step":
+                assert theirs[key].dtype == torch.float32 and int(mine[key]) == float(theirs[key]), name
+            else:
+                assert torch.equal(mine[key], theirs[key]), (name, key)
+
+
+@pytest.mark.parametrize("adjust_lr_fn", [None, "match_rms_adamw"])
+def test_torch_muon_and_adamw_run_continues_in_the_shim(monkeypatch: pytest.MonkeyPatch, adjust_lr_fn):
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", fp32_newton_schulz)
+    theirs_model = small_net()
+    muon, adamw = torch_pair(theirs_model, lr=0.02, weight_decay=0.1, momentum=0.9, adjust_lr_fn=adjust_lr_fn)
+    grads = fixed_grads(theirs_model, 8)
+    for g in grads[:4]:
+        step_with(theirs_model, g, muon, adamw)
+
+    model = small_net()
+    model.load_state_dict(theirs_model.state_dict())
+    # hyperparameters and state both come from the state_dicts
+    shim = muonfn.optim.Muon(model.named_parameters(), lr=1.0, labels=by_ndim(model), ns_dtype=torch.float32)
+    shim.load_torch_state_dicts(muon.state_dict(), adamw.state_dict())
+    muon_group, adamw_group = shim.param_groups
+    assert (muon_group["lr"], muon_group["momentum"], muon_group["weight_decay"]) == (0.02, 0.9, 0.1)
+    assert muon_group["scale"] == (adjust_lr_fn or "original") and muon_group["ns_eps"] == 1e-7
+    assert muon_group["ns_coefficients"] == muonfn.COEFFICIENTS["keller"].triples
+    assert (adamw_group["lr"], adamw_group["adamw_betas"], adamw_group["adamw_eps"]) == (3e-3, (0.9, 0.95), 1e-8)
+    assert adamw_group["weight_decay"] == 0.01
+    assert_same_state(shim, model, muon, adamw, theirs_model)
+
+    for g in grads[4:]:  # same gradients: the state stays bitwise torch's, the parameters agree to rounding
+        step_with(theirs_model, g, muon, adamw)
+        step_with(model, g, shim)
+        assert_same_state(shim, model, muon, adamw, theirs_model)
+    for (name, p), q in zip(model.named_parameters(), theirs_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_shim_run_continues_in_torch_muon_and_adamw(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", fp32_newton_schulz)
+    model = small_net()
+    shim = muonfn.optim.Muon(
+        model.named_parameters(),
+        lr=0.02,
+        momentum=0.9,
+        weight_decay=0.1,
+        scale="original",
+        ns_dtype=torch.float32,
+        adamw_lr=3e-3,
+        adamw_weight_decay=0.01,
+        labels=by_ndim(model),
+    )
+    grads = fixed_grads(model, 8)
+    for g in grads[:4]:
+        step_with(model, g, shim)
+
+    muon_sd, adamw_sd = shim.torch_state_dicts()
+    theirs_model = small_net()
+    theirs_model.load_state_dict(model.state_dict())
+    muon, adamw = torch_pair(theirs_model, lr=1.0)  # hyperparameters come from the state_dicts
+    muon.load_state_dict(muon_sd)
+    adamw.load_state_dict(adamw_sd)
+    assert muon.param_groups[0]["adjust_lr_fn"] == "original" and muon.param_groups[0]["ns_steps"] == 5
+    assert muon.param_groups[0]["ns_coefficients"] == (3.4445, -4.7750, 2.0315) and adamw.param_groups[0]["lr"] == 3e-3
+    assert_same_state(shim, model, muon, adamw, theirs_model)
+    assert muon.state[theirs_model[0].weight]["momentum_buffer"] is not shim.state[model[0].weight]["momentum_buffer"]
+
+    for g in grads[4:]:
+        step_with(theirs_model, g, muon, adamw)
+        step_with(model, g, shim)
+        assert_same_state(shim, model, muon, adamw, theirs_model)
+    for (name, p), q in zip(model.named_parameters(), theirs_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_torch_state_dicts_round_trip_resumes_bitwise(tmp_path):
+    """shim → torch's state_dicts, saved and loaded weights-only → shim: the uninterrupted run, bit for bit."""
+    settings = {"lr": 0.02, "momentum": 0.9, "scale": "original", "adamw_lr": 3e-3, "ns_coefficients": (3.4, -4.7, 2.0)}
+
+    def shim_for(model: torch.nn.Module, **overrides) -> muonfn.optim.Muon:
+        return muonfn.optim.Muon(model.named_parameters(), **{**settings, **overrides}, labels=by_ndim(model))
+
+    uninterrupted = small_net()
+    grads = fixed_grads(uninterrupted, 7)
+    opt = shim_for(uninterrupted)
+    for g in grads:
+        step_with(uninterrupted, g, opt)
+
+    first = small_net()
+    first_opt = shim_for(first)
+    for g in grads[:3]:
+        step_with(first, g, first_opt)
+    torch.save(first_opt.torch_state_dicts(), tmp_path / "torch_optimizers.pt")
+    muon_sd, adamw_sd = torch.load(tmp_path / "torch_optimizers.pt", weights_only=True)
+    resumed = small_net()
+    resumed.load_state_dict(first.state_dict())
+    resumed_opt = shim_for(resumed, lr=1.0, momentum=0.5, adamw_lr=1.0)
+    resumed_opt.load_torch_state_dicts(muon_sd, adamw_sd)
+    for g in grads[3:]:
+        step_with(resumed, g, resumed_opt)
+    assert_bitwise(TensorDict.from_module(resumed), TensorDict.from_module(uninterrupted))
+    assert_bitwise(resumed_opt.functional_state, opt.functional_state)
+
+
+def test_torch_state_dict_conversion_refuses_what_does_not_carry_over(monkeypatch: pytest.MonkeyPatch):
+    model = small_net()
+    shim = muonfn.optim.Muon(model.named_parameters(), lr=0.02, labels=by_ndim(model))
+    step_with(model, fixed_grads(model, 1)[0], shim)
+    before = (shim.functional_state.clone(), copy.deepcopy([{**g, "params": None} for g in shim.param_groups]))
+    theirs = small_net()
+    muon, adamw = torch_pair(theirs, lr=0.02)
+    named = list(theirs.named_parameters())
+    two_groups = torch.optim.Muon([{"params": [named[0][1]]}, {"params": [named[4][1], named[6][1]]}])
+    wrong_names = torch.optim.Muon([(f"x{n}", p) for n, p in named if p.ndim == 2])
+    amsgrad = torch.optim.AdamW([(n, p) for n, p in named if p.ndim != 2], amsgrad=True)
+    shorter = torch.optim.Muon([p for _, p in named if p.ndim == 2][:2])
+    cases = [
+        (
+            (two_groups.state_dict(), adamw.state_dict()),
+            r"Muon state_dict has 2 parameter groups, this optimizer 1 Muon",
+        ),
+        ((shorter.state_dict(), adamw.state_dict()), r"param group 0 .*: 3 parameters here, 2 there"),
+        ((wrong_names.state_dict(), adamw.state_dict()), r"parameter '0.weight' here is 'x0.weight' there"),
+        ((muon.state_dict(), amsgrad.state_dict()), r"param group 1 .* has amsgrad=True"),
+        ((muon.state_dict(), None), r"this optimizer has AdamW parameters \['0.bias', '1.weight'"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            shim.load_torch_state_dicts(*args)
+    assert_bitwise(shim.functional_state, before[0])
+    assert [{**g, "params": None} for g in shim.param_groups] == before[1]
+
+    # the way back refuses settings torch's optimizers cannot run
+    def refused(match: str, **kwargs) -> None:
+        net = small_net()
+        opt = muonfn.optim.Muon(net.named_parameters(), **{"labels": by_ndim(net), **kwargs})
+        with pytest.raises(ValueError, match=match):
+            opt.torch_state_dicts()
+
+    refused(r"param group 0: .*one \(a, b, c\).*norm_factor=1.01", ns_coefficients="polar_express")
+    refused(r"param group 0: .*scale='spectral'", scale="spectral")
+    refused(r"param group 0: .*scale='match_rms_adamw', extra_scale=0.5", extra_scale=0.5)
+    refused(
+        r"param group 0: .*reads '3.weight' as it is stored", views={"3.weight": muonfn.MatrixView(transposed=True)}
+    )
+    refused(r"param group 1: weight_decay_mask exempts \['1.weight'\]", weight_decay_mask={"1.weight": False})
+    conv = torch.nn.Conv1d(2, 4, 3)
+    with pytest.raises(ValueError, match=r"param group 0: torch.optim.Muon takes 2-D parameters only; 'weight'"):
+        muonfn.optim.Muon(conv.named_parameters()).torch_state_dicts()
+
+
+def test_shim_takes_torch_optim_muon_spellings():
+    """adjust_lr_fn, eps and one (a, b, c) with ns_steps, as torch.optim.Muon takes them."""
+    triple = (3.4445, -4.7750, 2.0315)
+    spelled = {"adjust_lr_fn": None, "eps": 1e-6, "ns_coefficients": triple, "ns_steps": 4}
+    ours = {"scale": "original", "ns_eps": 1e-6, "ns_coefficients": [triple] * 4, "ns_steps": 4}
+    models = [small_net(), small_net()]
+    opts = [muonfn.optim.Muon(m.named_parameters(), lr=0.02, **kw) for m, kw in zip(models, (spelled, ours))]
+    settings = [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in opts]
+    assert settings[0] == settings[1]
+    for g in fixed_grads(models[0], 3):
+        for m, o in zip(models, opts):
+            step_with(m, g, o)
+    assert_bitwise(TensorDict.from_module(models[0]), TensorDict.from_module(models[1]))
+
+    net = small_net()
+    opt = muonfn.optim.Muon(net.named_parameters(), adjust_lr_fn="match_rms_adamw", ns_coefficients=triple)
+    assert opt.defaults["scale"] == "match_rms_adamw"  # and torch's 5 steps when ns_steps is not given:
+    assert opt.defaults["ns_coefficients"] == muonfn.COEFFICIENTS["keller"].triples
+    assert muonfn.optim.Muon(net.named_parameters(), scale="original", adjust_lr_fn="original").defaults["scale"]
+    for kwargs, match in [
+        ({"scale": "spectral", "adjust_lr_fn": "original"}, r"adjust_lr_fn is torch's spelling of scale='original'"),
+        ({"ns_eps": 1e-6, "eps": 1e-5}, r"eps is torch.optim.Muon's spelling of ns_eps"),
+        ({"adjust_lr_fn": "rms"}, r"adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got 'rms'"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            muonfn.optim.Muon(net.named_parameters(), **kwargs)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import copy
 import io
+import re
 
 import pytest
 import torch
@@ -641,3 +643,219 @@ def test_bad_gradients_raise_before_anything_changes():
     with pytest.raises(TypeError, match=r"'embed.weight' is torch.sparse_coo"):
         opt.step()
     assert_unchanged(model, opt, before)
+
+
+# ---------------------------------------------------------------------------- opt.state and state_dict as torch's
+
+
+def test_param_state_is_a_live_view_that_writes_through():
+    model = mlp()
+    opt = Muon(model.named_parameters(), **HP)
+    shim_steps(model, opt, batches(2))
+    weight, bias = model[0].weight, model[0].bias
+    entries = opt.state[weight]
+    entries["momentum_buffer"] = torch.ones(12, 6)
+    assert torch.equal(opt.functional_state["muon", "momentum", "0", "weight"], torch.ones(12, 6))
+    opt.state[bias].update({"exp_avg": torch.full((12,), 2.0)}, step=torch.tensor(7))
+    assert torch.equal(opt.functional_state["adamw", "exp_avg", "0", "bias"], torch.full((12,), 2.0))
+    assert int(opt.functional_state["adamw", "step", "0", "bias"]) == 7
+    # reads follow the functional state, also after a step replaced its tensors
+    shim_steps(model, opt, batches(1, seed=5))
+    assert entries["momentum_buffer"] is opt.functional_state["muon", "momentum", "0", "weight"]
+    assert int(opt.state[bias]["step"]) == 8
+    assert "step" in opt.state[bias] and opt.state[bias].get("max_exp_avg_sq") is None
+    assert list(opt.state[bias]) == ["step", "exp_avg", "exp_avg_sq"] and len(entries) == 1
+
+    before = snapshot(model, opt)
+    with pytest.raises(ValueError, match=r"state of '0.weight' has no entry 'exp_avg'; its entries are \['momentum_"):
+        entries["exp_avg"] = torch.zeros(12, 6)
+    with pytest.raises(ValueError, match=r"state of '0.bias' has no entry 'momentum_buffer'"):
+        opt.state[bias].update(exp_avg=torch.zeros(12), momentum_buffer=torch.zeros(12))  # exp_avg not written either
+    with pytest.raises(ValueError, match=r"'adamw.exp_avg_sq.0.bias' has shape \(6,\), expected \(12,\)"):
+        opt.state[bias]["exp_avg_sq"] = torch.zeros(6)
+    with pytest.raises(ValueError, match=r"'adamw.step.0.bias' has dtype torch.float32, expected torch.int64"):
+        opt.state[bias]["step"] = torch.tensor(3.0)
+    with pytest.raises(TypeError, match=r"'0.bias'.*must be a tensor, got str"):
+        opt.state[bias]["exp_avg"] = "zeros"
+    with pytest.raises(TypeError, match=r"the state of '0.weight' always holds \['momentum_buffer'\]"):
+        del entries["momentum_buffer"]
+    assert_unchanged(model, opt, before)
+
+    opt.state[bias].clear()  # torch's way to forget a parameter's state: back to the initial one
+    assert int(opt.state[bias]["step"]) == 0 and not opt.state[bias]["exp_avg"].any()
+    popped = opt.state.pop(model[3].bias)  # the entries as they were; the state starts afresh
+    assert int(popped["step"]) == 3 and int(opt.state[model[3].bias]["step"]) == 0
+
+
+def test_load_state_dict_does_not_share_group_tensors_with_the_source():
+    source = Muon(mlp().named_parameters(), lr=torch.tensor(0.02, dtype=torch.float64), adamw_lr=torch.tensor(0.004))
+    target = Muon(mlp().named_parameters(), lr=0.1)
+    target.load_state_dict(source.state_dict())
+    assert all(t["lr"] is not s["lr"] for t, s in zip(target.param_groups, source.param_groups))
+    scheduler = torch.optim.lr_scheduler.StepLR(source, step_size=1, gamma=0.1)
+    source.step()
+    scheduler.step()
+    assert float(source.param_groups[0]["lr"]) == pytest.approx(0.002)
+    assert [float(g["lr"]) for g in target.param_groups] == [0.02, float(torch.tensor(0.004))]
+
+
+def test_non_parameter_state_entries_travel_through_state_dict_as_in_torch():
+    def mark(optimizer: torch.optim.Optimizer) -> None:  # torch's own state_dict hook tests do this
+        optimizer.state["test"] = 1
+
+    model = mlp()
+    opt = Muon(model.named_parameters(), **HP)
+    sgd = torch.optim.SGD(mlp().parameters(), lr=0.1)
+    for o in (opt, sgd):
+        o.register_state_dict_pre_hook(mark)
+    shim_steps(model, opt, batches(2))
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    sd = torch.load(buffer, weights_only=True)
+    assert sd["state"]["test"] == 1 and sorted(k for k in sd["state"] if k != "test") == list(range(8))
+
+    other = Muon(mlp(seed=3).named_parameters(), **HP)
+    other.state["stale"] = 2  # a load replaces the whole state, as torch's does
+    other.load_state_dict(sd)
+    sgd_other = torch.optim.SGD(mlp().parameters(), lr=0.1)
+    sgd_other.state["stale"] = 2
+    sgd_other.load_state_dict(sgd.state_dict())
+    for o in (other, sgd_other):
+        assert o.state["test"] == 1 and "stale" not in o.state
+    assert_bitwise(other.functional_state, opt.functional_state)
+    third = Muon(mlp().named_parameters(), **HP)
+    third.load_state_dict(other.state_dict())
+    assert third.state["test"] == 1
+
+    # lookups other than [] leave no entry behind, as a defaultdict's
+    stray = torch.zeros(2)
+    assert opt.state.get(stray) is None and opt.state.get("missing", 5) == 5 and stray not in opt.state
+    assert opt.state.setdefault("k", 3) == 3 and opt.state.pop("k") == 3 and "k" not in opt.state
+    assert opt.state.get(model[0].weight).keys() == {"momentum_buffer"}
+
+    # a lookup under a tensor that is no parameter leaves an empty entry (a defaultdict's): nothing to save
+    frozen = torch.zeros(3)
+    assert opt.state[frozen] == {} and frozen in opt.state
+    assert len(opt.state_dict()["state"]) == 9
+    opt.state[frozen]["ema"] = torch.ones(3)  # torch's state_dict cannot number it either
+    with pytest.raises(ValueError, match=r"tensor of shape \(3,\) that is not a parameter of this optimizer"):
+        opt.state_dict()
+
+
+def test_load_state_dict_keeps_saved_param_names_in_an_unnamed_optimizer():
+    named = Muon(mlp().named_parameters(), **HP)
+    plain = Muon(mlp().parameters(), **HP)
+    plain.load_state_dict(named.state_dict())
+    names = [g["param_names"] for g in named.param_groups]
+    assert names == [["0.weight", "3.weight", "5.weight"], ["0.bias", "1.weight", "1.bias", "3.bias", "5.bias"]]
+    assert [g.get("param_names") for g in plain.param_groups] == names
+    # as torch keeps them
+    sgd = torch.optim.SGD(mlp().parameters(), lr=0.1)
+    sgd.load_state_dict(torch.optim.SGD(mlp().named_parameters(), lr=0.1).state_dict())
+    assert sgd.param_groups[0]["param_names"] == [n for n, _ in mlp().named_parameters()]
+    assert [g["param_names"] for g in plain.state_dict()["param_groups"]] == names
+
+
+def test_adamw_betas_must_be_a_pair():
+    model = mlp()
+    for betas in [(0.9, 0.95, 0.99), (0.9,), 0.9]:
+        with pytest.raises(
+            ValueError, match=rf"^adamw_betas must be a pair \(beta1, beta2\), got {re.escape(repr(betas))}$"
+        ):
+            Muon(model.named_parameters(), adamw_betas=betas)
+    with pytest.raises(ValueError, match=r"param group 0: adamw_betas must be a pair"):
+        Muon([{"params": model.parameters(), "use_muon": False, "adamw_betas": (0.9,)}])
+    opt = Muon(model.named_parameters(), **HP)
+    opt.param_groups[1]["adamw_betas"] = (0.9, 0.95, 0.99)
+    before = snapshot(model, opt)
+    with pytest.raises(ValueError, match=r"param group 1: adamw_betas must be a pair"):
+        shim_steps(model, opt, batches(1))
+    assert_unchanged(model, opt, before)
+
+
+def test_a_repeated_tensor_is_named_by_the_key_it_has():
+    model = mlp()
+    tensors = list(model.parameters())
+    with pytest.raises(ValueError, match=r"^parameter '0' is already in parameter group 0$"):
+        Muon([{"params": tensors[:2]}, {"params": [tensors[2], tensors[0]]}])
+    opt = Muon(model.named_parameters(), **HP)
+    with pytest.raises(
+        ValueError, match=r"^parameter '0.bias' \(given again as 'b'\) is already in parameter group 1$"
+    ):
+        opt.add_param_group({"params": [("b", model[0].bias)], "use_muon": False})
+
+
+NAME_TYPOS = {
+    "labels": {**{n: "muon" if p.ndim == 2 else "adamw" for n, p in mlp().named_parameters()}, "5.wieght": "muon"},
+    "views": {"3.wieght": muonfn.MatrixView(transposed=True)},
+    "weight_decay_mask": {"1.bais": False},
+}
+
+
+@pytest.mark.parametrize("table", [*NAME_TYPOS, "weight_decay_mask as a function"])
+def test_name_typos_are_rejected_as_by_muonfn_muon(table):
+    kwargs = {table: NAME_TYPOS[table]} if table in NAME_TYPOS else {"weight_decay_mask": lambda p: {"1.bais": False}}
+    model = mlp()
+    with pytest.raises(ValueError) as functional:
+        muonfn.muon(**kwargs).init(params_of(model))
+    with pytest.raises(ValueError, match=r"names '\d.\w+', which is not a parameter; parameters are") as shim:
+        Muon(model.named_parameters(), **kwargs)
+    assert same_name_error(str(shim.value), str(functional.value))
+
+
+def same_name_error(shim: str, functional: str) -> bool:
+    """The same message (the functional one may say it comes from ``partition``); the shim may list
+    the parameters in its groups' order."""
+    head, names = shim.split("; parameters are ")
+    functional_head, functional_names = functional.split("; parameters are ")
+    same_names = sorted(ast.literal_eval(names)) == sorted(ast.literal_eval(functional_names))
+    return head == functional_head.removeprefix("partition: ") and same_names
+
+
+def test_shard_spec_typos_are_rejected_as_by_muonfn_muon():
+    from muonfn.distributed import ShardSpec, simulate
+
+    def messages(collectives) -> list[str]:
+        model = mlp()
+        specs = {"3.wieght": ShardSpec(0)}
+        found = []
+        for build in (
+            lambda: muonfn.muon(collectives=collectives, shard_specs=specs).init(params_of(model)),
+            lambda: Muon(model.named_parameters(), collectives=collectives, shard_specs=specs),
+        ):
+            with pytest.raises(ValueError, match=r"shard_specs names '3.wieght', which is not a parameter") as error:
+                build()
+            found.append(str(error.value))
+        return found
+
+    (functional, shim), *_ = simulate(1, messages)
+    assert same_name_error(shim, functional)
+
+
+def test_one_element_tensors_are_numbers_in_groups_and_schedulers():
+    def run(number) -> tuple[nn.Module, Muon]:
+        model = mlp()
+        opt = Muon(
+            [{"params": model.named_parameters(), "lr": number(0.02), "weight_decay": number(0.05)}],
+            momentum=number(0.9),
+            adamw_betas=(0.85, 0.97),
+        )
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(
+            opt, max_lr=[0.02, 0.004], total_steps=6, base_momentum=0.7, max_momentum=0.95
+        )
+        shim_steps(model, opt, batches(5), scheduler)
+        return model, opt
+
+    floats = run(float)
+    for shape in [(), (1,), (1, 1)]:
+        tensors = run(lambda v: torch.full(shape, v, dtype=torch.float64))
+        # the two halves of the one dict are two groups to the scheduler: no tensor couples them
+        assert tensors[1].param_groups[0]["lr"] is not tensors[1].param_groups[1]["lr"]
+        assert [float(g["lr"]) for g in tensors[1].param_groups] == [g["lr"] for g in floats[1].param_groups]
+        assert_bitwise(TensorDict.from_module(tensors[0]), TensorDict.from_module(floats[0]))
+        assert_bitwise(tensors[1].functional_state, floats[1].functional_state)
+    opt = tensors[1]
+    opt.param_groups[0]["lr"] = torch.tensor([0.1, 0.2])
+    with pytest.raises(ValueError, match=r"param group 0: lr must be a number, got a tensor of shape \(2,\)"):
+        opt.step()

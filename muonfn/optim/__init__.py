@@ -23,11 +23,16 @@ under ``"muon"`` (k = 0) or ``f"muon_{k}"``, the k-th AdamW group under ``"adamw
 ``muonfn.muon(...).init(params)``: ``state["muon", "momentum", *key]`` and
 ``state["adamw", "step" | "exp_avg" | "exp_avg_sq", *key]``. ``opt.state[p]`` shows the
 same tensors under torch's names: ``{"momentum_buffer"}`` for Muon,
-``{"step", "exp_avg", "exp_avg_sq"}`` for AdamW (``"step"`` an exact int64 count).
+``{"step", "exp_avg", "exp_avg_sq"}`` for AdamW (``"step"`` an exact int64 count). It is a
+live view: assigning an entry (``opt.state[p]["momentum_buffer"] = t``, ``.update(...)``)
+replaces that tensor of the functional state after checking its shape and dtype; other
+names are an error. Keys of ``opt.state`` that are not parameters hold what torch's would.
 
 **Checkpoints.** ``opt.state_dict()`` follows torch's format (state keyed by parameter
 index, hyperparameters in ``param_groups``) and loads with ``torch.load(weights_only=True)``;
 ``muonfn.save(opt.functional_state, path)`` stores the TensorDict itself.
+``opt.load_torch_state_dicts(muon_sd, adamw_sd)`` continues a run of ``torch.optim.Muon``
+with ``torch.optim.AdamW``, and ``opt.torch_state_dicts()`` hands one back to them.
 
 Example::
 

@@ -57,7 +57,9 @@ def group_value(group_index: int, name: str, value: Any) -> float:
     """A group's number as a float; like torch, any one-element tensor is a number here."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(f"param group {group_index}: {name} must be a number, got a tensor of shape {value.shape}")
+            raise ValueError(
+                f"param group {group_index}: {name} must be a number, got a tensor of shape {tuple(value.shape)}"
+            )
         return float(value)
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"param group {group_index}: {name} must be a number, got {type(value).__name__}")
@@ -82,6 +84,14 @@ def check_scheduled(group_index: int, group: Mapping[str, Any]) -> None:
         value = group_value(group_index, name, group[name])
         check = unit_interval if name == "momentum" else non_negative
         check(f"param group {group_index}: {name}", value)
+    if not group["use_muon"]:
+        check_betas(f"param group {group_index}: adamw_betas", group["adamw_betas"])
+
+
+def check_betas(where: str, betas: Any) -> None:
+    """``adamw_betas`` must be two numbers: the core would read the first two of a longer sequence."""
+    if isinstance(betas, str | bytes) or not isinstance(betas, Sequence) or len(betas) != 2:
+        raise ValueError(f"{where} must be a pair (beta1, beta2), got {betas!r}")
 
 
 def plain_coefficients(value: CoefficientsLike) -> Any:
@@ -127,8 +137,13 @@ def read_params(
     return params, None
 
 
-def check_new_params(tensors: Sequence[Any], keys: Sequence[Key], slots: Mapping[torch.Tensor, Slot]) -> None:
-    """New parameters must be distinct leaf floating-point tensors, under names not yet taken."""
+def check_new_params(
+    tensors: Sequence[Any], keys: Sequence[Key], slots: Mapping[torch.Tensor, Slot], *, named: bool
+) -> None:
+    """New parameters must be distinct leaf floating-point tensors, under names not yet taken.
+
+    ``named``: ``keys`` are the names the tensors were given, not positions assigned to them here.
+    """
     known_keys = {slot.key for slot in slots.values()}
     seen: dict[torch.Tensor, str] = {}
     for p, key in zip(tensors, keys):
@@ -142,7 +157,10 @@ def check_new_params(tensors: Sequence[Any], keys: Sequence[Key], slots: Mapping
         if p in seen:
             raise ValueError(f"parameter {name!r} is the same tensor as {seen[p]!r}; pass each tensor once")
         if p in slots:
-            raise ValueError(f"parameter {name!r} is already in parameter group {slots[p].group}")
+            # by the key it has: a position assigned to the repeat would name a parameter that does not exist
+            known = dotted(slots[p].key)
+            again = f" (given again as {name!r})" if named and name != known else ""
+            raise ValueError(f"parameter {known!r}{again} is already in parameter group {slots[p].group}")
         if key in known_keys:
             raise ValueError(f"a parameter named {name!r} is already being optimized")
         seen[p] = name

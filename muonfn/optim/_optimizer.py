@@ -13,9 +13,10 @@ from .._validation import Scalar
 from ..linalg import CoefficientsLike, NSMethod, Orthogonalizer, ScaleMode
 from ..presets import ADAMW, MUON, adamw, check_names, label_params, muon_branch, muon_orthogonalizer
 from ..transforms import LabelsLike, MaskLike, Transform, ViewsLike, partition, resolve_labels, resolve_views
-from . import _groups
+from . import _groups, _migration
+from ._migration import NOT_GIVEN, NotGiven
 from ._param_state import ParamState
-from ._state_dict import translate_state_dict
+from ._state_dict import packed_state_dict, translate_state_dict
 
 if TYPE_CHECKING:
     from ..distributed import Collectives, ShardSpecs, Strategy
@@ -36,10 +37,16 @@ class Muon(torch.optim.Optimizer):
             ``adamw_weight_decay`` for its AdamW half.
         lr: a number (or a one-element tensor); schedule it with ``torch.optim.lr_scheduler``.
 
-    The other keywords are those of :func:`muonfn.muon`. ``adamw_lr`` and
+    The other keywords are those of :func:`muonfn.muon` (``scale=None`` and ``ns_eps=None``
+    mean its defaults, ``"match_rms_adamw"`` and ``1e-7``). ``adamw_lr`` and
     ``adamw_weight_decay`` (``None``: the Muon value) set the AdamW groups' ``lr`` and
     ``weight_decay``. ``labels``, ``views``, ``weight_decay_mask`` and ``shard_specs`` are
     checked against the parameters' names at construction: a typo is an error.
+
+    torch.optim.Muon's spellings are taken too: ``adjust_lr_fn`` (``None`` or
+    ``"original"``: ``scale="original"``; ``"match_rms_adamw"``), ``eps`` (``ns_eps``) and
+    one ``ns_coefficients=(a, b, c)`` for every one of ``ns_steps`` steps (5 when not
+    given). Given with muonfn's own keyword, they must agree.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
@@ -59,9 +66,9 @@ class Muon(torch.optim.Optimizer):
         ns_coefficients: CoefficientsLike = "keller",
         ns_steps: int | None = None,
         ns_dtype: torch.dtype | None = None,
-        ns_eps: float = 1e-7,
+        ns_eps: float | None = None,
         ns_method: NSMethod = "standard",
-        scale: ScaleMode = "match_rms_adamw",
+        scale: ScaleMode | None = None,
         extra_scale: float = 1.0,
         adamw_lr: Scalar | None = None,
         adamw_betas: tuple[float, float] = (0.9, 0.95),
@@ -75,6 +82,8 @@ class Muon(torch.optim.Optimizer):
         strategy: Strategy = "owner",
         shard_specs: ShardSpecs | None = None,
         donate_state: bool = False,
+        adjust_lr_fn: str | NotGiven | None = NOT_GIVEN,
+        eps: float | None = None,
     ) -> None:
         for name, value in (("lr", lr), ("adamw_lr", adamw_lr)):
             if callable(value) and not isinstance(value, torch.Tensor):
@@ -82,12 +91,14 @@ class Muon(torch.optim.Optimizer):
                     f"Muon({name}=...) takes a number; schedule it with torch.optim.lr_scheduler "
                     "(schedule functions are for muonfn.muon)"
                 )
+        _groups.check_betas("adamw_betas", adamw_betas)
+        scale, ns_eps = _migration.resolve_spellings(scale=scale, adjust_lr_fn=adjust_lr_fn, ns_eps=ns_eps, eps=eps)
         defaults: dict[str, Any] = {
             "lr": lr,
             "momentum": momentum,
             "weight_decay": weight_decay,
             "nesterov": nesterov,
-            "ns_coefficients": _groups.plain_coefficients(ns_coefficients),
+            "ns_coefficients": _groups.plain_coefficients(_migration.schedule_of(ns_coefficients, ns_steps)),
             "ns_steps": ns_steps,
             "ns_dtype": ns_dtype,
             "ns_eps": ns_eps,
@@ -224,7 +235,7 @@ class Muon(torch.optim.Optimizer):
             keys = [tuple(name.split(".")) for name in names]
         else:  # by position in the order the optimizer was given them
             keys = [(str(i),) for i in range(len(self._slots), len(self._slots) + len(tensors))]
-        _groups.check_new_params(tensors, keys, self._slots)
+        _groups.check_new_params(tensors, keys, self._slots, named=names is not None)
 
         use_muon = param_group.get("use_muon")
         if use_muon is None:
@@ -247,7 +258,7 @@ class Muon(torch.optim.Optimizer):
         else:
             raise TypeError(f"use_muon must be True or False, got {use_muon!r}")
 
-        new_groups = []
+        new_groups: list[dict[str, Any]] = []
         for route, members in parts:
             group = {k: v for k, v in param_group.items() if k not in ("params", "param_names", *_groups.SPLIT_ONLY)}
             group["params"] = [tensors[i] for i in members]
@@ -263,7 +274,13 @@ class Muon(torch.optim.Optimizer):
             for name, default in self.defaults.items():
                 group.setdefault(name, default)
             group["use_muon"] = route
-            group["ns_coefficients"] = _groups.plain_coefficients(_groups.coefficients_of(group["ns_coefficients"]))
+            schedule = _migration.schedule_of(_groups.coefficients_of(group["ns_coefficients"]), group["ns_steps"])
+            group["ns_coefficients"] = _groups.plain_coefficients(schedule)
+            if new_groups:
+                # the halves of one dict are two groups to a scheduler: a tensor they shared would couple them
+                first = new_groups[0]
+                for name in [k for k, v in group.items() if isinstance(v, torch.Tensor) and v is first.get(k)]:
+                    group[name] = group[name].clone()
             new_groups.append(group)
 
         groups = [*self.param_groups, *new_groups]
@@ -348,6 +365,31 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"{where}: batch size {tuple(state.batch_size)}, expected ()")
         return _tree.laid_out_like(state, self._layout(), where)
 
+    def _initial_entries(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``p``'s state as its branch's ``init`` makes it, under torch's names."""
+        slot = self._slots[p]
+        group = self.param_groups[slot.group]
+        fresh = self._branch(group, _groups.new_scalars(group)).init(TensorDict({slot.key: p.detach()}, batch_size=[]))
+        return {name: fresh.get((field, *slot.key)) for name, field in _groups.state_names(slot.use_muon).items()}
+
+    @torch.compiler.disable
+    def state_dict(self) -> dict[str, Any]:
+        """The state in torch's format, ``{"state": {index: {name: tensor}}, "param_groups": [...]}``.
+
+        It loads with ``torch.load(weights_only=True)``. Parameters are numbered across
+        groups in order; entries of :attr:`state` under other keys (a hook's, say) are kept
+        under those keys, as torch keeps them. An entry under a tensor that is not a
+        parameter cannot be numbered: it is an error, unless empty.
+        """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = packed_state_dict(self)
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
     @torch.compiler.disable
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a :meth:`state_dict` (torch's format); on any mismatch raises naming the parameter and changes nothing.
@@ -356,20 +398,57 @@ class Muon(torch.optim.Optimizer):
         the integer ``"step"`` counts, which come back exact, and the saved groups are
         deep-copied. The saved hyperparameters replace the current ones; groups keep their
         parameters and routes, and take the saved ``param_names`` when they have none.
+        Entries under keys that are no parameter's index replace those of :attr:`state`
+        under keys that are not parameters, as torch's ``load_state_dict`` carries them.
         """
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        groups, entries = translate_state_dict(self, state_dict)
-        state = self._checked_state(TensorDict(entries, batch_size=[]), "load_state_dict")
+        loaded = translate_state_dict(self, state_dict)
+        state = self._checked_state(TensorDict(loaded.entries, batch_size=[]), "load_state_dict")
 
-        self.param_groups = groups
+        self.param_groups = loaded.groups
         self._functional_state = state
+        self._param_state.others = loaded.others
         self._cache = None
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def load_torch_state_dicts(
+        self, muon_state_dict: dict[str, Any], adamw_state_dict: dict[str, Any] | None = None
+    ) -> None:
+        """Continues a run of ``torch.optim.Muon`` (with ``torch.optim.AdamW`` for the other parameters).
+
+        This optimizer's Muon groups take the Muon state_dict's groups in order, its AdamW
+        groups the AdamW state_dict's: parameter by parameter as torch pairs them (by
+        position; checked by shape, and by name where both have names), momentum buffers and
+        Adam moments unchanged, torch's float ``step`` as an exact count. The hyperparameters
+        come along under this optimizer's names (``eps`` -> ``ns_eps``, ``adjust_lr_fn`` ->
+        ``scale``, ``betas`` -> ``adamw_betas``, ...). ``adamw_state_dict`` may be left out
+        when this optimizer has no AdamW parameters. On a mismatch it raises naming the group
+        or parameter and changes nothing. See :meth:`torch_state_dicts` for the way back.
+        """
+        self.load_state_dict(_migration.shim_state_dict(self, muon_state_dict, adamw_state_dict))
+
+    def torch_state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(muon_state_dict, adamw_state_dict)``: this run's state for ``torch.optim.Muon`` and ``torch.optim.AdamW``.
+
+        Load them into ``torch.optim.Muon`` built with this optimizer's Muon groups and
+        ``torch.optim.AdamW`` with its AdamW groups, in order (``use_muon`` says which).
+        State tensors are copies, bit for bit; ``step`` is torch's float count. Raises naming
+        the group or parameter whose settings torch's optimizers cannot run (a schedule of
+        several triples or a norm factor, a scale mode other than ``"original"`` and
+        ``"match_rms_adamw"``, ``extra_scale``, views, a weight-decay mask inside a decayed
+        group, a Muon parameter that is not 2-D).
+        """
+        return _migration.torch_state_dicts(self)
+
+    @property
+    def _param_state(self) -> ParamState:
+        """:attr:`state`, typed as what it is (torch declares a ``defaultdict``)."""
+        return self.state  # type: ignore[return-value]
 
     def __getstate__(self) -> dict[str, Any]:
         # the cached transform closes over this instance's scalar tensors; a copy builds its own

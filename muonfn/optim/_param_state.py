@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,69 +16,147 @@ if TYPE_CHECKING:
     from ._optimizer import Muon
 
 
-class ParamState(MutableMapping[torch.Tensor, dict[str, Any]]):
-    """``opt.state`` for torch code: per-parameter dicts holding the tensors of ``opt.functional_state``.
+class ParamState(MutableMapping[Any, Any]):
+    """``opt.state`` for torch code: per-parameter mappings holding the tensors of ``opt.functional_state``.
 
-    Assigning ``opt.state[p] = {...}`` replaces ``p``'s entries (checked as for
-    ``functional_state``); deleting resets them to their initial values. Tensors the
-    optimizer does not own behave as in a ``defaultdict(dict)``.
+    ``opt.state[p]`` of a parameter is a :class:`ParamEntries`, live: it reads the current
+    tensors and writes through to the functional state. Assigning ``opt.state[p] = {...}``
+    replaces all of ``p``'s entries (checked as for ``functional_state``); deleting resets
+    them to their initial values. Other keys (tensors the optimizer does not own, strings a
+    hook stores) behave as in torch's ``defaultdict(dict)`` and travel through
+    ``state_dict()`` as torch's do.
     """
 
     def __init__(self, optimizer: Muon) -> None:
         self._optimizer = optimizer
-        self._others: dict[Any, Any] = {}
+        #: entries under keys that are not parameters, as torch's ``defaultdict(dict)`` holds them
+        self.others: dict[Any, Any] = {}
 
-    def __getitem__(self, p: torch.Tensor) -> dict[str, Any]:
-        slot = self._optimizer._slots.get(p)
+    def __getitem__(self, key: Any) -> Any:
+        slot = self._slot(key)
         if slot is None:
-            return self._others.setdefault(p, {})
-        state = self._optimizer._functional_state
-        return {
-            name: state.get((slot.label, field, *slot.key))
-            for name, field in _groups.state_names(slot.use_muon).items()
-        }
+            return self.others.setdefault(key, {})
+        return ParamEntries(self._optimizer, key, slot)
 
-    def __setitem__(self, p: torch.Tensor, value: dict[str, Any]) -> None:
-        slot = self._optimizer._slots.get(p)
+    def __setitem__(self, key: Any, value: Any) -> None:
+        slot = self._slot(key)
         if slot is None:
-            self._others[p] = value
+            self.others[key] = value
             return
         expected = _groups.state_names(slot.use_muon)
-        if set(value) != set(expected):
-            raise ValueError(f"state of {dotted(slot.key)!r} must have {sorted(expected)}, got {sorted(value)}")
-        state = self._optimizer._functional_state
-        entries = {}
-        for name, field in expected.items():
-            key = (slot.label, field, *slot.key)
-            entries[key] = _tree.laid_out_like(
-                TensorDict({key: value[name]}, batch_size=[]), state.select(key), f"state[{dotted(slot.key)!r}]"
-            ).get(key)
-        new_state = state.clone(recurse=False)
-        for key, tensor in entries.items():
-            new_state.set(key, tensor)
-        self._optimizer._functional_state = new_state
+        if not isinstance(value, Mapping) or set(value) != set(expected):
+            given = sorted(value) if isinstance(value, Mapping) else type(value).__name__
+            raise ValueError(f"state of {dotted(slot.key)!r} must have {sorted(expected)}, got {given}")
+        write_entries(self._optimizer, slot, value)
 
-    def __delitem__(self, p: torch.Tensor) -> None:
-        slot = self._optimizer._slots.get(p)
+    def __delitem__(self, key: Any) -> None:
+        slot = self._slot(key)
         if slot is None:
-            del self._others[p]
+            del self.others[key]
             return
-        optimizer = self._optimizer
-        group = optimizer.param_groups[slot.group]
-        fresh = optimizer._branch(group, _groups.new_scalars(group)).init(
-            TensorDict({slot.key: p.detach()}, batch_size=[])
-        )
-        self[p] = {name: fresh.get((field, *slot.key)) for name, field in _groups.state_names(slot.use_muon).items()}
+        write_entries(self._optimizer, slot, self._optimizer._initial_entries(key))
 
-    def __contains__(self, p: object) -> bool:
-        return p in self._optimizer._slots or p in self._others
+    # as a defaultdict's: only a lookup by ``[]`` makes an entry for a key that has none
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self[key] if self._slot(key) is not None else self.others.get(key, default)
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        return self[key] if self._slot(key) is not None else self.others.setdefault(key, default)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        """A parameter's entries as they were (then reset, as by ``del``); another key's value, as ``dict.pop``."""
+        if self._slot(key) is None:
+            return self.others.pop(key, *default)
+        entries = dict(self[key])
+        del self[key]
+        return entries
+
+    def _slot(self, key: Any) -> _groups.Slot | None:
+        # only tensors are parameters; a dict lookup of another key could compare it to tensors
+        return self._optimizer._slots.get(key) if isinstance(key, torch.Tensor) else None
+
+    def __contains__(self, key: object) -> bool:
+        return self._slot(key) is not None or key in self.others
+
+    def __iter__(self) -> Iterator[Any]:
         yield from self._optimizer._slots
-        yield from self._others
+        yield from self.others
 
     def __len__(self) -> int:
-        return len(self._optimizer._slots) + len(self._others)
+        return len(self._optimizer._slots) + len(self.others)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({dict(self.items())!r})"
+
+
+class ParamEntries(MutableMapping[str, Any]):
+    """``opt.state[p]`` of a parameter: its entries under torch's names, read from and written to the functional state.
+
+    The entries are fixed (``momentum_buffer`` for a Muon group; ``step``, ``exp_avg``,
+    ``exp_avg_sq`` for an AdamW group): assigning one replaces its tensor after the checks
+    of ``functional_state`` (shape and dtype), another name is an error, and ``clear()``
+    resets them all as ``del opt.state[p]`` does.
+    """
+
+    def __init__(self, optimizer: Muon, param: torch.Tensor, slot: _groups.Slot) -> None:
+        self._optimizer = optimizer
+        self._param = param
+        self._slot = slot
+        self._fields = _groups.state_names(slot.use_muon)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._fields:
+            raise KeyError(name)
+        return self._optimizer._functional_state.get((self._slot.label, self._fields[name], *self._slot.key))
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self.update({name: value})
+
+    def update(self, other: Any = (), /, **kwargs: Any) -> None:
+        """Replaces the named entries together: all are checked before any is written."""
+        values = dict(other, **kwargs)
+        write_entries(self._optimizer, self._slot, values)
+
+    def __delitem__(self, name: str) -> None:
+        raise TypeError(
+            f"the state of {dotted(self._slot.key)!r} always holds {sorted(self._fields)}; assign {name!r} "
+            "a new tensor, or reset them all with opt.state[p].clear()"
+        )
+
+    def clear(self) -> None:
+        """Resets every entry to its initial value (as ``del opt.state[p]``)."""
+        write_entries(self._optimizer, self._slot, self._optimizer._initial_entries(self._param))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._fields
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fields)
+
+    def __len__(self) -> int:
+        return len(self._fields)
+
+    def __repr__(self) -> str:
+        return repr(dict(self.items()))
+
+
+def write_entries(optimizer: Muon, slot: _groups.Slot, values: Mapping[str, Any] | Iterable[Any]) -> None:
+    """Replaces some of a parameter's entries (torch names -> tensors) after checking all of them."""
+    fields = _groups.state_names(slot.use_muon)
+    name = dotted(slot.key)
+    state = optimizer._functional_state
+    checked = {}
+    for torch_name, value in dict(values).items():
+        if torch_name not in fields:
+            raise ValueError(f"state of {name!r} has no entry {torch_name!r}; its entries are {sorted(fields)}")
+        if isinstance(value, bool) or not isinstance(value, torch.Tensor | int | float):
+            raise TypeError(f"state[{name!r}][{torch_name!r}] must be a tensor, got {type(value).__name__}")
+        key = (slot.label, fields[torch_name], *slot.key)
+        checked[key] = _tree.laid_out_like(
+            TensorDict({key: value}, batch_size=[]), state.select(key), f"state[{name!r}]"
+        ).get(key)
+    new_state = state.clone(recurse=False)
+    for key, tensor in checked.items():
+        new_state.set(key, tensor)
+    optimizer._functional_state = new_state

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -34,8 +35,51 @@ def loaded_value(name: str, torch_name: str, value: Any, param: torch.Tensor) ->
     return value.to(dtype=param.dtype, device=param.device)
 
 
-def translate_state_dict(opt: Muon, state_dict: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[Key, torch.Tensor]]:
-    """The param groups and the functional-state entries ``state_dict`` holds for ``opt``'s parameters.
+def packed_state_dict(opt: Muon) -> dict[str, Any]:
+    """``opt``'s state in torch's format: parameters by index, counted across groups in order.
+
+    A parameter's state is a plain dict of its current tensors (so that
+    ``torch.load(weights_only=True)`` reads it back); the other entries of ``opt.state``
+    are kept under their own keys, as torch keeps them.
+    """
+    index: dict[torch.Tensor, int] = {}
+    param_groups = []
+    for group in opt.param_groups:
+        packed = {k: v for k, v in group.items() if k != "params"}
+        packed["params"] = [index.setdefault(p, len(index)) for p in group["params"]]
+        param_groups.append(packed)
+    state: dict[Any, Any] = {i: dict(opt.state[p]) for p, i in index.items()}
+    for key, value in opt._param_state.others.items():
+        if isinstance(key, torch.Tensor):
+            if isinstance(value, Mapping) and not value:
+                continue  # left by a lookup (a defaultdict's); it reads back as {} without being saved
+            raise ValueError(
+                f"state_dict: opt.state has an entry under a tensor of shape {tuple(key.shape)} that is not a "
+                "parameter of this optimizer; a state_dict keys state by parameter index, so it cannot be "
+                "saved (store it under a string key instead)"
+            )
+        if key in state:
+            raise ValueError(
+                f"state_dict: opt.state[{key!r}] is not a parameter's state, but {key!r} is the index of "
+                "a parameter in the state_dict; store it under another key"
+            )
+        state[key] = value
+    return {"state": state, "param_groups": param_groups}
+
+
+class Loaded(NamedTuple):
+    """What a state_dict holds for an optimizer, checked and translated."""
+
+    groups: list[dict[str, Any]]
+    #: the functional-state entries of its parameters
+    entries: dict[Key, torch.Tensor]
+    #: the entries under keys that are none of its parameters' indices, carried as torch carries them
+    others: dict[Any, Any]
+
+
+def translate_state_dict(opt: Muon, state_dict: dict[str, Any]) -> Loaded:
+    """The param groups and the functional-state entries ``state_dict`` holds for ``opt``'s parameters,
+    and its entries under other keys.
 
     Checks everything (group sizes and routes, every parameter's entries, the
     hyperparameters) and raises naming the first mismatch; changes nothing.
@@ -88,7 +132,5 @@ def translate_state_dict(opt: Muon, state_dict: dict[str, Any]) -> tuple[list[di
         _groups.check_scheduled(i, new_group)
         opt._branch(new_group, _groups.new_scalars(new_group))  # the core checks the other settings
         groups.append(new_group)
-    unclaimed = [k for k in saved_state if k not in claimed]
-    if unclaimed:
-        raise ValueError(f"load_state_dict: the state_dict has state for parameter ids {unclaimed} in no group")
-    return groups, entries
+    others = {k: v for k, v in saved_state.items() if k not in claimed}
+    return Loaded(groups, entries, others)
