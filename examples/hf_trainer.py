@@ -56,10 +56,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         vocab_size=256, n_positions=CONTEXT, n_embd=64, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0
     )
     model = GPT2LMHeadModel(config)
-    # named_parameters() gives the head tied to the token embedding once, under the embedding's name,
-    # while the module's table names it twice: keep the names the optimizer is given (others are typos to it)
-    named = dict(model.named_parameters())
-    labels = {name: label for name, label in muonfn.labels_from_module(model).items() if name in named}
+    labels = muonfn.labels_from_module(model)  # the head tied to the token embedding appears once
     print("Muon matrices:", sorted(name for name, label in labels.items() if label == "muon"))
     views = muonfn.views_from_module(model)  # every Conv1D weight: MatrixView(transposed=True)
     for i in range(config.n_layer):  # c_attn fuses q, k and v: orthogonalize each on its own
