@@ -7,6 +7,7 @@ front ends cannot drift apart.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -235,8 +236,9 @@ def muon(
         scale, extra_scale: the shape scale :math:`s` (see :func:`scale_by_shape`).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW branch.
         labels: routes leaves to ``"muon"`` or ``"adamw"``; default :func:`label_params`
-            (≥2-D leaves except embeddings, output heads and token parameters);
-            :func:`labels_from_module` labels by module type instead.
+            (matrices except embeddings, output heads and token parameters; the leaves of
+            ``shard_specs`` by their number of dimensions); :func:`labels_from_module`
+            labels by module type instead.
         views: conv, expert, fused and transposed matrices (:class:`MatrixView` by name).
         weight_decay_mask: exempts the leaves it maps to ``False`` (default: decay all).
         bucket_numel: at most this many elements per batched Newton–Schulz call.
@@ -286,5 +288,7 @@ def muon(
             donate_state=donate_state,
         ),
     }
-    tx = partition(branches, label_params if labels is None else labels)
+    if labels is None:
+        labels = functools.partial(label_params, shards=tuple(shard_specs)) if shard_specs else label_params
+    tx = partition(branches, labels)
     return checks_names(tx, weight_decay_mask=weight_decay_mask, views=views, shard_specs=shard_specs)
