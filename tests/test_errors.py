@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import pytest
 import torch
+from _strategies import TiedLM, assert_td_equal
 from tensordict import TensorDict
 
 import muonfn
@@ -168,6 +170,129 @@ def test_bad_gradients_name_the_key(case: str, optimizer: str) -> None:
     with pytest.raises(error, match=match):
         tx.update(bad_grads(case), state, p)
     assert (state == before).all()
+
+
+def ensemble() -> TensorDict:
+    """Two members stacked, as TensorDict.from_modules makes them: batch size [2]."""
+    return torch.stack([params(), params().apply(lambda t: t * 2)])
+
+
+def schedule(count: torch.Tensor) -> float:
+    return 0.1
+
+
+GRAD_TAKERS: dict[str, Callable[[], muonfn.Transform]] = {
+    "muon": lambda: muonfn.muon(),
+    "adamw": lambda: muonfn.adamw(),
+    "apply_if_finite": lambda: muonfn.apply_if_finite(muonfn.adamw()),
+    "ema_momentum": lambda: muonfn.ema_momentum(),
+    "scale_by_adam": lambda: muonfn.scale_by_adam(),
+    "add_decayed_weights": lambda: muonfn.add_decayed_weights(0.1),
+    "scale_by_learning_rate": lambda: muonfn.scale_by_learning_rate(0.1),
+    "scale_by_learning_rate(schedule)": lambda: muonfn.scale_by_learning_rate(schedule),
+    "orthogonalize": lambda: muonfn.orthogonalize(),
+    "scale_by_shape": lambda: muonfn.scale_by_shape(),
+    "partition": lambda: muonfn.partition(
+        {"a": muonfn.scale_by_shape(), "b": muonfn.scale_by_learning_rate(0.1)},
+        {"0.weight": "a", "1.weight": "a", "0.bias": "b"},
+    ),
+    "masked": lambda: muonfn.masked(muonfn.scale_by_learning_rate(0.1), {"0.bias": True}),
+}
+MATRICES_ONLY = {"orthogonalize", "scale_by_shape"}
+
+
+@pytest.mark.parametrize("stacked", ["state", "grads"])
+@pytest.mark.parametrize("name", sorted(GRAD_TAKERS))
+def test_gradients_of_another_batch_size_are_rejected(name: str, stacked: str) -> None:
+    """One member's gradients given to an ensemble's state, or an ensemble's to one model's: named, nothing changed."""
+    one, many = params(), ensemble()
+    if name in MATRICES_ONLY:
+        one, many = one.exclude(("0", "bias")), many.exclude(("0", "bias"))
+    p, g = (many, one) if stacked == "state" else (one, many)
+    tx = GRAD_TAKERS[name]()
+    state = tx.init(p)
+    before = state.clone()
+    expected = (tuple(g.batch_size), tuple(p.batch_size))
+    with pytest.raises(ValueError, match=rf"gradients have batch size {re.escape(str(expected[0]))}, the state "):
+        tx.update(g.apply(torch.ones_like), state, p)
+    assert_td_equal(state, before)
+
+
+# --- a state that is not the transform's own --------------------------------------------------------------
+
+
+def test_another_transforms_state_names_the_missing_entry() -> None:
+    p, grads = params(), params().apply(torch.ones_like)
+    adamw_state, muon_state = muonfn.adamw().init(p), muonfn.muon().init(p)
+    with pytest.raises(
+        ValueError,
+        match=r"partition\(\['adamw', 'muon'\]\): state has no entry 'muon' \(it has \['exp_avg', 'exp_avg_sq', "
+        r"'step'\]\); was it made by this transform's init\?",
+    ):
+        muonfn.muon().update(grads, adamw_state, p)
+    with pytest.raises(ValueError, match=r"chain \(member 0, scale_by_adam\): state has no entry 'step'"):
+        muonfn.adamw().update(grads, muon_state, p)
+
+
+MISSING_ENTRY: dict[str, tuple[Callable[[], muonfn.Transform], str, str]] = {
+    "ema_momentum": (lambda: muonfn.ema_momentum(), "momentum", r"ema_momentum: state has no entry 'momentum'"),
+    "scale_by_adam": (lambda: muonfn.scale_by_adam(), "exp_avg_sq", r"scale_by_adam: state has no entry 'exp_avg_sq'"),
+    "schedule": (
+        lambda: muonfn.scale_by_learning_rate(schedule),
+        "count",
+        r"scale_by_learning_rate: state has no entry 'count'",
+    ),
+    "named": (lambda: muonfn.named("inner", muonfn.adamw()), "inner", r"named\('inner'\): state has no entry 'inner'"),
+    "apply_if_finite": (
+        lambda: muonfn.apply_if_finite(muonfn.adamw()),
+        "notfinite_count",
+        r"apply_if_finite: state has no entry 'notfinite_count'",
+    ),
+    "chain": (
+        lambda: muonfn.chain(muonfn.ema_momentum(), muonfn.scale_by_learning_rate(schedule)),
+        "count",
+        r"chain \(member 1, scale_by_learning_rate\): state has no entry 'count'",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MISSING_ENTRY))
+def test_a_state_missing_an_entry_names_it(name: str) -> None:
+    build, entry, match = MISSING_ENTRY[name]
+    tx, p = build(), params()
+    state = tx.init(p).exclude(entry)
+    before = state.clone()
+    with pytest.raises(ValueError, match=match):
+        tx.update(p.apply(torch.ones_like), state, p)
+    assert_td_equal(state, before)
+
+
+# --- what init accepts: floating-point parameters, each a tensor of its own ---------------------------------
+
+
+def test_init_rejects_an_integer_buffer_pointing_to_split_buffers() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    everything = TensorDict.from_module(model).detach()
+    for tx in (muonfn.muon(), muonfn.adamw()):
+        with pytest.raises(
+            TypeError,
+            match=r"'1.num_batches_tracked' is a torch.int64 tensor; only floating-point parameters can be "
+            r"optimized.*muonfn.split_buffers\(model\)",
+        ):
+            tx.init(everything)
+
+
+def test_init_rejects_tied_weights_naming_both_keys() -> None:
+    tied = TensorDict.from_module(TiedLM()).detach()
+    for tx in (muonfn.muon(), muonfn.adamw(), muonfn.ema_momentum(), muonfn.scale_by_adam()):
+        with pytest.raises(
+            ValueError,
+            match=r"'embed.weight' and 'head.weight' are one tensor \(tied weights\).*"
+            r"params.exclude\(\('head', 'weight'\)\).*torch.func.functional_call",
+        ):
+            tx.init(tied)
+    untied = tied.clone()  # same values, own storage: accepted
+    muonfn.muon().init(untied)
 
 
 def test_decay_without_params() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _strategies import assert_td_close, assert_td_equal, mlp, random_like
+from _strategies import TiedLM, assert_td_close, assert_td_equal, mlp, random_like
 from tensordict import TensorDict
 from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -175,3 +175,59 @@ def test_apply_if_finite_refuses_a_clashing_state_key() -> None:
     inner = muonfn.apply_if_finite(muonfn.adamw())
     with pytest.raises(ValueError, match="already keeps 'notfinite_count'"):
         muonfn.apply_if_finite(inner).init(TensorDict({"w": torch.ones(2)}, []))
+
+
+# --- buffers and tied weights ---------------------------------------------------------------------------------
+
+
+def test_a_model_with_batchnorm_trains_through_torch_func_grad() -> None:
+    torch.manual_seed(6)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(), torch.nn.Linear(16, 3)
+    )
+    params, buffers = muonfn.split_buffers(model)
+    assert list(buffers.keys(True, True)) == [("1", "running_mean"), ("1", "running_var"), ("1", "num_batches_tracked")]
+    assert_td_equal(params, TensorDict(dict(model.named_parameters()), []).unflatten_keys(".").detach())
+    tx = muonfn.muon(lr=0.05, labels=muonfn.labels_from_module(model))
+    state = tx.init(params)
+
+    def loss_fn(params: TensorDict, buffers: TensorDict) -> torch.Tensor:
+        with params.to_module(model), buffers.to_module(model):
+            return torch.nn.functional.mse_loss(model(X), Y)
+
+    losses = []
+    for _ in range(20):
+        grads, loss = torch.func.grad_and_value(loss_fn)(params, buffers)
+        updates, state = tx.update(grads, state, params)
+        params = muonfn.apply_updates(params, updates)
+        losses.append(float(loss))
+    assert losses[-1] < 0.5 * losses[0]
+    assert int(buffers["1", "num_batches_tracked"]) == 20  # BatchNorm kept its statistics, in place
+    assert not torch.equal(buffers["1", "running_mean"], torch.zeros(16))
+
+
+def test_a_tied_weight_trains_as_one_with_the_alias_excluded() -> None:
+    """The remedy init's error gives: one name in params, functional_call ties the alias back."""
+    model = TiedLM()
+    tokens = torch.randint(0, 11, (8, 5), generator=torch.Generator().manual_seed(0))
+    params = TensorDict.from_module(model).detach().exclude(("head", "weight"))
+    labels = muonfn.labels_from_module(model)
+    assert labels == {"embed.weight": "adamw", "hidden.weight": "muon", "hidden.bias": "adamw"}
+    tx = muonfn.muon(lr=0.05, labels=labels)
+    state = tx.init(params)
+
+    def loss_fn(params: TensorDict) -> torch.Tensor:
+        logits = torch.func.functional_call(model, params.flatten_keys(".").to_dict(), (tokens,))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+
+    grads = torch.func.grad(loss_fn)(params)
+    reference = TiedLM()
+    reference.load_state_dict(model.state_dict())
+    torch.nn.functional.cross_entropy(reference(tokens).flatten(0, 1), tokens.flatten()).backward()
+    torch.testing.assert_close(grads["embed", "weight"], reference.embed.weight.grad)  # both uses of the tie
+    updates, state = tx.update(grads, state, params)
+    params = muonfn.apply_updates(params, updates)
+    logits = torch.func.functional_call(model, params.flatten_keys(".").to_dict(), (tokens,))
+    embed = params["embed", "weight"]
+    hidden = torch.tanh(embed[tokens] @ params["hidden", "weight"].T + params["hidden", "bias"])
+    torch.testing.assert_close(logits, hidden @ embed.T)  # the head is the updated embedding: still tied

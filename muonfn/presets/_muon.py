@@ -248,7 +248,8 @@ def muon(
 
     ``init`` checks every name in ``labels``, ``views``, ``weight_decay_mask`` and
     ``shard_specs`` against the parameters (a typo is an error) and every Muon leaf against
-    its view.
+    its view, and rejects integer leaves (buffers: see :func:`split_buffers`) and two names
+    of one tensor (tied weights).
 
     Returns:
         A :class:`Transform` with state ``{"muon": {"momentum"}, "adamw": {"step", "exp_avg", "exp_avg_sq"}}``.

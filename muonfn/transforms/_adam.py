@@ -8,9 +8,9 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from .. import _tree
-from .._validation import check_grads, positive, unit_interval
+from .._validation import check_grads, check_params, positive, unit_interval
 from ._base import Transform
-from ._state import EXP_AVG, EXP_AVG_SQ, STEP
+from ._state import EXP_AVG, EXP_AVG_SQ, STEP, check_entries
 
 
 def _cast_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -41,11 +41,13 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, *, eps: float = 1e-8, dona
     log_b1, log_b2 = math.log(b1) if b1 > 0 else -math.inf, math.log(b2) if b2 > 0 else -math.inf
 
     def init(params: TensorDictBase) -> TensorDictBase:
+        check_params("scale_by_adam", params)
+        members = params.batch_size  # () for one model; one step per member of a stacked ensemble
         return TensorDict(
             {
                 # new_zeros: a DTensor param gets a replicated DTensor step on its own mesh, so the
                 # bias corrections combine with its moments even when params live on several meshes
-                STEP: params.apply(lambda p: p.new_zeros((), dtype=torch.int64)),
+                STEP: params.apply(lambda p: p.new_zeros(members, dtype=torch.int64)),
                 EXP_AVG: params.apply(torch.zeros_like),
                 EXP_AVG_SQ: params.apply(torch.zeros_like),
             },
@@ -55,6 +57,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, *, eps: float = 1e-8, dona
     def update(
         grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
     ) -> tuple[TensorDictBase, TensorDictBase]:
+        check_entries("scale_by_adam", state, (STEP, EXP_AVG, EXP_AVG_SQ))
         check_grads("scale_by_adam", grads, state[EXP_AVG])
         keys = _tree.leaf_keys(grads)
         step, exp_avg, exp_avg_sq = (_tree.subset(state[name], keys) for name in (STEP, EXP_AVG, EXP_AVG_SQ))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from .._validation import ScalarOrSchedule, checked_schedule, non_negative
+from .._validation import ScalarOrSchedule, check_batch, checked_schedule, non_negative
 from ._arithmetic import neg, scaled
 from ._base import Transform, empty_state
-from ._state import COUNT
+from ._state import COUNT, check_entries
 
 
 def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, inplace: bool = False) -> Transform:
@@ -40,6 +40,8 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, inplace: bool = F
         def update(
             grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
         ) -> tuple[TensorDictBase, TensorDictBase]:
+            check_batch("scale_by_learning_rate", grads, state)
+            check_entries("scale_by_learning_rate", state, (COUNT,))
             count = state[COUNT]
             updates = scaled(grads, neg(schedule(count)), inplace=inplace)
             return updates, TensorDict({COUNT: count + 1}, batch_size=state.batch_size)
@@ -51,6 +53,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, inplace: bool = F
     def scale(
         grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
     ) -> tuple[TensorDictBase, TensorDictBase]:
+        check_batch("scale_by_learning_rate", grads, state)
         return scaled(grads, neg(lr), inplace=inplace), state
 
     return Transform(empty_state, scale)

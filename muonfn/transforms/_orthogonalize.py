@@ -10,7 +10,7 @@ from tensordict import TensorDictBase
 
 from .. import _tree
 from .._keys import Key, resolve_table
-from .._validation import Scalar
+from .._validation import Scalar, check_batch
 from ..linalg import (
     DEFAULT_VIEW,
     CoefficientsLike,
@@ -107,6 +107,7 @@ def orthogonalize(
     def update(
         grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
     ) -> tuple[TensorDictBase, TensorDictBase]:
+        check_batch("orthogonalize", grads, state)
         keys = _tree.leaf_keys(grads)
         values = _tree.leaves(grads)
         out = run(keys, values, resolve_views(views, keys, values), ns, scale_fn)
@@ -134,6 +135,7 @@ def scale_by_shape(
     def update(
         grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
     ) -> tuple[TensorDictBase, TensorDictBase]:
+        check_batch("scale_by_shape", grads, state)
         keys = _tree.leaf_keys(grads)
         values = _tree.leaves(grads)
         out = []
