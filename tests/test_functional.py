@@ -177,6 +177,65 @@ def test_apply_if_finite_refuses_a_clashing_state_key() -> None:
         muonfn.apply_if_finite(inner).init(TensorDict({"w": torch.ones(2)}, []))
 
 
+# --- ensembles without torch.vmap -------------------------------------------------------------------------
+
+
+class Member(torch.nn.Module):
+    """A conv kernel, experts, a (1, 1, D) token, a Linear output head: every shape rule of the labels."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.token = torch.nn.Parameter(torch.randn(1, 1, 6))
+        self.conv = torch.nn.Conv1d(1, 4, 3, padding=1)
+        self.experts = torch.nn.Parameter(torch.randn(2, 6, 6) / 6**0.5)
+        self.hidden = torch.nn.Linear(6, 6)
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x[:, None]).mean(1) + self.token[0, 0]
+        h = torch.tanh(torch.einsum("bi,eoi->bo", h, self.experts) + self.hidden(h))
+        return self.head(h)
+
+
+def test_stacked_ensemble_without_vmap_equals_the_vmapped_step() -> None:
+    """Batch size [N] honoured: labels, views, Adam's steps, the schedule's count and apply_if_finite per member."""
+    members = [Member(seed) for seed in range(3)]
+    params = TensorDict.from_modules(*members).detach()
+    assert muonfn.label_params(params) == {
+        "token": "adamw",  # (1, 1, 6) per member: a vector, though (3, 1, 1, 6) stacked
+        "conv.weight": "muon",
+        "conv.bias": "adamw",  # (4,) per member, though (3, 4) stacked
+        "experts": "muon",
+        "hidden.weight": "muon",
+        "hidden.bias": "adamw",
+        "head.weight": "adamw",
+        "head.bias": "adamw",
+    }
+    tx = muonfn.apply_if_finite(
+        muonfn.muon(
+            lr=lambda count: 0.05 * (count + 1).clamp(max=2) / 2,  # one lr per member: count has batch size [3]
+            weight_decay=0.1,
+            views={"experts": MatrixView(batch_dims=1)},
+        )
+    )
+    vmapped_state, stacked_state = torch.vmap(tx.init)(params), tx.init(params)
+    assert_td_equal(stacked_state, vmapped_state)  # one state layout for both
+    vmapped_params = stacked_params = params
+    for t in range(3):
+        grads = random_like(params, seed=40 + t)
+        if t == 1:
+            grads["hidden", "bias"][2, 0] = float("nan")  # only the third member skips this step
+        vmapped, vmapped_state = torch.vmap(tx.update)(grads, vmapped_state, vmapped_params)
+        stacked, stacked_state = tx.update(grads, stacked_state, stacked_params)
+        assert_td_close(stacked, vmapped, atol=1e-6)
+        assert_td_close(stacked_state, vmapped_state, atol=1e-6)
+        vmapped_params = muonfn.apply_updates(vmapped_params, vmapped)
+        stacked_params = muonfn.apply_updates(stacked_params, stacked)
+    assert stacked_state["notfinite_count"].tolist() == [0, 0, 1]
+    assert stacked_state["adamw", "step", "head", "bias"].tolist() == [3, 3, 2]
+
+
 # --- buffers and tied weights ---------------------------------------------------------------------------------
 
 

@@ -24,7 +24,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, *, eps: float = 1e-8, dona
                v_t = \beta_2 v_{t-1} + (1-\beta_2) g_t^2, \quad
                u_t = \frac{m_t / (1-\beta_1^t)}{\sqrt{v_t}/\sqrt{1-\beta_2^t} + \epsilon}
 
-    ``t`` counts per leaf, so a leaf that had no gradient keeps its own bias correction.
+    ``t`` counts per leaf, so a leaf that had no gradient keeps its own bias correction;
+    for a stacked ensemble (params of batch size ``[N]``) it counts per leaf and member.
 
     Args:
         b1: :math:`\beta_1` in [0, 1).
@@ -70,9 +71,12 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, *, eps: float = 1e-8, dona
         t = step.to(torch.float64)
         # 1 - beta**t, written with exp so that t may be a tensor
         bias_correction1 = t.mul(log_b1).exp().neg().add(1.0)
-        bias_correction2 = t.mul(log_b2).exp().neg().add(1.0)
+        bias_correction2_sqrt = t.mul(log_b2).exp().neg().add(1.0).sqrt()
+        if grads.batch_dims:  # one correction per member: shaped to broadcast over each member's leaf
+            bias_correction1 = _tree.per_member(bias_correction1, grads)
+            bias_correction2_sqrt = _tree.per_member(bias_correction2_sqrt, grads)
         # in place on fresh temporaries only (fp64 0-d corrections would promote a 0-d leaf in place)
-        denom = exp_avg_sq.sqrt().div(bias_correction2.sqrt()).add_(eps)
+        denom = exp_avg_sq.sqrt().div(bias_correction2_sqrt).add_(eps)
         updates = exp_avg.div(bias_correction1).div_(denom)
         if any(g.ndim == 0 for g in grads.values(True, True)):
             # a 0-d leaf meets the 0-d fp64 corrections as an equal and is promoted: cast it back

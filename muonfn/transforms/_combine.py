@@ -188,7 +188,8 @@ def apply_if_finite(tx: Transform) -> Transform:
     """Skips a step whose gradients hold NaN or Inf: zero updates, state unchanged.
 
     Skipped steps are counted in ``state["notfinite_count"]``. The test is a tensor
-    (no ``.item()``), so the guarded update stays traceable.
+    (no ``.item()``), so the guarded update stays traceable. For a stacked ensemble
+    (params of batch size ``[N]``) each member is tested, skipped and counted on its own.
     """
 
     def init(params: TensorDictBase) -> TensorDictBase:
@@ -207,7 +208,8 @@ def apply_if_finite(tx: Transform) -> Transform:
         values = _tree.leaves(grads)
         if not values:
             return grads, state
-        finite = torch.stack([g.isfinite().all() for g in values]).all()
+        members = grads.batch_dims  # 0 for one model: the whole leaf is tested
+        finite = torch.stack([g.isfinite().flatten(members).all(-1) for g in values]).all(0)
         inner = state.exclude(NOTFINITE_COUNT)
         updates, new_inner = tx.update(grads, inner, params)
         updates = updates.where(finite, 0.0)
