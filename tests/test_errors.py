@@ -295,6 +295,23 @@ def test_init_rejects_tied_weights_naming_both_keys() -> None:
     muonfn.muon().init(untied)
 
 
+# --- apply_updates: shapes and keys of the parameters -------------------------------------------------------
+
+
+def test_apply_updates_rejects_other_shapes_and_unknown_keys() -> None:
+    p = params()
+    kept = p.clone()
+    column = p.apply(torch.zeros_like).set(("0", "weight"), torch.ones(4, 1))
+    with pytest.raises(
+        ValueError, match=r"apply_updates: update '0.weight' has shape \(4, 1\), the parameter \(4, 3\)"
+    ):
+        muonfn.apply_updates(p, column)
+    unknown = TensorDict({"0": {"wieght": torch.ones(4, 3)}}, [])
+    with pytest.raises(ValueError, match=r"apply_updates: update '0.wieght' has no matching parameter"):
+        muonfn.apply_updates(p, unknown)
+    assert_td_equal(p, kept)
+
+
 def test_decay_without_params() -> None:
     tx = muonfn.adamw(weight_decay=0.1)
     p = params()

@@ -290,3 +290,19 @@ def test_a_tied_weight_trains_as_one_with_the_alias_excluded() -> None:
     embed = params["embed", "weight"]
     hidden = torch.tanh(embed[tokens] @ params["hidden", "weight"].T + params["hidden", "bias"])
     torch.testing.assert_close(logits, hidden @ embed.T)  # the head is the updated embedding: still tied
+
+
+# --- apply_updates, schedules and zero-size matrices ----------------------------------------------------------
+
+
+def test_apply_updates_keeps_each_parameters_dtype() -> None:
+    params = TensorDict({"w": torch.ones(4, 3), "h": torch.ones(4, dtype=torch.bfloat16), "s": torch.ones(())}, [])
+    updates = TensorDict(
+        {"w": torch.full((4, 3), 1e-3, dtype=torch.float64), "h": torch.full((4,), 1e-3), "s": torch.ones(())}, []
+    )
+    new = muonfn.apply_updates(params, updates)
+    assert {k: v.dtype for k, v in new.items()} == {k: v.dtype for k, v in params.items()}
+    assert torch.equal(new["w"], (params["w"].double() + 1e-3).float())
+    assert torch.equal(new["h"], (params["h"].float() + 1e-3).bfloat16())  # summed in fp32, rounded once
+    compiled = torch.compile(muonfn.apply_updates, fullgraph=True, backend="eager")
+    assert_td_equal(compiled(params, updates), new)
