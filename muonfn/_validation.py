@@ -66,11 +66,12 @@ def checked_schedule(name: str, schedule: Schedule) -> Schedule:
     return call
 
 
-def unit_interval(name: str, v: Scalar) -> None:
-    """Momenta and betas: ``0 <= v < 1``."""
+def unit_interval(name: str, v: Scalar) -> float:
+    """Momenta and betas: ``0 <= v < 1``; returns the value as a float."""
     x = _value(name, v)
     if not 0.0 <= x < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {v!r}")
+    return x
 
 
 def positive(name: str, v: Scalar) -> None:

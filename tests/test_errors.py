@@ -34,6 +34,41 @@ BAD_HYPERPARAMETERS: dict[str, tuple[Callable[[], object], type[Exception], str]
         ValueError,
         r"must be a float or a 0-d tensor, got a tensor of shape \(2,\)",
     ),
+    "lr 1-element tensor": (
+        lambda: muonfn.muon(lr=torch.tensor([0.01])),
+        ValueError,
+        r"learning rate must be a float or a 0-d tensor, got a tensor of shape \(1,\)",
+    ),
+    "adamw lr 1-element tensor": (
+        lambda: muonfn.adamw(lr=torch.tensor([[0.01]])),
+        ValueError,
+        r"learning rate must be a float or a 0-d tensor, got a tensor of shape \(1, 1\)",
+    ),
+    "momentum 1-element tensor": (
+        lambda: muonfn.muon(momentum=torch.tensor([0.9])),
+        ValueError,
+        r"momentum must be a float or a 0-d tensor, got a tensor of shape \(1,\)",
+    ),
+    "weight_decay 1-element tensor": (
+        lambda: muonfn.muon(weight_decay=torch.tensor([0.1])),
+        ValueError,
+        r"weight_decay must be a float or a 0-d tensor, got a tensor of shape \(1,\)",
+    ),
+    "adamw weight_decay 1-element tensor": (
+        lambda: muonfn.adamw(weight_decay=torch.tensor([0.1])),
+        ValueError,
+        r"weight_decay must be a float or a 0-d tensor, got a tensor of shape \(1,\)",
+    ),
+    "beta1 1-element tensor": (
+        lambda: muonfn.adamw(betas=(torch.tensor([0.9]), 0.999)),
+        ValueError,
+        r"b1 must be a float or a 0-d tensor, got a tensor of shape \(1,\)",
+    ),
+    "beta2 1-element tensor": (
+        lambda: muonfn.muon(adamw_betas=(0.9, torch.tensor([0.95]))),
+        ValueError,
+        r"b2 must be a float or a 0-d tensor, got a tensor of shape \(1,\)",
+    ),
     "momentum = 1": (lambda: muonfn.muon(momentum=1.0), ValueError, r"momentum must be in \[0, 1\), got 1.0"),
     "momentum < 0": (lambda: muonfn.ema_momentum(-0.1), ValueError, r"momentum must be in \[0, 1\)"),
     "momentum tensor": (lambda: muonfn.muon(momentum=torch.tensor(1.5)), ValueError, r"momentum must be in"),
@@ -101,6 +136,49 @@ def test_bad_hyperparameter(case: str) -> None:
     build, error, match = BAD_HYPERPARAMETERS[case]
     with pytest.raises(error, match=match):
         build()
+
+
+def test_0d_tensor_betas_are_read_once_as_floats() -> None:
+    p = params()
+    grads = p.apply(torch.ones_like)
+    betas = (torch.tensor(0.8), torch.tensor(0.9))
+    as_tensors = muonfn.adamw(betas=betas)  # type: ignore[arg-type]
+    as_floats = muonfn.adamw(betas=(float(betas[0]), float(betas[1])))  # the fp32 values, as Python floats
+    betas[0].fill_(0.5)  # read when the transform was built: the bias corrections are precomputed
+    expected = as_floats.update(grads, as_floats.init(p), p)
+    got = as_tensors.update(grads, as_tensors.init(p), p)
+    assert_td_equal(got[0], expected[0])
+    assert_td_equal(got[1], expected[1])
+
+
+# --- distributed settings without collectives, rejected when the transform is built -----------------------
+
+
+def test_unknown_strategy_is_named_with_or_without_collectives() -> None:
+    with pytest.raises(ValueError, match=r"unknown distributed strategy 'bogus'; choose one of \['owner', 'gather'"):
+        muonfn.muon(strategy="bogus")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"strategy='gather' takes effect with collectives=\.\.\."):
+        muonfn.muon(strategy="gather")
+
+
+def test_shard_specs_need_collectives_and_name_parameters() -> None:
+    from muonfn.distributed import ShardSpec, simulate
+
+    with pytest.raises(ValueError, match=r"shard_specs describe shards for collectives=\.\.\."):
+        muonfn.muon(shard_specs={"0.weight": ShardSpec(0)})
+
+    def build(col: object) -> None:
+        muonfn.muon(collectives=col, shard_specs={"0.wieght": ShardSpec(0)}).init(params())  # type: ignore[arg-type]
+
+    with pytest.raises(ValueError, match=r"shard_specs names '0.wieght', which is not a parameter"):
+        simulate(1, build)
+
+
+def test_torch_collectives_checks_the_type_first() -> None:
+    from muonfn.distributed import torch_collectives
+
+    with pytest.raises(TypeError, match=r"torch_collectives expects a DeviceMesh or a ProcessGroup, got object"):
+        torch_collectives(object())  # type: ignore[arg-type]
 
 
 NS_CASES: dict[str, tuple[dict, type[Exception], str]] = {
@@ -310,6 +388,34 @@ def test_apply_updates_rejects_other_shapes_and_unknown_keys() -> None:
     with pytest.raises(ValueError, match=r"apply_updates: update '0.wieght' has no matching parameter"):
         muonfn.apply_updates(p, unknown)
     assert_td_equal(p, kept)
+
+
+# --- schedules, checked when called -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        (float("nan"), ValueError, r"the learning rate schedule returned nan; it must be finite and >= 0"),
+        (-0.1, ValueError, r"the learning rate schedule returned -0.1; it must be finite and >= 0"),
+        (float("inf"), ValueError, r"the learning rate schedule returned inf"),
+        ("0.1", TypeError, r"the learning rate schedule must return a float or a 0-d tensor, got str"),
+        (
+            torch.tensor([0.1]),
+            ValueError,
+            r"the learning rate schedule returned a tensor of shape \(1,\); it must be 0-d",
+        ),
+    ],
+    ids=["nan", "negative", "inf", "str", "1-element tensor"],
+)
+def test_a_bad_schedule_value_is_rejected_when_called(value: object, error: type[Exception], match: str) -> None:
+    p = params()
+    for tx in (muonfn.adamw(lr=lambda count: value), muonfn.muon(lr=lambda count: value)):  # type: ignore[arg-type, return-value]
+        state = tx.init(p)
+        before = state.clone()
+        with pytest.raises(error, match=match):
+            tx.update(p.apply(torch.ones_like), state, p)
+        assert_td_equal(state, before)
 
 
 def test_decay_without_params() -> None:

@@ -306,3 +306,35 @@ def test_apply_updates_keeps_each_parameters_dtype() -> None:
     assert torch.equal(new["h"], (params["h"].float() + 1e-3).bfloat16())  # summed in fp32, rounded once
     compiled = torch.compile(muonfn.apply_updates, fullgraph=True, backend="eager")
     assert_td_equal(compiled(params, updates), new)
+
+
+def test_a_tensor_schedule_stays_traceable() -> None:
+    params = TensorDict.from_module(mlp(7)).detach()
+    tx = muonfn.muon(lr=lambda count: 0.05 * torch.clamp((count + 1) / 4, max=1.0), weight_decay=0.1)
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(tx.update, fullgraph=True, backend=counter)
+    eager_state = compiled_state = tx.init(params)
+    for t in range(3):
+        grads = random_like(params, seed=50 + t)
+        eager, eager_state = tx.update(grads, eager_state, params)
+        got, compiled_state = compiled(grads, compiled_state, params)
+        assert_td_close(got, eager, atol=1e-6)
+        assert_td_close(compiled_state, eager_state, atol=0)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
+def test_zero_size_matrices_get_empty_updates() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(5, 0), torch.nn.Linear(0, 4), torch.nn.Linear(4, 3))
+    params = TensorDict.from_module(model).detach()
+    labels = muonfn.labels_from_module(model)
+    assert labels["0.weight"] == labels["1.weight"] == "muon"
+    tx = muonfn.muon(lr=0.1, labels=labels)
+    state = tx.init(params)
+    before = state.clone()
+    updates, new_state = tx.update(random_like(params, seed=60), state, params)
+    assert updates["0", "weight"].shape == (0, 5) and updates["1", "weight"].shape == (4, 0)
+    assert all(u.isfinite().all() for u in updates.values(True, True))
+    assert_td_equal(state, before)
+    assert new_state["muon", "momentum", "0", "weight"].shape == (0, 5)
+    assert set(new_state.keys(True, True)) == set(state.keys(True, True))

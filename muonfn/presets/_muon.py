@@ -145,6 +145,11 @@ def muon_orthogonalizer(
 
     Distributed settings without collectives would be ignored, so they are an error.
     """
+    if strategy != "owner":
+        from ..distributed import STRATEGIES
+
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown distributed strategy {strategy!r}; choose one of {list(STRATEGIES)}")
     if collectives is None:
         if shard_specs:
             raise ValueError("shard_specs describe shards for collectives=...; pass the collectives of their group")

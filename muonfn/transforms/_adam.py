@@ -8,7 +8,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from .. import _tree
-from .._validation import check_grads, check_params, positive, unit_interval
+from .._validation import Scalar, check_grads, check_params, positive, unit_interval
 from ._base import Transform
 from ._state import EXP_AVG, EXP_AVG_SQ, STEP, check_entries
 
@@ -17,7 +17,7 @@ def _cast_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return t.to(like.dtype)
 
 
-def scale_by_adam(b1: float = 0.9, b2: float = 0.999, *, eps: float = 1e-8, donate_state: bool = False) -> Transform:
+def scale_by_adam(b1: Scalar = 0.9, b2: Scalar = 0.999, *, eps: float = 1e-8, donate_state: bool = False) -> Transform:
     r"""Adam's direction with bias correction, exactly as torch.optim.AdamW computes it.
 
     .. math::  m_t = \beta_1 m_{t-1} + (1-\beta_1) g_t, \quad
@@ -28,17 +28,18 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, *, eps: float = 1e-8, dona
     for a stacked ensemble (params of batch size ``[N]``) it counts per leaf and member.
 
     Args:
-        b1: :math:`\beta_1` in [0, 1).
-        b2: :math:`\beta_2` in [0, 1).
+        b1: :math:`\beta_1` in [0, 1), a float or a 0-d tensor read once, when the transform
+            is built (the bias corrections are precomputed from it).
+        b2: :math:`\beta_2` in [0, 1), likewise.
         eps: :math:`\epsilon > 0`, added to the bias-corrected root.
         donate_state: update the state in place (see :func:`ema_momentum`).
 
     Returns:
         A :class:`Transform` with state ``{"step": int64 per leaf, "exp_avg": m, "exp_avg_sq": v}``.
     """
-    unit_interval("b1", b1)
-    unit_interval("b2", b2)
+    b1, b2 = unit_interval("b1", b1), unit_interval("b2", b2)
     positive("eps", eps)
+    eps = float(eps)
     log_b1, log_b2 = math.log(b1) if b1 > 0 else -math.inf, math.log(b2) if b2 > 0 else -math.inf
 
     def init(params: TensorDictBase) -> TensorDictBase:
