@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeAlias
 
 import torch
@@ -92,13 +92,14 @@ def known_names(where: str, names: Iterable[Any], keys: Sequence[Key]) -> None:
     resolve_table(dict.fromkeys(names), keys, where=where)
 
 
-def check_batch(where: str, grads: TensorDictBase, state: TensorDictBase) -> None:
+def check_batch(where: str, grads: TensorDictBase, state: TensorDictBase | Mapping[str, Any]) -> None:
     """``grads`` must have the batch size of the params ``state`` was made from.
 
     A stacked ensemble (batch size ``[N]``) and one member's gradients would otherwise
-    broadcast against each other, or be read as other shapes.
+    broadcast against each other, or be read as other shapes. A stateless transform may
+    be given a plain ``{}`` for its state: there is no batch size to compare then.
     """
-    if grads.batch_size != state.batch_size:
+    if isinstance(state, TensorDictBase) and grads.batch_size != state.batch_size:
         raise ValueError(
             f"{where}: gradients have batch size {tuple(grads.batch_size)}, the state "
             f"{tuple(state.batch_size)}; pass gradients shaped like the params given to init"

@@ -296,6 +296,13 @@ def test_gradients_of_another_batch_size_are_rejected(name: str, stacked: str) -
     assert_td_equal(state, before)
 
 
+def test_a_stateless_transform_takes_a_plain_empty_state() -> None:
+    grads = params().exclude(("0", "bias"))
+    for tx in (muonfn.orthogonalize(), muonfn.scale_by_shape(), muonfn.scale_by_learning_rate(0.1)):
+        updates, state = tx.update(grads, {})  # type: ignore[arg-type]
+        assert state == {} and updates.batch_size == grads.batch_size
+
+
 # --- a state that is not the transform's own --------------------------------------------------------------
 
 
