@@ -25,7 +25,15 @@ from .linalg import (
     newton_schulz,
     polar,
 )
-from .presets import DEFAULT_EXCLUDE, adamw, label_params, labels_from_module, muon, views_from_module
+from .presets import (
+    DEFAULT_EXCLUDE,
+    adamw,
+    label_params,
+    labels_from_module,
+    muon,
+    split_buffers,
+    views_from_module,
+)
 from .transforms import (
     Transform,
     add_decayed_weights,
@@ -90,5 +98,6 @@ __all__ = [
     "scale_by_learning_rate",
     "scale_by_muon",
     "scale_by_shape",
+    "split_buffers",
     "views_from_module",
 ]

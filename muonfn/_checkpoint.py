@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import secrets
 from collections.abc import Mapping
 from typing import Any
@@ -51,12 +52,15 @@ def save(tree: TensorDictBase | Mapping[str, Any], path: PathLike) -> None:
 
     The file is ``torch.save(tree.to_dict())``'s. It is written to a temporary file in
     the same directory, flushed to disk and renamed over ``path`` in one step, so a
-    crash mid-save leaves the previous checkpoint at ``path`` intact.
+    crash mid-save leaves the previous checkpoint at ``path`` intact. The directory must
+    exist (``FileNotFoundError`` naming it otherwise; nothing is written).
     """
     td = tree if isinstance(tree, TensorDictBase) else TensorDict(dict(tree), batch_size=[])
     data = _plain(td)
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):  # else the error would name the temporary file
+        raise FileNotFoundError(f"save: cannot write {path!r}: the directory {directory!r} does not exist")
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(8)}.tmp")
     # os.open rather than mkstemp: the checkpoint gets the permissions the umask gives any new file
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
@@ -93,10 +97,24 @@ def load(
     """Reads a checkpoint written by :func:`save` (or ``torch.save(td.to_dict(), f)``).
 
     Unpickling runs with ``weights_only=True``: a checkpoint can hold tensors and plain
-    containers, never code. With ``like``, the result must have exactly ``like``'s keys,
-    shapes and dtypes (else a ``ValueError`` names the first key that differs); it comes
-    in ``like``'s key order, on ``like``'s devices. ``like`` itself is never modified.
+    containers, never code (``pickle.UnpicklingError`` otherwise). A file that is no
+    checkpoint (empty, text, truncated) raises a ``ValueError`` naming it. With ``like``,
+    the result must have exactly ``like``'s keys, shapes and dtypes (else a ``ValueError``
+    names the first key that differs); it comes in ``like``'s key order, on ``like``'s
+    devices. ``like`` itself is never modified.
     """
-    data = _nested(torch.load(path, map_location=map_location, weights_only=True), path)
+    try:
+        raw = torch.load(path, map_location=map_location, weights_only=True)
+    except OSError:  # missing, unreadable: the error names the path already
+        raise
+    except pickle.UnpicklingError as e:  # code or unknown types: refused by weights_only, or no pickle at all
+        raise pickle.UnpicklingError(f"load: {os.fspath(path)!r} is not a muonfn checkpoint: {e}") from e
+    except Exception as e:  # empty, text, truncated or corrupted: the unpickler fails in many ways
+        if isinstance(e, EOFError) and os.path.getsize(path) == 0:
+            reason = "the file is empty"
+        else:
+            reason = f"torch.load cannot read it: {type(e).__name__}: {e}"
+        raise ValueError(f"load: {os.fspath(path)!r} is not a muonfn checkpoint ({reason})") from e
+    data = _nested(raw, path)
     loaded = TensorDict(data, batch_size=[])
     return loaded if like is None else _tree.laid_out_like(loaded, like, f"load({os.fspath(path)!r})")

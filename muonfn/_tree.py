@@ -24,6 +24,22 @@ def build(keys: Sequence[Key], values: Sequence[torch.Tensor], like: TensorDictB
     return TensorDict(dict(zip(keys, values)), batch_size=like.batch_size)
 
 
+def per_member(values: TensorDictBase | torch.Tensor, like: TensorDictBase) -> TensorDict:
+    """One value per member of an ensemble, laid out to broadcast against ``like``'s leaves.
+
+    ``values``: a tensor, or a TensorDict with ``like``'s keys, of shape ``like.batch_size``
+    (one value per member). Each leaf of the result is that value reshaped to
+    ``batch_size + (1,) * member_ndim`` and cast to the dtype of ``like``'s leaf, as a 0-d
+    value would meet it (a dimensioned fp64 factor would promote an fp32 leaf).
+    """
+    keys = leaf_keys(like)
+    out = []
+    for key, ref in zip(keys, leaves(like)):
+        v = values if isinstance(values, torch.Tensor) else values.get(key)
+        out.append(v.reshape(*v.shape, *[1] * (ref.ndim - like.batch_dims)).to(ref.dtype))
+    return build(keys, out, like)
+
+
 def subset(td: TensorDictBase, keys: Sequence[Key]) -> TensorDictBase:
     """``td`` restricted to ``keys``; ``td`` itself when that is all of it."""
     if len(keys) == len(leaf_keys(td)):

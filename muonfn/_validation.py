@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeAlias
 
 import torch
@@ -66,11 +66,12 @@ def checked_schedule(name: str, schedule: Schedule) -> Schedule:
     return call
 
 
-def unit_interval(name: str, v: Scalar) -> None:
-    """Momenta and betas: ``0 <= v < 1``."""
+def unit_interval(name: str, v: Scalar) -> float:
+    """Momenta and betas: ``0 <= v < 1``; returns the value as a float."""
     x = _value(name, v)
     if not 0.0 <= x < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {v!r}")
+    return x
 
 
 def positive(name: str, v: Scalar) -> None:
@@ -91,17 +92,27 @@ def known_names(where: str, names: Iterable[Any], keys: Sequence[Key]) -> None:
     resolve_table(dict.fromkeys(names), keys, where=where)
 
 
+def check_batch(where: str, grads: TensorDictBase, state: TensorDictBase | Mapping[str, Any]) -> None:
+    """``grads`` must have the batch size of the params ``state`` was made from.
+
+    A stacked ensemble (batch size ``[N]``) and one member's gradients would otherwise
+    broadcast against each other, or be read as other shapes. A stateless transform may
+    be given a plain ``{}`` for its state: there is no batch size to compare then.
+    """
+    if isinstance(state, TensorDictBase) and grads.batch_size != state.batch_size:
+        raise ValueError(
+            f"{where}: gradients have batch size {tuple(grads.batch_size)}, the state "
+            f"{tuple(state.batch_size)}; pass gradients shaped like the params given to init"
+        )
+
+
 def check_grads(where: str, grads: TensorDictBase, reference: TensorDictBase) -> None:
     """Every gradient leaf must be a dense real tensor matching ``reference``'s leaf.
 
     ``grads`` may hold fewer leaves than ``reference`` (a leaf without a gradient is
     skipped), never other ones; its batch size must be ``reference``'s.
     """
-    if grads.batch_size != reference.batch_size:
-        raise ValueError(
-            f"{where}: gradients have batch size {tuple(grads.batch_size)}, the state "
-            f"{tuple(reference.batch_size)}; pass gradients shaped like the params given to init"
-        )
+    check_batch(where, grads, reference)
     known = dict(zip(reference.keys(True, True), reference.values(True, True)))
     for key, g in zip(grads.keys(True, True), grads.values(True, True)):
         ref = known.get(key)
@@ -116,3 +127,50 @@ def check_grads(where: str, grads: TensorDictBase, reference: TensorDictBase) ->
             raise ValueError(f"{where}: gradient {name!r} has shape {tuple(g.shape)}, expected {tuple(ref.shape)}")
         if g.dtype != ref.dtype:
             raise ValueError(f"{where}: gradient {name!r} has dtype {g.dtype}, expected {ref.dtype}")
+
+
+def _storage_identity(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes two tensors one: storage, offset, shape, strides and dtype; ``None`` if it cannot be told.
+
+    Tensors inside ``torch.vmap`` have no storage to ask, fake and meta tensors all report
+    address 0, and a DTensor's storage is its local shard's: none of them is compared.
+    """
+    if t.numel() == 0 or hasattr(t, "placements"):
+        return None
+    try:
+        address = t.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):
+        return None
+    if address == 0:
+        return None
+    return (t.device, address, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def check_params(where: str, params: TensorDictBase) -> None:
+    """Every leaf must be a floating-point tensor of its own: no buffer of integers, no tied alias.
+
+    ``TensorDict.from_module(model)`` holds buffers too (BatchNorm's int64
+    ``num_batches_tracked``), and both names of a tied weight; an optimizer stepping either
+    would corrupt the model. Structural only: storage addresses, never values.
+    """
+    seen: dict[tuple[Any, ...], Key] = {}
+    for key, p in zip(params.keys(True, True), params.values(True, True)):
+        key = (key,) if isinstance(key, str) else tuple(key)
+        name = dotted(key)
+        if not p.is_floating_point():
+            raise TypeError(
+                f"{where}: {name!r} is a {p.dtype} tensor; only floating-point parameters can be optimized. "
+                "Buffers (such as BatchNorm's num_batches_tracked) are no parameters: "
+                "params, buffers = muonfn.split_buffers(model) keeps them apart"
+            )
+        identity = _storage_identity(p)
+        if identity is None:
+            continue
+        first = seen.setdefault(identity, key)
+        if first != key:
+            raise ValueError(
+                f"{where}: {dotted(first)!r} and {name!r} are one tensor (tied weights); updated apart, they "
+                f"would untie. Keep one name, params = params.exclude({key!r}), and run the model with "
+                "torch.func.functional_call(model, params.flatten_keys('.').to_dict(), args), "
+                f"which ties {name!r} back to it; or untie them in the model"
+            )

@@ -136,6 +136,20 @@ def mlp(seed: int = 0, sizes: tuple[int, ...] = (6, 12, 8, 3), bias: bool = True
     return torch.nn.Sequential(*layers)
 
 
+class TiedLM(torch.nn.Module):
+    """A language model whose output head is its token embedding (one tensor, two names)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 8)
+        self.hidden = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 11, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.hidden(self.embed(tokens))))
+
+
 def random_like(td: TensorDict, seed: int, scale: float = 1.0) -> TensorDict:
     gen = generator(seed)
     return td.apply(lambda t: (scale * torch.randn(t.shape, generator=gen, dtype=torch.float64)).to(t.dtype))

@@ -280,3 +280,31 @@ def test_shim_with_polar_express_resumes_from_a_file_bitwise(tmp_path: pathlib.P
     plain, plain_opt, plain_scheduler = setup(coefficients.triples)
     shim_run(plain, plain_opt, plain_scheduler, 0, N)
     assert not torch.equal(plain[0].weight, net[0].weight)
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        (b"", r"the file is empty"),
+        (b"epoch,loss\n1,0.5\n", r"torch.load cannot read it"),
+        (None, r"torch.load cannot read it"),  # a real checkpoint cut short
+    ],
+    ids=["empty", "text", "truncated"],
+)
+def test_load_of_what_is_no_checkpoint_names_the_file(tmp_path: pathlib.Path, content: bytes | None, reason: str):
+    path = tmp_path / "ckpt.pt"
+    if content is None:
+        muonfn.save(trained_state(), path)
+        content = path.read_bytes()[:200]
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=rf"load: '{path}' is not a muonfn checkpoint \({reason}"):
+        muonfn.load(path)
+
+
+def test_save_into_a_missing_directory_names_the_target(tmp_path: pathlib.Path):
+    target = tmp_path / "runs" / "ckpt.pt"
+    with pytest.raises(
+        FileNotFoundError, match=rf"save: cannot write '{target}': the directory '{target.parent}' does not exist"
+    ):
+        muonfn.save(trained_state(), target)
+    assert os.listdir(tmp_path) == []  # nothing written, no directory made

@@ -116,22 +116,6 @@ NS_REL = 1e-5
 
 BAD_CASES = ("shape", "dtype", "complex", "unknown_key", "batch_size")
 PER_LEAF_CASES = ("shape", "dtype", "complex")
-WHAT = {
-    "shape": "a gradient of another shape",
-    "dtype": "a float64 gradient of a float32 leaf",
-    "complex": "a complex gradient",
-    "unknown_key": "a gradient that no parameter has",
-    "batch_size": "gradients of batch size (2,)",
-}
-
-
-def unchecked(name: str, **instead: str) -> dict[str, str]:
-    """xfail reasons for a transform whose ``update`` compares no gradient with the params it is given."""
-    reasons = {}
-    for case in BAD_CASES:
-        what = instead.get(case, "passes through silently")
-        reasons[f"bad_input:{case}*"] = f"{name}.update checks no gradient against params: {WHAT[case]} {what}"
-    return reasons
 
 
 # Compiling costs 1–8 s an entry on 2 cores, so the compile property runs on the muon preset
@@ -139,11 +123,6 @@ def unchecked(name: str, **instead: str) -> dict[str, str]:
 # in one update) and a few entries it does not contain; the others say where they are compiled.
 IN_MUON = {"compile": "compiled inside the muon entry's update"}
 
-
-DONATED_PARTITION = (
-    "partition runs the muon branch, which advances its donated momentum in place, before the "
-    "adamw branch checks its gradients: a bad adamw gradient raises after the muon state has changed"
-)
 
 TABLE: tuple[Entry, ...] = (
     Entry(
@@ -162,7 +141,6 @@ TABLE: tuple[Entry, ...] = (
         probes=(("mlp", "up"), ("mlp", "bias")),  # one leaf of each branch
         donate=True,
         bitwise=NEWTON_SCHULZ,
-        xfail={f"bad_input:donated:{case}:mlp.bias": DONATED_PARTITION for case in PER_LEAF_CASES},
     ),
     Entry(
         "adamw",
@@ -197,21 +175,12 @@ TABLE: tuple[Entry, ...] = (
         lambda: muonfn.orthogonalize("polar_express", steps=4, views=VIEWS, scale="spectral", bucket_numel=200),
         leaves=MATRICES,
         bitwise=NEWTON_SCHULZ,
-        xfail=unchecked(
-            "orthogonalize",
-            complex="raises newton_schulz's TypeError, which does not name the leaf",
-            batch_size="raises only where a view cannot read the stacked shape, and names no batch size",
-        ),
         skip=IN_MUON,
     ),
     Entry(
         "scale_by_shape",
         lambda: muonfn.scale_by_shape("original", extra_scale=2.0, views=VIEWS),
         leaves=MATRICES,
-        xfail=unchecked(
-            "scale_by_shape",
-            batch_size="raises only where a view cannot read the stacked shape, and names no batch size",
-        ),
         skip={"compile": "the same shape scale as the muon entry's, applied inside its orthogonalize"},
     ),
     Entry(
@@ -222,19 +191,16 @@ TABLE: tuple[Entry, ...] = (
     Entry(
         "scale_by_learning_rate(float)",
         lambda: muonfn.scale_by_learning_rate(0.1),
-        xfail=unchecked("scale_by_learning_rate"),
         skip=IN_MUON,
     ),
     Entry(
         "scale_by_learning_rate(tensor)",
         lambda: muonfn.scale_by_learning_rate(torch.tensor(0.1)),
-        xfail=unchecked("scale_by_learning_rate"),
         skip={"compile": "compiled with a 0-d lr changed in place in test_performance_paths"},
     ),
     Entry(
         "scale_by_learning_rate(schedule)",
         lambda: muonfn.scale_by_learning_rate(lambda count: 0.1 / (1 + count)),
-        xfail=unchecked("scale_by_learning_rate"),
     ),
     Entry(
         "chain",
@@ -263,15 +229,6 @@ TABLE: tuple[Entry, ...] = (
         ),
         missing=(("mlp", "up"), ("attn", "qkv")),  # one selected leaf, one passed through
         probes=(("mlp", "up"), ("attn", "qkv")),
-        xfail={
-            "bad_input:unknown_key": "masked.update passes a gradient that no parameter has through silently "
-            "(partition raises 'gradient ... has no matching parameter')",
-            **{
-                f"bad_input:{case}:attn.qkv": f"masked.update checks only the leaves it selects: {WHAT[case]} "
-                "of a leaf it does not select passes through silently"
-                for case in PER_LEAF_CASES
-            },
-        },
     ),
     Entry(
         "partition",

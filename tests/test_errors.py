@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import pytest
 import torch
+from _strategies import TiedLM, assert_td_equal
 from tensordict import TensorDict
 
 import muonfn
@@ -31,6 +33,41 @@ BAD_HYPERPARAMETERS: dict[str, tuple[Callable[[], object], type[Exception], str]
         lambda: muonfn.adamw(lr=torch.ones(2)),
         ValueError,
         r"must be a float or a 0-d tensor, got a tensor of shape \(2,\)",
+    ),
+    "lr 1-element tensor": (
+        lambda: muonfn.muon(lr=torch.tensor([0.01])),
+        ValueError,
+        r"learning rate must be a float or a 0-d tensor, got a tensor of shape \(1,\)",
+    ),
+    "adamw lr 1-element tensor": (
+        lambda: muonfn.adamw(lr=torch.tensor([[0.01]])),
+        ValueError,
+        r"learning rate must be a float or a 0-d tensor, got a tensor of shape \(1, 1\)",
+    ),
+    "momentum 1-element tensor": (
+        lambda: muonfn.muon(momentum=torch.tensor([0.9])),
+        ValueError,
+        r"momentum must be a float or a 0-d tensor, got a tensor of shape \(1,\)",
+    ),
+    "weight_decay 1-element tensor": (
+        lambda: muonfn.muon(weight_decay=torch.tensor([0.1])),
+        ValueError,
+        r"weight_decay must be a float or a 0-d tensor, got a tensor of shape \(1,\)",
+    ),
+    "adamw weight_decay 1-element tensor": (
+        lambda: muonfn.adamw(weight_decay=torch.tensor([0.1])),
+        ValueError,
+        r"weight_decay must be a float or a 0-d tensor, got a tensor of shape \(1,\)",
+    ),
+    "beta1 1-element tensor": (
+        lambda: muonfn.adamw(betas=(torch.tensor([0.9]), 0.999)),
+        ValueError,
+        r"b1 must be a float or a 0-d tensor, got a tensor of shape \(1,\)",
+    ),
+    "beta2 1-element tensor": (
+        lambda: muonfn.muon(adamw_betas=(0.9, torch.tensor([0.95]))),
+        ValueError,
+        r"b2 must be a float or a 0-d tensor, got a tensor of shape \(1,\)",
     ),
     "momentum = 1": (lambda: muonfn.muon(momentum=1.0), ValueError, r"momentum must be in \[0, 1\), got 1.0"),
     "momentum < 0": (lambda: muonfn.ema_momentum(-0.1), ValueError, r"momentum must be in \[0, 1\)"),
@@ -101,6 +138,49 @@ def test_bad_hyperparameter(case: str) -> None:
         build()
 
 
+def test_0d_tensor_betas_are_read_once_as_floats() -> None:
+    p = params()
+    grads = p.apply(torch.ones_like)
+    betas = (torch.tensor(0.8), torch.tensor(0.9))
+    as_tensors = muonfn.adamw(betas=betas)  # type: ignore[arg-type]
+    as_floats = muonfn.adamw(betas=(float(betas[0]), float(betas[1])))  # the fp32 values, as Python floats
+    betas[0].fill_(0.5)  # read when the transform was built: the bias corrections are precomputed
+    expected = as_floats.update(grads, as_floats.init(p), p)
+    got = as_tensors.update(grads, as_tensors.init(p), p)
+    assert_td_equal(got[0], expected[0])
+    assert_td_equal(got[1], expected[1])
+
+
+# --- distributed settings without collectives, rejected when the transform is built -----------------------
+
+
+def test_unknown_strategy_is_named_with_or_without_collectives() -> None:
+    with pytest.raises(ValueError, match=r"unknown distributed strategy 'bogus'; choose one of \['owner', 'gather'"):
+        muonfn.muon(strategy="bogus")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"strategy='gather' takes effect with collectives=\.\.\."):
+        muonfn.muon(strategy="gather")
+
+
+def test_shard_specs_need_collectives_and_name_parameters() -> None:
+    from muonfn.distributed import ShardSpec, simulate
+
+    with pytest.raises(ValueError, match=r"shard_specs describe shards for collectives=\.\.\."):
+        muonfn.muon(shard_specs={"0.weight": ShardSpec(0)})
+
+    def build(col: object) -> None:
+        muonfn.muon(collectives=col, shard_specs={"0.wieght": ShardSpec(0)}).init(params())  # type: ignore[arg-type]
+
+    with pytest.raises(ValueError, match=r"shard_specs names '0.wieght', which is not a parameter"):
+        simulate(1, build)
+
+
+def test_torch_collectives_checks_the_type_first() -> None:
+    from muonfn.distributed import torch_collectives
+
+    with pytest.raises(TypeError, match=r"torch_collectives expects a DeviceMesh or a ProcessGroup, got object"):
+        torch_collectives(object())  # type: ignore[arg-type]
+
+
 NS_CASES: dict[str, tuple[dict, type[Exception], str]] = {
     "eps = 0": ({"eps": 0.0}, ValueError, r"eps must be finite and > 0, got 0.0"),
     "steps = 0": ({"steps": 0}, ValueError, r"steps must be an integer >= 1, got 0"),
@@ -168,6 +248,181 @@ def test_bad_gradients_name_the_key(case: str, optimizer: str) -> None:
     with pytest.raises(error, match=match):
         tx.update(bad_grads(case), state, p)
     assert (state == before).all()
+
+
+def ensemble() -> TensorDict:
+    """Two members stacked, as TensorDict.from_modules makes them: batch size [2]."""
+    return torch.stack([params(), params().apply(lambda t: t * 2)])
+
+
+def schedule(count: torch.Tensor) -> float:
+    return 0.1
+
+
+GRAD_TAKERS: dict[str, Callable[[], muonfn.Transform]] = {
+    "muon": lambda: muonfn.muon(),
+    "adamw": lambda: muonfn.adamw(),
+    "apply_if_finite": lambda: muonfn.apply_if_finite(muonfn.adamw()),
+    "ema_momentum": lambda: muonfn.ema_momentum(),
+    "scale_by_adam": lambda: muonfn.scale_by_adam(),
+    "add_decayed_weights": lambda: muonfn.add_decayed_weights(0.1),
+    "scale_by_learning_rate": lambda: muonfn.scale_by_learning_rate(0.1),
+    "scale_by_learning_rate(schedule)": lambda: muonfn.scale_by_learning_rate(schedule),
+    "orthogonalize": lambda: muonfn.orthogonalize(),
+    "scale_by_shape": lambda: muonfn.scale_by_shape(),
+    "partition": lambda: muonfn.partition(
+        {"a": muonfn.scale_by_shape(), "b": muonfn.scale_by_learning_rate(0.1)},
+        {"0.weight": "a", "1.weight": "a", "0.bias": "b"},
+    ),
+    "masked": lambda: muonfn.masked(muonfn.scale_by_learning_rate(0.1), {"0.bias": True}),
+}
+MATRICES_ONLY = {"orthogonalize", "scale_by_shape"}
+
+
+@pytest.mark.parametrize("stacked", ["state", "grads"])
+@pytest.mark.parametrize("name", sorted(GRAD_TAKERS))
+def test_gradients_of_another_batch_size_are_rejected(name: str, stacked: str) -> None:
+    """One member's gradients given to an ensemble's state, or an ensemble's to one model's: named, nothing changed."""
+    one, many = params(), ensemble()
+    if name in MATRICES_ONLY:
+        one, many = one.exclude(("0", "bias")), many.exclude(("0", "bias"))
+    p, g = (many, one) if stacked == "state" else (one, many)
+    tx = GRAD_TAKERS[name]()
+    state = tx.init(p)
+    before = state.clone()
+    expected = (tuple(g.batch_size), tuple(p.batch_size))
+    with pytest.raises(ValueError, match=rf"gradients have batch size {re.escape(str(expected[0]))}, the state "):
+        tx.update(g.apply(torch.ones_like), state, p)
+    assert_td_equal(state, before)
+
+
+def test_a_stateless_transform_takes_a_plain_empty_state() -> None:
+    grads = params().exclude(("0", "bias"))
+    for tx in (muonfn.orthogonalize(), muonfn.scale_by_shape(), muonfn.scale_by_learning_rate(0.1)):
+        updates, state = tx.update(grads, {})  # type: ignore[arg-type]
+        assert state == {} and updates.batch_size == grads.batch_size
+
+
+# --- a state that is not the transform's own --------------------------------------------------------------
+
+
+def test_another_transforms_state_names_the_missing_entry() -> None:
+    p, grads = params(), params().apply(torch.ones_like)
+    adamw_state, muon_state = muonfn.adamw().init(p), muonfn.muon().init(p)
+    with pytest.raises(
+        ValueError,
+        match=r"partition\(\['adamw', 'muon'\]\): state has no entry 'muon' \(it has \['exp_avg', 'exp_avg_sq', "
+        r"'step'\]\); was it made by this transform's init\?",
+    ):
+        muonfn.muon().update(grads, adamw_state, p)
+    with pytest.raises(ValueError, match=r"chain \(member 0, scale_by_adam\): state has no entry 'step'"):
+        muonfn.adamw().update(grads, muon_state, p)
+
+
+MISSING_ENTRY: dict[str, tuple[Callable[[], muonfn.Transform], str, str]] = {
+    "ema_momentum": (lambda: muonfn.ema_momentum(), "momentum", r"ema_momentum: state has no entry 'momentum'"),
+    "scale_by_adam": (lambda: muonfn.scale_by_adam(), "exp_avg_sq", r"scale_by_adam: state has no entry 'exp_avg_sq'"),
+    "schedule": (
+        lambda: muonfn.scale_by_learning_rate(schedule),
+        "count",
+        r"scale_by_learning_rate: state has no entry 'count'",
+    ),
+    "named": (lambda: muonfn.named("inner", muonfn.adamw()), "inner", r"named\('inner'\): state has no entry 'inner'"),
+    "apply_if_finite": (
+        lambda: muonfn.apply_if_finite(muonfn.adamw()),
+        "notfinite_count",
+        r"apply_if_finite: state has no entry 'notfinite_count'",
+    ),
+    "chain": (
+        lambda: muonfn.chain(muonfn.ema_momentum(), muonfn.scale_by_learning_rate(schedule)),
+        "count",
+        r"chain \(member 1, scale_by_learning_rate\): state has no entry 'count'",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MISSING_ENTRY))
+def test_a_state_missing_an_entry_names_it(name: str) -> None:
+    build, entry, match = MISSING_ENTRY[name]
+    tx, p = build(), params()
+    state = tx.init(p).exclude(entry)
+    before = state.clone()
+    with pytest.raises(ValueError, match=match):
+        tx.update(p.apply(torch.ones_like), state, p)
+    assert_td_equal(state, before)
+
+
+# --- what init accepts: floating-point parameters, each a tensor of its own ---------------------------------
+
+
+def test_init_rejects_an_integer_buffer_pointing_to_split_buffers() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    everything = TensorDict.from_module(model).detach()
+    for tx in (muonfn.muon(), muonfn.adamw()):
+        with pytest.raises(
+            TypeError,
+            match=r"'1.num_batches_tracked' is a torch.int64 tensor; only floating-point parameters can be "
+            r"optimized.*muonfn.split_buffers\(model\)",
+        ):
+            tx.init(everything)
+
+
+def test_init_rejects_tied_weights_naming_both_keys() -> None:
+    tied = TensorDict.from_module(TiedLM()).detach()
+    for tx in (muonfn.muon(), muonfn.adamw(), muonfn.ema_momentum(), muonfn.scale_by_adam()):
+        with pytest.raises(
+            ValueError,
+            match=r"'embed.weight' and 'head.weight' are one tensor \(tied weights\).*"
+            r"params.exclude\(\('head', 'weight'\)\).*torch.func.functional_call",
+        ):
+            tx.init(tied)
+    untied = tied.clone()  # same values, own storage: accepted
+    muonfn.muon().init(untied)
+
+
+# --- apply_updates: shapes and keys of the parameters -------------------------------------------------------
+
+
+def test_apply_updates_rejects_other_shapes_and_unknown_keys() -> None:
+    p = params()
+    kept = p.clone()
+    column = p.apply(torch.zeros_like).set(("0", "weight"), torch.ones(4, 1))
+    with pytest.raises(
+        ValueError, match=r"apply_updates: update '0.weight' has shape \(4, 1\), the parameter \(4, 3\)"
+    ):
+        muonfn.apply_updates(p, column)
+    unknown = TensorDict({"0": {"wieght": torch.ones(4, 3)}}, [])
+    with pytest.raises(ValueError, match=r"apply_updates: update '0.wieght' has no matching parameter"):
+        muonfn.apply_updates(p, unknown)
+    assert_td_equal(p, kept)
+
+
+# --- schedules, checked when called -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        (float("nan"), ValueError, r"the learning rate schedule returned nan; it must be finite and >= 0"),
+        (-0.1, ValueError, r"the learning rate schedule returned -0.1; it must be finite and >= 0"),
+        (float("inf"), ValueError, r"the learning rate schedule returned inf"),
+        ("0.1", TypeError, r"the learning rate schedule must return a float or a 0-d tensor, got str"),
+        (
+            torch.tensor([0.1]),
+            ValueError,
+            r"the learning rate schedule returned a tensor of shape \(1,\); it must be 0-d",
+        ),
+    ],
+    ids=["nan", "negative", "inf", "str", "1-element tensor"],
+)
+def test_a_bad_schedule_value_is_rejected_when_called(value: object, error: type[Exception], match: str) -> None:
+    p = params()
+    for tx in (muonfn.adamw(lr=lambda count: value), muonfn.muon(lr=lambda count: value)):  # type: ignore[arg-type, return-value]
+        state = tx.init(p)
+        before = state.clone()
+        with pytest.raises(error, match=match):
+            tx.update(p.apply(torch.ones_like), state, p)
+        assert_td_equal(state, before)
 
 
 def test_decay_without_params() -> None:

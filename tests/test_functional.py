@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _strategies import assert_td_close, assert_td_equal, mlp, random_like
+from _strategies import TiedLM, assert_td_close, assert_td_equal, mlp, random_like
 from tensordict import TensorDict
 from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -175,3 +175,166 @@ def test_apply_if_finite_refuses_a_clashing_state_key() -> None:
     inner = muonfn.apply_if_finite(muonfn.adamw())
     with pytest.raises(ValueError, match="already keeps 'notfinite_count'"):
         muonfn.apply_if_finite(inner).init(TensorDict({"w": torch.ones(2)}, []))
+
+
+# --- ensembles without torch.vmap -------------------------------------------------------------------------
+
+
+class Member(torch.nn.Module):
+    """A conv kernel, experts, a (1, 1, D) token, a Linear output head: every shape rule of the labels."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.token = torch.nn.Parameter(torch.randn(1, 1, 6))
+        self.conv = torch.nn.Conv1d(1, 4, 3, padding=1)
+        self.experts = torch.nn.Parameter(torch.randn(2, 6, 6) / 6**0.5)
+        self.hidden = torch.nn.Linear(6, 6)
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x[:, None]).mean(1) + self.token[0, 0]
+        h = torch.tanh(torch.einsum("bi,eoi->bo", h, self.experts) + self.hidden(h))
+        return self.head(h)
+
+
+def test_stacked_ensemble_without_vmap_equals_the_vmapped_step() -> None:
+    """Batch size [N] honoured: labels, views, Adam's steps, the schedule's count and apply_if_finite per member."""
+    members = [Member(seed) for seed in range(3)]
+    params = TensorDict.from_modules(*members).detach()
+    assert muonfn.label_params(params) == {
+        "token": "adamw",  # (1, 1, 6) per member: a vector, though (3, 1, 1, 6) stacked
+        "conv.weight": "muon",
+        "conv.bias": "adamw",  # (4,) per member, though (3, 4) stacked
+        "experts": "muon",
+        "hidden.weight": "muon",
+        "hidden.bias": "adamw",
+        "head.weight": "adamw",
+        "head.bias": "adamw",
+    }
+    tx = muonfn.apply_if_finite(
+        muonfn.muon(
+            lr=lambda count: 0.05 * (count + 1).clamp(max=2) / 2,  # one lr per member: count has batch size [3]
+            weight_decay=0.1,
+            views={"experts": MatrixView(batch_dims=1)},
+        )
+    )
+    vmapped_state, stacked_state = torch.vmap(tx.init)(params), tx.init(params)
+    assert_td_equal(stacked_state, vmapped_state)  # one state layout for both
+    vmapped_params = stacked_params = params
+    for t in range(3):
+        grads = random_like(params, seed=40 + t)
+        if t == 1:
+            grads["hidden", "bias"][2, 0] = float("nan")  # only the third member skips this step
+        vmapped, vmapped_state = torch.vmap(tx.update)(grads, vmapped_state, vmapped_params)
+        stacked, stacked_state = tx.update(grads, stacked_state, stacked_params)
+        assert_td_close(stacked, vmapped, atol=1e-6)
+        assert_td_close(stacked_state, vmapped_state, atol=1e-6)
+        vmapped_params = muonfn.apply_updates(vmapped_params, vmapped)
+        stacked_params = muonfn.apply_updates(stacked_params, stacked)
+    assert stacked_state["notfinite_count"].tolist() == [0, 0, 1]
+    assert stacked_state["adamw", "step", "head", "bias"].tolist() == [3, 3, 2]
+
+
+# --- buffers and tied weights ---------------------------------------------------------------------------------
+
+
+def test_a_model_with_batchnorm_trains_through_torch_func_grad() -> None:
+    torch.manual_seed(6)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(), torch.nn.Linear(16, 3)
+    )
+    params, buffers = muonfn.split_buffers(model)
+    assert list(buffers.keys(True, True)) == [("1", "running_mean"), ("1", "running_var"), ("1", "num_batches_tracked")]
+    assert_td_equal(params, TensorDict(dict(model.named_parameters()), []).unflatten_keys(".").detach())
+    tx = muonfn.muon(lr=0.05, labels=muonfn.labels_from_module(model))
+    state = tx.init(params)
+
+    def loss_fn(params: TensorDict, buffers: TensorDict) -> torch.Tensor:
+        with params.to_module(model), buffers.to_module(model):
+            return torch.nn.functional.mse_loss(model(X), Y)
+
+    losses = []
+    for _ in range(20):
+        grads, loss = torch.func.grad_and_value(loss_fn)(params, buffers)
+        updates, state = tx.update(grads, state, params)
+        params = muonfn.apply_updates(params, updates)
+        losses.append(float(loss))
+    assert losses[-1] < 0.5 * losses[0]
+    assert int(buffers["1", "num_batches_tracked"]) == 20  # BatchNorm kept its statistics, in place
+    assert not torch.equal(buffers["1", "running_mean"], torch.zeros(16))
+
+
+def test_a_tied_weight_trains_as_one_with_the_alias_excluded() -> None:
+    """The remedy init's error gives: one name in params, functional_call ties the alias back."""
+    model = TiedLM()
+    tokens = torch.randint(0, 11, (8, 5), generator=torch.Generator().manual_seed(0))
+    params = TensorDict.from_module(model).detach().exclude(("head", "weight"))
+    labels = muonfn.labels_from_module(model)
+    assert labels == {"embed.weight": "adamw", "hidden.weight": "muon", "hidden.bias": "adamw"}
+    tx = muonfn.muon(lr=0.05, labels=labels)
+    state = tx.init(params)
+
+    def loss_fn(params: TensorDict) -> torch.Tensor:
+        logits = torch.func.functional_call(model, params.flatten_keys(".").to_dict(), (tokens,))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+
+    grads = torch.func.grad(loss_fn)(params)
+    reference = TiedLM()
+    reference.load_state_dict(model.state_dict())
+    torch.nn.functional.cross_entropy(reference(tokens).flatten(0, 1), tokens.flatten()).backward()
+    torch.testing.assert_close(grads["embed", "weight"], reference.embed.weight.grad)  # both uses of the tie
+    updates, state = tx.update(grads, state, params)
+    params = muonfn.apply_updates(params, updates)
+    logits = torch.func.functional_call(model, params.flatten_keys(".").to_dict(), (tokens,))
+    embed = params["embed", "weight"]
+    hidden = torch.tanh(embed[tokens] @ params["hidden", "weight"].T + params["hidden", "bias"])
+    torch.testing.assert_close(logits, hidden @ embed.T)  # the head is the updated embedding: still tied
+
+
+# --- apply_updates, schedules and zero-size matrices ----------------------------------------------------------
+
+
+def test_apply_updates_keeps_each_parameters_dtype() -> None:
+    params = TensorDict({"w": torch.ones(4, 3), "h": torch.ones(4, dtype=torch.bfloat16), "s": torch.ones(())}, [])
+    updates = TensorDict(
+        {"w": torch.full((4, 3), 1e-3, dtype=torch.float64), "h": torch.full((4,), 1e-3), "s": torch.ones(())}, []
+    )
+    new = muonfn.apply_updates(params, updates)
+    assert {k: v.dtype for k, v in new.items()} == {k: v.dtype for k, v in params.items()}
+    assert torch.equal(new["w"], (params["w"].double() + 1e-3).float())
+    assert torch.equal(new["h"], (params["h"].float() + 1e-3).bfloat16())  # summed in fp32, rounded once
+    compiled = torch.compile(muonfn.apply_updates, fullgraph=True, backend="eager")
+    assert_td_equal(compiled(params, updates), new)
+
+
+def test_a_tensor_schedule_stays_traceable() -> None:
+    params = TensorDict.from_module(mlp(7)).detach()
+    tx = muonfn.muon(lr=lambda count: 0.05 * torch.clamp((count + 1) / 4, max=1.0), weight_decay=0.1)
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(tx.update, fullgraph=True, backend=counter)
+    eager_state = compiled_state = tx.init(params)
+    for t in range(3):
+        grads = random_like(params, seed=50 + t)
+        eager, eager_state = tx.update(grads, eager_state, params)
+        got, compiled_state = compiled(grads, compiled_state, params)
+        assert_td_close(got, eager, atol=1e-6)
+        assert_td_close(compiled_state, eager_state, atol=0)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
+def test_zero_size_matrices_get_empty_updates() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(5, 0), torch.nn.Linear(0, 4), torch.nn.Linear(4, 3))
+    params = TensorDict.from_module(model).detach()
+    labels = muonfn.labels_from_module(model)
+    assert labels["0.weight"] == labels["1.weight"] == "muon"
+    tx = muonfn.muon(lr=0.1, labels=labels)
+    state = tx.init(params)
+    before = state.clone()
+    updates, new_state = tx.update(random_like(params, seed=60), state, params)
+    assert updates["0", "weight"].shape == (0, 5) and updates["1", "weight"].shape == (4, 0)
+    assert all(u.isfinite().all() for u in updates.values(True, True))
+    assert_td_equal(state, before)
+    assert new_state["muon", "momentum", "0", "weight"].shape == (0, 5)
+    assert set(new_state.keys(True, True)) == set(state.keys(True, True))

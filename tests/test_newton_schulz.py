@@ -20,7 +20,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import muonfn
-from muonfn import COEFFICIENTS, Coefficients, newton_schulz, polar
+from muonfn import COEFFICIENTS, Coefficients, gram_newton_schulz, newton_schulz, polar
 
 SETS = sorted(COEFFICIENTS)
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
@@ -323,3 +323,10 @@ def test_rectangular_and_degenerate_shapes() -> None:
         assert out.shape == x.shape
         if x.numel() and min(shape[-2:]) == 1:  # a vector's polar factor is its direction
             torch.testing.assert_close(out, x / torch.linalg.matrix_norm(x, keepdim=True), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (5, 0), (3, 0, 5), (0, 4, 4)])
+def test_an_empty_matrix_maps_to_an_empty_result(shape: tuple[int, ...]) -> None:
+    x = torch.zeros(shape)
+    for out in (newton_schulz(x), gram_newton_schulz(x)):
+        assert out.shape == shape and out.dtype == x.dtype

@@ -253,10 +253,12 @@ def test_labels_from_module_by_type() -> None:
     model = TinyLM()
     labels = muonfn.labels_from_module(model)
     assert labels == {**EXPECTED_LABELS, "wpe": "adamw", "lora_A": "adamw"}
-    model.lm_head.weight = model.embed_tokens.weight  # tied: once, under the first owner's name and label
+    model.lm_head.weight = model.embed_tokens.weight  # tied: one name, as named_parameters() lists it
     tied = muonfn.labels_from_module(model)
-    assert tied["embed_tokens.weight"] == "adamw" and "lm_head.weight" not in tied
     assert list(tied) == [name for name, _ in model.named_parameters()]
+    assert tied["embed_tokens.weight"] == "adamw" and "lm_head.weight" not in tied
+    state = muonfn.muon(labels=tied).init(TensorDict.from_module(model).detach().exclude(("lm_head", "weight")))
+    assert ("adamw", "exp_avg", "embed_tokens", "weight") in state.keys(True, True)
     assert muonfn.views_from_module(model) == {"attn.weight": MatrixView(transposed=True)}
 
 
@@ -284,3 +286,171 @@ def test_muon_state_layout_and_a_step_on_a_language_model() -> None:
     # the transposed Conv1D weight gets the (out, in) = (24, 8) update: scale 0.2·√24, singular values ≈ s·p(σ)
     sv = torch.linalg.svdvals(updates["attn", "weight"] + 0.02 * 0.1 * params["attn", "weight"])
     assert sv.max() <= 0.02 * 0.2 * math.sqrt(24) * 1.14
+
+
+# --- default labels on small stand-ins of common models: heads and token parameters go to AdamW -------------
+
+
+class VisionTransformer(torch.nn.Module):
+    """timm's ViT names: cls_token, pos_embed, patch_embed.proj (an input embedding, by name), blocks.*.attn.qkv/proj,
+    mlp.fc1/fc2, head."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.cls_token = torch.nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos_embed = torch.nn.Parameter(torch.zeros(1, 5, dim))
+        self.patch_embed = torch.nn.Module()
+        self.patch_embed.proj = torch.nn.Conv2d(3, dim, 2, stride=2)
+        block = torch.nn.Module()
+        block.norm1 = torch.nn.LayerNorm(dim)
+        block.attn = torch.nn.Module()
+        block.attn.qkv = torch.nn.Linear(dim, 3 * dim)
+        block.attn.proj = torch.nn.Linear(dim, dim)
+        block.mlp = torch.nn.Module()
+        block.mlp.fc1 = torch.nn.Linear(dim, 4 * dim)
+        block.mlp.fc2 = torch.nn.Linear(4 * dim, dim)
+        self.blocks = torch.nn.Sequential(block)
+        self.norm = torch.nn.LayerNorm(dim)
+        self.head = torch.nn.Linear(dim, 10)
+
+
+class MaskedAutoencoder(torch.nn.Module):
+    """MAE/BEiT/Swin names: mask_token, a 2-D relative_position_bias_table, decoder_pred."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.mask_token = torch.nn.Parameter(torch.zeros(1, 1, dim))
+        self.attn = torch.nn.Module()
+        self.attn.relative_position_bias_table = torch.nn.Parameter(torch.zeros(9, 2))
+        self.attn.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.decoder_pred = torch.nn.Linear(dim, 12)
+
+
+class SequenceClassifier(torch.nn.Module):
+    """Hugging Face BERT names: embeddings.*, encoder.layer.*.attention.self.query, pooler.dense, classifier."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.bert = torch.nn.Module()
+        self.bert.embeddings = torch.nn.Module()
+        self.bert.embeddings.word_embeddings = torch.nn.Embedding(20, dim)
+        layer = torch.nn.Module()
+        layer.query = torch.nn.Linear(dim, dim)
+        layer.intermediate = torch.nn.Linear(dim, 2 * dim)
+        self.bert.encoder = torch.nn.ModuleList([layer])
+        self.bert.pooler = torch.nn.Linear(dim, dim)
+        self.classifier = torch.nn.Linear(dim, 3)
+
+
+class ResNet(torch.nn.Module):
+    """torchvision's ResNet names: conv1, bn1, layer1.0.conv1, fc (a name no rule can tell from a hidden layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 4, 3)
+        self.bn1 = torch.nn.BatchNorm2d(4)
+        self.layer1 = torch.nn.Sequential(torch.nn.Sequential())
+        self.layer1[0].add_module("conv1", torch.nn.Conv2d(4, 4, 3))
+        self.fc = torch.nn.Linear(4, 10)
+
+
+class GPT2(torch.nn.Module):
+    """Hugging Face GPT-2: Conv1D blocks (c_attn, c_proj, c_fc) and an lm_head tied to wte."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.transformer = torch.nn.Module()
+        self.transformer.wte = torch.nn.Embedding(20, dim)
+        self.transformer.wpe = torch.nn.Embedding(6, dim)
+        block = torch.nn.Module()
+        block.attn = torch.nn.Module()
+        block.attn.c_attn = Conv1D(3 * dim, dim)
+        block.attn.c_proj = Conv1D(dim, dim)
+        block.mlp = torch.nn.Module()
+        block.mlp.c_fc = Conv1D(4 * dim, dim)
+        block.mlp.c_proj = Conv1D(dim, 4 * dim)
+        self.transformer.h = torch.nn.ModuleList([block])
+        self.lm_head = torch.nn.Linear(dim, 20, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight
+
+
+def muon_names(labels: dict[str, str]) -> set[str]:
+    return {name for name, label in labels.items() if label == "muon"}
+
+
+HIDDEN = {
+    VisionTransformer: {
+        "blocks.0.attn.qkv.weight",
+        "blocks.0.attn.proj.weight",
+        "blocks.0.mlp.fc1.weight",
+        "blocks.0.mlp.fc2.weight",
+    },
+    MaskedAutoencoder: {"attn.qkv.weight"},
+    SequenceClassifier: {"bert.encoder.0.query.weight", "bert.encoder.0.intermediate.weight", "bert.pooler.weight"},
+    ResNet: {"conv1.weight", "layer1.0.conv1.weight"},
+    GPT2: {
+        "transformer.h.0.attn.c_attn.weight",
+        "transformer.h.0.attn.c_proj.weight",
+        "transformer.h.0.mlp.c_fc.weight",
+        "transformer.h.0.mlp.c_proj.weight",
+    },
+}
+
+
+@pytest.mark.parametrize("model_type", list(HIDDEN), ids=lambda t: t.__name__)
+def test_labels_from_module_send_heads_and_tokens_to_adamw(model_type: type[torch.nn.Module]) -> None:
+    model = model_type()
+    labels = muonfn.labels_from_module(model)
+    assert list(labels) == [name for name, _ in model.named_parameters()]
+    assert muon_names(labels) == HIDDEN[model_type]
+
+
+@pytest.mark.parametrize("model_type", list(HIDDEN), ids=lambda t: t.__name__)
+def test_label_params_send_heads_and_tokens_to_adamw(model_type: type[torch.nn.Module]) -> None:
+    model = model_type()
+    params = TensorDict(dict(model.named_parameters()), []).unflatten_keys(".").detach()
+    expected = HIDDEN[model_type]
+    if model_type is MaskedAutoencoder:
+        expected = expected | {"decoder_pred.weight"}  # a head by name only to labels_from_module (the last Linear)
+    if model_type is ResNet:
+        expected = expected | {"fc.weight"}  # `fc` is also a hidden-layer name: labels_from_module tells
+    assert muon_names(muonfn.label_params(params)) == expected
+
+
+def test_label_rules_keep_hidden_layers_on_muon() -> None:
+    decoder = torch.nn.TransformerDecoderLayer(8, 2, dim_feedforward=16)
+    params = TensorDict(dict(decoder.named_parameters()), []).unflatten_keys(".").detach()
+    matrices = {
+        "self_attn.in_proj_weight",
+        "self_attn.out_proj.weight",
+        "multihead_attn.in_proj_weight",  # "head" but not "head.": cross-attention is a hidden layer
+        "multihead_attn.out_proj.weight",
+        "linear1.weight",
+        "linear2.weight",
+    }
+    assert muon_names(muonfn.label_params(params)) == matrices
+    trunk = muonfn.labels_from_module(decoder, last_linear_is_head=False)  # a trunk: its last Linear is hidden
+    assert muon_names(trunk) == {
+        "self_attn.out_proj.weight",
+        "multihead_attn.out_proj.weight",
+        "linear1.weight",
+        "linear2.weight",
+    }
+    assert muonfn.labels_from_module(decoder)["linear2.weight"] == "adamw"
+
+
+def test_unit_dimensions_do_not_make_a_matrix() -> None:
+    params = TensorDict(
+        {
+            "token": torch.zeros(1, 1, 8),
+            "column": torch.zeros(8, 1),
+            "row": torch.zeros(1, 8),
+            "kernel": torch.zeros(4, 1, 3),  # a depthwise conv: (4, 3) once flattened
+            "empty": torch.zeros(0, 5),
+        },
+        [],
+    )
+    labels = muonfn.label_params(params)
+    assert labels == {"token": "adamw", "column": "adamw", "row": "adamw", "kernel": "muon", "empty": "muon"}
+    # a rank's one-row block of a sharded matrix: its size says nothing of the whole
+    assert muonfn.label_params(params, shards=["row"])["row"] == "muon"

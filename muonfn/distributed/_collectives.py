@@ -148,6 +148,8 @@ def torch_collectives(mesh_or_group: DeviceMesh | ProcessGroup) -> TorchCollecti
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
+    if not isinstance(mesh_or_group, DeviceMesh | dist.ProcessGroup):
+        raise TypeError(f"torch_collectives expects a DeviceMesh or a ProcessGroup, got {type(mesh_or_group).__name__}")
     if not dist.is_initialized():
         raise RuntimeError("torch_collectives: torch.distributed is not initialized (call init_process_group first)")
     if isinstance(mesh_or_group, DeviceMesh):
@@ -159,9 +161,7 @@ def torch_collectives(mesh_or_group: DeviceMesh | ProcessGroup) -> TorchCollecti
                 f"torch_collectives: a {mesh.ndim}-D DeviceMesh needs mesh_dim_names to be flattened into one group"
             )
         return TorchCollectives(mesh._flatten().get_group(), mesh)
-    if isinstance(mesh_or_group, dist.ProcessGroup):
-        return TorchCollectives(mesh_or_group)
-    raise TypeError(f"torch_collectives expects a DeviceMesh or a ProcessGroup, got {type(mesh_or_group).__name__}")
+    return TorchCollectives(mesh_or_group)
 
 
 @dataclass

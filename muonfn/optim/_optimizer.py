@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -110,7 +111,10 @@ class Muon(torch.optim.Optimizer):
         }
         self._adamw_lr = adamw_lr
         self._adamw_weight_decay = adamw_weight_decay
-        self._labels: LabelsLike = label_params if labels is None else labels
+        if labels is None:
+            # a shard's own shape can look like a vector (one row per rank): shards go by their names
+            labels = functools.partial(label_params, shards=tuple(shard_specs)) if shard_specs else label_params
+        self._labels: LabelsLike = labels
         self._views = views
         self._weight_decay_mask = weight_decay_mask
         self._bucket_numel = bucket_numel

@@ -2,6 +2,7 @@
 
 from ._labels import ADAMW, DEFAULT_EXCLUDE, MUON, label_params, labels_from_module, views_from_module
 from ._muon import TORCH_STATE_NAMES, adamw, check_names, checks_names, muon, muon_branch, muon_orthogonalizer
+from ._params import split_buffers
 
 __all__ = [
     "ADAMW",
@@ -16,5 +17,6 @@ __all__ = [
     "muon",
     "muon_branch",
     "muon_orthogonalizer",
+    "split_buffers",
     "views_from_module",
 ]

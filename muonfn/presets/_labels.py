@@ -1,21 +1,51 @@
-"""Which leaves are matrices for Muon and which go to AdamW."""
+"""Which leaves are matrices for Muon and which go to AdamW.
+
+Muon is for hidden-layer matrices. :func:`label_params` decides by shape and name,
+:func:`labels_from_module` by module type and name; both keep on AdamW:
+
+- a leaf whose dotted name contains a fragment of :data:`DEFAULT_EXCLUDE` (embeddings,
+  output heads, classifiers, token parameters, relative-position tables, LoRA);
+- by shape (:func:`label_params`): a leaf with fewer than two dimensions of size other
+  than 1 (besides an ensemble's batch dimensions): a ``(1, 1, D)`` class token is a vector;
+- by module (:func:`labels_from_module`): anything but Linear/Conv weights, and the
+  model's last ``nn.Linear``, its output head whatever its name (``fc`` of a ResNet).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from tensordict import TensorDictBase
 from torch import nn
 
 from .. import _tree
+from .._keys import resolve_table
 from ..linalg import MatrixView
 
 MUON = "muon"
 ADAMW = "adamw"
 
-#: Name fragments of leaves that are ≥2-D but are not hidden-layer matrices:
-#: token/position embeddings, output heads and LoRA adapters.
-DEFAULT_EXCLUDE: tuple[str, ...] = ("embed", "wte", "wpe", "lm_head", "lora_")
+#: Name fragments (matched case-insensitively anywhere in the dotted name) of leaves that
+#: are not hidden-layer matrices: token and position embeddings, output heads and
+#: classifiers, LoRA adapters, class/mask/distillation tokens and relative-position tables.
+#: ``"head."`` ends with the dot so that ``multihead_attn`` (``nn.TransformerDecoderLayer``)
+#: stays a hidden layer; names such as GPT-2's ``c_fc``/``c_attn``/``c_proj`` or a ViT's
+#: ``fc1``/``fc2`` contain none of them.
+DEFAULT_EXCLUDE: tuple[str, ...] = (
+    "embed",
+    "wte",
+    "wpe",
+    "lm_head",
+    "lora_",
+    "head.",
+    "classifier",
+    "cls_token",
+    "mask_token",
+    "dist_token",
+    "relative_position",
+    "relative_attention_bias",
+)
 
 
 def _excluded(name: str, exclude: Sequence[str]) -> bool:
@@ -23,40 +53,98 @@ def _excluded(name: str, exclude: Sequence[str]) -> bool:
     return any(fragment.lower() in lowered for fragment in exclude)
 
 
-def label_params(params: TensorDictBase, exclude: Sequence[str] = DEFAULT_EXCLUDE) -> dict[str, str]:
-    """Labels by shape and name: ``"muon"`` for ≥2-D leaves whose dotted name contains
-    none of ``exclude``, ``"adamw"`` for everything else.
+def _is_matrix_shape(shape: Sequence[int]) -> bool:
+    """At least two dimensions of size other than 1: unit dimensions do not make a vector a matrix."""
+    return sum(1 for size in shape if size != 1) >= 2
+
+
+def label_params(
+    params: TensorDictBase, exclude: Sequence[str] = DEFAULT_EXCLUDE, *, shards: Iterable[Any] = ()
+) -> dict[str, str]:
+    """Labels by shape and name: ``"muon"`` for matrices, ``"adamw"`` for everything else.
+
+    A leaf is a matrix when its shape has at least two dimensions of size other than 1
+    (so a ``(1, 1, D)`` ``cls_token`` is not) and its dotted name contains none of the
+    ``exclude`` fragments (default :data:`DEFAULT_EXCLUDE`: embeddings, ``lm_head``,
+    ``head.``, ``classifier``, token parameters, relative-position tables, LoRA). For a
+    stacked ensemble (``TensorDict.from_modules``, batch size ``[N]``) the shape is a
+    member's, without the batch dimensions.
+
+    Names cannot tell every output head: a ResNet's is ``fc``, a common hidden-layer name.
+    :func:`labels_from_module` also sends the model's last ``nn.Linear`` to AdamW; or add
+    fragments, ``functools.partial(label_params, exclude=(*DEFAULT_EXCLUDE, "fc."))``.
+
+    Args:
+        params: the parameters.
+        exclude: name fragments sent to AdamW, matched case-insensitively.
+        shards: names of leaves that are one rank's block of a larger tensor (the keys of
+            ``shard_specs``): a block of one row says nothing of the whole, so such a leaf
+            is a matrix when it has two dimensions or more; :func:`muonfn.muon` passes its
+            ``shard_specs`` (a DTensor's shape is the global one already).
 
     Usable as ``labels=`` directly, or through ``functools.partial`` with other exclusions.
     """
+    keys = _tree.leaf_keys(params)
+    sharded = resolve_table(dict.fromkeys(shards), keys)
+    members = params.batch_dims
     labels = {}
-    for key, value in zip(_tree.leaf_keys(params), params.values(True, True)):
+    for key, value in zip(keys, params.values(True, True)):
         name = _tree.dotted(key)
-        labels[name] = MUON if value.ndim >= 2 and not _excluded(name, exclude) else ADAMW
+        shape = value.shape[members:]
+        matrix_shaped = len(shape) >= 2 if key in sharded else _is_matrix_shape(shape)
+        labels[name] = MUON if matrix_shaped and not _excluded(name, exclude) else ADAMW
     return labels
 
 
 _MATRIX_MODULES = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd)
 
 
-def labels_from_module(model: nn.Module, exclude: Sequence[str] = DEFAULT_EXCLUDE) -> dict[str, str]:
-    """Labels by module type: weights of Linear and Conv layers (and Hugging Face ``Conv1D``)
-    go to Muon; embeddings, norms, biases and anything whose name matches ``exclude``
-    (output heads) go to AdamW. Keys are ``model.named_parameters()`` names.
+def _output_head(model: nn.Module) -> nn.Module | None:
+    """The last ``nn.Linear`` the model registers: its output head (``lm_head``, ``head``, ``fc``, ``classifier``)."""
+    linears = [module for module in model.modules() if isinstance(module, nn.Linear)]
+    return linears[-1] if linears else None
 
-    A shared parameter (a tied output head) appears once, under the name ``named_parameters()``
-    gives it (its first owner), with that owner's label.
+
+def labels_from_module(
+    model: nn.Module, exclude: Sequence[str] = DEFAULT_EXCLUDE, *, last_linear_is_head: bool = True
+) -> dict[str, str]:
+    """Labels by module type: weights of Linear and Conv layers (and Hugging Face ``Conv1D``)
+    go to Muon; embeddings, norms, biases and token parameters go to AdamW.
+
+    Also AdamW: the model's output head, which is its last ``nn.Linear`` in registration
+    order (``lm_head``, timm's ``head``, Hugging Face's ``classifier``, a torchvision
+    ResNet's ``fc``), and anything whose dotted name contains a fragment of ``exclude``
+    (see :data:`DEFAULT_EXCLUDE`). Hugging Face ``Conv1D`` layers (GPT-2's ``c_attn``,
+    ``c_fc``, ``c_proj``) are never taken for the head. The module type decides what is a
+    matrix, so shapes are not looked at beyond ``ndim >= 2`` (a rank's one-row block of a
+    hand-sharded layer stays a matrix).
+
+    Args:
+        model: the module tree.
+        exclude: name fragments sent to AdamW, matched case-insensitively.
+        last_linear_is_head: send the last ``nn.Linear`` to AdamW; pass ``False`` for a
+            model without an output head (a trunk whose last layer is a hidden one).
+
+    Returns:
+        A label for each name of ``model.named_parameters()``: a tied weight (an output
+        head sharing the embedding) is listed once, under its first name, with its first
+        owner's label.
     """
-    labels: dict[str, str] = {}
-    for module_name, module in model.named_modules():
+    head = _output_head(model) if last_linear_is_head else None
+    label_of: dict[int, str] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
         is_matrix_module = isinstance(module, _MATRIX_MODULES) or type(module).__name__ == "Conv1D"
-        for param_name, param in module.named_parameters(recurse=False):
+        for param_name, param in module.named_parameters(recurse=False, remove_duplicate=False):
             name = f"{module_name}.{param_name}" if module_name else param_name
             wants_muon = (
-                is_matrix_module and param_name == "weight" and param.ndim >= 2 and not _excluded(name, exclude)
+                is_matrix_module
+                and module is not head
+                and param_name == "weight"
+                and param.ndim >= 2
+                and not _excluded(name, exclude)
             )
-            labels[name] = MUON if wants_muon else ADAMW
-    return {name: labels[name] for name, _ in model.named_parameters()}
+            label_of.setdefault(id(param), MUON if wants_muon else ADAMW)
+    return {name: label_of[id(param)] for name, param in model.named_parameters()}
 
 
 def views_from_module(model: nn.Module) -> dict[str, MatrixView]:

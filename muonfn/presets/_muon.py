@@ -7,6 +7,7 @@ front ends cannot drift apart.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -144,6 +145,11 @@ def muon_orthogonalizer(
 
     Distributed settings without collectives would be ignored, so they are an error.
     """
+    if strategy != "owner":
+        from ..distributed import STRATEGIES
+
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown distributed strategy {strategy!r}; choose one of {list(STRATEGIES)}")
     if collectives is None:
         if shard_specs:
             raise ValueError("shard_specs describe shards for collectives=...; pass the collectives of their group")
@@ -235,8 +241,9 @@ def muon(
         scale, extra_scale: the shape scale :math:`s` (see :func:`scale_by_shape`).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW branch.
         labels: routes leaves to ``"muon"`` or ``"adamw"``; default :func:`label_params`
-            (≥2-D leaves except embeddings, output heads and token parameters);
-            :func:`labels_from_module` labels by module type instead.
+            (matrices except embeddings, output heads and token parameters; the leaves of
+            ``shard_specs`` by their number of dimensions); :func:`labels_from_module`
+            labels by module type instead.
         views: conv, expert, fused and transposed matrices (:class:`MatrixView` by name).
         weight_decay_mask: exempts the leaves it maps to ``False`` (default: decay all).
         bucket_numel: at most this many elements per batched Newton–Schulz call.
@@ -246,7 +253,8 @@ def muon(
 
     ``init`` checks every name in ``labels``, ``views``, ``weight_decay_mask`` and
     ``shard_specs`` against the parameters (a typo is an error) and every Muon leaf against
-    its view.
+    its view, and rejects integer leaves (buffers: see :func:`split_buffers`) and two names
+    of one tensor (tied weights).
 
     Returns:
         A :class:`Transform` with state ``{"muon": {"momentum"}, "adamw": {"step", "exp_avg", "exp_avg_sq"}}``.
@@ -286,5 +294,7 @@ def muon(
             donate_state=donate_state,
         ),
     }
-    tx = partition(branches, label_params if labels is None else labels)
+    if labels is None:
+        labels = functools.partial(label_params, shards=tuple(shard_specs)) if shard_specs else label_params
+    tx = partition(branches, labels)
     return checks_names(tx, weight_decay_mask=weight_decay_mask, views=views, shard_specs=shard_specs)

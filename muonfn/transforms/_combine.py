@@ -10,9 +10,10 @@ from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor
 
 from .. import _tree
 from .._keys import Key, dotted, resolve_table
+from .._validation import check_batch, check_grads, check_params
 from ._base import Transform
 from ._masks import MaskLike, resolve_mask
-from ._state import NOTFINITE_COUNT
+from ._state import NOTFINITE_COUNT, check_entries
 
 LabelsLike: TypeAlias = Mapping[Any, str] | TensorDictBase | Callable[[TensorDictBase], Mapping[Any, str]]
 
@@ -22,6 +23,11 @@ _EMPTY = TensorDict({}, batch_size=[])
 def _state_keys(tx: Transform) -> list[str]:
     """The top-level state keys a transform owns, read from its state for no parameters."""
     return list(tx.init(_EMPTY).keys())
+
+
+def _name(tx: Transform) -> str:
+    """The function that built ``tx`` (``scale_by_adam``), for error messages."""
+    return getattr(tx.update, "__qualname__", "?").partition(".<locals>")[0]
 
 
 def chain(*transforms: Transform) -> Transform:
@@ -40,8 +46,10 @@ def chain(*transforms: Transform) -> Transform:
                     f"chain: members {seen[key]} and {i} both keep state {key!r}; wrap one in muonfn.named(...)"
                 )
             seen[key] = i
+    members = [f"chain (member {i}, {_name(t)})" for i, t in enumerate(transforms)]  # for errors, named once
 
     def init(params: TensorDictBase) -> TensorDictBase:
+        check_params("init", params)
         state = TensorDict({}, batch_size=params.batch_size)
         for t in transforms:
             state.update(t.init(params))
@@ -50,6 +58,8 @@ def chain(*transforms: Transform) -> Transform:
     def update(
         grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
     ) -> tuple[TensorDictBase, TensorDictBase]:
+        for where, keys in zip(members, owned):
+            check_entries(where, state, keys)
         new_state = TensorDict({}, batch_size=state.batch_size)
         for t, keys in zip(transforms, owned):
             grads, member_state = t.update(grads, state.select(*keys), params)
@@ -68,6 +78,7 @@ def named(name: str, tx: Transform) -> Transform:
     def update(
         grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
     ) -> tuple[TensorDictBase, TensorDictBase]:
+        check_entries(f"named({name!r})", state, (name,))
         updates, inner = tx.update(grads, state[name], params)
         return updates, TensorDict({name: inner}, batch_size=state.batch_size)
 
@@ -111,8 +122,10 @@ def partition(transforms: Mapping[str, Transform], labels: LabelsLike) -> Transf
     parameter needs a label, and ``init`` rejects labels for names that are not parameters.
     """
     transforms = dict(transforms)
+    where = f"partition({sorted(transforms)})"
 
     def init(params: TensorDictBase) -> TensorDictBase:
+        check_params("init", params)
         assigned = resolve_labels(labels, params, transforms, strict=True)
         state = {}
         for name, t in transforms.items():
@@ -122,6 +135,10 @@ def partition(transforms: Mapping[str, Transform], labels: LabelsLike) -> Transf
     def update(
         grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
     ) -> tuple[TensorDictBase, TensorDictBase]:
+        check_batch(where, grads, state)
+        check_entries(where, state, transforms)
+        if params is not None:  # every branch's gradients before any branch runs (they may update in place)
+            check_grads(where, grads, params)
         keys = _tree.leaf_keys(grads)
         assigned = resolve_labels(labels, params if params is not None else grads, transforms)
         for key in keys:
@@ -156,6 +173,9 @@ def masked(tx: Transform, mask: MaskLike) -> Transform:
     def update(
         grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
     ) -> tuple[TensorDictBase, TensorDictBase]:
+        check_batch("masked", grads, state)
+        if params is not None:  # the leaves passed through too
+            check_grads("masked", grads, params)
         chosen = resolve_mask(mask, params if params is not None else grads, default=False)
         wanted = set(_tree.leaf_keys(grads))
         mine = [k for k in chosen if k in wanted]
@@ -172,7 +192,8 @@ def apply_if_finite(tx: Transform) -> Transform:
     """Skips a step whose gradients hold NaN or Inf: zero updates, state unchanged.
 
     Skipped steps are counted in ``state["notfinite_count"]``. The test is a tensor
-    (no ``.item()``), so the guarded update stays traceable.
+    (no ``.item()``), so the guarded update stays traceable. For a stacked ensemble
+    (params of batch size ``[N]``) each member is tested, skipped and counted on its own.
     """
 
     def init(params: TensorDictBase) -> TensorDictBase:
@@ -186,10 +207,13 @@ def apply_if_finite(tx: Transform) -> Transform:
     def update(
         grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
     ) -> tuple[TensorDictBase, TensorDictBase]:
+        check_batch("apply_if_finite", grads, state)
+        check_entries("apply_if_finite", state, (NOTFINITE_COUNT,))
         values = _tree.leaves(grads)
         if not values:
             return grads, state
-        finite = torch.stack([g.isfinite().all() for g in values]).all()
+        members = grads.batch_dims  # 0 for one model: the whole leaf is tested
+        finite = torch.stack([g.isfinite().flatten(members).all(-1) for g in values]).all(0)
         inner = state.exclude(NOTFINITE_COUNT)
         updates, new_inner = tx.update(grads, inner, params)
         updates = updates.where(finite, 0.0)

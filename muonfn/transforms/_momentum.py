@@ -6,10 +6,10 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from .. import _tree
-from .._validation import Scalar, check_grads, unit_interval
+from .._validation import Scalar, check_grads, check_params, unit_interval
 from ._arithmetic import one_minus
 from ._base import Transform
-from ._state import MOMENTUM
+from ._state import MOMENTUM, check_entries
 
 
 def ema_momentum(momentum: Scalar = 0.95, *, nesterov: bool = True, donate_state: bool = False) -> Transform:
@@ -35,11 +35,13 @@ def ema_momentum(momentum: Scalar = 0.95, *, nesterov: bool = True, donate_state
     unit_interval("momentum", momentum)
 
     def init(params: TensorDictBase) -> TensorDictBase:
+        check_params("ema_momentum", params)
         return TensorDict({MOMENTUM: params.apply(torch.zeros_like)}, batch_size=params.batch_size)
 
     def update(
         grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
     ) -> tuple[TensorDictBase, TensorDictBase]:
+        check_entries("ema_momentum", state, (MOMENTUM,))
         buf = state[MOMENTUM]
         check_grads("ema_momentum", grads, buf)
         current = _tree.subset(buf, _tree.leaf_keys(grads))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeAlias
 
@@ -10,7 +11,7 @@ from tensordict import TensorDictBase
 
 from .. import _tree
 from .._keys import Key, resolve_table
-from .._validation import Scalar
+from .._validation import Scalar, check_batch, check_grads
 from ..linalg import (
     DEFAULT_VIEW,
     CoefficientsLike,
@@ -32,17 +33,26 @@ ViewsLike: TypeAlias = (
 )
 
 
-def resolve_views(views: ViewsLike, keys: Sequence[Key], tensors: Sequence[torch.Tensor]) -> list[MatrixView]:
+def resolve_views(
+    views: ViewsLike, keys: Sequence[Key], tensors: Sequence[torch.Tensor], *, members: int = 0
+) -> list[MatrixView]:
     """One view per leaf: the declared one, else the default (2-D as is, ≥3-D as conv).
 
     Names that are not among ``keys`` are skipped (a view for a leaf routed elsewhere).
+    ``members``: the batch dimensions of a stacked ensemble (``TensorDict.from_modules``),
+    added to every view's ``batch_dims``, since views describe one member's leaf (a
+    callable view is given the stacked tensor).
     """
     if views is None:
-        return [DEFAULT_VIEW] * len(keys)
-    if not isinstance(views, Mapping):  # `callable` of a dict does not trace under torch.compile
-        return [views(k, t) or DEFAULT_VIEW for k, t in zip(keys, tensors)]
-    declared = resolve_table(views, keys)
-    return [declared.get(k, DEFAULT_VIEW) for k in keys]
+        resolved = [DEFAULT_VIEW] * len(keys)
+    elif not isinstance(views, Mapping):  # `callable` of a dict does not trace under torch.compile
+        resolved = [views(k, t) or DEFAULT_VIEW for k, t in zip(keys, tensors)]
+    else:
+        declared = resolve_table(views, keys)
+        resolved = [declared.get(k, DEFAULT_VIEW) for k in keys]
+    if members:
+        return [dataclasses.replace(v, batch_dims=v.batch_dims + members) for v in resolved]
+    return resolved
 
 
 def _view_checker(views: ViewsLike) -> InitFn:
@@ -50,7 +60,7 @@ def _view_checker(views: ViewsLike) -> InitFn:
 
     def init(params: TensorDictBase) -> TensorDictBase:
         keys, values = _tree.leaf_keys(params), _tree.leaves(params)
-        for key, p, view in zip(keys, values, resolve_views(views, keys, values)):
+        for key, p, view in zip(keys, values, resolve_views(views, keys, values, members=params.batch_dims)):
             view.check(key, p.shape)
         return empty_state(params)
 
@@ -80,7 +90,9 @@ def orthogonalize(
         ns_method: ``"standard"``, or ``"gram"`` for :func:`muonfn.gram_newton_schulz` on the
             shapes where it needs fewer flops.
         views: how leaves are read as matrices (:class:`MatrixView` by name, or a callable
-            ``(key, tensor) -> view``); conv kernels are flattened by default.
+            ``(key, tensor) -> view``); conv kernels are flattened by default. For a stacked
+            ensemble (gradients of batch size ``[N]``) they describe one member's leaf: the
+            batch dimensions are added to each view's ``batch_dims``.
         scale: the shape scale :math:`s` (``"none"`` by default, see :func:`scale_by_shape`).
         extra_scale: a factor on :math:`s`.
         bucket_numel: at most this many elements per batched Newton–Schulz call of the local
@@ -107,9 +119,12 @@ def orthogonalize(
     def update(
         grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
     ) -> tuple[TensorDictBase, TensorDictBase]:
+        check_batch("orthogonalize", grads, state)
+        if params is not None:
+            check_grads("orthogonalize", grads, params)
         keys = _tree.leaf_keys(grads)
         values = _tree.leaves(grads)
-        out = run(keys, values, resolve_views(views, keys, values), ns, scale_fn)
+        out = run(keys, values, resolve_views(views, keys, values, members=grads.batch_dims), ns, scale_fn)
         return _tree.build(keys, out, grads), state
 
     # sharded leaves may be local blocks: their views are checked against global shapes at update
@@ -123,8 +138,9 @@ def scale_by_shape(
 
     ``A``/``B`` are the rows (fan-out) and columns (fan-in) of the logical matrix
     (after the view: conv kernels flattened, ``(in, out)`` storage transposed, fused
-    blocks each on their own). Modes: ``"original"`` √max(1, A/B), ``"match_rms_adamw"``
-    0.2·√max(A, B), ``"spectral"`` √max(A, B), ``"unit_rms_norm"`` √(A/B), ``"none"`` 1.
+    blocks each on their own; a stacked ensemble's batch dimensions excluded). Modes:
+    ``"original"`` √max(1, A/B), ``"match_rms_adamw"`` 0.2·√max(A, B), ``"spectral"``
+    √max(A, B), ``"unit_rms_norm"`` √(A/B), ``"none"`` 1.
 
     Returns:
         A stateless :class:`Transform`; ``init`` checks that every leaf's view can read it.
@@ -134,10 +150,13 @@ def scale_by_shape(
     def update(
         grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
     ) -> tuple[TensorDictBase, TensorDictBase]:
+        check_batch("scale_by_shape", grads, state)
+        if params is not None:
+            check_grads("scale_by_shape", grads, params)
         keys = _tree.leaf_keys(grads)
         values = _tree.leaves(grads)
         out = []
-        for key, g, view in zip(keys, values, resolve_views(views, keys, values)):
+        for key, g, view in zip(keys, values, resolve_views(views, keys, values, members=grads.batch_dims)):
             view.check(key, g.shape)
             scales = block_scales(view, g.shape, scale_fn)
             if len(scales) == 1:
