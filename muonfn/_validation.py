@@ -106,6 +106,16 @@ def check_batch(where: str, grads: TensorDictBase, state: TensorDictBase | Mappi
         )
 
 
+def check_inputs(
+    where: str, grads: TensorDictBase, state: TensorDictBase | Mapping[str, Any], params: TensorDictBase | None
+) -> None:
+    """The checks of a transform that keeps no state per leaf: :func:`check_batch`, and
+    :func:`check_grads` against ``params`` when given."""
+    check_batch(where, grads, state)
+    if params is not None:
+        check_grads(where, grads, params)
+
+
 def check_grads(where: str, grads: TensorDictBase, reference: TensorDictBase) -> None:
     """Every gradient leaf must be a dense real tensor matching ``reference``'s leaf.
 

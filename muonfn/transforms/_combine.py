@@ -10,7 +10,7 @@ from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor
 
 from .. import _tree
 from .._keys import Key, dotted, resolve_table
-from .._validation import check_batch, check_grads, check_params
+from .._validation import check_inputs, check_params
 from ._base import Transform
 from ._masks import MaskLike, resolve_mask
 from ._state import NOTFINITE_COUNT, check_entries
@@ -135,10 +135,9 @@ def partition(transforms: Mapping[str, Transform], labels: LabelsLike) -> Transf
     def update(
         grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
     ) -> tuple[TensorDictBase, TensorDictBase]:
-        check_batch(where, grads, state)
+        # every branch's gradients before any branch runs (a branch may update its state in place)
+        check_inputs(where, grads, state, params)
         check_entries(where, state, transforms)
-        if params is not None:  # every branch's gradients before any branch runs (they may update in place)
-            check_grads(where, grads, params)
         keys = _tree.leaf_keys(grads)
         assigned = resolve_labels(labels, params if params is not None else grads, transforms)
         for key in keys:
@@ -173,9 +172,7 @@ def masked(tx: Transform, mask: MaskLike) -> Transform:
     def update(
         grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
     ) -> tuple[TensorDictBase, TensorDictBase]:
-        check_batch("masked", grads, state)
-        if params is not None:  # the leaves passed through too
-            check_grads("masked", grads, params)
+        check_inputs("masked", grads, state, params)
         chosen = resolve_mask(mask, params if params is not None else grads, default=False)
         wanted = set(_tree.leaf_keys(grads))
         mine = [k for k in chosen if k in wanted]
@@ -207,7 +204,7 @@ def apply_if_finite(tx: Transform) -> Transform:
     def update(
         grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
     ) -> tuple[TensorDictBase, TensorDictBase]:
-        check_batch("apply_if_finite", grads, state)
+        check_inputs("apply_if_finite", grads, state, None)
         check_entries("apply_if_finite", state, (NOTFINITE_COUNT,))
         values = _tree.leaves(grads)
         if not values:

@@ -6,7 +6,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from .. import _tree
-from .._validation import Scalar, ScalarOrSchedule, check_batch, check_grads, checked_schedule, non_negative
+from .._validation import Scalar, ScalarOrSchedule, check_inputs, checked_schedule, non_negative
 from ._arithmetic import neg, scaled
 from ._base import Transform, empty_state
 from ._state import COUNT, check_entries
@@ -55,9 +55,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, inplace: bool = F
         def update(
             grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
         ) -> tuple[TensorDictBase, TensorDictBase]:
-            check_batch("scale_by_learning_rate", grads, state)
-            if params is not None:
-                check_grads("scale_by_learning_rate", grads, params)
+            check_inputs("scale_by_learning_rate", grads, state, params)
             check_entries("scale_by_learning_rate", state, (COUNT,))
             count = state[COUNT]
             updates = _scaled_by_schedule(grads, schedule(count), inplace=inplace)
@@ -70,9 +68,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, inplace: bool = F
     def scale(
         grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
     ) -> tuple[TensorDictBase, TensorDictBase]:
-        check_batch("scale_by_learning_rate", grads, state)
-        if params is not None:
-            check_grads("scale_by_learning_rate", grads, params)
+        check_inputs("scale_by_learning_rate", grads, state, params)
         return scaled(grads, neg(lr), inplace=inplace), state
 
     return Transform(empty_state, scale)

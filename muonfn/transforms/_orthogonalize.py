@@ -11,7 +11,7 @@ from tensordict import TensorDictBase
 
 from .. import _tree
 from .._keys import Key, resolve_table
-from .._validation import Scalar, check_batch, check_grads
+from .._validation import Scalar, check_inputs
 from ..linalg import (
     DEFAULT_VIEW,
     CoefficientsLike,
@@ -119,9 +119,7 @@ def orthogonalize(
     def update(
         grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
     ) -> tuple[TensorDictBase, TensorDictBase]:
-        check_batch("orthogonalize", grads, state)
-        if params is not None:
-            check_grads("orthogonalize", grads, params)
+        check_inputs("orthogonalize", grads, state, params)
         keys = _tree.leaf_keys(grads)
         values = _tree.leaves(grads)
         out = run(keys, values, resolve_views(views, keys, values, members=grads.batch_dims), ns, scale_fn)
@@ -150,9 +148,7 @@ def scale_by_shape(
     def update(
         grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
     ) -> tuple[TensorDictBase, TensorDictBase]:
-        check_batch("scale_by_shape", grads, state)
-        if params is not None:
-            check_grads("scale_by_shape", grads, params)
+        check_inputs("scale_by_shape", grads, state, params)
         keys = _tree.leaf_keys(grads)
         values = _tree.leaves(grads)
         out = []
