@@ -24,6 +24,7 @@ from .linalg import (
     gram_newton_schulz,
     newton_schulz,
     polar,
+    qr_orthogonal,
 )
 from .presets import (
     DEFAULT_EXCLUDE,
@@ -39,6 +40,7 @@ from .transforms import (
     add_decayed_weights,
     apply_if_finite,
     apply_updates,
+    cautious,
     chain,
     ema_momentum,
     masked,
@@ -78,6 +80,7 @@ __all__ = [
     "add_decayed_weights",
     "apply_if_finite",
     "apply_updates",
+    "cautious",
     "chain",
     "distributed",
     "ema_momentum",
@@ -93,6 +96,7 @@ __all__ = [
     "orthogonalize",
     "partition",
     "polar",
+    "qr_orthogonal",
     "save",
     "scale_by_adam",
     "scale_by_learning_rate",

@@ -161,6 +161,66 @@ TABLE: tuple[Entry, ...] = (
         skip=IN_MUON,
     ),
     Entry(
+        "ema_momentum(bias_correction)",
+        lambda **kw: muonfn.ema_momentum(torch.tensor(0.9), bias_correction=True, **kw),
+        missing=(("mlp", "up"), ("gain",)),
+        donate=True,
+    ),
+    Entry("ema_momentum(add)", lambda **kw: muonfn.ema_momentum(0.8, nesterov="add", **kw), donate=True, skip=IN_MUON),
+    Entry(
+        "scale_by_adam(nesterov)",
+        lambda **kw: muonfn.scale_by_adam(0.8, 0.99, eps=1e-6, nesterov=True, **kw),
+        missing=(("mlp", "up"), ("gain",)),
+        donate=True,
+    ),
+    Entry(
+        "cautious(chain)",
+        lambda **kw: muonfn.cautious(
+            muonfn.chain(muonfn.ema_momentum(0.9, **kw), muonfn.add_decayed_weights(0.1, cautious=True))
+        ),
+        donate=True,
+    ),
+    Entry(
+        "cautious(scale_by_adam, pytorch_optimizer)",
+        lambda: muonfn.cautious(muonfn.scale_by_adam(), mode="pytorch_optimizer"),
+        skip={"compile": "compiled in the cautious(chain) entry"},
+    ),
+    Entry(
+        "scale_by_muon(variants)",
+        lambda **kw: muonfn.scale_by_muon(
+            0.9,
+            momentum_bias_correction=True,
+            ns_method="gram",
+            ns_restarts=(2,),
+            ns_eps_mode="add",
+            views=VIEWS,
+            **kw,
+        ),
+        leaves=MATRICES,
+        donate=True,
+        bitwise=NEWTON_SCHULZ,
+    ),
+    Entry(
+        "orthogonalize(svd)",
+        lambda: muonfn.orthogonalize(ns_method="svd", views=VIEWS),
+        leaves=MATRICES,
+        bitwise=NEWTON_SCHULZ,
+        skip={"compile": "an SVD: compiled through the callable entry's path"},
+    ),
+    Entry(
+        "orthogonalize(qr)",
+        lambda: muonfn.orthogonalize(ns_method="qr", views=VIEWS),
+        leaves=MATRICES,
+        bitwise=NEWTON_SCHULZ,
+        skip={"compile": "a QR: compiled through the callable entry's path"},
+    ),
+    Entry(
+        "orthogonalize(callable)",
+        lambda: muonfn.orthogonalize(ns_method=lambda x: x.mul(2.0), views=VIEWS, scale="original"),
+        leaves=MATRICES,
+        bitwise=NEWTON_SCHULZ,
+    ),
+    Entry(
         "scale_by_muon",
         lambda **kw: muonfn.scale_by_muon(
             0.9, ns_coefficients="cesista", ns_method="gram", scale="unit_rms_norm", views=VIEWS, **kw

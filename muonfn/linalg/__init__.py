@@ -6,7 +6,9 @@ the shim, the distributed strategies) builds on this layer.
 
 from ._coefficients import COEFFICIENTS, Coefficients, CoefficientsLike, Triple, ns_schedule
 from ._newton_schulz import (
+    EPS_MODES,
     NS_METHODS,
+    EpsMode,
     NewtonSchulz,
     NSMethod,
     Reduction,
@@ -18,6 +20,7 @@ from ._newton_schulz import (
     newton_schulz_columns,
     newton_schulz_flops,
     polar,
+    qr_orthogonal,
 )
 from ._orthogonalizer import (
     DEFAULT_BUCKET_NUMEL,
@@ -33,10 +36,12 @@ __all__ = [
     "COEFFICIENTS",
     "DEFAULT_BUCKET_NUMEL",
     "DEFAULT_VIEW",
+    "EPS_MODES",
     "NS_METHODS",
     "SCALE_MODES",
     "Coefficients",
     "CoefficientsLike",
+    "EpsMode",
     "LocalOrthogonalizer",
     "MatrixFn",
     "MatrixView",
@@ -59,5 +64,6 @@ __all__ = [
     "ns_schedule",
     "orthogonalize_blocks",
     "polar",
+    "qr_orthogonal",
     "shape_scale",
 ]

@@ -37,6 +37,8 @@ from ._coefficients import Coefficients, CoefficientsLike, ns_schedule
 
 NSMethod: TypeAlias = Literal["standard", "gram"]
 NS_METHODS: tuple[str, ...] = get_args(NSMethod)
+EpsMode: TypeAlias = Literal["clamp", "add"]
+EPS_MODES: tuple[str, ...] = get_args(EpsMode)
 
 
 class Reduction(Protocol):
@@ -62,9 +64,11 @@ def default_ns_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _check(name: str, x: torch.Tensor, eps: float, dtype: torch.dtype | None) -> None:
+def _check(name: str, x: torch.Tensor, eps: float, dtype: torch.dtype | None, eps_mode: str = "clamp") -> None:
     if isinstance(eps, bool) or not isinstance(eps, int | float) or not (0 < eps < math.inf):
         raise ValueError(f"Newton–Schulz eps must be finite and > 0, got {eps!r}")
+    if eps_mode not in EPS_MODES:
+        raise ValueError(f"Newton–Schulz eps_mode must be one of {list(EPS_MODES)}, got {eps_mode!r}")
     if x.ndim < 2:
         raise ValueError(f"{name} needs a (..., m, n) tensor, got shape {tuple(x.shape)}")
     if not x.is_floating_point():
@@ -86,9 +90,15 @@ def _wide(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 def _normalized(
-    g: torch.Tensor, schedule: Coefficients, eps: float, dtype: torch.dtype, reduction: Reduction | None
+    g: torch.Tensor,
+    schedule: Coefficients,
+    eps: float,
+    dtype: torch.dtype,
+    reduction: Reduction | None,
+    eps_mode: str = "clamp",
 ) -> torch.Tensor:
-    r""":math:`G / \max(c\|G\|_F, \varepsilon)` per matrix, without overflow, cast to ``dtype``.
+    r""":math:`G / \max(c\|G\|_F, \varepsilon)` per matrix (``eps_mode="add"``:
+    :math:`G / (c\|G\|_F + \varepsilon)`), without overflow, cast to ``dtype``.
 
     Each matrix is first multiplied by the power of two that brings its largest entry into
     [1, 2): exact, so the result is bitwise that of the direct formula wherever the direct
@@ -109,6 +119,9 @@ def _normalized(
         norm = reduction.sum(g.square().sum(dim=(-2, -1), keepdim=True)).sqrt()
     if schedule.norm_factor != 1.0:
         norm = norm * schedule.norm_factor
+    # G·2⁻ᵉ / (‖G·2⁻ᵉ‖ + 2⁻ᵉε): every term scaled by the same power of two, so the same bits
+    if eps_mode == "add":
+        return (g / norm.add(unit * eps)).to(dtype)
     return (g / torch.maximum(norm, unit * eps)).to(dtype)
 
 
@@ -152,6 +165,7 @@ def newton_schulz(
     steps: int | None = None,
     eps: float = 1e-7,
     dtype: torch.dtype | None = None,
+    eps_mode: EpsMode = "clamp",
 ) -> torch.Tensor:
     r"""Approximately orthogonalizes every matrix in ``x`` of shape ``(..., m, n)``.
 
@@ -174,6 +188,10 @@ def newton_schulz(
         steps: number of iterations (default: the schedule's length).
         eps: lower bound of the normalising norm; must be positive.
         dtype: dtype of the iteration's matmuls.
+        eps_mode: ``"clamp"`` normalises by :math:`\max(c\|G\|_F, \varepsilon)`; ``"add"``
+            by :math:`c\|G\|_F + \varepsilon` (Keller's, optax's and dtensor-muon's form),
+            equal to the direct formula bit for bit wherever that is finite and no
+            intermediate is subnormal. ``"add"`` gives up exact scale invariance.
 
     Returns:
         The orthogonalized tensor, of ``x``'s shape and dtype.
@@ -185,9 +203,10 @@ def newton_schulz(
         True
     """
     schedule = ns_schedule(coefficients, steps)
-    _check("newton_schulz", x, eps, dtype)
+    _check("newton_schulz", x, eps, dtype, eps_mode)
     g, tall = _wide(x)
-    X = _normalized(g, schedule, eps, default_ns_dtype(x.device, x.dtype) if dtype is None else dtype, None)
+    ns_dtype = default_ns_dtype(x.device, x.dtype) if dtype is None else dtype
+    X = _normalized(g, schedule, eps, ns_dtype, None, eps_mode)
     return _restored(_standard_steps(X, schedule, None), x, tall)
 
 
@@ -198,14 +217,15 @@ def newton_schulz_columns(
     *,
     eps: float = 1e-7,
     dtype: torch.dtype | None = None,
+    eps_mode: EpsMode = "clamp",
 ) -> torch.Tensor:
     """:func:`newton_schulz` of matrices whose columns are split into blocks, given one block of
     each as a ``(count, m, n_r)`` batch of a wide (``m <= n``) orientation; ``reduction``
     combines the blocks' values. Returns the blocks of the result, in the iteration dtype."""
-    _check("newton_schulz_columns", blocks, eps, dtype)
+    _check("newton_schulz_columns", blocks, eps, dtype, eps_mode)
     g = blocks.to(torch.promote_types(blocks.dtype, torch.float32)).contiguous()
     ns_dtype = default_ns_dtype(blocks.device, blocks.dtype) if dtype is None else dtype
-    return _standard_steps(_normalized(g, schedule, eps, ns_dtype, reduction), schedule, reduction)
+    return _standard_steps(_normalized(g, schedule, eps, ns_dtype, reduction, eps_mode), schedule, reduction)
 
 
 def default_restarts(steps: int, dtype: torch.dtype = torch.float32) -> tuple[int, ...]:
@@ -238,6 +258,7 @@ def gram_newton_schulz(
     eps: float = 1e-7,
     dtype: torch.dtype | None = None,
     restarts: Sequence[int] | None = None,
+    eps_mode: EpsMode = "clamp",
 ) -> torch.Tensor:
     r"""Approximately orthogonalizes every matrix in ``x`` of shape ``(..., m, n)`` via its Gram matrix.
 
@@ -255,14 +276,16 @@ def gram_newton_schulz(
         restarts: step indices (0-based) before which the iterate is re-formed and the
             Gram matrix recomputed (default: every third step, every second in 16-bit
             dtypes; see :func:`default_restarts`); ``()`` for none.
+        eps_mode: as for :func:`newton_schulz`.
 
     Returns:
         The orthogonalized tensor, of ``x``'s shape and dtype.
     """
     schedule = ns_schedule(coefficients, steps)
-    _check("gram_newton_schulz", x, eps, dtype)
+    _check("gram_newton_schulz", x, eps, dtype, eps_mode)
     g, tall = _wide(x)
-    X = _normalized(g, schedule, eps, default_ns_dtype(x.device, x.dtype) if dtype is None else dtype, None)
+    ns_dtype = default_ns_dtype(x.device, x.dtype) if dtype is None else dtype
+    X = _normalized(g, schedule, eps, ns_dtype, None, eps_mode)
     num_steps = len(schedule.triples)
     restart_at = _check_restarts(default_restarts(num_steps, X.dtype) if restarts is None else restarts, num_steps)
     return _restored(_gram_steps(X, schedule, restart_at), x, tall)
@@ -300,7 +323,8 @@ class NewtonSchulz:
 
     ``method="standard"`` is :func:`newton_schulz`; ``"gram"`` is :func:`gram_newton_schulz`
     on the shapes where it needs fewer flops, the standard iteration elsewhere. Checked when
-    made, so a bad setting fails where it is written.
+    made, so a bad setting fails where it is written. ``eps_mode`` is :func:`newton_schulz`'s;
+    ``restarts`` (``method="gram"`` only) is :func:`gram_newton_schulz`'s (``None``: its default).
     """
 
     coefficients: CoefficientsLike = "keller"
@@ -308,12 +332,18 @@ class NewtonSchulz:
     eps: float = 1e-7
     dtype: torch.dtype | None = None
     method: NSMethod = "standard"
+    eps_mode: EpsMode = "clamp"
+    restarts: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        ns_schedule(self.coefficients, self.steps)
-        _check("Newton–Schulz", torch.empty(1, 1), self.eps, self.dtype)
+        schedule = ns_schedule(self.coefficients, self.steps)
+        _check("Newton–Schulz", torch.empty(1, 1), self.eps, self.dtype, self.eps_mode)
         if self.method not in NS_METHODS:
             raise ValueError(f"unknown ns_method {self.method!r}; choose one of {list(NS_METHODS)}")
+        if self.restarts is not None:
+            if self.method != "gram":
+                raise ValueError("Newton–Schulz restarts apply to method='gram' only")
+            object.__setattr__(self, "restarts", _check_restarts(self.restarts, len(schedule.triples)))
 
     @property
     def schedule(self) -> Coefficients:
@@ -321,18 +351,30 @@ class NewtonSchulz:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.method == "gram" and self._gram_is_cheaper(x):
-            return gram_newton_schulz(x, self.coefficients, steps=self.steps, eps=self.eps, dtype=self.dtype)
-        return newton_schulz(x, self.coefficients, steps=self.steps, eps=self.eps, dtype=self.dtype)
+            return gram_newton_schulz(
+                x,
+                self.coefficients,
+                steps=self.steps,
+                eps=self.eps,
+                dtype=self.dtype,
+                restarts=self.restarts,
+                eps_mode=self.eps_mode,
+            )
+        return newton_schulz(
+            x, self.coefficients, steps=self.steps, eps=self.eps, dtype=self.dtype, eps_mode=self.eps_mode
+        )
 
     def _gram_is_cheaper(self, x: torch.Tensor) -> bool:
         m, n = x.shape[-2:]
         steps = len(self.schedule.triples)
         dtype = default_ns_dtype(x.device, x.dtype) if self.dtype is None else self.dtype
-        return gram_newton_schulz_flops(m, n, steps, dtype=dtype) < newton_schulz_flops(m, n, steps)
+        return gram_newton_schulz_flops(m, n, steps, self.restarts, dtype=dtype) < newton_schulz_flops(m, n, steps)
 
     def columns(self, blocks: torch.Tensor, reduction: Reduction) -> torch.Tensor:
         """:func:`newton_schulz_columns` with these settings (the standard iteration, whatever ``method``)."""
-        return newton_schulz_columns(blocks, self.schedule, reduction, eps=self.eps, dtype=self.dtype)
+        return newton_schulz_columns(
+            blocks, self.schedule, reduction, eps=self.eps, dtype=self.dtype, eps_mode=self.eps_mode
+        )
 
 
 def polar(x: torch.Tensor) -> torch.Tensor:
@@ -348,3 +390,20 @@ def polar(x: torch.Tensor) -> torch.Tensor:
     tol = max(x.shape[-2:]) * torch.finfo(torch.float64).eps * s.amax(dim=-1, keepdim=True)
     keep = (s > tol).to(torch.float64)
     return ((u * keep.unsqueeze(-2)) @ vh).to(x.dtype)
+
+
+def qr_orthogonal(x: torch.Tensor) -> torch.Tensor:
+    r"""The orthonormal factor :math:`Q` of the reduced QR decomposition of every matrix in ``x``.
+
+    Taken on the tall orientation (``m >= n``; wide inputs are transposed and transposed
+    back), in at least fp32, so :math:`Q` has ``x``'s shape; returns ``x.dtype``. For a
+    square matrix this is heavyball's ``zeroth_power_mode="qr"`` (``torch.linalg.qr(x).Q``).
+    Not the polar factor: :math:`Q` depends on the column order (Gram–Schmidt) and its
+    columns span those of :math:`G` without aligning with :math:`U V^\top`.
+    """
+    if x.ndim < 2:
+        raise ValueError(f"qr_orthogonal needs a (..., m, n) tensor, got shape {tuple(x.shape)}")
+    wide = x.size(-2) < x.size(-1)
+    g = (x.mT if wide else x).to(torch.promote_types(x.dtype, torch.float32))
+    q = torch.linalg.qr(g).Q
+    return (q.mT if wide else q).to(x.dtype)

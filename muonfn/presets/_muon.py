@@ -8,6 +8,7 @@ front ends cannot drift apart.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,7 +16,7 @@ from tensordict import TensorDictBase
 
 from .. import _tree
 from .._validation import Scalar, ScalarOrSchedule, known_names
-from ..linalg import CoefficientsLike, NSMethod, Orthogonalizer, ScaleMode
+from ..linalg import CoefficientsLike, EpsMode, Orthogonalizer, ScaleMode
 from ..transforms import (
     EXP_AVG,
     EXP_AVG_SQ,
@@ -23,6 +24,7 @@ from ..transforms import (
     STEP,
     LabelsLike,
     MaskLike,
+    MethodLike,
     Transform,
     ViewsLike,
     add_decayed_weights,
@@ -104,7 +106,7 @@ def muon_branch(
     ns_steps: int | None,
     ns_dtype: torch.dtype | None,
     ns_eps: float,
-    ns_method: NSMethod,
+    ns_method: MethodLike,
     scale: ScaleMode,
     extra_scale: float,
     views: ViewsLike,
@@ -112,6 +114,8 @@ def muon_branch(
     orthogonalizer: Orthogonalizer | None,
     bucket_numel: int | None,
     donate_state: bool,
+    ns_eps_mode: EpsMode = "clamp",
+    ns_restarts: Sequence[int] | None = None,
 ) -> Transform:
     """The Muon branch of :func:`muon`: momentum, Newton–Schulz and shape scale, decay, learning rate."""
     return chain(
@@ -123,6 +127,8 @@ def muon_branch(
             ns_dtype=ns_dtype,
             ns_eps=ns_eps,
             ns_method=ns_method,
+            ns_eps_mode=ns_eps_mode,
+            ns_restarts=ns_restarts,
             scale=scale,
             extra_scale=extra_scale,
             views=views,
@@ -202,7 +208,9 @@ def muon(
     ns_steps: int | None = None,
     ns_dtype: torch.dtype | None = None,
     ns_eps: float = 1e-7,
-    ns_method: NSMethod = "standard",
+    ns_method: MethodLike = "standard",
+    ns_eps_mode: EpsMode = "clamp",
+    ns_restarts: Sequence[int] | None = None,
     scale: ScaleMode = "match_rms_adamw",
     extra_scale: float = 1.0,
     adamw_lr: ScalarOrSchedule | None = None,
@@ -235,9 +243,10 @@ def muon(
         momentum: :math:`\mu` of the EMA momentum, in [0, 1).
         nesterov: use the Nesterov look-ahead.
         weight_decay: decoupled :math:`\lambda`, applied with the unadjusted ``lr``.
-        ns_coefficients, ns_steps, ns_dtype, ns_eps, ns_method: the Newton–Schulz
-            iteration (see :func:`orthogonalize`); ``ns_method="gram"`` runs Gram
-            Newton–Schulz where it is cheaper.
+        ns_coefficients, ns_steps, ns_dtype, ns_eps, ns_method, ns_eps_mode, ns_restarts: the
+            Newton–Schulz iteration (see :func:`orthogonalize`); ``ns_method="gram"`` runs Gram
+            Newton–Schulz where it is cheaper, ``"svd"``/``"qr"``/a callable replace it;
+            ``ns_eps_mode="add"`` normalises by :math:`\|G\|_F + \varepsilon`.
         scale, extra_scale: the shape scale :math:`s` (see :func:`scale_by_shape`).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW branch.
         labels: routes leaves to ``"muon"`` or ``"adamw"``; default :func:`label_params`
@@ -277,6 +286,8 @@ def muon(
             ns_dtype=ns_dtype,
             ns_eps=ns_eps,
             ns_method=ns_method,
+            ns_eps_mode=ns_eps_mode,
+            ns_restarts=ns_restarts,
             scale=scale,
             extra_scale=extra_scale,
             views=views,

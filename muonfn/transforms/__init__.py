@@ -7,35 +7,49 @@ distributed strategies reach :func:`orthogonalize` as an injected ``orthogonaliz
 
 from ._adam import scale_by_adam
 from ._base import InitFn, Transform, UpdateFn, apply_updates, empty_state
+from ._cautious import CAUTIOUS_MODES, CautiousMode, cautious
 from ._combine import LabelsLike, apply_if_finite, chain, masked, named, partition, resolve_labels
 from ._decay import add_decayed_weights
 from ._learning_rate import scale_by_learning_rate
 from ._masks import MaskLike, mask_table, resolve_mask
 from ._momentum import ema_momentum
-from ._orthogonalize import ViewsLike, orthogonalize, resolve_views, scale_by_muon, scale_by_shape
+from ._orthogonalize import (
+    MethodLike,
+    ViewsLike,
+    matrix_map,
+    orthogonalize,
+    resolve_views,
+    scale_by_muon,
+    scale_by_shape,
+)
 from ._state import COUNT, EXP_AVG, EXP_AVG_SQ, MOMENTUM, NOTFINITE_COUNT, STEP
 
 __all__ = [
+    "CAUTIOUS_MODES",
     "COUNT",
     "EXP_AVG",
     "EXP_AVG_SQ",
     "MOMENTUM",
     "NOTFINITE_COUNT",
     "STEP",
+    "CautiousMode",
     "InitFn",
     "LabelsLike",
     "MaskLike",
+    "MethodLike",
     "Transform",
     "UpdateFn",
     "ViewsLike",
     "add_decayed_weights",
     "apply_if_finite",
     "apply_updates",
+    "cautious",
     "chain",
     "ema_momentum",
     "empty_state",
     "mask_table",
     "masked",
+    "matrix_map",
     "named",
     "orthogonalize",
     "partition",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from tensordict import TensorDictBase
 
 from .. import _tree
@@ -11,8 +12,21 @@ from ._base import Transform, empty_state
 from ._masks import MaskLike, resolve_mask
 
 
-def add_decayed_weights(weight_decay: Scalar = 0.0, *, mask: MaskLike = None, inplace: bool = False) -> Transform:
+def _agreeing(decay: torch.Tensor, u: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``decay`` where ``u`` and ``p`` have the same sign bit, else zero."""
+    return decay.mul(u.signbit() == p.signbit())
+
+
+def add_decayed_weights(
+    weight_decay: Scalar = 0.0, *, mask: MaskLike = None, cautious: bool = False, inplace: bool = False
+) -> Transform:
     r"""Decoupled weight decay: :math:`u \leftarrow u + \lambda\,p` on the leaves ``mask`` selects.
+
+    With ``cautious=True`` (cautious weight decay, heavyball's ``cautious_weight_decay`` and
+    dtensor-muon's default) only the entries where the update and the parameter agree in sign
+    are decayed, the sign read from the sign bit as heavyball does:
+
+    .. math::  u \leftarrow u + \lambda\, p \odot \mathbb{1}[\operatorname{signbit}(u) = \operatorname{signbit}(p)]
 
     Followed by :func:`scale_by_learning_rate` this is :math:`p \leftarrow p - \eta\lambda p`
     with the unadjusted learning rate (torch semantics).
@@ -22,6 +36,7 @@ def add_decayed_weights(weight_decay: Scalar = 0.0, *, mask: MaskLike = None, in
         mask: a mapping from key to bool, or a callable ``params -> mapping``; leaves it does
             not name are decayed, so ``{"norm.weight": False}`` exempts just that leaf.
             ``None`` decays every leaf.
+        cautious: decay only where the incoming update and the parameter agree in sign.
         inplace: add into the incoming updates (same bits, no new tensors): only after a
             transform that returns fresh tensors, as in :func:`muonfn.muon` with ``donate_state``.
 
@@ -42,6 +57,8 @@ def add_decayed_weights(weight_decay: Scalar = 0.0, *, mask: MaskLike = None, in
         if not keys:
             return grads, state
         current, decay = _tree.subset(grads, keys), scaled(_tree.subset(params, keys), weight_decay)
+        if cautious:  # the mask is read before an in-place add changes the update
+            decay = decay.apply(_agreeing, current, _tree.subset(params, keys))
         decayed = current.add_(decay) if inplace else current.add(decay)
         return _tree.carry(grads, decayed), state
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import TypeAlias
+from typing import Literal, TypeAlias
 
 import torch
 from tensordict import TensorDictBase
@@ -15,18 +15,57 @@ from .._validation import Scalar, check_inputs
 from ..linalg import (
     DEFAULT_VIEW,
     CoefficientsLike,
+    EpsMode,
     LocalOrthogonalizer,
+    MatrixFn,
     MatrixView,
     NewtonSchulz,
     NSMethod,
     Orthogonalizer,
     ScaleMode,
     block_scales,
+    polar,
+    qr_orthogonal,
     shape_scale,
 )
 from ._base import InitFn, Transform, empty_state
 from ._combine import chain
 from ._momentum import ema_momentum
+
+MethodLike: TypeAlias = NSMethod | Literal["svd", "qr"] | MatrixFn
+
+
+def matrix_map(
+    method: MethodLike,
+    coefficients: CoefficientsLike = "keller",
+    *,
+    steps: int | None = None,
+    eps: float = 1e-7,
+    dtype: torch.dtype | None = None,
+    eps_mode: EpsMode = "clamp",
+    restarts: Sequence[int] | None = None,
+) -> MatrixFn:
+    """The map of ``(count, m, n)`` batches that ``method`` names (see :func:`orthogonalize`).
+
+    ``"standard"`` and ``"gram"`` give a :class:`muonfn.NewtonSchulz` with the other settings;
+    ``"svd"`` :func:`muonfn.polar`; ``"qr"`` :func:`muonfn.linalg.qr_orthogonal`; a callable
+    is returned as it is. The Newton–Schulz settings must be left at their defaults with
+    ``"svd"``, ``"qr"`` or a callable, which do not read them.
+    """
+    if method in ("standard", "gram"):
+        return NewtonSchulz(
+            coefficients, steps, eps, dtype, method, eps_mode, None if restarts is None else tuple(restarts)
+        )
+    if restarts is not None:
+        raise ValueError(f"ns_restarts apply to ns_method='gram', not {method!r}")
+    if method == "svd":
+        return polar
+    if method == "qr":
+        return qr_orthogonal
+    if isinstance(method, str) or not callable(method):
+        raise ValueError(f"unknown ns_method {method!r}; choose 'standard', 'gram', 'svd', 'qr' or a callable")
+    return method
+
 
 ViewsLike: TypeAlias = (
     Mapping[str, MatrixView] | Mapping[Key, MatrixView] | Callable[[Key, torch.Tensor], MatrixView | None] | None
@@ -73,7 +112,9 @@ def orthogonalize(
     steps: int | None = None,
     eps: float = 1e-7,
     dtype: torch.dtype | None = None,
-    ns_method: NSMethod = "standard",
+    ns_method: MethodLike = "standard",
+    eps_mode: EpsMode = "clamp",
+    restarts: Sequence[int] | None = None,
     views: ViewsLike = None,
     scale: ScaleMode = "none",
     extra_scale: float = 1.0,
@@ -82,13 +123,27 @@ def orthogonalize(
 ) -> Transform:
     r"""Replaces every matrix :math:`G` by :math:`s(A, B)\cdot\mathrm{NS}(G)`.
 
+    :math:`\mathrm{NS}` is Newton–Schulz by default; ``ns_method`` swaps in the exact polar
+    factor (``"svd"``), QR's orthonormal factor (``"qr"``) or any map of ``(count, m, n)``
+    batches.
+
     Args:
         coefficients: the Newton–Schulz schedule (see :func:`muonfn.newton_schulz`).
         steps: Newton–Schulz steps (default: the schedule's length).
-        eps: lower bound of the normalising norm.
+        eps: lower bound of the normalising norm (``eps_mode="add"``: added to it).
         dtype: dtype of the Newton–Schulz matmuls (``None``: bf16 on CUDA, else fp32/fp64).
-        ns_method: ``"standard"``, or ``"gram"`` for :func:`muonfn.gram_newton_schulz` on the
-            shapes where it needs fewer flops.
+        ns_method: ``"standard"``; ``"gram"`` for :func:`muonfn.gram_newton_schulz` on the
+            shapes where it needs fewer flops; ``"svd"`` for the exact polar factor
+            :math:`U_rV_r^\top` (:func:`muonfn.polar`, in fp64); ``"qr"`` for the :math:`Q`
+            factor of the tall orientation (:func:`muonfn.linalg.qr_orthogonal`, heavyball's
+            ``"qr"`` mode); or a callable mapping a ``(count, m, n)`` tensor to one of the same
+            shape and dtype. The strategy ``"tp_gram"`` of :mod:`muonfn.distributed` needs
+            Newton–Schulz (``"standard"``/``"gram"``) and raises a ``TypeError`` otherwise.
+        eps_mode: ``"clamp"``, :math:`G/\max(\|G\|_F, \varepsilon)`, or ``"add"``,
+            :math:`G/(\|G\|_F + \varepsilon)` (Keller's, optax's, dtensor-muon's);
+            see :func:`muonfn.newton_schulz`.
+        restarts: the Gram iteration's restart steps (``ns_method="gram"`` only; see
+            :func:`muonfn.gram_newton_schulz`).
         views: how leaves are read as matrices (:class:`MatrixView` by name, or a callable
             ``(key, tensor) -> view``); conv kernels are flattened by default. For a stacked
             ensemble (gradients of batch size ``[N]``) they describe one member's leaf: the
@@ -106,7 +161,7 @@ def orthogonalize(
         every leaf's view can read it (a vector is no matrix); a sharded one checks views
         against global shapes at the first update.
     """
-    ns = NewtonSchulz(coefficients, steps, eps, dtype, ns_method)
+    ns = matrix_map(ns_method, coefficients, steps=steps, eps=eps, dtype=dtype, eps_mode=eps_mode, restarts=restarts)
     scale_fn = shape_scale(scale, extra_scale)
     if orthogonalizer is None:
         orthogonalizer = (
@@ -168,12 +223,15 @@ def scale_by_shape(
 def scale_by_muon(
     momentum: Scalar = 0.95,
     *,
-    nesterov: bool = True,
+    nesterov: bool | Literal["add"] = True,
     ns_coefficients: CoefficientsLike = "keller",
     ns_steps: int | None = None,
     ns_dtype: torch.dtype | None = None,
     ns_eps: float = 1e-7,
-    ns_method: NSMethod = "standard",
+    ns_method: MethodLike = "standard",
+    ns_eps_mode: EpsMode = "clamp",
+    ns_restarts: Sequence[int] | None = None,
+    momentum_bias_correction: bool = False,
     scale: ScaleMode = "match_rms_adamw",
     extra_scale: float = 1.0,
     views: ViewsLike = None,
@@ -186,19 +244,23 @@ def scale_by_muon(
     Equal to ``chain(ema_momentum(...), orthogonalize(...), scale_by_shape(...))``; the
     scale is applied inside the batched Newton–Schulz call to save a pass over memory.
     The ``ns_*`` arguments are :func:`orthogonalize`'s ``coefficients``, ``steps``,
-    ``dtype``, ``eps`` and ``ns_method``; ``donate_state`` is :func:`ema_momentum`'s.
+    ``dtype``, ``eps``, ``ns_method``, ``eps_mode`` and ``restarts``; ``nesterov``,
+    ``momentum_bias_correction`` (its ``bias_correction``) and ``donate_state`` are
+    :func:`ema_momentum`'s.
 
     Returns:
         A :class:`Transform` with state ``{"momentum": ...}``.
     """
     return chain(
-        ema_momentum(momentum, nesterov=nesterov, donate_state=donate_state),
+        ema_momentum(momentum, nesterov=nesterov, bias_correction=momentum_bias_correction, donate_state=donate_state),
         orthogonalize(
             ns_coefficients,
             steps=ns_steps,
             eps=ns_eps,
             dtype=ns_dtype,
             ns_method=ns_method,
+            eps_mode=ns_eps_mode,
+            restarts=ns_restarts,
             views=views,
             scale=scale,
             extra_scale=extra_scale,
