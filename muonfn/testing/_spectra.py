@@ -24,10 +24,10 @@ DEFAULT_SCALES: tuple[float, ...] = (1e-30, 1e-12, 1e-3, 1.0, 37.0, 1e4, 1e12, 1
 class Spectral(NamedTuple):
     r"""A matrix (or a batch of them) together with its singular value decomposition.
 
-    ``g.reshape(*batch, m, n)`` is :math:`U\,\mathrm{diag}(s)\,V^\top`, exactly in fp64, up to
-    the rounding of ``g`` to its dtype; ``batch = u.shape[:-2]``, ``m = u.shape[-1]``,
-    ``n = v.shape[-1]``. For a conv-like ``g`` of shape ``(out, in, *kernel)`` the matrix is
-    ``g.reshape(out, -1)``, as :class:`muonfn.linalg.MatrixView` sees it.
+    ``g.reshape(*batch, m, n)`` is :math:`U\,\mathrm{diag}(s)\,V^\top` (computed in fp64) rounded
+    to ``g``'s dtype; ``batch = u.shape[:-2]``, ``m = u.shape[-1]``, ``n = v.shape[-1]``. For a
+    conv-like ``g`` of shape ``(out, in, *kernel)`` the matrix is ``g.reshape(out, -1)``, as
+    :class:`muonfn.linalg.MatrixView` sees it.
 
     Attributes:
         g: the matrix, in its drawn dtype and memory layout.
@@ -48,7 +48,7 @@ class Spectral(NamedTuple):
 
     @property
     def matrix_shape(self) -> tuple[int, ...]:
-        """``(*batch, m, n)``: the shape of the matrices ``g`` holds."""
+        """The shape of the matrices ``g`` holds, ``(*batch, m, n)``."""
         return (*self.u.shape[:-2], self.u.shape[-1], self.v.shape[-1])
 
     def exact(self) -> torch.Tensor:
