@@ -198,7 +198,8 @@ def _shape(draw: st.DrawFn, kind: ShapeKind, lo: int, hi: int) -> tuple[tuple[in
     # conv: (out, in, *kernel), seen as (out, in·∏kernel)
     out = draw(st.integers(lo, hi))
     kernel = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=2)))
-    fan_in = draw(st.integers(max(1, -(-lo // math.prod(kernel))), max(1, hi // 2)))
+    least = max(1, -(-lo // math.prod(kernel)))  # so that in·∏kernel >= lo
+    fan_in = draw(st.integers(least, max(least, hi // 2)))
     return (out, fan_in, *kernel), (out, fan_in * math.prod(kernel))
 
 
