@@ -3,9 +3,9 @@ orthogonalizers and catch broken ones, and spectral_band is the exact range of a
 
 from __future__ import annotations
 
+import importlib
 import math
 import re
-import subprocess
 import sys
 from functools import partial
 from pathlib import Path
@@ -370,18 +370,23 @@ def test_muon_steps_on_drawn_models(params) -> None:
 # --- packaging --------------------------------------------------------------------------------------
 
 
-def test_importing_muonfn_does_not_need_hypothesis() -> None:
-    code = (
-        "import sys; sys.modules['hypothesis'] = None\n"
-        "import muonfn\n"
-        "assert 'muonfn.testing' not in sys.modules\n"
-        "try:\n"
-        "    import muonfn.testing\n"
-        "except ImportError as e:\n"
-        "    print(e)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert "pip install 'muonfn[testing]'" in out.stdout
+def test_without_hypothesis_the_import_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [m for m in sys.modules if m == "muonfn.testing" or m.startswith("muonfn.testing.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "hypothesis", None)  # what `import hypothesis` sees when it is missing
+    with pytest.raises(ImportError, match=re.escape("pip install 'muonfn[testing]'")):
+        importlib.import_module("muonfn.testing")
+
+
+def test_only_muonfn_testing_imports_hypothesis() -> None:
+    """So `import muonfn` (and every other layer) works without the extra."""
+    from test_layers import PACKAGE, module_name, runtime_imports
+
+    for path in PACKAGE.rglob("*.py"):
+        if module_name(path).startswith("muonfn.testing"):
+            continue
+        for name in runtime_imports(path):
+            assert name.split(".")[0] != "hypothesis" and not name.startswith("muonfn.testing"), (path, name)
 
 
 def test_the_testing_extra_is_declared() -> None:
