@@ -1,69 +1,54 @@
-"""Shared hypothesis strategies and helpers: matrices with controlled spectra, tiny models."""
+"""Test helpers: tiny models, TensorDict comparisons, and the strategies of :mod:`muonfn.testing`
+(matrices with controlled spectra) under the names and defaults the tests use."""
 
 from __future__ import annotations
 
 import itertools
-from typing import NamedTuple
 
 import torch
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from muonfn import COEFFICIENTS, Coefficients
+from muonfn import Coefficients
+from muonfn.linalg import ns_schedule
+from muonfn.testing import Spectral, matrices, orthogonal, orthonormal_columns, scalar_map, with_spectrum
+
+__all__ = [
+    "Spectral",
+    "assert_td_close",
+    "assert_td_equal",
+    "bmm_batch_consistent",
+    "composed_polynomial",
+    "gaussian",
+    "generator",
+    "mlp",
+    "orthogonal",
+    "orthonormal_columns",
+    "random_like",
+    "rel_err",
+    "spectral_matrices",
+    "with_spectrum",
+]
 
 
 def generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def orthonormal_columns(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
-    """A ``rows × cols`` matrix with orthonormal columns (fp64), from the QR of a Gaussian."""
-    q, r = torch.linalg.qr(torch.randn(rows, cols, generator=gen, dtype=torch.float64))
-    return q * torch.sign(torch.diagonal(r))
-
-
-def orthogonal(n: int, gen: torch.Generator) -> torch.Tensor:
-    return orthonormal_columns(n, n, gen)
-
-
-class Spectral(NamedTuple):
-    """``g = u @ diag(s) @ v.T`` in fp64; ``u``/``v`` complete to orthonormal bases (null spaces last)."""
-
-    g: torch.Tensor
-    u: torch.Tensor
-    s: torch.Tensor
-    v: torch.Tensor
-
-    @property
-    def rank(self) -> int:
-        return int((self.s > 0).sum())
-
-
-def with_spectrum(m: int, n: int, s: list[float], gen: torch.Generator) -> Spectral:
-    """``U · diag(s) · Vᵀ`` with Haar-random ``U`` (m×m) and ``V`` (n×n); ``len(s) <= min(m, n)``."""
-    u, v = orthogonal(m, gen), orthogonal(n, gen)
-    sv = torch.tensor(sorted(s, reverse=True), dtype=torch.float64)
-    k = len(s)
-    return Spectral(u[:, :k] @ torch.diag(sv) @ v[:, :k].T, u, sv, v)
-
-
-@st.composite
 def spectral_matrices(
-    draw: st.DrawFn, max_dim: int = 12, min_sigma: float = 1e-3, rank_deficient: bool = False
-) -> Spectral:
-    """Matrices of drawn shape whose singular values span ``[min_sigma, 1]`` times a drawn scale.
-
-    With ``rank_deficient`` at least one singular value is exactly zero (min(m, n) >= 2).
-    """
-    lo = 2 if rank_deficient else 1
-    m = draw(st.integers(lo, max_dim))
-    n = draw(st.integers(lo, max_dim))
-    k = min(m, n)
-    rank = draw(st.integers(1, k - 1)) if rank_deficient else k
-    sigmas = draw(st.lists(st.floats(min_sigma, 1.0), min_size=rank, max_size=rank))
-    scale = draw(st.sampled_from([1e-3, 1.0, 37.0, 1e4]))
-    seed = draw(st.integers(0, 2**31 - 1))
-    return with_spectrum(m, n, [scale * x for x in sigmas], generator(seed))
+    max_dim: int = 12, min_sigma: float = 1e-3, rank_deficient: bool = False
+) -> st.SearchStrategy[Spectral]:
+    """fp64 2-D matrices (m, n in [1, max_dim]) whose nonzero singular values span ``[min_sigma, 1]``
+    times a scale of 1e-3 … 1e4; with ``rank_deficient`` at least one is exactly zero."""
+    return matrices(
+        shapes=("wide", "tall", "square"),
+        max_side=max_dim,
+        dtypes=torch.float64,
+        condition_number=1 / min_sigma,
+        rank_deficient=rank_deficient,
+        scales=(1e-3, 1.0, 37.0, 1e4),
+        layouts=("contiguous",),
+    )
 
 
 def gaussian(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -96,12 +81,9 @@ def bmm_batch_consistent(m: int, n: int, batch: int) -> bool:
 
 
 def composed_polynomial(schedule: Coefficients | str, x: torch.Tensor) -> torch.Tensor:
-    """The scalar map ``p_K ∘ … ∘ p_1`` with ``p_k(σ) = a_k σ + b_k σ³ + c_k σ⁵``, in fp64."""
-    triples = COEFFICIENTS[schedule].triples if isinstance(schedule, str) else schedule.triples
-    x = x.to(torch.float64)
-    for a, b, c in triples:
-        x = a * x + b * x**3 + c * x**5
-    return x
+    """The scalar map ``p_K ∘ … ∘ p_1`` with ``p_k(σ) = a_k σ + b_k σ³ + c_k σ⁵``, in fp64, on ``x``
+    as given (the schedule's ``norm_factor`` left to the caller)."""
+    return scalar_map(ns_schedule(schedule)._replace(norm_factor=1.0), sigma=x)
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

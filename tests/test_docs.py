@@ -14,13 +14,13 @@ import muonfn
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-PUBLIC_MODULES = ["muonfn", "muonfn.linalg", "muonfn.optim", "muonfn.distributed"]
+PUBLIC_MODULES = ["muonfn", "muonfn.linalg", "muonfn.optim", "muonfn.distributed", "muonfn.testing"]
 
 
 def documented_objects() -> set[str]:
     """Names given to autodoc / py directives in the API pages."""
     text = "\n".join(p.read_text() for p in (DOCS / "api").glob("*.md"))
-    return set(re.findall(r"\.\. (?:auto|py:)(?:function|class|data|module)::\s+([\w.]+)", text))
+    return set(re.findall(r"\.\. (?:auto|py:)(?:function|class|exception|data|module)::\s+([\w.]+)", text))
 
 
 @pytest.mark.parametrize("module_name", PUBLIC_MODULES)
@@ -64,6 +64,54 @@ def test_formulas_ns_table_matches_a_fresh_measurement():
         assert round(s.max().item(), 3) == high, name
         measured = ((out - exact).norm() / exact.norm()).item()
         assert measured == pytest.approx(error, rel=0.02, abs=1e-6), name
+
+
+def band_table() -> dict[str, list[tuple[float, float]]]:
+    text = (DOCS / "formulas.md").read_text()
+    table = text.split("<!-- band-table: start -->")[1].split("<!-- band-table: end -->")[0]
+    rows = {}
+    for match in re.finditer(r"^\| `(\w+)` \|(.*)\|$", table, re.M):
+        rows[match[1]] = [(float(lo), float(hi)) for lo, hi in re.findall(r"\[([\d.]+), ([\d.]+)\]", match[2])]
+    return rows
+
+
+def test_formulas_band_table_matches_a_fresh_computation():
+    """spectral_band to 7 digits, and the fp32 band of the Gaussian inside it (up to fp32 rounding)."""
+    testing = pytest.importorskip("muonfn.testing")
+    rows = band_table()
+    assert set(rows) == set(muonfn.COEFFICIENTS)
+    g = torch.randn(256, 1024, generator=torch.Generator().manual_seed(0))
+    s = torch.linalg.svdvals(g.double())
+    assert float(s.min() / s.norm()) >= 0.01  # the Gaussian's relative singular values are in [0.01, 1]
+    for name, (wide, narrow, measured) in rows.items():
+        assert wide == tuple(round(x, 7) for x in testing.spectral_band(name)), name
+        band = testing.spectral_band(name, sigma_min=0.01)
+        assert narrow == tuple(round(x, 7) for x in band), name
+        out = torch.linalg.svdvals(muonfn.newton_schulz(g, name, dtype=torch.float32).double())
+        fresh = (out.min().item(), out.max().item())
+        assert fresh == pytest.approx(measured, abs=1e-6), name
+        assert band[0] - 1e-6 <= fresh[0] and fresh[1] <= band[1] + 1e-6, name
+
+
+def test_the_testing_page_examples_run():
+    """docs/testing.md: the first kernel fails as the pasted report says, the fixed one and the
+    other examples pass."""
+    testing = pytest.importorskip("muonfn.testing")
+    page = (DOCS / "testing.md").read_text()
+    naive, fixed, schedule, strategies = re.findall(r"```python\n(.*?)```", page, re.S)
+    report = re.findall(r"```text\n(.*?)```", page, re.S)[0]
+    namespace: dict = {}
+    exec(compile(naive, "testing.md naive", "exec"), namespace)
+    with pytest.raises(testing.InvariantViolation) as info:
+        namespace["test_fused_ns"]()
+    assert f"orthogonalizer broke '{info.value.invariant}'" in report
+    exec(compile(fixed, "testing.md fixed", "exec"), namespace)
+    namespace["test_fused_ns"]()
+    exec(compile(schedule, "testing.md schedule", "exec"), namespace)
+    namespace["test_my_schedule"]()
+    exec(compile(strategies, "testing.md strategies", "exec"), namespace)
+    namespace["test_null_space_is_preserved"]()
+    namespace["test_one_muon_step_is_finite"]()
 
 
 def test_migration_claims_point_at_existing_tests():

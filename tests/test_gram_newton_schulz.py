@@ -3,10 +3,9 @@
 import pytest
 import torch
 from hypothesis import given
-from hypothesis import strategies as st
 
 import muonfn
-from muonfn import gram_newton_schulz, newton_schulz, polar
+from muonfn import gram_newton_schulz, newton_schulz, polar, testing
 from muonfn.linalg import (
     NewtonSchulz,
     default_restarts,
@@ -20,12 +19,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def with_spectrum(s: torch.Tensor, m: int, n: int, seed: int, dtype=torch.float64) -> torch.Tensor:
-    """U·diag(s)·Vᵀ with Haar-random U (m×k), V (n×k), k = len(s)."""
-    g = torch.Generator().manual_seed(seed)
-    k = s.numel()
-    u, _ = torch.linalg.qr(torch.randn(m, k, generator=g, dtype=torch.float64))
-    v, _ = torch.linalg.qr(torch.randn(n, k, generator=g, dtype=torch.float64))
-    return ((u * s.double()) @ v.T).to(dtype)
+    """U·diag(s)·Vᵀ with Haar-random U, V (:func:`muonfn.testing.with_spectrum`), in ``dtype``."""
+    return testing.with_spectrum(m, n, s.tolist(), torch.Generator().manual_seed(seed)).g.to(dtype)
 
 
 SPECTRA = {
@@ -70,19 +65,16 @@ def test_keller_oracle_equal_singular_values():
 
 
 @given(
-    m=st.integers(1, 12),
-    extra=st.integers(0, 30),
-    top=st.floats(1e-3, 1e3),
-    decay=st.floats(0.0, 6.0),
-    tall=st.booleans(),
-    seed=st.integers(0, 2**16),
+    testing.matrices(
+        shapes=("wide", "tall", "square", "batched"),
+        max_side=24,
+        condition_number=1e6,
+        rank_deficient=False,
+        scales=(1e-3, 1.0, 1e3),
+    )
 )
-def test_property_agrees_with_standard_fp64(m, extra, top, decay, tall, seed):
-    n = m + extra
-    s = top * torch.logspace(0, -decay, m)
-    x = with_spectrum(s, m, n, seed)
-    if tall:
-        x = x.T
+def test_property_agrees_with_standard_fp64(sp: testing.Spectral) -> None:
+    x = sp.g
     out = gram_newton_schulz(x)
     assert out.shape == x.shape and out.dtype == x.dtype
     assert rel(out, newton_schulz(x)) < 1e-10

@@ -1,4 +1,5 @@
-"""The dependency rule, read from the imports: linalg ← transforms ← presets ← optim, distributed → linalg."""
+"""The dependency rule, read from the imports: linalg ← transforms ← presets ← optim, distributed → linalg,
+testing → linalg."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ ALLOWED = {
     "presets": {"transforms", "linalg", "distributed"} | FOUNDATION,
     "optim": {"presets", "transforms", "linalg"} | FOUNDATION,
     "distributed": {"linalg", "_keys"},
+    # hypothesis strategies and invariant checks for users' orthogonalizers (hypothesis is an optional extra)
+    "testing": {"linalg", "_keys", "_tree"},
 }
 #: third-party packages a layer must not need
 FORBIDDEN_EXTERNAL = {"linalg": {"tensordict", "torch.distributed"}, "distributed": {"tensordict"}}

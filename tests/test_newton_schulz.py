@@ -27,7 +27,8 @@ DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
 # Spectral mapping, max abs error on the singular values (which are ~1). fp64/fp32 as REFERENCE.md;
 # bf16 measured here up to 0.054 (keller), 0.026 (cesista), 0.005 (polar_express) on ≤12×12 inputs.
-SPECTRAL_TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
+# fp32 at σ/‖G‖ = 1e-3: the input's rounding times the map's slope there (~480), up to ~5e-5.
+SPECTRAL_TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
 SPECTRAL_TOL_BF16 = {"keller": 0.08, "cesista": 0.05, "polar_express": 0.02}
 
 
@@ -86,7 +87,8 @@ def test_scale_invariance_across_the_whole_exponent_range(
     to infinity, so the norm is taken after an exact power-of-two rescaling by the largest entry."""
     base = 0 if k >= 0 else 100  # keep ‖2ᵏG‖ above eps, where the map is scale invariant
     g = (sp.g * 2.0**base).to(dtype)
-    assume(sp.g.norm() > 1e-3)
+    # both norms above eps (where the map is scale invariant), and 2ᵏG finite
+    assume(float(sp.g.norm()) * 2.0 ** min(0, base + k) > 1e-6 and bool(torch.isfinite(g * 2.0**k).all()))
     f = muonfn.NewtonSchulz(name, method=method)  # type: ignore[arg-type]
     reference = f(sp.g.to(dtype))
     assert torch.equal(f(g), reference)

@@ -1,0 +1,452 @@
+"""The invariant suite of an orthogonalizer ``G -> O``, run by hypothesis."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Literal, TypeAlias, get_args
+
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from ._spectra import DEFAULT_SCALES, Spectral, matrices, orthogonal
+
+Invariant: TypeAlias = Literal[
+    "no error",
+    "dtype and shape",
+    "input not mutated",
+    "finite output",
+    "singular value band",
+    "rank preservation",
+    "transpose symmetry",
+    "orthogonal equivariance",
+    "scale invariance",
+    "batch consistency",
+]
+INVARIANTS: tuple[Invariant, ...] = get_args(Invariant)
+
+
+class InvariantViolation(AssertionError):
+    """Raised by :func:`check_orthogonalizer`; ``invariant`` names the invariant that broke."""
+
+    def __init__(self, invariant: Invariant, message: str) -> None:
+        super().__init__(message)
+        self.invariant = invariant
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """How far :func:`check_orthogonalizer` lets an orthogonalizer be from each invariant.
+
+    Relative errors compare two outputs on the *well-conditioned block*: both are written in
+    the singular vector basis of the input, :math:`U^\\top O V`, and only the entries
+    ``(i, j)`` where :math:`\\sigma_i` and :math:`\\sigma_j` are at least ``sigma_min`` times
+    :math:`\\|G\\|_F` count; the error is the Frobenius norm of the difference over that of
+    the expected block. (Rounding in directions with tiny singular values is amplified by
+    the slope of the polynomial near zero, up to ~6300 for ``polar_express``; those
+    directions are checked by the band's upper end and the rank only.)
+
+    Attributes:
+        band: absolute slack on both ends of ``band``.
+        equivariance: relative error of :math:`f(Q_1 G Q_2^\\top)` against :math:`Q_1 f(G) Q_2^\\top`.
+        symmetry: relative error of :math:`f(G^\\top)^\\top`, :math:`f(\\alpha G)` and a batch
+            member against :math:`f(G)`.
+        null_space: singular values of the output below this count as zero (rank).
+    """
+
+    band: float
+    equivariance: float
+    symmetry: float
+    null_space: float
+
+
+#: Default tolerances per input dtype: the worst errors of muonfn's Newton–Schulz with the
+#: built-in schedules, iterating in the input's dtype, over 1000–2000 drawn inputs each, times a
+#: margin of 4× (bf16) to 40× (fp64); the table on :doc:`/testing` lists both.
+TOLERANCES: dict[torch.dtype, Tolerances] = {
+    torch.float64: Tolerances(band=1e-12, equivariance=1e-12, symmetry=1e-12, null_space=1e-9),
+    torch.float32: Tolerances(band=1e-4, equivariance=2e-4, symmetry=2e-4, null_space=1e-2),
+    torch.bfloat16: Tolerances(band=0.05, equivariance=0.3, symmetry=0.3, null_space=0.5),
+    torch.float16: Tolerances(band=0.01, equivariance=0.05, symmetry=0.05, null_space=0.2),
+}
+
+#: Default ``sigma_min`` per input dtype: 16-bit inputs cannot resolve singular values much
+#: below 1 % of the norm (their rounding alone moves them by ~0.4 %).
+SIGMA_MIN: dict[torch.dtype, float] = {
+    torch.float64: 1e-3,
+    torch.float32: 1e-3,
+    torch.bfloat16: 0.05,
+    torch.float16: 0.05,
+}
+
+# the scale drawn for each example (shrinks towards 2), and the overflow-range scales one of
+# which every example also tries
+_SCALE_FACTORS = (2.0, 0.5, 3.0, 0.1, 2.0**10, 2.0**-10)
+_EXTREME_FACTORS = (2.0**100, 2.0**-100)
+
+
+def _feasible(factors: Collection[float], sp: Spectral, min_norm: float) -> list[float]:
+    """The factors α that keep ‖αG‖_F >= min_norm and αG's largest singular value well inside the dtype."""
+    info = torch.finfo(sp.g.dtype)
+    top = float(sp.s.max())
+    smallest_norm = float(torch.linalg.vector_norm(sp.s, dim=-1).min())
+    return [a for a in factors if a * smallest_norm >= min_norm and info.tiny / info.eps <= a * top <= info.max / 64]
+
+
+@dataclass(frozen=True)
+class _Case:
+    """One drawn example: a matrix, a rotation seed and scale factors (printed in failure reports)."""
+
+    spectral: Spectral
+    rotation_seed: int
+    alphas: tuple[float, ...]
+
+    def __repr__(self) -> str:
+        alphas = ", ".join(f"{a:g}" for a in self.alphas)
+        return f"_Case({self.spectral!r}, rotation_seed={self.rotation_seed}, alphas=({alphas}))"
+
+
+@st.composite
+def _cases(draw: st.DrawFn, matrix_strategy: st.SearchStrategy[Spectral], min_norm: float) -> _Case:
+    sp = draw(matrix_strategy)
+    seed = draw(st.integers(0, 2**32 - 1))
+    alphas = [draw(st.sampled_from(_feasible(_SCALE_FACTORS, sp, min_norm) or [1.0]))]
+    alphas += _feasible(_EXTREME_FACTORS, sp, min_norm)[:1]
+    return _Case(sp, seed, tuple(alphas))
+
+
+class _Run:
+    """Checks one example; every message says which invariant broke and on which input."""
+
+    def __init__(
+        self,
+        fn: Callable[[torch.Tensor], torch.Tensor],
+        case: _Case,
+        band: tuple[float, float],
+        sigma_min: float,
+        tol: Tolerances,
+        skip: Collection[str],
+        settings_line: str,
+    ) -> None:
+        self.fn, self.case, self.band, self.sigma_min, self.tol = fn, case, band, sigma_min, tol
+        self.skip = skip
+        self.settings_line = settings_line
+        sp = case.spectral
+        self.g = sp.g
+        self.batch = sp.u.shape[:-2]
+        self.m, self.n, self.k = sp.u.shape[-1], sp.v.shape[-1], sp.s.shape[-1]
+        norms = torch.linalg.vector_norm(sp.s, dim=-1, keepdim=True)
+        self.relative = sp.s / norms  # σ / ‖G‖_F per matrix
+        self.well = self.relative >= sigma_min  # (*batch, k)
+        self.block = (self.well.unsqueeze(-1) & self.well.unsqueeze(-2)).to(torch.float64)  # (*batch, k, k)
+
+    def violation(self, invariant: Invariant, detail: str, x: torch.Tensor | None = None) -> InvariantViolation:
+        x = self.g if x is None else x
+        values = repr(x) if x.numel() <= 64 else f"({x.numel()} elements, not shown)"
+        return InvariantViolation(
+            invariant,
+            f"orthogonalizer broke {invariant!r}: {detail}\n"
+            f"  input: {self.case!r}\n"
+            f"  G = {values}\n"
+            f"  {self.settings_line}",
+        )
+
+    def call(self, x: torch.Tensor, what: str) -> torch.Tensor:
+        """``fn(x)``, with the checks that hold for every call."""
+        before = x.clone()
+        try:
+            out = self.fn(x)
+        except Exception as e:
+            raise self.violation("no error", f"{what} raised {type(e).__name__}: {e}", x) from e
+        if not isinstance(out, torch.Tensor):
+            raise self.violation("dtype and shape", f"{what} returned a {type(out).__name__}, not a tensor", x)
+        if out.dtype != x.dtype or out.shape != x.shape:
+            raise self.violation(
+                "dtype and shape",
+                f"{what} is {out.dtype} of shape {tuple(out.shape)} for an input {x.dtype} of shape {tuple(x.shape)}",
+                x,
+            )
+        if not torch.equal(x, before):
+            changed = int((x != before).sum())
+            raise self.violation("input not mutated", f"{what} changed {changed} entries of its input", before)
+        if not torch.isfinite(out).all():
+            bad = int((~torch.isfinite(out)).sum())
+            raise self.violation("finite output", f"{what} has {bad} non-finite entries for a finite input", x)
+        return out
+
+    def in_basis(self, o: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``uᵀ O v`` restricted to the leading ``k × k`` (fp64, matrix-shaped)."""
+        o = o.to(torch.float64).reshape(*u.shape[:-2], self.m, self.n)
+        return (u.mT @ o @ v)[..., : self.k, : self.k]
+
+    def block_error(self, actual: torch.Tensor, expected: torch.Tensor, block: torch.Tensor | None = None) -> float:
+        """Largest relative Frobenius error over a batch, on the well-conditioned block."""
+        mask = self.block if block is None else block
+        diff = torch.linalg.matrix_norm((actual - expected) * mask)
+        ref = torch.linalg.matrix_norm(expected * mask).clamp_min(1e-300)
+        return float((diff / ref).max()) if diff.numel() else 0.0
+
+    def run(self) -> None:
+        sp = self.case.spectral
+        o = self.o = self.call(self.g, "f(G)")
+        o_basis = self.in_basis(o, sp.u, sp.v)
+        if "singular value band" not in self.skip:
+            self.check_band(o, o_basis)
+        if "rank preservation" not in self.skip and self.g.dtype in (torch.float32, torch.float64):
+            self.check_rank(o)
+        if "transpose symmetry" not in self.skip:
+            self.check_transpose(o_basis)
+        # (name, input, output, left and right singular vectors of the input) for the batch check
+        variants = [("G", self.g, o, sp.u, sp.v)]
+        if "orthogonal equivariance" not in self.skip:
+            variants.append(self.check_equivariance(o_basis))
+        if "scale invariance" not in self.skip:
+            variants += [self.check_scale(o_basis, alpha) for alpha in self.case.alphas]
+        if "batch consistency" not in self.skip:
+            if self.batch:
+                self.check_members(o)
+            else:
+                self.check_stacked(variants)
+
+    def check_band(self, o: torch.Tensor, o_basis: torch.Tensor) -> None:
+        lo, hi = self.band
+        slack = self.tol.band
+        response = torch.diagonal(o_basis, dim1=-2, dim2=-1)  # u_iᵀ f(G) v_i
+        outside = self.well & ((response < lo - slack) | (response > hi + slack))
+        if outside.any():
+            index = tuple(int(i) for i in outside.nonzero()[0])
+            raise self.violation(
+                "singular value band",
+                f"the direction with σ/‖G‖_F = {float(self.relative[index]):.6g} maps to u_iᵀ f(G) v_i = "
+                f"{float(response[index]):.6g}, outside the band [{lo:.6g}, {hi:.6g}] (±{slack:g}); "
+                f"every direction with σ/‖G‖_F >= {self.sigma_min:g} must land in it",
+            )
+        # where every nonzero σ is well-conditioned, no singular value of f(G) may exceed the band
+        covered = (self.well == (self.case.spectral.s > 0)).all(-1)
+        if covered.any():
+            sv = torch.linalg.svdvals(o.to(torch.float64).reshape(*self.batch, self.m, self.n))
+            top = sv[covered].amax(-1)
+            if (top > hi + slack).any():
+                raise self.violation(
+                    "singular value band",
+                    f"f(G) has a singular value {float(top.max()):.6g} > {hi:.6g} (+{slack:g}) for a G whose "
+                    f"nonzero singular values all have σ/‖G‖_F >= {self.sigma_min:g}",
+                )
+
+    def check_rank(self, o: torch.Tensor) -> None:
+        sp = self.case.spectral
+        nonzero = sp.s > 0
+        threshold = self.tol.null_space
+        # only where every nonzero σ is well-conditioned (so must land in the band, above the threshold)
+        if not bool((self.well == nonzero).all()) or self.band[0] - self.tol.band <= threshold:
+            return
+        sv = torch.linalg.svdvals(o.to(torch.float64).reshape(*self.batch, self.m, self.n))
+        rank_o = (sv > threshold).sum(-1)
+        rank_g = nonzero.sum(-1)
+        if not torch.equal(rank_o, rank_g):
+            index = tuple(int(i) for i in (rank_o != rank_g).nonzero()[0]) if self.batch else ()
+            raise self.violation(
+                "rank preservation",
+                f"f(G) has rank {int(rank_o[index])} (singular values > {threshold:g}: "
+                f"{[round(x, 6) for x in sv[index].tolist()]}) where G has rank {int(rank_g[index])}",
+            )
+
+    def check_transpose(self, o_basis: torch.Tensor) -> None:
+        sp = self.case.spectral
+        out = self.call(self.g.mT, "f(Gᵀ)")
+        err = self.block_error(self.in_basis(out.mT, sp.u, sp.v), o_basis)
+        if err > self.tol.symmetry:
+            raise self.violation(
+                "transpose symmetry",
+                f"f(Gᵀ)ᵀ differs from f(G) by {err:.3g} relative (tolerance {self.tol.symmetry:g})",
+            )
+
+    def check_equivariance(
+        self, o_basis: torch.Tensor
+    ) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        sp = self.case.spectral
+        generator = torch.Generator().manual_seed(self.case.rotation_seed)
+        count = math.prod(self.batch)
+        q1 = torch.stack([orthogonal(self.m, generator) for _ in range(count)]).reshape(*self.batch, self.m, self.m)
+        q2 = torch.stack([orthogonal(self.n, generator) for _ in range(count)]).reshape(*self.batch, self.n, self.n)
+        rotated = (q1 @ sp.exact() @ q2.mT).to(self.g.dtype)
+        out = self.call(rotated, "f(Q₁GQ₂ᵀ)")
+        # Q₁GQ₂ᵀ has singular vectors Q₁U, Q₂V: in them, f(Q₁GQ₂ᵀ) must look as f(G) does in U, V
+        u, v = q1 @ sp.u, q2 @ sp.v
+        err = self.block_error(self.in_basis(out, u, v), o_basis)
+        if err > self.tol.equivariance:
+            raise self.violation(
+                "orthogonal equivariance",
+                f"f(Q₁GQ₂ᵀ) differs from Q₁f(G)Q₂ᵀ by {err:.3g} relative for Haar-random orthogonal Q₁, Q₂ "
+                f"(tolerance {self.tol.equivariance:g})",
+                rotated,
+            )
+        return "Q₁GQ₂ᵀ", rotated, out, u, v
+
+    def check_scale(
+        self, o_basis: torch.Tensor, alpha: float
+    ) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        sp = self.case.spectral
+        scaled = self.g * alpha
+        out = self.call(scaled, f"f({alpha:g}·G)")
+        err = self.block_error(self.in_basis(out, sp.u, sp.v), o_basis)
+        if err > self.tol.symmetry:
+            raise self.violation(
+                "scale invariance",
+                f"f({alpha:g}·G) differs from f(G) by {err:.3g} relative (tolerance {self.tol.symmetry:g}); "
+                f"‖f({alpha:g}·G)‖ = {float(out.double().norm()):.4g}, ‖f(G)‖ = {float(self.o.double().norm()):.4g}",
+            )
+        return f"{alpha:g}·G", scaled, out, sp.u, sp.v
+
+    def check_members(self, o: torch.Tensor) -> None:
+        """A batched G: each matrix alone maps as it does in the batch."""
+        sp = self.case.spectral
+        for index in itertools.product(*(range(b) for b in self.batch)):
+            out = self.call(self.g[index], f"f(G[{', '.join(map(str, index))}])")
+            u, v = sp.u[index], sp.v[index]
+            err = self.block_error(self.in_basis(out, u, v), self.in_basis(o[index], u, v), self.block[index])
+            if err > self.tol.symmetry:
+                where = ", ".join(map(str, index))
+                raise self.violation(
+                    "batch consistency",
+                    f"f(G)[{where}] differs from f(G[{where}]) by {err:.3g} relative (tolerance {self.tol.symmetry:g})",
+                )
+
+    def check_stacked(self, variants: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        """A single G: the inputs checked so far, stacked into a batch, map as they did alone."""
+        names = [name for name, *_ in variants]
+        stacked = torch.stack([x for _, x, *_ in variants])
+        out = self.call(stacked, f"f(stack([{', '.join(names)}]))")
+        for j, (name, _, alone, u, v) in enumerate(variants):
+            err = self.block_error(self.in_basis(out[j], u, v), self.in_basis(alone, u, v))
+            if err > self.tol.symmetry:
+                raise self.violation(
+                    "batch consistency",
+                    f"f(stack([{', '.join(names)}]))[{j}] differs from f({name}) by {err:.3g} relative "
+                    f"(tolerance {self.tol.symmetry:g})",
+                    stacked,
+                )
+
+
+def check_orthogonalizer(
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    band: tuple[float, float],
+    dtype: torch.dtype = torch.float32,
+    max_examples: int = 50,
+    tolerances: Tolerances | None = None,
+    sigma_min: float | None = None,
+    max_side: int = 8,
+    min_norm: float = 1e-5,
+    skip: Collection[Invariant] = (),
+) -> None:
+    r"""Runs the invariant suite of an orthogonalizer ``fn: G -> O`` on matrices hypothesis draws.
+
+    ``fn`` takes a tensor of shape ``(..., m, n)`` (leading dimensions a batch) and returns
+    its approximate polar factor. The inputs are :func:`matrices` in ``dtype``: wide, tall,
+    square and batched, up to ``max_side`` on a side, any of the spectrum kinds with
+    condition numbers up to 1e6, sometimes rank-deficient, at the overall scales of
+    :data:`DEFAULT_SCALES` from ``min_norm`` up (1e-3 … 1e30 as far as ``dtype`` holds them),
+    contiguous, column-major or strided. For each, with :math:`G = U\Sigma V^\top` known exactly:
+
+    - **no error**, **dtype and shape** (``O`` has ``G``'s), **input not mutated**,
+      **finite output**: on every call below;
+    - **singular value band**: every singular value of ``O`` is at most ``band[1]``, and every
+      direction with :math:`\sigma_i \ge` ``sigma_min`` :math:`\cdot\|G\|_F` maps into ``band``:
+      :math:`u_i^\top O v_i \in` ``band``;
+    - **rank preservation** (fp32 and fp64 inputs only; 16-bit rounding noise in the null space
+      is amplified to order 1): ``O`` has as many singular values above
+      ``tolerances.null_space`` as ``G`` has nonzero ones, checked where every nonzero
+      :math:`\sigma_i` is above ``sigma_min`` :math:`\cdot\|G\|_F`;
+    - **transpose symmetry**: :math:`f(G^\top) = f(G)^\top`;
+    - **orthogonal equivariance**: :math:`f(Q_1 G Q_2^\top) = Q_1 f(G) Q_2^\top` for Haar-random
+      orthogonal :math:`Q_1, Q_2`;
+    - **scale invariance**: :math:`f(\alpha G) = f(G)` for one :math:`\alpha` drawn from 2, 1/2,
+      3, 0.1, :math:`2^{\pm 10}` and, on every input, one of :math:`2^{\pm 100}` (the overflow
+      range of fp32), among those that keep :math:`\|\alpha G\|_F \ge` ``min_norm`` and the
+      entries representable;
+    - **batch consistency**: each matrix of a batch maps as it does alone; a single ``G`` is
+      stacked with its rotated and scaled copies.
+
+    The equalities hold to ``tolerances`` on the well-conditioned block (see
+    :class:`Tolerances`). Hypothesis runs derandomized, without deadline or database, so a
+    check passes or fails the same way every time, and shrinks a failure to a small example.
+
+    Args:
+        fn: the orthogonalizer under test.
+        band: ``(low, high)`` for the singular values of the output; for a Newton–Schulz
+            schedule :func:`spectral_band` ``(coefficients, sigma_min=sigma_min)``, which
+            holds exactly in exact arithmetic.
+        dtype: the input dtype.
+        max_examples: how many matrices to draw.
+        tolerances: defaults :data:`TOLERANCES` ``[dtype]``.
+        sigma_min: relative singular values :math:`\sigma/\|G\|_F` from here to 1 are the
+            well-conditioned part (default :data:`SIGMA_MIN` ``[dtype]``: 1e-3, or 0.05 for
+            16-bit inputs). Since :math:`\sigma_{max} \le \|G\|_F`, these directions also
+            have :math:`\sigma/\sigma_{max} \ge` ``sigma_min``.
+        max_side: the largest matrix side drawn.
+        min_norm: the smallest :math:`\|G\|_F` drawn; below it orthogonalizers usually
+            regularise (muonfn's ``eps=1e-7`` makes the map linear there).
+        skip: invariants (names in :data:`INVARIANTS`) not to check.
+
+    Returns:
+        None; raises :class:`InvariantViolation` (an ``AssertionError``) naming the broken
+        invariant, the shrunk input and the measured error.
+
+    Example:
+        >>> from functools import partial
+        >>> ns = partial(muonfn.newton_schulz, coefficients="cesista")
+        >>> muonfn.testing.check_orthogonalizer(
+        ...     ns, band=muonfn.testing.spectral_band("cesista"), max_examples=10)
+    """
+    if dtype not in TOLERANCES and tolerances is None:
+        raise ValueError(f"no default tolerances for {dtype}; pass tolerances=")
+    tol = TOLERANCES[dtype] if tolerances is None else tolerances
+    low_sigma = SIGMA_MIN.get(dtype, 0.05) if sigma_min is None else sigma_min
+    lo, hi = (float(band[0]), float(band[1]))
+    if not lo <= hi:
+        raise ValueError(f"band must be (low, high) with low <= high, got {band!r}")
+    if not 0 < low_sigma <= 1:
+        raise ValueError(f"sigma_min must be in (0, 1], got {sigma_min!r}")
+    unknown = set(skip) - set(INVARIANTS)
+    if unknown:
+        raise ValueError(f"unknown invariants in skip: {sorted(unknown)}; choose from {list(INVARIANTS)}")
+    if not (isinstance(max_examples, int) and max_examples >= 1):
+        raise ValueError(f"max_examples must be a positive integer, got {max_examples!r}")
+    scales = [x for x in DEFAULT_SCALES if x >= min_norm]
+    strategy = _cases(
+        matrices(
+            shapes=("wide", "tall", "square", "batched"),
+            max_side=max_side,
+            dtypes=dtype,
+            condition_number=1e6,
+            scales=scales,
+        ),
+        min_norm,
+    )
+    settings_line = (
+        f"(dtype={str(dtype).removeprefix('torch.')}, band=({lo:.6g}, {hi:.6g}), sigma_min={low_sigma:g}, {tol})"
+    )
+
+    health_checks = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]
+    health_checks += [
+        getattr(HealthCheck, name) for name in ("large_base_example", "nested_given") if hasattr(HealthCheck, name)
+    ]
+
+    @settings(
+        max_examples=max_examples,
+        derandomize=True,
+        deadline=None,
+        database=None,
+        report_multiple_bugs=False,
+        phases=(Phase.explicit, Phase.generate, Phase.shrink),
+        suppress_health_check=health_checks,
+    )
+    @given(strategy)
+    def check(case: _Case) -> None:
+        _Run(fn, case, (lo, hi), low_sigma, tol, skip, settings_line).run()
+
+    check()
