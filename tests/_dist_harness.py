@@ -4,6 +4,10 @@ Importing torch takes seconds; forking a preloaded server takes milliseconds, so
 world size can get its own group of processes. A worker that raises makes the run raise
 with its traceback, and the other workers are terminated; a collective that waits longer
 than ``COLLECTIVE_TIMEOUT`` fails instead of hanging.
+
+Forked workers leave through ``os._exit``, skipping interpreter finalization, so they
+cannot show a crash at exit; :func:`run_interpreters` launches a script as real
+interpreters, repeatedly, for that.
 """
 
 from __future__ import annotations
@@ -13,7 +17,10 @@ import io
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import pathlib
 import socket
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -78,3 +85,31 @@ def run(fn: Callable[..., None], world_size: int, *args: Any) -> None:
     mp.start_processes(
         _entry, args=(fn, world_size, free_port(), payload.getvalue()), nprocs=world_size, start_method="forkserver"
     )
+
+
+def run_interpreters(script: pathlib.Path, world_size: int, repeats: int = 3, timeout: float = 180) -> None:
+    """``torchrun --nproc_per_node world_size script``, ``repeats`` times; every launch must exit 0.
+
+    Each rank is a fresh interpreter that exits through interpreter finalization, so a
+    crash after the work is done (a thread that outlives the process group, say) fails
+    the test; such crashes are races, hence the repeats. torchrun exits non-zero when any
+    rank does and names the rank and the signal.
+    """
+    root = pathlib.Path(__file__).resolve().parents[1]
+    # the environment of a user's torchrun (dynamo enabled), which makes the crash at exit likelier
+    env = {k: v for k, v in os.environ.items() if k != "TORCHDYNAMO_DISABLE"}
+    env.update(PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    for launch in range(1, repeats + 1):
+        args = ["--nproc_per_node", str(world_size), "--master_port", str(free_port()), str(script)]
+        done = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        assert done.returncode == 0, (
+            f"{script.name} on {world_size} ranks, launch {launch} of {repeats}: exit status {done.returncode}\n"
+            f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+        )

@@ -5,10 +5,12 @@ Which checks are bitwise and which use a tolerance is explained in ``_dist_worke
 
 from __future__ import annotations
 
+import pathlib
+
 import _dist_workers as workers
 import pytest
 import torch.distributed as dist
-from _dist_harness import run
+from _dist_harness import run, run_interpreters
 from _dist_models import Reference, reference_run, shim_reference_run
 
 pytestmark = [
@@ -43,3 +45,8 @@ def test_dcp_checkpoint_reshards_2_to_3_to_1(reference: Reference, tmp_path) -> 
     run(workers.dcp_segment, 2, reference, None, (first, 4))
     run(workers.dcp_segment, 3, reference, (first, 4), (second, 7))
     run(workers.dcp_segment, 1, reference, (second, 7), None)
+
+
+def test_fsdp2_run_exits_cleanly() -> None:
+    """Real interpreters on 4 ranks (an empty shard), three launches: no rank may crash at exit after the work."""
+    run_interpreters(pathlib.Path(__file__).with_name("_teardown_script.py"), 4, repeats=3)

@@ -7,6 +7,10 @@ A strategy never calls ``torch.distributed`` itself: it calls the four methods o
 
 from __future__ import annotations
 
+import atexit
+import functools
+import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -72,6 +76,7 @@ class TorchCollectives:
         self._world_size = dist.get_world_size(group)
         self._submeshes: dict[tuple[Any, ...], tuple[TorchCollectives, tuple[int, ...]]] = {}
         self._by_mesh: dict[int, tuple[DeviceMesh, tuple[TorchCollectives, tuple[int, ...]]]] = {}
+        _settle_gloo_workers_at_exit()
 
     @property
     def rank(self) -> int:
@@ -128,6 +133,62 @@ class TorchCollectives:
 
     def __repr__(self) -> str:
         return f"TorchCollectives(rank={self.rank}, world_size={self.world_size}, ranks={self.ranks})"
+
+
+#: The name torch gives the worker threads of a gloo process group (``ProcessGroupGloo::runLoop``).
+_GLOO_WORKER = "pt_gloo_runloop"
+
+
+def _runnable_gloo_workers() -> int | None:
+    """How many gloo worker threads of this process are running or ready to run; ``None`` without ``/proc``."""
+    try:
+        threads = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    runnable = 0
+    for tid in threads:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread has ended
+        # "tid (name) state ...": the name may hold spaces and parentheses, the state follows the last ")"
+        end = stat.rfind(")")
+        if stat[stat.find("(") + 1 : end] == _GLOO_WORKER and stat[end + 2 : end + 3] == "R":
+            runnable += 1
+    return runnable
+
+
+def _wait_for_gloo_workers(timeout: float = 2.0, tick: float = 0.005) -> None:
+    """Gives gloo's worker threads the GIL until none is runnable (two looks in a row), at most ``timeout`` s.
+
+    A gloo worker thread that has finished a collective then drops its tensors; one that
+    Python also references takes the GIL to do so. ``destroy_process_group()`` does not
+    stop these threads while a ``DeviceMesh``, FSDP's state or a :class:`TorchCollectives`
+    still references the group, so they outlive the script: when its last collective
+    ended a moment before the script did (a ``full_tensor()`` of the state dict, say), the
+    worker may still be waiting for the GIL when the interpreter starts finalizing, and a
+    thread that takes the GIL then is ended inside a ``noexcept`` destructor: ``terminate
+    called without an active exception`` (SIGABRT), after every rank has finished
+    (pytorch/pytorch#190489). Run at exit, before finalization, this sleeps (releasing the
+    GIL, so a waiting worker is woken and stays runnable until it is done) until the
+    workers are idle again.
+    """
+    deadline = time.monotonic() + timeout
+    idle_looks = 0
+    while idle_looks < 2 and time.monotonic() < deadline:
+        time.sleep(tick)
+        runnable = _runnable_gloo_workers()
+        if runnable is None:  # no /proc to look at: one fixed grace period
+            time.sleep(10 * tick)
+            return
+        idle_looks = idle_looks + 1 if runnable == 0 else 0
+
+
+@functools.cache
+def _settle_gloo_workers_at_exit() -> None:
+    """Registers :func:`_wait_for_gloo_workers` to run at interpreter exit, once per process."""
+    atexit.register(_wait_for_gloo_workers)
 
 
 def torch_collectives(mesh_or_group: DeviceMesh | ProcessGroup) -> TorchCollectives:
