@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from _steps import compiled_donated_beside_eager
 from _strategies import gaussian, rel_err
 from tensordict import TensorDict, TensorDictBase
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -256,23 +257,7 @@ def test_compiled_update_fullgraph_on_cuda() -> None:
     lr = torch.tensor(0.02, device=CUDA)
     eager_tx, donating_tx = muonfn.muon(lr=lr, **OPTIONS), muonfn.muon(lr=lr, **OPTIONS, donate_state=True)
 
-    def stepper(tx: muonfn.Transform) -> Callable[..., Any]:
-        def step(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase) -> Any:
-            updates, state = tx.update(grads, state, params)
-            return muonfn.apply_updates(params, updates), state
-
-        return step
-
-    eager, compiled = stepper(eager_tx), torch.compile(stepper(donating_tx), fullgraph=True)
-    state_e, state_c = eager_tx.init(params), donating_tx.init(params)
-    donated = list(state_c.values(True, True))
-    params_e = params_c = params
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        for i in range(3):
-            lr.fill_(0.02 / (i + 1))
-            params_e, state_e = eager(grads, state_e, params_e)
-            params_c, state_c = compiled(grads, state_c, params_c)
-    assert all(a is b for a, b in zip(state_c.values(True, True), donated))
+    params_e, state_e, params_c, state_c = compiled_donated_beside_eager(eager_tx, donating_tx, grads, params, lr)
     for key in params.keys(True, True):
         change_c, change_e = params_c[key] - params[key], params_e[key] - params[key]
         assert rel_err(change_c, change_e) < 2e-2, key

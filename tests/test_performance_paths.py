@@ -6,6 +6,7 @@ import collections
 
 import pytest
 import torch
+from _steps import compiled_donated_beside_eager
 from tensordict import TensorDict, TensorDictBase
 from torch.overrides import TorchFunctionMode
 
@@ -260,23 +261,7 @@ def test_compiled_update_fullgraph_matches_eager():
     options = {"lr": lr, "views": VIEWS, "weight_decay": 0.1, "labels": labels, "weight_decay_mask": decay}
     eager_tx, donating_tx = muonfn.muon(**options), muonfn.muon(**options, donate_state=True)
 
-    def stepper(tx):
-        def step(grads, state, params):
-            updates, state = tx.update(grads, state, params)
-            return muonfn.apply_updates(params, updates), state
-
-        return step
-
-    eager, compiled = stepper(eager_tx), torch.compile(stepper(donating_tx), fullgraph=True)
-    state_e, state_c = eager_tx.init(params), donating_tx.init(params)
-    donated = list(state_c.values(True, True))
-    params_e = params_c = params
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        for i in range(3):
-            lr.fill_(0.02 / (i + 1))
-            params_e, state_e = eager(grads, state_e, params_e)
-            params_c, state_c = compiled(grads, state_c, params_c)
-    assert all(a is b for a, b in zip(state_c.values(True, True), donated))
+    params_e, state_e, params_c, state_c = compiled_donated_beside_eager(eager_tx, donating_tx, grads, params, lr)
     for key in params.keys(True, True):
         torch.testing.assert_close(params_c[key], params_e[key], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(state_c["adamw", "step", "norm"], state_e["adamw", "step", "norm"])
