@@ -51,6 +51,7 @@ def device(pytestconfig: pytest.Config) -> torch.device:
     """Where the device-agnostic tests put their tensors (``--device cuda`` or ``MUONFN_TEST_DEVICE=cuda``)."""
     return chosen_device(pytestconfig)
 
+
 # a script that each rank of a torchrun launch runs (see _dist_harness.run_interpreters): importing
 # it, as --doctest-modules would, starts a process group
 collect_ignore = ["_teardown_script.py"]
