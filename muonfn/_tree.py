@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDict, TensorDictBase, is_non_tensor
 
 from ._keys import Key, as_key, dotted
 
@@ -83,3 +84,46 @@ def laid_out_like(td: TensorDictBase, like: TensorDictBase, where: str) -> Tenso
     if given:
         raise ValueError(f"{where}: unexpected {dotted(next(iter(given)))!r}")
     return out
+
+
+# The fast path: a TensorDict's leaves as one flat ``{key: tensor}`` dict, and back.
+# Transforms compute on these dicts with multi-tensor ops; TensorDicts are built only at
+# the API boundary, once per update.
+
+Leaves = dict[Key, torch.Tensor]
+#: a flattened state: tensors, and the empty TensorDicts that stand for a stateless member
+FlatState = dict[Key, Any]
+
+
+def flatten(td: TensorDictBase, *, keep_empty: bool = False) -> FlatState:
+    """``td``'s leaves by tuple key, in insertion order. ``keep_empty``: empty nested
+    TensorDicts are kept as leaves, so that :func:`unflatten` gives the same structure back
+    (a state's stateless members)."""
+    out: FlatState = {}
+    _walk(td, (), out, keep_empty)
+    return out
+
+
+def _walk(td: TensorDictBase, prefix: Key, out: FlatState, keep_empty: bool) -> None:
+    # a plain TensorDict's own dict is read directly: 5-10x faster than items(True, True)
+    items = td._tensordict.items() if type(td) is TensorDict else td.items()
+    for name, value in items:
+        key = (*prefix, name)
+        if isinstance(value, TensorDictBase) and not is_non_tensor(value):
+            if not value.is_empty():
+                _walk(value, key, out, keep_empty)
+            elif keep_empty:
+                out[key] = value
+        else:
+            out[key] = value
+
+
+def unflatten(flat: Mapping[Key, Any], batch_size: torch.Size) -> TensorDict:
+    """The TensorDict of batch size ``batch_size`` holding ``flat``'s values under its keys."""
+    root: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = root
+        for name in key[:-1]:
+            node = node.setdefault(name, {})
+        node[key[-1]] = value
+    return TensorDict._new_unsafe(root, batch_size=torch.Size(batch_size))

@@ -184,3 +184,27 @@ def check_params(where: str, params: TensorDictBase) -> None:
                 "torch.func.functional_call(model, params.flatten_keys('.').to_dict(), args), "
                 f"which ties {name!r} back to it; or untie them in the model"
             )
+
+
+def check_leaves(
+    where: str, grads: Mapping[Key, torch.Tensor], params: Mapping[Key, torch.Tensor] | None, batch_size: Any
+) -> None:
+    """:func:`check_grads` over flat ``{key: tensor}`` dicts (``params`` may be ``None``:
+    then only the gradients' own kind is checked)."""
+    strided = torch.strided
+    for key, g in grads.items():
+        if g.layout is not strided:
+            raise TypeError(f"{where}: gradient {dotted(key)!r} is {g.layout}; only dense gradients are supported")
+        if g.is_complex():
+            raise TypeError(
+                f"{where}: gradient {dotted(key)!r} is complex ({g.dtype}); only real gradients are supported"
+            )
+        if params is None:
+            continue
+        p = params.get(key)
+        if p is None:
+            raise ValueError(f"{where}: gradient {dotted(key)!r} has no matching parameter or state")
+        if g.shape != p.shape:
+            raise ValueError(f"{where}: gradient {dotted(key)!r} has shape {tuple(g.shape)}, expected {tuple(p.shape)}")
+        if g.dtype != p.dtype:
+            raise ValueError(f"{where}: gradient {dotted(key)!r} has dtype {g.dtype}, expected {p.dtype}")

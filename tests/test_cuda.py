@@ -121,20 +121,13 @@ def test_newton_schulz_and_muon_run_in_bf16_by_default_on_cuda() -> None:
 
 # --- no host synchronisation ------------------------------------------------------------------------
 
-# Hyperparameters as the user may give them. A tensor momentum is read on the host: torch has no
-# _foreach_lerp overload taking a tensor weight, so the Python binding calls .item() on it
-# (muonfn/transforms/_momentum.py, ema_momentum's two lerps); on CUDA that waits for the device.
-MOMENTUM_HAZARD = pytest.mark.xfail(
-    strict=True,
-    reason="a 0-d tensor momentum reaches torch._foreach_lerp, whose binding reads it with .item() "
-    "(muonfn/transforms/_momentum.py); on CUDA that synchronises",
-)
+# Hyperparameters as the user may give them; a 0-d tensor momentum reaches lerp as a tensor weight.
 HYPERPARAMETERS = [
     pytest.param("floats", id="floats"),
     pytest.param("tensor lr and weight decay", id="tensor-lr-wd"),
     pytest.param("lr schedule", id="schedule"),
     pytest.param("donated state", id="donated"),
-    pytest.param("tensor momentum", id="tensor-momentum", marks=MOMENTUM_HAZARD),
+    pytest.param("tensor momentum", id="tensor-momentum"),
 ]
 
 

@@ -7,14 +7,12 @@ import math
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from .. import _tree
-from .._validation import Scalar, check_grads, check_params, positive, unit_interval
-from ._base import Transform
-from ._state import EXP_AVG, EXP_AVG_SQ, STEP, check_entries
-
-
-def _cast_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return t.to(like.dtype)
+from .. import _lists
+from .._tree import Leaves
+from .._validation import Scalar, check_params, positive, unit_interval
+from ._base import Rule, Scope, Transform, from_rule, per_leaf_needs
+from ._momentum import bias_corrections, cast_zero_dim, per_member
+from ._state import EXP_AVG, EXP_AVG_SQ, STEP
 
 
 def scale_by_adam(
@@ -72,50 +70,34 @@ def scale_by_adam(
             batch_size=params.batch_size,
         )
 
-    def update(
-        grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
-    ) -> tuple[TensorDictBase, TensorDictBase]:
-        check_entries("scale_by_adam", state, (STEP, EXP_AVG, EXP_AVG_SQ))
-        check_grads("scale_by_adam", grads, state[EXP_AVG])
-        keys = _tree.leaf_keys(grads)
-        step, exp_avg, exp_avg_sq = (_tree.subset(state[name], keys) for name in (STEP, EXP_AVG, EXP_AVG_SQ))
+    def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
+        keys, g = list(grads), list(grads.values())
+        step, exp_avg, exp_avg_sq = (scope.read(entry, keys) for entry in (STEP, EXP_AVG, EXP_AVG_SQ))
         if donate_state:
-            step, exp_avg = step.add_(1), exp_avg.lerp_(grads, 1.0 - b1)
-            exp_avg_sq = exp_avg_sq.mul_(b2).addcmul_(grads, grads, value=1.0 - b2)
-        else:  # (addcmul_ has no vmap batching rule)
-            step, exp_avg = step.add(1), exp_avg.lerp(grads, 1.0 - b1)
-            exp_avg_sq = exp_avg_sq.mul(b2).addcmul(grads, grads, value=1.0 - b2)
-        t = step.to(torch.float64)
-        # 1 - beta**t, written with exp so that t may be a tensor
-        bias_correction1 = t.mul(log_b1).exp().neg().add(1.0)
-        bias_correction2_sqrt = t.mul(log_b2).exp().neg().add(1.0).sqrt()
+            step, exp_avg = _lists.apply_("add", step, 1), _lists.lerp(exp_avg, g, 1.0 - b1, inplace=True)
+            exp_avg_sq = _lists.apply_("addcmul", _lists.apply_("mul", exp_avg_sq, b2), g, g, value=1.0 - b2)
+        else:
+            step, exp_avg = _lists.apply("add", step, 1), _lists.lerp(exp_avg, g, 1.0 - b1)
+            # (addcmul_ has no vmap batching rule)
+            exp_avg_sq = _lists.apply("addcmul", _lists.apply("mul", exp_avg_sq, b2), g, g, value=1.0 - b2)
+        for entry, values in ((STEP, step), (EXP_AVG, exp_avg), (EXP_AVG_SQ, exp_avg_sq)):
+            scope.write(entry, keys, values)
+        members = scope.members
+        bias_correction1 = bias_corrections(step, log_b1)
+        bias_correction2_sqrt = bias_corrections(step, log_b2, then=torch.sqrt)
+        # out of place with the fp64 0-d corrections: in place, a 0-d leaf would be promoted, and
+        # under vmap a batched correction is no 0-d operand and would make the division fp64
+        denom = _lists.apply("div", _lists.apply("sqrt", exp_avg_sq), per_member(bias_correction2_sqrt, g, members))
+        denom = _lists.apply_("add", denom, eps)
         if nesterov:
             # beta1 / (1 - beta1**(t+1)) on the moment, (1 - beta1) / (1 - beta1**t) on the gradient
-            moment_weight = t.add(1.0).mul(log_b1).exp().neg().add(1.0).reciprocal().mul(b1)
-            grad_weight = bias_correction1.reciprocal().mul(1.0 - b1)
-        if grads.batch_dims:  # one correction per member: shaped to broadcast over each member's leaf
-            bias_correction1 = _tree.per_member(bias_correction1, grads)
-            bias_correction2_sqrt = _tree.per_member(bias_correction2_sqrt, grads)
-            if nesterov:
-                moment_weight = _tree.per_member(moment_weight, grads)
-                grad_weight = _tree.per_member(grad_weight, grads)
-        # in place on fresh temporaries only (fp64 0-d corrections would promote a 0-d leaf in place)
-        denom = exp_avg_sq.sqrt().div(bias_correction2_sqrt).add_(eps)
-        if nesterov:
-            updates = exp_avg.mul(moment_weight).add(grads.mul(grad_weight)).div_(denom)
+            moment_weight = bias_corrections(step, log_b1, shift=1.0, then=lambda c: c.reciprocal().mul(b1))
+            grad_weight = bias_corrections(step, log_b1, then=lambda c: c.reciprocal().mul(1.0 - b1))
+            updates = _lists.apply("mul", exp_avg, per_member(moment_weight, g, members))
+            updates = _lists.apply_("add", updates, _lists.apply("mul", g, per_member(grad_weight, g, members)))
         else:
-            updates = exp_avg.div(bias_correction1).div_(denom)
-        if any(g.ndim == 0 for g in grads.values(True, True)):
-            # a 0-d leaf meets the 0-d fp64 corrections as an equal and is promoted: cast it back
-            updates = updates.apply(_cast_like, grads)
-        new_state = TensorDict(
-            {
-                STEP: _tree.carry(state[STEP], step),
-                EXP_AVG: _tree.carry(state[EXP_AVG], exp_avg),
-                EXP_AVG_SQ: _tree.carry(state[EXP_AVG_SQ], exp_avg_sq),
-            },
-            batch_size=state.batch_size,
-        )
-        return updates, new_state
+            updates = _lists.apply("div", exp_avg, per_member(bias_correction1, g, members))
+        return dict(zip(keys, cast_zero_dim(_lists.apply_("div", updates, denom), g)))
 
-    return Transform(init, update)
+    needs = per_leaf_needs("scale_by_adam", (EXP_AVG, EXP_AVG_SQ), (STEP,))
+    return from_rule(init, Rule("scale_by_adam", update, needs))

@@ -1,13 +1,23 @@
-"""The Transform contract: a pair of pure functions over TensorDicts."""
+"""The Transform contract: a pair of pure functions over TensorDicts, and the flat path beneath.
+
+Every transform of this package is written once, as a :class:`Rule` over flat
+``{key: tensor}`` dicts: the combinators compose rules, and a TensorDict is flattened and
+rebuilt only at the API boundary, once per update (:class:`RuleUpdate`). A transform
+written by a user over TensorDicts joins a composition through :func:`as_rule`.
+"""
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
 
+import torch
 from tensordict import TensorDict, TensorDictBase
 
-from .. import _tree
-from .._keys import dotted
+from .. import _lists, _tree
+from .._keys import Key, dotted
+from .._tree import FlatState, Leaves
+from .._validation import check_batch, check_leaves
 
 
 class InitFn(Protocol):
@@ -38,6 +48,216 @@ def empty_state(params: TensorDictBase) -> TensorDict:
     return TensorDict({}, batch_size=params.batch_size)
 
 
+class Scope:
+    """The flattened state of one update, as one transform sees it.
+
+    Reads come from the state given; writes go to the state returned, which starts as a
+    copy of it, so that the leaves a transform does not touch (no gradient this step, or
+    another branch's) are carried over without a copy of their own.
+    """
+
+    __slots__ = ("batch_size", "given", "prefix", "returned")
+
+    def __init__(self, given: FlatState, returned: FlatState, prefix: Key, batch_size: torch.Size) -> None:
+        self.given, self.returned, self.prefix, self.batch_size = given, returned, prefix, batch_size
+
+    @property
+    def members(self) -> int:
+        """The batch dimensions of a stacked ensemble (0 for one model)."""
+        return len(self.batch_size)
+
+    def child(self, name: str) -> Scope:
+        """The scope of the state kept under ``name`` (:func:`named`, a partition's branch)."""
+        return Scope(self.given, self.returned, (*self.prefix, name), self.batch_size)
+
+    def read(self, entry: str, keys: Iterable[Key]) -> list[torch.Tensor]:
+        """The state ``entry`` of every leaf of ``keys`` (checked present by :class:`Needs`)."""
+        base, given = (*self.prefix, entry), self.given
+        return [given[(*base, *k)] for k in keys]
+
+    def write(self, entry: str, keys: Iterable[Key], values: Iterable[torch.Tensor]) -> None:
+        base, returned = (*self.prefix, entry), self.returned
+        for k, v in zip(keys, values):
+            returned[(*base, *k)] = v
+
+    def get(self, entry: str) -> torch.Tensor:
+        """A state entry kept once for all leaves (a step count)."""
+        return self.given[(*self.prefix, entry)]
+
+    def set(self, entry: str, value: torch.Tensor) -> None:
+        self.returned[(*self.prefix, entry)] = value
+
+    def subtree(self) -> FlatState:
+        """This scope's part of the state given, keyed relative to it."""
+        n, prefix = len(self.prefix), self.prefix
+        return {k[n:]: v for k, v in self.given.items() if k[:n] == prefix}
+
+    def replace_subtree(self, flat: FlatState) -> None:
+        """Replaces this scope's part of the state returned by ``flat`` (keys relative to it)."""
+        n, prefix = len(self.prefix), self.prefix
+        for k in [k for k in self.returned if k[:n] == prefix]:
+            del self.returned[k]
+        self.returned.update({(*prefix, *k): v for k, v in flat.items()})
+
+
+class Needs:
+    """What an update reads, checked before any transform of a composition runs (a member
+    that updates its state in place must not have run when a later one finds bad input).
+
+    ``entries``: top-level entries a scope must hold (``(where, scope prefix, names)``);
+    ``like``: state leaves that must exist with the gradient's shape and dtype;
+    ``present``: state leaves that must exist; ``params``: whether ``params`` are required.
+    Keys are full (prefixed) state keys, each with the name of the transform that reads it.
+    """
+
+    __slots__ = ("batch_size", "entries", "like", "params", "present")
+
+    def __init__(self, batch_size: torch.Size) -> None:
+        self.batch_size = batch_size
+        self.entries: list[tuple[str, Key, Sequence[str]]] = []
+        self.like: list[tuple[str, Key, Key]] = []
+        self.present: list[tuple[str, Key]] = []
+        self.params: list[str] = []
+
+    def check(
+        self, tree: TensorDictBase | Mapping[str, Any], state: FlatState, grads: Leaves, params: Leaves | None
+    ) -> None:
+        """Raises a ``ValueError`` naming the first thing missing or mismatched (``tree``: the
+        state as given, ``state`` flattened)."""
+        for where, prefix, names in self.entries:
+            node = tree.get(prefix) if prefix and isinstance(tree, TensorDictBase) else tree
+            present = set(node.keys())
+            for name in names:
+                if name not in present:
+                    raise ValueError(
+                        f"{where}: state has no entry {name!r} (it has {sorted(present)}); "
+                        "was it made by this transform's init?"
+                    )
+        if params is None and self.params:
+            raise ValueError(f"{self.params[0]} needs params: call update(grads, state, params)")
+        for where, key in self.present:
+            if key not in state:
+                raise ValueError(f"{where}: state has no entry {dotted(key)!r}; was it made by this transform's init?")
+        for where, key, grad_key in self.like:
+            s = state.get(key)
+            if s is None:
+                raise ValueError(
+                    f"{where}: gradient {dotted(grad_key)!r} has no matching parameter or state "
+                    f"(no {dotted(key)!r} in the state)"
+                )
+            g = grads[grad_key]
+            if s.shape != g.shape:
+                raise ValueError(
+                    f"{where}: gradient {dotted(grad_key)!r} has shape {tuple(g.shape)}, expected {tuple(s.shape)}"
+                )
+            if s.dtype != g.dtype:
+                raise ValueError(f"{where}: gradient {dotted(grad_key)!r} has dtype {g.dtype}, expected {s.dtype}")
+
+
+class Rule(NamedTuple):
+    """A transform's update over flat dicts.
+
+    ``update(grads, scope, params) -> updates``: new leaves for the keys of ``grads``, in
+    their order; state read and written through ``scope``. ``needs(grads, params, prefix,
+    needs)`` adds what it will read to ``needs`` (``prefix``: its scope's).
+    """
+
+    name: str
+    update: Callable[[Leaves, Scope, Leaves | None], Leaves]
+    needs: Callable[[Leaves, Leaves | None, Key, Needs], None]
+
+
+def no_needs(grads: Leaves, params: Leaves | None, prefix: Key, needs: Needs) -> None:
+    """The :attr:`Rule.needs` of a rule that reads no state and no params."""
+
+
+def per_leaf_needs(name: str, entries: Sequence[str], counts: Sequence[str] = ()) -> Callable[..., None]:
+    """The :attr:`Rule.needs` of a rule keeping ``entries`` shaped like each leaf and
+    ``counts`` (one int64 per leaf) in its state."""
+
+    def needs(grads: Leaves, params: Leaves | None, prefix: Key, out: Needs) -> None:
+        out.entries.append((name, prefix, (*entries, *counts)))
+        for entry in entries:
+            out.like += [(name, (*prefix, entry, *k), k) for k in grads]
+        for entry in counts:
+            out.present += [(name, (*prefix, entry, *k)) for k in grads]
+
+    return needs
+
+
+class RuleUpdate:
+    """The TensorDict ``update`` of a :class:`Rule`: flatten, check, run, rebuild."""
+
+    def __init__(self, rule: Rule) -> None:
+        self.rule = rule
+        self.__qualname__ = rule.name
+
+    def __call__(
+        self, grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
+    ) -> tuple[TensorDictBase, TensorDictBase]:
+        name = self.rule.name
+        check_batch(name, grads, state)
+        flat_grads = _tree.flatten(grads)
+        flat_params = None if params is None else _tree.flatten(params)
+        flat_state = _tree.flatten(state, keep_empty=True) if isinstance(state, TensorDictBase) else {}
+        check_leaves(name, flat_grads, flat_params, grads.batch_size)
+        needs = Needs(grads.batch_size)
+        self.rule.needs(flat_grads, flat_params, (), needs)
+        needs.check(state, flat_state, flat_grads, flat_params)
+        scope = Scope(flat_state, dict(flat_state), (), grads.batch_size)
+        updates = _tree.unflatten(self.rule.update(flat_grads, scope, flat_params), grads.batch_size)
+        if not isinstance(state, TensorDictBase) and not scope.returned:
+            return updates, state  # a stateless transform given a plain {}
+        return updates, _tree.unflatten(scope.returned, state.batch_size)
+
+
+def from_rule(init: InitFn, rule: Rule) -> Transform:
+    return Transform(init, RuleUpdate(rule))
+
+
+def as_rule(tx: Transform) -> Rule:
+    """``tx``'s rule; a transform written over TensorDicts is wrapped: its state and
+    gradients are rebuilt as TensorDicts for it (correct, not fast), and it checks its own input."""
+    update = tx.update
+    if isinstance(update, RuleUpdate):
+        return update.rule
+
+    def run(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
+        size = scope.batch_size
+        state = _tree.unflatten(scope.subtree(), size)
+        td_params = None if params is None else _tree.unflatten(params, size)
+        updates, new_state = update(_tree.unflatten(grads, size), state, td_params)
+        scope.replace_subtree(_tree.flatten(new_state, keep_empty=True))
+        flat = _tree.flatten(updates)
+        return {k: flat[k] for k in grads}
+
+    return Rule(getattr(update, "__qualname__", "update").partition(".<locals>")[0], run, no_needs)
+
+
+class StructureCache:
+    """Per-structure results (labels, masks, views) computed once and reused across steps.
+
+    Keyed by the leaves' keys and shapes; a few structures are kept (a model whose
+    parameters alternate between having a gradient and not has more than one).
+    """
+
+    def __init__(self, size: int = 8) -> None:
+        self.size = size
+        self.entries: dict[Hashable, Any] = {}
+
+    def get(self, leaves: Leaves, batch_size: torch.Size, compute: Callable[[], Any]) -> Any:
+        key = (tuple(leaves), tuple(tuple(t.shape) for t in leaves.values()), tuple(batch_size))
+        hit = self.entries.get(key)
+        if hit is None:
+            hit = compute()
+            if torch.compiler.is_compiling():
+                return hit  # a cache changed while tracing would fail the guards and recompile
+            if len(self.entries) >= self.size:
+                del self.entries[next(iter(self.entries))]
+            self.entries[key] = hit
+        return hit
+
+
 def apply_updates(params: TensorDictBase, updates: TensorDictBase) -> TensorDictBase:
     """``params + updates`` leaf by leaf; leaves without an update are returned as they are.
 
@@ -47,11 +267,10 @@ def apply_updates(params: TensorDictBase, updates: TensorDictBase) -> TensorDict
     differs, the sum is taken in the promoted dtype and cast back, as optax does (an fp32
     parameter stays fp32 under fp64 updates).
     """
-    keys = _tree.leaf_keys(updates)
-    known = dict(zip(_tree.leaf_keys(params), _tree.leaves(params)))
+    flat_params, flat_updates = _tree.flatten(params, keep_empty=True), _tree.flatten(updates)
     recast = []
-    for key, u in zip(keys, _tree.leaves(updates)):
-        p = known.get(key)
+    for key, u in flat_updates.items():
+        p = flat_params.get(key)
         if p is None:
             raise ValueError(f"apply_updates: update {dotted(key)!r} has no matching parameter")
         if u.shape != p.shape:
@@ -60,9 +279,10 @@ def apply_updates(params: TensorDictBase, updates: TensorDictBase) -> TensorDict
             )
         if u.dtype != p.dtype:
             recast.append(key)
-    summed = _tree.subset(params, keys).add(updates)
-    if recast:  # a cast for each leaf whose dtype was promoted, none for the others
-        cast, summed_keys = set(recast), _tree.leaf_keys(summed)
-        values = [v.to(known[k].dtype) if k in cast else v for k, v in zip(summed_keys, _tree.leaves(summed))]
-        summed = _tree.build(summed_keys, values, summed)
-    return _tree.carry(params, summed)
+    keys = list(flat_updates)
+    summed = _lists.apply("add", [flat_params[k] for k in keys], list(flat_updates.values()))
+    out = dict(flat_params)
+    out.update(zip(keys, summed))
+    for key in recast:  # a cast for each leaf whose dtype was promoted, none for the others
+        out[key] = out[key].to(flat_params[key].dtype)
+    return _tree.unflatten(out, params.batch_size)

@@ -5,10 +5,9 @@ from __future__ import annotations
 from typing import Literal, TypeAlias
 
 import torch
-from tensordict import TensorDictBase
 
-from .. import _tree
-from ._base import Transform
+from .._tree import Leaves
+from ._base import Rule, Scope, Transform, as_rule, from_rule
 
 CautiousMode: TypeAlias = Literal["heavyball", "pytorch_optimizer"]
 CAUTIOUS_MODES: tuple[str, ...] = ("heavyball", "pytorch_optimizer")
@@ -47,13 +46,10 @@ def cautious(tx: Transform, *, mode: CautiousMode = "heavyball") -> Transform:
     if mode not in CAUTIOUS_MODES:
         raise ValueError(f"cautious: unknown mode {mode!r}; choose one of {list(CAUTIOUS_MODES)}")
 
-    def update(
-        grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
-    ) -> tuple[TensorDictBase, TensorDictBase]:
-        updates, new_state = tx.update(grads, state, params)
-        keys = _tree.leaf_keys(updates)
-        members = updates.batch_dims
-        out = [_masked(u, grads.get(k), mode, members) for k, u in zip(keys, _tree.leaves(updates))]
-        return _tree.build(keys, out, updates), new_state
+    rule = as_rule(tx)
 
-    return Transform(tx.init, update)
+    def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
+        updates = rule.update(grads, scope, params)
+        return {k: _masked(u, grads[k], mode, scope.members) for k, u in updates.items()}
+
+    return from_rule(tx.init, Rule("cautious", update, rule.needs))

@@ -10,10 +10,11 @@ from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor
 
 from .. import _tree
 from .._keys import Key, dotted, resolve_table
-from .._validation import check_inputs, check_params
-from ._base import Transform
+from .._tree import Leaves
+from .._validation import check_params
+from ._base import Needs, Rule, Scope, StructureCache, Transform, as_rule, from_rule
 from ._masks import MaskLike, resolve_mask
-from ._state import NOTFINITE_COUNT, check_entries
+from ._state import NOTFINITE_COUNT
 
 LabelsLike: TypeAlias = Mapping[Any, str] | TensorDictBase | Callable[[TensorDictBase], Mapping[Any, str]]
 
@@ -23,11 +24,6 @@ _EMPTY = TensorDict({}, batch_size=[])
 def _state_keys(tx: Transform) -> list[str]:
     """The top-level state keys a transform owns, read from its state for no parameters."""
     return list(tx.init(_EMPTY).keys())
-
-
-def _name(tx: Transform) -> str:
-    """The function that built ``tx`` (``scale_by_adam``), for error messages."""
-    return getattr(tx.update, "__qualname__", "?").partition(".<locals>")[0]
 
 
 def chain(*transforms: Transform) -> Transform:
@@ -46,7 +42,7 @@ def chain(*transforms: Transform) -> Transform:
                     f"chain: members {seen[key]} and {i} both keep state {key!r}; wrap one in muonfn.named(...)"
                 )
             seen[key] = i
-    members = [f"chain (member {i}, {_name(t)})" for i, t in enumerate(transforms)]  # for errors, named once
+    rules = [as_rule(t) for t in transforms]
 
     def init(params: TensorDictBase) -> TensorDictBase:
         check_params("init", params)
@@ -55,18 +51,17 @@ def chain(*transforms: Transform) -> Transform:
             state.update(t.init(params))
         return state
 
-    def update(
-        grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
-    ) -> tuple[TensorDictBase, TensorDictBase]:
-        for where, keys in zip(members, owned):
-            check_entries(where, state, keys)
-        new_state = TensorDict({}, batch_size=state.batch_size)
-        for t, keys in zip(transforms, owned):
-            grads, member_state = t.update(grads, state.select(*keys), params)
-            new_state.update(member_state)
-        return grads, new_state
+    def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
+        for rule in rules:
+            grads = rule.update(grads, scope, params)
+        return grads
 
-    return Transform(init, update)
+    def needs(grads: Leaves, params: Leaves | None, prefix: Key, out: Needs) -> None:
+        for i, (rule, keys) in enumerate(zip(rules, owned)):
+            out.entries.append((f"chain (member {i}, {rule.name})", prefix, keys))
+            rule.needs(grads, params, prefix, out)
+
+    return from_rule(init, Rule("chain", update, needs))
 
 
 def named(name: str, tx: Transform) -> Transform:
@@ -75,14 +70,16 @@ def named(name: str, tx: Transform) -> Transform:
     def init(params: TensorDictBase) -> TensorDictBase:
         return TensorDict({name: tx.init(params)}, batch_size=params.batch_size)
 
-    def update(
-        grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
-    ) -> tuple[TensorDictBase, TensorDictBase]:
-        check_entries(f"named({name!r})", state, (name,))
-        updates, inner = tx.update(grads, state[name], params)
-        return updates, TensorDict({name: inner}, batch_size=state.batch_size)
+    rule = as_rule(tx)
 
-    return Transform(init, update)
+    def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
+        return rule.update(grads, scope.child(name), params)
+
+    def needs(grads: Leaves, params: Leaves | None, prefix: Key, out: Needs) -> None:
+        out.entries.append((f"named({name!r})", prefix, (name,)))
+        rule.needs(grads, params, (*prefix, name), out)
+
+    return from_rule(init, Rule(f"named({name!r})", update, needs))
 
 
 def label_table(labels: LabelsLike, params: TensorDictBase) -> Mapping[Any, Any]:
@@ -132,30 +129,37 @@ def partition(transforms: Mapping[str, Transform], labels: LabelsLike) -> Transf
             state[name] = t.init(params.select(*[k for k, v in assigned.items() if v == name]))
         return TensorDict(state, batch_size=params.batch_size)
 
-    def update(
-        grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
-    ) -> tuple[TensorDictBase, TensorDictBase]:
-        # every branch's gradients before any branch runs (a branch may update its state in place)
-        check_inputs(where, grads, state, params)
-        check_entries(where, state, transforms)
-        keys = _tree.leaf_keys(grads)
-        assigned = resolve_labels(labels, params if params is not None else grads, transforms)
-        for key in keys:
+    rules = {name: as_rule(t) for name, t in transforms.items()}
+    routes = StructureCache()
+
+    def route(grads: Leaves, params: Leaves | None, batch_size: torch.Size) -> dict[str, list[Key]]:
+        """Each branch's keys of ``grads``, in their order."""
+        tree = params if params is not None else grads
+        assigned = resolve_labels(labels, _tree.unflatten(tree, batch_size), transforms)
+        for key in grads:
             if key not in assigned:
                 raise ValueError(f"partition: gradient {dotted(key)!r} has no matching parameter")
-        out: dict[Key, torch.Tensor] = {}
-        new_state = {}
-        for name, t in transforms.items():
-            mine = [k for k in keys if assigned[k] == name]
-            if not mine:
-                new_state[name] = state[name]
-                continue
-            sub_params = params.select(*mine) if params is not None else None
-            updates, new_state[name] = t.update(grads.select(*mine), state[name], sub_params)
-            out.update(zip(mine, _tree.leaves(updates.select(*mine))))
-        return _tree.build(keys, [out[k] for k in keys], grads), TensorDict(new_state, batch_size=state.batch_size)
+        return {name: [k for k in grads if assigned[k] == name] for name in transforms}
 
-    return Transform(init, update)
+    def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
+        branches = routes.get(grads, scope.batch_size, lambda: route(grads, params, scope.batch_size))
+        out: Leaves = {}
+        for name, keys in branches.items():
+            if keys:
+                sub_params = None if params is None else {k: params[k] for k in keys}
+                out.update(rules[name].update({k: grads[k] for k in keys}, scope.child(name), sub_params))
+        return {k: out[k] for k in grads}
+
+    def needs(grads: Leaves, params: Leaves | None, prefix: Key, out: Needs) -> None:
+        # every branch's input is checked before any branch runs (a branch may update its state in place)
+        out.entries.append((where, prefix, tuple(transforms)))
+        branches = routes.get(grads, out.batch_size, lambda: route(grads, params, out.batch_size))
+        for name, keys in branches.items():
+            if keys:
+                sub_params = None if params is None else {k: params[k] for k in keys}
+                rules[name].needs({k: grads[k] for k in keys}, sub_params, (*prefix, name), out)
+
+    return from_rule(init, Rule(where, update, needs))
 
 
 def masked(tx: Transform, mask: MaskLike) -> Transform:
@@ -169,20 +173,31 @@ def masked(tx: Transform, mask: MaskLike) -> Transform:
     def init(params: TensorDictBase) -> TensorDictBase:
         return tx.init(params.select(*resolve_mask(mask, params, default=False)))
 
-    def update(
-        grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
-    ) -> tuple[TensorDictBase, TensorDictBase]:
-        check_inputs("masked", grads, state, params)
-        chosen = resolve_mask(mask, params if params is not None else grads, default=False)
-        wanted = set(_tree.leaf_keys(grads))
-        mine = [k for k in chosen if k in wanted]
-        if not mine:
-            return grads, state
-        sub_params = params.select(*mine) if params is not None else None
-        updates, state = tx.update(grads.select(*mine), state, sub_params)
-        return _tree.carry(grads, updates), state
+    rule = as_rule(tx)
+    selections = StructureCache()
 
-    return Transform(init, update)
+    def select(grads: Leaves, params: Leaves | None, batch_size: torch.Size) -> list[Key]:
+        tree = params if params is not None else grads
+        return [k for k in resolve_mask(mask, _tree.unflatten(tree, batch_size), default=False) if k in grads]
+
+    def chosen(grads: Leaves, params: Leaves | None, batch_size: torch.Size) -> list[Key]:
+        return selections.get(grads, batch_size, lambda: select(grads, params, batch_size))
+
+    def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
+        mine = chosen(grads, params, scope.batch_size)
+        if not mine:
+            return grads
+        sub_params = None if params is None else {k: params[k] for k in mine}
+        out = dict(grads)
+        out.update(rule.update({k: grads[k] for k in mine}, scope, sub_params))
+        return out
+
+    def needs(grads: Leaves, params: Leaves | None, prefix: Key, out: Needs) -> None:
+        mine = chosen(grads, params, out.batch_size)
+        sub_params = None if params is None else {k: params[k] for k in mine}
+        rule.needs({k: grads[k] for k in mine}, sub_params, prefix, out)
+
+    return from_rule(init, Rule("masked", update, needs))
 
 
 def apply_if_finite(tx: Transform) -> Transform:
@@ -201,21 +216,38 @@ def apply_if_finite(tx: Transform) -> Transform:
         state[NOTFINITE_COUNT] = torch.zeros(params.batch_size, dtype=torch.int64, device=device)
         return state
 
-    def update(
-        grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
-    ) -> tuple[TensorDictBase, TensorDictBase]:
-        check_inputs("apply_if_finite", grads, state, None)
-        check_entries("apply_if_finite", state, (NOTFINITE_COUNT,))
-        values = _tree.leaves(grads)
-        if not values:
-            return grads, state
-        members = grads.batch_dims  # 0 for one model: the whole leaf is tested
-        finite = torch.stack([g.isfinite().flatten(members).all(-1) for g in values]).all(0)
-        inner = state.exclude(NOTFINITE_COUNT)
-        updates, new_inner = tx.update(grads, inner, params)
-        updates = updates.where(finite, 0.0)
-        new_state = new_inner.where(finite, inner)
-        new_state[NOTFINITE_COUNT] = state[NOTFINITE_COUNT] + (~finite).to(torch.int64)
-        return updates, new_state
+    rule = as_rule(tx)
 
-    return Transform(init, update)
+    def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
+        values = list(grads.values())
+        if not values:
+            return grads
+        members = scope.members  # 0 for one model: the whole leaf is tested
+        finite = torch.stack([g.isfinite().flatten(members).all(-1) for g in values]).all(0)
+        count_key = (*scope.prefix, NOTFINITE_COUNT)
+        # the wrapped transform sees its own state only, and writes a trial state
+        inner_given = {k: v for k, v in scope.given.items() if k != count_key}
+        trial = Scope(inner_given, {}, scope.prefix, scope.batch_size)
+        updates = rule.update(grads, trial, params)
+        for key, new in trial.returned.items():
+            old = scope.given.get(key)
+            scope.returned[key] = new if old is None or old is new else _where(finite, new, old, members)
+        scope.set(NOTFINITE_COUNT, scope.get(NOTFINITE_COUNT) + (~finite).to(torch.int64))
+        return {k: _where(finite, u, torch.zeros_like(u), members) for k, u in updates.items()}
+
+    def needs(grads: Leaves, params: Leaves | None, prefix: Key, out: Needs) -> None:
+        out.entries.append(("apply_if_finite", prefix, (NOTFINITE_COUNT,)))
+        rule.needs(grads, params, prefix, out)
+
+    return from_rule(init, Rule("apply_if_finite", update, needs))
+
+
+def _where(condition: torch.Tensor, a: torch.Tensor, b: torch.Tensor, members: int) -> torch.Tensor:
+    """``a`` where ``condition`` (one flag, or one per ensemble member), else ``b``."""
+    if members:
+        condition = condition.reshape(*condition.shape, *[1] * (a.ndim - members))
+    if hasattr(a, "device_mesh"):  # a DTensor leaf takes the flag replicated on its own mesh
+        from torch.distributed.tensor import DTensor, Replicate
+
+        condition = DTensor.from_local(condition, a.device_mesh, [Replicate()] * a.device_mesh.ndim, run_check=False)
+    return torch.where(condition, a, b)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import torch
-from tensordict import TensorDictBase
 
-from .. import _tree
-from .._validation import Scalar, check_grads, non_negative
-from ._arithmetic import scaled
-from ._base import Transform, empty_state
-from ._masks import MaskLike, resolve_mask
+from .. import _lists
+from .._keys import Key
+from .._tree import Leaves
+from .._validation import Scalar, non_negative
+from ._base import Needs, Rule, Scope, StructureCache, Transform, empty_state, from_rule
+from ._masks import MaskLike, resolve_mask_flat
 
 
 def _agreeing(decay: torch.Tensor, u: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -45,21 +45,26 @@ def add_decayed_weights(
     """
     non_negative("weight_decay", weight_decay)
 
-    def update(
-        grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
-    ) -> tuple[TensorDictBase, TensorDictBase]:
-        if isinstance(weight_decay, float | int) and weight_decay == 0:
-            return grads, state
-        if params is None:
-            raise ValueError("add_decayed_weights needs params: call update(grads, state, params)")
-        check_grads("add_decayed_weights", grads, params)
-        keys = resolve_mask(mask, _tree.subset(params, _tree.leaf_keys(grads)), default=True)
-        if not keys:
-            return grads, state
-        current, decay = _tree.subset(grads, keys), scaled(_tree.subset(params, keys), weight_decay)
-        if cautious:  # the mask is read before an in-place add changes the update
-            decay = decay.apply(_agreeing, current, _tree.subset(params, keys))
-        decayed = current.add_(decay) if inplace else current.add(decay)
-        return _tree.carry(grads, decayed), state
+    masks = StructureCache()
 
-    return Transform(empty_state, update)
+    def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
+        if isinstance(weight_decay, float | int) and weight_decay == 0:
+            return grads
+        assert params is not None  # (checked by needs)
+        keys = masks.get(grads, scope.batch_size, lambda: resolve_mask_flat(mask, grads, params, scope.batch_size))
+        if not keys:
+            return grads
+        current, p = [grads[k] for k in keys], [params[k] for k in keys]
+        decay = _lists.scale(p, weight_decay)
+        if cautious:  # the mask is read before an in-place add changes the update
+            decay = [_agreeing(d, u, x) for d, u, x in zip(decay, current, p)]
+        decayed = _lists.apply_("add", current, decay) if inplace else _lists.apply("add", current, decay)
+        out = dict(grads)
+        out.update(zip(keys, decayed))
+        return out
+
+    def needs(grads: Leaves, params: Leaves | None, prefix: Key, out: Needs) -> None:
+        if not (isinstance(weight_decay, float | int) and weight_decay == 0):
+            out.params.append("add_decayed_weights")
+
+    return from_rule(empty_state, Rule("add_decayed_weights", update, needs))

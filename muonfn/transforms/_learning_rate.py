@@ -5,24 +5,30 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from .. import _tree
-from .._validation import Scalar, ScalarOrSchedule, check_inputs, checked_schedule, non_negative
-from ._arithmetic import neg, scaled
-from ._base import Transform, empty_state
-from ._state import COUNT, check_entries
+from .. import _lists
+from .._keys import Key
+from .._tree import Leaves
+from .._validation import Scalar, ScalarOrSchedule, checked_schedule, non_negative
+from ._arithmetic import neg
+from ._base import Needs, Rule, Scope, Transform, empty_state, from_rule, no_needs
+from ._momentum import per_member
+from ._state import COUNT
 
 
-def _scaled_by_schedule(grads: TensorDictBase, lr: Scalar, *, inplace: bool) -> TensorDictBase:
-    """``grads * -lr`` for a schedule's ``lr``: a number, a 0-d tensor, or one value per ensemble member."""
+def _scaled(grads: Leaves, lr: Scalar, members: int, batch_size: torch.Size, *, inplace: bool) -> Leaves:
+    """``grads * -lr`` for ``lr`` a number, a 0-d tensor, or one value per ensemble member."""
+    keys, values = list(grads), list(grads.values())
     if isinstance(lr, torch.Tensor) and lr.ndim:
-        if not grads.batch_dims or lr.shape != grads.batch_size:
+        if not members or lr.shape != batch_size:
             raise ValueError(
                 f"the learning rate schedule returned a tensor of shape {tuple(lr.shape)}; it must be 0-d"
-                + (f" or of the ensemble's batch size {tuple(grads.batch_size)}" if grads.batch_dims else "")
+                + (f" or of the ensemble's batch size {tuple(batch_size)}" if members else "")
             )
-        factor = _tree.per_member(lr.neg(), grads)
-        return grads.mul_(factor) if inplace else grads.mul(factor)
-    return scaled(grads, neg(lr), inplace=inplace)
+        factors = per_member([lr.neg()] * len(values), values, members)
+        out = _lists.apply_("mul", values, factors) if inplace else _lists.apply("mul", values, factors)
+    else:
+        out = _lists.scale(values, neg(lr), inplace=inplace)
+    return dict(zip(keys, out))
 
 
 def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, inplace: bool = False) -> Transform:
@@ -52,23 +58,19 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, inplace: bool = F
                 batch_size=params.batch_size,
             )
 
-        def update(
-            grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
-        ) -> tuple[TensorDictBase, TensorDictBase]:
-            check_inputs("scale_by_learning_rate", grads, state, params)
-            check_entries("scale_by_learning_rate", state, (COUNT,))
-            count = state[COUNT]
-            updates = _scaled_by_schedule(grads, schedule(count), inplace=inplace)
-            return updates, TensorDict({COUNT: count + 1}, batch_size=state.batch_size)
+        def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
+            count = scope.get(COUNT)
+            scope.set(COUNT, count + 1)
+            return _scaled(grads, schedule(count), scope.members, scope.batch_size, inplace=inplace)
 
-        return Transform(init, update)
+        def needs(grads: Leaves, params: Leaves | None, prefix: Key, out: Needs) -> None:
+            out.entries.append(("scale_by_learning_rate", prefix, (COUNT,)))
+
+        return from_rule(init, Rule("scale_by_learning_rate", update, needs))
 
     lr = learning_rate
 
-    def scale(
-        grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
-    ) -> tuple[TensorDictBase, TensorDictBase]:
-        check_inputs("scale_by_learning_rate", grads, state, params)
-        return scaled(grads, neg(lr), inplace=inplace), state
+    def scale(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
+        return _scaled(grads, lr, scope.members, scope.batch_size, inplace=inplace)
 
-    return Transform(empty_state, scale)
+    return from_rule(empty_state, Rule("scale_by_learning_rate", scale, no_needs))

@@ -31,3 +31,10 @@ def resolve_mask(mask: MaskLike, params: TensorDictBase, default: bool) -> list[
         return keys
     flags = {k: bool(flag) for k, flag in resolve_table(mask_table(mask, params), keys).items()}
     return [k for k in keys if flags.get(k, default)]
+
+
+def resolve_mask_flat(mask: MaskLike, grads: _tree.Leaves, params: _tree.Leaves, batch_size: Any) -> list[Key]:
+    """:func:`resolve_mask` over the leaves of ``grads``, a callable mask given the matching params."""
+    if mask is None:
+        return list(grads)
+    return resolve_mask(mask, _tree.unflatten({k: params[k] for k in grads}, batch_size), default=True)

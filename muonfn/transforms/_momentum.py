@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from .. import _tree
-from .._validation import Scalar, check_grads, check_params, unit_interval
+from .. import _lists
+from .._tree import Leaves
+from .._validation import Scalar, check_params, unit_interval
 from ._arithmetic import one_minus
-from ._base import Transform
-from ._state import MOMENTUM, STEP, check_entries
+from ._base import Rule, Scope, Transform, from_rule, per_leaf_needs
+from ._state import MOMENTUM, STEP
 
 NesterovLike = bool | Literal["add"]
 
@@ -66,7 +68,6 @@ def ema_momentum(
         raise ValueError(f"ema_momentum: nesterov must be True, False or 'add', got {nesterov!r}")
     if bias_correction and nesterov == "add":
         raise ValueError("ema_momentum: bias_correction applies to nesterov=True or False, not 'add'")
-    entries = (MOMENTUM, STEP) if bias_correction else (MOMENTUM,)
 
     def init(params: TensorDictBase) -> TensorDictBase:
         check_params("ema_momentum", params)
@@ -76,55 +77,93 @@ def ema_momentum(
             state[STEP] = params.apply(lambda p: p.new_zeros(members, dtype=torch.int64))
         return TensorDict(state, batch_size=params.batch_size)
 
-    def update(
-        grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
-    ) -> tuple[TensorDictBase, TensorDictBase]:
-        check_entries("ema_momentum", state, entries)
-        buf = state[MOMENTUM]
-        check_grads("ema_momentum", grads, buf)
-        keys = _tree.leaf_keys(grads)
-        current = _tree.subset(buf, keys)
-        if donate_state:
-            new_buf = current.lerp_(grads, one_minus(momentum))
-        else:
-            new_buf = current.lerp(grads, one_minus(momentum))
-        new_state = {MOMENTUM: _tree.carry(buf, new_buf)}
+    def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
+        keys, values = list(grads), list(grads.values())
+        buf = _lists.lerp(scope.read(MOMENTUM, keys), values, one_minus(momentum), inplace=donate_state)
+        scope.write(MOMENTUM, keys, buf)
         if bias_correction:
-            step = _tree.subset(state[STEP], keys)
-            step = step.add_(1) if donate_state else step.add(1)
-            new_state[STEP] = _tree.carry(state[STEP], step)
-            updates = _corrected(grads, new_buf, step, momentum, nesterov=bool(nesterov))
+            step = scope.read(STEP, keys)
+            step = _lists.apply_("add", step, 1) if donate_state else _lists.apply("add", step, 1)
+            scope.write(STEP, keys, step)
+            updates = _corrected(values, buf, step, momentum, nesterov=bool(nesterov), members=scope.members)
         elif nesterov == "add":
-            updates = grads.add(new_buf)
+            updates = _lists.apply("add", values, buf)
         elif nesterov:
-            updates = grads.lerp(new_buf, momentum)
+            updates = _lists.lerp(values, buf, momentum)
         else:
-            updates = new_buf
-        return updates, TensorDict(new_state, batch_size=state.batch_size)
+            updates = buf
+        return dict(zip(keys, updates))
 
-    return Transform(init, update)
+    needs = per_leaf_needs("ema_momentum", (MOMENTUM,), (STEP,) if bias_correction else ())
+    return from_rule(init, Rule("ema_momentum", update, needs))
+
+
+def bias_corrections(
+    steps: list[torch.Tensor],
+    log_beta: torch.Tensor | float,
+    *,
+    shift: float = 0.0,
+    then: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """:math:`1-\beta^{t+\text{shift}}` in fp64 for each leaf's step count :math:`t` (0-d, or
+    one per ensemble member), mapped by ``then``, computed in one batch for all leaves:
+    ``beta**t`` as ``exp(t·log beta)`` so that ``t`` stays a tensor."""
+    if not steps:
+        return []
+    if any(hasattr(s, "placements") for s in steps):
+        # replicated DTensor counts, possibly on several meshes: their values are local
+        steps = [s.to_local() if hasattr(s, "placements") else s for s in steps]  # type: ignore[attr-defined]
+    t = torch.stack(steps).to(torch.float64)
+    # padded to whole SIMD vectors: every value then takes the vectorized exp, alone, in a
+    # ``vmap`` batch or compiled, and the corrections are the same bits in each
+    padded = t.new_zeros((-len(steps) % _LANES, *t.shape[1:]))
+    t = torch.cat([t, padded])
+    if shift:
+        t = t.add(shift)
+    corrections = t.mul(log_beta).exp().neg().add(1.0)
+    if then is not None:
+        corrections = then(corrections)
+    return list(corrections.unbind(0))[: len(steps)]
+
+
+#: a multiple of every CPU's doubles per unrolled vector loop step (AVX-512: 2 × 8)
+_LANES = 16
+
+
+def per_member(factors: list[torch.Tensor], like: list[torch.Tensor], members: int) -> list[torch.Tensor]:
+    """One factor per leaf (0-d, or one per ensemble member) shaped to broadcast against the
+    leaf, in its dtype, as a 0-d value would meet it (a dimensioned fp64 factor would
+    promote an fp32 leaf)."""
+    if not members:
+        return factors
+    return [f.reshape(*f.shape, *[1] * (x.ndim - members)).to(x.dtype) for f, x in zip(factors, like)]
+
+
+def cast_zero_dim(updates: list[torch.Tensor], like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A 0-d leaf meets 0-d fp64 factors as an equal and is promoted: cast it back."""
+    if any(x.ndim == 0 for x in like):
+        return [u.to(x.dtype) for u, x in zip(updates, like)]
+    return updates
 
 
 def _corrected(
-    grads: TensorDictBase, buf: TensorDictBase, step: TensorDictBase, momentum: Scalar, *, nesterov: bool
-) -> TensorDictBase:
+    grads: list[torch.Tensor],
+    buf: list[torch.Tensor],
+    step: list[torch.Tensor],
+    momentum: Scalar,
+    *,
+    nesterov: bool,
+    members: int,
+) -> list[torch.Tensor]:
     """optax's bias-corrected momentum (see :func:`ema_momentum`), in the leaves' dtypes."""
     mu = _as64(momentum)
     log_mu = mu.log()  # -inf for mu = 0: then mu**t = 0
-    t = step.to(torch.float64)
-    correction = t.mul(log_mu).exp().neg().add(1.0)  # 1 - mu**t, with exp so that t may be a tensor
+    correction = bias_corrections(step, log_mu)
     if nesterov:
-        moment_weight = t.add(1.0).mul(log_mu).exp().neg().add(1.0).reciprocal().mul(mu)
-        grad_weight = correction.reciprocal().mul(mu.neg().add(1.0))
-        if grads.batch_dims:
-            moment_weight = _tree.per_member(moment_weight, grads)
-            grad_weight = _tree.per_member(grad_weight, grads)
-        updates = buf.mul(moment_weight).add(grads.mul(grad_weight))
+        moment_weight = bias_corrections(step, log_mu, shift=1.0, then=lambda c: c.reciprocal().mul(mu))
+        grad_weight = bias_corrections(step, log_mu, then=lambda c: c.reciprocal().mul(mu.neg().add(1.0)))
+        weighted = _lists.apply("mul", buf, per_member(moment_weight, buf, members))
+        updates = _lists.apply_("add", weighted, _lists.apply("mul", grads, per_member(grad_weight, grads, members)))
     else:
-        if grads.batch_dims:
-            correction = _tree.per_member(correction, grads)
-        updates = buf.div(correction)
-    if any(g.ndim == 0 for g in grads.values(True, True)):
-        # a 0-d leaf meets the 0-d fp64 weights as an equal and is promoted: cast it back
-        updates = updates.apply(lambda u, g: u.to(g.dtype), grads)
-    return updates
+        updates = _lists.apply("div", buf, per_member(correction, buf, members))
+    return cast_zero_dim(updates, grads)

@@ -11,7 +11,8 @@ from tensordict import TensorDictBase
 
 from .. import _tree
 from .._keys import Key, resolve_table
-from .._validation import Scalar, check_inputs
+from .._tree import Leaves
+from .._validation import Scalar
 from ..linalg import (
     DEFAULT_VIEW,
     CoefficientsLike,
@@ -28,7 +29,7 @@ from ..linalg import (
     qr_orthogonal,
     shape_scale,
 )
-from ._base import InitFn, Transform, empty_state
+from ._base import InitFn, Rule, Scope, StructureCache, Transform, empty_state, from_rule, no_needs
 from ._combine import chain
 from ._momentum import ema_momentum
 
@@ -170,18 +171,18 @@ def orthogonalize(
     elif bucket_numel is not None:
         raise ValueError("orthogonalize: bucket_numel configures the local orthogonalizer; set it on the one you pass")
     run = orthogonalizer
+    resolved = StructureCache()
 
-    def update(
-        grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
-    ) -> tuple[TensorDictBase, TensorDictBase]:
-        check_inputs("orthogonalize", grads, state, params)
-        keys = _tree.leaf_keys(grads)
-        values = _tree.leaves(grads)
-        out = run(keys, values, resolve_views(views, keys, values, members=grads.batch_dims), ns, scale_fn)
-        return _tree.build(keys, out, grads), state
+    def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
+        keys, values = list(grads), list(grads.values())
+        leaf_views = resolved.get(
+            grads, scope.batch_size, lambda: resolve_views(views, keys, values, members=scope.members)
+        )
+        return dict(zip(keys, run(keys, values, leaf_views, ns, scale_fn)))
 
     # sharded leaves may be local blocks: their views are checked against global shapes at update
-    return Transform(_view_checker(views) if isinstance(run, LocalOrthogonalizer) else empty_state, update)
+    init = _view_checker(views) if isinstance(run, LocalOrthogonalizer) else empty_state
+    return from_rule(init, Rule("orthogonalize", update, no_needs))
 
 
 def scale_by_shape(
@@ -199,25 +200,30 @@ def scale_by_shape(
         A stateless :class:`Transform`; ``init`` checks that every leaf's view can read it.
     """
     scale_fn = shape_scale(scale, extra_scale)
+    plans = StructureCache()
 
-    def update(
-        grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
-    ) -> tuple[TensorDictBase, TensorDictBase]:
-        check_inputs("scale_by_shape", grads, state, params)
-        keys = _tree.leaf_keys(grads)
-        values = _tree.leaves(grads)
+    def plan(keys: list[Key], values: list[torch.Tensor], members: int) -> list[tuple[MatrixView, list[float]]]:
+        """Each leaf's view (checked) and block scales."""
         out = []
-        for key, g, view in zip(keys, values, resolve_views(views, keys, values, members=grads.batch_dims)):
+        for key, g, view in zip(keys, values, resolve_views(views, keys, values, members=members)):
             view.check(key, g.shape)
-            scales = block_scales(view, g.shape, scale_fn)
+            out.append((view, block_scales(view, g.shape, scale_fn)))
+        return out
+
+    def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
+        keys, values = list(grads), list(grads.values())
+        out = []
+        for g, (view, scales) in zip(
+            values, plans.get(grads, scope.batch_size, lambda: plan(keys, values, scope.members))
+        ):
             if len(scales) == 1:
                 out.append(g.mul(scales[0]))
             else:
-                blocks = [b.mul(s) for b, s in zip(view.to_matrices(g), scales)]
+                blocks = [b.mul(f) for b, f in zip(view.to_matrices(g), scales)]
                 out.append(view.from_matrices(blocks, g.shape))
-        return _tree.build(keys, out, grads), state
+        return dict(zip(keys, out))
 
-    return Transform(_view_checker(views), update)
+    return from_rule(_view_checker(views), Rule("scale_by_shape", update, no_needs))
 
 
 def scale_by_muon(

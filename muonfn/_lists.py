@@ -1,0 +1,89 @@
+"""Arithmetic on lists of leaves: one fused multi-tensor call per op where torch can take it.
+
+``torch._foreach_*`` ops have no batching rule under ``torch.func`` transforms (``vmap``,
+``grad``), and a DTensor list does not mix with a plain 0-d tensor operand; those cases run
+one op per tensor, with the same results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+Tensors = Sequence[torch.Tensor]
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "placements")
+
+
+def _plain(v: Any) -> bool:
+    """A plain tensor operand (a list's first element stands for the list)."""
+    if isinstance(v, list | tuple):
+        v = v[0] if v else None
+    return isinstance(v, torch.Tensor) and not _is_dtensor(v)
+
+
+def _fused(tensors: Tensors, operands: tuple[Any, ...]) -> bool:
+    if torch._C._are_functorch_transforms_active():
+        return False
+    # a plain 0-d tensor operand meets DTensor leaves one at a time (a fused op would put it
+    # on the first leaf's mesh, and leaves may live on several meshes)
+    return not (_is_dtensor(tensors[0]) and any(_plain(v) for v in operands))
+
+
+def apply(op: str, tensors: Tensors, *operands: Any, **kwargs: Any) -> list[torch.Tensor]:
+    """``[t.<op>(*operands) for t in tensors]``; a list operand gives one value per tensor."""
+    if not tensors:
+        return []
+    if _fused(tensors, operands):
+        return list(getattr(torch, f"_foreach_{op}")(tensors, *operands, **kwargs))
+    method = getattr(torch.Tensor, op)
+    per_tensor = [v if isinstance(v, list | tuple) else [v] * len(tensors) for v in operands]
+    return [method(t, *args, **kwargs) for t, *args in zip(tensors, *per_tensor)]
+
+
+def apply_(op: str, tensors: Tensors, *operands: Any, **kwargs: Any) -> list[torch.Tensor]:
+    """``op`` in place on every tensor (``t.<op>_(...)``); returns ``tensors`` as a list."""
+    if tensors and _fused(tensors, operands):
+        getattr(torch, f"_foreach_{op}_")(tensors, *operands, **kwargs)
+        return list(tensors)
+    per_tensor = [v if isinstance(v, list | tuple) else [v] * len(tensors) for v in operands]
+    for t, *args in zip(tensors, *per_tensor):
+        getattr(t, f"{op}_")(*args, **kwargs)
+    return list(tensors)
+
+
+def lerp(starts: Tensors, ends: Tensors, weight: float | torch.Tensor, *, inplace: bool = False) -> list[torch.Tensor]:
+    """``start + weight·(end - start)`` per pair, as ``torch.lerp`` computes it with a Python
+    number ``weight``: in at least fp32.
+
+    A 0-d tensor ``weight`` is never read back to the host (the scalar overload would read
+    it with ``.item()``, a device sync). The tensor-weight kernels round the weight to a
+    bf16/fp16 leaf's dtype, so those leaves are computed in fp32 and rounded once, as the
+    scalar kernel does.
+    """
+    if not isinstance(weight, torch.Tensor):
+        return apply_("lerp", starts, ends, weight) if inplace else apply("lerp", starts, ends, weight)
+    weight = weight.to(torch.float32) if weight.dtype not in _WIDE else weight
+    if all(t.dtype in _WIDE for t in starts):
+        w = [weight] * len(starts)
+        return apply_("lerp", starts, ends, w) if inplace else apply("lerp", starts, ends, w)
+    out = []
+    for start, end in zip(starts, ends):
+        if start.dtype in _WIDE:
+            out.append(start.lerp_(end, weight) if inplace else start.lerp(end, weight))
+        else:
+            wide = start.float().lerp(end.float(), weight).to(start.dtype)
+            out.append(start.copy_(wide) if inplace else wide)
+    return out
+
+
+_WIDE = (torch.float32, torch.float64)
+
+
+def scale(tensors: Tensors, factor: float | torch.Tensor, *, inplace: bool = False) -> list[torch.Tensor]:
+    """``t·factor`` for every tensor (``factor`` a number or a 0-d tensor)."""
+    return apply_("mul", tensors, factor) if inplace else apply("mul", tensors, factor)
