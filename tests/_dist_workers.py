@@ -41,7 +41,13 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import muonfn
 from muonfn._keys import Key
 from muonfn._tree import leaf_keys
-from muonfn.distributed import ShardSpec, TorchCollectives, sharded_orthogonalizer, torch_collectives
+from muonfn.distributed import (
+    CountingCollectives,
+    ShardSpec,
+    TorchCollectives,
+    sharded_orthogonalizer,
+    torch_collectives,
+)
 from muonfn.distributed._layout import Box, placement_layout
 
 EXACT = ("owner", "gather")  # bitwise strategies ("tp_gram" is equal to rounding)
@@ -239,6 +245,36 @@ def plain_shards_and_guards(rank: int, world: int, shim_reference: Reference) ->
         assert "sharded" in str(e) and "collectives=" in str(e)
     else:
         raise AssertionError("a sharded DTensor without collectives must be refused")
+
+
+def replicated_run(rank: int, world: int, reference: Reference) -> None:
+    """Data parallelism over plain tensors: every rank holds the whole model and the same gradients.
+    Each matrix is orthogonalized by one owner (both pipelining orders, both strategies) or by
+    every rank; all bitwise the single-process run. A ``Replicate()`` DTensor is split the same way."""
+    group = torch_collectives(dist.group.WORLD)
+    cases = [("owner", "split", True), ("owner", "split", False), ("gather", "split", True), ("owner", "local", True)]
+    for strategy, mode, overlap in cases:
+        params = reference.params[0].clone()
+        tx = make_tx(collectives=group, strategy=strategy, replicated=mode, overlap=overlap)
+        state = tx.init(params)
+        for grads in reference.grads:
+            updates, state = tx.update(grads, state, params)
+            params = muonfn.apply_updates(params, updates)
+        for key in leaf_keys(params):
+            assert torch.equal(params[key], reference.params[-1][key]), (strategy, mode, overlap, key)
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    full = {"w": torch.randn(10, 6), "v": torch.randn(6, 12)}
+    expected = muonfn.orthogonalize(dtype=torch.float32).update(TensorDict(full, []), TensorDict())[0]
+    leaves = {k: distribute_tensor(v, mesh, [Replicate()], src_data_rank=None) for k, v in full.items()}
+    counted = CountingCollectives(torch_collectives(mesh))
+    tx = muonfn.orthogonalize(dtype=torch.float32, orthogonalizer=sharded_orthogonalizer(counted))
+    out = tx.update(TensorDict(leaves, []), TensorDict())[0]
+    for k in full:
+        assert isinstance(out[k], DTensor) and out[k].placements == (Replicate(),), k
+        assert torch.equal(out[k].to_local(), expected[k]), k
+    assert counted.calls.get("all_to_all_single", 0) >= 1  # the results travel from their owners
 
 
 def dcp_segment(

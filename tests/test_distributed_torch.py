@@ -39,6 +39,11 @@ def test_shard_specs_optim_shim_and_explicit_groups(shim_reference: Reference) -
     run(workers.plain_shards_and_guards, 2, shim_reference)
 
 
+def test_replicated_parameters_split_their_work(reference: Reference) -> None:
+    """DDP-style plain tensors and Replicate() DTensors on 3 ranks: bitwise the single-process run."""
+    run(workers.replicated_run, 3, reference)
+
+
 def test_dcp_checkpoint_reshards_2_to_3_to_1(reference: Reference, tmp_path) -> None:
     """Saved on 2 ranks at step 4, resumed on 3, saved again at step 7, resumed on 1: bitwise the uninterrupted run."""
     first, second = str(tmp_path / "two"), str(tmp_path / "three")

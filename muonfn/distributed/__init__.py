@@ -60,15 +60,39 @@ thread each, over :class:`SimulatedCollectives` that really exchange data;
 :class:`CountingCollectives` counts the bytes any collectives move.
 """
 
-from ._collectives import Collectives, CountingCollectives, TorchCollectives, torch_collectives
+from ._collectives import (
+    FINISHED,
+    AsyncCollectives,
+    Collectives,
+    CountingCollectives,
+    Handle,
+    TorchCollectives,
+    start_all_gather_into_tensor,
+    start_all_to_all_single,
+    torch_collectives,
+)
 from ._layout import ShardSpec
-from ._orthogonalizer import STRATEGIES, ShardedOrthogonalizer, ShardSpecs, Strategy, sharded_orthogonalizer
-from ._simulate import SimulatedCollectives, simulate
+from ._orthogonalizer import (
+    REPLICATED,
+    STRATEGIES,
+    Replicated,
+    ShardedOrthogonalizer,
+    ShardSpecs,
+    Strategy,
+    sharded_orthogonalizer,
+)
+from ._simulate import Link, SimulatedCollectives, simulate
 
 __all__ = [
+    "FINISHED",
+    "REPLICATED",
     "STRATEGIES",
+    "AsyncCollectives",
     "Collectives",
     "CountingCollectives",
+    "Handle",
+    "Link",
+    "Replicated",
     "ShardSpec",
     "ShardSpecs",
     "ShardedOrthogonalizer",
@@ -77,5 +101,7 @@ __all__ = [
     "TorchCollectives",
     "sharded_orthogonalizer",
     "simulate",
+    "start_all_gather_into_tensor",
+    "start_all_to_all_single",
     "torch_collectives",
 ]
