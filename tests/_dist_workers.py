@@ -135,9 +135,16 @@ def check_state_mirrors_params(model: nn.Module, state: TensorDict) -> None:
         assert m.to_local().shape == p.to_local().shape, key  # a shard, not a full copy
 
 
-def exact_run(model: nn.Module, collectives: TorchCollectives, strategy: str, reference: Reference, what: str) -> None:
+def exact_run(
+    model: nn.Module,
+    collectives: TorchCollectives,
+    strategy: str,
+    reference: Reference,
+    what: str,
+    tx: muonfn.Transform | None = None,
+) -> None:
     check_params(model, reference.params[0], f"{what} initial layout")  # muonfn's layout is FSDP's
-    tx = make_tx(collectives=collectives, strategy=strategy)
+    tx = make_tx(collectives=collectives, strategy=strategy) if tx is None else tx
     state = tx.init(TensorDict.from_module(model).detach())
     for step in range(STEPS):
         state = train_step(model, tx, state, step, reference, slice(None))
@@ -275,6 +282,77 @@ def replicated_run(rank: int, world: int, reference: Reference) -> None:
         assert isinstance(out[k], DTensor) and out[k].placements == (Replicate(),), k
         assert torch.equal(out[k].to_local(), expected[k]), k
     assert counted.calls.get("all_to_all_single", 0) >= 1  # the results travel from their owners
+
+
+def donated_state_run(rank: int, world: int, reference: Reference) -> None:
+    """FSDP2 with ``donate_state=True``: the DTensor state is updated in place, bitwise the single-process run."""
+    mesh = init_device_mesh("cpu", (world,))
+    collectives = torch_collectives(mesh)
+    tx = make_tx(collectives=collectives, donate_state=True)
+    exact_run(fsdp(make_net(), mesh), collectives, "owner", reference, "FSDP2 donated", tx=tx)
+
+
+def skipped_step_run(rank: int, world: int, reference: Reference) -> None:
+    """FSDP2 under ``muonfn.apply_if_finite``: a step whose gradient shard on one rank holds a NaN is
+    skipped on every rank (params and DTensor state unchanged, counted once); the run then goes on
+    bitwise as the single-process one without that step."""
+    mesh = init_device_mesh("cpu", (world,))
+    model = fsdp(make_net(), mesh)
+    tx = muonfn.apply_if_finite(make_tx(collectives=torch_collectives(mesh)))
+    state = tx.init(TensorDict.from_module(model).detach())
+    for step in range(STEPS):
+        state = train_step(model, tx, state, step, reference, slice(None))
+        if step == 1:
+            before = {n: p.to_local().clone() for n, p in model.named_parameters()}
+            momentum = state["muon", "momentum", "fc1", "weight"].to_local().clone()
+            grads = {}
+            for name, p in model.named_parameters():
+                local = take(reference.grads[step][key_of(name)], my_box(p))
+                if name == "fc1.weight" and rank == world - 1:
+                    local.view(-1)[0] = float("nan")
+                grads[key_of(name)] = DTensor.from_local(
+                    local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                )
+            with torch.no_grad():
+                params = TensorDict.from_module(model).detach()
+                updates, state = tx.update(TensorDict(grads, []), state, params)
+                new = muonfn.apply_updates(params, updates)
+                for name, p in model.named_parameters():
+                    p.copy_(new[key_of(name)])
+            assert int(state["notfinite_count"]) == 1
+            for name, p in model.named_parameters():
+                assert torch.equal(p.to_local(), before[name]), name
+            assert torch.equal(state["muon", "momentum", "fc1", "weight"].to_local(), momentum)
+    check_params(model, reference.params[-1], "FSDP2 under apply_if_finite")
+
+
+def tensordict_copy_run(rank: int, world: int, reference: Reference) -> None:
+    """Writing a step's result back into FSDP2 parameters with ``TensorDict.copy_``."""
+    mesh = init_device_mesh("cpu", (world,))
+    model = fsdp(make_net(), mesh)
+    tx = make_tx(collectives=torch_collectives(mesh))
+    params = TensorDict.from_module(model)
+    state = tx.init(params.detach())
+    for step in range(STEPS):
+        grads = TensorDict(
+            {
+                key_of(n): DTensor.from_local(
+                    take(reference.grads[step][key_of(n)], my_box(p)),
+                    p.device_mesh,
+                    p.placements,
+                    run_check=False,
+                    shape=p.shape,
+                    stride=p.stride(),
+                )
+                for n, p in model.named_parameters()
+                if key_of(n) in leaf_keys(reference.grads[step])
+            },
+            [],
+        )
+        with torch.no_grad():
+            updates, state = tx.update(grads, state, params.detach())
+            params.detach().copy_(muonfn.apply_updates(params.detach(), updates))
+    check_params(model, reference.params[-1], "FSDP2 written back with TensorDict.copy_")
 
 
 def dcp_segment(
