@@ -9,6 +9,7 @@ import pathlib
 
 import _dist_workers as workers
 import pytest
+import torch
 import torch.distributed as dist
 from _dist_harness import run, run_interpreters
 from _dist_models import Reference, reference_run, shim_reference_run
@@ -77,3 +78,10 @@ def test_dcp_checkpoint_reshards_2_to_3_to_1(reference: Reference, tmp_path) -> 
 def test_fsdp2_run_exits_cleanly() -> None:
     """Real interpreters on 4 ranks (an empty shard), three launches: no rank may crash at exit after the work."""
     run_interpreters(pathlib.Path(__file__).with_name("_teardown_script.py"), 4, repeats=3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not dist.is_nccl_available(), reason="needs a CUDA GPU and NCCL")
+def test_collectives_and_strategies_run_on_cuda() -> None:
+    """NCCL on one GPU per rank (two ranks when two GPUs are there): buffers on the parameters' device."""
+    script = pathlib.Path(__file__).with_name("_cuda_collectives_script.py")
+    run_interpreters(script, min(2, torch.cuda.device_count()), repeats=1)
