@@ -41,7 +41,13 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import muonfn
 from muonfn._keys import Key
 from muonfn._tree import leaf_keys
-from muonfn.distributed import ShardSpec, TorchCollectives, sharded_orthogonalizer, torch_collectives
+from muonfn.distributed import (
+    CountingCollectives,
+    ShardSpec,
+    TorchCollectives,
+    sharded_orthogonalizer,
+    torch_collectives,
+)
 from muonfn.distributed._layout import Box, placement_layout
 
 EXACT = ("owner", "gather")  # bitwise strategies ("tp_gram" is equal to rounding)
@@ -129,9 +135,16 @@ def check_state_mirrors_params(model: nn.Module, state: TensorDict) -> None:
         assert m.to_local().shape == p.to_local().shape, key  # a shard, not a full copy
 
 
-def exact_run(model: nn.Module, collectives: TorchCollectives, strategy: str, reference: Reference, what: str) -> None:
+def exact_run(
+    model: nn.Module,
+    collectives: TorchCollectives,
+    strategy: str,
+    reference: Reference,
+    what: str,
+    tx: muonfn.Transform | None = None,
+) -> None:
     check_params(model, reference.params[0], f"{what} initial layout")  # muonfn's layout is FSDP's
-    tx = make_tx(collectives=collectives, strategy=strategy)
+    tx = make_tx(collectives=collectives, strategy=strategy) if tx is None else tx
     state = tx.init(TensorDict.from_module(model).detach())
     for step in range(STEPS):
         state = train_step(model, tx, state, step, reference, slice(None))
@@ -239,6 +252,107 @@ def plain_shards_and_guards(rank: int, world: int, shim_reference: Reference) ->
         assert "sharded" in str(e) and "collectives=" in str(e)
     else:
         raise AssertionError("a sharded DTensor without collectives must be refused")
+
+
+def replicated_run(rank: int, world: int, reference: Reference) -> None:
+    """Data parallelism over plain tensors: every rank holds the whole model and the same gradients.
+    Each matrix is orthogonalized by one owner (both pipelining orders, both strategies) or by
+    every rank; all bitwise the single-process run. A ``Replicate()`` DTensor is split the same way."""
+    group = torch_collectives(dist.group.WORLD)
+    cases = [("owner", "split", True), ("owner", "split", False), ("gather", "split", True), ("owner", "local", True)]
+    for strategy, mode, overlap in cases:
+        params = reference.params[0].clone()
+        tx = make_tx(collectives=group, strategy=strategy, replicated=mode, overlap=overlap)
+        state = tx.init(params)
+        for grads in reference.grads:
+            updates, state = tx.update(grads, state, params)
+            params = muonfn.apply_updates(params, updates)
+        for key in leaf_keys(params):
+            assert torch.equal(params[key], reference.params[-1][key]), (strategy, mode, overlap, key)
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    full = {"w": torch.randn(10, 6), "v": torch.randn(6, 12)}
+    expected = muonfn.orthogonalize(dtype=torch.float32).update(TensorDict(full, []), TensorDict())[0]
+    leaves = {k: distribute_tensor(v, mesh, [Replicate()], src_data_rank=None) for k, v in full.items()}
+    counted = CountingCollectives(torch_collectives(mesh))
+    tx = muonfn.orthogonalize(dtype=torch.float32, orthogonalizer=sharded_orthogonalizer(counted))
+    out = tx.update(TensorDict(leaves, []), TensorDict())[0]
+    for k in full:
+        assert isinstance(out[k], DTensor) and out[k].placements == (Replicate(),), k
+        assert torch.equal(out[k].to_local(), expected[k]), k
+    assert counted.calls.get("all_to_all_single", 0) >= 1  # the results travel from their owners
+
+
+def donated_state_run(rank: int, world: int, reference: Reference) -> None:
+    """FSDP2 with ``donate_state=True``: the DTensor state is updated in place, bitwise the single-process run."""
+    mesh = init_device_mesh("cpu", (world,))
+    collectives = torch_collectives(mesh)
+    tx = make_tx(collectives=collectives, donate_state=True)
+    exact_run(fsdp(make_net(), mesh), collectives, "owner", reference, "FSDP2 donated", tx=tx)
+
+
+def skipped_step_run(rank: int, world: int, reference: Reference) -> None:
+    """FSDP2 under ``muonfn.apply_if_finite``: a step whose gradient shard on one rank holds a NaN is
+    skipped on every rank (params and DTensor state unchanged, counted once); the run then goes on
+    bitwise as the single-process one without that step."""
+    mesh = init_device_mesh("cpu", (world,))
+    model = fsdp(make_net(), mesh)
+    tx = muonfn.apply_if_finite(make_tx(collectives=torch_collectives(mesh)))
+    state = tx.init(TensorDict.from_module(model).detach())
+    for step in range(STEPS):
+        state = train_step(model, tx, state, step, reference, slice(None))
+        if step == 1:
+            before = {n: p.to_local().clone() for n, p in model.named_parameters()}
+            momentum = state["muon", "momentum", "fc1", "weight"].to_local().clone()
+            grads = {}
+            for name, p in model.named_parameters():
+                local = take(reference.grads[step][key_of(name)], my_box(p))
+                if name == "fc1.weight" and rank == world - 1:
+                    local.view(-1)[0] = float("nan")
+                grads[key_of(name)] = DTensor.from_local(
+                    local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                )
+            with torch.no_grad():
+                params = TensorDict.from_module(model).detach()
+                updates, state = tx.update(TensorDict(grads, []), state, params)
+                new = muonfn.apply_updates(params, updates)
+                for name, p in model.named_parameters():
+                    p.copy_(new[key_of(name)])
+            assert int(state["notfinite_count"]) == 1
+            for name, p in model.named_parameters():
+                assert torch.equal(p.to_local(), before[name]), name
+            assert torch.equal(state["muon", "momentum", "fc1", "weight"].to_local(), momentum)
+    check_params(model, reference.params[-1], "FSDP2 under apply_if_finite")
+
+
+def tensordict_copy_run(rank: int, world: int, reference: Reference) -> None:
+    """Writing a step's result back into FSDP2 parameters with ``TensorDict.copy_``."""
+    mesh = init_device_mesh("cpu", (world,))
+    model = fsdp(make_net(), mesh)
+    tx = make_tx(collectives=torch_collectives(mesh))
+    params = TensorDict.from_module(model)
+    state = tx.init(params.detach())
+    for step in range(STEPS):
+        grads = TensorDict(
+            {
+                key_of(n): DTensor.from_local(
+                    take(reference.grads[step][key_of(n)], my_box(p)),
+                    p.device_mesh,
+                    p.placements,
+                    run_check=False,
+                    shape=p.shape,
+                    stride=p.stride(),
+                )
+                for n, p in model.named_parameters()
+                if key_of(n) in leaf_keys(reference.grads[step])
+            },
+            [],
+        )
+        with torch.no_grad():
+            updates, state = tx.update(grads, state, params.detach())
+            params.detach().copy_(muonfn.apply_updates(params.detach(), updates))
+    check_params(model, reference.params[-1], "FSDP2 written back with TensorDict.copy_")
 
 
 def dcp_segment(

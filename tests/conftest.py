@@ -54,4 +54,4 @@ def device(pytestconfig: pytest.Config) -> torch.device:
 
 # a script that each rank of a torchrun launch runs (see _dist_harness.run_interpreters): importing
 # it, as --doctest-modules would, starts a process group
-collect_ignore = ["_teardown_script.py"]
+collect_ignore = ["_teardown_script.py", "_cuda_collectives_script.py"]

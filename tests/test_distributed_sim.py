@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,6 +26,7 @@ from muonfn._keys import dotted
 from muonfn._tree import leaf_keys
 from muonfn.distributed import (
     CountingCollectives,
+    Link,
     ShardSpec,
     SimulatedCollectives,
     sharded_orthogonalizer,
@@ -120,7 +122,12 @@ def odd_sizes() -> Sharding:
 
 
 def train(
-    col: SimulatedCollectives, reference: Reference, sharding: Sharding, strategy: str, bucket_numel: int
+    col: SimulatedCollectives,
+    reference: Reference,
+    sharding: Sharding,
+    strategy: str,
+    bucket_numel: int,
+    **distributed: Any,
 ) -> tuple[TensorDict, TensorDict, dict[Key, Box]]:
     """This rank's part of the reference run: shards of the reference's gradients in, shards of params out."""
     keys = leaf_keys(reference.params[0])
@@ -130,7 +137,7 @@ def train(
         if spec is not None:
             specs[key] = spec
     params = TensorDict({k: take(reference.params[0][k], boxes[k]) for k in keys}, batch_size=[])
-    tx = make_tx(collectives=col, strategy=strategy, shard_specs=specs, bucket_numel=bucket_numel)
+    tx = make_tx(collectives=col, strategy=strategy, shard_specs=specs, bucket_numel=bucket_numel, **distributed)
     state = tx.init(params)
     for full in reference.grads:
         grads = TensorDict({k: take(full[k], boxes[k]) for k in leaf_keys(full)}, batch_size=[])
@@ -139,7 +146,18 @@ def train(
     return params, state, boxes
 
 
+def replicated() -> Sharding:
+    """Data parallelism: every rank holds every tensor whole, as a plain tensor."""
+
+    def shard(col: SimulatedCollectives, key: Key, shape: torch.Size) -> tuple[Box, ShardSpec | None]:
+        return tuple(((0, n),) for n in shape), None
+
+    return shard
+
+
 LAYOUTS = {
+    "ddp2": (2, replicated),
+    "ddp3": (3, replicated),
     "fsdp1": (1, lambda: fsdp(1)),
     "fsdp2": (2, lambda: fsdp(2)),
     "fsdp3": (3, lambda: fsdp(3)),
@@ -164,6 +182,22 @@ def test_training_matches_single_process_bitwise(reference: Reference, layout: s
         # momentum stays a shard: no rank keeps a full copy
         for key in leaf_keys(state["muon", "momentum"]):
             assert state["muon", "momentum"][key].shape == params[key].shape
+
+
+@pytest.mark.parametrize("replicated_mode", ["split", "local"])
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("layout", ["ddp2", "hsdp2x2"])
+def test_replicated_split_and_overlap_match_single_process_bitwise(
+    reference: Reference, layout: str, overlap: bool, replicated_mode: str
+) -> None:
+    """Both opt-outs (``replicated="local"``, ``overlap=False``) and both defaults give the single-process result."""
+    world, sharding = LAYOUTS[layout]
+    results = simulate(
+        world, train, reference, sharding(), "owner", 1 << 26, replicated=replicated_mode, overlap=overlap
+    )
+    for rank, (params, _, boxes) in enumerate(results):
+        for key in leaf_keys(reference.params[-1]):
+            assert torch.equal(params[key], take(reference.params[-1][key], boxes[key])), f"rank {rank}: {key}"
 
 
 def test_small_buckets_move_in_rounds_and_stay_exact(reference: Reference) -> None:
@@ -324,9 +358,12 @@ def ns_flops(x: torch.Tensor) -> int:
     return x.shape[0] * (4 * m * m * n + 2 * m**3)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("strategy", EXACT)
-def test_owner_balances_flops_and_moves_the_expected_bytes(strategy: str) -> None:
+def test_owner_balances_flops_and_moves_the_expected_bytes(strategy: str, overlap: bool) -> None:
+    """One exchange there and back per step; pipelined, one per shape (4 here), the same bytes."""
     full = gpt_matrices()
+    rounds = 4 if overlap else 1
     world = 4
     total_numel = sum(t.numel() for t in full.values())
     total_flops = sum(ns_flops(t.unsqueeze(0)) for t in full.values())
@@ -340,7 +377,7 @@ def test_owner_balances_flops_and_moves_the_expected_bytes(strategy: str) -> Non
             work.append(ns_flops(x))
             return muonfn.newton_schulz(x, dtype=torch.float32)
 
-        run = sharded_orthogonalizer(counted, strategy=strategy, shard_specs=specs)
+        run = sharded_orthogonalizer(counted, strategy=strategy, shard_specs=specs, overlap=overlap)
         keys = [(k,) for k in full]
         values = [take(v, boxes[k]) for k, v in full.items()]
         run(keys, values, [muonfn.MatrixView()] * len(keys), ns, muonfn.linalg.shape_scale("none"))
@@ -358,11 +395,135 @@ def test_owner_balances_flops_and_moves_the_expected_bytes(strategy: str) -> Non
         # each matrix: W-1 shards to its owner, W-1 shards back (even shards here)
         assert sum(received) == 2 * (world - 1) * total_numel * 4 // world
         assert max(received) <= 1.25 * sum(received) / world
-        assert all(r[3] == {"all_to_all_single": 2} for r in results)
+        assert all(r[3] == {"all_to_all_single": 2 * rounds} for r in results)
     else:
         assert flops == [total_flops] * world
         assert received == [(world - 1) * total_numel * 4 // world] * world
-        assert all(r[3] == {"all_gather_into_tensor": 1} for r in results)
+        assert all(r[3] == {"all_gather_into_tensor": rounds} for r in results)
+
+
+def steady_step(col: Any, full: dict[str, torch.Tensor], sharding: Sharding, **options: Any):
+    """One rank's Newton–Schulz flops, bytes received and calls in a step after the first, and its results."""
+    counted = CountingCollectives(col)
+    boxes, specs = full_and_shards(col, full, sharding)
+    work: list[int] = []
+
+    def ns(x: torch.Tensor) -> torch.Tensor:
+        work.append(ns_flops(x))
+        return muonfn.newton_schulz(x, dtype=torch.float32)
+
+    run = sharded_orthogonalizer(counted, shard_specs=specs, **options)
+    keys = [(k,) for k in full]
+    values = [take(v, boxes[k]) for k, v in full.items()]
+    args = ([muonfn.MatrixView()] * len(keys), ns, muonfn.linalg.shape_scale("none"))
+    run(keys, values, *args)
+    counted.reset()  # the first call also checked that the ranks agree; count a steady step
+    work.clear()
+    out = run(keys, values, *args)
+    return sum(work), counted.bytes_received, counted.calls, dict(zip(full, out)), boxes
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_replicated_matrices_are_orthogonalized_once_and_sent_to_every_rank(overlap: bool) -> None:
+    """Data parallelism on 4 ranks: each rank computes about 1/4 of the flops and receives the other
+    ranks' results, (W-1)/W of the matrices in all; nothing travels to the owners."""
+    full = gpt_matrices()
+    world = 4
+    total_numel = sum(t.numel() for t in full.values())
+    total_flops = sum(ns_flops(t.unsqueeze(0)) for t in full.values())
+    expected = {
+        k: muonfn.newton_schulz(v.unsqueeze(0), dtype=torch.float32)[0] for k, v in full.items()
+    }  # shape_scale("none"): the bare polar factor
+    results = simulate(world, steady_step, full, replicated(), overlap=overlap)
+    flops = [r[0] for r in results]
+    assert sum(flops) == total_flops and max(flops) <= 1.1 * total_flops / world
+    assert sum(r[1] for r in results) == (world - 1) * total_numel * 4
+    for _, _, calls, out, _ in results:
+        assert calls == {"all_to_all_single": 4 if overlap else 1}  # one outward exchange per round
+        for name in full:
+            assert torch.equal(out[name], expected[name]), name
+
+    local = simulate(world, steady_step, full, replicated(), replicated="local")
+    assert all(r[0] == total_flops and r[2] == {} for r in local)  # every rank computes everything, no traffic
+
+
+def test_hsdp_replicas_share_the_work() -> None:
+    """HSDP 2 x 2: with the replicate dimension split, each unit is orthogonalized once in the group;
+    with replicated="local", once per replica group."""
+    full = gpt_matrices(layers=2)
+    total_flops = sum(ns_flops(t.unsqueeze(0)) for t in full.values())
+    expected = {k: muonfn.newton_schulz(v.unsqueeze(0), dtype=torch.float32)[0] for k, v in full.items()}
+    for mode, copies in (("split", 1), ("local", 2)):
+        results = simulate(4, steady_step, full, hsdp(), replicated=mode)
+        flops = [r[0] for r in results]
+        assert sum(flops) == copies * total_flops, mode
+        assert max(flops) <= 1.25 * copies * total_flops / 4, mode
+        for _, _, _, out, boxes in results:
+            for name in full:
+                assert torch.equal(out[name], take(expected[name], boxes[name])), (mode, name)
+
+
+class _OrderRecorder(CountingCollectives):
+    """Records the order of exchanges and Newton–Schulz calls."""
+
+    def __init__(self, inner: Any, events: list[str]) -> None:
+        super().__init__(inner)
+        self.events = events
+
+    def all_to_all_single(self, *args: Any) -> None:
+        self.events.append("exchange")
+        super().all_to_all_single(*args)
+
+    def all_to_all_single_async(self, *args: Any) -> Any:
+        self.events.append("exchange")
+        return super().all_to_all_single_async(*args)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlap_starts_the_next_exchange_before_this_rounds_newton_schulz(overlap: bool) -> None:
+    full = gpt_matrices(layers=2)
+
+    def body(col: SimulatedCollectives):
+        events: list[str] = []
+        recorder = _OrderRecorder(col, events)
+        boxes, specs = full_and_shards(col, full, fsdp(2))
+
+        def ns(x: torch.Tensor) -> torch.Tensor:
+            events.append("ns")
+            return muonfn.newton_schulz(x, dtype=torch.float32)
+
+        run = sharded_orthogonalizer(recorder, shard_specs=specs, overlap=overlap)
+        keys = [(k,) for k in full]
+        values = [take(v, boxes[k]) for k, v in full.items()]
+        run(keys, values, [muonfn.MatrixView()] * len(keys), ns, muonfn.linalg.shape_scale("none"))
+        return events
+
+    for events in simulate(2, body):
+        runs = [e for i, e in enumerate(events) if i == 0 or e != events[i - 1] or e == "exchange"]
+        if overlap:  # in(0), in(1), NS(0), out(0), in(2), NS(1), out(1), ...: four shapes, four rounds
+            assert events.index("ns") >= 2, events  # (a rank owning nothing of round 0 computes later)
+            assert events.count("exchange") == 8
+        else:  # in(0), NS(0) of every shape, out(0): one round
+            assert runs == ["exchange", "ns", "exchange"], events
+
+
+def test_modelled_link_lets_compute_run_during_an_exchange() -> None:
+    """An asynchronous exchange returns at once and takes the link's time on the communication thread."""
+    link = Link(latency_s=0.2)
+
+    def body(col: SimulatedCollectives):
+        out = torch.empty(2 * col.world_size)
+        begin = time.perf_counter()
+        handle = col.all_gather_into_tensor_async(out, torch.full((2,), float(col.rank)))
+        started = time.perf_counter() - begin
+        handle.wait()
+        return started, time.perf_counter() - begin, out.tolist()
+
+    for started, finished, out in simulate(2, body, link=link):
+        assert started < 0.1 <= 0.2 <= finished
+        assert out == [0, 0, 1, 1]
+    with pytest.raises(ValueError, match="bytes_per_s"):
+        Link(bytes_per_s=0)
 
 
 # --------------------------------------------------------------------------- errors
@@ -377,6 +538,23 @@ def test_ranks_passing_different_leaves_get_an_error_not_a_hang() -> None:
 
     with pytest.raises(RuntimeError, match="different leaves"):
         simulate(2, body, timeout=30)
+
+
+def test_replicated_tensors_that_differ_between_ranks_get_an_error() -> None:
+    """Plain tensors are taken as replicated: a rank passing another shape is named, before anything moves."""
+
+    def body(col: SimulatedCollectives):
+        grads = TensorDict({"w": torch.randn(4, 3 + col.rank)}, [])
+        muonfn.orthogonalize(orthogonalizer=sharded(col)).update(grads, TensorDict())
+
+    with pytest.raises(RuntimeError, match="different leaves"):
+        simulate(2, body, timeout=30)
+
+    def local(col: SimulatedCollectives):  # replicated="local" leaves each rank its own matrices
+        grads = TensorDict({"w": torch.randn(4, 3 + col.rank)}, [])
+        return muonfn.orthogonalize(orthogonalizer=sharded(col, replicated="local")).update(grads, TensorDict())[0]
+
+    assert [out["w"].shape for out in simulate(2, local)] == [(4, 3), (4, 4)]
 
 
 def test_shards_that_disagree_off_the_sharded_dim_are_named() -> None:
@@ -415,9 +593,18 @@ def test_bad_configuration_is_refused_up_front() -> None:
     with pytest.raises(TypeError, match="Collectives"):
         sharded(object())  # type: ignore[arg-type]
 
+    with pytest.raises(ValueError, match="replicated='local' takes effect with collectives"):
+        muonfn.muon(replicated="local")
+    with pytest.raises(ValueError, match="overlap=False takes effect with collectives"):
+        muonfn.muon(overlap=False)
+
     def body(col: SimulatedCollectives):
         with pytest.raises(ValueError, match="unknown distributed strategy 'scatter'"):
             muonfn.muon(collectives=col, strategy="scatter")
+        with pytest.raises(ValueError, match="unknown replicated='owner'"):
+            muonfn.muon(collectives=col, replicated="owner")
+        with pytest.raises(TypeError, match="overlap must be True or False"):
+            sharded(col, overlap="yes")  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="ShardSpec"):
             sharded(col, shard_specs={"w": 0})  # type: ignore[dict-item]
         grads = TensorDict({"w": torch.randn(4, 3)}, [])

@@ -9,6 +9,7 @@ import pathlib
 
 import _dist_workers as workers
 import pytest
+import torch
 import torch.distributed as dist
 from _dist_harness import run, run_interpreters
 from _dist_models import Reference, reference_run, shim_reference_run
@@ -39,6 +40,33 @@ def test_shard_specs_optim_shim_and_explicit_groups(shim_reference: Reference) -
     run(workers.plain_shards_and_guards, 2, shim_reference)
 
 
+def test_replicated_parameters_split_their_work(reference: Reference) -> None:
+    """DDP-style plain tensors and Replicate() DTensors on 3 ranks: bitwise the single-process run."""
+    run(workers.replicated_run, 3, reference)
+
+
+def test_fsdp2_donated_state(reference: Reference) -> None:
+    run(workers.donated_state_run, 2, reference)
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="apply_if_finite's finiteness test flattens each gradient (aten.view), which DTensor refuses "
+    "on an unevenly sharded leaf (muonfn/transforms/_combine.py)",
+)
+def test_fsdp2_apply_if_finite_skips_a_step_on_every_rank(reference: Reference) -> None:
+    run(workers.skipped_step_run, 2, reference)
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="TensorDict.copy_ runs aten._foreach_copy_, which has no DTensor sharding strategy in torch 2.13; "
+    "copy leaf by leaf (p.copy_(new[key]))",
+)
+def test_fsdp2_tensordict_copy_writes_the_step_back(reference: Reference) -> None:
+    run(workers.tensordict_copy_run, 2, reference)
+
+
 def test_dcp_checkpoint_reshards_2_to_3_to_1(reference: Reference, tmp_path) -> None:
     """Saved on 2 ranks at step 4, resumed on 3, saved again at step 7, resumed on 1: bitwise the uninterrupted run."""
     first, second = str(tmp_path / "two"), str(tmp_path / "three")
@@ -50,3 +78,10 @@ def test_dcp_checkpoint_reshards_2_to_3_to_1(reference: Reference, tmp_path) -> 
 def test_fsdp2_run_exits_cleanly() -> None:
     """Real interpreters on 4 ranks (an empty shard), three launches: no rank may crash at exit after the work."""
     run_interpreters(pathlib.Path(__file__).with_name("_teardown_script.py"), 4, repeats=3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not dist.is_nccl_available(), reason="needs a CUDA GPU and NCCL")
+def test_collectives_and_strategies_run_on_cuda() -> None:
+    """NCCL on one GPU per rank (two ranks when two GPUs are there): buffers on the parameters' device."""
+    script = pathlib.Path(__file__).with_name("_cuda_collectives_script.py")
+    run_interpreters(script, min(2, torch.cuda.device_count()), repeats=1)

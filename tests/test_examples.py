@@ -173,6 +173,13 @@ def test_fsdp2_torchrun(tmp_path):
         assert "resumed from the DCP checkpoint" in out
 
 
+def test_ddp_torchrun():
+    pytest.importorskip("muonfn.distributed")
+    args = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
+    out = run([*args, str(EXAMPLES / "ddp_torchrun.py"), "--steps", "6"], timeout=180)
+    assert "parameters identical on every rank" in out
+
+
 def test_hf_trainer(tmp_path):
     pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
     pytest.importorskip("muonfn.optim", reason="muonfn.optim (the torch.optim shim) is not available")

@@ -47,6 +47,18 @@ ranks that pass different parameters get an error the first time, not a hang.
 is batch invariant, as fp32 on CPU with one intra-op thread is; ``"tp_gram"`` sums over
 ranks and matches to rounding.
 
+**Replicated matrices** (``replicated=``): plain tensors not named in ``shard_specs`` and
+``Replicate()`` DTensors are whole and equal on every rank (DDP, ZeRO-1). With ``"split"``
+(default) each is orthogonalized by one owner, balanced by flops, which sends the result to
+the others: :math:`1/W` of the compute for :math:`(W-1)S/W` elements received per rank,
+bitwise the single-process result. HSDP's replica groups share their work the same way.
+``"local"`` lets every rank compute every replicated matrix and moves nothing.
+
+**Overlap** (``overlap=``, default ``True``): with :class:`AsyncCollectives` the rounds
+(one shape each) are pipelined, the next round's exchange in flight during this round's
+Newton–Schulz; ``False`` runs exchange and Newton–Schulz strictly in turn. Results are
+bitwise the same either way.
+
 **Checkpoints.** The state is a TensorDict of DTensors, so ``torch.distributed.checkpoint``
 saves it and loads it on any number of ranks (resharding on load). The two lines::
 
@@ -56,19 +68,44 @@ saves it and loads it on any number of ranks (resharding on load). The two lines
 (``dcp.load`` fills the tensors of the freshly initialised state in place.)
 
 **Testing without processes.** :func:`simulate` runs a function on ``W`` virtual ranks, one
-thread each, over :class:`SimulatedCollectives` that really exchange data;
-:class:`CountingCollectives` counts the bytes any collectives move.
+thread each, over :class:`SimulatedCollectives` that really exchange data (asynchronously,
+and over a modelled :class:`Link` if given); :class:`CountingCollectives` counts the bytes
+any collectives move.
 """
 
-from ._collectives import Collectives, CountingCollectives, TorchCollectives, torch_collectives
+from ._collectives import (
+    FINISHED,
+    AsyncCollectives,
+    Collectives,
+    CountingCollectives,
+    Handle,
+    TorchCollectives,
+    start_all_gather_into_tensor,
+    start_all_to_all_single,
+    torch_collectives,
+)
 from ._layout import ShardSpec
-from ._orthogonalizer import STRATEGIES, ShardedOrthogonalizer, ShardSpecs, Strategy, sharded_orthogonalizer
-from ._simulate import SimulatedCollectives, simulate
+from ._orthogonalizer import (
+    REPLICATED,
+    STRATEGIES,
+    Replicated,
+    ShardedOrthogonalizer,
+    ShardSpecs,
+    Strategy,
+    sharded_orthogonalizer,
+)
+from ._simulate import Link, SimulatedCollectives, simulate
 
 __all__ = [
+    "FINISHED",
+    "REPLICATED",
     "STRATEGIES",
+    "AsyncCollectives",
     "Collectives",
     "CountingCollectives",
+    "Handle",
+    "Link",
+    "Replicated",
     "ShardSpec",
     "ShardSpecs",
     "ShardedOrthogonalizer",
@@ -77,5 +114,7 @@ __all__ = [
     "TorchCollectives",
     "sharded_orthogonalizer",
     "simulate",
+    "start_all_gather_into_tensor",
+    "start_all_to_all_single",
     "torch_collectives",
 ]

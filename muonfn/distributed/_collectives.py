@@ -1,8 +1,13 @@
 """The collectives interface, its torch.distributed implementation and a byte counter.
 
-A strategy never calls ``torch.distributed`` itself: it calls the four methods of a
+A strategy never calls ``torch.distributed`` itself: it calls the methods of a
 :class:`Collectives` the caller passed in. That keeps the math testable in one process
 (:func:`muonfn.distributed.simulate`) and makes every process group explicit.
+
+Collectives that also implement the ``*_async`` methods of :class:`AsyncCollectives`
+let the strategies overlap one bucket's exchange with another bucket's Newton–Schulz;
+for those that do not, :func:`start_all_to_all_single` and :func:`start_all_gather_into_tensor`
+run the blocking call and hand back a finished :class:`Handle`.
 """
 
 from __future__ import annotations
@@ -58,12 +63,94 @@ class Collectives(Protocol):
         ...
 
 
+@runtime_checkable
+class Handle(Protocol):
+    """An operation in flight: ``wait()`` returns once its output may be read and its input reused."""
+
+    def wait(self) -> None: ...
+
+
+class _Finished:
+    """The handle of an operation that completed before it was returned."""
+
+    def wait(self) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return "FINISHED"
+
+
+#: A :class:`Handle` with nothing left to wait for.
+FINISHED: Handle = _Finished()
+
+
+@runtime_checkable
+class AsyncCollectives(Collectives, Protocol):
+    """:class:`Collectives` that can also start an exchange and return before it completes.
+
+    Operations of one group complete in the order they were started, on every rank; the
+    caller leaves the buffers of an operation alone until its handle's ``wait()`` returns.
+    """
+
+    def all_gather_into_tensor_async(self, output: torch.Tensor, input: torch.Tensor) -> Handle: ...
+
+    def all_to_all_single_async(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int],
+        input_split_sizes: Sequence[int],
+    ) -> Handle: ...
+
+
+def start_all_to_all_single(
+    group: Collectives,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: Sequence[int],
+    input_split_sizes: Sequence[int],
+    *,
+    overlap: bool,
+) -> Handle:
+    """``group.all_to_all_single``, started without waiting when ``overlap`` and the group can."""
+    start = getattr(group, "all_to_all_single_async", None) if overlap else None
+    if start is not None:
+        handle: Handle = start(output, input, output_split_sizes, input_split_sizes)
+        return handle
+    group.all_to_all_single(output, input, output_split_sizes, input_split_sizes)
+    return FINISHED
+
+
+def start_all_gather_into_tensor(
+    group: Collectives, output: torch.Tensor, input: torch.Tensor, *, overlap: bool
+) -> Handle:
+    """``group.all_gather_into_tensor``, started without waiting when ``overlap`` and the group can."""
+    start = getattr(group, "all_gather_into_tensor_async", None) if overlap else None
+    if start is not None:
+        handle: Handle = start(output, input)
+        return handle
+    group.all_gather_into_tensor(output, input)
+    return FINISHED
+
+
+class _TorchWork:
+    """A ``torch.distributed`` work object as a :class:`Handle`."""
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
+
+    def wait(self) -> None:
+        self.work.wait()
+
+
 class TorchCollectives:
     """:class:`Collectives` over a ``torch.distributed`` process group (gloo or NCCL).
 
     Made by :func:`torch_collectives`. Unequal exchanges use the single-tensor forms
     (``all_to_all_single`` with split sizes, ``all_gather_into_tensor`` of padded
-    buffers), which gloo and NCCL both support.
+    buffers), which gloo and NCCL both support; buffers live on the parameters' device,
+    and the ``*_async`` forms are ``async_op=True`` calls (NCCL: the wait makes the
+    current stream wait for the communication stream).
     """
 
     def __init__(self, group: ProcessGroup, mesh: DeviceMesh | None = None) -> None:
@@ -87,11 +174,10 @@ class TorchCollectives:
         return self._world_size
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        import torch.distributed as dist
+        _all_gather()(output, input, group=self.group)
 
-        # all_gather_single is the newer name (torch >= 2.13 deprecates all_gather_into_tensor)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(output, input, group=self.group)
+    def all_gather_into_tensor_async(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
+        return _TorchWork(_all_gather()(output, input, group=self.group, async_op=True))
 
     def all_to_all_single(
         self,
@@ -103,6 +189,20 @@ class TorchCollectives:
         import torch.distributed as dist
 
         dist.all_to_all_single(output, input, list(output_split_sizes), list(input_split_sizes), group=self.group)
+
+    def all_to_all_single_async(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int],
+        input_split_sizes: Sequence[int],
+    ) -> Handle:
+        import torch.distributed as dist
+
+        work = dist.all_to_all_single(
+            output, input, list(output_split_sizes), list(input_split_sizes), group=self.group, async_op=True
+        )
+        return _TorchWork(work)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         import torch.distributed as dist
@@ -133,6 +233,13 @@ class TorchCollectives:
 
     def __repr__(self) -> str:
         return f"TorchCollectives(rank={self.rank}, world_size={self.world_size}, ranks={self.ranks})"
+
+
+def _all_gather() -> Any:
+    import torch.distributed as dist
+
+    # all_gather_single is the newer name (torch >= 2.13 deprecates all_gather_into_tensor)
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 #: The name torch gives the worker threads of a gloo process group (``ProcessGroupGloo::runLoop``).
@@ -237,8 +344,9 @@ class CountingCollectives:
 
     ``bytes_received`` / ``bytes_sent`` exclude a rank's exchange with itself;
     ``all_reduce`` counts the ring algorithm's ``2(W-1)/W`` of the tensor each way.
-    ``calls`` counts operations by name. Sub-mesh collectives are wrapped too and add
-    to the same counters.
+    ``calls`` counts operations by name (an ``*_async`` call under its blocking name).
+    Sub-mesh collectives are wrapped too and add to the same counters. Its ``*_async``
+    methods start the wrapped collectives' own, or block when those have none.
     """
 
     def __init__(self, inner: Collectives, _counters: _Counters | None = None) -> None:
@@ -276,9 +384,21 @@ class CountingCollectives:
         self._counters.bytes_received += received
         self._counters.calls[name] = self._counters.calls.get(name, 0) + 1
 
-    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> None:
+    def _count_gather(self, input: torch.Tensor) -> None:
         others = self.world_size - 1
         self._count("all_gather_into_tensor", others * input.nbytes, others * input.nbytes)
+
+    def _count_all_to_all(
+        self, input: torch.Tensor, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int]
+    ) -> None:
+        size = input.element_size()
+        me = self.rank
+        sent = sum(n for r, n in enumerate(input_split_sizes) if r != me) * size
+        received = sum(n for r, n in enumerate(output_split_sizes) if r != me) * size
+        self._count("all_to_all_single", sent, received)
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        self._count_gather(input)
         self.inner.all_gather_into_tensor(output, input)
 
     def all_to_all_single(
@@ -288,12 +408,22 @@ class CountingCollectives:
         output_split_sizes: Sequence[int],
         input_split_sizes: Sequence[int],
     ) -> None:
-        size = input.element_size()
-        me = self.rank
-        sent = sum(n for r, n in enumerate(input_split_sizes) if r != me) * size
-        received = sum(n for r, n in enumerate(output_split_sizes) if r != me) * size
-        self._count("all_to_all_single", sent, received)
+        self._count_all_to_all(input, output_split_sizes, input_split_sizes)
         self.inner.all_to_all_single(output, input, output_split_sizes, input_split_sizes)
+
+    def all_gather_into_tensor_async(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
+        self._count_gather(input)
+        return start_all_gather_into_tensor(self.inner, output, input, overlap=True)
+
+    def all_to_all_single_async(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int],
+        input_split_sizes: Sequence[int],
+    ) -> Handle:
+        self._count_all_to_all(input, output_split_sizes, input_split_sizes)
+        return start_all_to_all_single(self.inner, output, input, output_split_sizes, input_split_sizes, overlap=True)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         w = self.world_size

@@ -3,9 +3,10 @@ r"""The sharded orthogonalizer: Newton–Schulz on whole matrices assembled from
 It is an :class:`~muonfn.linalg.Orthogonalizer`, so :func:`muonfn.orthogonalize` takes it
 like the local one. Leaves are DTensors (their placements say how they are sharded),
 plain tensors named in ``shard_specs`` (local shards, see :class:`ShardSpec`) or plain
-tensors (whole matrices, orthogonalized locally). A :class:`~._plan.Plan` per set of
-leaves says which piece goes where; the strategy (``"owner"``, ``"gather"``,
-``"tp_gram"``) carries it out.
+tensors (whole matrices, replicated over the collectives' ranks). A :class:`~._plan.Plan`
+per set of leaves says which piece goes where; the strategy (``"owner"``, ``"gather"``,
+``"tp_gram"``) carries it out, and ``replicated`` says whether matrices several ranks hold
+whole are orthogonalized once (``"split"``) or by each of them (``"local"``).
 
 Orientation and scale always come from a unit's global shape, and ``"owner"`` and
 ``"gather"`` run the math on the assembled tensor, so their results are bitwise the
@@ -23,14 +24,18 @@ import torch
 from .._keys import Key, resolve_table
 from ..linalg import DEFAULT_BUCKET_NUMEL, MatrixFn, MatrixView, ScaleFn, check_bucket_numel, orthogonalize_blocks
 from ._collectives import Collectives
-from ._gather import run_gather
+from ._gather import GatherRound
 from ._layout import ShardSpec
-from ._owner import run_owner
+from ._owner import OwnerRound
+from ._pipeline import Round, run_rounds
 from ._plan import Leaf, Plan, describe, make_plan
 from ._tp_gram import run_tp_gram
 
 Strategy: TypeAlias = Literal["owner", "gather", "tp_gram"]
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
+
+Replicated: TypeAlias = Literal["split", "local"]
+REPLICATED: tuple[str, ...] = get_args(Replicated)
 
 ShardSpecs: TypeAlias = Mapping[Any, ShardSpec]
 
@@ -41,12 +46,20 @@ class ShardedOrthogonalizer:
     """Orthogonalizes sharded leaves as whole matrices through ``collectives`` (see :func:`sharded_orthogonalizer`)."""
 
     def __init__(
-        self, collectives: Collectives, strategy: Strategy, shard_specs: ShardSpecs, bucket_numel: int
+        self,
+        collectives: Collectives,
+        strategy: Strategy,
+        shard_specs: ShardSpecs,
+        bucket_numel: int,
+        replicated: Replicated,
+        overlap: bool,
     ) -> None:
         self.collectives = collectives
         self.strategy = strategy
         self.shard_specs = dict(shard_specs)
         self.bucket_numel = bucket_numel
+        self.replicated = replicated
+        self.overlap = overlap
         self._plans: dict[tuple[Any, ...], Plan] = {}
 
     def _plan(self, group: Any, members: list[Leaf]) -> Plan:
@@ -55,7 +68,14 @@ class ShardedOrthogonalizer:
         if plan is None:
             if len(self._plans) >= 16:
                 self._plans.clear()
-            plan = make_plan(group, members, self.strategy, self.bucket_numel)
+            plan = make_plan(
+                group,
+                members,
+                self.strategy,
+                self.bucket_numel,
+                split_replicated=self.replicated == "split",
+                pipelined=self.overlap,
+            )
             self._plans[key] = plan.with_leaves([])  # the cache keeps no tensors alive
         return plan.with_leaves(members)
 
@@ -69,8 +89,9 @@ class ShardedOrthogonalizer:
     ) -> list[torch.Tensor]:
         # specs for leaves without a gradient this step, or routed elsewhere, are skipped
         declared = resolve_table(self.shard_specs, keys)
+        split = self.replicated == "split"
         leaves = [
-            describe(i, key, value, view, declared.get(key), self.collectives)
+            describe(i, key, value, view, declared.get(key), self.collectives, split_replicated=split)
             for i, (key, value, view) in enumerate(zip(keys, tensors, views))
         ]
         groups: dict[int, tuple[Any, list[Leaf]]] = {}
@@ -89,33 +110,44 @@ class ShardedOrthogonalizer:
             whole += [
                 (leaf, layout.shape) for leaf, layout, local in zip(plan.leaves, plan.layouts, plan.local) if local
             ]
-        done = orthogonalize_blocks(
-            [leaf.local for leaf, _ in whole],
-            [leaf.view for leaf, _ in whole],
-            ns,
-            scale,
-            bucket_numel=self.bucket_numel,
-            shapes=[shape for _, shape in whole],
-        )
-        for (leaf, _), result in zip(whole, done):
-            out[leaf.index] = leaf.wrap(result)
 
+        def orthogonalize_whole() -> None:
+            done = orthogonalize_blocks(
+                [leaf.local for leaf, _ in whole],
+                [leaf.view for leaf, _ in whole],
+                ns,
+                scale,
+                bucket_numel=self.bucket_numel,
+                shapes=[shape for _, shape in whole],
+            )
+            for (leaf, _), result in zip(whole, done):
+                out[leaf.index] = leaf.wrap(result)
+
+        results = {id(plan): [torch.empty_like(leaf.local) for leaf in plan.leaves] for _, plan in plans_now}
+        rounds: list[Round] = []
         for group, plan in plans_now:
-            results = [torch.empty_like(leaf.local) for leaf in plan.leaves]
             for gram_batch in plan.gram:
-                run_tp_gram(group, plan, gram_batch, results, ns, scale)
-            run = run_gather if self.strategy == "gather" else run_owner
+                run_tp_gram(group, plan, gram_batch, results[id(plan)], ns, scale)
             for round_batches in plan.rounds:
                 for batch in round_batches:
-                    run(group, plan, batch, results, ns, scale, self.bucket_numel)
-            for leaf, local, result in zip(plan.leaves, plan.local, results):
+                    kind = GatherRound if batch.gathered else OwnerRound
+                    rounds.append(
+                        kind(group, plan, batch, results[id(plan)], ns, scale, self.bucket_numel, overlap=self.overlap)
+                    )
+        # the first exchange is in flight while the matrices that need none are orthogonalized
+        run_rounds(rounds, overlap=self.overlap, meanwhile=orthogonalize_whole)
+        for _, plan in plans_now:
+            for leaf, local, result in zip(plan.leaves, plan.local, results[id(plan)]):
                 if not local:
                     out[leaf.index] = leaf.wrap(result)
         assert all(t is not None for t in out)
         return out  # type: ignore[return-value]
 
     def __repr__(self) -> str:
-        return f"ShardedOrthogonalizer({self.collectives!r}, strategy={self.strategy!r})"
+        return (
+            f"ShardedOrthogonalizer({self.collectives!r}, strategy={self.strategy!r}, "
+            f"replicated={self.replicated!r}, overlap={self.overlap})"
+        )
 
 
 def sharded_orthogonalizer(
@@ -124,6 +156,8 @@ def sharded_orthogonalizer(
     strategy: Strategy = "owner",
     shard_specs: ShardSpecs | None = None,
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+    replicated: Replicated = "split",
+    overlap: bool = True,
 ) -> ShardedOrthogonalizer:
     """The :class:`~muonfn.linalg.Orthogonalizer` of sharded parameters, for :func:`muonfn.orthogonalize`.
 
@@ -133,6 +167,16 @@ def sharded_orthogonalizer(
         strategy: ``"owner"`` (default), ``"gather"`` or ``"tp_gram"`` (see :mod:`muonfn.distributed`).
         shard_specs: plain local tensors that are shards, by parameter name (:class:`ShardSpec`).
         bucket_numel: at most this many elements of whole matrices per rank and round.
+        replicated: matrices several ranks hold whole, and the replicas of sharded ones (HSDP):
+            ``"split"`` (default) orthogonalizes each once, on an owner balanced by flops, which
+            sends the result to the other holders (:math:`1/W` of the compute for
+            :math:`(W-1)S/W` elements received per rank); ``"local"`` lets every holder (every
+            replica group) compute it, moving nothing. Plain tensors not named in
+            ``shard_specs`` are taken to be replicated, equal on every rank of ``collectives``
+            (data parallelism); with ``"local"`` they need not be.
+        overlap: pipeline the rounds: start one round's exchange before another's
+            Newton–Schulz (rounds then hold one shape each, and up to three rounds' buffers
+            are alive at once). ``False`` runs exchange and Newton–Schulz strictly in turn.
 
     Returns:
         An orthogonalizer returning each leaf with its input's type, placements and local shape.
@@ -144,8 +188,12 @@ def sharded_orthogonalizer(
         raise TypeError(f"collectives must implement muonfn.distributed.Collectives, got {collectives!r}")
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown distributed strategy {strategy!r}; choose one of {list(STRATEGIES)}")
+    if replicated not in REPLICATED:
+        raise ValueError(f"unknown replicated={replicated!r}; choose one of {list(REPLICATED)}")
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap must be True or False, got {overlap!r}")
     specs = dict(shard_specs or {})
     for name, spec in specs.items():
         if not isinstance(spec, ShardSpec):
             raise TypeError(f"shard_specs[{name!r}] must be a muonfn.distributed.ShardSpec, got {spec!r}")
-    return ShardedOrthogonalizer(collectives, strategy, specs, check_bucket_numel(bucket_numel))
+    return ShardedOrthogonalizer(collectives, strategy, specs, check_bucket_numel(bucket_numel), replicated, overlap)

@@ -4,6 +4,12 @@ Shards travel to their unit's owner in one ``all_to_all_single`` per round, the 
 orthogonalize (same shapes batched), and the results travel back the same way. Each rank
 computes about :math:`1/W` of the work and receives about :math:`2(W-1)S/W^2` of the
 :math:`S` matrix elements.
+
+The same round moves replicated units (every holder keeps the whole matrix, as under
+data parallelism): nothing comes in, the owner orthogonalizes its own copy and sends the
+result to the other holders, :math:`(W-1)S/W` elements received per rank, as an
+all-gather would, for :math:`1/W` of the compute. Pieces an owner holds itself never
+enter a buffer, and an exchange no rank has anything to send in is skipped.
 """
 
 from __future__ import annotations
@@ -11,55 +17,94 @@ from __future__ import annotations
 import torch
 
 from ..linalg import MatrixFn, ScaleFn
-from ._collectives import Collectives
+from ._collectives import FINISHED, Collectives, Handle, start_all_to_all_single
 from ._layout import copy_into, copy_out
 from ._plan import Batch, Plan, box_numel, box_shape, local_units, orthogonalize_units
 
 
-def run_owner(
-    group: Collectives,
-    plan: Plan,
-    batch: Batch,
-    results: list[torch.Tensor],
-    ns: MatrixFn,
-    scale: ScaleFn,
-    cap: int,
-) -> None:
-    me, units = group.rank, plan.units
+class OwnerRound:
+    """One round of the owner exchange (see :mod:`._pipeline` for the phases)."""
 
-    def my_piece(u: int) -> tuple[int, tuple[int, ...]]:
-        box = units[u].holders[me][1]
-        return box_numel(box), box_shape(box)
+    def __init__(
+        self,
+        group: Collectives,
+        plan: Plan,
+        batch: Batch,
+        results: list[torch.Tensor],
+        ns: MatrixFn,
+        scale: ScaleFn,
+        cap: int,
+        *,
+        overlap: bool,
+    ) -> None:
+        self.group, self.plan, self.batch, self.results = group, plan, batch, results
+        self.ns, self.scale, self.cap, self.overlap = ns, scale, cap, overlap
+        self.handle: Handle = FINISHED
+        self.buffers: tuple[torch.Tensor, ...] = ()
+        self.sources = [leaf.local for leaf in plan.leaves]
 
-    send = torch.empty(sum(batch.send_splits), dtype=batch.dtype, device=batch.device)
-    offset = 0
-    for u, pos, _ in batch.sends:
-        n, shape = my_piece(u)
-        send[offset : offset + n].view(shape).copy_(
-            local_units(plan, units[u].leaf, plan.leaves[units[u].leaf].local)[pos]
+    def _empty(self, n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=self.batch.dtype, device=self.batch.device)
+
+    def _piece(self, tensors: list[torch.Tensor], u: int, pos: int) -> torch.Tensor:
+        leaf = self.plan.units[u].leaf
+        return local_units(self.plan, leaf, tensors[leaf])[pos]
+
+    def start(self) -> None:
+        batch = self.batch
+        if not batch.exchange_in:
+            return
+        send, recv = self._empty(sum(batch.send_splits)), self._empty(sum(batch.recv_splits))
+        offset = 0
+        for u, pos, _ in batch.sends:
+            piece = self._piece(self.sources, u, pos)
+            send[offset : offset + piece.numel()].view(piece.shape).copy_(piece)
+            offset += piece.numel()
+        self.buffers = (send, recv)
+        self.handle = start_all_to_all_single(
+            self.group, recv, send, batch.recv_splits, batch.send_splits, overlap=self.overlap
         )
-        offset += n
-    recv = torch.empty(sum(batch.recv_splits), dtype=batch.dtype, device=batch.device)
-    group.all_to_all_single(recv, send, batch.recv_splits, batch.send_splits)
 
-    owned = sorted({u for u, _, _ in batch.recvs})
-    fulls = {u: torch.empty(units[u].shape, dtype=batch.dtype, device=batch.device) for u in owned}
-    offset = 0
-    for u, _, box in batch.recvs:
-        n = box_numel(box)
-        copy_into(fulls[u], recv[offset : offset + n].view(box_shape(box)), box)
-        offset += n
-    done = orthogonalize_units(plan, owned, fulls, ns, scale, cap)
-    del fulls
-    offset = 0
-    for u, _, box in batch.recvs:  # the buffer goes back the way it came
-        n = box_numel(box)
-        copy_out(done[u], box, recv[offset : offset + n].view(box_shape(box)))
-        offset += n
-    group.all_to_all_single(send, recv, batch.send_splits, batch.recv_splits)
+    def compute(self) -> None:
+        batch, units = self.batch, self.plan.units
+        self.handle.wait()
+        recv = self.buffers[1] if self.buffers else None
+        fulls = {u: torch.empty(units[u].shape, dtype=batch.dtype, device=batch.device) for u in batch.owned}
+        for u, pos, box in batch.kept_in:
+            copy_into(fulls[u], self._piece(self.sources, u, pos), box)
+        offset = 0
+        for u, _, box in batch.recvs:
+            assert recv is not None
+            n = box_numel(box)
+            copy_into(fulls[u], recv[offset : offset + n].view(box_shape(box)), box)
+            offset += n
+        self.buffers = ()
+        done = orthogonalize_units(self.plan, batch.owned, fulls, self.ns, self.scale, self.cap)
+        del fulls
+        for u, pos, box in batch.kept_out:
+            copy_out(done[u], box, self._piece(self.results, u, pos))
+        if not batch.exchange_out:
+            self.handle = FINISHED
+            return
+        send, recv = self._empty(sum(batch.return_splits)), self._empty(sum(batch.get_splits))
+        offset = 0
+        for u, _, box in batch.returns:
+            n = box_numel(box)
+            copy_out(done[u], box, send[offset : offset + n].view(box_shape(box)))
+            offset += n
+        self.buffers = (send, recv)
+        self.handle = start_all_to_all_single(
+            self.group, recv, send, batch.get_splits, batch.return_splits, overlap=self.overlap
+        )
 
-    offset = 0
-    for u, pos, _ in batch.sends:
-        n, shape = my_piece(u)
-        local_units(plan, units[u].leaf, results[units[u].leaf])[pos].copy_(send[offset : offset + n].view(shape))
-        offset += n
+    def finish(self) -> None:
+        self.handle.wait()
+        if not self.buffers:
+            return
+        recv = self.buffers[1]
+        offset = 0
+        for u, pos, _ in self.batch.gets:
+            piece = self._piece(self.results, u, pos)
+            piece.copy_(recv[offset : offset + piece.numel()].view(piece.shape))
+            offset += piece.numel()
+        self.buffers = ()

@@ -1,16 +1,24 @@
 r"""Planning a distributed Newton–Schulz step: which piece of which matrix goes where.
 
 A leaf is cut into *units*: one per index of its view's batch dimensions (an expert of
-an MoE weight), the whole leaf otherwise. A unit every holder keeps whole (experts
-sharded over ranks, a replicated weight) is orthogonalized where it lies; the others are
-assembled on an owner (``"owner"``), on every rank (``"gather"``), or, for ``"tp_gram"``,
-left in place when the Gram matrix can be summed instead.
+an MoE weight), the whole leaf otherwise. A unit its only holder keeps whole (experts
+sharded over ranks) is orthogonalized where it lies. A unit several ranks keep whole (a
+replicated weight: a plain tensor under data parallelism, a ``Replicate()`` DTensor,
+experts under HSDP) is orthogonalized by one of them, which sends the result to the
+others (``replicated="split"``), or by each of them (``replicated="local"``). The other
+units are assembled on an owner (``"owner"``), on every rank (``"gather"``), or, for
+``"tp_gram"``, left in place when the Gram matrix can be summed instead.
 
 Owners are chosen per unit by longest-processing-time first: heaviest unit first (flops
 :math:`4m^2n + 2m^3` per Newton–Schulz step, :math:`m \le n`), each to the least loaded
-position, ties to the rank already holding most of it. Replicas (HSDP) each get the same
-position, so exchanges stay inside a replica. Units then move in rounds of at most
-``bucket_numel`` elements of whole matrices per rank.
+candidate, ties to the rank already holding most of it. With ``replicated="split"`` a
+sharded unit with replicas (HSDP) has one owner in the whole group: the holders of the
+owner's replica send it their shards, and it sends every holder of every replica its
+shard of the result. With ``replicated="local"`` each replica gets an owner at the same
+position and exchanges stay inside a replica. Units then move in rounds of at most
+``bucket_numel`` elements of whole matrices per rank; when the rounds are to be
+pipelined, each round also holds a single shape (one Newton–Schulz batch), so that one
+round's exchange can run during another's Newton–Schulz.
 
 A plan depends only on keys, shapes, layouts, views and dtypes: it is made once, after one
 small exchange that checks the ranks agree, and reused every step.
@@ -29,7 +37,16 @@ import torch
 
 from .._keys import Key, dotted
 from ..linalg import MatrixFn, MatrixView, ScaleFn, newton_schulz_flops, orthogonalize_blocks
-from ._layout import Box, Layout, ShardSpec, length, placement_global_shape, placement_layout, sizes_layout
+from ._layout import (
+    Box,
+    Layout,
+    ShardSpec,
+    length,
+    placement_global_shape,
+    placement_layout,
+    replicated_layout,
+    sizes_layout,
+)
 
 
 @dataclass
@@ -46,6 +63,7 @@ class Leaf:
     coords: tuple[int, ...] | None = None  # group rank of each mesh coordinate, row-major
     shape: tuple[int, ...] | None = None  # global shape, known up front for DTensors
     spec: ShardSpec | None = None
+    replicated: bool = False  # a plain tensor every rank of the group holds whole
     wrap: Callable[[torch.Tensor], torch.Tensor] = field(default=lambda t: t)
 
     @property
@@ -56,7 +74,7 @@ class Leaf:
         """What the plan depends on."""
         spec = None if self.spec is None else (self.spec.dim, self.spec.placements, self.spec.mesh_shape)
         local_shape = tuple(self.local.shape) if self.spec is not None else None
-        layout = (self.shape, local_shape, self.mesh_shape, self.placements, self.coords, spec)
+        layout = (self.shape, local_shape, self.mesh_shape, self.placements, self.coords, spec, self.replicated)
         return (self.key, *layout, self.local.dtype, self.local.device, self.view)
 
 
@@ -69,9 +87,17 @@ def _dtensor_type() -> Any:
 
 
 def describe(
-    index: int, key: Key, value: torch.Tensor, view: MatrixView, spec: ShardSpec | None, collectives: Any
+    index: int,
+    key: Key,
+    value: torch.Tensor,
+    view: MatrixView,
+    spec: ShardSpec | None,
+    collectives: Any,
+    *,
+    split_replicated: bool,
 ) -> Leaf:
-    """A leaf with the group it is sharded over: a DTensor's mesh, a ShardSpec's group, or none."""
+    """A leaf with the group it is sharded over: a DTensor's mesh, a ShardSpec's group, the
+    collectives for a plain tensor (replicated over them) when ``split_replicated``, or none."""
     dtensor = _dtensor_type()
     name = dotted(key)
     if dtensor is not None and isinstance(value, dtensor):
@@ -98,6 +124,8 @@ def describe(
             )
         coords = tuple(range(group.world_size))
         return Leaf(index, key, value, view, group, spec.mesh_shape, spec.placements, coords, spec=spec)
+    if split_replicated and collectives.world_size > 1:
+        return Leaf(index, key, value, view, collectives, shape=tuple(value.shape), replicated=True)
     return Leaf(index, key, value, view)
 
 
@@ -106,7 +134,7 @@ def handshake(group: Any, leaves: Sequence[Leaf]) -> list[list[tuple[int, ...]] 
     shape of each ShardSpec leaf (``None`` for DTensors, whose global shape is known)."""
     described = "|".join(
         f"{leaf.name}:{leaf.shape}:{leaf.local.ndim}:{leaf.local.dtype}:{leaf.view}:{leaf.placements}:"
-        f"{None if leaf.spec is None else leaf.spec.dim}"
+        f"{None if leaf.spec is None else leaf.spec.dim}:{leaf.replicated}"
         for leaf in leaves
     )
     payload = [n for leaf in leaves if leaf.spec is not None for n in leaf.local.shape]
@@ -140,6 +168,9 @@ def handshake(group: Any, leaves: Sequence[Leaf]) -> list[list[tuple[int, ...]] 
 
 def layout_of(leaf: Leaf, local_shapes: Sequence[Sequence[int]] | None) -> Layout:
     """The leaf's layout over its group, checked against the local shapes known."""
+    if leaf.replicated:
+        assert leaf.shape is not None
+        return replicated_layout(leaf.shape, leaf.group.world_size)
     try:
         if leaf.spec is not None and leaf.spec.dim is not None:
             assert local_shapes is not None
@@ -187,10 +218,19 @@ class Unit:
     layout: Layout
     holders: dict[int, tuple[int, Box]]  # group rank -> (its local batch position, its box of the unit)
     cost: int
-    owner: int = 0  # position of the owner, the same in every replica
+    gathered: bool = False  # "gather": every holder assembles it; else it goes to owners
+    one_owner: bool = False  # one owner serves every replica (else one owner per replica)
+    held_whole: bool = False  # every holder keeps all of it: the owner is one of them, nothing comes in
+    owners: list[int] = field(default_factory=list)  # group ranks; one per replica unless one_owner
 
-    def owners(self) -> list[int]:
-        return [self.layout.rank_at(rep, self.owner) for rep in range(self.layout.replicas)]
+    def sources(self, owner: int) -> list[int]:
+        """The holders that send ``owner`` their pieces: those of its replica."""
+        replica = self.layout.replica
+        return [r for r in sorted(self.holders) if replica[r] == replica[owner]]
+
+    def served(self, owner: int) -> list[int]:
+        """The holders ``owner`` sends their piece of the result."""
+        return sorted(self.holders) if self.one_owner else self.sources(owner)
 
 
 @dataclass
@@ -200,12 +240,25 @@ class Batch:
     dtype: torch.dtype
     device: torch.device
     units: list[int]
-    # owner: pieces this rank sends, as (unit, local position, peer), and receives, as
-    # (unit, peer, box), each sorted by peer and then unit; the split sizes per peer
+    gathered: bool = False
+    # owner, inward: pieces this rank sends to owners, as (unit, local position, peer), and
+    # receives as an owner, as (unit, peer, box); outward: result pieces it sends as an owner,
+    # as (unit, peer, box), and receives, as (unit, local position, peer). Each sorted by peer
+    # and then unit, with the split sizes per peer. Pieces an owner holds itself do not travel.
     sends: list[tuple[int, int, int]] = field(default_factory=list)
     recvs: list[tuple[int, int, Box]] = field(default_factory=list)
     send_splits: list[int] = field(default_factory=list)
     recv_splits: list[int] = field(default_factory=list)
+    returns: list[tuple[int, int, Box]] = field(default_factory=list)
+    gets: list[tuple[int, int, int]] = field(default_factory=list)
+    return_splits: list[int] = field(default_factory=list)
+    get_splits: list[int] = field(default_factory=list)
+    owned: list[int] = field(default_factory=list)  # units this rank orthogonalizes
+    kept_in: list[tuple[int, int, Box]] = field(default_factory=list)  # (unit, local position, box)
+    kept_out: list[tuple[int, int, Box]] = field(default_factory=list)
+    # whether any rank of the group sends another anything, inward / outward (the same on every rank)
+    exchange_in: bool = False
+    exchange_out: bool = False
     # gather: every rank's contribution padded to one length, and each (unit, rank)'s offset in it
     padded: int = 0
     offsets: dict[tuple[int, int], int] = field(default_factory=dict)
@@ -265,21 +318,37 @@ def _holders(layout: Layout, batch_dims: int) -> dict[tuple[int, ...], dict[int,
     return holders
 
 
-def _assign_owners(units: list[Unit], load: list[int]) -> list[int]:
-    """Longest processing time first; returns the units in assignment order."""
-    order = sorted(range(len(units)), key=lambda u: (-units[u].cost, u))
+def _assign_owners(units: list[Unit], candidates: list[int], load: list[int]) -> list[int]:
+    """Longest processing time first over the ``candidates`` units; returns them in assignment order."""
+    order = sorted(candidates, key=lambda u: (-units[u].cost, u))
     for u in order:
         unit, layout = units[u], units[u].layout
 
-        def score(p: int, unit: Unit = unit, layout: Layout = layout) -> tuple[int, int, int]:
-            ranks = [layout.rank_at(rep, p) for rep in range(layout.replicas)]
-            held = box_numel(unit.holders[ranks[0]][1]) if ranks[0] in unit.holders else 0
-            return max(load[r] for r in ranks), -held, p
+        def held(r: int, unit: Unit = unit) -> int:
+            return box_numel(unit.holders[r][1]) if r in unit.holders else 0
 
-        unit.owner = min(range(layout.positions), key=score)
-        for r in unit.owners():
+        if unit.one_owner:
+            ranks = sorted(unit.holders) if unit.held_whole else range(len(layout.boxes))
+            unit.owners = [min(ranks, key=lambda r: (load[r], -held(r), r))]
+        else:
+
+            def score(p: int, layout: Layout = layout, held: Callable[[int], int] = held) -> tuple[int, int, int]:
+                ranks = [layout.rank_at(rep, p) for rep in range(layout.replicas)]
+                return max(load[r] for r in ranks), -held(ranks[0]), p
+
+            position = min(range(layout.positions), key=score)
+            unit.owners = [layout.rank_at(rep, position) for rep in range(layout.replicas)]
+        for r in unit.owners:
             load[r] += unit.cost
     return order
+
+
+def _by_shape(units: list[Unit], members: list[int]) -> list[list[int]]:
+    """``members`` grouped by unit shape, groups in order of first appearance."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for u in members:
+        groups.setdefault(units[u].shape, []).append(u)
+    return list(groups.values())
 
 
 def _owner_rounds(units: list[Unit], order: list[int], cap: int) -> list[list[int]]:
@@ -288,7 +357,7 @@ def _owner_rounds(units: list[Unit], order: list[int], cap: int) -> list[list[in
     filled: dict[tuple[int, int], int] = {}
     rounds: list[list[int]] = []
     for u in order:
-        owners = units[u].owners()
+        owners = units[u].owners
         numel = math.prod(units[u].shape)
         k = max(current.get(o, 0) for o in owners)
         while any(filled.get((o, k), 0) > 0 and filled.get((o, k), 0) + numel > cap for o in owners):
@@ -301,12 +370,12 @@ def _owner_rounds(units: list[Unit], order: list[int], cap: int) -> list[list[in
     return rounds
 
 
-def _gather_rounds(units: list[Unit], cap: int) -> list[list[int]]:
+def _gather_rounds(units: list[Unit], members: list[int], cap: int) -> list[list[int]]:
     """Consecutive units, at most ``cap`` elements of whole matrices a round (every rank holds them all)."""
     rounds: list[list[int]] = []
     filled = 0
-    for u, unit in enumerate(units):
-        numel = math.prod(unit.shape)
+    for u in members:
+        numel = math.prod(units[u].shape)
         if not rounds or (filled and filled + numel > cap):
             rounds.append([])
             filled = 0
@@ -318,23 +387,45 @@ def _gather_rounds(units: list[Unit], cap: int) -> list[list[int]]:
 def _owner_traffic(batch: Batch, units: list[Unit], me: int, w: int) -> None:
     sends: list[tuple[int, int, int]] = []  # (peer, unit, local position)
     recvs: list[tuple[int, int, Box]] = []  # (peer, unit, box)
-    batch.send_splits = [0] * w
-    batch.recv_splits = [0] * w
+    returns: list[tuple[int, int, Box]] = []  # (peer, unit, box)
+    gets: list[tuple[int, int, int]] = []  # (peer, unit, local position)
+    batch.send_splits, batch.recv_splits, batch.return_splits, batch.get_splits = ([0] * w for _ in range(4))
     for u in batch.units:
         unit = units[u]
-        layout = unit.layout
-        if me in unit.holders:
-            pos, box = unit.holders[me]
-            owner = layout.rank_at(layout.replica[me], unit.owner)
-            sends.append((owner, u, pos))
-            batch.send_splits[owner] += box_numel(box)
-        if layout.position[me] == unit.owner:
-            for r, (_, box) in unit.holders.items():
-                if layout.replica[r] == layout.replica[me]:
+        for owner in unit.owners:
+            sources, served = unit.sources(owner), unit.served(owner)
+            batch.exchange_in |= any(r != owner for r in sources)
+            batch.exchange_out |= any(r != owner for r in served)
+            if owner == me:
+                batch.owned.append(u)
+            for r in sources:
+                pos, box = unit.holders[r]
+                if r == me == owner:
+                    batch.kept_in.append((u, pos, box))
+                elif r == me:
+                    sends.append((owner, u, pos))
+                    batch.send_splits[owner] += box_numel(box)
+                elif owner == me:
                     recvs.append((r, u, box))
                     batch.recv_splits[r] += box_numel(box)
-    batch.sends = [(u, pos, peer) for peer, u, pos in sorted(sends)]
-    batch.recvs = [(u, peer, box) for peer, u, box in sorted(recvs, key=lambda s: (s[0], s[1]))]
+            for r in served:
+                pos, box = unit.holders[r]
+                if r == me == owner:
+                    batch.kept_out.append((u, pos, box))
+                elif r == me:
+                    gets.append((owner, u, pos))
+                    batch.get_splits[owner] += box_numel(box)
+                elif owner == me:
+                    returns.append((r, u, box))
+                    batch.return_splits[r] += box_numel(box)
+
+    def by_peer(item: tuple[int, int, Any]) -> tuple[int, int]:
+        return item[0], item[1]
+
+    batch.sends = [(u, pos, peer) for peer, u, pos in sorted(sends, key=by_peer)]
+    batch.recvs = [(u, peer, box) for peer, u, box in sorted(recvs, key=by_peer)]
+    batch.returns = [(u, peer, box) for peer, u, box in sorted(returns, key=by_peer)]
+    batch.gets = [(u, pos, peer) for peer, u, pos in sorted(gets, key=by_peer)]
 
 
 def _gather_traffic(batch: Batch, units: list[Unit], w: int) -> None:
@@ -346,8 +437,14 @@ def _gather_traffic(batch: Batch, units: list[Unit], w: int) -> None:
     batch.padded = max(lengths)
 
 
-def make_plan(group: Any, leaves: list[Leaf], strategy: str, bucket_numel: int) -> Plan:
-    """The plan of one group's leaves (every rank of the group makes the same one)."""
+def make_plan(
+    group: Any, leaves: list[Leaf], strategy: str, bucket_numel: int, *, split_replicated: bool, pipelined: bool
+) -> Plan:
+    """The plan of one group's leaves (every rank of the group makes the same one).
+
+    ``split_replicated``: units several ranks hold get one owner in the group (see the
+    module docstring); ``pipelined``: every round holds one shape.
+    """
     shapes = handshake(group, leaves)
     layouts = [layout_of(leaf, s) for leaf, s in zip(leaves, shapes)]
     for leaf, layout in zip(leaves, layouts):
@@ -363,8 +460,10 @@ def make_plan(group: Any, leaves: list[Leaf], strategy: str, bucket_numel: int) 
         cost = int(sum(newton_schulz_flops(r, c, 1) for r, c in unit_view(leaf.view).blocks(shape)))
         holders = _holders(layout, k)
         whole = tuple(((0, n),) for n in shape)
-        local.append(all(box == whole for by_rank in holders.values() for _, box in by_rank.values()))
-        flip = gram_flip(leaf, layout) if strategy == "tp_gram" and not local[-1] else None
+        held_whole = all(box == whole for by_rank in holders.values() for _, box in by_rank.values())
+        shared = any(len(by_rank) > 1 for by_rank in holders.values())
+        local.append(held_whole and not (split_replicated and shared))
+        flip = gram_flip(leaf, layout) if strategy == "tp_gram" and not held_whole else None
         if local[-1]:
             for by_rank in holders.values():
                 for r in by_rank:
@@ -379,18 +478,28 @@ def make_plan(group: Any, leaves: list[Leaf], strategy: str, bucket_numel: int) 
             for r in range(w):
                 load[r] += cost // w
         else:
-            units += [Unit(i, shape, layout, holders[b], cost) for b in sorted(holders)]
-    order = _assign_owners(units, load)
-    rounds = _gather_rounds(units, bucket_numel) if strategy == "gather" else _owner_rounds(units, order, bucket_numel)
+            gathered = strategy == "gather" and not held_whole
+            one_owner = held_whole or (split_replicated and layout.replicas > 1)
+            units += [
+                Unit(i, shape, layout, holders[b], cost, gathered, one_owner and not gathered, held_whole)
+                for b in sorted(holders)
+            ]
+    gathered_units = [u for u, unit in enumerate(units) if unit.gathered]
+    order = _assign_owners(units, [u for u, unit in enumerate(units) if not unit.gathered], load)
+    rounds: list[tuple[bool, list[int]]] = []
+    for members in _by_shape(units, gathered_units) if pipelined else [gathered_units]:
+        rounds += [(True, r) for r in _gather_rounds(units, members, bucket_numel)]
+    for members in _by_shape(units, order) if pipelined else [order]:
+        rounds += [(False, r) for r in _owner_rounds(units, members, bucket_numel)]
     batches = []
-    for members in rounds:
+    for gathered, members in rounds:
         by_type: dict[tuple[torch.dtype, torch.device], list[int]] = {}
         for u in sorted(members):
             tensor = leaves[units[u].leaf].local
             by_type.setdefault((tensor.dtype, tensor.device), []).append(u)
-        round_batches = [Batch(dtype, device, us) for (dtype, device), us in by_type.items()]
+        round_batches = [Batch(dtype, device, us, gathered) for (dtype, device), us in by_type.items()]
         for batch in round_batches:
-            if strategy == "gather":
+            if gathered:
                 _gather_traffic(batch, units, w)
             else:
                 _owner_traffic(batch, units, me, w)

@@ -5,12 +5,22 @@ barrier, reads what the others posted, and waits again before the buffers may be
 The strategies therefore run exactly the code paths they run over ``torch.distributed``.
 Ranks that call different operations, or disagree on split sizes, get an error instead of
 a hang; a rank that raises aborts the others.
+
+The rendezvous runs on a communication thread of its own per rank and group, which
+takes the operations in the order they were started, like a process group's queue: the
+``*_async`` methods return a handle at once, so the rank's own thread computes while the
+exchange proceeds. A :class:`Link` makes every operation take the time a real network
+would (latency plus bytes over bandwidth), spent sleeping on the communication thread,
+so overlap can be measured without processes.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -18,11 +28,62 @@ import torch
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class Link:
+    """A modelled network: each operation takes ``latency_s + bytes received / bytes_per_s`` seconds."""
+
+    latency_s: float = 0.0
+    bytes_per_s: float = float("inf")
+
+    def __post_init__(self) -> None:
+        if not self.latency_s >= 0 or not self.bytes_per_s > 0:
+            raise ValueError(f"Link needs latency_s >= 0 and bytes_per_s > 0, got {self}")
+
+    def seconds(self, received: int) -> float:
+        return self.latency_s + received / self.bytes_per_s
+
+
+class _SimulatedWork:
+    """The handle of one operation queued on a rank's communication thread."""
+
+    def __init__(self, run: Callable[[], None]) -> None:
+        self.run = run
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def wait(self) -> None:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class _Channel:
+    """One rank's communication thread for one group: runs queued operations in order."""
+
+    def __init__(self, name: str) -> None:
+        self.queue: queue.SimpleQueue[_SimulatedWork | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while (work := self.queue.get()) is not None:
+            try:
+                work.run()
+            except BaseException as e:
+                work.error = e
+            work.done.set()
+
+    def stop(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+
+
 class _Simulation:
     """Bookkeeping shared by every group of one :func:`simulate` call."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, link: Link | None) -> None:
         self.timeout = timeout
+        self.link = link
         self.lock = threading.Lock()
         self.groups: dict[tuple[int, ...], _Group] = {}
         self.aborted = False
@@ -41,6 +102,12 @@ class _Simulation:
             for g in self.groups.values():
                 g.barrier.abort()
 
+    def stop(self) -> None:
+        with self.lock:
+            channels = [c for g in self.groups.values() for c in g.channels.values()]
+        for channel in channels:
+            channel.stop()
+
 
 class _Group:
     def __init__(self, sim: _Simulation, members: tuple[int, ...]) -> None:
@@ -48,6 +115,13 @@ class _Group:
         self.members = members
         self.barrier = threading.Barrier(len(members), timeout=sim.timeout)
         self.slots: list[tuple[str, Any]] = [("", None)] * len(members)
+        self.channels: dict[int, _Channel] = {}
+
+    def channel(self, rank: int) -> _Channel:
+        with self.sim.lock:
+            if rank not in self.channels:
+                self.channels[rank] = _Channel(f"simulated-comm-{self.members}-{rank}")
+            return self.channels[rank]
 
 
 class SimulatedCollectives:
@@ -98,17 +172,69 @@ class SimulatedCollectives:
             raise RuntimeError(f"simulated collectives: ranks called different operations, by rank: {ops}")
         return [p for _, p in self._group.slots]
 
+    def _start(self, run: Callable[[], None], received: int) -> _SimulatedWork:
+        link = self._group.sim.link
+
+        def timed() -> None:
+            run()
+            if link is not None:
+                time.sleep(link.seconds(received))
+
+        work = _SimulatedWork(timed)
+        self._group.channel(self.rank).queue.put(work)
+        return work
+
+    def all_gather_into_tensor_async(self, output: torch.Tensor, input: torch.Tensor) -> _SimulatedWork:
+        def run() -> None:
+            inputs = self._post("all_gather_into_tensor", input)
+            try:
+                sizes = [t.numel() for t in inputs]
+                if len(set(sizes)) != 1 or output.numel() != sum(sizes):
+                    raise RuntimeError(
+                        f"simulated all_gather_into_tensor: input sizes by rank {sizes}, output size {output.numel()}"
+                    )
+                output.copy_(torch.cat([t.reshape(-1) for t in inputs]).view_as(output))
+            finally:
+                self._wait("all_gather_into_tensor")
+
+        return self._start(run, (self.world_size - 1) * input.nbytes)
+
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        inputs = self._post("all_gather_into_tensor", input)
-        try:
-            sizes = [t.numel() for t in inputs]
-            if len(set(sizes)) != 1 or output.numel() != sum(sizes):
-                raise RuntimeError(
-                    f"simulated all_gather_into_tensor: input sizes by rank {sizes}, output size {output.numel()}"
-                )
-            output.copy_(torch.cat([t.reshape(-1) for t in inputs]).view_as(output))
-        finally:
-            self._wait("all_gather_into_tensor")
+        self.all_gather_into_tensor_async(output, input).wait()
+
+    def all_to_all_single_async(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int],
+        input_split_sizes: Sequence[int],
+    ) -> _SimulatedWork:
+        output_split_sizes, input_split_sizes = list(output_split_sizes), list(input_split_sizes)
+
+        def run() -> None:
+            posts = self._post("all_to_all_single", (input, input_split_sizes))
+            try:
+                w = self.world_size
+                if len(output_split_sizes) != w or len(input_split_sizes) != w:
+                    raise RuntimeError(f"simulated all_to_all_single: split lists must have {w} entries")
+                if sum(input_split_sizes) != input.numel() or sum(output_split_sizes) != output.numel():
+                    raise RuntimeError("simulated all_to_all_single: split sizes do not add up to the tensor sizes")
+                pieces = []
+                for src, (src_input, src_splits) in enumerate(posts):
+                    start = sum(src_splits[: self.rank])
+                    n = src_splits[self.rank]
+                    if n != output_split_sizes[src]:
+                        raise RuntimeError(
+                            f"simulated all_to_all_single: rank {src} sends {n} elements to rank {self.rank}, "
+                            f"which expects {output_split_sizes[src]}"
+                        )
+                    pieces.append(src_input.reshape(-1)[start : start + n])
+                output.copy_(torch.cat(pieces).view_as(output))
+            finally:
+                self._wait("all_to_all_single")
+
+        received = sum(n for r, n in enumerate(output_split_sizes) if r != self.rank) * output.element_size()
+        return self._start(run, received)
 
     def all_to_all_single(
         self,
@@ -117,51 +243,46 @@ class SimulatedCollectives:
         output_split_sizes: Sequence[int],
         input_split_sizes: Sequence[int],
     ) -> None:
-        posts = self._post("all_to_all_single", (input, list(input_split_sizes)))
-        try:
-            w = self.world_size
-            if len(output_split_sizes) != w or len(input_split_sizes) != w:
-                raise RuntimeError(f"simulated all_to_all_single: split lists must have {w} entries")
-            if sum(input_split_sizes) != input.numel() or sum(output_split_sizes) != output.numel():
-                raise RuntimeError("simulated all_to_all_single: split sizes do not add up to the tensor sizes")
-            pieces = []
-            for src, (src_input, src_splits) in enumerate(posts):
-                start = sum(src_splits[: self.rank])
-                n = src_splits[self.rank]
-                if n != output_split_sizes[src]:
-                    raise RuntimeError(
-                        f"simulated all_to_all_single: rank {src} sends {n} elements to rank {self.rank}, "
-                        f"which expects {output_split_sizes[src]}"
-                    )
-                pieces.append(src_input.reshape(-1)[start : start + n])
-            output.copy_(torch.cat(pieces).view_as(output))
-        finally:
-            self._wait("all_to_all_single")
+        self.all_to_all_single_async(output, input, output_split_sizes, input_split_sizes).wait()
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        tensors = self._post("all_reduce", tensor)
-        try:
-            total = tensors[0].clone()
-            for t in tensors[1:]:
-                total += t
-        finally:
-            self._wait("all_reduce")
-        tensor.copy_(total)
+        def run() -> None:
+            tensors = self._post("all_reduce", tensor)
+            try:
+                total = tensors[0].clone()
+                for t in tensors[1:]:
+                    total += t
+            finally:
+                self._wait("all_reduce")
+            tensor.copy_(total)
+
+        w = self.world_size
+        self._start(run, 2 * (w - 1) * tensor.nbytes // w).wait()
 
     def __repr__(self) -> str:
         return f"SimulatedCollectives(rank={self.rank}, world_size={self.world_size})"
 
 
-def simulate(world_size: int, fn: Callable[..., T], *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[T]:
+def simulate(
+    world_size: int,
+    fn: Callable[..., T],
+    *args: Any,
+    timeout: float = 120.0,
+    link: Link | None = None,
+    **kwargs: Any,
+) -> list[T]:
     """Runs ``fn(collectives, *args, **kwargs)`` on ``world_size`` virtual ranks, one thread each.
 
     Returns the ranks' results in rank order. If a rank raises, the others are aborted
     and the first error is re-raised (with the rank noted); a rank waiting longer than
-    ``timeout`` seconds in a collective raises ``TimeoutError``.
+    ``timeout`` seconds in a collective raises ``TimeoutError``. ``link``: a modelled
+    network every operation waits for (none: exchanges take only the copying).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    sim = _Simulation(timeout)
+    if link is not None and not isinstance(link, Link):
+        raise TypeError(f"link must be a muonfn.distributed.Link, got {link!r}")
+    sim = _Simulation(timeout, link)
     root = sim.group(tuple(range(world_size)))
     results: list[Any] = [None] * world_size
     errors: list[BaseException | None] = [None] * world_size
@@ -178,6 +299,7 @@ def simulate(world_size: int, fn: Callable[..., T], *args: Any, timeout: float =
         t.start()
     for t in threads:
         t.join()
+    sim.stop()
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         # the rank that failed first, not one that was aborted because of it

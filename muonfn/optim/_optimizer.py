@@ -20,7 +20,7 @@ from ._param_state import ParamState
 from ._state_dict import packed_state_dict, translate_state_dict
 
 if TYPE_CHECKING:
-    from ..distributed import Collectives, ShardSpecs, Strategy
+    from ..distributed import Collectives, Replicated, ShardSpecs, Strategy
 
 
 class Muon(torch.optim.Optimizer):
@@ -82,6 +82,8 @@ class Muon(torch.optim.Optimizer):
         collectives: Collectives | None = None,
         strategy: Strategy = "owner",
         shard_specs: ShardSpecs | None = None,
+        replicated: Replicated = "split",
+        overlap: bool = True,
         donate_state: bool = False,
         adjust_lr_fn: str | NotGiven | None = NOT_GIVEN,
         eps: float | None = None,
@@ -120,7 +122,7 @@ class Muon(torch.optim.Optimizer):
         self._bucket_numel = bucket_numel
         self._donate_state = donate_state
         self._orthogonalizer: Orthogonalizer | None = muon_orthogonalizer(
-            collectives, strategy, shard_specs, bucket_numel
+            collectives, strategy, shard_specs, bucket_numel, replicated=replicated, overlap=overlap
         )
         self._functional_state: TensorDictBase = TensorDict({}, batch_size=[])
         self._scalars: list[dict[str, torch.Tensor]] = []

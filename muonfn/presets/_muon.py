@@ -38,7 +38,7 @@ from ..transforms import (
 from ._labels import ADAMW, MUON, label_params
 
 if TYPE_CHECKING:
-    from ..distributed import Collectives, ShardSpecs, Strategy
+    from ..distributed import Collectives, Replicated, ShardSpecs, Strategy
 
 #: torch.optim's name of each state entry of a branch -> that branch's state field.
 TORCH_STATE_NAMES: dict[str, dict[str, str]] = {
@@ -146,6 +146,9 @@ def muon_orthogonalizer(
     strategy: Strategy,
     shard_specs: ShardSpecs | None,
     bucket_numel: int | None,
+    *,
+    replicated: Replicated = "split",
+    overlap: bool = True,
 ) -> Orthogonalizer | None:
     """The orthogonalizer ``collectives=`` asks for (``None``: the local one).
 
@@ -159,13 +162,18 @@ def muon_orthogonalizer(
     if collectives is None:
         if shard_specs:
             raise ValueError("shard_specs describe shards for collectives=...; pass the collectives of their group")
-        if strategy != "owner":
-            raise ValueError(f"strategy={strategy!r} takes effect with collectives=...; pass them, or drop strategy")
+        for name, value, default in (("strategy", strategy, "owner"), ("replicated", replicated, "split")):
+            if value != default:
+                raise ValueError(f"{name}={value!r} takes effect with collectives=...; pass them, or drop {name}")
+        if overlap is not True:
+            raise ValueError(f"overlap={overlap!r} takes effect with collectives=...; pass them, or drop overlap")
         return None
     from ..distributed import sharded_orthogonalizer
 
     kwargs: dict[str, Any] = {} if bucket_numel is None else {"bucket_numel": bucket_numel}
-    return sharded_orthogonalizer(collectives, strategy=strategy, shard_specs=shard_specs, **kwargs)
+    return sharded_orthogonalizer(
+        collectives, strategy=strategy, shard_specs=shard_specs, replicated=replicated, overlap=overlap, **kwargs
+    )
 
 
 def check_names(params: TensorDictBase, **tables: Any) -> None:
@@ -224,6 +232,8 @@ def muon(
     collectives: Collectives | None = None,
     strategy: Strategy = "owner",
     shard_specs: ShardSpecs | None = None,
+    replicated: Replicated = "split",
+    overlap: bool = True,
     donate_state: bool = False,
 ) -> Transform:
     r"""Muon for matrices, AdamW for everything else.
@@ -256,7 +266,10 @@ def muon(
         views: conv, expert, fused and transposed matrices (:class:`MatrixView` by name).
         weight_decay_mask: exempts the leaves it maps to ``False`` (default: decay all).
         bucket_numel: at most this many elements per batched Newton–Schulz call.
-        collectives, strategy, shard_specs: sharded parameters (see :mod:`muonfn.distributed`).
+        collectives, strategy, shard_specs, replicated, overlap: sharded and replicated
+            parameters (see :func:`muonfn.distributed.sharded_orthogonalizer`): under data
+            parallelism (whole matrices on every rank) each matrix is orthogonalized by one
+            rank unless ``replicated="local"``; ``overlap=False`` stops pipelining.
         donate_state: update the state in place instead of allocating a new one each step
             (the state passed to ``update`` is then consumed; see :func:`ema_momentum`).
 
@@ -292,7 +305,9 @@ def muon(
             extra_scale=extra_scale,
             views=views,
             weight_decay_mask=weight_decay_mask,
-            orthogonalizer=muon_orthogonalizer(collectives, strategy, shard_specs, bucket_numel),
+            orthogonalizer=muon_orthogonalizer(
+                collectives, strategy, shard_specs, bucket_numel, replicated=replicated, overlap=overlap
+            ),
             bucket_numel=bucket_numel,
             donate_state=donate_state,
         ),
