@@ -84,10 +84,15 @@ def adapted_branch(
     if variant == "normuon":
         if second_moment_bias_correction:
             raise ValueError("normuon: second_moment_bias_correction is AdaMuon's (NorMuon's row moment has none)")
-        adapt = scale_by_neuron_norm(beta2, eps=adaptive_eps, rescale=rescale, views=views)
+        adapt = scale_by_neuron_norm(beta2, eps=adaptive_eps, rescale=rescale, views=views, donate_state=donate_state)
     elif variant == "adamuon":
         adapt = scale_by_element_rms(
-            beta2, eps=adaptive_eps, bias_correction=second_moment_bias_correction, rescale=rescale, views=views
+            beta2,
+            eps=adaptive_eps,
+            bias_correction=second_moment_bias_correction,
+            rescale=rescale,
+            views=views,
+            donate_state=donate_state,
         )
     else:
         raise ValueError(f"unknown variant {variant!r}; choose 'normuon' or 'adamuon'")

@@ -28,6 +28,7 @@ def scale_by_element_rms(
     bias_correction: bool = False,
     rescale: Rescale = "orthogonal",
     views: ViewsLike = None,
+    donate_state: bool = False,
 ) -> Transform:
     r"""AdaMuon's element-wise adaptation of an orthogonalized update :math:`O` (Si et al., 2025).
 
@@ -53,6 +54,7 @@ def scale_by_element_rms(
             leaf's updates; the state then also counts steps.
         rescale: ``"orthogonal"``, ``"preserve_norm"`` or ``"none"``.
         views: how leaves are read as matrices (see :func:`orthogonalize`).
+        donate_state: update the state in place (see :func:`ema_momentum`).
 
     Returns:
         A :class:`Transform` with state ``{"exp_avg_sq": V}`` shaped like the params (and
@@ -96,11 +98,15 @@ def scale_by_element_rms(
         for key, g, view in zip(keys, values, resolved):
             view.check(key, g.shape)
         _refuse_sharded(keys, values)
-        exp_avg_sq = _tree.subset(state[EXP_AVG_SQ], keys).lerp(grads.mul(grads), one_minus(beta))
+        current = _tree.subset(state[EXP_AVG_SQ], keys)
+        squares = grads.mul(grads)
+        lerp = current.lerp_ if donate_state else current.lerp
+        exp_avg_sq = lerp(squares, one_minus(beta))
         new_state = {EXP_AVG_SQ: _tree.carry(state[EXP_AVG_SQ], exp_avg_sq)}
         root = exp_avg_sq
         if bias_correction:
-            step = _tree.subset(state[STEP], keys).add(1)
+            step = _tree.subset(state[STEP], keys)
+            step = step.add_(1) if donate_state else step.add(1)
             new_state[STEP] = _tree.carry(state[STEP], step)
             correction = step.to(torch.float64).mul(log_beta).exp().neg().add(1.0)  # 1 - beta**t
             # in the leaves' dtypes: a 0-d fp64 factor would promote a 0-d leaf

@@ -44,14 +44,15 @@ def _per_block(view: MatrixView, denom: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _normalized(
-    o: torch.Tensor, v: torch.Tensor, view: MatrixView, beta: Scalar, eps: float, rescale: str
+    o: torch.Tensor, v: torch.Tensor, view: MatrixView, beta: Scalar, eps: float, rescale: str, donate: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = view.to_matrices(o)
     means = _row_means(view, blocks)
-    new_v = v.reshape(means.shape).lerp(means, one_minus(beta))
+    current = v.reshape(means.shape)  # a view of the state's tensor: lerp_ writes into it
+    new_v = current.lerp_(means, one_minus(beta)) if donate else current.lerp(means, one_minus(beta))
     denom = new_v.sqrt().add(eps)
     out = [rescaled(b.div(d), b, rescale, eps) for b, d in zip(blocks, _per_block(view, denom))]
-    return view.from_matrices(out, o.shape), new_v.reshape(v.shape)
+    return view.from_matrices(out, o.shape), v if donate else new_v.reshape(v.shape)
 
 
 def _check(
@@ -85,6 +86,7 @@ def scale_by_neuron_norm(
     eps: float = 1e-10,
     rescale: Rescale = "preserve_norm",
     views: ViewsLike = None,
+    donate_state: bool = False,
 ) -> Transform:
     r"""NorMuon's neuron-wise normalisation of an orthogonalized update :math:`O` (Li et al., 2025).
 
@@ -111,6 +113,7 @@ def scale_by_neuron_norm(
         eps: :math:`\epsilon > 0`.
         rescale: ``"preserve_norm"``, ``"orthogonal"`` or ``"none"``.
         views: how leaves are read as matrices (see :func:`orthogonalize`).
+        donate_state: update the state in place (see :func:`ema_momentum`).
 
     Returns:
         A :class:`Transform` with state ``{"row_second_moment": v}``, one entry per row and
@@ -150,7 +153,7 @@ def scale_by_neuron_norm(
         _refuse_sharded(keys, values)
         out, new = [], []
         for key, o, view in zip(keys, values, resolved):
-            u, v = _normalized(o, moments.get(key), view, beta, eps, rescale)
+            u, v = _normalized(o, moments.get(key), view, beta, eps, rescale, donate_state)
             out.append(u)
             new.append(v)
         new_moments = _tree.carry(moments, _tree.build(keys, new, grads))
