@@ -351,29 +351,47 @@ def test_muon_clip_matches_pytorch_optimizer(fp64_pytorch_optimizer):
     assert not torch.equal(ours["q"], step_muonfn(tx, start, grads)["q"])
 
 
-def test_muon_matches_torch_optim_muon():
+@pytest.fixture
+def fp64_torch_muon(monkeypatch):
+    """torch.optim.Muon with its own Newton–Schulz source run in fp64 instead of bf16 (its one cast)."""
+    import inspect
+    import textwrap
+
     if not hasattr(torch.optim, "Muon"):
         pytest.skip("torch.optim.Muon arrived in torch 2.9")
+    import torch.optim._muon as torch_muon
+
+    source = textwrap.dedent(inspect.getsource(torch_muon._zeropower_via_newtonschulz))
+    assert source.count("grad.bfloat16()") == 1
+    namespace = dict(vars(torch_muon))
+    exec(source.replace("grad.bfloat16()", "grad.double()"), namespace)
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", namespace["_zeropower_via_newtonschulz"])
+    return torch.optim.Muon
+
+
+@pytest.mark.parametrize(("adjust_lr_fn", "scale"), [(None, "original"), ("match_rms_adamw", "match_rms_adamw")])
+def test_muon_matches_torch_optim_muon(fp64_torch_muon, adjust_lr_fn, scale):
     shapes = {"w": (6, 10), "v": (9, 5)}
     start, grads = _start(shapes), grads_seq(5, shapes=shapes)
-    for adjust, scale in ((None, "original"), ("match_rms_adamw", "match_rms_adamw")):
-        # torch.optim.Muon casts to bf16 inside Newton–Schulz: compare where bf16 rounding cancels, in its own
-        # rule, by checking that muonfn in bf16 matmuls lands within bf16's error of it
-        theirs = step_peer(
-            lambda ps: torch.optim.Muon(ps, lr=0.02, weight_decay=0.1, adjust_lr_fn=adjust), start, grads
-        )
-        ours = step_muonfn(
-            muonfn.muon(
-                0.02,
-                weight_decay=0.1,
-                scale=scale,
-                ns_dtype=torch.bfloat16,
-                labels=lambda p: {k: "muon" for k in p.keys(True, True)},
-            ),
-            start,
-            grads,
-        )
-        assert moved(ours, theirs, start) <= 2e-2
+    theirs = step_peer(
+        lambda ps: fp64_torch_muon(ps, lr=0.02, weight_decay=0.1, adjust_lr_fn=adjust_lr_fn), start, grads
+    )
+    ours = step_muonfn(all_muon(lr=0.02, weight_decay=0.1, scale=scale), start, grads)
+    assert moved(ours, theirs, start) <= 1e-10
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_matches_pytorch_optimizer_muon(fp64_pytorch_optimizer, nesterov):
+    start, grads = _start(), grads_seq(5, shapes=SHIM_SHAPES)
+    theirs = step_peer(
+        lambda ps: fp64_pytorch_optimizer.Muon(
+            [dict(params=ps, use_muon=True)], lr=0.02, weight_decay=0.1, nesterov=nesterov, foreach=False
+        ),
+        start,
+        grads,
+    )
+    ours = step_muonfn(all_muon(lr=0.02, weight_decay=0.1, nesterov=nesterov, scale="original"), start, grads)
+    assert moved(ours, theirs, start) <= 1e-10
 
 
 @pytest.fixture(scope="module")
