@@ -183,8 +183,7 @@ def normuon(
     state, which the sharded strategies do not provide (a ``ValueError`` says so).
 
     Returns:
-        A :class:`Transform` with state ``{"muon": {"momentum", "row_second_moment"},
-        "adamw": {...}}``.
+        A :class:`Transform` with state ``{"muon": {"momentum", "row_second_moment"}, "adamw": {...}}``.
 
     Example:
         >>> params = TensorDict({"w": torch.randn(4, 8), "b": torch.zeros(4)}, [])
