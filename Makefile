@@ -10,7 +10,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# the CPU build of torch (a bare `torch` requirement would pull a multi-GB CUDA build)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev,demo,docs,hf]"
+	# the constraint keeps that torch: no package may replace it with another build
+	$(PY) -m pip install -q -c .ci/torch-cpu.txt -e ".[dev,demo,docs,hf,peers]"
+	# timm.optim.muon imports no torchvision, whose wheel expects a CUDA torch: timm without its requirements
+	# (its others, pyyaml, huggingface_hub and safetensors, come with the peers extra)
+	$(PY) -m pip install -q -c .ci/torch-cpu.txt --no-deps timm
 	touch $(STAMP)
 
 install: $(STAMP)

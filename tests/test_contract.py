@@ -201,6 +201,57 @@ TABLE: tuple[Entry, ...] = (
         bitwise=NEWTON_SCHULZ,
     ),
     Entry(
+        "scale_by_neuron_norm",
+        lambda **kw: muonfn.scale_by_neuron_norm(torch.tensor(0.9), views=VIEWS, **kw),
+        leaves=MATRICES,
+        donate=True,
+        skip={"compile": "compiled inside the normuon entry's update"},
+    ),
+    Entry(
+        "scale_by_neuron_norm(orthogonal, column split)",
+        lambda: muonfn.scale_by_neuron_norm(
+            0.9, rescale="orthogonal", views={**VIEWS, "mlp.up": MatrixView(split=(3, 5), split_dim=1)}
+        ),
+        leaves=MATRICES,
+        skip={"compile": "compiled inside the normuon entry's update"},
+    ),
+    Entry(
+        "scale_by_element_rms(bias_correction)",
+        lambda **kw: muonfn.scale_by_element_rms(0.9, bias_correction=True, rescale="preserve_norm", views=VIEWS, **kw),
+        leaves=MATRICES,
+        donate=True,
+    ),
+    Entry("scale_by_sign", lambda: muonfn.scale_by_sign(), skip={"compile": "compiled inside the adamuon entry"}),
+    Entry(
+        "normuon",
+        lambda **kw: muonfn.normuon(lr=0.02, views=VIEWS, weight_decay_mask=NO_DECAY, adamw_nesterov=True, **kw),
+        missing=(("mlp", "up"), ("mlp", "bias")),
+        probes=(("mlp", "up"), ("mlp", "bias")),
+        donate=True,
+        bitwise=NEWTON_SCHULZ,
+    ),
+    Entry(
+        "adamuon",
+        lambda **kw: muonfn.adamuon(
+            lr=0.02, views=VIEWS, cautious_weight_decay=True, cautious_mode="pytorch_optimizer", **kw
+        ),
+        missing=(("mlp", "up"), ("mlp", "bias")),
+        probes=(("mlp", "up"), ("mlp", "bias")),
+        donate=True,
+        bitwise=NEWTON_SCHULZ,
+    ),
+    Entry(
+        "muon(variant momenta)",
+        lambda **kw: muonfn.muon(
+            lr=0.02, nesterov="add", cautious_weight_decay=True, cautious_mode="heavyball", views=VIEWS, **kw
+        ),
+        missing=(("mlp", "up"), ("mlp", "bias")),
+        probes=(("mlp", "up"), ("mlp", "bias")),
+        donate=True,
+        bitwise=NEWTON_SCHULZ,
+        skip=IN_MUON,
+    ),
+    Entry(
         "orthogonalize(svd)",
         lambda: muonfn.orthogonalize(ns_method="svd", views=VIEWS),
         leaves=MATRICES,

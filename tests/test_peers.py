@@ -215,3 +215,231 @@ def test_matrix_maps_match_heavyball(heavyball_utils, mode):
     for i in range(3):
         theirs = heavyball_utils.inplace_orthogonal_(g[i].clone(), mode=mode, scale_mode="none")
         assert rel(ours["w"][i], theirs) <= 1e-13
+
+
+# --- whole optimizers, stepped side by side with muonfn's presets -------------------------------------
+
+SHIM_SHAPES = {"w": (6, 10), "v": (9, 5), "conv": (4, 2, 3, 3)}
+
+
+def _start(shapes: dict = SHIM_SHAPES, seed: int = 7) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(s, generator=gen, dtype=F64) for k, s in shapes.items()}
+
+
+def step_peer(make, start: dict, grads: list[TensorDict], **step_kwargs) -> dict[str, torch.Tensor]:
+    """The parameters after the peer optimizer ``make(params)`` stepped through ``grads``."""
+    params = {k: v.clone().requires_grad_(True) for k, v in start.items()}
+    opt = make(list(params.values()))
+    for g in grads:
+        for k, p in params.items():
+            p.grad = g[k].clone()
+        opt.step(**step_kwargs)
+    return {k: p.detach() for k, p in params.items()}
+
+
+def step_muonfn(tx, start: dict, grads: list[TensorDict], after=None) -> TensorDict:
+    params = TensorDict({k: v.clone() for k, v in start.items()}, batch_size=[])
+    state = tx.init(params)
+    for g in grads:
+        updates, state = tx.update(g, state, params)
+        params = muonfn.apply_updates(params, updates)
+        if after is not None:
+            params = after(params)
+    return params
+
+
+def moved(ours: TensorDict, theirs: dict, start: dict) -> float:
+    """The largest relative difference of the displacement from ``start``, over the leaves."""
+    return max(rel(ours[k] - start[k], theirs[k] - start[k]) for k in theirs)
+
+
+def all_muon(**kwargs):
+    return muonfn.muon(labels=lambda p: {k: "muon" for k in p.keys(True, True)}, ns_dtype=F64, **kwargs)
+
+
+@pytest.fixture
+def fp64_pytorch_optimizer(monkeypatch):
+    """pytorch-optimizer with its Newton–Schulz in fp64 (it runs bf16, with no option to change it)."""
+    pytest.importorskip("pytorch_optimizer")
+    import functools
+
+    import pytorch_optimizer.optimizer.muon.adamuon as adamuon
+    import pytorch_optimizer.optimizer.muon.base as base
+    import pytorch_optimizer.optimizer.muon.normuon as normuon
+    from pytorch_optimizer.optimizer.utils import matrix
+
+    fp64 = functools.partial(matrix.zero_power_via_newton_schulz_5, dtype=F64)
+    for module in (base, normuon, adamuon):
+        monkeypatch.setattr(module, "zero_power_via_newton_schulz_5", fp64)
+    import pytorch_optimizer
+
+    return pytorch_optimizer
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize(
+    ("update_scale", "rescale", "scale"),
+    [("preserve_norm", "preserve_norm", "original"), ("match_rms", "orthogonal", "match_rms_adamw")],
+)
+def test_normuon_matches_pytorch_optimizer(fp64_pytorch_optimizer, foreach, update_scale, rescale, scale):
+    start, grads = _start(), grads_seq(5, shapes=SHIM_SHAPES)
+    theirs = step_peer(
+        lambda ps: fp64_pytorch_optimizer.NorMuon(
+            [dict(params=ps, use_muon=True)], lr=0.02, weight_decay=0.1, update_scale=update_scale, foreach=foreach
+        ),
+        start,
+        grads,
+    )
+    tx = muonfn.normuon(
+        0.02,
+        weight_decay=0.1,
+        rescale=rescale,
+        scale=scale,
+        ns_dtype=F64,
+        labels=lambda p: {k: "muon" for k in p.keys(True, True)},
+    )
+    assert moved(step_muonfn(tx, start, grads), theirs, start) <= 1e-10
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_adamuon_matches_pytorch_optimizer(fp64_pytorch_optimizer, foreach):
+    start, grads = _start(), grads_seq(5, shapes=SHIM_SHAPES)
+    theirs = step_peer(
+        lambda ps: fp64_pytorch_optimizer.AdaMuon(
+            [dict(params=ps, use_muon=True)], lr=0.02, weight_decay=0.1, foreach=foreach
+        ),
+        start,
+        grads,
+    )
+    tx = muonfn.adamuon(
+        0.02,
+        weight_decay=0.1,
+        sign_momentum=False,
+        second_moment_bias_correction=True,
+        ns_dtype=F64,
+        labels=lambda p: {k: "muon" for k in p.keys(True, True)},
+    )
+    assert moved(step_muonfn(tx, start, grads), theirs, start) <= 1e-10
+    # the paper's sign-stabilised update is another rule
+    paper = muonfn.adamuon(
+        0.02, weight_decay=0.1, ns_dtype=F64, labels=lambda p: {k: "muon" for k in p.keys(True, True)}
+    )
+    assert moved(step_muonfn(paper, start, grads), theirs, start) > 1e-3
+
+
+def test_muon_clip_matches_pytorch_optimizer(fp64_pytorch_optimizer):
+    shapes = {"q": (8, 6), "k": (8, 6), "o": (6, 8)}
+    start, grads = _start(shapes), grads_seq(3, shapes=shapes)
+    # factors exact in fp32 and fp64 alike (the peer computes them in fp32): 100/400 = 1/4, 100/1600 = 1/16
+    logits = {"attn": torch.tensor([50.0, 400.0, 1600.0, 100.0], dtype=F64)}
+
+    def make(ps):
+        q, k, o = ps
+        groups = [
+            dict(params=[q], use_muon=True, qk_clip="query", attention_name="attn"),
+            dict(params=[k], use_muon=True, qk_clip="key", attention_name="attn"),
+            dict(params=[o], use_muon=True),
+        ]
+        return fp64_pytorch_optimizer.MuonClip(groups, lr=0.02, weight_decay=0.1, foreach=False)
+
+    theirs = step_peer(make, start, grads, attention_max_logits=logits)
+    heads = {"attn": muonfn.QKHeads(heads=4, query="q", key="k")}
+    tx = all_muon(lr=0.02, weight_decay=0.1, nesterov=False)
+    ours = step_muonfn(tx, start, grads, after=lambda p: muonfn.qk_clip(p, logits, heads))
+    assert moved(ours, theirs, start) <= 1e-10
+    assert not torch.equal(ours["q"], step_muonfn(tx, start, grads)["q"])
+
+
+@pytest.fixture
+def fp64_torch_muon(monkeypatch):
+    """torch.optim.Muon with its own Newton–Schulz source run in fp64 instead of bf16 (its one cast)."""
+    import inspect
+    import textwrap
+
+    if not hasattr(torch.optim, "Muon"):
+        pytest.skip("torch.optim.Muon arrived in torch 2.9")
+    import torch.optim._muon as torch_muon
+
+    source = textwrap.dedent(inspect.getsource(torch_muon._zeropower_via_newtonschulz))
+    assert source.count("grad.bfloat16()") == 1
+    namespace = dict(vars(torch_muon))
+    exec(source.replace("grad.bfloat16()", "grad.double()"), namespace)
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", namespace["_zeropower_via_newtonschulz"])
+    return torch.optim.Muon
+
+
+@pytest.mark.parametrize(("adjust_lr_fn", "scale"), [(None, "original"), ("match_rms_adamw", "match_rms_adamw")])
+def test_muon_matches_torch_optim_muon(fp64_torch_muon, adjust_lr_fn, scale):
+    shapes = {"w": (6, 10), "v": (9, 5)}
+    start, grads = _start(shapes), grads_seq(5, shapes=shapes)
+    theirs = step_peer(
+        lambda ps: fp64_torch_muon(ps, lr=0.02, weight_decay=0.1, adjust_lr_fn=adjust_lr_fn), start, grads
+    )
+    ours = step_muonfn(all_muon(lr=0.02, weight_decay=0.1, scale=scale), start, grads)
+    assert moved(ours, theirs, start) <= 1e-10
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_matches_pytorch_optimizer_muon(fp64_pytorch_optimizer, nesterov):
+    start, grads = _start(), grads_seq(5, shapes=SHIM_SHAPES)
+    theirs = step_peer(
+        lambda ps: fp64_pytorch_optimizer.Muon(
+            [dict(params=ps, use_muon=True)], lr=0.02, weight_decay=0.1, nesterov=nesterov, foreach=False
+        ),
+        start,
+        grads,
+    )
+    ours = step_muonfn(all_muon(lr=0.02, weight_decay=0.1, nesterov=nesterov, scale="original"), start, grads)
+    assert moved(ours, theirs, start) <= 1e-10
+
+
+@pytest.fixture(scope="module")
+def timm_muon():
+    """``timm.optim.muon`` without timm's package imports (they need torchvision, whose wheel expects CUDA torch)."""
+    import importlib
+    import importlib.util
+    import os
+    import sys
+    import types
+
+    spec = importlib.util.find_spec("timm")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("timm is not installed")
+    if "timm.optim.muon" not in sys.modules:
+        root = next(iter(spec.submodule_search_locations))
+        for name, path in (("timm", root), ("timm.optim", os.path.join(root, "optim"))):
+            if name not in sys.modules:
+                stub = types.ModuleType(name)
+                stub.__path__ = [path]
+                sys.modules[name] = stub
+    return importlib.import_module("timm.optim.muon")
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_muon_matches_timm(timm_muon, monkeypatch, nesterov):
+    import functools
+
+    monkeypatch.setattr(
+        timm_muon, "zeropower_via_newtonschulz", functools.partial(timm_muon.zeropower_via_newtonschulz, dtype=F64)
+    )
+    shapes = {"w": (6, 10), "v": (9, 5), "b": (7,)}
+    start, grads = _start(shapes), grads_seq(5, shapes=shapes)
+    theirs = step_peer(lambda ps: timm_muon.Muon(ps, lr=0.02, weight_decay=0.1, nesterov=nesterov), start, grads)
+    tx = muonfn.muon(
+        0.02,
+        momentum=0.95,
+        nesterov=nesterov,
+        weight_decay=0.1,
+        ns_coefficients="cesista",
+        ns_dtype=F64,
+        adamw_eps=1e-7,  # timm's fallback AdamW takes the group's eps, Newton–Schulz's 1e-7
+        adamw_nesterov=nesterov,
+    )
+    ours = step_muonfn(tx, start, grads)
+    assert max(moved(ours, {k: theirs[k]}, start) for k in ("w", "v")) <= 1e-10
+    adam_part = moved(ours, {"b": theirs["b"]}, start)
+    if nesterov:  # timm's NAdamW moment is (b1 m + (1 - b1) g) / (1 - b1^t): not optax's, which muonfn computes
+        assert adam_part > 1e-6
+    else:
+        assert adam_part <= 1e-10

@@ -40,3 +40,105 @@ def test_qr_orthogonal_is_orthonormal_in_both_orientations():
 def test_bad_settings_fail_when_built(make):
     with pytest.raises(ValueError):
         make()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: muonfn.scale_by_neuron_norm(rescale="rms"),
+        lambda: muonfn.scale_by_element_rms(beta=1.0),
+        lambda: muonfn.normuon(rescale="x"),
+        lambda: muonfn.adamuon(sign_momentum="yes"),
+        lambda: muonfn.muon(cautious_mode="timm"),
+        lambda: muonfn.muon(nesterov="sub"),
+        lambda: muonfn.adamw(nesterov=1),
+        lambda: muonfn.normuon(collectives=object()),
+    ],
+)
+def test_bad_variant_settings_fail_when_built(make):
+    with pytest.raises((ValueError, TypeError)):
+        make()
+
+
+def test_normuon_refuses_sharded_collectives_by_name():
+    with pytest.raises(ValueError, match="collectives"):
+        muonfn.adamuon(collectives=object())
+
+
+def _fused_and_split(transposed: bool):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(8, 5, generator=gen, dtype=torch.float64) for _ in range(3))
+    fused = torch.cat([q, k, v])
+    store = (lambda t: t.mT.contiguous()) if transposed else (lambda t: t)
+    params = TensorDict({"qkv": store(fused), "q": store(q), "k": store(k)}, [])
+    view = muonfn.MatrixView(transposed=transposed)
+    fused_view = muonfn.MatrixView(transposed=transposed, split=(8, 8, 8))
+    return params, view, fused_view
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_qk_clip_fused_equals_separate(transposed):
+    params, view, fused_view = _fused_and_split(transposed)
+    logits = {"a": torch.tensor([10.0, 300.0, 120.0, 99.0], dtype=torch.float64)}
+    fused = muonfn.qk_clip(params, logits, {"a": muonfn.QKHeads(heads=4, fused="qkv", view=fused_view)})
+    split = muonfn.qk_clip(params, logits, {"a": muonfn.QKHeads(heads=4, query="q", key="k", view=view)})
+    rows = (lambda t: t.mT) if transposed else (lambda t: t)
+    assert torch.equal(rows(fused["qkv"])[:8], rows(split["q"]))
+    assert torch.equal(rows(fused["qkv"])[8:16], rows(split["k"]))
+    assert torch.equal(rows(fused["qkv"])[16:], rows(params["qkv"])[16:])  # values untouched
+
+
+def test_qk_clip_brings_every_head_to_the_threshold():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 6, generator=gen, dtype=torch.float64)
+    params = TensorDict(
+        {
+            "q": torch.randn(8, 6, generator=gen, dtype=torch.float64),
+            "k": torch.randn(4, 6, generator=gen, dtype=torch.float64),
+        },
+        [],
+    )
+
+    def max_logits(p):  # 4 query heads of 2 rows, 2 key heads (grouped-query attention)
+        q = (x @ p["q"].mT).reshape(5, 4, 2)
+        k = (x @ p["k"].mT).reshape(5, 2, 2).repeat_interleave(2, dim=1)
+        return torch.einsum("ihd,jhd->hij", q, k).amax(dim=(1, 2))
+
+    before = max_logits(params)
+    tau = float(before.median())
+    after = max_logits(
+        muonfn.qk_clip(
+            params, {"a": before}, {"a": muonfn.QKHeads(heads=4, kv_heads=2, query="q", key="k")}, threshold=tau
+        )
+    )
+    assert torch.all(after <= tau * (1 + 1e-12))
+    clipped = before > tau
+    assert torch.allclose(after[clipped & (after >= tau * (1 - 1e-12))], torch.tensor(tau, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    ("logits", "layout", "match"),
+    [
+        ({"b": torch.ones(4)}, muonfn.QKHeads(heads=4, query="q"), "layouts"),
+        ({"a": torch.ones(3)}, muonfn.QKHeads(heads=4, query="q"), r"shape \(4,\)"),
+        ({"a": torch.ones(4)}, muonfn.QKHeads(heads=4, query="nope"), "nope"),
+        ({"a": torch.ones(3)}, muonfn.QKHeads(heads=3, query="q"), "do not divide"),
+        ({"a": torch.ones(4)}, muonfn.QKHeads(heads=4, fused="q"), "fused"),
+        ({"a": torch.ones(4)}, muonfn.QKHeads(heads=4, kv_heads=3, query="q"), "kv_heads"),
+    ],
+)
+def test_qk_clip_bad_input_names_the_culprit(logits, layout, match):
+    params = TensorDict({"q": torch.ones(8, 6)}, [])
+    with pytest.raises(ValueError, match=match):
+        muonfn.qk_clip(params, logits, {"a": layout})
+
+
+def test_qk_clip_compiles_without_graph_breaks():
+    params = TensorDict({"q": torch.randn(8, 6), "k": torch.randn(8, 6)}, [])
+    heads = {"a": muonfn.QKHeads(heads=4, query="q", key="k")}
+    logits = {"a": torch.tensor([50.0, 400.0, 1600.0, 100.0])}
+    eager = muonfn.qk_clip(params, logits, heads)
+    compiled = torch.compile(lambda p, m: muonfn.qk_clip(p, m, heads), fullgraph=True, backend="aot_eager")(
+        params, logits
+    )
+    assert torch.equal(eager["q"], compiled["q"]) and torch.equal(eager["k"], compiled["k"])

@@ -9,25 +9,28 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import torch
 from tensordict import TensorDictBase
 
 from .. import _tree
-from .._validation import Scalar, ScalarOrSchedule, known_names
+from .._validation import Scalar, ScalarOrSchedule, flag, known_names
 from ..linalg import CoefficientsLike, EpsMode, Orthogonalizer, ScaleMode
 from ..transforms import (
+    CAUTIOUS_MODES,
     EXP_AVG,
     EXP_AVG_SQ,
     MOMENTUM,
     STEP,
+    CautiousMode,
     LabelsLike,
     MaskLike,
     MethodLike,
     Transform,
     ViewsLike,
     add_decayed_weights,
+    cautious,
     chain,
     mask_table,
     partition,
@@ -39,6 +42,8 @@ from ._labels import ADAMW, MUON, label_params
 
 if TYPE_CHECKING:
     from ..distributed import Collectives, Replicated, ShardSpecs, Strategy
+
+NesterovLike: TypeAlias = bool | Literal["add"]
 
 #: torch.optim's name of each state entry of a branch -> that branch's state field.
 TORCH_STATE_NAMES: dict[str, dict[str, str]] = {
@@ -54,6 +59,8 @@ def adamw(
     eps: float = 1e-8,
     weight_decay: Scalar = 0.01,
     weight_decay_mask: MaskLike = None,
+    nesterov: bool = False,
+    cautious_weight_decay: bool = False,
     donate_state: bool = False,
 ) -> Transform:
     r"""AdamW exactly as ``torch.optim.AdamW``:
@@ -69,6 +76,10 @@ def adamw(
             :func:`add_decayed_weights`). Names it holds that are not among the parameters
             are ignored, as ``adamw`` is often one branch of a :func:`partition`;
             :func:`muon` checks them against all parameters.
+        nesterov: Nesterov-Adam (NAdamW) as ``optax.adamw(nesterov=True)`` computes it (see
+            :func:`scale_by_adam`).
+        cautious_weight_decay: decay only where the update and the parameter agree in sign
+            (see :func:`add_decayed_weights`).
         donate_state: update the state, and the step's own temporaries, in place (see
             :func:`ema_momentum`).
 
@@ -83,9 +94,11 @@ def adamw(
         tensor([-0.1010, -0.1010, -0.1010])
     """
     betas = _pair("betas", betas)
+    flag("adamw: nesterov", nesterov)
+    flag("adamw: cautious_weight_decay", cautious_weight_decay)
     return chain(
-        scale_by_adam(betas[0], betas[1], eps=eps, donate_state=donate_state),
-        add_decayed_weights(weight_decay, mask=weight_decay_mask, inplace=donate_state),
+        scale_by_adam(betas[0], betas[1], eps=eps, nesterov=nesterov, donate_state=donate_state),
+        add_decayed_weights(weight_decay, mask=weight_decay_mask, cautious=cautious_weight_decay, inplace=donate_state),
         scale_by_learning_rate(lr, inplace=donate_state),
     )
 
@@ -100,7 +113,7 @@ def muon_branch(
     *,
     lr: ScalarOrSchedule,
     momentum: Scalar,
-    nesterov: bool,
+    nesterov: NesterovLike,
     weight_decay: Scalar,
     ns_coefficients: CoefficientsLike,
     ns_steps: int | None,
@@ -116,27 +129,69 @@ def muon_branch(
     donate_state: bool,
     ns_eps_mode: EpsMode = "clamp",
     ns_restarts: Sequence[int] | None = None,
+    momentum_bias_correction: bool = False,
+    cautious_weight_decay: bool = False,
+    cautious_mode: CautiousMode | None = None,
 ) -> Transform:
     """The Muon branch of :func:`muon`: momentum, Newton–Schulz and shape scale, decay, learning rate."""
+    check_branch_flags("muon", momentum_bias_correction, cautious_weight_decay, cautious_mode)
+    direction = scale_by_muon(
+        momentum,
+        nesterov=nesterov,
+        momentum_bias_correction=momentum_bias_correction,
+        ns_coefficients=ns_coefficients,
+        ns_steps=ns_steps,
+        ns_dtype=ns_dtype,
+        ns_eps=ns_eps,
+        ns_method=ns_method,
+        ns_eps_mode=ns_eps_mode,
+        ns_restarts=ns_restarts,
+        scale=scale,
+        extra_scale=extra_scale,
+        views=views,
+        bucket_numel=None if orthogonalizer is not None else bucket_numel,
+        orthogonalizer=orthogonalizer,
+        donate_state=donate_state,
+    )
+    return finish_branch(
+        direction,
+        lr=lr,
+        weight_decay=weight_decay,
+        weight_decay_mask=weight_decay_mask,
+        cautious_weight_decay=cautious_weight_decay,
+        cautious_mode=cautious_mode,
+        donate_state=donate_state,
+    )
+
+
+def check_branch_flags(
+    where: str, momentum_bias_correction: bool, cautious_weight_decay: bool, cautious_mode: str | None
+) -> None:
+    """The switches every Muon-type branch takes: booleans, and a known cautious mode."""
+    flag(f"{where}: momentum_bias_correction", momentum_bias_correction)
+    flag(f"{where}: cautious_weight_decay", cautious_weight_decay)
+    if cautious_mode is not None and cautious_mode not in CAUTIOUS_MODES:
+        raise ValueError(
+            f"{where}: unknown cautious mode {cautious_mode!r}; choose None or one of {list(CAUTIOUS_MODES)}"
+        )
+
+
+def finish_branch(
+    direction: Transform,
+    *,
+    lr: ScalarOrSchedule,
+    weight_decay: Scalar,
+    weight_decay_mask: MaskLike,
+    cautious_weight_decay: bool,
+    cautious_mode: CautiousMode | None,
+    donate_state: bool,
+) -> Transform:
+    """``direction`` (made cautious with ``cautious_mode``), then the weight decay and the learning rate."""
+    if cautious_mode is not None:
+        direction = cautious(direction, mode=cautious_mode)
     return chain(
-        scale_by_muon(
-            momentum,
-            nesterov=nesterov,
-            ns_coefficients=ns_coefficients,
-            ns_steps=ns_steps,
-            ns_dtype=ns_dtype,
-            ns_eps=ns_eps,
-            ns_method=ns_method,
-            ns_eps_mode=ns_eps_mode,
-            ns_restarts=ns_restarts,
-            scale=scale,
-            extra_scale=extra_scale,
-            views=views,
-            bucket_numel=None if orthogonalizer is not None else bucket_numel,
-            orthogonalizer=orthogonalizer,
-            donate_state=donate_state,
-        ),
-        add_decayed_weights(weight_decay, mask=weight_decay_mask, inplace=donate_state),
+        direction,
+        add_decayed_weights(weight_decay, mask=weight_decay_mask, cautious=cautious_weight_decay, inplace=donate_state),
         scale_by_learning_rate(lr, inplace=donate_state),
     )
 
@@ -210,8 +265,11 @@ def muon(
     lr: ScalarOrSchedule = 1e-3,
     *,
     momentum: Scalar = 0.95,
-    nesterov: bool = True,
+    nesterov: NesterovLike = True,
+    momentum_bias_correction: bool = False,
     weight_decay: Scalar = 0.1,
+    cautious_weight_decay: bool = False,
+    cautious_mode: CautiousMode | None = None,
     ns_coefficients: CoefficientsLike = "keller",
     ns_steps: int | None = None,
     ns_dtype: torch.dtype | None = None,
@@ -225,6 +283,7 @@ def muon(
     adamw_betas: tuple[float, float] = (0.9, 0.95),
     adamw_eps: float = 1e-8,
     adamw_weight_decay: Scalar | None = None,
+    adamw_nesterov: bool = False,
     labels: LabelsLike | None = None,
     views: ViewsLike = None,
     weight_decay_mask: MaskLike = None,
@@ -251,14 +310,21 @@ def muon(
     Args:
         lr: :math:`\eta`: a float, a 0-d tensor or a schedule ``step -> lr``.
         momentum: :math:`\mu` of the EMA momentum, in [0, 1).
-        nesterov: use the Nesterov look-ahead.
+        nesterov: use the Nesterov look-ahead; ``"add"`` for heavyball's :math:`g_t + b_t`
+            (see :func:`ema_momentum`).
+        momentum_bias_correction: optax's bias-corrected momentum (see :func:`ema_momentum`).
         weight_decay: decoupled :math:`\lambda`, applied with the unadjusted ``lr``.
+        cautious_weight_decay: decay only where the update and the parameter agree in sign
+            (see :func:`add_decayed_weights`), in both branches.
+        cautious_mode: ``"heavyball"`` or ``"pytorch_optimizer"`` wraps the Muon direction in
+            :func:`cautious` (``None``: not cautious).
         ns_coefficients, ns_steps, ns_dtype, ns_eps, ns_method, ns_eps_mode, ns_restarts: the
             Newton–Schulz iteration (see :func:`orthogonalize`); ``ns_method="gram"`` runs Gram
             Newton–Schulz where it is cheaper, ``"svd"``/``"qr"``/a callable replace it;
             ``ns_eps_mode="add"`` normalises by :math:`\|G\|_F + \varepsilon`.
         scale, extra_scale: the shape scale :math:`s` (see :func:`scale_by_shape`).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW branch.
+        adamw_nesterov: NAdamW for the AdamW branch (see :func:`adamw`).
         labels: routes leaves to ``"muon"`` or ``"adamw"``; default :func:`label_params`
             (matrices except embeddings, output heads and token parameters; the leaves of
             ``shard_specs`` by their number of dimensions); :func:`labels_from_module`
@@ -288,35 +354,77 @@ def muon(
         >>> sorted(state.keys(True, True))
         [('adamw', 'exp_avg', 'b'), ('adamw', 'exp_avg_sq', 'b'), ('adamw', 'step', 'b'), ('muon', 'momentum', 'w')]
     """
-    branches = {
-        MUON: muon_branch(
-            lr=lr,
-            momentum=momentum,
-            nesterov=nesterov,
-            weight_decay=weight_decay,
-            ns_coefficients=ns_coefficients,
-            ns_steps=ns_steps,
-            ns_dtype=ns_dtype,
-            ns_eps=ns_eps,
-            ns_method=ns_method,
-            ns_eps_mode=ns_eps_mode,
-            ns_restarts=ns_restarts,
-            scale=scale,
-            extra_scale=extra_scale,
-            views=views,
-            weight_decay_mask=weight_decay_mask,
-            orthogonalizer=muon_orthogonalizer(
-                collectives, strategy, shard_specs, bucket_numel, replicated=replicated, overlap=overlap
-            ),
-            bucket_numel=bucket_numel,
-            donate_state=donate_state,
+    branch = muon_branch(
+        lr=lr,
+        momentum=momentum,
+        nesterov=nesterov,
+        weight_decay=weight_decay,
+        ns_coefficients=ns_coefficients,
+        ns_steps=ns_steps,
+        ns_dtype=ns_dtype,
+        ns_eps=ns_eps,
+        ns_method=ns_method,
+        ns_eps_mode=ns_eps_mode,
+        ns_restarts=ns_restarts,
+        scale=scale,
+        extra_scale=extra_scale,
+        views=views,
+        weight_decay_mask=weight_decay_mask,
+        orthogonalizer=muon_orthogonalizer(
+            collectives, strategy, shard_specs, bucket_numel, replicated=replicated, overlap=overlap
         ),
+        bucket_numel=bucket_numel,
+        donate_state=donate_state,
+        momentum_bias_correction=momentum_bias_correction,
+        cautious_weight_decay=cautious_weight_decay,
+        cautious_mode=cautious_mode,
+    )
+    return with_adamw(
+        branch,
+        lr=lr,
+        weight_decay=weight_decay,
+        adamw_lr=adamw_lr,
+        adamw_betas=adamw_betas,
+        adamw_eps=adamw_eps,
+        adamw_weight_decay=adamw_weight_decay,
+        adamw_nesterov=adamw_nesterov,
+        cautious_weight_decay=cautious_weight_decay,
+        labels=labels,
+        views=views,
+        weight_decay_mask=weight_decay_mask,
+        shard_specs=shard_specs,
+        donate_state=donate_state,
+    )
+
+
+def with_adamw(
+    branch: Transform,
+    *,
+    lr: ScalarOrSchedule,
+    weight_decay: Scalar,
+    adamw_lr: ScalarOrSchedule | None,
+    adamw_betas: tuple[float, float],
+    adamw_eps: float,
+    adamw_weight_decay: Scalar | None,
+    adamw_nesterov: bool,
+    cautious_weight_decay: bool,
+    labels: LabelsLike | None,
+    views: ViewsLike,
+    weight_decay_mask: MaskLike,
+    shard_specs: ShardSpecs | None,
+    donate_state: bool,
+) -> Transform:
+    """A preset: ``branch`` for the matrices, :func:`adamw` for the rest, names checked at ``init``."""
+    branches = {
+        MUON: branch,
         ADAMW: adamw(
             lr if adamw_lr is None else adamw_lr,
             betas=adamw_betas,
             eps=adamw_eps,
             weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay,
             weight_decay_mask=weight_decay_mask,
+            nesterov=adamw_nesterov,
+            cautious_weight_decay=cautious_weight_decay,
             donate_state=donate_state,
         ),
     }

@@ -6,6 +6,7 @@ distributed strategies reach :func:`orthogonalize` as an injected ``orthogonaliz
 """
 
 from ._adam import scale_by_adam
+from ._adamuon import scale_by_element_rms
 from ._base import InitFn, Transform, UpdateFn, apply_updates, empty_state
 from ._cautious import CAUTIOUS_MODES, CautiousMode, cautious
 from ._combine import LabelsLike, apply_if_finite, chain, masked, named, partition, resolve_labels
@@ -13,6 +14,7 @@ from ._decay import add_decayed_weights
 from ._learning_rate import scale_by_learning_rate
 from ._masks import MaskLike, mask_table, resolve_mask
 from ._momentum import ema_momentum
+from ._normuon import row_moment_shape, scale_by_neuron_norm
 from ._orthogonalize import (
     MethodLike,
     ViewsLike,
@@ -22,7 +24,9 @@ from ._orthogonalize import (
     scale_by_muon,
     scale_by_shape,
 )
-from ._state import COUNT, EXP_AVG, EXP_AVG_SQ, MOMENTUM, NOTFINITE_COUNT, STEP
+from ._rescale import RESCALE_MODES, Rescale
+from ._sign import scale_by_sign
+from ._state import COUNT, EXP_AVG, EXP_AVG_SQ, MOMENTUM, NOTFINITE_COUNT, ROW_SECOND_MOMENT, STEP
 
 __all__ = [
     "CAUTIOUS_MODES",
@@ -31,12 +35,15 @@ __all__ = [
     "EXP_AVG_SQ",
     "MOMENTUM",
     "NOTFINITE_COUNT",
+    "RESCALE_MODES",
+    "ROW_SECOND_MOMENT",
     "STEP",
     "CautiousMode",
     "InitFn",
     "LabelsLike",
     "MaskLike",
     "MethodLike",
+    "Rescale",
     "Transform",
     "UpdateFn",
     "ViewsLike",
@@ -56,8 +63,12 @@ __all__ = [
     "resolve_labels",
     "resolve_mask",
     "resolve_views",
+    "row_moment_shape",
     "scale_by_adam",
+    "scale_by_element_rms",
     "scale_by_learning_rate",
     "scale_by_muon",
+    "scale_by_neuron_norm",
     "scale_by_shape",
+    "scale_by_sign",
 ]

@@ -26,3 +26,6 @@ def check_entries(where: str, state: TensorDictBase, entries: Iterable[str]) -> 
                 f"{where}: state has no entry {entry!r} (it has {sorted(present)}); "
                 "was it made by this transform's init?"
             )
+
+
+ROW_SECOND_MOMENT = "row_second_moment"

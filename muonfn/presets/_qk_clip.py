@@ -1,0 +1,189 @@
+"""QK-clip (MuonClip, Kimi K2): after the step, shrink the query and key weights of every head
+whose largest attention logit went past a threshold."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDictBase
+
+from .. import _tree
+from .._keys import Key, as_key, dotted
+from ..linalg import DEFAULT_VIEW, MatrixView
+
+
+@dataclass(frozen=True)
+class QKHeads:
+    """Where one attention's query and key weights are, and how their rows form heads.
+
+    Either ``fused`` names one tensor holding the query, key and value projections, read
+    through ``view`` (``MatrixView(split=(q_rows, k_rows, v_rows))``, ``transposed=True``
+    for a Hugging Face ``Conv1D``): its first block is the query, its second the key. Or
+    ``query`` and ``key`` name separate tensors, each read through ``view``; either may be
+    left out (MLA's rotary query alone, with ``alpha=1.0``). The logical rows (the output
+    features) of the query are ``heads`` contiguous blocks, those of the key ``kv_heads``.
+
+    Args:
+        heads: query heads; the max logits of this attention have one entry per query head.
+        query, key, fused: leaf names (dotted strings or key tuples).
+        view: how the tensors are read as matrices (no batch dimensions).
+        kv_heads: key heads (grouped-query attention); default ``heads``. A key head shared
+            by several query heads takes the smallest factor among them, so that every
+            head's logit is brought down to the threshold or below.
+        alpha: the query's share of the factor (see :func:`qk_clip`); ``None``: the call's.
+    """
+
+    heads: int
+    query: str | Key | None = None
+    key: str | Key | None = None
+    fused: str | Key | None = None
+    view: MatrixView = DEFAULT_VIEW
+    kv_heads: int | None = None
+    alpha: float | None = None
+
+    def leaves(self) -> list[tuple[Key, str]]:
+        """``(leaf key, "query" | "key" | "fused")`` for every tensor this attention names."""
+        named = [(self.fused, "fused"), (self.query, "query"), (self.key, "key")]
+        return [(as_key(name) if isinstance(name, str | tuple) else name, role) for name, role in named if name]
+
+
+def _check_layout(name: str, layout: QKHeads, params: TensorDictBase) -> None:
+    where = f"qk_clip: attention {name!r}"
+    if not isinstance(layout, QKHeads):
+        raise TypeError(f"{where}: expected a muonfn.QKHeads, got {type(layout).__name__}")
+    kv = layout.heads if layout.kv_heads is None else layout.kv_heads
+    if isinstance(layout.heads, bool) or not isinstance(layout.heads, int) or layout.heads < 1:
+        raise ValueError(f"{where}: heads must be an integer >= 1, got {layout.heads!r}")
+    if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or layout.heads % kv:
+        raise ValueError(f"{where}: kv_heads must be an integer >= 1 dividing heads={layout.heads}, got {kv!r}")
+    if layout.alpha is not None:
+        _check_alpha(where, layout.alpha)
+    if layout.fused and (layout.query or layout.key):
+        raise ValueError(f"{where}: name the fused tensor or the query and key tensors, not both")
+    if not layout.leaves():
+        raise ValueError(f"{where}: names no tensor; set fused=, or query= and/or key=")
+    view = layout.view
+    if view.batch_dims:
+        raise ValueError(f"{where}: the view has batch_dims={view.batch_dims}; attention weights have none")
+    if layout.fused:
+        if view.split is None or len(view.split) < 2 or view.split_dim != 0:
+            raise ValueError(
+                f"{where}: a fused tensor needs view=MatrixView(split=(q, k, ...)) along the rows (split_dim=0)"
+            )
+    elif view.split is not None:
+        raise ValueError(f"{where}: a split view describes a fused tensor; pass it as fused=")
+    known = set(_tree.leaf_keys(params))
+    for key, role in layout.leaves():
+        if key not in known:
+            raise ValueError(f"{where}: no parameter named {dotted(key)!r}")
+        p = params.get(key)
+        view.check(key, p.shape)
+        rows = [r for r, _ in view.blocks(p.shape)]
+        counts = {"query": [layout.heads], "key": [kv], "fused": [layout.heads, kv]}[role]
+        for r, h in zip(rows, counts):
+            if r % h:
+                raise ValueError(f"{where}: {dotted(key)!r} has {r} {role} rows, which {h} heads do not divide")
+
+
+def _check_alpha(where: str, alpha: float) -> None:
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"{where}: alpha must be a number in [0, 1], got {alpha!r}")
+
+
+def _scaled_rows(m: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """``m`` (``(1, rows, cols)``) with each of ``len(factors)`` contiguous row blocks multiplied by its factor."""
+    per_row = factors.repeat_interleave(m.shape[1] // factors.shape[0]).to(m.dtype)
+    return m.mul(per_row.unsqueeze(-1))
+
+
+def qk_clip(
+    params: TensorDictBase,
+    max_logits: Mapping[str, torch.Tensor],
+    layouts: Mapping[str, QKHeads | Sequence[QKHeads]],
+    *,
+    threshold: float = 100.0,
+    alpha: float = 0.5,
+) -> TensorDictBase:
+    r"""QK-clip of MuonClip (Kimi K2, 2025): ``params`` with the query and key weights of each
+    head whose largest attention logit :math:`S_h` exceeded :math:`\tau` scaled down.
+
+    .. math::  \gamma_h = \min\!\left(1, \frac{\tau}{S_h}\right), \qquad
+               W_q^h \leftarrow \gamma_h^{\alpha}\, W_q^h, \qquad W_k^h \leftarrow \gamma_h^{1-\alpha}\, W_k^h
+
+    so that head :math:`h`'s logits :math:`q^\top k` shrink by :math:`\gamma_h` (a head at or
+    below :math:`\tau` is left as it is). A function applied after the step, not a
+    :class:`Transform`: it needs the logits the forward pass measured, which no gradient
+    carries. The model reports :math:`S_h` (reduced over micro-batches and ranks before the
+    call); the rows of head :math:`h` are the :math:`h`-th of ``heads`` contiguous blocks of
+    the logical output rows (see :class:`QKHeads`). Biases are not scaled: a biased
+    projection's logits do not shrink by exactly :math:`\gamma_h`. For MLA, clip the content
+    query and key (``alpha=0.5``) and the rotary query alone (``QKHeads(query=..., alpha=1.0)``)
+    and leave the shared rotary key out, as the report does.
+
+    Traceable: no value is read back from the logits (``torch.compile`` and CUDA graphs).
+    Sharded (DTensor) parameters are not supported: pass whole tensors.
+
+    Args:
+        params: the parameters after the step.
+        max_logits: attention name -> ``(heads,)`` tensor of the largest pre-softmax logit
+            of each query head. Attentions not given are left unchanged.
+        layouts: attention name -> its :class:`QKHeads` (or several, e.g. MLA's content
+            and rotary parts).
+        threshold: :math:`\tau > 0` (the K2 report's 100).
+        alpha: :math:`\alpha \in [0, 1]`, the query's share.
+
+    Returns:
+        ``params`` with the clipped leaves replaced by new tensors (the others are the same
+        tensors); nothing is modified in place.
+
+    Example:
+        >>> params = TensorDict({"q": torch.ones(4, 3), "k": torch.ones(4, 3)}, [])
+        >>> heads = {"attn0": muonfn.QKHeads(heads=2, query="q", key="k")}
+        >>> clipped = muonfn.qk_clip(params, {"attn0": torch.tensor([50.0, 400.0])}, heads)
+        >>> clipped["q"][:, 0]  # head 1 went 4x past the threshold: its rows shrink by 4**0.5
+        tensor([1.0000, 1.0000, 0.5000, 0.5000])
+    """
+    if (
+        isinstance(threshold, bool)
+        or not isinstance(threshold, int | float)
+        or not (math.isfinite(threshold) and threshold > 0)
+    ):
+        raise ValueError(f"qk_clip: threshold must be a finite number > 0, got {threshold!r}")
+    _check_alpha("qk_clip", alpha)
+    groups = {name: [v] if isinstance(v, QKHeads) else list(v) for name, v in layouts.items()}
+    for name, logits in max_logits.items():
+        if name not in groups:
+            raise ValueError(f"qk_clip: max_logits names {name!r}, which layouts do not describe: {sorted(groups)}")
+        for layout in groups[name]:
+            _check_layout(name, layout, params)
+            if not isinstance(logits, torch.Tensor) or logits.shape != (layout.heads,):
+                shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+                raise ValueError(f"qk_clip: max_logits[{name!r}] must have shape ({layout.heads},), got {shape}")
+    replaced: dict[Key, torch.Tensor] = {}
+    for name, logits in max_logits.items():
+        for layout in groups[name]:
+            a = alpha if layout.alpha is None else layout.alpha
+            kv = layout.heads if layout.kv_heads is None else layout.kv_heads
+            for key, role in layout.leaves():
+                p = replaced.get(key, params.get(key))
+                dtype = torch.promote_types(torch.promote_types(logits.dtype, p.dtype), torch.float32)
+                gamma = (
+                    logits.detach().to(device=p.device, dtype=dtype).clamp_min(threshold).reciprocal().mul(threshold)
+                )
+                q_factor = gamma.pow(a)
+                k_factor = gamma.reshape(kv, -1).amin(dim=-1).pow(1.0 - a)
+                blocks = layout.view.to_matrices(p)
+                if role == "fused":
+                    blocks = [_scaled_rows(blocks[0], q_factor), _scaled_rows(blocks[1], k_factor), *blocks[2:]]
+                else:
+                    blocks = [_scaled_rows(blocks[0], q_factor if role == "query" else k_factor)]
+                replaced[key] = layout.view.from_matrices(blocks, p.shape)
+    if not replaced:
+        return params
+    out = params.clone(recurse=False)
+    for key, value in replaced.items():
+        out.set(key, value)
+    return out

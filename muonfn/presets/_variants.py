@@ -1,0 +1,359 @@
+"""NorMuon and AdaMuon: Muon whose orthogonalized update is adapted by a second moment.
+
+Each is :func:`~muonfn.muon`'s partition with another matrix branch; the branch builders are
+also what the ``torch.optim`` shim builds its groups from (``variant=``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal, TypeAlias
+
+import torch
+
+from .._validation import Scalar, ScalarOrSchedule, flag
+from ..linalg import CoefficientsLike, EpsMode, ScaleMode
+from ..transforms import (
+    CautiousMode,
+    LabelsLike,
+    MaskLike,
+    MethodLike,
+    Rescale,
+    Transform,
+    ViewsLike,
+    chain,
+    ema_momentum,
+    orthogonalize,
+    scale_by_element_rms,
+    scale_by_neuron_norm,
+    scale_by_shape,
+    scale_by_sign,
+)
+from ._muon import NesterovLike, check_branch_flags, finish_branch, with_adamw
+
+if TYPE_CHECKING:
+    from ..distributed import Collectives
+
+Variant: TypeAlias = Literal["muon", "normuon", "adamuon"]
+VARIANTS: tuple[str, ...] = ("muon", "normuon", "adamuon")
+
+
+def _refuse_collectives(where: str, collectives: Collectives | None) -> None:
+    if collectives is not None:
+        raise ValueError(
+            f"{where}: collectives= is not supported: the second-moment rescaling needs each whole "
+            "orthogonalized matrix on the rank that holds its state, and the sharded strategies return "
+            "shards; use muonfn.muon for sharded parameters, or gather them"
+        )
+
+
+def adapted_branch(
+    variant: Literal["normuon", "adamuon"],
+    *,
+    lr: ScalarOrSchedule,
+    momentum: Scalar,
+    nesterov: NesterovLike,
+    beta2: Scalar,
+    adaptive_eps: float,
+    rescale: Rescale,
+    sign_momentum: bool,
+    second_moment_bias_correction: bool,
+    weight_decay: Scalar,
+    ns_coefficients: CoefficientsLike,
+    ns_steps: int | None,
+    ns_dtype: torch.dtype | None,
+    ns_eps: float,
+    ns_method: MethodLike,
+    ns_eps_mode: EpsMode,
+    ns_restarts: Sequence[int] | None,
+    scale: ScaleMode,
+    extra_scale: float,
+    views: ViewsLike,
+    weight_decay_mask: MaskLike,
+    bucket_numel: int | None,
+    donate_state: bool,
+    momentum_bias_correction: bool = False,
+    cautious_weight_decay: bool = False,
+    cautious_mode: CautiousMode | None = None,
+) -> Transform:
+    """The matrix branch of :func:`normuon` or :func:`adamuon`: momentum, (sign,) Newton–Schulz,
+    the second-moment adaptation, shape scale, decay, learning rate."""
+    check_branch_flags(variant, momentum_bias_correction, cautious_weight_decay, cautious_mode)
+    flag(f"{variant}: sign_momentum", sign_momentum)
+    flag(f"{variant}: second_moment_bias_correction", second_moment_bias_correction)
+    if variant == "normuon":
+        if second_moment_bias_correction:
+            raise ValueError("normuon: second_moment_bias_correction is AdaMuon's (NorMuon's row moment has none)")
+        adapt = scale_by_neuron_norm(beta2, eps=adaptive_eps, rescale=rescale, views=views, donate_state=donate_state)
+    elif variant == "adamuon":
+        adapt = scale_by_element_rms(
+            beta2,
+            eps=adaptive_eps,
+            bias_correction=second_moment_bias_correction,
+            rescale=rescale,
+            views=views,
+            donate_state=donate_state,
+        )
+    else:
+        raise ValueError(f"unknown variant {variant!r}; choose 'normuon' or 'adamuon'")
+    steps = [
+        ema_momentum(momentum, nesterov=nesterov, bias_correction=momentum_bias_correction, donate_state=donate_state)
+    ]
+    if sign_momentum:
+        steps.append(scale_by_sign())
+    ortho = orthogonalize(
+        ns_coefficients,
+        steps=ns_steps,
+        eps=ns_eps,
+        dtype=ns_dtype,
+        ns_method=ns_method,
+        eps_mode=ns_eps_mode,
+        restarts=ns_restarts,
+        views=views,
+        bucket_numel=bucket_numel,
+    )
+    direction = chain(*steps, ortho, adapt, scale_by_shape(scale, extra_scale=extra_scale, views=views))
+    return finish_branch(
+        direction,
+        lr=lr,
+        weight_decay=weight_decay,
+        weight_decay_mask=weight_decay_mask,
+        cautious_weight_decay=cautious_weight_decay,
+        cautious_mode=cautious_mode,
+        donate_state=donate_state,
+    )
+
+
+def normuon(
+    lr: ScalarOrSchedule = 1e-3,
+    *,
+    momentum: Scalar = 0.95,
+    nesterov: NesterovLike = True,
+    beta2: Scalar = 0.95,
+    adaptive_eps: float = 1e-10,
+    rescale: Rescale = "orthogonal",
+    momentum_bias_correction: bool = False,
+    weight_decay: Scalar = 0.1,
+    cautious_weight_decay: bool = False,
+    cautious_mode: CautiousMode | None = None,
+    ns_coefficients: CoefficientsLike = "keller",
+    ns_steps: int | None = None,
+    ns_dtype: torch.dtype | None = None,
+    ns_eps: float = 1e-7,
+    ns_method: MethodLike = "standard",
+    ns_eps_mode: EpsMode = "clamp",
+    ns_restarts: Sequence[int] | None = None,
+    scale: ScaleMode = "match_rms_adamw",
+    extra_scale: float = 1.0,
+    adamw_lr: ScalarOrSchedule | None = None,
+    adamw_betas: tuple[float, float] = (0.9, 0.95),
+    adamw_eps: float = 1e-8,
+    adamw_weight_decay: Scalar | None = None,
+    adamw_nesterov: bool = False,
+    labels: LabelsLike | None = None,
+    views: ViewsLike = None,
+    weight_decay_mask: MaskLike = None,
+    bucket_numel: int | None = None,
+    collectives: Collectives | None = None,
+    donate_state: bool = False,
+) -> Transform:
+    r"""NorMuon (Li et al., 2025) for matrices, AdamW for everything else.
+
+    Matrix leaves get Muon's orthogonalized momentum :math:`O_t`, normalised row by row
+    (neuron by neuron) by an EMA of each row's mean square (:func:`scale_by_neuron_norm`):
+
+    .. math::  v_t = \beta_2 v_{t-1} + (1-\beta_2)\,\operatorname{mean}_j O_{t,ij}^2, \quad
+               \hat O_t = O_t / (\sqrt{v_t} + \epsilon), \quad
+               p \leftarrow p - \eta\, s(A, B)\,\frac{\rho\,\hat O_t}{\|\hat O_t\|_F + \epsilon} - \eta\lambda p
+
+    The defaults are the paper's Algorithm 1: :math:`\rho = \sqrt{\min(A, B)}`
+    (``rescale="orthogonal"``) with :math:`s = 0.2\sqrt{\max(A, B)}` gives
+    :math:`0.2\sqrt{AB}/\|\hat O_t\|_F`, an update RMS of 0.2 as AdamW's, so one ``lr``
+    serves both groups. The official code and pytorch-optimizer's ``NorMuon`` default to
+    ``rescale="preserve_norm"`` (:math:`\rho = \|O_t\|_F`) with ``scale="original"``;
+    see :doc:`/recipes`.
+
+    Args:
+        beta2: :math:`\beta_2` of the row second moment.
+        adaptive_eps: :math:`\epsilon` of the row normalisation and of the rescaling.
+        rescale: :math:`\rho` (see :func:`scale_by_neuron_norm`).
+
+    The other arguments are :func:`muonfn.muon`'s. ``collectives`` is refused: the row
+    statistics need whole rows and the rescaling whole matrices on the rank that holds the
+    state, which the sharded strategies do not provide (a ``ValueError`` says so).
+
+    Returns:
+        A :class:`Transform` with state ``{"muon": {"momentum", "row_second_moment"}, "adamw": {...}}``.
+
+    Example:
+        >>> params = TensorDict({"w": torch.randn(4, 8), "b": torch.zeros(4)}, [])
+        >>> state = muonfn.normuon(lr=0.02).init(params)
+        >>> state["muon", "row_second_moment", "w"].shape  # one entry per row
+        torch.Size([4, 1])
+    """
+    _refuse_collectives("normuon", collectives)
+    branch = adapted_branch(
+        "normuon",
+        lr=lr,
+        momentum=momentum,
+        nesterov=nesterov,
+        beta2=beta2,
+        adaptive_eps=adaptive_eps,
+        rescale=rescale,
+        sign_momentum=False,
+        second_moment_bias_correction=False,
+        weight_decay=weight_decay,
+        ns_coefficients=ns_coefficients,
+        ns_steps=ns_steps,
+        ns_dtype=ns_dtype,
+        ns_eps=ns_eps,
+        ns_method=ns_method,
+        ns_eps_mode=ns_eps_mode,
+        ns_restarts=ns_restarts,
+        scale=scale,
+        extra_scale=extra_scale,
+        views=views,
+        weight_decay_mask=weight_decay_mask,
+        bucket_numel=bucket_numel,
+        donate_state=donate_state,
+        momentum_bias_correction=momentum_bias_correction,
+        cautious_weight_decay=cautious_weight_decay,
+        cautious_mode=cautious_mode,
+    )
+    return with_adamw(
+        branch,
+        lr=lr,
+        weight_decay=weight_decay,
+        adamw_lr=adamw_lr,
+        adamw_betas=adamw_betas,
+        adamw_eps=adamw_eps,
+        adamw_weight_decay=adamw_weight_decay,
+        adamw_nesterov=adamw_nesterov,
+        cautious_weight_decay=cautious_weight_decay,
+        labels=labels,
+        views=views,
+        weight_decay_mask=weight_decay_mask,
+        shard_specs=None,
+        donate_state=donate_state,
+    )
+
+
+def adamuon(
+    lr: ScalarOrSchedule = 1e-3,
+    *,
+    momentum: Scalar = 0.9,
+    nesterov: NesterovLike = False,
+    beta2: Scalar = 0.95,
+    adaptive_eps: float = 1e-10,
+    sign_momentum: bool = True,
+    second_moment_bias_correction: bool = False,
+    rescale: Rescale = "orthogonal",
+    momentum_bias_correction: bool = False,
+    weight_decay: Scalar = 0.1,
+    cautious_weight_decay: bool = False,
+    cautious_mode: CautiousMode | None = None,
+    ns_coefficients: CoefficientsLike = "keller",
+    ns_steps: int | None = None,
+    ns_dtype: torch.dtype | None = None,
+    ns_eps: float = 1e-7,
+    ns_method: MethodLike = "standard",
+    ns_eps_mode: EpsMode = "clamp",
+    ns_restarts: Sequence[int] | None = None,
+    scale: ScaleMode = "match_rms_adamw",
+    extra_scale: float = 1.0,
+    adamw_lr: ScalarOrSchedule | None = None,
+    adamw_betas: tuple[float, float] = (0.9, 0.95),
+    adamw_eps: float = 1e-8,
+    adamw_weight_decay: Scalar | None = None,
+    adamw_nesterov: bool = False,
+    labels: LabelsLike | None = None,
+    views: ViewsLike = None,
+    weight_decay_mask: MaskLike = None,
+    bucket_numel: int | None = None,
+    collectives: Collectives | None = None,
+    donate_state: bool = False,
+) -> Transform:
+    r"""AdaMuon (Si et al., 2025) for matrices, AdamW for everything else.
+
+    Matrix leaves get the sign of the EMA momentum orthogonalized, adapted element-wise by
+    an EMA of its square (:func:`scale_by_element_rms`), and rescaled to AdamW's RMS:
+
+    .. math::  O_t = \mathrm{NS}(\operatorname{sign}(M_t)), \quad
+               V_t = \beta_2 V_{t-1} + (1-\beta_2)\, O_t \odot O_t, \quad
+               \hat O_t = O_t \oslash (\sqrt{V_t} + \epsilon), \quad
+               p \leftarrow p - \eta\,\frac{0.2\sqrt{AB}\,\hat O_t}{\|\hat O_t\|_F + \epsilon} - \eta\lambda p
+
+    (``rescale="orthogonal"`` times the ``"match_rms_adamw"`` scale). These defaults are the
+    paper's. pytorch-optimizer's and timm's ``AdaMuon`` orthogonalize :math:`M_t` itself
+    (``sign_momentum=False``); pytorch-optimizer also bias-corrects :math:`V_t`
+    (``second_moment_bias_correction=True``), which the rescaling cancels up to
+    :math:`\epsilon`. See :doc:`/recipes`.
+
+    Args:
+        momentum: :math:`\beta_1` of the EMA momentum :math:`M_t`.
+        beta2: :math:`\beta_2` of the element-wise second moment.
+        adaptive_eps: :math:`\epsilon`.
+        sign_momentum: orthogonalize :math:`\operatorname{sign}(M_t)` (the paper's
+            sign-stabilised update) instead of :math:`M_t`.
+        second_moment_bias_correction: divide :math:`V_t` by :math:`1-\beta_2^t`.
+        rescale: :math:`\rho` (see :func:`scale_by_element_rms`).
+
+    The other arguments are :func:`muonfn.muon`'s. ``collectives`` is refused: the element-wise
+    moment would work on shards, but the rescaling needs each whole matrix's norm on the rank
+    that holds its state (a ``ValueError`` says so).
+
+    Returns:
+        A :class:`Transform` with state ``{"muon": {"momentum", "exp_avg_sq"}, "adamw": {...}}``
+        (and ``"step"`` in ``"muon"`` with ``second_moment_bias_correction``).
+
+    Example:
+        >>> params = TensorDict({"w": torch.randn(4, 8), "b": torch.zeros(4)}, [])
+        >>> tx = muonfn.adamuon(lr=0.02)
+        >>> sorted(tx.init(params)["muon"].keys())
+        ['exp_avg_sq', 'momentum']
+    """
+    _refuse_collectives("adamuon", collectives)
+    branch = adapted_branch(
+        "adamuon",
+        lr=lr,
+        momentum=momentum,
+        nesterov=nesterov,
+        beta2=beta2,
+        adaptive_eps=adaptive_eps,
+        rescale=rescale,
+        sign_momentum=sign_momentum,
+        second_moment_bias_correction=second_moment_bias_correction,
+        weight_decay=weight_decay,
+        ns_coefficients=ns_coefficients,
+        ns_steps=ns_steps,
+        ns_dtype=ns_dtype,
+        ns_eps=ns_eps,
+        ns_method=ns_method,
+        ns_eps_mode=ns_eps_mode,
+        ns_restarts=ns_restarts,
+        scale=scale,
+        extra_scale=extra_scale,
+        views=views,
+        weight_decay_mask=weight_decay_mask,
+        bucket_numel=bucket_numel,
+        donate_state=donate_state,
+        momentum_bias_correction=momentum_bias_correction,
+        cautious_weight_decay=cautious_weight_decay,
+        cautious_mode=cautious_mode,
+    )
+    return with_adamw(
+        branch,
+        lr=lr,
+        weight_decay=weight_decay,
+        adamw_lr=adamw_lr,
+        adamw_betas=adamw_betas,
+        adamw_eps=adamw_eps,
+        adamw_weight_decay=adamw_weight_decay,
+        adamw_nesterov=adamw_nesterov,
+        cautious_weight_decay=cautious_weight_decay,
+        labels=labels,
+        views=views,
+        weight_decay_mask=weight_decay_mask,
+        shard_specs=None,
+        donate_state=donate_state,
+    )

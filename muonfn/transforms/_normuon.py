@@ -1,0 +1,175 @@
+"""NorMuon's neuron-wise normalisation: a second moment per row of the orthogonalized update."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from .. import _tree
+from .._keys import Key, dotted
+from .._validation import Scalar, check_batch, check_grads, check_params, positive, unit_interval
+from ..linalg import MatrixView
+from ._arithmetic import one_minus
+from ._base import Transform
+from ._orthogonalize import ViewsLike, resolve_views
+from ._rescale import Rescale, check_rescale, rescaled
+from ._state import ROW_SECOND_MOMENT, check_entries
+
+
+def row_moment_shape(view: MatrixView, shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape of a leaf's row statistics: its batch dimensions, the logical rows, one column per
+    column block (a view split along the columns has several blocks side by side in each row)."""
+    rows = view.matrix_shape(shape)[0]
+    blocks = len(view.split) if view.split is not None and view.split_dim == 1 else 1
+    return (*shape[: view.batch_dims], rows, blocks)
+
+
+def _row_means(view: MatrixView, blocks: list[torch.Tensor]) -> torch.Tensor:
+    """The mean square of every row of every block, as ``(count, rows, column blocks)``."""
+    means = [b.square().mean(dim=-1, keepdim=True) for b in blocks]
+    if len(means) == 1:
+        return means[0]
+    return torch.cat(means, dim=1 if view.split_dim == 0 else 2)
+
+
+def _per_block(view: MatrixView, denom: torch.Tensor) -> list[torch.Tensor]:
+    """Inverse of :func:`_row_means`: each block's ``(count, rows, 1)`` slice of ``denom``."""
+    if view.split is None:
+        return [denom]
+    if view.split_dim == 0:
+        return list(denom.split(list(view.split), dim=1))
+    return list(denom.split(1, dim=2))
+
+
+def _normalized(
+    o: torch.Tensor, v: torch.Tensor, view: MatrixView, beta: Scalar, eps: float, rescale: str, donate: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    blocks = view.to_matrices(o)
+    means = _row_means(view, blocks)
+    current = v.reshape(means.shape)  # a view of the state's tensor: lerp_ writes into it
+    new_v = current.lerp_(means, one_minus(beta)) if donate else current.lerp(means, one_minus(beta))
+    denom = new_v.sqrt().add(eps)
+    out = [rescaled(b.div(d), b, rescale, eps) for b, d in zip(blocks, _per_block(view, denom))]
+    return view.from_matrices(out, o.shape), v if donate else new_v.reshape(v.shape)
+
+
+def _check(
+    grads: TensorDictBase, moments: TensorDictBase, params: TensorDictBase | None, views: list[MatrixView]
+) -> None:
+    """Gradients against the params (when given) and against the row statistics' shapes and dtypes."""
+    where = "scale_by_neuron_norm"
+    if params is not None:
+        check_grads(where, grads, params)
+    check_batch(where, grads, moments)
+    known = dict(zip(_tree.leaf_keys(moments), _tree.leaves(moments)))
+    for key, g, view in zip(_tree.leaf_keys(grads), _tree.leaves(grads), views):
+        v = known.get(key)
+        if v is None:
+            raise ValueError(f"{where}: gradient {dotted(key)!r} has no matching parameter or state")
+        if g.is_complex():
+            raise TypeError(
+                f"{where}: gradient {dotted(key)!r} is complex ({g.dtype}); only real gradients are supported"
+            )
+        view.check(key, g.shape)
+        if row_moment_shape(view, g.shape) != tuple(v.shape) or g.dtype != v.dtype:
+            raise ValueError(
+                f"{where}: gradient {dotted(key)!r} of shape {tuple(g.shape)} and dtype {g.dtype} does not fit "
+                f"its row statistics of shape {tuple(v.shape)} and dtype {v.dtype}"
+            )
+
+
+def scale_by_neuron_norm(
+    beta: Scalar = 0.95,
+    *,
+    eps: float = 1e-10,
+    rescale: Rescale = "preserve_norm",
+    views: ViewsLike = None,
+    donate_state: bool = False,
+) -> Transform:
+    r"""NorMuon's neuron-wise normalisation of an orthogonalized update :math:`O` (Li et al., 2025).
+
+    Each output neuron (a row :math:`i` of the logical :math:`m \times n` matrix, after the
+    view) keeps an EMA of the mean square of its row, and the row is divided by its root:
+
+    .. math::  v_t = \beta\, v_{t-1} + (1-\beta)\, \tfrac1n \textstyle\sum_j O_{ij}^2, \qquad
+               \hat O_{ij} = \frac{O_{ij}}{\sqrt{v_{t,i}} + \epsilon}, \qquad
+               u = \hat O \cdot \frac{\rho}{\|\hat O\|_F + \epsilon}
+
+    with :math:`\rho = \|O\|_F` (``"preserve_norm"``, the official code's and
+    pytorch-optimizer's default), :math:`\rho = \sqrt{\min(m, n)}` (``"orthogonal"``: followed
+    by the ``"match_rms_adamw"`` shape scale :math:`0.2\sqrt{\max(m, n)}` this is the paper's
+    :math:`0.2\sqrt{mn}/\|\hat O\|_F`, an RMS of 0.2) or no rescaling (``"none"``). The
+    :math:`\epsilon` added to :math:`\|\hat O\|_F` keeps a zero update zero; the paper has none.
+    Every block of a fused view and every matrix of a batched one is normalised on its own.
+
+    Place it after :func:`orthogonalize` (with ``scale="none"``) and before the shape scale.
+    The row statistics need whole rows, and the rescaling whole matrices: sharded leaves are
+    refused (see :func:`muonfn.normuon`).
+
+    Args:
+        beta: :math:`\beta`, a float or a 0-d tensor in [0, 1).
+        eps: :math:`\epsilon > 0`.
+        rescale: ``"preserve_norm"``, ``"orthogonal"`` or ``"none"``.
+        views: how leaves are read as matrices (see :func:`orthogonalize`).
+        donate_state: update the state in place (see :func:`ema_momentum`).
+
+    Returns:
+        A :class:`Transform` with state ``{"row_second_moment": v}``, one entry per row and
+        column block (see :func:`row_moment_shape`: ``(m, 1)`` for a plain ``(m, n)`` matrix),
+        in the leaves' dtypes.
+
+    Example:
+        >>> params = TensorDict({"w": torch.zeros(2, 3)}, [])
+        >>> tx = muonfn.scale_by_neuron_norm(0.5, rescale="none")
+        >>> g = TensorDict({"w": torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]])}, [])
+        >>> tx.update(g, tx.init(params))[0]["w"]  # each row over the root of its EMA
+        tensor([[1.4142, 1.4142, 1.4142],
+                [1.4142, 1.4142, 1.4142]])
+    """
+    unit_interval("beta", beta)
+    positive("eps", eps)
+    eps = float(eps)
+    check_rescale("scale_by_neuron_norm", rescale)
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        check_params("scale_by_neuron_norm", params)
+        keys, values = _tree.leaf_keys(params), _tree.leaves(params)
+        moments = []
+        for key, p, view in zip(keys, values, resolve_views(views, keys, values, members=params.batch_dims)):
+            view.check(key, p.shape)
+            moments.append(p.new_zeros(row_moment_shape(view, p.shape)))
+        return TensorDict({ROW_SECOND_MOMENT: _tree.build(keys, moments, params)}, batch_size=params.batch_size)
+
+    def update(
+        grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
+    ) -> tuple[TensorDictBase, TensorDictBase]:
+        check_entries("scale_by_neuron_norm", state, (ROW_SECOND_MOMENT,))
+        moments = state[ROW_SECOND_MOMENT]
+        keys, values = _tree.leaf_keys(grads), _tree.leaves(grads)
+        resolved = resolve_views(views, keys, values, members=grads.batch_dims)
+        _check(grads, moments, params, resolved)
+        _refuse_sharded(keys, values)
+        out, new = [], []
+        for key, o, view in zip(keys, values, resolved):
+            u, v = _normalized(o, moments.get(key), view, beta, eps, rescale, donate_state)
+            out.append(u)
+            new.append(v)
+        new_moments = _tree.carry(moments, _tree.build(keys, new, grads))
+        return _tree.build(keys, out, grads), TensorDict({ROW_SECOND_MOMENT: new_moments}, batch_size=state.batch_size)
+
+    return Transform(init, update)
+
+
+def _refuse_sharded(keys: Sequence[Key], values: Sequence[torch.Tensor]) -> None:
+    for key, t in zip(keys, values):
+        placements = tuple(getattr(t, "placements", ()))
+        if any(not p.is_replicate() for p in placements):
+            raise ValueError(
+                f"{dotted(key)!r} is a DTensor sharded as {placements}: NorMuon's row statistics and norms need "
+                "whole matrices; gather it, or use muonfn.muon for sharded parameters"
+            )
+
+
+__all__ = ["row_moment_shape", "scale_by_neuron_norm"]
