@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 Tensors = Sequence[torch.Tensor]
+_WIDE = (torch.float32, torch.float64)
+_NARROW = (torch.bfloat16, torch.float16)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -46,8 +48,14 @@ def apply(op: str, tensors: Tensors, *operands: Any, **kwargs: Any) -> list[torc
 
 
 def apply_(op: str, tensors: Tensors, *operands: Any, **kwargs: Any) -> list[torch.Tensor]:
-    """``op`` in place on every tensor (``t.<op>_(...)``); returns ``tensors`` as a list."""
-    if tensors and _fused(tensors, operands):
+    """``op`` in place on every tensor (``t.<op>_(...)``); returns ``tensors`` as a list.
+
+    With a number operand, bf16/fp16 tensors go one at a time: the fused in-place kernels
+    round them differently from the out-of-place ones (``_foreach_mul_(x, 0.95)`` is not
+    ``_foreach_mul(x, 0.95)`` in bf16), and donated updates must equal undonated ones bitwise.
+    """
+    narrow = any(isinstance(v, int | float) for v in operands) and any(t.dtype in _NARROW for t in tensors)
+    if tensors and not narrow and _fused(tensors, operands):
         getattr(torch, f"_foreach_{op}_")(tensors, *operands, **kwargs)
         return list(tensors)
     per_tensor = [v if isinstance(v, list | tuple) else [v] * len(tensors) for v in operands]
@@ -80,8 +88,6 @@ def lerp(starts: Tensors, ends: Tensors, weight: float | torch.Tensor, *, inplac
             out.append(start.copy_(wide) if inplace else wide)
     return out
 
-
-_WIDE = (torch.float32, torch.float64)
 
 
 def scale(tensors: Tensors, factor: float | torch.Tensor, *, inplace: bool = False) -> list[torch.Tensor]:

@@ -5,6 +5,10 @@ import os
 # took 148 s with two threads and 35 s with one, at load average 7). Set through the environment
 # too, so that subprocesses compute with the same thread count (bitwise comparisons depend on it).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The default Newton–Schulz dtype on a CPU depends on its bf16 units; the suite pins the fp32 rule
+# so that its results are the same on both kinds of CPU (subprocesses inherit it). The bf16
+# default is tested explicitly (tests/test_newton_schulz.py), and tests needing bf16 ask for it.
+os.environ.setdefault("MUONFN_CPU_NS_DTYPE", "float32")
 
 import pytest
 import torch

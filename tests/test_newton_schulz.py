@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 
 import muonfn
 from muonfn import COEFFICIENTS, Coefficients, gram_newton_schulz, newton_schulz, polar
+from muonfn.linalg import _newton_schulz, cpu_has_bf16_units, default_ns_dtype
+from muonfn.linalg._newton_schulz import CPU_NS_DTYPE_VARIABLE
 
 SETS = sorted(COEFFICIENTS)
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
@@ -309,13 +311,34 @@ def test_below_eps_the_map_is_linear_and_continuous() -> None:
     assert small.abs().max() < 1e-2
 
 
-def test_default_ns_dtype_on_cpu() -> None:
-    """On CPU the iteration runs in fp32 (fp64 inputs in fp64), not bf16, which is ~100× slower there."""
-    x = gaussian(16, 24, seed=5, dtype=torch.bfloat16)
-    assert torch.equal(ns(x), ns(x, dtype=torch.float32))
-    assert not torch.equal(ns(x), ns(x, dtype=torch.bfloat16))
+@pytest.mark.parametrize("bf16_units", [False, True])
+def test_default_ns_dtype_on_cpu_follows_the_bf16_units(monkeypatch, bf16_units: bool) -> None:
+    """``auto``: bf16 on a CPU with bf16 units, else fp32; fp64 inputs keep fp64 on either."""
+    monkeypatch.setenv(CPU_NS_DTYPE_VARIABLE, "auto")
+    monkeypatch.setattr(_newton_schulz, "cpu_has_bf16_units", lambda: bf16_units)
+    x = gaussian(16, 24, seed=5, dtype=torch.float32)
+    expected = torch.bfloat16 if bf16_units else torch.float32
+    assert torch.equal(ns(x), ns(x, dtype=expected))
+    assert not torch.equal(ns(x, dtype=torch.float32), ns(x, dtype=torch.bfloat16))
     y = gaussian(16, 24, seed=5, dtype=torch.float64)
     assert torch.equal(ns(y), ns(y, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(("choice", "expected"), [("bfloat16", torch.bfloat16), ("float32", torch.float32)])
+def test_the_environment_pins_the_cpu_ns_dtype(monkeypatch, choice: str, expected: torch.dtype) -> None:
+    for units in (False, True):
+        monkeypatch.setattr(_newton_schulz, "cpu_has_bf16_units", lambda units=units: units)
+        monkeypatch.setenv(CPU_NS_DTYPE_VARIABLE, choice)
+        assert default_ns_dtype(torch.device("cpu"), torch.float32) == expected
+        assert default_ns_dtype(torch.device("cpu"), torch.bfloat16) == expected
+    monkeypatch.setenv(CPU_NS_DTYPE_VARIABLE, "fp8")
+    with pytest.raises(ValueError, match="MUONFN_CPU_NS_DTYPE='fp8'; choose one of"):
+        default_ns_dtype(torch.device("cpu"), torch.float32)
+
+
+def test_the_bf16_probe_is_a_boolean_read_once() -> None:
+    assert isinstance(cpu_has_bf16_units(), bool)
+    assert cpu_has_bf16_units.cache_info().currsize == 1
 
 
 def test_rectangular_and_degenerate_shapes() -> None:

@@ -14,6 +14,7 @@ from .._validation import Scalar
 from ..linalg import CoefficientsLike, NSMethod, Orthogonalizer, ScaleMode
 from ..presets import ADAMW, MUON, adamw, check_names, label_params, muon_branch, muon_orthogonalizer
 from ..transforms import LabelsLike, MaskLike, Transform, ViewsLike, partition, resolve_labels, resolve_views
+from ..transforms._base import as_rule, run_rule
 from . import _groups, _migration
 from ._migration import NOT_GIVEN, NotGiven
 from ._param_state import ParamState
@@ -84,7 +85,7 @@ class Muon(torch.optim.Optimizer):
         shard_specs: ShardSpecs | None = None,
         replicated: Replicated = "split",
         overlap: bool = True,
-        donate_state: bool = False,
+        donate_state: bool = True,
         adjust_lr_fn: str | NotGiven | None = NOT_GIVEN,
         eps: float | None = None,
     ) -> None:
@@ -124,7 +125,10 @@ class Muon(torch.optim.Optimizer):
         self._orthogonalizer: Orthogonalizer | None = muon_orthogonalizer(
             collectives, strategy, shard_specs, bucket_numel, replicated=replicated, overlap=overlap
         )
-        self._functional_state: TensorDictBase = TensorDict({}, batch_size=[])
+        # The state lives as flat leaves between steps; its TensorDict is built when asked for
+        # (and is then what the next step reads, in case it was changed).
+        self._state_leaves: _tree.FlatState = {}
+        self._state_tree: TensorDictBase | None = None
         self._scalars: list[dict[str, torch.Tensor]] = []
         self._slots: dict[torch.Tensor, _groups.Slot] = {}
         self._cache: tuple[list[Any], Transform] | None = None
@@ -328,7 +332,7 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        transform = self._synced_transform()
+        rule = as_rule(self._synced_transform())
         with torch.no_grad():
             keys, targets, grads = [], [], []
             for p, slot in self._slots.items():
@@ -338,14 +342,22 @@ class Muon(torch.optim.Optimizer):
                     grads.append(p.grad)
             if not grads:
                 return loss
-            updates, state = transform.update(
-                TensorDict(dict(zip(keys, grads)), batch_size=[]),
-                self._functional_state,
-                self._param_tensordict(),
-            )
-            torch._foreach_add_(targets, [updates.get(k) for k in keys])
-        self._functional_state = state
+            given = self._state_leaves if self._state_tree is None else _tree.flatten(self._state_tree, keep_empty=True)
+            params = {slot.key: p for p, slot in self._slots.items()}
+            updates, state = run_rule(rule, dict(zip(keys, grads)), given, params, torch.Size([]))
+            torch._foreach_add_(targets, [updates[k] for k in keys])
+        self._state_leaves, self._state_tree = state, None
         return loss
+
+    @property
+    def _functional_state(self) -> TensorDictBase:
+        if self._state_tree is None:
+            self._state_tree = _tree.unflatten(self._state_leaves, torch.Size([]))
+        return self._state_tree
+
+    @_functional_state.setter
+    def _functional_state(self, state: TensorDictBase) -> None:
+        self._state_tree, self._state_leaves = state, {}
 
     # ------------------------------------------------------------------ state
 
@@ -457,8 +469,11 @@ class Muon(torch.optim.Optimizer):
         return self.state  # type: ignore[return-value]
 
     def __getstate__(self) -> dict[str, Any]:
-        # the cached transform closes over this instance's scalar tensors; a copy builds its own
-        return {k: v for k, v in self.__dict__.items() if k != "_cache"}
+        # the cached transform closes over this instance's scalar tensors; a copy builds its own.
+        # The state travels as its TensorDict only, so that a copy's two forms cannot differ.
+        state = {k: v for k, v in self.__dict__.items() if k != "_cache"}
+        state["_state_tree"], state["_state_leaves"] = self._functional_state, {}
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)

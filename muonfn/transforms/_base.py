@@ -120,12 +120,12 @@ class Needs:
         self.params: list[str] = []
 
     def check(
-        self, tree: TensorDictBase | Mapping[str, Any], state: FlatState, grads: Leaves, params: Leaves | None
+        self, tree: TensorDictBase | Mapping[str, Any] | None, state: FlatState, grads: Leaves, params: Leaves | None
     ) -> None:
         """Raises a ``ValueError`` naming the first thing missing or mismatched (``tree``: the
-        state as given, ``state`` flattened)."""
-        for where, prefix, names in self.entries:
-            node = tree.get(prefix) if prefix and isinstance(tree, TensorDictBase) else tree
+        state as given, whose entries are checked unless ``None``; ``state`` flattened)."""
+        for where, prefix, names in self.entries if tree is not None else ():
+            node: Any = tree.get(prefix) if prefix and isinstance(tree, TensorDictBase) else tree
             present = set(node.keys())
             for name in names:
                 if name not in present:
@@ -195,20 +195,40 @@ class RuleUpdate:
     def __call__(
         self, grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
     ) -> tuple[TensorDictBase, TensorDictBase]:
-        name = self.rule.name
-        check_batch(name, grads, state)
-        flat_grads = _tree.flatten(grads)
-        flat_params = None if params is None else _tree.flatten(params)
+        check_batch(self.rule.name, grads, state)
         flat_state = _tree.flatten(state, keep_empty=True) if isinstance(state, TensorDictBase) else {}
-        check_leaves(name, flat_grads, flat_params, grads.batch_size)
-        needs = Needs(grads.batch_size)
-        self.rule.needs(flat_grads, flat_params, (), needs)
-        needs.check(state, flat_state, flat_grads, flat_params)
-        scope = Scope(flat_state, dict(flat_state), (), grads.batch_size)
-        updates = _tree.unflatten(self.rule.update(flat_grads, scope, flat_params), grads.batch_size)
-        if not isinstance(state, TensorDictBase) and not scope.returned:
-            return updates, state  # a stateless transform given a plain {}
-        return updates, _tree.unflatten(scope.returned, state.batch_size)
+        updates, returned = run_rule(
+            self.rule,
+            _tree.flatten(grads),
+            flat_state,
+            None if params is None else _tree.flatten(params),
+            grads.batch_size,
+            state,
+        )
+        if not isinstance(state, TensorDictBase) and not returned:
+            return _tree.unflatten(updates, grads.batch_size), state  # a stateless transform given a plain {}
+        return _tree.unflatten(updates, grads.batch_size), _tree.unflatten(returned, state.batch_size)
+
+
+def run_rule(
+    rule: Rule,
+    grads: Leaves,
+    state: FlatState,
+    params: Leaves | None,
+    batch_size: torch.Size,
+    tree: TensorDictBase | Mapping[str, Any] | None = None,
+) -> tuple[Leaves, FlatState]:
+    """One update over flat dicts, every input checked first: ``(updates, new state)``.
+
+    ``tree``: the state as given, for the check of its top-level entries; ``None`` skips it
+    (a caller whose state always has its transform's layout, as the ``torch.optim`` shim's).
+    """
+    check_leaves(rule.name, grads, params, batch_size)
+    needs = Needs(batch_size)
+    rule.needs(grads, params, (), needs)
+    needs.check(tree, state, grads, params)
+    scope = Scope(state, dict(state), (), batch_size)
+    return rule.update(grads, scope, params), scope.returned
 
 
 def from_rule(init: InitFn, rule: Rule) -> Transform:
