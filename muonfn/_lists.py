@@ -89,7 +89,6 @@ def lerp(starts: Tensors, ends: Tensors, weight: float | torch.Tensor, *, inplac
     return out
 
 
-
 def scale(tensors: Tensors, factor: float | torch.Tensor, *, inplace: bool = False) -> list[torch.Tensor]:
     """``t·factor`` for every tensor (``factor`` a number or a 0-d tensor)."""
     return apply_("mul", tensors, factor) if inplace else apply("mul", tensors, factor)

@@ -49,11 +49,6 @@ def test_fsdp2_donated_state(reference: Reference) -> None:
     run(workers.donated_state_run, 2, reference)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="apply_if_finite's finiteness test flattens each gradient (aten.view), which DTensor refuses "
-    "on an unevenly sharded leaf (muonfn/transforms/_combine.py)",
-)
 def test_fsdp2_apply_if_finite_skips_a_step_on_every_rank(reference: Reference) -> None:
     run(workers.skipped_step_run, 2, reference)
 

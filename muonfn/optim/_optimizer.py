@@ -44,6 +44,8 @@ class Muon(torch.optim.Optimizer):
     ``adamw_weight_decay`` (``None``: the Muon value) set the AdamW groups' ``lr`` and
     ``weight_decay``. ``labels``, ``views``, ``weight_decay_mask`` and ``shard_specs`` are
     checked against the parameters' names at construction: a typo is an error.
+    ``donate_state`` is ``True`` here: the state is updated in place, as torch.optim's is
+    (``donate_state=False`` allocates a new state each step).
 
     torch.optim.Muon's spellings are taken too: ``adjust_lr_fn`` (``None`` or
     ``"original"``: ``scale="original"``; ``"match_rms_adamw"``), ``eps`` (``ns_eps``) and

@@ -38,6 +38,7 @@ from ..transforms import (
     scale_by_learning_rate,
     scale_by_muon,
 )
+from ..transforms._adam import AdamNesterov
 from ._labels import ADAMW, MUON, label_params
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ def adamw(
     eps: float = 1e-8,
     weight_decay: Scalar = 0.01,
     weight_decay_mask: MaskLike = None,
-    nesterov: bool = False,
+    nesterov: AdamNesterov = False,
     cautious_weight_decay: bool = False,
     donate_state: bool = False,
 ) -> Transform:
@@ -76,7 +77,8 @@ def adamw(
             :func:`add_decayed_weights`). Names it holds that are not among the parameters
             are ignored, as ``adamw`` is often one branch of a :func:`partition`;
             :func:`muon` checks them against all parameters.
-        nesterov: Nesterov-Adam (NAdamW) as ``optax.adamw(nesterov=True)`` computes it (see
+        nesterov: Nesterov-Adam (NAdamW) as ``optax.adamw(nesterov=True)`` computes it, or
+            ``"timm"`` as timm's ``NAdamW`` does (see
             :func:`scale_by_adam`).
         cautious_weight_decay: decay only where the update and the parameter agree in sign
             (see :func:`add_decayed_weights`).
@@ -94,7 +96,8 @@ def adamw(
         tensor([-0.1010, -0.1010, -0.1010])
     """
     betas = _pair("betas", betas)
-    flag("adamw: nesterov", nesterov)
+    if nesterov not in (True, False, "timm"):
+        raise ValueError(f"adamw: nesterov must be True, False or 'timm', got {nesterov!r}")
     flag("adamw: cautious_weight_decay", cautious_weight_decay)
     return chain(
         scale_by_adam(betas[0], betas[1], eps=eps, nesterov=nesterov, donate_state=donate_state),
@@ -283,7 +286,7 @@ def muon(
     adamw_betas: tuple[float, float] = (0.9, 0.95),
     adamw_eps: float = 1e-8,
     adamw_weight_decay: Scalar | None = None,
-    adamw_nesterov: bool = False,
+    adamw_nesterov: AdamNesterov = False,
     labels: LabelsLike | None = None,
     views: ViewsLike = None,
     weight_decay_mask: MaskLike = None,
@@ -406,7 +409,7 @@ def with_adamw(
     adamw_betas: tuple[float, float],
     adamw_eps: float,
     adamw_weight_decay: Scalar | None,
-    adamw_nesterov: bool,
+    adamw_nesterov: AdamNesterov,
     cautious_weight_decay: bool,
     labels: LabelsLike | None,
     views: ViewsLike,

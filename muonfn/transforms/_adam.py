@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Literal, TypeAlias
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -14,13 +15,15 @@ from ._base import Rule, Scope, Transform, from_rule, per_leaf_needs
 from ._momentum import bias_corrections, cast_zero_dim, per_member
 from ._state import EXP_AVG, EXP_AVG_SQ, STEP
 
+AdamNesterov: TypeAlias = bool | Literal["timm"]
+
 
 def scale_by_adam(
     b1: Scalar = 0.9,
     b2: Scalar = 0.999,
     *,
     eps: float = 1e-8,
-    nesterov: bool = False,
+    nesterov: AdamNesterov = False,
     donate_state: bool = False,
 ) -> Transform:
     r"""Adam's direction with bias correction, exactly as torch.optim.AdamW computes it.
@@ -35,7 +38,8 @@ def scale_by_adam(
 
     .. math::  \hat m_t = \frac{\beta_1 m_t}{1-\beta_1^{t+1}} + \frac{(1-\beta_1)\, g_t}{1-\beta_1^t}.
 
-    (timm's ``NAdamW`` differs: :math:`(\beta_1 m_t + (1-\beta_1) g_t)/(1-\beta_1^t)`.)
+    With ``nesterov="timm"``, timm's ``NAdamW``, one correction for both:
+    :math:`\hat m_t = (\beta_1 m_t + (1-\beta_1) g_t)/(1-\beta_1^t)`.
 
     ``t`` counts per leaf, so a leaf that had no gradient keeps its own bias correction;
     for a stacked ensemble (params of batch size ``[N]``) it counts per leaf and member.
@@ -45,13 +49,16 @@ def scale_by_adam(
             is built (the bias corrections are precomputed from it).
         b2: :math:`\beta_2` in [0, 1), likewise.
         eps: :math:`\epsilon > 0`, added to the bias-corrected root.
-        nesterov: use optax's Nesterov first moment :math:`\hat m_t` above (NAdamW).
+        nesterov: ``True`` for optax's Nesterov first moment :math:`\hat m_t` above (NAdamW),
+            ``"timm"`` for timm's, ``False`` for Adam's.
         donate_state: update the state in place (see :func:`ema_momentum`).
 
     Returns:
         A :class:`Transform` with state ``{"step": int64 per leaf, "exp_avg": m, "exp_avg_sq": v}``.
     """
     b1, b2 = unit_interval("b1", b1), unit_interval("b2", b2)
+    if nesterov not in (True, False, "timm"):
+        raise ValueError(f"scale_by_adam: nesterov must be True, False or 'timm', got {nesterov!r}")
     positive("eps", eps)
     eps = float(eps)
     log_b1, log_b2 = math.log(b1) if b1 > 0 else -math.inf, math.log(b2) if b2 > 0 else -math.inf
@@ -89,7 +96,10 @@ def scale_by_adam(
         # under vmap a batched correction is no 0-d operand and would make the division fp64
         denom = _lists.apply("div", _lists.apply("sqrt", exp_avg_sq), per_member(bias_correction2_sqrt, g, members))
         denom = _lists.apply_("add", denom, eps)
-        if nesterov:
+        if nesterov == "timm":
+            look_ahead = _lists.lerp(exp_avg, g, 1.0 - b1)
+            updates = _lists.apply("div", look_ahead, per_member(bias_correction1, g, members))
+        elif nesterov:
             # beta1 / (1 - beta1**(t+1)) on the moment, (1 - beta1) / (1 - beta1**t) on the gradient
             moment_weight = bias_corrections(step, log_b1, shift=1.0, then=lambda c: c.reciprocal().mul(b1))
             grad_weight = bias_corrections(step, log_b1, then=lambda c: c.reciprocal().mul(1.0 - b1))

@@ -87,15 +87,15 @@ class Scope:
     def set(self, entry: str, value: torch.Tensor) -> None:
         self.returned[(*self.prefix, entry)] = value
 
-    def subtree(self) -> FlatState:
-        """This scope's part of the state given, keyed relative to it."""
+    def subtree(self, entries: Sequence[str]) -> FlatState:
+        """The state given under ``entries`` of this scope, keyed relative to the scope."""
         n, prefix = len(self.prefix), self.prefix
-        return {k[n:]: v for k, v in self.given.items() if k[:n] == prefix}
+        return {k[n:]: v for k, v in self.given.items() if len(k) > n and k[:n] == prefix and k[n] in entries}
 
-    def replace_subtree(self, flat: FlatState) -> None:
-        """Replaces this scope's part of the state returned by ``flat`` (keys relative to it)."""
+    def replace_subtree(self, entries: Sequence[str], flat: FlatState) -> None:
+        """Replaces the state returned under ``entries`` by ``flat`` (keys relative to this scope)."""
         n, prefix = len(self.prefix), self.prefix
-        for k in [k for k in self.returned if k[:n] == prefix]:
+        for k in [k for k in self.returned if len(k) > n and k[:n] == prefix and k[n] in entries]:
             del self.returned[k]
         self.returned.update({(*prefix, *k): v for k, v in flat.items()})
 
@@ -241,13 +241,14 @@ def as_rule(tx: Transform) -> Rule:
     update = tx.update
     if isinstance(update, RuleUpdate):
         return update.rule
+    owned = tuple(tx.init(TensorDict({}, batch_size=[])).keys())  # its top-level state entries
 
     def run(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
         size = scope.batch_size
-        state = _tree.unflatten(scope.subtree(), size)
+        state = _tree.unflatten(scope.subtree(owned), size)
         td_params = None if params is None else _tree.unflatten(params, size)
         updates, new_state = update(_tree.unflatten(grads, size), state, td_params)
-        scope.replace_subtree(_tree.flatten(new_state, keep_empty=True))
+        scope.replace_subtree(owned, _tree.flatten(new_state, keep_empty=True))
         flat = _tree.flatten(updates)
         return {k: flat[k] for k in grads}
 

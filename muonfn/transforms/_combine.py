@@ -223,7 +223,9 @@ def apply_if_finite(tx: Transform) -> Transform:
         if not values:
             return grads
         members = scope.members  # 0 for one model: the whole leaf is tested
-        finite = torch.stack([g.isfinite().flatten(members).all(-1) for g in values]).all(0)
+        # a whole leaf is tested with all(): a DTensor sharded unevenly cannot be flattened
+        flags = [g.isfinite().all() if not members else g.isfinite().flatten(members).all(-1) for g in values]
+        finite = torch.stack([f.full_tensor() if hasattr(f, "full_tensor") else f for f in flags]).all(0)
         count_key = (*scope.prefix, NOTFINITE_COUNT)
         # the wrapped transform sees its own state only, and writes a trial state
         inner_given = {k: v for k, v in scope.given.items() if k != count_key}
