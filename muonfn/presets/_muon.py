@@ -96,7 +96,7 @@ def adamw(
         tensor([-0.1010, -0.1010, -0.1010])
     """
     betas = _pair("betas", betas)
-    if nesterov not in (True, False, "timm"):
+    if not (isinstance(nesterov, bool) or nesterov == "timm"):
         raise ValueError(f"adamw: nesterov must be True, False or 'timm', got {nesterov!r}")
     flag("adamw: cautious_weight_decay", cautious_weight_decay)
     return chain(

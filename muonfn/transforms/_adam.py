@@ -57,7 +57,7 @@ def scale_by_adam(
         A :class:`Transform` with state ``{"step": int64 per leaf, "exp_avg": m, "exp_avg_sq": v}``.
     """
     b1, b2 = unit_interval("b1", b1), unit_interval("b2", b2)
-    if nesterov not in (True, False, "timm"):
+    if not (isinstance(nesterov, bool) or nesterov == "timm"):
         raise ValueError(f"scale_by_adam: nesterov must be True, False or 'timm', got {nesterov!r}")
     positive("eps", eps)
     eps = float(eps)
