@@ -92,7 +92,8 @@ def run_interleaved(entries: list[Entry], device: torch.device, log: Callable[[s
         t0 = time.perf_counter()
         e.step, e.peak_bytes = measure_peak(device, build_and_warm)
         synchronize(device)
-        log(f"  {e.name}: built and warmed up in {time.perf_counter() - t0:.1f} s")
+        e.info["build_and_warmup_s"] = time.perf_counter() - t0
+        log(f"  {e.name}: built and warmed up in {e.info['build_and_warmup_s']:.1f} s")
     for r in range(max(e.repeats for e in entries)):
         for e in entries:
             if r >= e.repeats:
