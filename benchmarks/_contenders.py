@@ -3,12 +3,22 @@
 Every ``make_*`` function returns a zero-argument step function. Hyperparameters are
 the same for all (Muon lr 0.02, momentum 0.95 Nesterov, weight decay 0.1, update scale
 0.2·√max(A, B); AdamW lr 3e-4, betas (0.9, 0.95)); they do not change the cost.
+
+Other libraries' Muon (the ``bench`` extra: heavyball, timm, pytorch-optimizer) are
+contenders when installed: :func:`installed_peers` lists them and says which are missing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import importlib.util
 import math
-from collections.abc import Callable
+import os
+import sys
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -97,16 +107,21 @@ def make_shim(ps: ParamSet, **options: Any) -> Step:
     return opt.step
 
 
-def _matrix_params_2d(ps: ParamSet) -> list[torch.nn.Parameter]:
+def _matrix_params_2d(ps: ParamSet, grads: list[torch.Tensor] | None = None) -> list[torch.nn.Parameter]:
     """torch.optim.Muon takes 2-D parameters only: conv kernels are given as their
     ``(out, in·k·k)`` reshapes, experts one matrix each (views sharing storage, so the
-    step updates the module's tensors, as a user reshaping for torch would)."""
+    step updates the module's tensors, as a user reshaping for torch would). The peers get
+    the same matrices, so that every Muon sees the ones muonfn's views give. ``grads``
+    replaces the gradients (one per matrix, in order), for a peer that writes to them."""
     out = []
     for name, p in ps.matrix_params():
         for m, g in zip(ps.matrices(name, p.detach()), ps.matrices(name, p.grad)):
             q = torch.nn.Parameter(m, requires_grad=False)
             q.grad = g
             out.append(q)
+    if grads is not None:
+        for q, g in zip(out, grads, strict=True):
+            q.grad = g
     return out
 
 
@@ -220,3 +235,183 @@ def make_hand_adamw(ps: ParamSet, use_apply: bool) -> Step:
         box["params"], box["m"], box["v"] = p, m, v
 
     return step
+
+
+# Peers: other libraries' Muon, each with AdamW (the library's own where it has one) on the
+# non-matrices, configured as close to the shared hyperparameters as its API allows (the
+# deviations are listed in RESULTS.md). All of them run Newton–Schulz in bf16, as
+# torch.optim.Muon does.
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A peer contender: its name in the tables, the package that provides it, and a builder
+    ``make(ps, matrix_grads)`` (``matrix_grads``: private gradients for a peer that writes to
+    its gradients, allocated before the peak-memory window, else ``None``)."""
+
+    name: str
+    package: str
+    make: Callable[[ParamSet, list[torch.Tensor] | None], Step]
+    writes_grads: bool = False
+    compiled: bool = False
+
+    def entry_make(self, ps: ParamSet) -> Callable[[], Step]:
+        grads = None
+        if self.writes_grads:
+            grads = [g.clone() for n, p in ps.matrix_params() for g in ps.matrices(n, p.grad)]
+        return lambda: self.make(ps, grads)
+
+
+def load_timm_muon() -> types.ModuleType:
+    """``timm.optim.muon`` without running ``timm/__init__`` and ``timm/optim/__init__``: they
+    import torchvision, whose PyPI wheel expects a CUDA build of torch; the module itself
+    needs only torch. Raises ``ImportError`` when timm is not installed."""
+    if "timm.optim.muon" in sys.modules:
+        return sys.modules["timm.optim.muon"]
+    spec = importlib.util.find_spec("timm")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("timm is not installed")
+    root = next(iter(spec.submodule_search_locations))
+    for name, path in (("timm", root), ("timm.optim", os.path.join(root, "optim"))):
+        if name not in sys.modules:
+            package = types.ModuleType(name)
+            package.__path__ = [path]
+            sys.modules[name] = package
+    return importlib.import_module("timm.optim.muon")
+
+
+@contextlib.contextmanager
+def _heavyball_compile_mode(mode: str | None) -> Iterator[None]:
+    """heavyball compiles its fused functions on first call unless its module-level
+    ``compile_mode`` is ``None``; it is read at every call, so each step sets its own."""
+    from heavyball import utils
+
+    saved = utils.compile_mode
+    utils.compile_mode = mode
+    try:
+        yield
+    finally:
+        utils.compile_mode = saved
+
+
+def make_heavyball_muon(ps: ParamSet, compiled: bool = False) -> Step:
+    """heavyball's ``Muon`` on the matrices and its ``AdamW`` on the rest (``SplitOpt``).
+
+    Eager: ``heavyball.utils.compile_mode = None`` (heavyball is compile-first: by default each
+    of its fused functions is ``torch.compile``'d on first call). Compiled: the library's
+    default mode for those functions and ``compile_step=True`` (the whole step compiled,
+    ``fullgraph=True``; the first step runs eagerly to build the state). ``consume_grad=False``:
+    by default heavyball sets each ``.grad`` to ``None`` as it reads it (its ``zero_grad``), and
+    the contenders step the same gradients again."""
+    import heavyball
+
+    mode = heavyball.utils.compile_mode if compiled else None
+    with _heavyball_compile_mode(mode):
+        opt = heavyball.SplitOpt(
+            [
+                {
+                    "params": _matrix_params_2d(ps),
+                    "optimizer": heavyball.Muon,
+                    "lr": LR,
+                    "betas": (MOMENTUM, 0.99),  # beta1 is the momentum; beta2 is unused by Muon
+                    "nesterov": True,
+                    "weight_decay": WD,
+                    "compile_step": compiled,
+                    "consume_grad": False,
+                },
+                {
+                    "params": [p for _, p in ps.other_params()],
+                    "optimizer": heavyball.AdamW,
+                    "lr": ADAM_LR,
+                    "betas": BETAS,
+                    "eps": ADAM_EPS,
+                    "weight_decay": WD,
+                    "compile_step": compiled,
+                    "consume_grad": False,
+                },
+            ]
+        )
+
+    def step() -> None:
+        with _heavyball_compile_mode(mode):
+            opt.step()
+
+    return step
+
+
+def make_timm_muon(ps: ParamSet) -> Step:
+    """timm's ``Muon`` (``timm.optim.muon``) with its AdamW fallback on the non-matrices."""
+    timm_muon = load_timm_muon()
+    opt = timm_muon.Muon(
+        [
+            {"params": _matrix_params_2d(ps)},
+            # timm's fallback takes Nesterov from the group (NAdamW when on) and eps from the
+            # group (Newton–Schulz's 1e-7 by default): plain AdamW with AdamW's eps
+            {"params": [p for _, p in ps.other_params()], "use_fallback": True, "nesterov": False, "eps": ADAM_EPS},
+        ],
+        lr=LR,
+        momentum=MOMENTUM,
+        nesterov=True,
+        weight_decay=WD,
+        adjust_lr_fn="match_rms_adamw",
+        fallback_lr_scale=ADAM_LR / LR,  # the fallback's lr is the group's lr times this
+        betas=BETAS,
+    )
+    return opt.step
+
+
+def make_pytorch_optimizer_muon(ps: ParamSet, matrix_grads: list[torch.Tensor] | None) -> Step:
+    """pytorch-optimizer's ``Muon``: a ``use_muon`` group of matrices and its AdamW group.
+
+    Its Nesterov blend is written into the gradients (``_foreach_lerp_(grads, buffers)``), so
+    it gets its own copy of the matrices' gradients: the others keep stepping the same ones."""
+    from pytorch_optimizer import Muon
+
+    opt = Muon(
+        [
+            {"params": _matrix_params_2d(ps, matrix_grads), "use_muon": True},
+            {"params": [p for _, p in ps.other_params()], "use_muon": False},
+        ],
+        lr=LR,
+        momentum=MOMENTUM,
+        weight_decay=WD,
+        nesterov=True,
+        use_adjusted_lr=True,  # 0.2·√max(A, B), as match_rms_adamw
+        adamw_lr=ADAM_LR,
+        adamw_betas=BETAS,
+        adamw_wd=WD,
+        adamw_eps=ADAM_EPS,
+    )
+    return opt.step
+
+
+PEERS: tuple[Peer, ...] = (
+    Peer("heavyball Muon", "heavyball", lambda ps, _: make_heavyball_muon(ps)),
+    Peer("heavyball Muon compiled", "heavyball", lambda ps, _: make_heavyball_muon(ps, compiled=True), compiled=True),
+    Peer("timm Muon", "timm", lambda ps, _: make_timm_muon(ps)),
+    Peer("pytorch-optimizer Muon", "pytorch_optimizer", make_pytorch_optimizer_muon, writes_grads=True),
+)
+
+
+def _importable(package: str) -> bool:
+    if package == "timm":
+        try:
+            load_timm_muon()
+        except ImportError:
+            return False
+        return True
+    return importlib.util.find_spec(package) is not None
+
+
+def installed_peers(compiled: bool, log: Callable[[str], None]) -> list[Peer]:
+    """The peers whose package is installed (with the compiled variants if ``compiled``); a
+    note for each missing package."""
+    found, missing = [], set()
+    for peer in PEERS:
+        if not _importable(peer.package):
+            missing.add(peer.package)
+        elif compiled or not peer.compiled:
+            found.append(peer)
+    for package in sorted(missing):
+        log(f"  skipped: {package} is not installed (pip install -e '.[bench]')")
+    return found

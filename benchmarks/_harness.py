@@ -92,7 +92,8 @@ def run_interleaved(entries: list[Entry], device: torch.device, log: Callable[[s
         t0 = time.perf_counter()
         e.step, e.peak_bytes = measure_peak(device, build_and_warm)
         synchronize(device)
-        log(f"  {e.name}: built and warmed up in {time.perf_counter() - t0:.1f} s")
+        e.info["build_and_warmup_s"] = time.perf_counter() - t0
+        log(f"  {e.name}: built and warmed up in {e.info['build_and_warmup_s']:.1f} s")
     for r in range(max(e.repeats for e in entries)):
         for e in entries:
             if r >= e.repeats:
@@ -132,8 +133,28 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_bf16_units() -> tuple[bool, str]:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), and how that was found:
+    muonfn's own query where this checkout has it, else torch's CPU capability queries."""
+    from muonfn import linalg
+
+    query = getattr(linalg, "cpu_has_bf16_units", None)
+    if query is not None:
+        return bool(query()), "muonfn.linalg.cpu_has_bf16_units()"
+    found = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return bool(found), "torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()"
+
+
+def cpu_isa_features() -> list[str]:
+    """The CPU's bf16-related instruction sets that torch reports."""
+    checks = {"avx512_bf16": torch.cpu._is_avx512_bf16_supported, "amx_tile": torch.cpu._is_amx_tile_supported}
+    return [name for name, check in checks.items() if check()]
+
+
 def machine(device: torch.device) -> dict[str, Any]:
     import tensordict
+
+    bf16_units, bf16_source = cpu_bf16_units()
 
     info: dict[str, Any] = {
         "platform": platform.platform(),
@@ -144,6 +165,9 @@ def machine(device: torch.device) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_bf16_units": bf16_units,
+        "cpu_bf16_units_from": bf16_source,
+        "cpu_bf16_isa": cpu_isa_features(),
         "device": str(device),
     }
     if hasattr(os, "getloadavg"):

@@ -1,19 +1,28 @@
 """muonfn benchmark suite: ``python benchmarks/run.py [--device cuda] [--quick]``.
 
-Sections (``--sections``, default ``step,ns,elementwise,overhead``; ``compile`` on request):
+Sections (``--sections``, default ``step,ns,elementwise,overhead,fixed``; ``compile`` on request):
 
 - ``step``: one full optimizer step (Muon on the matrices, AdamW on the rest) on GPT-2
   blocks, a ResNet and an MoE layer (``--sets``; on CUDA GPT-2 small and medium by
   default), for muonfn (functional, unbatched, Gram, shim), torch.optim.Muon +
-  torch.optim.AdamW and a hand-written fp32 loop; next to the Newton–Schulz flops at the
-  throughput of one large matmul measured in the same run.
+  torch.optim.AdamW, a hand-written fp32 loop and the installed peers (heavyball, timm,
+  pytorch-optimizer: the ``bench`` extra; heavyball compiled with ``--compile-peers``); next
+  to the Newton–Schulz flops at the throughput of one large matmul measured in the same run,
+  with each contender's ratio to torch.optim.Muon and to the fastest peer.
 - ``ns``: standard against Gram Newton–Schulz on wide matrices, with their errors; and the
   throughput of batched Newton–Schulz on large same-shape buckets (64 × 1024×4096 on CUDA)
   as a fraction of the matmul rate of its dtype (bf16 on CUDA).
 - ``elementwise``: muonfn's AdamW against torch.optim.AdamW (foreach and for-loop), and
   TensorDict arithmetic against ``TensorDict.apply`` for the same AdamW.
 - ``overhead``: the fixed cost of an update (one-element tensors), nested against flat keys.
-- ``compile``: ``torch.compile(update, fullgraph=True)`` against eager: compile time and step.
+- ``fixed``: the fixed cost of every contender's step on a 24-layer GPT's structure of tiny
+  tensors (292 leaves), one thread: muonfn against torch.optim.Muon + AdamW(foreach) and
+  torch.optim.AdamW(foreach), and the peers.
+- ``compile``: ``torch.compile(update, fullgraph=True)`` against eager: compile time and step
+  (and heavyball's compiled step where installed).
+
+Every run also times one fp32 and one bf16 matmul and says whether the CPU has bf16 units
+(AVX512-BF16 or AMX): every peer, like torch.optim.Muon, runs Newton–Schulz in bf16.
 
 Prints tables and writes everything, with the machine description, as JSON
 (``--out``, default ``benchmarks/results/<device>-<date>.json``, e.g. ``cuda-<date>.json``).
@@ -38,7 +47,16 @@ sys.path.insert(1, str(HERE.parent))  # run from a checkout without installing
 import _contenders as C  # noqa: E402
 import _sets  # noqa: E402
 import torch  # noqa: E402
-from _harness import MB, Entry, machine, matmul_entry, matmul_flops, run_interleaved, synchronize  # noqa: E402
+from _harness import (  # noqa: E402
+    MB,
+    Entry,
+    cpu_bf16_units,
+    machine,
+    matmul_entry,
+    matmul_flops,
+    run_interleaved,
+    synchronize,
+)
 
 import muonfn  # noqa: E402
 from muonfn.linalg import (  # noqa: E402
@@ -47,10 +65,11 @@ from muonfn.linalg import (  # noqa: E402
     newton_schulz_flops,
 )
 
-SECTIONS = ("step", "ns", "elementwise", "overhead", "compile")
+SECTIONS = ("step", "ns", "elementwise", "overhead", "fixed", "compile")
+DEFAULT_SECTIONS = "step,ns,elementwise,overhead,fixed"
 DEFAULT_SETS = {"cpu": "gpt,conv,moe", "cuda": "gpt2-small,gpt2-medium,conv,moe"}
 
-# Sizes: default (about a minute on 2 CPU cores), --quick, --smoke (a few seconds; for the tests).
+# Sizes: default (a few minutes on 2 CPU cores), --quick, --smoke (a few seconds; for the tests).
 PROFILES: dict[str, dict[str, Any]] = {
     "default": {
         "gpt": {"width": 256, "depth": 4},
@@ -64,6 +83,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         "matmul": 2048,
         "ns_shapes": [(256, 1024), (768, 3072)],
         "ns_batches": [(8, 256, 1024)],
+        "fixed_repeats": 50,
+        "probe_matmul": 512,
     },
     "quick": {
         "gpt": {"width": 128, "depth": 2},
@@ -76,6 +97,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         "matmul": 1024,
         "ns_shapes": [(256, 1024)],
         "ns_batches": [(4, 256, 1024)],
+        "fixed_repeats": 30,
+        "probe_matmul": 512,
     },
     "smoke": {
         "gpt": {"width": 32, "depth": 1, "vocab": 64, "context": 16},
@@ -89,6 +112,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         "matmul": 256,
         "ns_shapes": [(16, 64)],
         "ns_batches": [(3, 16, 64)],
+        "fixed_repeats": 3,
+        "probe_matmul": 128,
     },
 }
 
@@ -150,15 +175,42 @@ def has_shim() -> bool:
     return hasattr(shim, "Muon")
 
 
+def bf16_is_slow(device: torch.device) -> bool:
+    """Whether bf16 matmuls crawl here (a CPU without bf16 units: ~100× slower than fp32), so that
+    the contenders that compute in bf16 (torch.optim.Muon, every peer) get fewer repetitions."""
+    return device.type == "cpu" and not cpu_bf16_units()[0]
+
+
+TORCH_MUON = "torch Muon+AdamW"
+TORCH_ADAMW = "torch AdamW foreach"
+
+
+def peer_entries(ps: _sets.ParamSet, peers: list[C.Peer], repeats: int, slow: bool) -> list[Entry]:
+    entries = []
+    for peer in peers:
+        # heavyball's compiled step: the first step runs eagerly, the second compiles
+        warmup = 3 if peer.compiled else 1 if slow else 2
+        entries.append(Entry(peer.name, peer.entry_make(ps), repeats, warmup=warmup))
+    return entries
+
+
+def fastest_peer(entries: list[Entry], peers: list[C.Peer]) -> Entry:
+    """The fastest of torch.optim.Muon + AdamW and the peers' eager steps (the compiled ones
+    are reported, not taken as the reference that eager muonfn is compared with)."""
+    eager = {TORCH_MUON} | {p.name for p in peers if not p.compiled}
+    return min((e for e in entries if e.name in eager), key=lambda e: e.median)
+
+
 def section_step(args: argparse.Namespace, prof: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    slow_torch = device.type == "cpu"  # torch.optim.Muon computes in bf16: ~1 GFLOP/s without bf16 units
+    slow_bf16 = bf16_is_slow(device)  # torch.optim.Muon and the peers compute in bf16
     dtype = ns_dtype(device)
+    peers = C.installed_peers(args.compile_peers, log)
     results: dict[str, Any] = {}
     for set_name in args.sets:
         ps = _sets.build(set_name, str(device), **prof[set_name])
         summary = _sets.size_summary(ps)
         log(f"[step] {ps.description}: {summary['params'] / 1e6:.2f} M params, {summary['ns_gflop']:.2f} GFLOP of NS")
-        slow = prof["slow_repeats"] if slow_torch else args.repeats
+        slow = prof["slow_repeats"] if slow_bf16 else args.repeats
         entries = [
             matmul_entry(device, dtype, prof["matmul"], args.repeats),
             Entry("muonfn", lambda: C.make_functional(ps), args.repeats),
@@ -170,26 +222,30 @@ def section_step(args: argparse.Namespace, prof: dict[str, Any], device: torch.d
             entries.append(Entry("muonfn shim", lambda: C.make_shim(ps), args.repeats))
             entries.append(Entry("muonfn shim donated", lambda: C.make_shim(ps, donate_state=True), args.repeats))
         entries += [
-            Entry("torch Muon+AdamW", lambda: C.make_torch_muon(ps), slow, warmup=1 if slow_torch else 2),
+            Entry(TORCH_MUON, lambda: C.make_torch_muon(ps), slow, warmup=1 if slow_bf16 else 2),
             Entry("plain fp32 loop", lambda: C.make_plain_loop(ps), args.repeats),
+            *peer_entries(ps, peers, slow, slow_bf16),
         ]
         run_interleaved(entries, device, log)
         mm, contenders = entries[0], entries[1:]
         rate = matmul_flops(prof["matmul"]) / mm.median
         flops = ps.ns_flops()
         limit = flops / rate
-        torch_median = next(e.median for e in contenders if e.name == "torch Muon+AdamW")
+        torch_median = next(e.median for e in contenders if e.name == TORCH_MUON)
+        best_peer = fastest_peer(contenders, peers)
         record: dict[str, Any] = {
             "description": ps.description,
             **summary,
             "matmul": {"name": mm.name, **entry_record(mm), "gflops": rate / 1e9},
             "ns_limit_ms": limit * 1e3,
+            "fastest_peer": best_peer.name,
             "contenders": {},
         }
         rows = []
         for e in contenders:
             rec = entry_record(e)
             rec["speedup_vs_torch_muon"] = torch_median / e.median
+            rec["speedup_vs_fastest_peer"] = best_peer.median / e.median
             rec["ns_gflops"] = flops / e.median / 1e9
             rec["x_limit"] = e.median / limit
             record["contenders"][e.name] = rec
@@ -200,6 +256,7 @@ def section_step(args: argparse.Namespace, prof: dict[str, Any], device: torch.d
                     fmt(rec["min_ms"]),
                     str(len(e.times)),
                     fmt(rec["speedup_vs_torch_muon"], 2),
+                    fmt(rec["speedup_vs_fastest_peer"], 2),
                     fmt(rec["ns_gflops"]),
                     fmt(rec["x_limit"], 2),
                     fmt(rec["peak_mb"]),
@@ -207,14 +264,11 @@ def section_step(args: argparse.Namespace, prof: dict[str, Any], device: torch.d
             )
         print(
             f"\n{ps.description} — {summary['params'] / 1e6:.2f} M params, {summary['matrices']} matrices, "
-            f"NS {flops / 1e9:.2f} GFLOP; {mm.name}: {rate / 1e9:.1f} GFLOP/s → limit {limit * 1e3:.1f} ms"
+            f"NS {flops / 1e9:.2f} GFLOP; {mm.name}: {rate / 1e9:.1f} GFLOP/s → limit {limit * 1e3:.1f} ms; "
+            f"fastest peer: {best_peer.name}"
         )
-        print(
-            table(
-                ["contender", "median ms", "min ms", "n", "× faster than torch", "NS GFLOP/s", "× limit", "peak MB"],
-                rows,
-            )
-        )
+        headers = ["contender", "median ms", "min ms", "n", "× faster than torch", "× faster than fastest peer"]
+        print(table([*headers, "NS GFLOP/s", "× limit", "peak MB"], rows))
         results[ps.name] = record
     return results
 
@@ -390,6 +444,68 @@ def section_overhead(args: argparse.Namespace, prof: dict[str, Any], device: tor
     return out
 
 
+#: The structure of the fixed-cost table: a 24-layer GPT with tiny tensors (292 leaves),
+#: so that only Python, dispatch and the optimizers' bookkeeping remain.
+FIXED_GPT = {"width": 8, "depth": 24, "vocab": 16, "context": 8}
+
+
+def section_fixed(args: argparse.Namespace, prof: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """Every contender's step on a structure where the math is negligible: the host cost a GPU
+    would sit idle through. One thread, so that no OpenMP pool hides or adds to it."""
+    ps = _sets.gpt(**FIXED_GPT, device=str(device))
+    leaves = len(ps.named())
+    repeats = prof["fixed_repeats"]
+    peers = C.installed_peers(args.compile_peers, log)
+    log(f"[fixed] {leaves} tiny leaves shaped like {ps.description}, one thread, {repeats} repetitions")
+    entries = [
+        Entry("muonfn", lambda: C.make_functional(ps), repeats),
+        Entry("muonfn donated", lambda: C.make_donated(ps), repeats),
+    ]
+    if has_shim():
+        entries.append(Entry("muonfn shim", lambda: C.make_shim(ps), repeats))
+    entries += [
+        Entry(TORCH_MUON, lambda: C.make_torch_muon(ps), repeats),
+        Entry("muonfn adamw", lambda: C.make_functional_adamw(ps), repeats),
+        Entry("muonfn adamw donated", lambda: C.make_donated_adamw(ps), repeats),
+        Entry(TORCH_ADAMW, lambda: C.make_torch_adamw(ps, foreach=True), repeats),
+        *peer_entries(ps, peers, repeats, slow=False),  # the matrices are 8 wide: bf16 costs nothing here
+    ]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run_interleaved(entries, device, log)
+    finally:
+        torch.set_num_threads(threads)
+    by_name = {e.name: e for e in entries}
+    adamw_steps = {"muonfn adamw", "muonfn adamw donated", TORCH_ADAMW}
+    out: dict[str, Any] = {
+        "set": ps.name,
+        "description": ps.description,
+        "leaves": leaves,
+        "threads": 1,
+        "contenders": {},
+    }
+    rows = []
+    for e in entries:
+        # AdamW steps against torch's AdamW, the Muon steps against torch's Muon + AdamW
+        reference = TORCH_ADAMW if e.name in adamw_steps else TORCH_MUON
+        rec = {**entry_record(e), "reference": reference, "x_reference": e.median / by_name[reference].median}
+        out["contenders"][e.name] = rec
+        rows.append([e.name, fmt(e.median * 1e3, 2), fmt(rec["min_ms"], 2), reference, fmt(rec["x_reference"], 2)])
+    ratios = {
+        "functional_over_torch_muon": ("muonfn", TORCH_MUON),
+        "shim_over_torch_muon": ("muonfn shim", TORCH_MUON),
+        "adamw_over_torch_adamw": ("muonfn adamw", TORCH_ADAMW),
+    }
+    out["ratios"] = {
+        key: by_name[a].median / by_name[b].median for key, (a, b) in ratios.items() if a in by_name and b in by_name
+    }
+    print(f"\nFixed cost of one step: {leaves} tiny leaves shaped like {ps.description}; one thread, {repeats} rounds")
+    print(table(["contender", "median ms", "min ms", "reference", "× reference"], rows))
+    print("  " + ", ".join(f"{key.replace('_', ' ')}: {value:.2f}×" for key, value in out["ratios"].items()))
+    return out
+
+
 def section_compile(args: argparse.Namespace, prof: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """Eager against ``torch.compile(update + apply_updates, fullgraph=True)``, with the
     comparisons of the step and elementwise sections timed in the same rounds."""
@@ -426,7 +542,16 @@ def section_compile(args: argparse.Namespace, prof: dict[str, Any], device: torc
             args.repeats,
         ),
     ]
+    # heavyball is compile-first: its compiled step, and its eager one next to it
+    for peer in C.installed_peers(compiled=True, log=log):
+        if peer.package == "heavyball":
+            entries.append(Entry(peer.name, peer.entry_make(ps), args.repeats, warmup=3 if peer.compiled else 2))
     run_interleaved(entries, device, log)
+    for e in entries:
+        if e.name == "heavyball Muon compiled":
+            # its compilation happens in its warm-up steps (the first runs eagerly, the second
+            # compiles): their time, measured with the build, stands for its compile time
+            compile_s[e.name] = e.info["build_and_warmup_s"]
     mm = entries[0]
     rate = matmul_flops(prof["matmul"]) / mm.median
     limit = ps.ns_flops() / rate
@@ -455,6 +580,16 @@ def section_compile(args: argparse.Namespace, prof: dict[str, Any], device: torc
     return out
 
 
+def matmul_probe(prof: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """One fp32 and one bf16 matmul of the same size, interleaved: how much faster (or slower)
+    this machine multiplies in bf16, the precision torch.optim.Muon and every peer compute in."""
+    size = prof["probe_matmul"]
+    entries = [matmul_entry(device, dtype, size, 5) for dtype in (torch.float32, torch.bfloat16)]
+    run_interleaved(entries, device, lambda _: None)
+    fp32, bf16 = (matmul_flops(size) / e.median / 1e9 for e in entries)
+    return {"size": size, "fp32_gflops": fp32, "bf16_gflops": bf16, "bf16_over_fp32": bf16 / fp32}
+
+
 def targets(results: dict[str, Any]) -> dict[str, Any]:
     """The issue's targets on the first GPT set of the step section (GPT-2 small on CUDA), for
     every muonfn variant measured, and on the first (largest) batch of the ns section."""
@@ -481,12 +616,24 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
                 add(f"plain_loop_over_{key}", plain, ">= 1.2", on)
         if section == "step":
             add("torch_muon_over_muonfn", c["muonfn"]["speedup_vs_torch_muon"], ">= 1.0", on)
+            # eager muonfn against the fastest of torch.optim.Muon, the plain loop and the eager peers
+            fastest = min(c[TORCH_MUON]["median_ms"], c["plain fp32 loop"]["median_ms"])
+            fastest = min(fastest, c[records["fastest_peer"]]["median_ms"])
+            add("fastest_eager_rival_over_muonfn", fastest / c["muonfn"]["median_ms"], ">= 1.1", on)
             # peak memory above parameters and gradients (construction + warm-up steps)
             torch_peak = c["torch Muon+AdamW"]["peak_mb"]
             for name in ("muonfn shim", "muonfn shim donated"):
                 if name in c:
                     over = c[name]["peak_mb"] / torch_peak - 1.0
                     add(f"{name.replace(' ', '_')}_peak_over_torch", over, "<= 0.10", on)
+    fixed = results.get("fixed", {})
+    bounds = {
+        "functional_over_torch_muon": "<= 1.0",
+        "shim_over_torch_muon": "<= 1.1",
+        "adamw_over_torch_adamw": "<= 1.3",
+    }
+    for key, value in fixed.get("ratios", {}).items():
+        add(f"fixed_{key}", value, bounds[key], f"fixed cost, {fixed['leaves']} leaves")
     batches = results.get("ns", {}).get("batches", {})
     if batches:
         shape, record = next(iter(batches.items()))
@@ -508,9 +655,7 @@ def configure(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[s
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="smaller sets and fewer repeats")
     size.add_argument("--smoke", action="store_true", help="the smallest configuration (a few seconds)")
-    p.add_argument(
-        "--sections", default="step,ns,elementwise,overhead", help=f"comma-separated, of {','.join(SECTIONS)}"
-    )
+    p.add_argument("--sections", default=DEFAULT_SECTIONS, help=f"comma-separated, of {','.join(SECTIONS)}")
     p.add_argument(
         "--sets",
         help=f"parameter sets for the step section, of {','.join(_sets.SETS)} "
@@ -521,6 +666,12 @@ def configure(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[s
     p.add_argument("--repeats", type=int, help="timed repetitions per contender")
     p.add_argument("--slow-repeats", type=int, help="repetitions of torch.optim.Muon on CPU (bf16 there)")
     p.add_argument("--threads", type=int, help="torch.set_num_threads")
+    p.add_argument(
+        "--compile-peers",
+        action="store_true",
+        help="also step the peers that offer a compiled step (heavyball) compiled, in the step and fixed sections "
+        "(tens of seconds of compilation per set)",
+    )
     p.add_argument("--out", help="JSON path (default benchmarks/results/<device>-<timestamp>.json)")
     args = p.parse_args(argv)
 
@@ -570,8 +721,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ns": section_ns,
         "elementwise": section_elementwise,
         "overhead": section_overhead,
+        "fixed": section_fixed,
         "compile": section_compile,
     }
+    probe = results["machine"]["matmul_probe"] = matmul_probe(prof, device)
+    bf16_units = results["machine"]["cpu_bf16_units"]
+    print(
+        f"{results['machine']['cpu']}, torch threads: {results['machine']['torch_threads']}; CPU bf16 units: "
+        f"{'yes' if bf16_units else 'no'} ({', '.join(results['machine']['cpu_bf16_isa']) or 'no AVX512-BF16/AMX'}); "
+        f"one {probe['size']}² matmul on {device.type}: fp32 {probe['fp32_gflops']:.1f} GFLOP/s, "
+        f"bf16 {probe['bf16_gflops']:.1f} GFLOP/s ({probe['bf16_over_fp32']:.2g}× fp32)"
+    )
     for name in sections:
         results[name] = run[name](args, prof, device)
     results["targets"] = targets(results)

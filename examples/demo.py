@@ -7,7 +7,9 @@ source files (``--data PATH`` for any text file). Protocol:
 1. Learning-rate sweep, for each optimizer, at a third of the budget: a grid of three
    rates a factor ~3 apart, extended past whichever edge wins (at most twice), so that
    neither optimizer is judged at a learning rate that is merely the edge of its grid.
-2. Each optimizer's best rate is trained for the full budget.
+2. Each optimizer's best rate is trained for the full budget, the two runs' steps interleaved
+   round-robin (one AdamW step, one Muon step, ...) so that a busy neighbour slows both alike;
+   each step's own time is recorded, and the table reports the median per optimizer.
 3. Muon's validation curve is compared against AdamW's final validation loss: the first
    step at which Muon gets there (linear interpolation between evaluations).
 
@@ -28,6 +30,7 @@ import hashlib
 import json
 import math
 import pathlib
+import statistics
 import sysconfig
 import time
 from collections.abc import Callable
@@ -177,6 +180,11 @@ class Run:
     tokens_per_second: float = 0.0
     smooth_loss: float = 0.0
     done: bool = False
+    step_seconds: list[float] = dataclasses.field(default_factory=list)  # every step's own time
+
+    @property
+    def median_step_seconds(self) -> float:
+        return statistics.median(self.step_seconds) if self.step_seconds else math.nan
 
     @property
     def final_val(self) -> float:
@@ -206,6 +214,7 @@ def save_checkpoint(
             "tokens_per_second": f64(run.tokens_per_second),
             "smooth_loss": f64(run.smooth_loss),
             "done": torch.tensor(run.done),
+            "step_seconds": f64(run.step_seconds),
         },
     }
     muonfn.save({"params": params, "state": state, **record}, path)
@@ -219,6 +228,7 @@ def load_checkpoint(path: pathlib.Path, run: Run, cfg: Config) -> tuple[TensorDi
     saved = ckpt["run"]
     if (saved["lr"].item(), saved["steps"].item()) != (run.lr, run.steps):
         raise SystemExit(f"{path} holds a different run (lr {saved['lr'].item()}, {saved['steps'].item()} steps)")
+    step_seconds = saved.get("step_seconds", None)  # absent from checkpoints of older versions of the demo
     restored = dataclasses.replace(
         run,
         eval_every=int(saved["eval_every"]),
@@ -227,98 +237,146 @@ def load_checkpoint(path: pathlib.Path, run: Run, cfg: Config) -> tuple[TensorDi
         tokens_per_second=saved["tokens_per_second"].item(),
         smooth_loss=saved["smooth_loss"].item(),
         done=bool(saved["done"]),
+        step_seconds=[] if step_seconds is None else step_seconds.tolist(),
     )
     return ckpt["params"], ckpt["state"], int(ckpt["step"]), restored
 
 
-def train(
-    run: Run,
-    cfg: Config,
-    data: tuple[torch.Tensor, torch.Tensor, int],
-    device: torch.device,
-    ckpt_dir: pathlib.Path,
-    resume: bool,
-    stop_after: int | None,
-    progress: bool,
-) -> Run:
-    train_ids, val_ids, vocab = data
-    path = ckpt_dir / f"{run.name}.pt"
-    torch.manual_seed(cfg.seed)
-    model = GPT(vocab, cfg.ctx, cfg.width, cfg.depth, cfg.heads).to(device)
-    tx = make_optimizer(run.kind, run.lr, run.steps, cfg.warmup, model)
-    params = TensorDict.from_module(model).detach().clone()
-    state = tx.init(params)
-    start = 0
-    if resume and path.exists():
-        saved_params, saved_state, start, run = load_checkpoint(path, run, cfg)
-        params, state = saved_params.to(device), saved_state.to(device)
-        if run.done:
-            return run
+class Training:
+    """One run, trained a step at a time (``step()`` until ``finished``, then ``close()``), so
+    that two runs can take turns. Resumes from the run's checkpoint when ``resume``."""
 
-    def loss_fn(p: TensorDict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with p.to_module(model):
-            return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    def __init__(
+        self,
+        run: Run,
+        cfg: Config,
+        data: tuple[torch.Tensor, torch.Tensor, int],
+        device: torch.device,
+        ckpt_dir: pathlib.Path,
+        resume: bool,
+        stop_after: int | None,
+        progress: bool,
+        bar_position: int = 0,
+    ) -> None:
+        train_ids, val_ids, vocab = data
+        self.run, self.cfg, self.device, self.train_ids = run, cfg, device, train_ids
+        self.path = ckpt_dir / f"{run.name}.pt"
+        torch.manual_seed(cfg.seed)
+        self.model = GPT(vocab, cfg.ctx, cfg.width, cfg.depth, cfg.heads).to(device)
+        self.tx = make_optimizer(run.kind, run.lr, run.steps, cfg.warmup, self.model)
+        self.params = TensorDict.from_module(self.model).detach().clone()
+        self.state = self.tx.init(self.params)
+        start = 0
+        self.already_done = False
+        if resume and self.path.exists():
+            saved_params, saved_state, start, self.run = load_checkpoint(self.path, run, cfg)
+            self.params, self.state = saved_params.to(device), saved_state.to(device)
+            self.already_done = self.run.done
+        val_gen = torch.Generator().manual_seed(cfg.seed + 1)
+        self.val_batches = [batch(val_ids, cfg.ctx, cfg.batch, val_gen) for _ in range(cfg.eval_batches)]
+        self.grad_fn = torch.func.grad_and_value(self.loss_fn)
+        self.tokens = cfg.batch * cfg.ctx
+        self.next_step = start
+        self.end = self.run.steps if stop_after is None else min(self.run.steps, stop_after)
+        if self.already_done:
+            self.end = start
+            return
+        if start == 0:
+            with torch.no_grad():
+                self.run.smooth_loss = self.loss_fn(self.params, *self.train_batch(0)).item()
+            loss, val = self.run.smooth_loss, self.evaluate(self.params)
+            self.run.history = {"step": [0], "seconds": [0.0], "train_loss": [loss], "val_loss": [val]}
+        self.bar = _progress(self.run.steps, start, f"{self.run.name:>14}", progress, bar_position)
 
-    val_gen = torch.Generator().manual_seed(cfg.seed + 1)
-    val_batches = [batch(val_ids, cfg.ctx, cfg.batch, val_gen) for _ in range(cfg.eval_batches)]
+    def loss_fn(self, p: TensorDict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with p.to_module(self.model):
+            return F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
 
     @torch.no_grad()
-    def evaluate(p: TensorDict) -> float:
-        return sum(loss_fn(p, x.to(device), y.to(device)).item() for x, y in val_batches) / len(val_batches)
+    def evaluate(self, p: TensorDict) -> float:
+        batches = self.val_batches
+        return sum(self.loss_fn(p, x.to(self.device), y.to(self.device)).item() for x, y in batches) / len(batches)
 
-    def train_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         # Depends only on (seed, step): every run sees the same batches, resumed or not.
-        x, y = batch(train_ids, cfg.ctx, cfg.batch, torch.Generator().manual_seed(cfg.seed * 1_000_003 + step))
-        return x.to(device), y.to(device)
+        cfg = self.cfg
+        x, y = batch(self.train_ids, cfg.ctx, cfg.batch, torch.Generator().manual_seed(cfg.seed * 1_000_003 + step))
+        return x.to(self.device), y.to(self.device)
 
-    grad_fn = torch.func.grad_and_value(loss_fn)
-    tokens = cfg.batch * cfg.ctx
-    if start == 0:
-        with torch.no_grad():
-            run.smooth_loss = loss_fn(params, *train_batch(0)).item()
-        run.history = {"step": [0], "seconds": [0.0], "train_loss": [run.smooth_loss], "val_loss": [evaluate(params)]}
-    end = run.steps if stop_after is None else min(run.steps, stop_after)
-    bar = _progress(range(start, end), run.steps, start, f"{run.name:>14}", progress)
-    for step in bar:
+    @property
+    def finished(self) -> bool:
+        return self.next_step >= self.end
+
+    def step(self) -> None:
+        run, step = self.run, self.next_step
         tick = time.perf_counter()
-        grads, loss = grad_fn(params, *train_batch(step))
-        updates, state = tx.update(grads, state, params)
-        params = muonfn.apply_updates(params, updates)
+        grads, loss = self.grad_fn(self.params, *self.train_batch(step))
+        updates, self.state = self.tx.update(grads, self.state, self.params)
+        self.params = muonfn.apply_updates(self.params, updates)
         loss_value = loss.item()
-        run.seconds += time.perf_counter() - tick
+        seconds = time.perf_counter() - tick
+        run.seconds += seconds
+        run.step_seconds.append(seconds)
         run.smooth_loss = 0.9 * run.smooth_loss + 0.1 * loss_value
-        done_steps = step + 1
-        run.tokens_per_second = done_steps * tokens / run.seconds
+        done_steps = self.next_step = step + 1
+        run.tokens_per_second = done_steps * self.tokens / run.seconds
         if not math.isfinite(loss_value):  # diverged: a sweep point that lost, not an error
             print(f"{run.name}: loss is {loss_value} at step {done_steps}; stopping this run")
             for curve, value in (("step", done_steps), ("seconds", run.seconds), ("train_loss", math.inf)):
                 run.history[curve].append(value)
             run.history["val_loss"].append(math.inf)
-            end = run.steps
-            break
+            self.next_step = self.end = run.steps
+            return
         if done_steps % run.eval_every == 0 or done_steps == run.steps:
             run.history["step"].append(done_steps)
             run.history["seconds"].append(run.seconds)
             run.history["train_loss"].append(run.smooth_loss)
-            run.history["val_loss"].append(evaluate(params))
-            save_checkpoint(path, params, state, done_steps, run, cfg)
-        if hasattr(bar, "set_postfix"):
-            bar.set_postfix(loss=f"{run.smooth_loss:.3f}", tok_s=f"{run.tokens_per_second:,.0f}")
-    if hasattr(bar, "close"):
-        bar.close()
-    run.done = end == run.steps
-    save_checkpoint(path, params, state, end, run, cfg)
-    return run
+            run.history["val_loss"].append(self.evaluate(self.params))
+            save_checkpoint(self.path, self.params, self.state, done_steps, run, self.cfg)
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{run.smooth_loss:.3f}", tok_s=f"{run.tokens_per_second:,.0f}")
+
+    def close(self) -> Run:
+        """Saves the final checkpoint and returns the run's record."""
+        if self.already_done:
+            return self.run
+        self.bar.close()
+        self.run.done = self.end == self.run.steps
+        save_checkpoint(self.path, self.params, self.state, self.end, self.run, self.cfg)
+        return self.run
 
 
-def _progress(steps: range, total: int, initial: int, desc: str, enabled: bool) -> Any:
+def train_round_robin(trainings: list[Training]) -> list[Run]:
+    """Steps every unfinished run once per round until all are finished: a slow patch of the
+    machine falls on all of them alike, not on whichever happened to run then."""
+    while not all(t.finished for t in trainings):
+        for t in trainings:
+            if not t.finished:
+                t.step()
+    return [t.close() for t in trainings]
+
+
+class _NoBar:
+    """What a progress bar is asked to do, doing nothing: no bar wanted, or tqdm missing."""
+
+    def update(self, n: int) -> None:
+        pass
+
+    def set_postfix(self, **values: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, initial: int, desc: str, enabled: bool, position: int) -> Any:
     if not enabled:
-        return steps
+        return _NoBar()
     try:
         from tqdm import tqdm
     except ImportError:  # the demo extra is optional; train without a bar
-        return steps
-    return tqdm(steps, total=total, initial=initial, desc=desc, leave=True, dynamic_ncols=True)
+        return _NoBar()
+    return tqdm(total=total, initial=initial, desc=desc, leave=True, dynamic_ncols=True, position=position)
 
 
 # ---------------------------------------------------------------------------------------
@@ -416,12 +474,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"model: {n_params:,} parameters; device: {device}; threads: {torch.get_num_threads()}"
     )
 
-    def run_one(kind: str, lr: float, steps: int) -> Run:
+    def training(kind: str, lr: float, steps: int, bar_position: int = 0) -> Training:
         name = f"{kind}-lr{lr:.0e}-{steps}"
         # Sweep runs are judged by their final validation loss only.
         eval_every = cfg.eval_every if steps == cfg.steps else steps
         run = Run(name=name, kind=kind, lr=lr, steps=steps, eval_every=eval_every, history={})
-        return train(run, cfg, data, device, ckpt_dir, args.resume, args.stop_after, not args.no_progress)
+        progress = not args.no_progress
+        return Training(run, cfg, data, device, ckpt_dir, args.resume, args.stop_after, progress, bar_position)
+
+    def run_one(kind: str, lr: float, steps: int) -> Run:
+        (run,) = train_round_robin([training(kind, lr, steps)])
+        return run
 
     grids = {"adamw": args.adamw_lrs, "muon": args.muon_lrs}
     swept: dict[str, list[Run]] = {}
@@ -435,7 +498,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"stopped after {args.stop_after} steps; continue with --resume")
             return {}
         best_lr[kind] = min(swept[kind], key=lambda r: r.final_val).lr
-    final = {kind: run_one(kind, best_lr[kind], cfg.steps) for kind in grids}
+    # The timed comparison: both final runs in turns, one step each per round.
+    finals = [training(kind, best_lr[kind], cfg.steps, bar_position=i) for i, kind in enumerate(grids)]
+    final = dict(zip(grids, train_round_robin(finals)))
     if not all(r.done for r in final.values()):
         print(f"stopped after {args.stop_after} steps; continue with --resume")
         return {}
@@ -452,6 +517,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     adamw_seconds = (steps_to_reach(adamw.history, target, "seconds") or adamw.seconds) if reachable else None
     results = {
         "config": dataclasses.asdict(cfg),
+        "timing": "final runs interleaved round-robin, one step each per round; seconds: each run's own steps",
         "device": str(device),
         "threads": torch.get_num_threads(),
         "parameters": n_params,
@@ -467,6 +533,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "val_loss": _finite(r.final_val),
                 "seconds": r.seconds,
                 "tokens_per_second": r.tokens_per_second,
+                "median_step_seconds": _finite(r.median_step_seconds),
                 "history": {k: [_finite(v) for v in curve] for k, curve in r.history.items()},
             }
             for kind, r in final.items()
@@ -498,14 +565,19 @@ def print_table(results: dict[str, Any]) -> None:
         cells = ", ".join(f"{r['lr']:.0e}: {_loss_cell(r['val_loss'], 0)}" for r in runs)
         print(f"sweep {kind:5s} ({runs[0]['steps']} steps, val loss by lr)  {cells}")
     header = f"{'optimizer':9s} {'lr':>7s} {'train loss':>10s} {'val loss':>9s} {'steps to target':>15s} "
-    print("\n" + header + f"{'wall time':>9s} {'tokens/s':>9s}")
+    print("\n" + header + f"{'wall time':>9s} {'ms/step':>8s} {'tokens/s':>9s}")
+    tokens = results["config"]["batch"] * results["config"]["ctx"]
     for kind, r in results["final"].items():
         reach = results["steps_to_target"][kind]
         reach_cell = "-" if results["target_val_loss"] is None else "never" if reach is None else f"{reach:.0f}"
         losses = f"{_loss_cell(r['train_loss'], 10)} {_loss_cell(r['val_loss'], 9)}"
-        print(
-            f"{kind:9s} {r['lr']:7.0e} {losses} {reach_cell:>15s} {r['seconds']:8.1f}s {r['tokens_per_second']:9,.0f}"
-        )
+        median = r["median_step_seconds"]
+        per_step = "-" if median is None else f"{median * 1e3:8.1f} {tokens / median:9,.0f}"
+        print(f"{kind:9s} {r['lr']:7.0e} {losses} {reach_cell:>15s} {r['seconds']:8.1f}s {per_step}")
+    print(
+        "(the two runs' steps interleaved round-robin; wall time: each run's own steps; "
+        "ms/step: the median step, tokens/s at that median)"
+    )
     ratio = results["steps_ratio"]
     target = results["target_val_loss"]
     if target is None:

@@ -29,6 +29,12 @@ def load_run():
     return module
 
 
+def installed_peers() -> set[str]:
+    """The peers' eager contenders the suite steps here: those whose package is installed."""
+    run_module = load_run()
+    return {p.name for p in run_module.C.installed_peers(compiled=False, log=lambda _: None)}
+
+
 def test_benchmark_suite_smoke(tmp_path):
     out = tmp_path / "smoke.json"
     sets = "gpt,conv,moe,gpt2-small,gpt2-medium"
@@ -55,9 +61,13 @@ def test_benchmark_suite_smoke(tmp_path):
         muonfn_variants = {"muonfn", "muonfn donated", "muonfn unbatched", "muonfn gram"}
         shim_variants = {"muonfn shim", "muonfn shim donated"}
         assert muonfn_variants | shim_variants | {"torch Muon+AdamW", "plain fp32 loop"} <= set(contenders)
+        assert set(contenders) >= installed_peers()
+        assert record["fastest_peer"] in {"torch Muon+AdamW"} | installed_peers()
+        assert contenders[record["fastest_peer"]]["speedup_vs_fastest_peer"] == 1.0
         for c in contenders.values():
             assert c["repeats"] >= 1 and len(c["times_ms"]) == c["repeats"]
-            for field in ("median_ms", "speedup_vs_torch_muon", "ns_gflops", "x_limit", "peak_mb"):
+            ratios = ("speedup_vs_torch_muon", "speedup_vs_fastest_peer", "x_limit")
+            for field in ("median_ms", *ratios, "ns_gflops", "peak_mb"):
                 assert positive(c[field]), field
 
     ns = results["ns"]
@@ -85,11 +95,49 @@ def test_benchmark_suite_smoke(tmp_path):
     assert {"muonfn muon, nested keys", "muonfn muon, flat keys", "torch AdamW foreach"} <= set(overhead)
     assert all(positive(c["median_ms"]) for c in overhead.values())
 
+    fixed = results["fixed"]
+    assert fixed["leaves"] == 292 and fixed["threads"] == 1
+    fixed_steps = {"muonfn", "muonfn donated", "muonfn shim", "torch Muon+AdamW", "muonfn adamw", "torch AdamW foreach"}
+    assert fixed_steps | installed_peers() <= set(fixed["contenders"])
+    for c in fixed["contenders"].values():
+        assert positive(c["median_ms"]) and positive(c["x_reference"])
+    assert set(fixed["ratios"]) == {"functional_over_torch_muon", "shim_over_torch_muon", "adamw_over_torch_adamw"}
+    assert all(positive(v) for v in fixed["ratios"].values())
+
+    machine = results["machine"]
+    assert isinstance(machine["cpu_bf16_units"], bool) and machine["cpu_bf16_units_from"]
+    probe = machine["matmul_probe"]
+    assert positive(probe["fp32_gflops"]) and positive(probe["bf16_gflops"]) and positive(probe["bf16_over_fp32"])
+    assert "CPU bf16 units: " in proc.stdout
+
     targets = results["targets"]
     expected = {"muonfn_x_limit", "plain_loop_over_muonfn", "muonfn_adamw_overhead", "ns_batch_x_matmul_rate"}
+    expected |= {"fastest_eager_rival_over_muonfn", "fixed_functional_over_torch_muon", "fixed_adamw_over_torch_adamw"}
     assert expected | {"muonfn_shim_peak_over_torch", "muonfn_shim_donated_peak_over_torch"} <= set(targets)
     for t in targets.values():
         assert math.isfinite(t["value"]) and isinstance(t["met"], bool) and t["on"]
+
+
+def test_fixed_cost_section_runs_on_one_thread_and_restores_the_count():
+    run = load_run()
+    args, prof, _ = run.configure(["--smoke", "--sections", "fixed"])
+    threads = torch.get_num_threads()
+    seen = []
+    original = run.run_interleaved
+
+    def spy(entries, device, log):
+        seen.append(torch.get_num_threads())
+        original(entries, device, log)
+
+    run.run_interleaved = spy
+    try:
+        torch.set_num_threads(2)
+        out = run.section_fixed(args, prof, torch.device("cpu"))
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert out["contenders"]["muonfn"]["reference"] == "torch Muon+AdamW"
+    assert out["contenders"]["muonfn adamw"]["reference"] == "torch AdamW foreach"
 
 
 def test_cuda_configuration():
@@ -98,7 +146,7 @@ def test_cuda_configuration():
     run = load_run()
     args, prof, sections = run.configure(["--device", "cuda"])
     assert args.sets == ["gpt2-small", "gpt2-medium", "conv", "moe"]
-    assert sections == ["step", "ns", "elementwise", "overhead"]
+    assert sections == ["step", "ns", "elementwise", "overhead", "fixed"]
     assert prof["gpt2-small"] == {} and prof["gpt2-medium"] == {}  # the builders' real sizes
     assert prof["ns_batches"][0] == [64, 1024, 4096] and prof["matmul"] == 8192
     assert run.default_out(torch.device("cuda")).match("results/cuda-*.json")

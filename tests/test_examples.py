@@ -49,6 +49,7 @@ def test_demo_quick_writes_results_plot_and_checkpoints(tmp_path):
         assert final["steps"] == 12
         assert final["val_loss"] < final["history"]["val_loss"][0]  # both learn something
         assert final["tokens_per_second"] > 0
+        assert 0 < final["median_step_seconds"] <= final["seconds"]
     assert results["target_val_loss"] == results["final"]["adamw"]["val_loss"]
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
@@ -109,6 +110,29 @@ def test_demo_reports_a_diverged_run_instead_of_crashing(tmp_path, one_thread):
     assert results["steps_ratio"] is None
     assert results["final"]["muon"]["val_loss"] < results["final"]["muon"]["history"]["val_loss"][0]
     assert "Infinity" not in (tmp_path / "results.json").read_text()
+
+
+def test_demo_interleaves_the_timed_runs_round_robin():
+    demo = load_example("demo")
+    order = []
+
+    class Scripted:
+        def __init__(self, name: str, steps: int) -> None:
+            self.name, self.left = name, steps
+
+        @property
+        def finished(self) -> bool:
+            return self.left == 0
+
+        def step(self) -> None:
+            order.append(self.name)
+            self.left -= 1
+
+        def close(self) -> str:
+            return self.name
+
+    assert demo.train_round_robin([Scripted("adamw", 3), Scripted("muon", 2)]) == ["adamw", "muon"]
+    assert order == ["adamw", "muon", "adamw", "muon", "adamw"]
 
 
 def test_demo_steps_to_reach_interpolates():
