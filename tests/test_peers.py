@@ -403,6 +403,8 @@ def timm_muon():
     import sys
     import types
 
+    if "timm.optim.muon" in sys.modules:  # loaded so already (the benchmarks load it the same way)
+        return sys.modules["timm.optim.muon"]
     spec = importlib.util.find_spec("timm")
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("timm is not installed")
