@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -104,18 +104,25 @@ def flatten(td: TensorDictBase, *, keep_empty: bool = False) -> FlatState:
     return out
 
 
-def _walk(td: TensorDictBase, prefix: Key, out: FlatState, keep_empty: bool) -> None:
+def _walk(td: TensorDictBase, prefix: Key, out: FlatState, keep_empty: bool) -> int:
+    """Adds ``td``'s leaves to ``out``; returns how many tensors it added."""
     # a plain TensorDict's own dict is read directly: 5-10x faster than items(True, True)
     items = td._tensordict.items() if type(td) is TensorDict else td.items()
+    tensors = 0
     for name, value in items:
         key = (*prefix, name)
-        if isinstance(value, TensorDictBase) and not is_non_tensor(value):
-            if not value.is_empty():
-                _walk(value, key, out, keep_empty)
-            elif keep_empty:
+        if type(value) is TensorDict or (isinstance(value, TensorDictBase) and not is_non_tensor(value)):
+            before = len(out)
+            found = _walk(value, key, out, keep_empty)
+            if not found and keep_empty:  # no tensor beneath: the node stands as one leaf
+                for _ in range(len(out) - before):
+                    out.popitem()
                 out[key] = value
+            tensors += found
         else:
             out[key] = value
+            tensors += 1
+    return tensors
 
 
 def unflatten(flat: Mapping[Key, Any], batch_size: torch.Size) -> TensorDict:
@@ -124,6 +131,42 @@ def unflatten(flat: Mapping[Key, Any], batch_size: torch.Size) -> TensorDict:
     for key, value in flat.items():
         node = root
         for name in key[:-1]:
-            node = node.setdefault(name, {})
+            child = node.get(name)
+            if child is None:
+                child = node[name] = {}
+            node = child
         node[key[-1]] = value
-    return TensorDict._new_unsafe(root, batch_size=torch.Size(batch_size))
+    size = torch.Size(batch_size)
+    if _new_node is None or torch.compiler.is_compiling():
+        return TensorDict._new_unsafe(root, batch_size=size)
+    return _built(root, size, _new_node)
+
+
+def _built(node: dict[str, Any], batch_size: torch.Size, new_node: Callable[..., TensorDict]) -> TensorDict:
+    for name, value in node.items():
+        if type(value) is dict:
+            node[name] = _built(value, batch_size, new_node)
+        # an empty TensorDict kept by flatten(keep_empty=True) comes back as it was
+    return new_node(node, batch_size)
+
+
+def _direct_node() -> Callable[[dict[str, Any], torch.Size], TensorDict] | None:
+    """A TensorDict node built from a dict it takes over, without tensordict's per-node checks
+    and keyword handling (the rebuild runs once per update over every state node); ``None``
+    where this tensordict keeps other per-instance fields than the constructor's fast path."""
+    reference = TensorDict._new_unsafe({}, batch_size=torch.Size([]), nested=False)
+    if set(vars(reference)) != {"_device", "_tensordict", "_batch_size", "_td_dim_names"}:
+        return None
+    if reference._device is not None or reference._td_dim_names is not None:
+        return None
+    blank = object.__new__
+
+    def new_node(items: dict[str, Any], batch_size: torch.Size) -> TensorDict:
+        td = blank(TensorDict)
+        td._device, td._tensordict, td._batch_size, td._td_dim_names = None, items, batch_size, None
+        return td
+
+    return new_node
+
+
+_new_node = _direct_node()

@@ -338,7 +338,18 @@ def test_the_environment_pins_the_cpu_ns_dtype(monkeypatch, choice: str, expecte
 
 def test_the_bf16_probe_is_a_boolean_read_once() -> None:
     assert isinstance(cpu_has_bf16_units(), bool)
-    assert cpu_has_bf16_units.cache_info().currsize == 1
+    assert _newton_schulz._probe_bf16_units.cache_info().currsize == 1
+
+
+@pytest.mark.parametrize("choice", ["auto", "bfloat16"])
+def test_the_default_dtype_compiles_without_a_graph_break(monkeypatch, choice: str) -> None:
+    """The probe and the environment are read while tracing: a full graph, the eager bits."""
+    monkeypatch.setenv(CPU_NS_DTYPE_VARIABLE, choice)
+    torch._dynamo.reset()
+    x = gaussian(8, 12, seed=6, dtype=torch.float32)
+    compiled = torch.compile(lambda g: ns(g), fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x), ns(x))
+    assert compiled(x).dtype == torch.float32
 
 
 def test_rectangular_and_degenerate_shapes() -> None:

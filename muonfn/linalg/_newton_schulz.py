@@ -61,13 +61,18 @@ CPU_NS_DTYPE_VARIABLE = "MUONFN_CPU_NS_DTYPE"
 CPU_NS_DTYPE_CHOICES = ("auto", "bfloat16", "float32")
 
 
-@functools.cache
+@torch.compiler.assume_constant_result  # a traced update reads the answer, not the probe
 def cpu_has_bf16_units() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), read once per process.
 
     Without them a bf16 matmul is emulated and runs tens of times slower than an fp32 one;
     with them about 4× faster.
     """
+    return _probe_bf16_units()
+
+
+@functools.cache
+def _probe_bf16_units() -> bool:
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     try:
         return torch.backends.mkldnn.is_available() and any(getattr(torch.cpu, probe)() for probe in probes)
