@@ -12,7 +12,7 @@ from .. import _lists
 from .._tree import Leaves
 from .._validation import Scalar, check_params, positive, unit_interval
 from ._base import Rule, Scope, Transform, from_rule, per_leaf_needs
-from ._momentum import bias_corrections, cast_zero_dim, per_member
+from ._momentum import bias_corrections, cast_zero_dim
 from ._state import EXP_AVG, EXP_AVG_SQ, STEP
 
 AdamNesterov: TypeAlias = bool | Literal["timm"]
@@ -90,23 +90,19 @@ def scale_by_adam(
         for entry, values in ((STEP, step), (EXP_AVG, exp_avg), (EXP_AVG_SQ, exp_avg_sq)):
             scope.write(entry, keys, values)
         members = scope.members
-        bias_correction1 = bias_corrections(step, log_b1)
-        bias_correction2_sqrt = bias_corrections(step, log_b2, then=torch.sqrt)
-        # out of place with the fp64 0-d corrections: in place, a 0-d leaf would be promoted, and
-        # under vmap a batched correction is no 0-d operand and would make the division fp64
-        denom = _lists.apply("div", _lists.apply("sqrt", exp_avg_sq), per_member(bias_correction2_sqrt, g, members))
-        denom = _lists.apply_("add", denom, eps)
+        root_correction = bias_corrections(step, log_b2, g, members, then=torch.sqrt)
+        denom = _lists.apply_("add", _lists.apply("div", _lists.apply("sqrt", exp_avg_sq), root_correction), eps)
         if nesterov == "timm":
             look_ahead = _lists.lerp(exp_avg, g, 1.0 - b1)
-            updates = _lists.apply("div", look_ahead, per_member(bias_correction1, g, members))
+            updates = _lists.apply("div", look_ahead, bias_corrections(step, log_b1, g, members))
         elif nesterov:
             # beta1 / (1 - beta1**(t+1)) on the moment, (1 - beta1) / (1 - beta1**t) on the gradient
-            moment_weight = bias_corrections(step, log_b1, shift=1.0, then=lambda c: c.reciprocal().mul(b1))
-            grad_weight = bias_corrections(step, log_b1, then=lambda c: c.reciprocal().mul(1.0 - b1))
-            updates = _lists.apply("mul", exp_avg, per_member(moment_weight, g, members))
-            updates = _lists.apply_("add", updates, _lists.apply("mul", g, per_member(grad_weight, g, members)))
+            moment_weight = bias_corrections(step, log_b1, g, members, shift=1.0, then=lambda c: c.reciprocal().mul(b1))
+            grad_weight = bias_corrections(step, log_b1, g, members, then=lambda c: c.reciprocal().mul(1.0 - b1))
+            updates = _lists.apply("mul", exp_avg, moment_weight)
+            updates = _lists.apply_("add", updates, _lists.apply("mul", g, grad_weight))
         else:
-            updates = _lists.apply("div", exp_avg, per_member(bias_correction1, g, members))
+            updates = _lists.apply("div", exp_avg, bias_corrections(step, log_b1, g, members))
         return dict(zip(keys, cast_zero_dim(_lists.apply_("div", updates, denom), g)))
 
     needs = per_leaf_needs("scale_by_adam", (EXP_AVG, EXP_AVG_SQ), (STEP,))

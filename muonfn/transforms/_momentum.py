@@ -101,13 +101,21 @@ def ema_momentum(
 def bias_corrections(
     steps: list[torch.Tensor],
     log_beta: torch.Tensor | float,
+    like: list[torch.Tensor],
+    members: int,
     *,
     shift: float = 0.0,
     then: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
-    """:math:`1-\beta^{t+\text{shift}}` in fp64 for each leaf's step count :math:`t` (0-d, or
-    one per ensemble member), mapped by ``then``, computed in one batch for all leaves:
-    ``beta**t`` as ``exp(t·log beta)`` so that ``t`` stays a tensor."""
+    """:math:`1-\beta^{t+\text{shift}}` for each leaf's step count :math:`t` (0-d, or one per
+    ensemble member), mapped by ``then``, as factors for the leaves ``like``.
+
+    Computed in fp64 in one batch for all leaves (``beta**t`` as ``exp(t·log beta)``, so
+    that ``t`` stays a tensor), then rounded once to the precision the leaf's arithmetic
+    takes a number in: fp32 for fp32 leaves (so a 0-d leaf is not promoted, and no fused
+    op converts each factor again), fp64 otherwise; for an ensemble, the leaf's dtype,
+    shaped to broadcast against it.
+    """
     if not steps:
         return []
     if any(hasattr(s, "placements") for s in steps):
@@ -123,7 +131,16 @@ def bias_corrections(
     corrections = t.mul(log_beta).exp().neg().add(1.0)
     if then is not None:
         corrections = then(corrections)
-    return list(corrections.unbind(0))[: len(steps)]
+    if members:
+        return per_member(list(corrections.unbind(0)), like, members)
+    single = [x.dtype == torch.float32 for x in like]
+    if all(single):
+        return list(corrections.to(torch.float32).unbind(0))[: len(steps)]
+    double = list(corrections.unbind(0))
+    if not any(single):
+        return double[: len(steps)]
+    narrowed = corrections.to(torch.float32).unbind(0)
+    return [narrowed[i] if f32 else double[i] for i, f32 in enumerate(single)]
 
 
 #: a multiple of every CPU's doubles per unrolled vector loop step (AVX-512: 2 × 8)
@@ -141,7 +158,7 @@ def per_member(factors: list[torch.Tensor], like: list[torch.Tensor], members: i
 
 def cast_zero_dim(updates: list[torch.Tensor], like: list[torch.Tensor]) -> list[torch.Tensor]:
     """A 0-d leaf meets 0-d fp64 factors as an equal and is promoted: cast it back."""
-    if any(x.ndim == 0 for x in like):
+    if any(x.ndim == 0 and x.dtype != u.dtype for u, x in zip(updates, like)):
         return [u.to(x.dtype) for u, x in zip(updates, like)]
     return updates
 
@@ -158,12 +175,13 @@ def _corrected(
     """optax's bias-corrected momentum (see :func:`ema_momentum`), in the leaves' dtypes."""
     mu = _as64(momentum)
     log_mu = mu.log()  # -inf for mu = 0: then mu**t = 0
-    correction = bias_corrections(step, log_mu)
     if nesterov:
-        moment_weight = bias_corrections(step, log_mu, shift=1.0, then=lambda c: c.reciprocal().mul(mu))
-        grad_weight = bias_corrections(step, log_mu, then=lambda c: c.reciprocal().mul(mu.neg().add(1.0)))
-        weighted = _lists.apply("mul", buf, per_member(moment_weight, buf, members))
-        updates = _lists.apply_("add", weighted, _lists.apply("mul", grads, per_member(grad_weight, grads, members)))
+        moment_weight = bias_corrections(step, log_mu, buf, members, shift=1.0, then=lambda c: c.reciprocal().mul(mu))
+        grad_weight = bias_corrections(
+            step, log_mu, grads, members, then=lambda c: c.reciprocal().mul(mu.neg().add(1.0))
+        )
+        weighted = _lists.apply("mul", buf, moment_weight)
+        updates = _lists.apply_("add", weighted, _lists.apply("mul", grads, grad_weight))
     else:
-        updates = _lists.apply("div", buf, per_member(correction, buf, members))
+        updates = _lists.apply("div", buf, bias_corrections(step, log_mu, buf, members))
     return cast_zero_dim(updates, grads)
