@@ -859,3 +859,44 @@ def test_one_element_tensors_are_numbers_in_groups_and_schedulers():
     opt.param_groups[0]["lr"] = torch.tensor([0.1, 0.2])
     with pytest.raises(ValueError, match=r"param group 0: lr must be a number, got a tensor of shape \(2,\)"):
         opt.step()
+
+
+# ---------------------------------------------------------------------------- stepping in parts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stepping_in_parts_gives_the_same_bits(dtype):
+    """One part per parameter, a few parts, one part: the same params and state, skipped grads too."""
+    data = batches(4, dtype=dtype)
+    runs = []
+    for chunk_numel in (1, 100, "auto", None):
+        model = mlp(dtype=dtype, hidden=16)
+        opt = Muon(model.named_parameters(), **HP, chunk_numel=chunk_numel)
+        for i, (x, y) in enumerate(data):
+            opt.zero_grad()
+            loss_of(model, x, y).backward()
+            if i == 2:
+                model[3].weight.grad = None  # a part may lack a parameter
+            opt.step()
+        runs.append((TensorDict.from_module(model).clone(), opt.functional_state.clone()))
+    for params, state in runs[1:]:
+        assert_bitwise(params, runs[0][0])
+        assert_bitwise(state, runs[0][1])
+
+
+def test_parts_follow_the_sizes_in_order():
+    from muonfn.optim import _groups
+
+    assert _groups.chunks([4, 4, 4, 9, 1], None) == [range(5)]
+    assert _groups.chunks([4, 4, 4, 9, 1], 8) == [range(0, 2), range(2, 4), range(4, 5)]
+    assert _groups.chunks([4, 4, 4, 9, 1], 1) == [range(i, i + 1) for i in range(5)]
+    assert _groups.chunks([10] * 4, "auto") == [range(4)]  # small: one part
+    big = [2**18] * 16
+    assert _groups.chunks(big, "auto") == [range(2 * i, 2 * i + 2) for i in range(8)]
+    assert _groups.chunks([], 3) == []
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "half"])
+def test_a_bad_chunk_numel_is_refused(bad):
+    with pytest.raises(ValueError, match=r"chunk_numel must be a positive int, 'auto' or None"):
+        Muon(mlp().named_parameters(), chunk_numel=bad)

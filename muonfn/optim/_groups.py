@@ -164,3 +164,33 @@ def check_new_params(
         if key in known_keys:
             raise ValueError(f"a parameter named {name!r} is already being optimized")
         seen[p] = name
+
+
+#: ``chunk_numel="auto"``: about this many parts, each of at least ``AUTO_MIN_CHUNK`` elements
+AUTO_PARTS, AUTO_MIN_CHUNK = 8, 2**18
+
+
+def check_chunk_numel(chunk_numel: int | str | None) -> int | str | None:
+    if chunk_numel is None or chunk_numel == "auto":
+        return chunk_numel
+    if isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel < 1:
+        raise ValueError(f"chunk_numel must be a positive int, 'auto' or None, got {chunk_numel!r}")
+    return chunk_numel
+
+
+def chunks(sizes: Sequence[int], chunk_numel: int | str | None) -> list[range]:
+    """Consecutive index ranges of ``sizes``, each closed once it holds ``chunk_numel`` elements
+    (a tensor larger than that is a part of its own); one range when ``chunk_numel`` is ``None``."""
+    if chunk_numel == "auto":
+        chunk_numel = max(sum(sizes) // AUTO_PARTS, AUTO_MIN_CHUNK)
+    if chunk_numel is None or isinstance(chunk_numel, str):
+        return [range(len(sizes))]
+    out, start, held = [], 0, 0
+    for i, size in enumerate(sizes):
+        held += size
+        if held >= chunk_numel:
+            out.append(range(start, i + 1))
+            start, held = i + 1, 0
+    if start < len(sizes):
+        out.append(range(start, len(sizes)))
+    return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -14,7 +14,7 @@ from .._validation import Scalar
 from ..linalg import CoefficientsLike, NSMethod, Orthogonalizer, ScaleMode
 from ..presets import ADAMW, MUON, adamw, check_names, label_params, muon_branch, muon_orthogonalizer
 from ..transforms import LabelsLike, MaskLike, Transform, ViewsLike, partition, resolve_labels, resolve_views
-from ..transforms._base import as_rule, run_rule
+from ..transforms._base import as_rule, check_rule, run_checked
 from . import _groups, _migration
 from ._migration import NOT_GIVEN, NotGiven
 from ._param_state import ParamState
@@ -45,7 +45,14 @@ class Muon(torch.optim.Optimizer):
     ``weight_decay``. ``labels``, ``views``, ``weight_decay_mask`` and ``shard_specs`` are
     checked against the parameters' names at construction: a typo is an error.
     ``donate_state`` is ``True`` here: the state is updated in place, as torch.optim's is
-    (``donate_state=False`` allocates a new state each step).
+    (``donate_state=False`` allocates a new state each step). ``chunk_numel`` steps the
+    parameters in parts of about that many elements each, in group order, every part's
+    update added before the next is computed: the step's temporaries then hold one part
+    instead of all parameters (peak memory near torch.optim's), at the cost of one more
+    pass of host work per part and of batching Newton–Schulz across parts. The results are
+    the same bits; everything is checked before the first part runs. ``"auto"``: about an
+    eighth of the parameters' elements per part, at least 2**18 (a small model is one
+    part); ``None``: one part.
 
     torch.optim.Muon's spellings are taken too: ``adjust_lr_fn`` (``None`` or
     ``"original"``: ``scale="original"``; ``"match_rms_adamw"``), ``eps`` (``ns_eps``) and
@@ -88,6 +95,7 @@ class Muon(torch.optim.Optimizer):
         replicated: Replicated = "split",
         overlap: bool = True,
         donate_state: bool = True,
+        chunk_numel: int | Literal["auto"] | None = "auto",
         adjust_lr_fn: str | NotGiven | None = NOT_GIVEN,
         eps: float | None = None,
     ) -> None:
@@ -124,6 +132,7 @@ class Muon(torch.optim.Optimizer):
         self._weight_decay_mask = weight_decay_mask
         self._bucket_numel = bucket_numel
         self._donate_state = donate_state
+        self._chunk_numel = _groups.check_chunk_numel(chunk_numel)
         self._orthogonalizer: Orthogonalizer | None = muon_orthogonalizer(
             collectives, strategy, shard_specs, bucket_numel, replicated=replicated, overlap=overlap
         )
@@ -344,10 +353,14 @@ class Muon(torch.optim.Optimizer):
                     grads.append(p.grad)
             if not grads:
                 return loss
-            given = self._state_leaves if self._state_tree is None else _tree.flatten(self._state_tree, keep_empty=True)
+            state = self._state_leaves if self._state_tree is None else _tree.flatten(self._state_tree, keep_empty=True)
             params = {slot.key: p for p, slot in self._slots.items()}
-            updates, state = run_rule(rule, dict(zip(keys, grads)), given, params, torch.Size([]))
-            torch._foreach_add_(targets, [updates[k] for k in keys])
+            size = torch.Size([])
+            check_rule(rule, dict(zip(keys, grads)), state, params, size)  # all of it, before any part runs
+            for part in _groups.chunks([g.numel() for g in grads], self._chunk_numel):
+                updates, state = run_checked(rule, {keys[i]: grads[i] for i in part}, state, params, size)
+                torch._foreach_add_([targets[i] for i in part], [updates[keys[i]] for i in part])
+                del updates  # before the next part computes its own
         self._state_leaves, self._state_tree = state, None
         return loss
 

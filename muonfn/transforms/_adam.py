@@ -91,7 +91,10 @@ def scale_by_adam(
             scope.write(entry, keys, values)
         members = scope.members
         root_correction = bias_corrections(step, log_b2, g, members, then=torch.sqrt)
-        denom = _lists.apply_("add", _lists.apply("div", _lists.apply("sqrt", exp_avg_sq), root_correction), eps)
+        # donated, the root is divided in place (one temporary less; out of place it stays
+        # differentiable: sqrt's gradient reads its output)
+        divide = _lists.apply_ if donate_state else _lists.apply
+        denom = _lists.apply_("add", divide("div", _lists.apply("sqrt", exp_avg_sq), root_correction), eps)
         if nesterov == "timm":
             look_ahead = _lists.lerp(exp_avg, g, 1.0 - b1)
             updates = _lists.apply("div", look_ahead, bias_corrections(step, log_b1, g, members))

@@ -223,10 +223,30 @@ def run_rule(
     ``tree``: the state as given, for the check of its top-level entries; ``None`` skips it
     (a caller whose state always has its transform's layout, as the ``torch.optim`` shim's).
     """
+    check_rule(rule, grads, state, params, batch_size, tree)
+    return run_checked(rule, grads, state, params, batch_size)
+
+
+def check_rule(
+    rule: Rule,
+    grads: Leaves,
+    state: FlatState,
+    params: Leaves | None,
+    batch_size: torch.Size,
+    tree: TensorDictBase | Mapping[str, Any] | None = None,
+) -> None:
+    """Raises the ``ValueError`` :func:`run_rule` would raise before computing anything."""
     check_leaves(rule.name, grads, params, batch_size)
     needs = Needs(batch_size)
     rule.needs(grads, params, (), needs)
     needs.check(tree, state, grads, params)
+
+
+def run_checked(
+    rule: Rule, grads: Leaves, state: FlatState, params: Leaves | None, batch_size: torch.Size
+) -> tuple[Leaves, FlatState]:
+    """:func:`run_rule` after :func:`check_rule` passed for these leaves, or for a superset
+    of ``grads`` with the same state and params (a step taken in parts)."""
     scope = Scope(state, dict(state), (), batch_size)
     return rule.update(grads, scope, params), scope.returned
 
