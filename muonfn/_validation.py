@@ -106,39 +106,6 @@ def check_batch(where: str, grads: TensorDictBase, state: TensorDictBase | Mappi
         )
 
 
-def check_inputs(
-    where: str, grads: TensorDictBase, state: TensorDictBase | Mapping[str, Any], params: TensorDictBase | None
-) -> None:
-    """The checks of a transform that keeps no state per leaf: :func:`check_batch`, and
-    :func:`check_grads` against ``params`` when given."""
-    check_batch(where, grads, state)
-    if params is not None:
-        check_grads(where, grads, params)
-
-
-def check_grads(where: str, grads: TensorDictBase, reference: TensorDictBase) -> None:
-    """Every gradient leaf must be a dense real tensor matching ``reference``'s leaf.
-
-    ``grads`` may hold fewer leaves than ``reference`` (a leaf without a gradient is
-    skipped), never other ones; its batch size must be ``reference``'s.
-    """
-    check_batch(where, grads, reference)
-    known = dict(zip(reference.keys(True, True), reference.values(True, True)))
-    for key, g in zip(grads.keys(True, True), grads.values(True, True)):
-        ref = known.get(key)
-        name = dotted((key,) if isinstance(key, str) else key)
-        if ref is None:
-            raise ValueError(f"{where}: gradient {name!r} has no matching parameter or state")
-        if g.layout is not torch.strided:
-            raise TypeError(f"{where}: gradient {name!r} is {g.layout}; only dense gradients are supported")
-        if g.is_complex():
-            raise TypeError(f"{where}: gradient {name!r} is complex ({g.dtype}); only real gradients are supported")
-        if g.shape != ref.shape:
-            raise ValueError(f"{where}: gradient {name!r} has shape {tuple(g.shape)}, expected {tuple(ref.shape)}")
-        if g.dtype != ref.dtype:
-            raise ValueError(f"{where}: gradient {name!r} has dtype {g.dtype}, expected {ref.dtype}")
-
-
 def _storage_identity(t: torch.Tensor) -> tuple[Any, ...] | None:
     """What makes two tensors one: storage, offset, shape, strides and dtype; ``None`` if it cannot be told.
 
@@ -189,8 +156,11 @@ def check_params(where: str, params: TensorDictBase) -> None:
 def check_leaves(
     where: str, grads: Mapping[Key, torch.Tensor], params: Mapping[Key, torch.Tensor] | None, batch_size: Any
 ) -> None:
-    """:func:`check_grads` over flat ``{key: tensor}`` dicts (``params`` may be ``None``:
-    then only the gradients' own kind is checked)."""
+    """Every gradient leaf must be a dense real tensor with its parameter's shape and dtype, over flat
+    ``{key: tensor}`` dicts (``params`` may be ``None``: then only the gradients' own kind is checked).
+
+    ``grads`` may hold fewer leaves than ``params`` (a leaf without a gradient is skipped), never
+    other ones."""
     strided = torch.strided
     for key, g in grads.items():
         if g.layout is not strided:

@@ -864,14 +864,16 @@ def test_one_element_tensors_are_numbers_in_groups_and_schedulers():
 # ---------------------------------------------------------------------------- stepping in parts
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_stepping_in_parts_gives_the_same_bits(dtype):
+@pytest.mark.parametrize(
+    ("dtype", "variant"), [(torch.float32, "muon"), (torch.bfloat16, "muon"), (torch.float32, "normuon")]
+)
+def test_stepping_in_parts_gives_the_same_bits(dtype, variant):
     """One part per parameter, a few parts, one part: the same params and state, skipped grads too."""
     data = batches(4, dtype=dtype)
     runs = []
     for chunk_numel in (1, 100, "auto", None):
         model = mlp(dtype=dtype, hidden=16)
-        opt = Muon(model.named_parameters(), **HP, chunk_numel=chunk_numel)
+        opt = Muon(model.named_parameters(), **HP, variant=variant, chunk_numel=chunk_numel)
         for i, (x, y) in enumerate(data):
             opt.zero_grad()
             loss_of(model, x, y).backward()

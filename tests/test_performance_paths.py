@@ -13,6 +13,7 @@ from torch.overrides import TorchFunctionMode
 import muonfn
 from muonfn import MatrixView
 from muonfn.linalg import orthogonalize_blocks
+from muonfn.transforms._base import RuleUpdate
 
 # Real-model shapes. (MKL computes a few matrices with 5–11 rows differently in a batch
 # than alone, so bitwise batch = loop is a property of the BLAS for those; not used here.)
@@ -117,6 +118,50 @@ def test_elementwise_math_is_multi_tensor(name):
     assert grows <= PER_LEAF_OK, sorted(grows - PER_LEAF_OK)
     foreach = {k for k in many.calls if k.startswith("_foreach_")}
     assert {"_foreach_lerp", "_foreach_add", "_foreach_mul"} <= foreach
+
+
+def count_matrix_update(tx: muonfn.Transform, leaves: int) -> CallCounter:
+    """:func:`count_update` over ``leaves`` matrices only (the variants' transforms take no vectors)."""
+    g = torch.Generator().manual_seed(2)
+    params = TensorDict({f"l{i}": torch.randn(16, 48, generator=g) for i in range(leaves)}, batch_size=[])
+    grads = params.apply(lambda p: torch.randn(p.shape, generator=g))
+    state = tx.init(params)
+    _, state = tx.update(grads, state, params)
+    with CallCounter() as counter:
+        tx.update(grads, state, params)
+    return counter
+
+
+# NorMuon's row statistics are reductions of each leaf's own shape, and each row block is divided
+# by its own column of them: leaf by leaf.
+ROW_STATISTICS = {"square", "mean", "div"}
+
+
+@pytest.mark.parametrize(
+    ("make_tx", "per_leaf", "fused"),
+    [
+        (lambda: muonfn.scale_by_sign(), set(), {"_foreach_sign"}),
+        (
+            lambda: muonfn.scale_by_element_rms(0.9, bias_correction=True, rescale="none"),
+            set(),
+            {"_foreach_mul", "_foreach_lerp", "_foreach_add", "_foreach_exp", "_foreach_sqrt", "_foreach_div"},
+        ),
+        (
+            lambda: muonfn.scale_by_neuron_norm(torch.tensor(0.9), rescale="none", donate_state=True),
+            ROW_STATISTICS,
+            {"_foreach_lerp_", "_foreach_sqrt", "_foreach_add_"},
+        ),
+    ],
+    ids=["scale_by_sign", "scale_by_element_rms", "scale_by_neuron_norm"],
+)
+def test_variant_elementwise_math_is_multi_tensor(make_tx, per_leaf, fused):
+    """The variants' elementwise math is one multi-tensor call per op, whatever the number of leaves;
+    they are rules, run on the flat leaves without a TensorDict of their own."""
+    assert isinstance(make_tx().update, RuleUpdate)
+    few, many = count_matrix_update(make_tx(), 2), count_matrix_update(make_tx(), 6)
+    grows = {k for k in set(few.calls) | set(many.calls) if many.calls[k] != few.calls[k]}
+    assert grows <= PER_LEAF_OK | per_leaf, sorted(grows - PER_LEAF_OK - per_leaf)
+    assert fused <= set(many.calls), sorted(fused - set(many.calls))
 
 
 def test_same_shape_matrices_share_one_batched_iteration():

@@ -5,14 +5,16 @@ r"""``muonfn.optim``: a ``torch.optim.Optimizer`` that steps with the functional
 writes comes from ``Transform.update``.
 
 **Param groups.** Every group is routed wholly to Muon or to AdamW; its ``"use_muon"``
-entry says which. A group given without ``"use_muon"`` (plain ``params``, or a dict
+entry says which, and a Muon group's ``"variant"`` (``"muon"``, ``"normuon"``,
+``"adamuon"``) its rule. A group given without ``"use_muon"`` (plain ``params``, or a dict
 without the key) is split by ``labels`` into a Muon group followed by an AdamW group,
 both kept even when empty, so ``Muon(model.named_parameters())`` has exactly two groups
 and a scheduler scales both learning rates alike. Scheduled hyperparameters (``lr``,
 ``momentum``, ``weight_decay``) are read from ``param_groups`` at every step; the others
-(``nesterov``, ``ns_*``, ``scale``, ``extra_scale``, ``adamw_betas``, ``adamw_eps``) may be
-changed too and rebuild the transform. ``momentum`` drives Muon only: AdamW's
-``adamw_betas`` are not touched by schedulers that cycle momentum.
+(``variant``, ``nesterov``, ``ns_*``, ``scale``, ``extra_scale``, the variants' options,
+``adamw_betas``, ``adamw_eps``) may be changed too and rebuild the transform.
+``momentum`` drives Muon only: AdamW's ``adamw_betas`` are not touched by schedulers that
+cycle momentum.
 
 **State.** ``opt.functional_state`` is the TensorDict ``Transform.update`` takes and
 returns. Parameters are keyed by their ``named_parameters()`` names split at dots
@@ -22,17 +24,20 @@ under ``"muon"`` (k = 0) or ``f"muon_{k}"``, the k-th AdamW group under ``"adamw
 ``f"adamw_{k}"``, so for the default two groups the layout is that of
 ``muonfn.muon(...).init(params)``: ``state["muon", "momentum", *key]`` and
 ``state["adamw", "step" | "exp_avg" | "exp_avg_sq", *key]``. ``opt.state[p]`` shows the
-same tensors under torch's names: ``{"momentum_buffer"}`` for Muon,
-``{"step", "exp_avg", "exp_avg_sq"}`` for AdamW (``"step"`` an exact int64 count). It is a
-live view: assigning an entry (``opt.state[p]["momentum_buffer"] = t``, ``.update(...)``)
-replaces that tensor of the functional state after checking its shape and dtype; other
-names are an error. Keys of ``opt.state`` that are not parameters hold what torch's would.
+same tensors under torch's names: ``{"momentum_buffer"}`` for Muon (with
+``"row_second_moment"`` for NorMuon; ``"exp_avg_sq"``, and ``"step"`` with
+``second_moment_bias_correction``, for AdaMuon), ``{"step", "exp_avg", "exp_avg_sq"}`` for
+AdamW (``"step"`` an exact int64 count). It is a live view: assigning an entry
+(``opt.state[p]["momentum_buffer"] = t``, ``.update(...)``) replaces that tensor of the
+functional state after checking its shape and dtype; other names are an error. Keys of
+``opt.state`` that are not parameters hold what torch's would.
 
 **Checkpoints.** ``opt.state_dict()`` follows torch's format (state keyed by parameter
 index, hyperparameters in ``param_groups``) and loads with ``torch.load(weights_only=True)``;
 ``muonfn.save(opt.functional_state, path)`` stores the TensorDict itself.
 ``opt.load_torch_state_dicts(muon_sd, adamw_sd)`` continues a run of ``torch.optim.Muon``
-with ``torch.optim.AdamW``, and ``opt.torch_state_dicts()`` hands one back to them.
+with ``torch.optim.AdamW``, and ``opt.torch_state_dicts()`` hands one back to them (Muon
+groups of ``variant="muon"`` only: torch's Muon keeps no second moment).
 
 Example::
 

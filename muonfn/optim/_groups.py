@@ -2,28 +2,133 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, MutableMapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from .._keys import Key, dotted
-from .._validation import non_negative, unit_interval
+from .._validation import flag, non_negative, positive, unit_interval
 from ..linalg import Coefficients, CoefficientsLike
-from ..presets import ADAMW, MUON, TORCH_STATE_NAMES
+from ..presets import (
+    ADAMW,
+    MUON,
+    TORCH_STATE_NAMES,
+    VARIANT_DEFAULTS,
+    VARIANT_OPTIONS,
+    VARIANTS,
+    variant_state_names,
+)
+from ..transforms import RESCALE_MODES
 
 #: Hyperparameters fed to the transform as 0-d tensors, refreshed before every step.
 SCHEDULED = ("lr", "momentum", "weight_decay")
-MUON_SETTINGS = ("nesterov", "ns_coefficients", "ns_steps", "ns_dtype", "ns_eps", "ns_method", "scale", "extra_scale")
+MUON_SETTINGS = (
+    "variant",
+    "nesterov",
+    "ns_coefficients",
+    "ns_steps",
+    "ns_dtype",
+    "ns_eps",
+    "ns_method",
+    "scale",
+    "extra_scale",
+    *VARIANT_OPTIONS,
+)
 ADAMW_SETTINGS = ("adamw_betas", "adamw_eps")
 #: Group keys that only say how a group given without ``use_muon`` sets its AdamW half.
 SPLIT_ONLY = ("adamw_lr", "adamw_weight_decay")
 ROUTES = ((True, MUON), (False, ADAMW))
 
 
-def state_names(use_muon: bool) -> dict[str, str]:
-    """torch's name of each state entry of a group -> its field in the functional state."""
-    return TORCH_STATE_NAMES[MUON if use_muon else ADAMW]
+def state_names(group: Mapping[str, Any]) -> dict[str, str]:
+    """torch's name of each state entry of a group, as its settings lay it out -> its field in the functional state."""
+    if not group["use_muon"]:
+        return TORCH_STATE_NAMES[ADAMW]
+    bias_correction = setting(group, "second_moment_bias_correction")
+    return variant_state_names(group["variant"], second_moment_bias_correction=bias_correction is True)
+
+
+# ---------------------------------------------------------------------------- variants
+
+
+#: the options only AdaMuon takes
+_ADAMUON_ONLY = ("sign_momentum", "second_moment_bias_correction")
+
+
+def check_variant(where: str, variant: Any) -> str:
+    if not isinstance(variant, str) or variant not in VARIANTS:
+        raise ValueError(f"{where}: unknown variant {variant!r}; choose one of {list(VARIANTS)}")
+    return variant
+
+
+def _takers(option: str) -> list[str]:
+    return [v for v in VARIANTS if option in VARIANT_DEFAULTS[v]]
+
+
+def refuse_inapplicable(where: str, variant: str, options: Mapping[str, Any]) -> None:
+    """Every option given (not ``None``) must be one ``variant`` takes."""
+    for name in VARIANT_OPTIONS:
+        if options.get(name) is not None and name not in VARIANT_DEFAULTS[variant]:
+            raise ValueError(
+                f"{where}: {name} does not apply to variant {variant!r}; it is an option of "
+                f"{' and '.join(repr(v) for v in _takers(name))}"
+            )
+
+
+def resolve_variant(where: str, group: MutableMapping[str, Any], given: Collection[str]) -> None:
+    """Fills a group's ``None`` settings with its variant's defaults, in place.
+
+    An option its variant does not take is an error where the group's own dict (or the
+    constructor, for its variant) gave it (``given``), and is dropped (``None``) where it was
+    inherited from defaults meant for another variant.
+    """
+    variant = check_variant(where, group["variant"])
+    refuse_inapplicable(where, variant, {k: v for k, v in group.items() if k in given})
+    defaults = VARIANT_DEFAULTS[variant]
+    for name in ("momentum", "nesterov", *VARIANT_OPTIONS):
+        if name not in defaults:
+            group[name] = None
+        elif group.get(name) is None:
+            group[name] = defaults[name]
+
+
+def setting(group: Mapping[str, Any], name: str) -> Any:
+    """A group's value of a setting whose default depends on its variant: ``None`` is the variant's
+    default; ``None`` also where the variant does not take it (its value is then ignored)."""
+    defaults = VARIANT_DEFAULTS[group["variant"]]
+    if name not in defaults:
+        return None
+    value = group.get(name)
+    return defaults[name] if value is None else value
+
+
+def adapted_settings(group: Mapping[str, Any]) -> dict[str, Any]:
+    """The keywords of ``adapted_branch`` a NorMuon or AdaMuon group sets."""
+    options = {name: setting(group, name) for name in VARIANT_OPTIONS}
+    for name in _ADAMUON_ONLY:  # off for NorMuon, as normuon() passes them
+        if options[name] is None:
+            options[name] = False
+    # beta2 is a setting, read when the transform is built (like torch, a one-element tensor is a number)
+    options["beta2"] = float(options["beta2"])
+    return options
+
+
+def check_variant_settings(group_index: int, group: Mapping[str, Any]) -> None:
+    """The core's checks of a Muon group's variant options, naming the group (the core would name
+    ``beta``, its own keyword)."""
+    where = f"param group {group_index}"
+    variant = check_variant(where, group["variant"])
+    if variant == MUON:
+        return
+    unit_interval(f"{where}: beta2", group_value(group_index, "beta2", setting(group, "beta2")))
+    positive(f"{where}: adaptive_eps", setting(group, "adaptive_eps"))
+    rescale = setting(group, "rescale")
+    if rescale not in RESCALE_MODES:
+        raise ValueError(f"{where}: unknown rescale {rescale!r}; choose one of {list(RESCALE_MODES)}")
+    for name in _ADAMUON_ONLY:
+        if name in VARIANT_DEFAULTS[variant]:
+            flag(f"{where}: {name}", setting(group, name))
 
 
 class Slot(NamedTuple):

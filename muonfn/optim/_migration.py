@@ -101,6 +101,12 @@ def shim_state_dict(opt: Muon, muon_state_dict: Mapping[str, Any], adamw_state_d
 
     Raises naming the group or parameter that does not correspond.
     """
+    for i, group in enumerate(opt.param_groups):
+        if group["use_muon"] and group["variant"] != "muon":
+            raise ValueError(
+                f"load_torch_state_dicts: param group {i} has variant={group['variant']!r}; torch.optim.Muon's "
+                "state continues variant='muon' groups only (it keeps no second moment)"
+            )
     sources = {True: muon_state_dict, False: adamw_state_dict}
     torch_groups: dict[bool, list[Mapping[str, Any]]] = {}
     for route, sd in sources.items():
@@ -149,7 +155,7 @@ def shim_state_dict(opt: Muon, muon_state_dict: Mapping[str, Any], adamw_state_d
                 if name != saved_name:
                     raise ValueError(f"{where}: parameter {name!r} here is {saved_name!r} there")
         new_group.update(_muon_settings(saved_group, where) if route else _adamw_settings(saved_group, where))
-        expected = _groups.state_names(route)
+        expected = _groups.state_names(group)
         for index, p, name in zip(saved_params, group["params"], names):
             claimed[route].add(index)
             entry = sd["state"].get(index)
@@ -262,6 +268,11 @@ def torch_state_dicts(opt: Muon) -> tuple[dict[str, Any], dict[str, Any]]:
 def _torch_muon_group(
     where: str, group: Mapping[str, Any], keys: Sequence[tuple[str, ...]], views: Sequence[MatrixView]
 ) -> dict[str, Any]:
+    if group["variant"] != "muon":
+        raise ValueError(
+            f"{where}: torch.optim.Muon runs variant='muon'; this group has variant={group['variant']!r} "
+            f"(state {sorted(_groups.state_names(group))})"
+        )
     schedule = ns_schedule(_groups.coefficients_of(group["ns_coefficients"]), group["ns_steps"])
     if schedule.norm_factor != 1.0 or len(set(schedule.triples)) != 1:
         raise ValueError(

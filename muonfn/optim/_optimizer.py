@@ -12,8 +12,19 @@ from tensordict import TensorDict, TensorDictBase
 from .. import _tree
 from .._validation import Scalar
 from ..linalg import CoefficientsLike, NSMethod, Orthogonalizer, ScaleMode
-from ..presets import ADAMW, MUON, adamw, check_names, label_params, muon_branch, muon_orthogonalizer
-from ..transforms import LabelsLike, MaskLike, Transform, ViewsLike, partition, resolve_labels, resolve_views
+from ..presets import (
+    ADAMW,
+    MUON,
+    Variant,
+    adamw,
+    adapted_branch,
+    check_names,
+    label_params,
+    muon_branch,
+    muon_orthogonalizer,
+    refuse_collectives,
+)
+from ..transforms import LabelsLike, MaskLike, Rescale, Transform, ViewsLike, partition, resolve_labels, resolve_views
 from ..transforms._base import as_rule, check_rule, run_checked
 from . import _groups, _migration
 from ._migration import NOT_GIVEN, NotGiven
@@ -25,7 +36,7 @@ if TYPE_CHECKING:
 
 
 class Muon(torch.optim.Optimizer):
-    r"""Muon for matrices and AdamW for the rest, as a ``torch.optim.Optimizer``.
+    r"""Muon (or NorMuon, AdaMuon) for matrices and AdamW for the rest, as a ``torch.optim.Optimizer``.
 
     Takes the keywords of :func:`muonfn.muon` (see there for the math) and steps with the
     ``update`` of the same branches; see :mod:`muonfn.optim` for how groups and state are
@@ -34,10 +45,19 @@ class Muon(torch.optim.Optimizer):
     Args:
         params: ``model.named_parameters()`` (names drive ``labels``), an iterable of
             tensors, or param-group dicts. A dict may set ``lr``, ``momentum``,
-            ``weight_decay`` and the other defaults, ``"use_muon": True/False`` to route
-            the whole group, or, when it leaves routing to ``labels``, ``adamw_lr`` and
-            ``adamw_weight_decay`` for its AdamW half.
+            ``weight_decay``, ``variant`` and the other defaults, ``"use_muon": True/False``
+            to route the whole group, or, when it leaves routing to ``labels``, ``adamw_lr``
+            and ``adamw_weight_decay`` for its AdamW half.
         lr: a number (or a one-element tensor); schedule it with ``torch.optim.lr_scheduler``.
+        variant: the Muon groups' rule: ``"muon"``; ``"normuon"`` or ``"adamuon"``, the
+            matrix branch of :func:`muonfn.normuon` or :func:`muonfn.adamuon`. A group dict
+            may set its own.
+        momentum, nesterov: ``None`` means the variant's default: 0.95 and ``True`` for Muon
+            and NorMuon, 0.9 and ``False`` for AdaMuon.
+        beta2, adaptive_eps, rescale: NorMuon's and AdaMuon's options (``None``: the preset's
+            default); an error with ``variant="muon"``.
+        sign_momentum, second_moment_bias_correction: AdaMuon's options (``None``: the
+            preset's default); an error with another variant.
 
     The other keywords are those of :func:`muonfn.muon` (``scale=None`` and ``ns_eps=None``
     mean its defaults, ``"match_rms_adamw"`` and ``1e-7``). ``adamw_lr`` and
@@ -52,7 +72,14 @@ class Muon(torch.optim.Optimizer):
     pass of host work per part and of batching Newton–Schulz across parts. The results are
     the same bits; everything is checked before the first part runs. ``"auto"``: about an
     eighth of the parameters' elements per part, at least 2**18 (a small model is one
-    part); ``None``: one part.
+    part); ``None``: one part. ``collectives`` is refused with a variant, as
+    :func:`muonfn.normuon` and :func:`muonfn.adamuon` refuse it.
+
+    A group's variant options are resolved when it is added: ``None`` becomes its variant's
+    default, an option inherited from the defaults that its variant does not take becomes
+    ``None``. A variant (or ``second_moment_bias_correction``) changed in ``param_groups``
+    takes effect at the next step: the momentum is kept, the new variant's second moment
+    starts from zero, and the old one is dropped.
 
     torch.optim.Muon's spellings are taken too: ``adjust_lr_fn`` (``None`` or
     ``"original"``: ``scale="original"``; ``"match_rms_adamw"``), ``eps`` (``ns_eps``) and
@@ -64,6 +91,9 @@ class Muon(torch.optim.Optimizer):
         >>> opt = muonfn.optim.Muon(model.named_parameters(), lr=0.02)
         >>> [(g["use_muon"], g["param_names"]) for g in opt.param_groups]
         [(True, ['0.weight', '1.weight']), (False, ['0.bias', '1.bias'])]
+        >>> opt = muonfn.optim.Muon(model.named_parameters(), lr=0.02, variant="normuon")
+        >>> sorted(opt.state[model[0].weight])
+        ['momentum_buffer', 'row_second_moment']
     """
 
     def __init__(
@@ -71,8 +101,14 @@ class Muon(torch.optim.Optimizer):
         params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[dict[str, Any]],
         lr: Scalar = 1e-3,
         *,
-        momentum: Scalar = 0.95,
-        nesterov: bool = True,
+        variant: Variant = "muon",
+        momentum: Scalar | None = None,
+        nesterov: bool | None = None,
+        beta2: Scalar | None = None,
+        adaptive_eps: float | None = None,
+        rescale: Rescale | None = None,
+        sign_momentum: bool | None = None,
+        second_moment_bias_correction: bool | None = None,
         weight_decay: Scalar = 0.1,
         ns_coefficients: CoefficientsLike = "keller",
         ns_steps: int | None = None,
@@ -106,12 +142,27 @@ class Muon(torch.optim.Optimizer):
                     "(schedule functions are for muonfn.muon)"
                 )
         _groups.check_betas("adamw_betas", adamw_betas)
+        where = f"Muon(variant={variant!r})"
+        _groups.check_variant("Muon(...)", variant)
+        options = {
+            "beta2": beta2,
+            "adaptive_eps": adaptive_eps,
+            "rescale": rescale,
+            "sign_momentum": sign_momentum,
+            "second_moment_bias_correction": second_moment_bias_correction,
+        }
+        _groups.refuse_inapplicable(where, variant, options)
+        if variant != MUON:
+            refuse_collectives(where, collectives)
         scale, ns_eps = _migration.resolve_spellings(scale=scale, adjust_lr_fn=adjust_lr_fn, ns_eps=ns_eps, eps=eps)
+        # None: each group's variant's default (filled in as groups are added)
         defaults: dict[str, Any] = {
             "lr": lr,
             "momentum": momentum,
             "weight_decay": weight_decay,
+            "variant": variant,
             "nesterov": nesterov,
+            **options,
             "ns_coefficients": _groups.plain_coefficients(_migration.schedule_of(ns_coefficients, ns_steps)),
             "ns_steps": ns_steps,
             "ns_dtype": ns_dtype,
@@ -133,6 +184,7 @@ class Muon(torch.optim.Optimizer):
         self._bucket_numel = bucket_numel
         self._donate_state = donate_state
         self._chunk_numel = _groups.check_chunk_numel(chunk_numel)
+        self._collectives = collectives
         self._orthogonalizer: Orthogonalizer | None = muon_orthogonalizer(
             collectives, strategy, shard_specs, bucket_numel, replicated=replicated, overlap=overlap
         )
@@ -141,6 +193,9 @@ class Muon(torch.optim.Optimizer):
         self._state_leaves: _tree.FlatState = {}
         self._state_tree: TensorDictBase | None = None
         self._scalars: list[dict[str, torch.Tensor]] = []
+        # per group, the entries the state holds (torch's name -> field): the layout its settings
+        # asked for when it was last laid out (a changed variant is laid out anew before it is used)
+        self._entry_names: list[dict[str, str]] = []
         self._slots: dict[torch.Tensor, _groups.Slot] = {}
         self._cache: tuple[list[Any], Transform] | None = None
         super().__init__(params, defaults)  # routes every group through add_param_group
@@ -156,14 +211,38 @@ class Muon(torch.optim.Optimizer):
     # ------------------------------------------------------------------ layout
 
     def _branch(self, group: Mapping[str, Any], scalars: Mapping[str, torch.Tensor]) -> Transform:
-        """The transform of one group: a branch of :func:`muonfn.muon`, built by the preset's own builders."""
+        """The transform of one group: a branch of :func:`muonfn.muon` (:func:`muonfn.normuon`,
+        :func:`muonfn.adamuon` by its ``variant``), built by the presets' own builders."""
         # the core skips a zero decay given as a number (as muon(weight_decay=0.0) does)
         weight_decay: Scalar = 0.0 if _is_zero(group["weight_decay"]) else scalars["weight_decay"]
+        if group["use_muon"] and group["variant"] != MUON:
+            refuse_collectives(f"variant={group['variant']!r}", self._collectives)
+            return adapted_branch(
+                group["variant"],
+                lr=scalars["lr"],
+                momentum=scalars["momentum"],
+                nesterov=_groups.setting(group, "nesterov"),
+                **_groups.adapted_settings(group),
+                weight_decay=weight_decay,
+                ns_coefficients=_groups.coefficients_of(group["ns_coefficients"]),
+                ns_steps=group["ns_steps"],
+                ns_dtype=group["ns_dtype"],
+                ns_eps=group["ns_eps"],
+                ns_method=group["ns_method"],
+                ns_eps_mode="clamp",
+                ns_restarts=None,
+                scale=group["scale"],
+                extra_scale=group["extra_scale"],
+                views=self._views,
+                weight_decay_mask=self._weight_decay_mask,
+                bucket_numel=self._bucket_numel,
+                donate_state=self._donate_state,
+            )
         if group["use_muon"]:
             return muon_branch(
                 lr=scalars["lr"],
                 momentum=scalars["momentum"],
-                nesterov=group["nesterov"],
+                nesterov=_groups.setting(group, "nesterov"),
                 weight_decay=weight_decay,
                 ns_coefficients=_groups.coefficients_of(group["ns_coefficients"]),
                 ns_steps=group["ns_steps"],
@@ -192,7 +271,8 @@ class Muon(torch.optim.Optimizer):
         signature: list[Any] = []
         for group in self.param_groups:
             settings = _groups.MUON_SETTINGS if group["use_muon"] else _groups.ADAMW_SETTINGS
-            signature.append((group["use_muon"], [group[k] for k in settings], _is_zero(group["weight_decay"])))
+            values = [_comparable(group[k]) for k in settings]
+            signature.append((group["use_muon"], values, _is_zero(group["weight_decay"])))
         return signature
 
     def _build(self, scalars: Sequence[Mapping[str, torch.Tensor]]) -> Transform:
@@ -211,8 +291,52 @@ class Muon(torch.optim.Optimizer):
                 tensor.fill_(float(group[name]))
         signature = self._signature()
         if self._cache is None or self._cache[0] != signature:
+            for i, group in enumerate(self.param_groups):
+                self._check_variant(i, group)
+            self._synced_layout()
             self._cache = (signature, self._build(self._scalars))
         return self._cache[1]
+
+    def _check_variant(self, group_index: int, group: Mapping[str, Any]) -> None:
+        """A Muon group's variant and its options, checked naming the group (they may have been
+        changed in ``param_groups``); the variants run on whole matrices only."""
+        if group["use_muon"]:
+            _groups.check_variant_settings(group_index, group)
+            if group["variant"] != MUON:
+                refuse_collectives(f"param group {group_index}: variant={group['variant']!r}", self._collectives)
+
+    def _synced_layout(self) -> None:
+        """Lays out anew the state of every group whose settings now ask for other entries (its
+        variant, or AdaMuon's ``second_moment_bias_correction``, was changed in ``param_groups``).
+
+        The entries both layouts keep (the momentum) are kept; the new ones start as the
+        branch's ``init`` makes them; the others are dropped. Nothing changes unless all succeed.
+        """
+        for i, group in enumerate(self.param_groups):
+            if group["use_muon"]:
+                _groups.check_variant(f"param group {i}", group["variant"])
+        wanted = [_groups.state_names(g) for g in self.param_groups]
+        if wanted == self._entry_names:
+            return
+        labels = _groups.group_labels([g["use_muon"] for g in self.param_groups])
+        state = self._functional_state.clone(recurse=False)
+        for label, group, names, held in zip(labels, self.param_groups, wanted, self._entry_names):
+            if names == held:
+                continue
+            keys = [self._slots[p].key for p in group["params"]]
+            params = TensorDict(dict(zip(keys, [p.detach() for p in group["params"]])), batch_size=[])
+            fresh = self._branch(group, _groups.new_scalars(group)).init(params)
+            for field in set(names.values()) & set(held.values()):
+                fresh[field] = state[label, field]
+            state[label] = fresh
+        self._functional_state = state
+        self._entry_names = wanted
+        self._cache = None  # the cached transform may have been built for the old layout
+
+    def _state_entries(self, group_index: int) -> dict[str, str]:
+        """The state entries of a group (torch's name -> field), its state laid out for its settings first."""
+        self._synced_layout()
+        return self._entry_names[group_index]
 
     @property
     def transform(self) -> Transform:
@@ -295,6 +419,9 @@ class Muon(torch.optim.Optimizer):
             for name, default in self.defaults.items():
                 group.setdefault(name, default)
             group["use_muon"] = route
+            # an AdamW group ignores the variant; the options a Muon group was given must apply to it
+            given = set(param_group) if route else set()
+            _groups.resolve_variant(f"param group {len(self.param_groups) + len(new_groups)}", group, given)
             schedule = _migration.schedule_of(_groups.coefficients_of(group["ns_coefficients"]), group["ns_steps"])
             group["ns_coefficients"] = _groups.plain_coefficients(schedule)
             if new_groups:
@@ -312,6 +439,7 @@ class Muon(torch.optim.Optimizer):
         for i in range(len(self.param_groups), len(groups)):
             group = groups[i]
             _groups.check_scheduled(i, group)
+            self._check_variant(i, group)
             scalars.append(_groups.new_scalars(group))
             branch = self._branch(group, scalars[i])  # the core checks the other settings
             group_keys = [slots[p].key for p in group["params"]]
@@ -324,6 +452,7 @@ class Muon(torch.optim.Optimizer):
             )
 
         self.param_groups.extend(new_groups)
+        self._entry_names = [*self._entry_names, *(_groups.state_names(g) for g in new_groups)]
         self._scalars = scalars
         self._slots = slots
         self._functional_state = state
@@ -384,11 +513,13 @@ class Muon(torch.optim.Optimizer):
         and ``update`` for the same parameters) replaces the state after checking that its
         keys, shapes, dtypes and devices are those expected; on a mismatch nothing changes.
         """
+        self._synced_layout()
         return self._functional_state
 
     @functional_state.setter
     def functional_state(self, state: TensorDictBase | Mapping[str, Any]) -> None:
         self._functional_state = self._checked_state(state, "functional_state")
+        self._entry_names = [_groups.state_names(g) for g in self.param_groups]  # the layout it was checked against
 
     def _checked_state(self, state: TensorDictBase | Mapping[str, Any], where: str) -> TensorDict:
         """``state`` laid out as expected, on its parameters' devices; else an error naming the first difference."""
@@ -402,8 +533,9 @@ class Muon(torch.optim.Optimizer):
         """``p``'s state as its branch's ``init`` makes it, under torch's names."""
         slot = self._slots[p]
         group = self.param_groups[slot.group]
+        names = self._state_entries(slot.group)
         fresh = self._branch(group, _groups.new_scalars(group)).init(TensorDict({slot.key: p.detach()}, batch_size=[]))
-        return {name: fresh.get((field, *slot.key)) for name, field in _groups.state_names(slot.use_muon).items()}
+        return {name: fresh.get((field, *slot.key)) for name, field in names.items()}
 
     @torch.compiler.disable
     def state_dict(self) -> dict[str, Any]:
@@ -416,6 +548,7 @@ class Muon(torch.optim.Optimizer):
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
+        self._synced_layout()  # its groups and its state saved as one layout
         state_dict = packed_state_dict(self)
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
@@ -444,6 +577,7 @@ class Muon(torch.optim.Optimizer):
 
         self.param_groups = loaded.groups
         self._functional_state = state
+        self._entry_names = [_groups.state_names(g) for g in loaded.groups]
         self._param_state.others = loaded.others
         self._cache = None
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
@@ -497,3 +631,8 @@ class Muon(torch.optim.Optimizer):
 
 def _is_zero(value: Any) -> bool:
     return float(value) == 0.0
+
+
+def _comparable(value: Any) -> Any:
+    # a one-element tensor setting (beta2) compared by value: == of tensors is no bool
+    return float(value) if isinstance(value, torch.Tensor) else value

@@ -43,7 +43,7 @@ class ParamState(MutableMapping[Any, Any]):
         if slot is None:
             self.others[key] = value
             return
-        expected = _groups.state_names(slot.use_muon)
+        expected = self._optimizer._state_entries(slot.group)
         if not isinstance(value, Mapping) or set(value) != set(expected):
             given = sorted(value) if isinstance(value, Mapping) else type(value).__name__
             raise ValueError(f"state of {dotted(slot.key)!r} must have {sorted(expected)}, got {given}")
@@ -93,8 +93,9 @@ class ParamState(MutableMapping[Any, Any]):
 class ParamEntries(MutableMapping[str, Any]):
     """``opt.state[p]`` of a parameter: its entries under torch's names, read from and written to the functional state.
 
-    The entries are fixed (``momentum_buffer`` for a Muon group; ``step``, ``exp_avg``,
-    ``exp_avg_sq`` for an AdamW group): assigning one replaces its tensor after the checks
+    The entries are fixed by the group (``momentum_buffer`` for a Muon group, with
+    ``row_second_moment`` for a NorMuon group and ``exp_avg_sq`` (and ``step``) for an AdaMuon
+    group; ``step``, ``exp_avg``, ``exp_avg_sq`` for an AdamW group): assigning one replaces its tensor after the checks
     of ``functional_state`` (shape and dtype), another name is an error, and ``clear()``
     resets them all as ``del opt.state[p]`` does.
     """
@@ -103,7 +104,7 @@ class ParamEntries(MutableMapping[str, Any]):
         self._optimizer = optimizer
         self._param = param
         self._slot = slot
-        self._fields = _groups.state_names(slot.use_muon)
+        self._fields = optimizer._state_entries(slot.group)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._fields:
@@ -143,7 +144,7 @@ class ParamEntries(MutableMapping[str, Any]):
 
 def write_entries(optimizer: Muon, slot: _groups.Slot, values: Mapping[str, Any] | Iterable[Any]) -> None:
     """Replaces some of a parameter's entries (torch names -> tensors) after checking all of them."""
-    fields = _groups.state_names(slot.use_muon)
+    fields = optimizer._state_entries(slot.group)
     name = dotted(slot.key)
     state = optimizer._functional_state
     checked = {}

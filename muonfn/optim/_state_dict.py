@@ -16,23 +16,24 @@ if TYPE_CHECKING:
     from ._optimizer import Muon
 
 
-def loaded_value(name: str, torch_name: str, value: Any, param: torch.Tensor) -> torch.Tensor:
-    """A state_dict entry cast as ``torch.optim`` casts it; a step count must be a whole number."""
+def loaded_value(name: str, torch_name: str, value: Any, like: torch.Tensor) -> torch.Tensor:
+    """A state_dict entry cast as ``torch.optim`` casts it (to ``like``'s dtype and device: its
+    parameter's, but for a step count, which must be a whole number)."""
     if torch_name == "step":
         if isinstance(value, torch.Tensor) and value.numel() != 1:
             raise ValueError(f"load_state_dict: parameter {name} has a step of shape {tuple(value.shape)}")
         count = float(value)
         if not (math.isfinite(count) and count >= 0 and count == int(count)):
             raise ValueError(f"load_state_dict: parameter {name} has step {value!r}; expected a count >= 0")
-        return torch.tensor(int(count), dtype=torch.int64, device=param.device)
+        return torch.tensor(int(count), dtype=torch.int64, device=like.device)
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"load_state_dict: parameter {name}: {torch_name} is a {type(value).__name__}, not a tensor")
-    if value.shape != param.shape:
+    if value.shape != like.shape:
         raise ValueError(
             f"load_state_dict: parameter {name}: {torch_name} has shape {tuple(value.shape)}, "
-            f"the parameter {tuple(param.shape)}"
+            f"expected {tuple(like.shape)}"
         )
-    return value.to(dtype=param.dtype, device=param.device)
+    return value.to(dtype=like.dtype, device=like.device)
 
 
 def packed_state_dict(opt: Muon) -> dict[str, Any]:
@@ -67,6 +68,17 @@ def packed_state_dict(opt: Muon) -> dict[str, Any]:
     return {"state": state, "param_groups": param_groups}
 
 
+def _layout_hint(group: Mapping[str, Any], saved: Mapping[str, Any]) -> str:
+    """Why a saved Muon group's state has other entries: it was saved with other settings."""
+    if not group["use_muon"]:
+        return ""
+    for name in ("variant", "second_moment_bias_correction"):
+        here, there = group.get(name), saved.get(name, group.get(name))
+        if here != there:
+            return f" (saved with {name}={there!r}, this optimizer's group has {name}={here!r})"
+    return ""
+
+
 class Loaded(NamedTuple):
     """What a state_dict holds for an optimizer, checked and translated."""
 
@@ -94,6 +106,7 @@ def translate_state_dict(opt: Muon, state_dict: dict[str, Any]) -> Loaded:
     groups: list[dict[str, Any]] = []
     entries: dict[Key, torch.Tensor] = {}
     labels = _groups.group_labels([g["use_muon"] for g in opt.param_groups])
+    layout = opt._layout()  # each entry's shape, dtype and device (a row statistic is no parameter's shape)
     claimed = set()
     for i, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
         if len(saved["params"]) != len(group["params"]):
@@ -107,7 +120,8 @@ def translate_state_dict(opt: Muon, state_dict: dict[str, Any]) -> Loaded:
                 f"load_state_dict: parameter group {i} is a {'Muon' if route else 'AdamW'} group here "
                 f"and a {'Muon' if not route else 'AdamW'} group in the state_dict"
             )
-        expected = _groups.state_names(route)
+        # the layout this optimizer's settings ask for: a state saved with another variant does not load
+        expected = _groups.state_names(group)
         for index, p in zip(saved["params"], group["params"]):
             slot = opt._slots[p]
             name = f"{dotted(slot.key)!r} (index {index})"
@@ -118,9 +132,11 @@ def translate_state_dict(opt: Muon, state_dict: dict[str, Any]) -> Loaded:
             if set(entry) != set(expected):
                 raise ValueError(
                     f"load_state_dict: parameter {name} has state {sorted(entry)}, expected {sorted(expected)}"
+                    + _layout_hint(group, saved)
                 )
             for torch_name, field in expected.items():
-                entries[(labels[i], field, *slot.key)] = loaded_value(name, torch_name, entry[torch_name], p)
+                entry_key = (labels[i], field, *slot.key)
+                entries[entry_key] = loaded_value(name, torch_name, entry[torch_name], layout.get(entry_key))
         # torch deep-copies the saved groups: a scheduler of the source must not reach this optimizer
         new_group = copy.deepcopy({k: v for k, v in saved.items() if k != "params"})
         new_group["params"] = group["params"]
@@ -129,7 +145,14 @@ def translate_state_dict(opt: Muon, state_dict: dict[str, Any]) -> Loaded:
         new_group["use_muon"] = route
         for key, default in opt.defaults.items():
             new_group.setdefault(key, default)
+        _groups.resolve_variant(f"load_state_dict: parameter group {i}", new_group, given=())
+        if route and _groups.state_names(new_group) != expected:  # a group without parameters says so here
+            raise ValueError(
+                f"load_state_dict: parameter group {i} keeps state {sorted(expected)} here and "
+                f"{sorted(_groups.state_names(new_group))} in the state_dict" + _layout_hint(group, new_group)
+            )
         _groups.check_scheduled(i, new_group)
+        opt._check_variant(i, new_group)
         opt._branch(new_group, _groups.new_scalars(new_group))  # the core checks the other settings
         groups.append(new_group)
     others = {k: v for k, v in saved_state.items() if k not in claimed}

@@ -13,7 +13,17 @@ from ._muon import (
 )
 from ._params import split_buffers
 from ._qk_clip import QKHeads, qk_clip
-from ._variants import VARIANTS, Variant, adamuon, adapted_branch, normuon
+from ._variants import (
+    VARIANT_DEFAULTS,
+    VARIANT_OPTIONS,
+    VARIANTS,
+    Variant,
+    adamuon,
+    adapted_branch,
+    normuon,
+    refuse_collectives,
+    variant_state_names,
+)
 
 __all__ = [
     "ADAMW",
@@ -21,6 +31,8 @@ __all__ = [
     "MUON",
     "TORCH_STATE_NAMES",
     "VARIANTS",
+    "VARIANT_DEFAULTS",
+    "VARIANT_OPTIONS",
     "QKHeads",
     "Variant",
     "adamuon",
@@ -35,7 +47,9 @@ __all__ = [
     "muon_orthogonalizer",
     "normuon",
     "qk_clip",
+    "refuse_collectives",
     "split_buffers",
+    "variant_state_names",
     "views_from_module",
     "with_adamw",
 ]

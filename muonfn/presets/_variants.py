@@ -7,13 +7,16 @@ also what the ``torch.optim`` shim builds its groups from (``variant=``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import torch
 
 from .._validation import Scalar, ScalarOrSchedule, flag
 from ..linalg import CoefficientsLike, EpsMode, ScaleMode
 from ..transforms import (
+    EXP_AVG_SQ,
+    ROW_SECOND_MOMENT,
+    STEP,
     CautiousMode,
     LabelsLike,
     MaskLike,
@@ -29,7 +32,8 @@ from ..transforms import (
     scale_by_shape,
     scale_by_sign,
 )
-from ._muon import NesterovLike, check_branch_flags, finish_branch, with_adamw
+from ._labels import MUON
+from ._muon import TORCH_STATE_NAMES, NesterovLike, check_branch_flags, finish_branch, with_adamw
 
 if TYPE_CHECKING:
     from ..distributed import Collectives
@@ -37,8 +41,54 @@ if TYPE_CHECKING:
 Variant: TypeAlias = Literal["muon", "normuon", "adamuon"]
 VARIANTS: tuple[str, ...] = ("muon", "normuon", "adamuon")
 
+#: The options that only the adapted variants take (the second moment and what feeds it).
+VARIANT_OPTIONS: tuple[str, ...] = (
+    "beta2",
+    "adaptive_eps",
+    "rescale",
+    "sign_momentum",
+    "second_moment_bias_correction",
+)
 
-def _refuse_collectives(where: str, collectives: Collectives | None) -> None:
+#: Each variant's defaults (those of :func:`~muonfn.muon`, :func:`normuon`, :func:`adamuon`) for
+#: the settings whose defaults differ between variants; an option of :data:`VARIANT_OPTIONS` a
+#: variant does not list does not apply to it.
+VARIANT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "muon": {"momentum": 0.95, "nesterov": True},
+    "normuon": {"momentum": 0.95, "nesterov": True, "beta2": 0.95, "adaptive_eps": 1e-10, "rescale": "orthogonal"},
+    "adamuon": {
+        "momentum": 0.9,
+        "nesterov": False,
+        "beta2": 0.95,
+        "adaptive_eps": 1e-10,
+        "rescale": "orthogonal",
+        "sign_momentum": True,
+        "second_moment_bias_correction": False,
+    },
+}
+
+
+def variant_state_names(variant: str, *, second_moment_bias_correction: bool = False) -> dict[str, str]:
+    """torch-style name of each state entry of a variant's matrix branch -> its field in the state.
+
+    Muon's ``momentum_buffer``, and the second moment the variant adds under its own field's
+    name (``row_second_moment``; ``exp_avg_sq``, torch's name for an EMA of squares, with its
+    ``step`` count under AdaMuon's ``second_moment_bias_correction``).
+    """
+    names = dict(TORCH_STATE_NAMES[MUON])
+    if variant == "normuon":
+        names["row_second_moment"] = ROW_SECOND_MOMENT
+    elif variant == "adamuon":
+        names["exp_avg_sq"] = EXP_AVG_SQ
+        if second_moment_bias_correction:
+            names["step"] = STEP
+    elif variant != "muon":
+        raise ValueError(f"unknown variant {variant!r}; choose one of {list(VARIANTS)}")
+    return names
+
+
+def refuse_collectives(where: str, collectives: Collectives | None) -> None:
+    """NorMuon and AdaMuon run on whole matrices: ``collectives`` must be ``None``."""
     if collectives is not None:
         raise ValueError(
             f"{where}: collectives= is not supported: the second-moment rescaling needs each whole "
@@ -191,7 +241,7 @@ def normuon(
         >>> state["muon", "row_second_moment", "w"].shape  # one entry per row
         torch.Size([4, 1])
     """
-    _refuse_collectives("normuon", collectives)
+    refuse_collectives("normuon", collectives)
     branch = adapted_branch(
         "normuon",
         lr=lr,
@@ -312,7 +362,7 @@ def adamuon(
         >>> sorted(tx.init(params)["muon"].keys())
         ['exp_avg_sq', 'momentum']
     """
-    _refuse_collectives("adamuon", collectives)
+    refuse_collectives("adamuon", collectives)
     branch = adapted_branch(
         "adamuon",
         lr=lr,

@@ -7,18 +7,18 @@ import math
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from .. import _tree
-from .._validation import Scalar, check_grads, check_params, positive, unit_interval
+from .. import _lists, _tree
+from .._keys import Key
+from .._tree import Leaves
+from .._validation import Scalar, check_params, positive, unit_interval
+from ..linalg import MatrixView
 from ._arithmetic import one_minus
-from ._base import Transform
+from ._base import Rule, Scope, StructureCache, Transform, from_rule, per_leaf_needs
+from ._momentum import per_member
 from ._normuon import _refuse_sharded
 from ._orthogonalize import ViewsLike, resolve_views
 from ._rescale import Rescale, check_rescale, rescaled
-from ._state import EXP_AVG_SQ, STEP, check_entries
-
-
-def _cast_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return t.to(like.dtype)
+from ._state import EXP_AVG_SQ, STEP
 
 
 def scale_by_element_rms(
@@ -73,7 +73,8 @@ def scale_by_element_rms(
     eps = float(eps)
     check_rescale("scale_by_element_rms", rescale)
     log_beta = math.log(beta_value) if beta_value > 0 else -math.inf
-    entries = (EXP_AVG_SQ, STEP) if bias_correction else (EXP_AVG_SQ,)
+
+    views_of = StructureCache()
 
     def init(params: TensorDictBase) -> TensorDictBase:
         check_params("scale_by_element_rms", params)
@@ -86,40 +87,45 @@ def scale_by_element_rms(
             state[STEP] = params.apply(lambda p: p.new_zeros(members, dtype=torch.int64))
         return TensorDict(state, batch_size=params.batch_size)
 
-    def update(
-        grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
-    ) -> tuple[TensorDictBase, TensorDictBase]:
-        check_entries("scale_by_element_rms", state, entries)
-        check_grads("scale_by_element_rms", grads, state[EXP_AVG_SQ])
-        if params is not None:
-            check_grads("scale_by_element_rms", grads, params)
-        keys, values = _tree.leaf_keys(grads), _tree.leaves(grads)
-        resolved = resolve_views(views, keys, values, members=grads.batch_dims)
-        for key, g, view in zip(keys, values, resolved):
+    def checked_views(keys: list[Key], values: list[torch.Tensor], members: int) -> list[MatrixView]:
+        leaf_views = resolve_views(views, keys, values, members=members)
+        for key, g, view in zip(keys, values, leaf_views):
             view.check(key, g.shape)
+        return leaf_views
+
+    def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
+        keys, values = list(grads), list(grads.values())
+        leaf_views = views_of.get(grads, scope.batch_size, lambda: checked_views(keys, values, scope.members))
         _refuse_sharded(keys, values)
-        current = _tree.subset(state[EXP_AVG_SQ], keys)
-        squares = grads.mul(grads)
-        lerp = current.lerp_ if donate_state else current.lerp
-        exp_avg_sq = lerp(squares, one_minus(beta))
-        new_state = {EXP_AVG_SQ: _tree.carry(state[EXP_AVG_SQ], exp_avg_sq)}
+        squares = _lists.apply("mul", values, values)
+        exp_avg_sq = _lists.lerp(scope.read(EXP_AVG_SQ, keys), squares, one_minus(beta), inplace=donate_state)
+        scope.write(EXP_AVG_SQ, keys, exp_avg_sq)
         root = exp_avg_sq
         if bias_correction:
-            step = _tree.subset(state[STEP], keys)
-            step = step.add_(1) if donate_state else step.add(1)
-            new_state[STEP] = _tree.carry(state[STEP], step)
-            correction = step.to(torch.float64).mul(log_beta).exp().neg().add(1.0)  # 1 - beta**t
-            # in the leaves' dtypes: a 0-d fp64 factor would promote a 0-d leaf
-            correction = (
-                _tree.per_member(correction, grads) if grads.batch_dims else correction.apply(_cast_like, grads)
+            step = scope.read(STEP, keys)
+            step = _lists.apply_("add", step, 1) if donate_state else _lists.apply("add", step, 1)
+            scope.write(STEP, keys, step)
+            # 1 - beta**t in fp64 (beta**t as exp(t·log beta), t staying a tensor), then in each
+            # leaf's dtype: a 0-d fp64 factor would promote a 0-d leaf
+            steps = [t.to(torch.float64) for t in step]
+            correction = _lists.apply(
+                "add", _lists.apply("neg", _lists.apply("exp", _lists.scale(steps, log_beta))), 1.0
             )
-            root = exp_avg_sq.div(correction)
-        denom = root.sqrt().add(eps)
+            if scope.members:
+                correction = per_member(correction, values, scope.members)
+            else:
+                correction = [c.to(g.dtype) for c, g in zip(correction, values)]
+            root = _lists.apply("div", exp_avg_sq, correction)
+        denom = _lists.apply_("add", _lists.apply("sqrt", root), eps)
+        adapted = _lists.apply("div", values, denom)
+        if rescale == "none":
+            return dict(zip(keys, adapted))
         out = []
-        for key, o, view in zip(keys, values, resolved):
-            blocks = view.to_matrices(o.div(denom.get(key)))
+        for o, u, view in zip(values, adapted, leaf_views):
+            blocks = view.to_matrices(u)
             befores = view.to_matrices(o) if rescale == "preserve_norm" else blocks
             out.append(view.from_matrices([rescaled(b, a, rescale, eps) for b, a in zip(blocks, befores)], o.shape))
-        return _tree.build(keys, out, grads), TensorDict(new_state, batch_size=state.batch_size)
+        return dict(zip(keys, out))
 
-    return Transform(init, update)
+    needs = per_leaf_needs("scale_by_element_rms", (EXP_AVG_SQ,), (STEP,) if bias_correction else ())
+    return from_rule(init, Rule("scale_by_element_rms", update, needs))

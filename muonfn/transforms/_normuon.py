@@ -7,15 +7,16 @@ from collections.abc import Sequence
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from .. import _tree
+from .. import _lists, _tree
 from .._keys import Key, dotted
-from .._validation import Scalar, check_batch, check_grads, check_params, positive, unit_interval
+from .._tree import Leaves
+from .._validation import Scalar, check_params, positive, unit_interval
 from ..linalg import MatrixView
 from ._arithmetic import one_minus
-from ._base import Transform
+from ._base import Needs, Rule, Scope, StructureCache, Transform, from_rule
 from ._orthogonalize import ViewsLike, resolve_views
 from ._rescale import Rescale, check_rescale, rescaled
-from ._state import ROW_SECOND_MOMENT, check_entries
+from ._state import ROW_SECOND_MOMENT
 
 
 def row_moment_shape(view: MatrixView, shape: Sequence[int]) -> tuple[int, ...]:
@@ -43,40 +44,18 @@ def _per_block(view: MatrixView, denom: torch.Tensor) -> list[torch.Tensor]:
     return list(denom.split(1, dim=2))
 
 
-def _normalized(
-    o: torch.Tensor, v: torch.Tensor, view: MatrixView, beta: Scalar, eps: float, rescale: str, donate: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    blocks = view.to_matrices(o)
-    means = _row_means(view, blocks)
-    current = v.reshape(means.shape)  # a view of the state's tensor: lerp_ writes into it
-    new_v = current.lerp_(means, one_minus(beta)) if donate else current.lerp(means, one_minus(beta))
-    denom = new_v.sqrt().add(eps)
-    out = [rescaled(b.div(d), b, rescale, eps) for b, d in zip(blocks, _per_block(view, denom))]
-    return view.from_matrices(out, o.shape), v if donate else new_v.reshape(v.shape)
-
-
-def _check(
-    grads: TensorDictBase, moments: TensorDictBase, params: TensorDictBase | None, views: list[MatrixView]
+def _fitted(
+    keys: Sequence[Key],
+    grads: Sequence[torch.Tensor],
+    moments: Sequence[torch.Tensor],
+    shapes: Sequence[tuple[int, ...]],
 ) -> None:
-    """Gradients against the params (when given) and against the row statistics' shapes and dtypes."""
-    where = "scale_by_neuron_norm"
-    if params is not None:
-        check_grads(where, grads, params)
-    check_batch(where, grads, moments)
-    known = dict(zip(_tree.leaf_keys(moments), _tree.leaves(moments)))
-    for key, g, view in zip(_tree.leaf_keys(grads), _tree.leaves(grads), views):
-        v = known.get(key)
-        if v is None:
-            raise ValueError(f"{where}: gradient {dotted(key)!r} has no matching parameter or state")
-        if g.is_complex():
-            raise TypeError(
-                f"{where}: gradient {dotted(key)!r} is complex ({g.dtype}); only real gradients are supported"
-            )
-        view.check(key, g.shape)
-        if row_moment_shape(view, g.shape) != tuple(v.shape) or g.dtype != v.dtype:
+    """Every gradient against its row statistics: their shape (``shapes``, from its view) and dtype."""
+    for key, g, v, shape in zip(keys, grads, moments, shapes):
+        if tuple(v.shape) != shape or g.dtype != v.dtype:
             raise ValueError(
-                f"{where}: gradient {dotted(key)!r} of shape {tuple(g.shape)} and dtype {g.dtype} does not fit "
-                f"its row statistics of shape {tuple(v.shape)} and dtype {v.dtype}"
+                f"scale_by_neuron_norm: gradient {dotted(key)!r} of shape {tuple(g.shape)} and dtype {g.dtype} does "
+                f"not fit its row statistics of shape {tuple(v.shape)} and dtype {v.dtype}"
             )
 
 
@@ -133,6 +112,8 @@ def scale_by_neuron_norm(
     eps = float(eps)
     check_rescale("scale_by_neuron_norm", rescale)
 
+    plans = StructureCache()
+
     def init(params: TensorDictBase) -> TensorDictBase:
         check_params("scale_by_neuron_norm", params)
         keys, values = _tree.leaf_keys(params), _tree.leaves(params)
@@ -142,24 +123,42 @@ def scale_by_neuron_norm(
             moments.append(p.new_zeros(row_moment_shape(view, p.shape)))
         return TensorDict({ROW_SECOND_MOMENT: _tree.build(keys, moments, params)}, batch_size=params.batch_size)
 
-    def update(
-        grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
-    ) -> tuple[TensorDictBase, TensorDictBase]:
-        check_entries("scale_by_neuron_norm", state, (ROW_SECOND_MOMENT,))
-        moments = state[ROW_SECOND_MOMENT]
-        keys, values = _tree.leaf_keys(grads), _tree.leaves(grads)
-        resolved = resolve_views(views, keys, values, members=grads.batch_dims)
-        _check(grads, moments, params, resolved)
-        _refuse_sharded(keys, values)
-        out, new = [], []
-        for key, o, view in zip(keys, values, resolved):
-            u, v = _normalized(o, moments.get(key), view, beta, eps, rescale, donate_state)
-            out.append(u)
-            new.append(v)
-        new_moments = _tree.carry(moments, _tree.build(keys, new, grads))
-        return _tree.build(keys, out, grads), TensorDict({ROW_SECOND_MOMENT: new_moments}, batch_size=state.batch_size)
+    def plan(
+        keys: list[Key], values: list[torch.Tensor], members: int
+    ) -> tuple[list[MatrixView], list[tuple[int, ...]]]:
+        """Each leaf's view (checked against the gradient) and the shape of its row statistics."""
+        leaf_views = resolve_views(views, keys, values, members=members)
+        for key, g, view in zip(keys, values, leaf_views):
+            view.check(key, g.shape)
+        return leaf_views, [row_moment_shape(view, g.shape) for g, view in zip(values, leaf_views)]
 
-    return Transform(init, update)
+    def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
+        keys, values = list(grads), list(grads.values())
+        leaf_views, shapes = plans.get(grads, scope.batch_size, lambda: plan(keys, values, scope.members))
+        moments = scope.read(ROW_SECOND_MOMENT, keys)
+        _fitted(keys, values, moments, shapes)
+        _refuse_sharded(keys, values)
+        blocks = [view.to_matrices(o) for o, view in zip(values, leaf_views)]
+        means = [_row_means(view, b) for view, b in zip(leaf_views, blocks)]
+        # (count, rows, column blocks) views of the state's tensors: a donated update writes into them
+        current = [v.reshape(m.shape) for v, m in zip(moments, means)]
+        new = _lists.lerp(current, means, one_minus(beta), inplace=donate_state)
+        scope.write(
+            ROW_SECOND_MOMENT, keys, moments if donate_state else [n.reshape(v.shape) for n, v in zip(new, moments)]
+        )
+        denoms = _lists.apply_("add", _lists.apply("sqrt", new), eps)
+        out = []
+        for o, view, matrices, denom in zip(values, leaf_views, blocks, denoms):
+            adapted = [rescaled(b.div(d), b, rescale, eps) for b, d in zip(matrices, _per_block(view, denom))]
+            out.append(view.from_matrices(adapted, o.shape))
+        return dict(zip(keys, out))
+
+    def needs(grads: Leaves, params: Leaves | None, prefix: Key, out: Needs) -> None:
+        # present, not shaped like the gradient: the row statistics' shapes are checked by the update
+        out.entries.append(("scale_by_neuron_norm", prefix, (ROW_SECOND_MOMENT,)))
+        out.present += [("scale_by_neuron_norm", (*prefix, ROW_SECOND_MOMENT, *k)) for k in grads]
+
+    return from_rule(init, Rule("scale_by_neuron_norm", update, needs))
 
 
 def _refuse_sharded(keys: Sequence[Key], values: Sequence[torch.Tensor]) -> None:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from tensordict import TensorDictBase
-
-from .._validation import check_inputs
-from ._base import Transform, empty_state
+from .. import _lists
+from .._tree import Leaves
+from ._base import Rule, Scope, Transform, empty_state, from_rule, no_needs
 
 
 def scale_by_sign() -> Transform:
@@ -25,10 +24,7 @@ def scale_by_sign() -> Transform:
         tensor([-1.,  0.,  1.])
     """
 
-    def update(
-        grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
-    ) -> tuple[TensorDictBase, TensorDictBase]:
-        check_inputs("scale_by_sign", grads, state, params)
-        return grads.sign(), state
+    def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
+        return dict(zip(grads, _lists.apply("sign", list(grads.values()))))
 
-    return Transform(empty_state, update)
+    return from_rule(empty_state, Rule("scale_by_sign", update, no_needs))

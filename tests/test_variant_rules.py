@@ -1,0 +1,45 @@
+"""NorMuon's and AdaMuon's second moments: the EMA weight of a tensor beta is a float beta's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _bitwise import assert_bitwise
+from tensordict import TensorDict
+
+import muonfn
+
+# 1 - BETA = 2**-1 + 2**-10: exact in fp32 and fp64, not in bf16 (7 mantissa bits), so a kernel
+# that rounded the weight to the leaf's dtype would show
+BETA = 0.4990234375
+
+
+def steps(tx: muonfn.Transform, params: TensorDict, *, vmap: bool) -> list[TensorDict]:
+    update = torch.vmap(tx.update) if vmap else tx.update
+    state = torch.vmap(tx.init)(params) if vmap else tx.init(params)
+    out = []
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        grads = params.apply(lambda p: torch.randn(p.shape, generator=g).to(p.dtype))
+        updates, state = update(grads, state, params)
+        out += [updates, state]
+    return out
+
+
+@pytest.mark.parametrize("vmap", [False, True], ids=["alone", "vmap"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda beta: muonfn.scale_by_neuron_norm(beta, rescale="none"),
+        lambda beta: muonfn.scale_by_element_rms(beta, bias_correction=True, rescale="none"),
+    ],
+    ids=["scale_by_neuron_norm", "scale_by_element_rms"],
+)
+def test_a_tensor_beta_weighs_as_a_float_in_bf16(make, vmap):
+    g = torch.Generator().manual_seed(0)
+    shape = (2, 12, 8) if vmap else (12, 8)
+    params = TensorDict({"w": torch.randn(shape, generator=g).bfloat16()}, batch_size=shape[:1] if vmap else [])
+    as_float = steps(make(BETA), params, vmap=vmap)
+    as_tensor = steps(make(torch.tensor(BETA)), params, vmap=vmap)
+    for a, b in zip(as_tensor, as_float):
+        assert_bitwise(a, b)
