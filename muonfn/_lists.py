@@ -36,11 +36,37 @@ def _fused(tensors: Tensors, operands: tuple[Any, ...]) -> bool:
     return not (_is_dtensor(tensors[0]) and any(_plain(v) for v in operands))
 
 
+def _as_tensor_operands(op: str, tensors: Tensors, operands: tuple[Any, ...]) -> tuple[Any, ...]:
+    """On CPU, number operands (and 0-d tensors of another float dtype) of a list of one wide
+    dtype become 0-d tensors of that dtype: torch's CPU multi-tensor kernels convert a number
+    operand once per tensor (an allocation and a copy each), a tensor of the list's dtype not
+    at all. The kernels round the number to that dtype either way: the same bits."""
+    dtype = tensors[0].dtype
+    if dtype not in _WIDE or tensors[0].device.type != "cpu" or any(t.dtype is not dtype for t in tensors):
+        return operands
+    out = []
+    for v in operands:
+        if isinstance(v, float | int) and not isinstance(v, bool):
+            v = torch.tensor(v, dtype=dtype)
+        elif not (isinstance(v, torch.Tensor) and v.ndim == 0 and v.dtype in _WIDE and v.device.type == "cpu"):
+            out.append(v)
+            continue
+        elif v.dtype is not dtype:
+            v = v.to(dtype)
+        # mul and div take one tensor operand fastest; the others have no such fast overload
+        out.append(v if op in _ONE_TENSOR_OPS else [v] * len(tensors))
+    return tuple(out)
+
+
+_ONE_TENSOR_OPS = frozenset({"mul", "div"})
+
+
 def apply(op: str, tensors: Tensors, *operands: Any, **kwargs: Any) -> list[torch.Tensor]:
     """``[t.<op>(*operands) for t in tensors]``; a list operand gives one value per tensor."""
     if not tensors:
         return []
     if _fused(tensors, operands):
+        operands = _as_tensor_operands(op, tensors, operands)
         return list(getattr(torch, f"_foreach_{op}")(tensors, *operands, **kwargs))
     method = getattr(torch.Tensor, op)
     per_tensor = [v if isinstance(v, list | tuple) else [v] * len(tensors) for v in operands]
@@ -56,7 +82,7 @@ def apply_(op: str, tensors: Tensors, *operands: Any, **kwargs: Any) -> list[tor
     """
     narrow = any(isinstance(v, int | float) for v in operands) and any(t.dtype in _NARROW for t in tensors)
     if tensors and not narrow and _fused(tensors, operands):
-        getattr(torch, f"_foreach_{op}_")(tensors, *operands, **kwargs)
+        getattr(torch, f"_foreach_{op}_")(tensors, *_as_tensor_operands(op, tensors, operands), **kwargs)
         return list(tensors)
     per_tensor = [v if isinstance(v, list | tuple) else [v] * len(tensors) for v in operands]
     for t, *args in zip(tensors, *per_tensor):

@@ -1,0 +1,56 @@
+"""Multi-tensor arithmetic: the fused calls give the bits of one op per tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _bitwise import bits
+from hypothesis import given
+from hypothesis import strategies as st
+
+from muonfn import _lists
+
+NUMBERS = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, allow_subnormal=False).filter(lambda v: v != 0)
+
+
+def _leaves(dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(), (1,), (7,), (3, 5), (17, 9), (2, 3, 4)]
+    return [torch.randn(s, generator=g, dtype=torch.float64).mul(10).to(dtype) for s in shapes]
+
+
+def _same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert [t.dtype for t in a] == [t.dtype for t in b]
+    for x, y in zip(a, b):
+        assert torch.equal(bits(x), bits(y))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("op", ["mul", "div", "add", "sub"])
+@given(value=NUMBERS)
+def test_a_number_operand_gives_the_bits_of_one_op_per_tensor(dtype, op, value) -> None:
+    leaves = _leaves(dtype)
+    expected = [getattr(t, op)(value) for t in leaves]
+    _same_bits(_lists.apply(op, leaves, value), expected)
+    inplace = [t.clone() for t in leaves]
+    _same_bits(_lists.apply_(op, inplace, value), expected)
+
+
+@pytest.mark.parametrize("op", ["mul", "div", "add"])
+@given(value=NUMBERS)
+def test_a_double_zero_dim_operand_meets_fp32_leaves_as_a_number(op, value) -> None:
+    """fp32 leaves and an fp64 0-d tensor (the shim's hyperparameters): the bits of the Python
+    number, a 0-d leaf included (which the tensor alone would promote to fp64)."""
+    leaves = _leaves(torch.float32, seed=1)
+    factor = torch.tensor(value, dtype=torch.float64)
+    expected = [getattr(t, op)(value) for t in leaves]
+    _same_bits(_lists.apply(op, leaves, factor), expected)
+    _same_bits(_lists.apply_(op, [t.clone() for t in leaves], factor), expected)
+
+
+def test_mixed_dtypes_and_integer_counts_keep_their_own_arithmetic() -> None:
+    mixed = [torch.ones(3), torch.ones(3, dtype=torch.float64)]
+    _same_bits(_lists.apply("mul", mixed, 0.1), [t.mul(0.1) for t in mixed])
+    steps = [torch.zeros((), dtype=torch.int64) for _ in range(3)]
+    out = _lists.apply("add", steps, 1)
+    assert all(t.dtype == torch.int64 and int(t) == 1 for t in out)
