@@ -886,16 +886,18 @@ def test_stepping_in_parts_gives_the_same_bits(dtype, variant):
         assert_bitwise(state, runs[0][1])
 
 
-def test_parts_follow_the_sizes_in_order():
+def test_parts_follow_the_sizes_and_keep_kinds_together():
     from muonfn.optim import _groups
 
-    assert _groups.chunks([4, 4, 4, 9, 1], None) == [range(5)]
-    assert _groups.chunks([4, 4, 4, 9, 1], 8) == [range(0, 2), range(2, 4), range(4, 5)]
-    assert _groups.chunks([4, 4, 4, 9, 1], 1) == [range(i, i + 1) for i in range(5)]
-    assert _groups.chunks([10] * 4, "auto") == [range(4)]  # small: one part
-    big = [2**18] * 16
-    assert _groups.chunks(big, "auto") == [range(2 * i, 2 * i + 2) for i in range(8)]
-    assert _groups.chunks([], 3) == []
+    assert _groups.chunks([4, 4, 4, 9, 1], None) == [[0, 1, 2, 3, 4]]
+    assert _groups.chunks([4, 4, 4, 9, 1], 8) == [[0, 1], [2], [3], [4]]
+    assert _groups.chunks([4, 4, 4, 9, 1], 10) == [[0, 1], [2], [3, 4]]
+    assert _groups.chunks([4, 4, 4, 9, 1], 1) == [[i] for i in range(5)]
+    assert _groups.chunks([4, 9, 4, 9], 8, kinds=["a", "b", "a", "b"]) == [[0, 2], [1], [3]]
+    assert _groups.chunks([10] * 4, "auto") == [[0, 1, 2, 3]]  # small: one part
+    big = [2**18] * 32  # 16 parts of 2**19 elements
+    assert _groups.chunks(big, "auto") == [[2 * i, 2 * i + 1] for i in range(16)]
+    assert _groups.chunks([], 3) == [] and _groups.chunks([], None) == []
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "half"])

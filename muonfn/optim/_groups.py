@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, MutableMapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, MutableMapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -272,7 +272,7 @@ def check_new_params(
 
 
 #: ``chunk_numel="auto"``: about this many parts, each of at least ``AUTO_MIN_CHUNK`` elements
-AUTO_PARTS, AUTO_MIN_CHUNK = 8, 2**18
+AUTO_PARTS, AUTO_MIN_CHUNK = 16, 2**18
 
 
 def check_chunk_numel(chunk_numel: int | str | None) -> int | str | None:
@@ -283,19 +283,26 @@ def check_chunk_numel(chunk_numel: int | str | None) -> int | str | None:
     return chunk_numel
 
 
-def chunks(sizes: Sequence[int], chunk_numel: int | str | None) -> list[range]:
-    """Consecutive index ranges of ``sizes``, each closed once it holds ``chunk_numel`` elements
-    (a tensor larger than that is a part of its own); one range when ``chunk_numel`` is ``None``."""
+def chunks(sizes: Sequence[int], chunk_numel: int | str | None, kinds: Sequence[Hashable] = ()) -> list[list[int]]:
+    """Indices of ``sizes`` in parts of at most ``chunk_numel`` elements (a tensor larger than
+    that is a part of its own); one part when ``chunk_numel`` is ``None``.
+
+    ``kinds`` (one per size): tensors of a kind are taken together, kinds in the order they
+    first appear, so that same-shape matrices share a part and one Newton–Schulz batch.
+    """
     if chunk_numel == "auto":
         chunk_numel = max(sum(sizes) // AUTO_PARTS, AUTO_MIN_CHUNK)
     if chunk_numel is None or isinstance(chunk_numel, str):
-        return [range(len(sizes))]
-    out, start, held = [], 0, 0
-    for i, size in enumerate(sizes):
-        held += size
-        if held >= chunk_numel:
-            out.append(range(start, i + 1))
-            start, held = i + 1, 0
-    if start < len(sizes):
-        out.append(range(start, len(sizes)))
-    return out
+        return [list(range(len(sizes)))] if sizes else []
+    order: dict[Hashable, list[int]] = {}
+    for i, kind in enumerate(kinds or range(len(sizes))):
+        order.setdefault(kind, []).append(i)
+    out: list[list[int]] = [[]]
+    held = 0
+    for i in (i for members in order.values() for i in members):
+        if out[-1] and held + sizes[i] > chunk_numel:
+            out.append([])
+            held = 0
+        out[-1].append(i)
+        held += sizes[i]
+    return out if out[0] else []

@@ -66,13 +66,13 @@ class Muon(torch.optim.Optimizer):
     checked against the parameters' names at construction: a typo is an error.
     ``donate_state`` is ``True`` here: the state is updated in place, as torch.optim's is
     (``donate_state=False`` allocates a new state each step). ``chunk_numel`` steps the
-    parameters in parts of about that many elements each, in group order, every part's
-    update added before the next is computed: the step's temporaries then hold one part
-    instead of all parameters (peak memory near torch.optim's), at the cost of one more
-    pass of host work per part and of batching Newton–Schulz across parts. The results are
-    the same bits; everything is checked before the first part runs. ``"auto"``: about an
-    eighth of the parameters' elements per part, at least 2**18 (a small model is one
-    part); ``None``: one part. ``collectives`` is refused with a variant, as
+    parameters in parts of at most that many elements (a larger parameter is a part of its
+    own; same-shape parameters of a group go together, so that they share a Newton–Schulz
+    batch), each part's update added before the next is computed: the step's temporaries
+    then hold one part instead of all parameters (peak memory near torch.optim's), for a
+    little more host work per part. The results are the same bits; everything is checked
+    before the first part runs. ``"auto"``: parts of a sixteenth of the parameters'
+    elements, at least 2**18 (a small model is one part); ``None``: one part. ``collectives`` is refused with a variant, as
     :func:`muonfn.normuon` and :func:`muonfn.adamuon` refuse it.
 
     A group's variant options are resolved when it is added: ``None`` becomes its variant's
@@ -486,7 +486,8 @@ class Muon(torch.optim.Optimizer):
             params = {slot.key: p for p, slot in self._slots.items()}
             size = torch.Size([])
             check_rule(rule, dict(zip(keys, grads)), state, params, size)  # all of it, before any part runs
-            for part in _groups.chunks([g.numel() for g in grads], self._chunk_numel):
+            kinds = [(self._slots[p].group, p.shape, p.dtype) for p in targets]
+            for part in _groups.chunks([g.numel() for g in grads], self._chunk_numel, kinds):
                 updates, state = run_checked(rule, {keys[i]: grads[i] for i in part}, state, params, size)
                 torch._foreach_add_([targets[i] for i in part], [updates[keys[i]] for i in part])
                 del updates  # before the next part computes its own
