@@ -72,8 +72,10 @@ class Muon(torch.optim.Optimizer):
     then hold one part instead of all parameters (peak memory near torch.optim's), for a
     little more host work per part. The results are the same bits; everything is checked
     before the first part runs. ``"auto"``: parts of a sixteenth of the parameters'
-    elements, at least 2**18 (a small model is one part); ``None``: one part. ``collectives`` is refused with a variant, as
-    :func:`muonfn.normuon` and :func:`muonfn.adamuon` refuse it.
+    elements, at least 2**18 (a small model is one part); ``None``: one part.
+
+    ``collectives`` is refused with a variant, as :func:`muonfn.normuon` and
+    :func:`muonfn.adamuon` refuse it.
 
     A group's variant options are resolved when it is added: ``None`` becomes its variant's
     default, an option inherited from the defaults that its variant does not take becomes
