@@ -142,3 +142,17 @@ def test_qk_clip_compiles_without_graph_breaks():
         params, logits
     )
     assert torch.equal(eager["q"], compiled["q"]) and torch.equal(eager["k"], compiled["k"])
+
+
+@pytest.mark.parametrize("broken", ["shape", "dtype"])
+def test_a_row_moment_that_does_not_fit_fails_before_the_momentum_is_donated(broken):
+    params = TensorDict({"w": torch.randn(4, 6), "b": torch.zeros(4)}, [])
+    tx = muonfn.normuon(lr=0.02, donate_state=True)
+    state = tx.init(params)
+    moment = state["muon", "row_second_moment", "w"]
+    state["muon", "row_second_moment", "w"] = torch.zeros(6, 1) if broken == "shape" else moment.to(torch.float64)
+    before = state.clone()
+    grads = TensorDict({"w": torch.randn(4, 6), "b": torch.randn(4)}, [])
+    with pytest.raises(ValueError, match=r"scale_by_neuron_norm: gradient 'w' of shape \(4, 6\).*does not fit"):
+        tx.update(grads, state, params)
+    assert (state == before).all()

@@ -106,17 +106,20 @@ class Needs:
 
     ``entries``: top-level entries a scope must hold (``(where, scope prefix, names)``);
     ``like``: state leaves that must exist with the gradient's shape and dtype;
-    ``present``: state leaves that must exist; ``params``: whether ``params`` are required.
-    Keys are full (prefixed) state keys, each with the name of the transform that reads it.
+    ``present``: state leaves that must exist; ``shaped``: state leaves that must exist with
+    a given shape and the gradient's dtype (statistics of a leaf, such as one per row);
+    ``params``: whether ``params`` are required. Keys are full (prefixed) state keys, each
+    with the name of the transform that reads it.
     """
 
-    __slots__ = ("batch_size", "entries", "like", "params", "present")
+    __slots__ = ("batch_size", "entries", "like", "params", "present", "shaped")
 
     def __init__(self, batch_size: torch.Size) -> None:
         self.batch_size = batch_size
         self.entries: list[tuple[str, Key, Sequence[str]]] = []
         self.like: list[tuple[str, Key, Key]] = []
         self.present: list[tuple[str, Key]] = []
+        self.shaped: list[tuple[str, Key, Key, tuple[int, ...]]] = []
         self.params: list[str] = []
 
     def check(
@@ -152,6 +155,16 @@ class Needs:
                 )
             if s.dtype != g.dtype:
                 raise ValueError(f"{where}: gradient {dotted(grad_key)!r} has dtype {g.dtype}, expected {s.dtype}")
+        for where, key, grad_key, shape in self.shaped:
+            s = state.get(key)
+            if s is None:
+                raise ValueError(f"{where}: state has no entry {dotted(key)!r}; was it made by this transform's init?")
+            g = grads[grad_key]
+            if tuple(s.shape) != shape or s.dtype != g.dtype:
+                raise ValueError(
+                    f"{where}: gradient {dotted(grad_key)!r} of shape {tuple(g.shape)} and dtype {g.dtype} does not "
+                    f"fit its state {dotted(key)!r} of shape {tuple(s.shape)} and dtype {s.dtype}"
+                )
 
 
 class Rule(NamedTuple):

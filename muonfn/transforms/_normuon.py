@@ -44,21 +44,6 @@ def _per_block(view: MatrixView, denom: torch.Tensor) -> list[torch.Tensor]:
     return list(denom.split(1, dim=2))
 
 
-def _fitted(
-    keys: Sequence[Key],
-    grads: Sequence[torch.Tensor],
-    moments: Sequence[torch.Tensor],
-    shapes: Sequence[tuple[int, ...]],
-) -> None:
-    """Every gradient against its row statistics: their shape (``shapes``, from its view) and dtype."""
-    for key, g, v, shape in zip(keys, grads, moments, shapes):
-        if tuple(v.shape) != shape or g.dtype != v.dtype:
-            raise ValueError(
-                f"scale_by_neuron_norm: gradient {dotted(key)!r} of shape {tuple(g.shape)} and dtype {g.dtype} does "
-                f"not fit its row statistics of shape {tuple(v.shape)} and dtype {v.dtype}"
-            )
-
-
 def scale_by_neuron_norm(
     beta: Scalar = 0.95,
     *,
@@ -134,10 +119,8 @@ def scale_by_neuron_norm(
 
     def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
         keys, values = list(grads), list(grads.values())
-        leaf_views, shapes = plans.get(grads, scope.batch_size, lambda: plan(keys, values, scope.members))
-        moments = scope.read(ROW_SECOND_MOMENT, keys)
-        _fitted(keys, values, moments, shapes)
-        _refuse_sharded(keys, values)
+        leaf_views, _ = plans.get(grads, scope.batch_size, lambda: plan(keys, values, scope.members))
+        moments = scope.read(ROW_SECOND_MOMENT, keys)  # (checked by needs, with the gradients)
         blocks = [view.to_matrices(o) for o, view in zip(values, leaf_views)]
         means = [_row_means(view, b) for view, b in zip(leaf_views, blocks)]
         # (count, rows, column blocks) views of the state's tensors: a donated update writes into them
@@ -154,9 +137,14 @@ def scale_by_neuron_norm(
         return dict(zip(keys, out))
 
     def needs(grads: Leaves, params: Leaves | None, prefix: Key, out: Needs) -> None:
-        # present, not shaped like the gradient: the row statistics' shapes are checked by the update
+        keys, values = list(grads), list(grads.values())
+        _refuse_sharded(keys, values)
+        members = len(out.batch_size)
+        _, shapes = plans.get(grads, out.batch_size, lambda: plan(keys, values, members))
         out.entries.append(("scale_by_neuron_norm", prefix, (ROW_SECOND_MOMENT,)))
-        out.present += [("scale_by_neuron_norm", (*prefix, ROW_SECOND_MOMENT, *k)) for k in grads]
+        out.shaped += [
+            ("scale_by_neuron_norm", (*prefix, ROW_SECOND_MOMENT, *k), k, shape) for k, shape in zip(keys, shapes)
+        ]
 
     return from_rule(init, Rule("scale_by_neuron_norm", update, needs))
 
