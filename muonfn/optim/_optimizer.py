@@ -72,7 +72,7 @@ class Muon(torch.optim.Optimizer):
     then hold one part instead of all parameters (peak memory near torch.optim's), for a
     little more host work per part. The results are the same bits; everything is checked
     before the first part runs. ``"auto"``: parts of a sixteenth of the parameters'
-    elements, at least 2**18 (a small model is one part); ``None``: one part.
+    elements, at least 2**18 (a model of up to 2**18 elements is one part); ``None``: one part.
 
     ``collectives`` is refused with a variant, as :func:`muonfn.normuon` and
     :func:`muonfn.adamuon` refuse it.
@@ -217,47 +217,27 @@ class Muon(torch.optim.Optimizer):
         :func:`muonfn.adamuon` by its ``variant``), built by the presets' own builders."""
         # the core skips a zero decay given as a number (as muon(weight_decay=0.0) does)
         weight_decay: Scalar = 0.0 if _is_zero(group["weight_decay"]) else scalars["weight_decay"]
-        if group["use_muon"] and group["variant"] != MUON:
+        if group["use_muon"]:
+            settings: dict[str, Any] = {
+                "lr": scalars["lr"],
+                "momentum": scalars["momentum"],
+                "nesterov": _groups.setting(group, "nesterov"),
+                "weight_decay": weight_decay,
+                "ns_coefficients": _groups.coefficients_of(group["ns_coefficients"]),
+                **{
+                    name: group[name]
+                    for name in ("ns_steps", "ns_dtype", "ns_eps", "ns_method", "scale", "extra_scale")
+                },
+                "views": self._views,
+                "weight_decay_mask": self._weight_decay_mask,
+                "bucket_numel": self._bucket_numel,
+                "donate_state": self._donate_state,
+            }
+            if group["variant"] == MUON:
+                return muon_branch(**settings, orthogonalizer=self._orthogonalizer)
             refuse_collectives(f"variant={group['variant']!r}", self._collectives)
             return adapted_branch(
-                group["variant"],
-                lr=scalars["lr"],
-                momentum=scalars["momentum"],
-                nesterov=_groups.setting(group, "nesterov"),
-                **_groups.adapted_settings(group),
-                weight_decay=weight_decay,
-                ns_coefficients=_groups.coefficients_of(group["ns_coefficients"]),
-                ns_steps=group["ns_steps"],
-                ns_dtype=group["ns_dtype"],
-                ns_eps=group["ns_eps"],
-                ns_method=group["ns_method"],
-                ns_eps_mode="clamp",
-                ns_restarts=None,
-                scale=group["scale"],
-                extra_scale=group["extra_scale"],
-                views=self._views,
-                weight_decay_mask=self._weight_decay_mask,
-                bucket_numel=self._bucket_numel,
-                donate_state=self._donate_state,
-            )
-        if group["use_muon"]:
-            return muon_branch(
-                lr=scalars["lr"],
-                momentum=scalars["momentum"],
-                nesterov=_groups.setting(group, "nesterov"),
-                weight_decay=weight_decay,
-                ns_coefficients=_groups.coefficients_of(group["ns_coefficients"]),
-                ns_steps=group["ns_steps"],
-                ns_dtype=group["ns_dtype"],
-                ns_eps=group["ns_eps"],
-                ns_method=group["ns_method"],
-                scale=group["scale"],
-                extra_scale=group["extra_scale"],
-                views=self._views,
-                weight_decay_mask=self._weight_decay_mask,
-                orthogonalizer=self._orthogonalizer,
-                bucket_numel=self._bucket_numel,
-                donate_state=self._donate_state,
+                group["variant"], **settings, **_groups.adapted_settings(group), ns_eps_mode="clamp", ns_restarts=None
             )
         return adamw(
             scalars["lr"],
