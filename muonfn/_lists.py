@@ -90,6 +90,15 @@ def apply_(op: str, tensors: Tensors, *operands: Any, **kwargs: Any) -> list[tor
     return list(tensors)
 
 
+def may_overwrite(tensors: Tensors) -> bool:
+    """Whether an update may write into the temporaries it computed from ``tensors``: not
+    under a ``torch.func`` transform (in-place ops lack batching rules there) nor while
+    autograd records them (a gradient may read a value the write would replace)."""
+    if torch._C._are_functorch_transforms_active():
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
 def lerp(starts: Tensors, ends: Tensors, weight: float | torch.Tensor, *, inplace: bool = False) -> list[torch.Tensor]:
     """``start + weight·(end - start)`` per pair, as ``torch.lerp`` computes it with a Python
     number ``weight``: in at least fp32.

@@ -150,8 +150,13 @@ def _normalized(
     [1, 2): exact, so the result is bitwise that of the direct formula wherever the direct
     formula is finite, and a norm of entries near the dtype's maximum cannot overflow.
     """
-    # (a rank's block of a split matrix may be empty, and so may a zero-size parameter)
-    largest = g.abs().amax(dim=(-2, -1), keepdim=True) if g.numel() else g.new_zeros((*g.shape[:-2], 1, 1))
+    # (a rank's block of a split matrix may be empty, and so may a zero-size parameter);
+    # max |G| as max(max G, -min G): two reductions, no |G| written out
+    if g.numel():
+        dims = (-2, -1)
+        largest = torch.maximum(g.amax(dim=dims, keepdim=True), g.amin(dim=dims, keepdim=True).neg())
+    else:
+        largest = g.new_zeros((*g.shape[:-2], 1, 1))
     if reduction is not None:
         largest = reduction.max(largest)
     info = torch.finfo(g.dtype)
@@ -166,18 +171,47 @@ def _normalized(
     if schedule.norm_factor != 1.0:
         norm = norm * schedule.norm_factor
     # G·2⁻ᵉ / (‖G·2⁻ᵉ‖ + 2⁻ᵉε): every term scaled by the same power of two, so the same bits
-    if eps_mode == "add":
-        return (g / norm.add(unit * eps)).to(dtype)
-    return (g / torch.maximum(norm, unit * eps)).to(dtype)
+    denominator = norm.add(unit * eps) if eps_mode == "add" else torch.maximum(norm, unit * eps)
+    # g·2⁻ᵉ is this call's own: divided in place unless something records it
+    quotient = g.div_(denominator) if _may_reuse(g) else g / denominator
+    return quotient.to(dtype)
 
 
 def _standard_steps(X: torch.Tensor, schedule: Coefficients, reduction: Reduction | None) -> torch.Tensor:
+    if reduction is None and _may_reuse(X):
+        return _standard_steps_in_place(X, schedule)
     for a, b, c in schedule.triples:
         A = torch.bmm(X, X.mT)
         if reduction is not None:
             A = reduction.sum(A)
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)
         X = torch.baddbmm(X, B, X, beta=a)
+    return X
+
+
+def _may_reuse(X: torch.Tensor) -> bool:
+    """Whether the iteration may write into buffers of its own (``out=``): not when traced by
+    ``torch.func`` or ``torch.compile`` (which plan their own memory) or recorded by autograd."""
+    return not (
+        torch._C._are_functorch_transforms_active()
+        or torch.compiler.is_compiling()
+        or (X.requires_grad and torch.is_grad_enabled())
+    )
+
+
+def _standard_steps_in_place(X: torch.Tensor, schedule: Coefficients) -> torch.Tensor:
+    """:func:`_standard_steps` in three buffers reused by every step (``X``, the normalised
+    input, is this call's own and is one of them): a step allocates nothing, which on a CPU
+    that returns freed blocks to the system saves the page faults of fresh memory."""
+    count, m, _ = X.shape
+    A = X.new_empty((count, m, m))
+    B = torch.empty_like(A)
+    Y = torch.empty_like(X)
+    for a, b, c in schedule.triples:
+        torch.bmm(X, X.mT, out=A)
+        torch.baddbmm(A, A, A, beta=b, alpha=c, out=B)
+        torch.baddbmm(X, B, X, beta=a, out=Y)
+        X, Y = Y, X
     return X
 
 

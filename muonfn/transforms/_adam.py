@@ -85,15 +85,15 @@ def scale_by_adam(
             exp_avg_sq = _lists.apply_("addcmul", _lists.apply_("mul", exp_avg_sq, b2), g, g, value=1.0 - b2)
         else:
             step, exp_avg = _lists.apply("add", step, 1), _lists.lerp(exp_avg, g, 1.0 - b1)
-            # (addcmul_ has no vmap batching rule)
-            exp_avg_sq = _lists.apply("addcmul", _lists.apply("mul", exp_avg_sq, b2), g, g, value=1.0 - b2)
+            accumulate = _lists.apply_ if _lists.may_overwrite(g) else _lists.apply
+            exp_avg_sq = accumulate("addcmul", _lists.apply("mul", exp_avg_sq, b2), g, g, value=1.0 - b2)
         for entry, values in ((STEP, step), (EXP_AVG, exp_avg), (EXP_AVG_SQ, exp_avg_sq)):
             scope.write(entry, keys, values)
         members = scope.members
         root_correction = bias_corrections(step, log_b2, g, members, then=torch.sqrt)
-        # donated, the root is divided in place (one temporary less; out of place it stays
-        # differentiable: sqrt's gradient reads its output)
-        divide = _lists.apply_ if donate_state else _lists.apply
+        # in place on this update's own root where nothing differentiates through it (sqrt's
+        # gradient reads its output): one fresh tensor less, which on a CPU is a page-fault pass
+        divide = _lists.apply_ if donate_state or _lists.may_overwrite(exp_avg_sq) else _lists.apply
         denom = _lists.apply_("add", divide("div", _lists.apply("sqrt", exp_avg_sq), root_correction), eps)
         if nesterov == "timm":
             look_ahead = _lists.lerp(exp_avg, g, 1.0 - b1)

@@ -58,7 +58,12 @@ def add_decayed_weights(
         decay = _lists.scale(p, weight_decay)
         if cautious:  # the mask is read before an in-place add changes the update
             decay = [_agreeing(d, u, x) for d, u, x in zip(decay, current, p)]
-        decayed = _lists.apply_("add", current, decay) if inplace else _lists.apply("add", current, decay)
+        if inplace:
+            decayed = _lists.apply_("add", current, decay)
+        elif torch._C._are_functorch_transforms_active():  # (under vmap the decay term may be unbatched)
+            decayed = _lists.apply("add", current, decay)
+        else:  # the sum goes into the decay term, this update's own tensor: one fresh tensor less
+            decayed = _lists.apply_("add", decay, current)
         out = dict(grads)
         out.update(zip(keys, decayed))
         return out
