@@ -41,8 +41,12 @@ def _as_tensor_operands(op: str, tensors: Tensors, operands: tuple[Any, ...]) ->
     dtype become 0-d tensors of that dtype: torch's CPU multi-tensor kernels convert a number
     operand once per tensor (an allocation and a copy each), a tensor of the list's dtype not
     at all. The kernels round the number to that dtype either way: the same bits."""
-    dtype = tensors[0].dtype
-    if dtype not in _WIDE or tensors[0].device.type != "cpu" or any(t.dtype is not dtype for t in tensors):
+    first = tensors[0]
+    dtype = first.dtype
+    # (a DTensor list keeps its numbers: a plain tensor operand would meet leaves on several meshes)
+    if dtype not in _WIDE or first.device.type != "cpu" or _is_dtensor(first):
+        return operands
+    if any(t.dtype is not dtype for t in tensors):
         return operands
     out = []
     for v in operands:
