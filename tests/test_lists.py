@@ -48,6 +48,15 @@ def test_a_double_zero_dim_operand_meets_fp32_leaves_as_a_number(op, value) -> N
     _same_bits(_lists.apply_(op, [t.clone() for t in leaves], factor), expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@given(weight=st.floats(min_value=0.0, max_value=1.0))
+def test_a_number_lerp_weight_gives_the_bits_of_one_lerp_per_tensor(dtype, weight) -> None:
+    starts, ends = _leaves(dtype, seed=2), _leaves(dtype, seed=3)
+    expected = [s.lerp(e, weight) for s, e in zip(starts, ends)]
+    _same_bits(_lists.apply("lerp", starts, ends, weight), expected)
+    _same_bits(_lists.apply_("lerp", [s.clone() for s in starts], ends, weight), expected)
+
+
 def test_mixed_dtypes_and_integer_counts_keep_their_own_arithmetic() -> None:
     mixed = [torch.ones(3), torch.ones(3, dtype=torch.float64)]
     _same_bits(_lists.apply("mul", mixed, 0.1), [t.mul(0.1) for t in mixed])
