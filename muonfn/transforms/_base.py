@@ -210,34 +210,12 @@ class RuleUpdate:
     ) -> tuple[TensorDictBase, TensorDictBase]:
         check_batch(self.rule.name, grads, state)
         flat_state = _tree.flatten(state, keep_empty=True) if isinstance(state, TensorDictBase) else {}
-        updates, returned = run_rule(
-            self.rule,
-            _tree.flatten(grads),
-            flat_state,
-            None if params is None else _tree.flatten(params),
-            grads.batch_size,
-            state,
-        )
+        flat_grads, flat_params = _tree.flatten(grads), None if params is None else _tree.flatten(params)
+        check_rule(self.rule, flat_grads, flat_state, flat_params, grads.batch_size, state)
+        updates, returned = run_checked(self.rule, flat_grads, flat_state, flat_params, grads.batch_size)
         if not isinstance(state, TensorDictBase) and not returned:
             return _tree.unflatten(updates, grads.batch_size), state  # a stateless transform given a plain {}
         return _tree.unflatten(updates, grads.batch_size), _tree.unflatten(returned, state.batch_size)
-
-
-def run_rule(
-    rule: Rule,
-    grads: Leaves,
-    state: FlatState,
-    params: Leaves | None,
-    batch_size: torch.Size,
-    tree: TensorDictBase | Mapping[str, Any] | None = None,
-) -> tuple[Leaves, FlatState]:
-    """One update over flat dicts, every input checked first: ``(updates, new state)``.
-
-    ``tree``: the state as given, for the check of its top-level entries; ``None`` skips it
-    (a caller whose state always has its transform's layout, as the ``torch.optim`` shim's).
-    """
-    check_rule(rule, grads, state, params, batch_size, tree)
-    return run_checked(rule, grads, state, params, batch_size)
 
 
 def check_rule(
@@ -248,7 +226,12 @@ def check_rule(
     batch_size: torch.Size,
     tree: TensorDictBase | Mapping[str, Any] | None = None,
 ) -> None:
-    """Raises the ``ValueError`` :func:`run_rule` would raise before computing anything."""
+    """Checks one update's input, every member's needs at once, before anything is computed:
+    a ``ValueError`` names the first thing missing or mismatched.
+
+    ``tree``: the state as given, for the check of its top-level entries; ``None`` skips it
+    (a caller whose state always has its transform's layout, as the ``torch.optim`` shim's).
+    """
     check_leaves(rule.name, grads, params, batch_size)
     needs = Needs(batch_size)
     rule.needs(grads, params, (), needs)
@@ -258,8 +241,9 @@ def check_rule(
 def run_checked(
     rule: Rule, grads: Leaves, state: FlatState, params: Leaves | None, batch_size: torch.Size
 ) -> tuple[Leaves, FlatState]:
-    """:func:`run_rule` after :func:`check_rule` passed for these leaves, or for a superset
-    of ``grads`` with the same state and params (a step taken in parts)."""
+    """One update over flat dicts, ``(updates, new state)``, after :func:`check_rule` passed for
+    these leaves, or for a superset of ``grads`` with the same state and params (a step taken
+    in parts)."""
     scope = Scope(state, dict(state), (), batch_size)
     return rule.update(grads, scope, params), scope.returned
 
