@@ -6,35 +6,25 @@ elements received per rank. Simple, and the reference the others are checked aga
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from ..linalg import MatrixFn, ScaleFn
-from ._collectives import FINISHED, Collectives, Handle, start_all_gather_into_tensor
+from ._collectives import start_all_gather_into_tensor
 from ._layout import copy_into, copy_out
-from ._plan import Batch, Plan, box_numel, box_shape, local_units, orthogonalize_units
+from ._plan import ExchangeRound, box_numel, box_shape, local_units, orthogonalize_units
 
 
-class GatherRound:
+class GatherRound(ExchangeRound):
     """One round of the gather exchange (see :mod:`._pipeline` for the phases; nothing goes back)."""
 
-    def __init__(
-        self,
-        group: Collectives,
-        plan: Plan,
-        batch: Batch,
-        results: list[torch.Tensor],
-        ns: MatrixFn,
-        scale: ScaleFn,
-        cap: int,
-        *,
-        overlap: bool,
-    ) -> None:
-        self.group, self.plan, self.batch, self.results = group, plan, batch, results
-        self.ns, self.scale, self.cap, self.overlap = ns, scale, cap, overlap
-        self.handle: Handle = FINISHED
-        self.everyone: torch.Tensor | None = None
-        self.send: torch.Tensor | None = None
-        self.mine = [u for u in batch.units if group.rank in plan.units[u].holders]
+    everyone: torch.Tensor | None = None
+    send: torch.Tensor | None = None
+
+    @functools.cached_property
+    def mine(self) -> list[int]:
+        """The units of this round this rank holds part of."""
+        return [u for u in self.batch.units if self.group.rank in self.plan.units[u].holders]
 
     def start(self) -> None:
         group, plan, batch, units = self.group, self.plan, self.batch, self.plan.units

@@ -14,34 +14,24 @@ enter a buffer, and an exchange no rank has anything to send in is skipped.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from ..linalg import MatrixFn, ScaleFn
-from ._collectives import FINISHED, Collectives, Handle, start_all_to_all_single
+from ._collectives import FINISHED, start_all_to_all_single
 from ._layout import copy_into, copy_out
-from ._plan import Batch, Plan, box_numel, box_shape, local_units, orthogonalize_units
+from ._plan import ExchangeRound, box_numel, box_shape, local_units, orthogonalize_units
 
 
-class OwnerRound:
+class OwnerRound(ExchangeRound):
     """One round of the owner exchange (see :mod:`._pipeline` for the phases)."""
 
-    def __init__(
-        self,
-        group: Collectives,
-        plan: Plan,
-        batch: Batch,
-        results: list[torch.Tensor],
-        ns: MatrixFn,
-        scale: ScaleFn,
-        cap: int,
-        *,
-        overlap: bool,
-    ) -> None:
-        self.group, self.plan, self.batch, self.results = group, plan, batch, results
-        self.ns, self.scale, self.cap, self.overlap = ns, scale, cap, overlap
-        self.handle: Handle = FINISHED
-        self.buffers: tuple[torch.Tensor, ...] = ()
-        self.sources = [leaf.local for leaf in plan.leaves]
+    buffers: tuple[torch.Tensor, ...] = ()
+
+    @functools.cached_property
+    def sources(self) -> list[torch.Tensor]:
+        """Every leaf's local tensor, by leaf index."""
+        return [leaf.local for leaf in self.plan.leaves]
 
     def _empty(self, n: int) -> torch.Tensor:
         return torch.empty(n, dtype=self.batch.dtype, device=self.batch.device)

@@ -37,6 +37,7 @@ import torch
 
 from .._keys import Key, dotted
 from ..linalg import MatrixFn, MatrixView, ScaleFn, newton_schulz_flops, orthogonalize_blocks
+from ._collectives import FINISHED, Collectives, Handle
 from ._layout import (
     Box,
     Layout,
@@ -519,3 +520,24 @@ def orthogonalize_units(
     views = [unit_view(plan.leaves[plan.units[u].leaf].view) for u in units]
     done = orthogonalize_blocks([fulls[u] for u in units], views, ns, scale, bucket_numel=cap)
     return dict(zip(units, done))
+
+
+class ExchangeRound:
+    """What a round of either exchange holds (see :mod:`._pipeline` for its phases): the group,
+    the plan and this round's batch of it, where results go, the map, the scale and the bucket cap."""
+
+    def __init__(
+        self,
+        group: Collectives,
+        plan: Plan,
+        batch: Batch,
+        results: list[torch.Tensor],
+        ns: MatrixFn,
+        scale: ScaleFn,
+        cap: int,
+        *,
+        overlap: bool,
+    ) -> None:
+        self.group, self.plan, self.batch, self.results = group, plan, batch, results
+        self.ns, self.scale, self.cap, self.overlap = ns, scale, cap, overlap
+        self.handle: Handle = FINISHED
