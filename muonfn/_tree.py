@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -60,7 +61,29 @@ FlatState = dict[Key, Any]
 def flatten(td: TensorDictBase, *, keep_empty: bool = False) -> FlatState:
     """``td``'s leaves by tuple key, in insertion order. ``keep_empty``: empty nested
     TensorDicts are kept as leaves, so that :func:`unflatten` gives the same structure back
-    (a state's stateless members)."""
+    (a state's stateless members).
+
+    A structure seen before is read through its :class:`_Plan`: the same key tuples, no
+    per-leaf Python work beyond a type check (an update flattens the same structures every step).
+    """
+    if type(td) is not TensorDict or torch.compiler.is_compiling():
+        return _walked(td, keep_empty)
+    root = (keep_empty, *td._tensordict)
+    candidates = _by_root.get(root, [])
+    for plan in candidates:
+        values: list[Any] = []
+        if _collect(td, plan.root, values):
+            if plan is not candidates[0]:  # the most recent first
+                candidates[:] = [plan, *(c for c in candidates if c is not plan)]
+            return dict(zip(plan.keys, values))
+    out = _walked(td, keep_empty)
+    new_plan = _Plan.of(td, out)
+    if new_plan is not None:
+        _remember(new_plan, root)
+    return out
+
+
+def _walked(td: TensorDictBase, keep_empty: bool) -> FlatState:
     out: FlatState = {}
     _walk(td, (), out, keep_empty)
     return out
@@ -73,7 +96,7 @@ def _walk(td: TensorDictBase, prefix: Key, out: FlatState, keep_empty: bool) -> 
     tensors = 0
     for name, value in items:
         key = (*prefix, name)
-        if type(value) is TensorDict or (isinstance(value, TensorDictBase) and not is_non_tensor(value)):
+        if _is_node(value):
             before = len(out)
             found = _walk(value, key, out, keep_empty)
             if not found and keep_empty:  # no tensor beneath: the node stands as one leaf
@@ -87,8 +110,19 @@ def _walk(td: TensorDictBase, prefix: Key, out: FlatState, keep_empty: bool) -> 
     return tensors
 
 
+def _is_node(value: Any) -> bool:
+    return type(value) is TensorDict or (isinstance(value, TensorDictBase) and not is_non_tensor(value))
+
+
 def unflatten(flat: Mapping[Key, Any], batch_size: torch.Size) -> TensorDict:
     """The TensorDict of batch size ``batch_size`` holding ``flat``'s values under its keys."""
+    size = torch.Size(batch_size)
+    compiling = torch.compiler.is_compiling()
+    if flat and not compiling and _new_node is not None:
+        keys = list(flat)
+        for plan in _by_keys.get((len(keys), keys[0]), ()):
+            if plan.keys == keys:
+                return _build(plan.root, list(flat.values()), size, _new_node)
     root: dict[str, Any] = {}
     for key, value in flat.items():
         node = root
@@ -98,8 +132,7 @@ def unflatten(flat: Mapping[Key, Any], batch_size: torch.Size) -> TensorDict:
                 child = node[name] = {}
             node = child
         node[key[-1]] = value
-    size = torch.Size(batch_size)
-    if _new_node is None or torch.compiler.is_compiling():
+    if _new_node is None or compiling:
         return TensorDict._new_unsafe(root, batch_size=size)
     return _built(root, size, _new_node)
 
@@ -110,6 +143,135 @@ def _built(node: dict[str, Any], batch_size: torch.Size, new_node: Callable[...,
             node[name] = _built(value, batch_size, new_node)
         # an empty TensorDict kept by flatten(keep_empty=True) comes back as it was
     return new_node(node, batch_size)
+
+
+# Plans: the layout of a structure seen before, kept so that flattening it again and
+# rebuilding it cost no new key tuples and little Python per leaf. A plan holds names only,
+# never tensors. Every use checks the structure in full (names at every node, the type of
+# every leaf), so a structure changed in place is never read through a stale plan.
+
+
+class _Node:
+    """One nested TensorDict of a plan: its names in order, and per name a leaf's index in
+    the flat order (``int``), a kept empty node's index (:class:`_Kept`) or a :class:`_Node`.
+    ``get``: for a node holding only tensors, reads them all at once (indices ``first:last``)."""
+
+    __slots__ = ("children", "first", "get", "last", "names")
+
+    def __init__(self, names: tuple[str, ...], children: list[Any]) -> None:
+        self.names, self.children = names, tuple(children)
+        tensors_only = all(type(c) is int for c in children)
+        self.get = _getter(names) if tensors_only and names else None
+        self.first: int = children[0] if self.get is not None else 0
+        self.last: int = children[-1] + 1 if self.get is not None else 0
+
+
+class _Kept:
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def _getter(names: tuple[str, ...]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
+    if len(names) == 1:
+        (name,) = names
+        return lambda d: (d[name],)
+    return operator.itemgetter(*names)
+
+
+class _Plan:
+    __slots__ = ("keys", "root")
+
+    def __init__(self, keys: list[Key], root: _Node) -> None:
+        self.keys, self.root = keys, root
+
+    @staticmethod
+    def of(td: TensorDict, flat: FlatState) -> _Plan | None:
+        """The plan of ``td``, flattened as ``flat``; ``None`` for a structure with no leaf or
+        with a node of another kind than a plain TensorDict (those are walked every time)."""
+        index = {key: i for i, key in enumerate(flat)}
+        root = _plan_node(td, (), index)
+        if not flat or root is None:
+            return None
+        _LEAF_TYPES.update(type(v) for v in flat.values() if not _is_node(v))
+        return _Plan(list(flat), root)
+
+
+def _plan_node(td: TensorDictBase, prefix: Key, index: dict[Key, int]) -> _Node | None:
+    if type(td) is not TensorDict:
+        return None
+    children: list[Any] = []
+    for name, value in td._tensordict.items():
+        key = (*prefix, name)
+        if key in index:
+            children.append(index[key] if not _is_node(value) else _Kept(index[key]))
+        else:
+            child = _plan_node(value, key, index)
+            if child is None:
+                return None
+            children.append(child)
+    return _Node(tuple(td._tensordict), children)
+
+
+#: types seen as leaves (tensors and their subclasses, non-tensor data): a plan checks a leaf's
+#: type against these instead of walking tensordict's type tests for every leaf
+_LEAF_TYPES: set[type] = {torch.Tensor, torch.nn.Parameter}
+_by_root: dict[tuple[Any, ...], list[_Plan]] = {}
+_by_keys: dict[tuple[int, Key], list[_Plan]] = {}
+_PLANS_PER_ENTRY = 4
+_ENTRIES = 64
+
+
+def _remember(plan: _Plan, root: tuple[Any, ...]) -> None:
+    for table, entry in ((_by_root, root), (_by_keys, (len(plan.keys), plan.keys[0]))):
+        if entry not in table and len(table) >= _ENTRIES:
+            del table[next(iter(table))]
+        plans = table.setdefault(entry, [])
+        plans.insert(0, plan)
+        del plans[_PLANS_PER_ENTRY:]
+
+
+def _collect(td: Any, node: _Node, out: list[Any]) -> bool:
+    """Appends ``td``'s leaves to ``out`` if ``td`` has ``node``'s structure; else ``False``."""
+    if type(td) is not TensorDict:
+        return False
+    items = td._tensordict
+    if len(items) != len(node.names) or not all(map(operator.eq, items, node.names)):
+        return False  # other names, or the same in another order
+    get = node.get
+    if get is not None:
+        values = get(items)
+        if not _LEAF_TYPES.issuperset(map(type, values)):
+            return False
+        out.extend(values)
+        return True
+    for name, child in zip(node.names, node.children):
+        value = items[name]
+        if type(child) is _Node:
+            if not _collect(value, child, out):
+                return False
+        elif type(child) is int:
+            if type(value) not in _LEAF_TYPES:
+                return False
+            out.append(value)
+        else:
+            if not _is_node(value) or _walk(value, (), {}, True):
+                return False  # a kept node must still hold no tensor
+            out.append(value)
+    return True
+
+
+def _build(node: _Node, values: list[Any], size: torch.Size, new_node: Callable[..., TensorDict]) -> TensorDict:
+    if node.get is not None:
+        return new_node(dict(zip(node.names, values[node.first : node.last])), size)
+    items: dict[str, Any] = {}
+    for name, child in zip(node.names, node.children):
+        if type(child) is _Node:
+            items[name] = _build(child, values, size, new_node)
+        else:
+            items[name] = values[child if type(child) is int else child.index]
+    return new_node(items, size)
 
 
 def _direct_node() -> Callable[[dict[str, Any], torch.Size], TensorDict] | None:

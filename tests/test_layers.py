@@ -8,13 +8,14 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "muonfn"
 
-FOUNDATION = {"_keys", "_tree", "_validation", "_lists"}
+FOUNDATION = {"_keys", "_tree", "_validation", "_lists", "_collection"}
 #: what each layer may import from muonfn (besides itself)
 ALLOWED = {
     "_keys": set(),
     "_tree": {"_keys"},
     "_validation": {"_keys"},
     "_lists": set(),
+    "_collection": set(),
     "_checkpoint": {"_keys", "_tree"},
     "linalg": {"_keys"},
     "transforms": {"linalg"} | FOUNDATION,

@@ -8,6 +8,7 @@ written by a user over TensorDicts joins a composition through :func:`as_rule`.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -15,6 +16,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from .. import _lists, _tree
+from .._collection import pause_collections, resume_collections
 from .._keys import Key, dotted
 from .._tree import FlatState, Leaves
 from .._validation import check_batch, check_leaves
@@ -208,6 +210,15 @@ class RuleUpdate:
     def __call__(
         self, grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
     ) -> tuple[TensorDictBase, TensorDictBase]:
+        paused = pause_collections()
+        try:
+            return self._run(grads, state, params)
+        finally:
+            resume_collections(paused)
+
+    def _run(
+        self, grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None
+    ) -> tuple[TensorDictBase, TensorDictBase]:
         check_batch(self.rule.name, grads, state)
         flat_state = _tree.flatten(state, keep_empty=True) if isinstance(state, TensorDictBase) else {}
         flat_grads, flat_params = _tree.flatten(grads), None if params is None else _tree.flatten(params)
@@ -215,7 +226,14 @@ class RuleUpdate:
         updates, returned = run_checked(self.rule, flat_grads, flat_state, flat_params, grads.batch_size)
         if not isinstance(state, TensorDictBase) and not returned:
             return _tree.unflatten(updates, grads.batch_size), state  # a stateless transform given a plain {}
+        if _same_entries(returned, flat_state):
+            return _tree.unflatten(updates, grads.batch_size), state  # updated in place (donated) or unchanged
         return _tree.unflatten(updates, grads.batch_size), _tree.unflatten(returned, state.batch_size)
+
+
+def _same_entries(a: FlatState, b: FlatState) -> bool:
+    """Whether ``a`` holds the very keys and values of ``b``, in the same order."""
+    return len(a) == len(b) and all(map(operator.is_, a, b)) and all(map(operator.is_, a.values(), b.values()))
 
 
 def check_rule(
@@ -305,6 +323,14 @@ def apply_updates(params: TensorDictBase, updates: TensorDictBase) -> TensorDict
     differs, the sum is taken in the promoted dtype and cast back, as optax does (an fp32
     parameter stays fp32 under fp64 updates).
     """
+    paused = pause_collections()
+    try:
+        return _applied(params, updates)
+    finally:
+        resume_collections(paused)
+
+
+def _applied(params: TensorDictBase, updates: TensorDictBase) -> TensorDictBase:
     flat_params, flat_updates = _tree.flatten(params, keep_empty=True), _tree.flatten(updates)
     recast = []
     for key, u in flat_updates.items():
