@@ -313,15 +313,32 @@ def test_below_eps_the_map_is_linear_and_continuous() -> None:
 
 @pytest.mark.parametrize("bf16_units", [False, True])
 def test_default_ns_dtype_on_cpu_follows_the_bf16_units(monkeypatch, bf16_units: bool) -> None:
-    """``auto``: bf16 on a CPU with bf16 units, else fp32; fp64 inputs keep fp64 on either."""
+    """``auto``: bf16 on a CPU with bf16 units for matrices of at least ``CPU_BF16_MIN_WORK``
+    (``m²n``), else fp32; fp64 inputs keep fp64 on either."""
     monkeypatch.setenv(CPU_NS_DTYPE_VARIABLE, "auto")
     monkeypatch.setattr(_newton_schulz, "cpu_has_bf16_units", lambda: bf16_units)
-    x = gaussian(16, 24, seed=5, dtype=torch.float32)
+    x = gaussian(64, 96, seed=5, dtype=torch.float32)  # m²n = 393,216
     expected = torch.bfloat16 if bf16_units else torch.float32
-    assert torch.equal(ns(x), ns(x, dtype=expected))
+    for matrices in (x, x.mT, x.expand(3, 64, 96)):
+        assert torch.equal(ns(matrices), ns(matrices, dtype=expected))
     assert not torch.equal(ns(x, dtype=torch.float32), ns(x, dtype=torch.bfloat16))
-    y = gaussian(16, 24, seed=5, dtype=torch.float64)
+    small = gaussian(32, 96, seed=5, dtype=torch.float32)  # 98,304: the bf16 kernels' fixed cost outweighs their speed
+    assert torch.equal(ns(small), ns(small, dtype=torch.float32))
+    assert not torch.equal(ns(small, dtype=torch.float32), ns(small, dtype=torch.bfloat16))
+    y = gaussian(64, 96, seed=5, dtype=torch.float64)
     assert torch.equal(ns(y), ns(y, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(("shape", "bf16"), [((8, 24), False), ((24, 8), False), ((64, 64), True), ((48, 144), True)])
+def test_the_cpu_rule_reads_one_matrix_work(monkeypatch, shape: tuple[int, int], bf16: bool) -> None:
+    monkeypatch.setenv(CPU_NS_DTYPE_VARIABLE, "auto")
+    monkeypatch.setattr(_newton_schulz, "cpu_has_bf16_units", lambda: True)
+    cpu = torch.device("cpu")
+    assert (default_ns_dtype(cpu, torch.float32, shape) == torch.bfloat16) == bf16
+    assert default_ns_dtype(cpu, torch.float32, (100, *shape)) == default_ns_dtype(cpu, torch.float32, shape)
+    assert default_ns_dtype(cpu, torch.float32) == torch.bfloat16  # no shape: any size
+    monkeypatch.setenv(CPU_NS_DTYPE_VARIABLE, "bfloat16")
+    assert default_ns_dtype(cpu, torch.float32, shape) == torch.bfloat16
 
 
 @pytest.mark.parametrize(("choice", "expected"), [("bfloat16", torch.bfloat16), ("float32", torch.float32)])

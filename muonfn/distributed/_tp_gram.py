@@ -43,7 +43,7 @@ def run_tp_gram(
         raise TypeError(f"strategy 'tp_gram' runs Newton–Schulz on column blocks itself; it cannot run {ns!r}")
     blocks = [plan.leaves[i].local for i in batch.leaves]
     x = torch.stack([b.mT if flip else b for b, flip in zip(blocks, batch.flips)])
-    X = ns.columns(x, _OverRanks(group))
+    X = ns.columns(x, _OverRanks(group), plan.layouts[batch.leaves[0]].shape)
     for j, (i, flip) in enumerate(zip(batch.leaves, batch.flips)):
         (s,) = block_scales(plan.leaves[i].view, plan.layouts[i].shape, scale)
         block = (X[j].mT if flip else X[j]).to(results[i].dtype)

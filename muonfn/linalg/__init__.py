@@ -6,6 +6,7 @@ the shim, the distributed strategies) builds on this layer.
 
 from ._coefficients import COEFFICIENTS, Coefficients, CoefficientsLike, Triple, ns_schedule
 from ._newton_schulz import (
+    CPU_BF16_MIN_WORK,
     EPS_MODES,
     NS_METHODS,
     EpsMode,
@@ -35,6 +36,7 @@ from ._views import DEFAULT_VIEW, SCALE_MODES, MatrixView, ScaleFn, ScaleMode, b
 
 __all__ = [
     "COEFFICIENTS",
+    "CPU_BF16_MIN_WORK",
     "DEFAULT_BUCKET_NUMEL",
     "DEFAULT_VIEW",
     "EPS_MODES",

@@ -87,17 +87,26 @@ def _cpu_choice() -> str:
     return choice
 
 
-def default_ns_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+#: On a CPU with bf16 units, the least work (``m²n``, ``m <= n``) of one matrix whose
+#: Newton–Schulz runs in bf16: below it, the fixed cost of the bf16 kernels outweighs their
+#: speed (a batch of 24 matrices of 32×96, ``m²n`` = 98,304, takes as long in bf16 as in
+#: fp32; 48×144, 331,776, half as long; 8×24 matrices 4.7× longer in bf16).
+CPU_BF16_MIN_WORK = 2**18
+
+
+def default_ns_dtype(device: torch.device, dtype: torch.dtype, shape: Sequence[int] | None = None) -> torch.dtype:
     """The Newton–Schulz dtype when none is given: bf16 where the device multiplies it fastest.
 
     - CUDA: bf16 (tensor cores).
     - A CPU with bf16 units (AVX512-BF16 or AMX, see :func:`cpu_has_bf16_units`): bf16 for
-      fp32 and narrower inputs; fp64 input keeps fp64.
+      fp32 and narrower inputs whose matrices (``shape``: one matrix's, or ``None`` for any)
+      hold at least :data:`CPU_BF16_MIN_WORK` of work ``m²n`` (``m <= n``); the input's
+      dtype, at least fp32, for smaller ones; fp64 input keeps fp64.
     - Any other CPU, or other device: the input's dtype, at least fp32.
 
     The environment variable ``MUONFN_CPU_NS_DTYPE`` pins the CPU rule for a whole process
-    (and its workers): ``bfloat16``, ``float32`` (the input's dtype, at least fp32) or
-    ``auto``. ``ns_dtype=`` pins it for one optimizer.
+    (and its workers): ``bfloat16`` (every size), ``float32`` (the input's dtype, at least
+    fp32) or ``auto``. ``ns_dtype=`` pins it for one optimizer.
     """
     if device.type == "cuda":
         return torch.bfloat16
@@ -105,9 +114,16 @@ def default_ns_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     if device.type != "cpu" or dtype == torch.float64:
         return wide
     choice = _cpu_choice()
-    if choice == "bfloat16" or (choice == "auto" and cpu_has_bf16_units()):
+    if choice == "bfloat16" or (choice == "auto" and cpu_has_bf16_units() and _enough_work(shape)):
         return torch.bfloat16
     return wide
+
+
+def _enough_work(shape: Sequence[int] | None) -> bool:
+    if shape is None:
+        return True
+    m, n = sorted(shape[-2:])
+    return m * m * n >= CPU_BF16_MIN_WORK
 
 
 def _check(name: str, x: torch.Tensor, eps: float, dtype: torch.dtype | None, eps_mode: str = "clamp") -> None:
@@ -285,7 +301,7 @@ def newton_schulz(
     schedule = ns_schedule(coefficients, steps)
     _check("newton_schulz", x, eps, dtype, eps_mode)
     g, tall = _wide(x)
-    ns_dtype = default_ns_dtype(x.device, x.dtype) if dtype is None else dtype
+    ns_dtype = default_ns_dtype(x.device, x.dtype, x.shape) if dtype is None else dtype
     X = _normalized(g, schedule, eps, ns_dtype, None, eps_mode)
     return _restored(_standard_steps(X, schedule, None), x, tall)
 
@@ -298,13 +314,16 @@ def newton_schulz_columns(
     eps: float = 1e-7,
     dtype: torch.dtype | None = None,
     eps_mode: EpsMode = "clamp",
+    matrix_shape: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """:func:`newton_schulz` of matrices whose columns are split into blocks, given one block of
     each as a ``(count, m, n_r)`` batch of a wide (``m <= n``) orientation; ``reduction``
-    combines the blocks' values. Returns the blocks of the result, in the iteration dtype."""
+    combines the blocks' values. Returns the blocks of the result, in the iteration dtype.
+    ``matrix_shape``: the whole matrices' shape, from which the default dtype is chosen as
+    for whole matrices (see :func:`default_ns_dtype`)."""
     _check("newton_schulz_columns", blocks, eps, dtype, eps_mode)
     g = blocks.to(torch.promote_types(blocks.dtype, torch.float32)).contiguous()
-    ns_dtype = default_ns_dtype(blocks.device, blocks.dtype) if dtype is None else dtype
+    ns_dtype = default_ns_dtype(blocks.device, blocks.dtype, matrix_shape) if dtype is None else dtype
     return _standard_steps(_normalized(g, schedule, eps, ns_dtype, reduction, eps_mode), schedule, reduction)
 
 
@@ -364,7 +383,7 @@ def gram_newton_schulz(
     schedule = ns_schedule(coefficients, steps)
     _check("gram_newton_schulz", x, eps, dtype, eps_mode)
     g, tall = _wide(x)
-    ns_dtype = default_ns_dtype(x.device, x.dtype) if dtype is None else dtype
+    ns_dtype = default_ns_dtype(x.device, x.dtype, x.shape) if dtype is None else dtype
     X = _normalized(g, schedule, eps, ns_dtype, None, eps_mode)
     num_steps = len(schedule.triples)
     restart_at = _check_restarts(default_restarts(num_steps, X.dtype) if restarts is None else restarts, num_steps)
@@ -447,13 +466,21 @@ class NewtonSchulz:
     def _gram_is_cheaper(self, x: torch.Tensor) -> bool:
         m, n = x.shape[-2:]
         steps = len(self.schedule.triples)
-        dtype = default_ns_dtype(x.device, x.dtype) if self.dtype is None else self.dtype
+        dtype = default_ns_dtype(x.device, x.dtype, x.shape) if self.dtype is None else self.dtype
         return gram_newton_schulz_flops(m, n, steps, self.restarts, dtype=dtype) < newton_schulz_flops(m, n, steps)
 
-    def columns(self, blocks: torch.Tensor, reduction: Reduction) -> torch.Tensor:
+    def columns(
+        self, blocks: torch.Tensor, reduction: Reduction, matrix_shape: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """:func:`newton_schulz_columns` with these settings (the standard iteration, whatever ``method``)."""
         return newton_schulz_columns(
-            blocks, self.schedule, reduction, eps=self.eps, dtype=self.dtype, eps_mode=self.eps_mode
+            blocks,
+            self.schedule,
+            reduction,
+            eps=self.eps,
+            dtype=self.dtype,
+            eps_mode=self.eps_mode,
+            matrix_shape=matrix_shape,
         )
 
 
