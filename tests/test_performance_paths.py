@@ -171,6 +171,32 @@ def test_same_shape_matrices_share_one_batched_iteration():
     assert {shape[0] for _, shape in counter.shapes} == {6}
 
 
+@pytest.mark.parametrize("method", ["standard", "gram"])
+def test_tall_matrices_join_the_batch_of_their_transposed_shape(method: str):
+    """An MLP's 16×48 and 48×16 matrices make one Newton–Schulz call, with each result the
+    bits of its own call and the layout it had alone; a function that is not muonfn's
+    Newton–Schulz keeps the orientations apart."""
+    g = torch.Generator().manual_seed(3)
+    mats = [torch.randn(2, 16, 48, generator=g), torch.randn(1, 48, 16, generator=g), torch.randn(1, 16, 48, generator=g)]
+    ns = muonfn.NewtonSchulz(method=method)
+    calls = []
+
+    class Counted(muonfn.NewtonSchulz):
+        def __call__(self, x):
+            calls.append(tuple(x.shape))
+            return super().__call__(x)
+
+    none = muonfn.linalg.shape_scale("none")
+    out = orthogonalize_blocks(mats, [MatrixView(batch_dims=1)] * 3, Counted(method=method), none)
+    assert calls == [(4, 16, 48)]
+    for m, o in zip(mats, out):
+        alone = ns(m)
+        assert torch.equal(o, alone) and o.stride()[1:] == alone.stride()[1:]
+    seen = []
+    orthogonalize_blocks(mats, [MatrixView(batch_dims=1)] * 3, lambda x: seen.append(x.shape) or ns(x), none)
+    assert seen == [(3, 16, 48), (1, 48, 16)]
+
+
 def test_bucket_cap_splits_batches():
     mats = [torch.randn(1, 8, 24) for _ in range(7)]
     seen = []

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from .._keys import Key, dotted
+from ._newton_schulz import NewtonSchulz
 from ._views import MatrixView, ScaleFn, block_scales
 
 MatrixFn = Callable[[torch.Tensor], torch.Tensor]
@@ -60,20 +61,29 @@ def _chunks(members: list[int], sizes: list[int], cap: int) -> list[list[int]]:
 
 
 def _batched(matrices: list[torch.Tensor], scales: list[float], ns: MatrixFn, cap: int) -> list[torch.Tensor]:
-    """``scale * ns(m)`` for every ``(count, rows, cols)`` batch, equal shapes stacked into calls of at most ``cap``."""
+    """``scale * ns(m)`` for every ``(count, rows, cols)`` batch, equal shapes stacked into calls of at most ``cap``.
+
+    Newton–Schulz orients every matrix by its shape alone, so that ``ns(Xᵀ) = ns(X)ᵀ`` bit for
+    bit: under it a tall batch joins the wide batches of its transposed shape (an MLP's
+    up and down projections make one call, not two).
+    """
+    turns = isinstance(ns, NewtonSchulz)
+    tall = [turns and m.shape[1] > m.shape[2] for m in matrices]
     buckets: dict[tuple[Any, ...], list[int]] = {}
     for i, m in enumerate(matrices):
-        buckets.setdefault((m.shape[1:], m.dtype, m.device, scales[i]), []).append(i)
+        shape = m.shape[:0:-1] if tall[i] else m.shape[1:]
+        buckets.setdefault((shape, m.dtype, m.device, scales[i]), []).append(i)
     sizes = [m.numel() for m in matrices]
+    wide = [m.mT if t else m for m, t in zip(matrices, tall)]
     out: list[torch.Tensor] = list(matrices)
     for (_, _, _, scale), members in buckets.items():
         for chunk in _chunks(members, sizes, cap):
-            stacked = matrices[chunk[0]] if len(chunk) == 1 else torch.cat([matrices[j] for j in chunk])
+            stacked = wide[chunk[0]] if len(chunk) == 1 else torch.cat([wide[j] for j in chunk])
             result = ns(stacked)
             if scale != 1.0:
                 result = result.mul_(scale)
             for j, piece in zip(chunk, result.split([matrices[j].shape[0] for j in chunk])):
-                out[j] = piece
+                out[j] = piece.mT if tall[j] else piece
     return out
 
 
