@@ -93,3 +93,17 @@ def test_a_failed_update_resumes_the_collector() -> None:
     with pytest.raises(ValueError, match="shape"):
         muonfn.apply_updates(params, params.apply(lambda t: t[:1]))
     assert gc.isenabled()
+
+
+def test_a_shim_step_starts_no_collection(collections_counted) -> None:
+    import muonfn.optim
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(6, 6) for _ in range(6)])
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt = muonfn.optim.Muon(model.named_parameters(), lr=0.02)
+    opt.step()
+    collections_counted.clear()
+    opt.step()
+    assert collections_counted == []
+    assert gc.isenabled()

@@ -10,6 +10,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from .. import _tree
+from .._collection import pause_collections, resume_collections
 from .._validation import Scalar
 from ..linalg import CoefficientsLike, NSMethod, Orthogonalizer, ScaleMode
 from ..presets import (
@@ -25,7 +26,7 @@ from ..presets import (
     refuse_collectives,
 )
 from ..transforms import LabelsLike, MaskLike, Rescale, Transform, ViewsLike, partition, resolve_labels, resolve_views
-from ..transforms._base import as_rule, check_rule, run_checked
+from ..transforms._base import Rule, as_rule, check_rule, run_checked
 from . import _groups, _migration
 from ._migration import NOT_GIVEN, NotGiven
 from ._param_state import ParamState
@@ -455,6 +456,14 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         rule = as_rule(self._synced_transform())
+        paused = pause_collections()  # the step's temporaries hold no cycles (see muonfn._collection)
+        try:
+            self._step(rule)
+        finally:
+            resume_collections(paused)
+        return loss
+
+    def _step(self, rule: Rule) -> None:
         with torch.no_grad():
             keys, targets, grads = [], [], []
             for p, slot in self._slots.items():
@@ -463,7 +472,7 @@ class Muon(torch.optim.Optimizer):
                     targets.append(p)
                     grads.append(p.grad)
             if not grads:
-                return loss
+                return
             state = self._state_leaves if self._state_tree is None else _tree.flatten(self._state_tree, keep_empty=True)
             params = {slot.key: p for p, slot in self._slots.items()}
             size = torch.Size([])
@@ -474,7 +483,6 @@ class Muon(torch.optim.Optimizer):
                 torch._foreach_add_([targets[i] for i in part], [updates[keys[i]] for i in part])
                 del updates  # before the next part computes its own
         self._state_leaves, self._state_tree = state, None
-        return loss
 
     @property
     def _functional_state(self) -> TensorDictBase:
