@@ -56,7 +56,8 @@ def ema_momentum(
             it afterwards (it holds the new values, or after an exception some of them), and
             do not wrap the transform in :func:`apply_if_finite`, which falls back on the old
             state. Results are bitwise those of ``donate_state=False``, under
-            ``torch.compile`` too.
+            ``torch.compile`` too. Where every leaf of the state was updated in place, the
+            update returns the very TensorDict it was given (nothing to rebuild).
 
     Returns:
         A :class:`Transform` with state ``{"momentum": b}`` shaped like the params, in their
