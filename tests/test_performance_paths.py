@@ -177,7 +177,11 @@ def test_tall_matrices_join_the_batch_of_their_transposed_shape(method: str):
     bits of its own call and the layout it had alone; a function that is not muonfn's
     Newton–Schulz keeps the orientations apart."""
     g = torch.Generator().manual_seed(3)
-    mats = [torch.randn(2, 16, 48, generator=g), torch.randn(1, 48, 16, generator=g), torch.randn(1, 16, 48, generator=g)]
+    mats = [
+        torch.randn(2, 16, 48, generator=g),
+        torch.randn(1, 48, 16, generator=g),
+        torch.randn(1, 16, 48, generator=g),
+    ]
     ns = muonfn.NewtonSchulz(method=method)
     calls = []
 
