@@ -904,3 +904,21 @@ def test_parts_follow_the_sizes_and_keep_kinds_together():
 def test_a_bad_chunk_numel_is_refused(bad):
     with pytest.raises(ValueError, match=r"chunk_numel must be a positive int, 'auto' or None"):
         Muon(mlp().named_parameters(), chunk_numel=bad)
+
+
+def test_a_step_in_parts_routes_each_part_once(monkeypatch):
+    """Each part is a structure of its own; the routing, masks and views of every part are
+    kept across steps, however many parts there are."""
+    from muonfn.transforms import _combine
+
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(12)])
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt = Muon(model.named_parameters(), lr=0.02, chunk_numel=64)  # a part per matrix, and a few of biases
+    opt.step()
+    routed = []
+    original = _combine.resolve_labels
+    monkeypatch.setattr(_combine, "resolve_labels", lambda *a, **k: routed.append(1) or original(*a, **k))
+    opt.step()
+    opt.step()
+    assert routed == []

@@ -293,11 +293,12 @@ def as_rule(tx: Transform) -> Rule:
 class StructureCache:
     """Per-structure results (labels, masks, views) computed once and reused across steps.
 
-    Keyed by the leaves' keys and shapes; a few structures are kept (a model whose
-    parameters alternate between having a gradient and not has more than one).
+    Keyed by the leaves' keys and shapes; up to ``size`` structures are kept: a model whose
+    parameters alternate between having a gradient and not has more than one, and the shim
+    stepping in parts (``chunk_numel``) sees one per part, every step.
     """
 
-    def __init__(self, size: int = 8) -> None:
+    def __init__(self, size: int = 64) -> None:
         self.size = size
         self.entries: dict[Hashable, Any] = {}
 
