@@ -190,9 +190,10 @@ class _Plan:
     def of(td: TensorDict, flat: FlatState) -> _Plan | None:
         """The plan of ``td``, flattened as ``flat``; ``None`` for a structure with no leaf or
         with a node of another kind than a plain TensorDict (those are walked every time)."""
-        index = {key: i for i, key in enumerate(flat)}
-        root = _plan_node(td, (), index)
-        if not flat or root is None:
+        if not flat:
+            return None
+        root = _plan_node(td, (), {key: i for i, key in enumerate(flat)})
+        if root is None:
             return None
         _LEAF_TYPES.update(type(v) for v in flat.values() if not _is_node(v))
         return _Plan(list(flat), root)
