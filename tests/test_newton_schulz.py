@@ -281,6 +281,28 @@ def test_returns_input_dtype_and_never_mutates(dtype: torch.dtype, device: torch
             assert torch.equal(x, before)
 
 
+@pytest.mark.parametrize("shape", [(40, 24), (3, 40, 24), (2, 512, 256)])
+def test_a_contiguous_tall_input_gives_a_contiguous_result(shape: tuple[int, ...]) -> None:
+    """The result of a tall matrix is written out in the input's layout (the largest by
+    tiled 2-D copies), with the values of the transposed wide iteration."""
+    x = gaussian(*shape, seed=9)
+    out = newton_schulz(x, dtype=torch.float32)
+    assert out.is_contiguous()
+    assert torch.equal(out, newton_schulz(x.mT.contiguous(), dtype=torch.float32).mT)
+    as_view = x.mT.contiguous().mT  # the same tall matrix stored transposed keeps that layout
+    assert as_view.mT.is_contiguous() and newton_schulz(as_view, dtype=torch.float32).mT.is_contiguous()
+
+
+@pytest.mark.parametrize("method", ["standard", "gram"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_overwriting_the_input_gives_the_same_bits(method: str, dtype: torch.dtype) -> None:
+    ns_map = muonfn.NewtonSchulz(method=method, dtype=dtype)
+    x = gaussian(4, 16, 64, seed=4)
+    kept = ns_map(x)
+    assert torch.equal(kept, ns_map.orthogonalize(x.clone(), overwrite_input=True))
+    assert torch.equal(kept, ns_map(x.mT.contiguous().mT))  # copied to be made contiguous, then reused
+
+
 def test_fp16_does_not_overflow() -> None:
     """fp16 inputs near fp16's max: ‖G‖² would overflow in fp16, so the norm is taken in fp32."""
     x = (gaussian(32, 48, seed=3) * 2e4).clamp(-6e4, 6e4).half()

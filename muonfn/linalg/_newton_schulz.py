@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, TypeAlias, get_args
 
@@ -139,8 +139,9 @@ def _check(name: str, x: torch.Tensor, eps: float, dtype: torch.dtype | None, ep
         raise TypeError(f"Newton–Schulz dtype must be a real floating-point torch.dtype, got {dtype!r}")
 
 
-def _wide(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """``x`` as a contiguous ``(count, m, n)`` batch with ``m <= n``, in at least fp32; whether it was transposed.
+def _wide(x: torch.Tensor) -> tuple[torch.Tensor, bool, bool]:
+    """``x`` as a contiguous ``(count, m, n)`` batch with ``m <= n``, in at least fp32; whether
+    it was transposed, and whether it was copied.
 
     The orientation is decided by shape alone, so results depend on values, never on memory layout.
     """
@@ -148,7 +149,9 @@ def _wide(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
     g = x.mT if tall else x
     m, n = g.shape[-2:]
     wide_dtype = torch.promote_types(x.dtype, torch.float32)
-    return g.reshape(g.shape[:-2].numel(), m, n).to(wide_dtype).contiguous(), tall
+    batch = g.reshape(g.shape[:-2].numel(), m, n)
+    copied = batch.dtype != wide_dtype or not batch.is_contiguous()
+    return batch.to(wide_dtype).contiguous(), tall, copied
 
 
 def _normalized(
@@ -158,6 +161,8 @@ def _normalized(
     dtype: torch.dtype,
     reduction: Reduction | None,
     eps_mode: str = "clamp",
+    *,
+    owned: bool = False,
 ) -> torch.Tensor:
     r""":math:`G / \max(c\|G\|_F, \varepsilon)` per matrix (``eps_mode="add"``:
     :math:`G / (c\|G\|_F + \varepsilon)`), without overflow, cast to ``dtype``.
@@ -165,9 +170,11 @@ def _normalized(
     Each matrix is first multiplied by the power of two that brings its largest entry into
     [1, 2): exact, so the result is bitwise that of the direct formula wherever the direct
     formula is finite, and a norm of entries near the dtype's maximum cannot overflow.
+    ``owned``: ``g`` is this call's own copy, which it may overwrite.
     """
     # (a rank's block of a split matrix may be empty, and so may a zero-size parameter);
-    # max |G| as max(max G, -min G): two reductions, no |G| written out
+    # max |G| as max(max G, -min G): two reductions, no |G| written out (torch.aminmax over
+    # the flattened matrix reads it once but runs ~20x slower on CPU)
     if g.numel():
         dims = (-2, -1)
         largest = torch.maximum(g.amax(dim=dims, keepdim=True), g.amin(dim=dims, keepdim=True).neg())
@@ -179,7 +186,8 @@ def _normalized(
     limit = math.floor(math.log2(info.max)) - 1  # keeps 2**±limit a normal number
     exponent = largest.clamp_min(info.tiny).log2().floor().clamp(-limit, limit)
     unit = torch.exp2(exponent.neg())
-    g = g * unit
+    writable = may_write_into(g)
+    g = g.mul_(unit) if owned and writable else g * unit
     if reduction is None:
         norm = torch.linalg.matrix_norm(g, keepdim=True)
     else:
@@ -188,13 +196,14 @@ def _normalized(
         norm = norm * schedule.norm_factor
     # G·2⁻ᵉ / (‖G·2⁻ᵉ‖ + 2⁻ᵉε): every term scaled by the same power of two, so the same bits
     denominator = norm.add(unit * eps) if eps_mode == "add" else torch.maximum(norm, unit * eps)
-    # g·2⁻ᵉ is this call's own: divided in place unless something records it
-    quotient = g.div_(denominator) if _may_reuse(g) else g / denominator
-    return quotient.to(dtype)
+    if not writable:
+        return (g / denominator).to(dtype)
+    # g·2⁻ᵉ is this call's own; the quotient is rounded to fp32, then to ``dtype``, as ``.to`` would
+    return g.div_(denominator) if dtype == g.dtype else torch.div(g, denominator, out=g.new_empty(g.shape, dtype=dtype))
 
 
 def _standard_steps(X: torch.Tensor, schedule: Coefficients, reduction: Reduction | None) -> torch.Tensor:
-    if reduction is None and _may_reuse(X):
+    if reduction is None and may_write_into(X):
         return _standard_steps_in_place(X, schedule)
     for a, b, c in schedule.triples:
         A = torch.bmm(X, X.mT)
@@ -205,9 +214,10 @@ def _standard_steps(X: torch.Tensor, schedule: Coefficients, reduction: Reductio
     return X
 
 
-def _may_reuse(X: torch.Tensor) -> bool:
-    """Whether the iteration may write into buffers of its own (``out=``): not when traced by
-    ``torch.func`` or ``torch.compile`` (which plan their own memory) or recorded by autograd."""
+def may_write_into(X: torch.Tensor) -> bool:
+    """Whether a computation on ``X`` may write into buffers of its own (``out=``, ``copy_``):
+    not when traced by ``torch.func`` or ``torch.compile`` (which plan their own memory) or
+    recorded by autograd."""
     return not (
         torch._C._are_functorch_transforms_active()
         or torch.compiler.is_compiling()
@@ -249,9 +259,37 @@ def _gram_steps(X: torch.Tensor, schedule: Coefficients, restarts: tuple[int, ..
     return X if Q is None else torch.bmm(Q, X)
 
 
-def _restored(X: torch.Tensor, x: torch.Tensor, tall: bool) -> torch.Tensor:
-    out = X.to(x.dtype).reshape(*x.shape[:-2], *X.shape[-2:])
-    return out.mT if tall else out
+#: Slices at least this large are transposed by 2-D copies, which torch's CPU copy does in
+#: cache-sized tiles; below it a single strided copy of the batch is cheaper.
+_TILED_TRANSPOSE_NUMEL = 1 << 17
+
+
+def dense(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in contiguous memory, its values unchanged.
+
+    A tall matrix comes out of Newton–Schulz as the transposed view of a wide result.
+    Every pass that follows (decay, learning rate, the parameter update) would then read
+    it across rows: with row strides of a power of two bytes that is ~30× slower than
+    reading it in memory order on a CPU, so one transposing copy here saves two or more.
+    """
+    if x.is_contiguous():
+        return x
+    rows, cols = x.shape[-2:]
+    tiled = x.mT.is_contiguous() and rows * cols >= _TILED_TRANSPOSE_NUMEL
+    if not (tiled and type(x) is torch.Tensor and x.device.type == "cpu" and may_write_into(x)):
+        return x.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    for dst, src in zip(out.view(-1, rows, cols), x.mT.reshape(-1, cols, rows)):
+        dst.copy_(src.mT)
+    return out
+
+
+def _restored(X: torch.Tensor, x: torch.Tensor, tall: bool, into: torch.Tensor | None = None) -> torch.Tensor:
+    """``X`` in ``x``'s dtype, shape and orientation; written into ``into`` when given."""
+    out = (X.to(x.dtype) if into is None else into.copy_(X)).reshape(*x.shape[:-2], *X.shape[-2:])
+    if not tall:
+        return out
+    return dense(out.mT) if x.is_contiguous() else out.mT
 
 
 def newton_schulz(
@@ -275,7 +313,7 @@ def newton_schulz(
     Exact properties: ``f(-G) = -f(G)``, ``f(0) = 0``, ``f(2**k G) = f(G)`` while
     ``||G||`` and ``||2**k G||`` are ``>= eps`` (any finite scale), ``f(G.mT) = f(G).mT``
     for non-square ``G``; on CPU a batch equals its matrices one by one wherever the BLAS
-    itself is batch-invariant. Returns ``x.dtype``; never modifies ``x``.
+    itself is batch-invariant. Returns ``x.dtype``, contiguous where ``x`` is; never modifies ``x``.
 
     Args:
         x: a tensor with at least two dimensions.
@@ -300,10 +338,7 @@ def newton_schulz(
     """
     schedule = ns_schedule(coefficients, steps)
     _check("newton_schulz", x, eps, dtype, eps_mode)
-    g, tall = _wide(x)
-    ns_dtype = default_ns_dtype(x.device, x.dtype, x.shape) if dtype is None else dtype
-    X = _normalized(g, schedule, eps, ns_dtype, None, eps_mode)
-    return _restored(_standard_steps(X, schedule, None), x, tall)
+    return _orthogonalized(x, schedule, eps, dtype, eps_mode, lambda X: _standard_steps(X, schedule, None))
 
 
 def newton_schulz_columns(
@@ -382,12 +417,37 @@ def gram_newton_schulz(
     """
     schedule = ns_schedule(coefficients, steps)
     _check("gram_newton_schulz", x, eps, dtype, eps_mode)
-    g, tall = _wide(x)
+    return _orthogonalized(x, schedule, eps, dtype, eps_mode, _gram_iteration(schedule, restarts))
+
+
+def _gram_iteration(schedule: Coefficients, restarts: Sequence[int] | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    steps = len(schedule.triples)
+
+    def iterate(X: torch.Tensor) -> torch.Tensor:
+        restart_at = _check_restarts(default_restarts(steps, X.dtype) if restarts is None else restarts, steps)
+        return _gram_steps(X, schedule, restart_at)
+
+    return iterate
+
+
+def _orthogonalized(
+    x: torch.Tensor,
+    schedule: Coefficients,
+    eps: float,
+    dtype: torch.dtype | None,
+    eps_mode: str,
+    iterate: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    owned: bool = False,
+) -> torch.Tensor:
+    """``iterate`` on ``x`` made wide and normalised, then restored; ``owned``: ``x`` is the caller's to overwrite."""
+    g, tall, copied = _wide(x)
     ns_dtype = default_ns_dtype(x.device, x.dtype, x.shape) if dtype is None else dtype
-    X = _normalized(g, schedule, eps, ns_dtype, None, eps_mode)
-    num_steps = len(schedule.triples)
-    restart_at = _check_restarts(default_restarts(num_steps, X.dtype) if restarts is None else restarts, num_steps)
-    return _restored(_gram_steps(X, schedule, restart_at), x, tall)
+    X = _normalized(g, schedule, eps, ns_dtype, None, eps_mode, owned=owned or copied)
+    # a normalised stack of our own, cast into X, is free to take the result: one fresh
+    # buffer less, whose first touch on a CPU costs about as much as the pass itself
+    spare = (owned or copied) and X.dtype != g.dtype == x.dtype and may_write_into(g)
+    return _restored(iterate(X), x, tall, into=g if spare else None)
 
 
 def newton_schulz_flops(m: int, n: int, steps: int) -> float:
@@ -449,19 +509,19 @@ class NewtonSchulz:
         return ns_schedule(self.coefficients, self.steps)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.orthogonalize(x)
+
+    def orthogonalize(self, x: torch.Tensor, *, overwrite_input: bool = False) -> torch.Tensor:
+        """``self(x)``; with ``overwrite_input=True`` it may normalise ``x`` in place (a stack
+        built for this call: one fresh buffer less, the same result)."""
+        schedule = self.schedule
         if self.method == "gram" and self._gram_is_cheaper(x):
-            return gram_newton_schulz(
-                x,
-                self.coefficients,
-                steps=self.steps,
-                eps=self.eps,
-                dtype=self.dtype,
-                restarts=self.restarts,
-                eps_mode=self.eps_mode,
-            )
-        return newton_schulz(
-            x, self.coefficients, steps=self.steps, eps=self.eps, dtype=self.dtype, eps_mode=self.eps_mode
-        )
+            _check("gram_newton_schulz", x, self.eps, self.dtype, self.eps_mode)
+            iterate = _gram_iteration(schedule, self.restarts)
+        else:
+            _check("newton_schulz", x, self.eps, self.dtype, self.eps_mode)
+            iterate = functools.partial(_standard_steps, schedule=schedule, reduction=None)
+        return _orthogonalized(x, schedule, self.eps, self.dtype, self.eps_mode, iterate, owned=overwrite_input)
 
     def _gram_is_cheaper(self, x: torch.Tensor) -> bool:
         m, n = x.shape[-2:]

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from .._keys import Key, dotted
-from ._newton_schulz import NewtonSchulz
+from ._newton_schulz import NewtonSchulz, dense
 from ._views import MatrixView, ScaleFn, block_scales
 
 MatrixFn = Callable[[torch.Tensor], torch.Tensor]
@@ -78,8 +78,12 @@ def _batched(matrices: list[torch.Tensor], scales: list[float], ns: MatrixFn, ca
     out: list[torch.Tensor] = list(matrices)
     for (_, _, _, scale), members in buckets.items():
         for chunk in _chunks(members, sizes, cap):
-            stacked = wide[chunk[0]] if len(chunk) == 1 else torch.cat([wide[j] for j in chunk])
-            result = ns(stacked)
+            if len(chunk) == 1:
+                result = ns(wide[chunk[0]])
+            elif isinstance(ns, NewtonSchulz):  # the stack is this call's own: normalised in place
+                result = ns.orthogonalize(torch.cat([wide[j] for j in chunk]), overwrite_input=True)
+            else:
+                result = ns(torch.cat([wide[j] for j in chunk]))
             if scale != 1.0:
                 result = result.mul_(scale)
             for j, piece in zip(chunk, result.split([matrices[j].shape[0] for j in chunk])):
@@ -101,7 +105,7 @@ def orthogonalize_blocks(
     Same-shape blocks are stacked into one ``ns`` call of at most ``bucket_numel``
     elements. ``shapes``: the shapes the scale is read from, when they differ from the
     tensors' (an expert shard of a larger tensor). A tensor without elements maps to an
-    empty tensor.
+    empty tensor; a contiguous tensor to a contiguous one.
     """
     shapes = [t.shape for t in tensors] if shapes is None else shapes
     matrices: list[torch.Tensor] = []
@@ -115,7 +119,8 @@ def orthogonalize_blocks(
     for t, view in zip(tensors, views):
         if t.numel():
             n = len(view.blocks(t.shape))
-            out.append(view.from_matrices(done[pos : pos + n], t.shape))
+            result = view.from_matrices(done[pos : pos + n], t.shape)
+            out.append(dense(result) if t.is_contiguous() else result)
             pos += n
         else:
             out.append(torch.empty_like(t))
