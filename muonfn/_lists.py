@@ -84,7 +84,8 @@ def apply_(op: str, tensors: Tensors, *operands: Any, **kwargs: Any) -> list[tor
     round them differently from the out-of-place ones (``_foreach_mul_(x, 0.95)`` is not
     ``_foreach_mul(x, 0.95)`` in bf16), and donated updates must equal undonated ones bitwise.
     """
-    narrow = any(isinstance(v, int | float) for v in operands) and any(t.dtype in _NARROW for t in tensors)
+    numbers = any(isinstance(v, int | float) for v in (*operands, *kwargs.values()))
+    narrow = numbers and any(t.dtype in _NARROW for t in tensors)
     if tensors and not narrow and _fused(tensors, operands):
         getattr(torch, f"_foreach_{op}_")(tensors, *_as_tensor_operands(op, tensors, operands), **kwargs)
         return list(tensors)

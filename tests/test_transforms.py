@@ -230,6 +230,23 @@ def test_decayed_weights_and_masks(device: torch.device) -> None:
     assert_td_equal(out, grads)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_decay_is_one_multiply_add_in_the_leaf_dtype(dtype: torch.dtype) -> None:
+    """u + λp rounded once, with λ rounded to the leaf's dtype: a number, a float64 tensor
+    holding it, in place or not, all give the same bits."""
+    g = torch.Generator().manual_seed(5)
+    params = td(w=torch.randn(64, 32, generator=g), b=torch.randn(32, generator=g)).to(dtype)
+    grads = params.apply(lambda p: torch.randn(p.shape, generator=g).to(dtype))
+    lam = torch.tensor(0.1, dtype=torch.float64).to(dtype)
+    expected = grads.apply(lambda u, p: torch.addcmul(u, p, lam), params)
+    for wd in (0.1, torch.tensor(0.1, dtype=torch.float64)):
+        for inplace in (False, True):
+            out, _ = step(muonfn.add_decayed_weights(wd, inplace=inplace), grads.clone(), TensorDict(), params)
+            assert_td_equal(out, expected)
+    if dtype == torch.float64:  # and λ itself is not rounded to fp32 on the way
+        torch.testing.assert_close(expected, grads + params * 0.1, rtol=1e-15, atol=1e-15)
+
+
 def test_decay_only_touches_leaves_with_gradients() -> None:
     params = td(w=torch.full((2, 2), 2.0), b=torch.full((2,), 3.0))
     out, _ = step(muonfn.add_decayed_weights(0.5), td(w=torch.zeros(2, 2)), TensorDict(), params)

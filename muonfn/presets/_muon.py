@@ -99,10 +99,11 @@ def adamw(
     if not (isinstance(nesterov, bool) or nesterov == "timm"):
         raise ValueError(f"adamw: nesterov must be True, False or 'timm', got {nesterov!r}")
     flag("adamw: cautious_weight_decay", cautious_weight_decay)
+    # Adam's direction is a fresh tensor: the decay and the learning rate may write into it
     return chain(
         scale_by_adam(betas[0], betas[1], eps=eps, nesterov=nesterov, donate_state=donate_state),
-        add_decayed_weights(weight_decay, mask=weight_decay_mask, cautious=cautious_weight_decay, inplace=donate_state),
-        scale_by_learning_rate(lr, inplace=donate_state),
+        add_decayed_weights(weight_decay, mask=weight_decay_mask, cautious=cautious_weight_decay, inplace=True),
+        scale_by_learning_rate(lr, inplace=True),
     )
 
 

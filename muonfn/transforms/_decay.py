@@ -17,6 +17,21 @@ def _agreeing(decay: torch.Tensor, u: torch.Tensor, p: torch.Tensor) -> torch.Te
     return decay.mul(u.signbit() == p.signbit())
 
 
+def _factors(weight_decay: Scalar, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    r""":math:`\lambda` as a 0-d tensor of each leaf's dtype and device, one conversion per kind.
+
+    A number and a tensor holding it give the same bits: both are rounded to the leaf's
+    dtype before the multiply-add, as the kernels round a number operand of a bf16 leaf.
+    """
+    kinds: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+    # (a number as float64 first: a default-dtype tensor would round it to fp32 for an fp64 leaf)
+    exact = weight_decay if isinstance(weight_decay, torch.Tensor) else torch.tensor(weight_decay, dtype=torch.float64)
+    for u in like:
+        if (u.dtype, u.device) not in kinds:
+            kinds[u.dtype, u.device] = exact.to(dtype=u.dtype, device=u.device)
+    return [kinds[u.dtype, u.device] for u in like]
+
+
 def add_decayed_weights(
     weight_decay: Scalar = 0.0, *, mask: MaskLike = None, cautious: bool = False, inplace: bool = False
 ) -> Transform:
@@ -37,8 +52,9 @@ def add_decayed_weights(
             not name are decayed, so ``{"norm.weight": False}`` exempts just that leaf.
             ``None`` decays every leaf.
         cautious: decay only where the incoming update and the parameter agree in sign.
-        inplace: add into the incoming updates (same bits, no new tensors): only after a
-            transform that returns fresh tensors, as in :func:`muonfn.muon` with ``donate_state``.
+        inplace: add into the incoming updates (the same bits) unless autograd
+            records them or a ``torch.func`` transform is active: only after a transform that
+            returns fresh tensors, as in :func:`muonfn.adamw`.
 
     Returns:
         A stateless :class:`Transform`; its ``update`` needs ``params``.
@@ -55,15 +71,18 @@ def add_decayed_weights(
         if not keys:
             return grads
         current, p = [grads[k] for k in keys], [params[k] for k in keys]
-        decay = _lists.scale(p, weight_decay)
-        if cautious:  # the mask is read before an in-place add changes the update
-            decay = [_agreeing(d, u, x) for d, u, x in zip(decay, current, p)]
-        if inplace:
-            decayed = _lists.apply_("add", current, decay)
-        elif torch._C._are_functorch_transforms_active():  # (under vmap the decay term may be unbatched)
-            decayed = _lists.apply("add", current, decay)
-        else:  # the sum goes into the decay term, this update's own tensor: one fresh tensor less
-            decayed = _lists.apply_("add", decay, current)
+        overwrite = inplace and _lists.may_overwrite(current)
+        if not cautious:  # u + λp as one multiply-add per entry: no decay term written out
+            add = _lists.apply_ if overwrite else _lists.apply
+            decayed = add("addcmul", current, p, _factors(weight_decay, current))
+        else:  # the mask is read before an in-place add changes the update
+            decay = [_agreeing(d, u, x) for d, u, x in zip(_lists.scale(p, weight_decay), current, p)]
+            if overwrite:
+                decayed = _lists.apply_("add", current, decay)
+            elif torch._C._are_functorch_transforms_active():  # (under vmap the decay term may be unbatched)
+                decayed = _lists.apply("add", current, decay)
+            else:  # the sum goes into the decay term, this update's own tensor: one fresh tensor less
+                decayed = _lists.apply_("add", decay, current)
         out = dict(grads)
         out.update(zip(keys, decayed))
         return out

@@ -18,6 +18,7 @@ from ._state import COUNT
 def _scaled(grads: Leaves, lr: Scalar, members: int, batch_size: torch.Size, *, inplace: bool) -> Leaves:
     """``grads * -lr`` for ``lr`` a number, a 0-d tensor, or one value per ensemble member."""
     keys, values = list(grads), list(grads.values())
+    inplace = inplace and _lists.may_overwrite(values)
     if isinstance(lr, torch.Tensor) and lr.ndim:
         if not members or lr.shape != batch_size:
             raise ValueError(
@@ -41,7 +42,9 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, inplace: bool = F
             Python number is checked at each call (finite, ``>= 0``); a tensor it returns
             is used as it is, since reading it would wait for the device (only its shape is
             checked: 0-d, or for a stacked ensemble one value per member, as its count is).
-        inplace: scale the incoming updates in place, as :func:`add_decayed_weights` does.
+        inplace: scale the incoming updates in place (same bits, no new tensors) unless
+            autograd records them or a ``torch.func`` transform is active: only after a
+            transform that returns fresh tensors, as :func:`muonfn.adamw` does.
 
     Returns:
         A :class:`Transform`, stateless unless ``learning_rate`` is a schedule.
