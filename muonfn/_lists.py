@@ -132,3 +132,28 @@ def lerp(starts: Tensors, ends: Tensors, weight: float | torch.Tensor, *, inplac
 def scale(tensors: Tensors, factor: float | torch.Tensor, *, inplace: bool = False) -> list[torch.Tensor]:
     """``t·factor`` for every tensor (``factor`` a number or a 0-d tensor)."""
     return apply_("mul", tensors, factor) if inplace else apply("mul", tensors, factor)
+
+
+#: Quotients of at least this many elements are written over their denominators, one op per
+#: tensor; smaller ones take a fused op and fresh tensors (their buffers cost little, a per-tensor
+#: op's dispatch more).
+_OVER_DENOMINATOR_NUMEL = 1 << 16
+
+
+def quotients(numerators: Tensors, denominators: Tensors, *, overwrite: bool) -> list[torch.Tensor]:
+    """``n / d`` per pair. With ``overwrite`` (the caller gives the denominators up) each large
+    quotient goes into its denominator's buffer: no second buffer of that size is alive at
+    once, which on a large embedding is the step's peak. Division rounds once either way:
+    the same bits."""
+    if not overwrite:
+        return apply("div", numerators, denominators)
+    large = [i for i, d in enumerate(denominators) if d.numel() >= _OVER_DENOMINATOR_NUMEL and type(d) is torch.Tensor]
+    if not large:
+        return apply("div", numerators, denominators)
+    out: list[torch.Tensor] = list(denominators)
+    for i in large:
+        torch.div(numerators[i], denominators[i], out=denominators[i])
+    rest = sorted(set(range(len(out))) - set(large))
+    for i, q in zip(rest, apply("div", [numerators[i] for i in rest], [denominators[i] for i in rest])):
+        out[i] = q
+    return out

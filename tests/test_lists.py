@@ -63,3 +63,21 @@ def test_mixed_dtypes_and_integer_counts_keep_their_own_arithmetic() -> None:
     steps = [torch.zeros((), dtype=torch.int64) for _ in range(3)]
     out = _lists.apply("add", steps, 1)
     assert all(t.dtype == torch.int64 and int(t) == 1 for t in out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_quotients_written_over_large_denominators_keep_their_bits(dtype) -> None:
+    """A large quotient goes into its denominator's buffer (no second buffer of that size),
+    a small one into a fresh tensor; every quotient has the bits of a plain division."""
+    g = torch.Generator().manual_seed(1)
+    shapes = [(256, 256), (3,), (), (300, 300)]
+    nums = [torch.randn(s, generator=g).to(dtype) for s in shapes]
+    dens = [torch.rand(s, generator=g).add(0.5).to(dtype) for s in shapes]
+    expected = [n / d for n, d in zip(nums, dens)]
+    kept = [d.clone() for d in dens]
+    assert all(torch.equal(bits(q), bits(e)) for q, e in zip(_lists.quotients(nums, kept, overwrite=False), expected))
+    assert all(torch.equal(k, d) for k, d in zip(kept, dens))  # without overwrite the denominators stay
+    out = _lists.quotients(nums, dens, overwrite=True)
+    assert all(torch.equal(bits(q), bits(e)) for q, e in zip(out, expected))
+    shares = [q.data_ptr() == d.data_ptr() for q, d in zip(out, dens)]
+    assert shares == [True, False, False, True]

@@ -104,8 +104,10 @@ def scale_by_adam(
             grad_weight = bias_corrections(step, log_b1, g, members, then=lambda c: c.reciprocal().mul(1.0 - b1))
             updates = _lists.apply("mul", exp_avg, moment_weight)
             updates = _lists.apply_("add", updates, _lists.apply("mul", g, grad_weight))
-        else:
-            updates = _lists.apply("div", exp_avg, bias_corrections(step, log_b1, g, members))
+        else:  # m / ((√v̂ + ε)(1 − β₁ᵗ)), written over the denominator where nothing records it
+            denom = divide("mul", denom, bias_corrections(step, log_b1, g, members))
+            overwrite = _lists.may_overwrite(exp_avg) and _lists.may_overwrite(denom)
+            return dict(zip(keys, cast_zero_dim(_lists.quotients(exp_avg, denom, overwrite=overwrite), g)))
         return dict(zip(keys, cast_zero_dim(_lists.apply_("div", updates, denom), g)))
 
     needs = per_leaf_needs("scale_by_adam", (EXP_AVG, EXP_AVG_SQ), (STEP,))
