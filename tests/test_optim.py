@@ -895,8 +895,8 @@ def test_parts_follow_the_sizes_and_keep_kinds_together():
     assert _groups.chunks([4, 4, 4, 9, 1], 1) == [[i] for i in range(5)]
     assert _groups.chunks([4, 9, 4, 9], 8, kinds=["a", "b", "a", "b"]) == [[0, 2], [1], [3]]
     assert _groups.chunks([10] * 4, "auto") == [[0, 1, 2, 3]]  # small: one part
-    big = [2**18] * 32  # 16 parts of 2**19 elements
-    assert _groups.chunks(big, "auto") == [[2 * i, 2 * i + 1] for i in range(16)]
+    big = [2**18] * 30  # 10 parts of 3 * 2**18 elements
+    assert _groups.chunks(big, "auto") == [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(10)]
     assert _groups.chunks([], 3) == [] and _groups.chunks([], None) == []
 
 

@@ -272,7 +272,7 @@ def check_new_params(
 
 
 #: ``chunk_numel="auto"``: about this many parts, each of at least ``AUTO_MIN_CHUNK`` elements
-AUTO_PARTS, AUTO_MIN_CHUNK = 16, 2**18
+AUTO_PARTS, AUTO_MIN_CHUNK = 10, 2**18
 
 
 def check_chunk_numel(chunk_numel: int | str | None) -> int | str | None:

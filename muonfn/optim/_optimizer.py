@@ -72,7 +72,7 @@ class Muon(torch.optim.Optimizer):
     batch), each part's update added before the next is computed: the step's temporaries
     then hold one part instead of all parameters (peak memory near torch.optim's), for a
     little more host work per part. The results are the same bits; everything is checked
-    before the first part runs. ``"auto"``: parts of a sixteenth of the parameters'
+    before the first part runs. ``"auto"``: parts of a tenth of the parameters'
     elements, at least 2**18 (a model of up to 2**18 elements is one part); ``None``: one part.
 
     ``collectives`` is refused with a variant, as :func:`muonfn.normuon` and
