@@ -17,19 +17,22 @@ def _agreeing(decay: torch.Tensor, u: torch.Tensor, p: torch.Tensor) -> torch.Te
     return decay.mul(u.signbit() == p.signbit())
 
 
+def _on_cpu(weight_decay: Scalar, leaves: list[torch.Tensor]) -> bool:
+    if isinstance(weight_decay, torch.Tensor) and weight_decay.device.type != "cpu":
+        return False
+    return all(u.device.type == "cpu" for u in leaves)
+
+
 def _factors(weight_decay: Scalar, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    r""":math:`\lambda` as a 0-d tensor of each leaf's dtype and device, one conversion per kind.
+    r""":math:`\lambda` as a 0-d tensor of each (CPU) leaf's dtype, one conversion per dtype.
 
     A number and a tensor holding it give the same bits: both are rounded to the leaf's
     dtype before the multiply-add, as the kernels round a number operand of a bf16 leaf.
     """
-    kinds: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
     # (a number as float64 first: a default-dtype tensor would round it to fp32 for an fp64 leaf)
     exact = weight_decay if isinstance(weight_decay, torch.Tensor) else torch.tensor(weight_decay, dtype=torch.float64)
-    for u in like:
-        if (u.dtype, u.device) not in kinds:
-            kinds[u.dtype, u.device] = exact.to(dtype=u.dtype, device=u.device)
-    return [kinds[u.dtype, u.device] for u in like]
+    kinds = {u.dtype: exact.to(u.dtype) for u in like}
+    return [kinds[u.dtype] for u in like]
 
 
 def add_decayed_weights(
@@ -44,7 +47,9 @@ def add_decayed_weights(
     .. math::  u \leftarrow u + \lambda\, p \odot \mathbb{1}[\operatorname{signbit}(u) = \operatorname{signbit}(p)]
 
     Followed by :func:`scale_by_learning_rate` this is :math:`p \leftarrow p - \eta\lambda p`
-    with the unadjusted learning rate (torch semantics).
+    with the unadjusted learning rate (torch semantics). On a CPU the plain decay is one
+    multiply-add per entry, with :math:`\lambda` rounded to the leaf's dtype; elsewhere
+    :math:`\lambda p` is rounded before it is added.
 
     Args:
         weight_decay: :math:`\lambda \ge 0`, a float or a 0-d tensor.
@@ -72,11 +77,16 @@ def add_decayed_weights(
             return grads
         current, p = [grads[k] for k in keys], [params[k] for k in keys]
         overwrite = inplace and _lists.may_overwrite(current)
-        if not cautious:  # u + λp as one multiply-add per entry: no decay term written out
+        if not cautious and _on_cpu(weight_decay, current):
+            # u + λp as one multiply-add per entry: no decay term written out. (Only on a CPU,
+            # whose multi-tensor ops run tensor by tensor anyway: on a GPU a 0-d factor per
+            # leaf would leave the fused kernels, and moving a host λ there would wait for it.)
             add = _lists.apply_ if overwrite else _lists.apply
             decayed = add("addcmul", current, p, _factors(weight_decay, current))
-        else:  # the mask is read before an in-place add changes the update
-            decay = [_agreeing(d, u, x) for d, u, x in zip(_lists.scale(p, weight_decay), current, p)]
+        else:
+            decay = _lists.scale(p, weight_decay)
+            if cautious:  # the mask is read before an in-place add changes the update
+                decay = [_agreeing(d, u, x) for d, u, x in zip(decay, current, p)]
             if overwrite:
                 decayed = _lists.apply_("add", current, decay)
             elif torch._C._are_functorch_transforms_active():  # (under vmap the decay term may be unbatched)
