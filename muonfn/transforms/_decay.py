@@ -31,7 +31,7 @@ def _factors(weight_decay: Scalar, like: list[torch.Tensor]) -> list[torch.Tenso
     """
     # (a number as float64 first: a default-dtype tensor would round it to fp32 for an fp64 leaf)
     exact = weight_decay if isinstance(weight_decay, torch.Tensor) else torch.tensor(weight_decay, dtype=torch.float64)
-    kinds = {u.dtype: exact.to(u.dtype) for u in like}
+    kinds = {dtype: exact.to(dtype) for dtype in {u.dtype for u in like}}
     return [kinds[u.dtype] for u in like]
 
 
