@@ -84,8 +84,7 @@ def apply_(op: str, tensors: Tensors, *operands: Any, **kwargs: Any) -> list[tor
     round them differently from the out-of-place ones (``_foreach_mul_(x, 0.95)`` is not
     ``_foreach_mul(x, 0.95)`` in bf16), and donated updates must equal undonated ones bitwise.
     """
-    numbers = any(isinstance(v, int | float) for v in (*operands, *kwargs.values()))
-    narrow = numbers and any(t.dtype in _NARROW for t in tensors)
+    narrow = any(isinstance(v, int | float) for v in operands) and any(t.dtype in _NARROW for t in tensors)
     if tensors and not narrow and _fused(tensors, operands):
         getattr(torch, f"_foreach_{op}_")(tensors, *_as_tensor_operands(op, tensors, operands), **kwargs)
         return list(tensors)
@@ -145,15 +144,12 @@ def quotients(numerators: Tensors, denominators: Tensors, *, overwrite: bool) ->
     quotient goes into its denominator's buffer: no second buffer of that size is alive at
     once, which on a large embedding is the step's peak. Division rounds once either way:
     the same bits."""
-    if not overwrite:
-        return apply("div", numerators, denominators)
-    large = [i for i, d in enumerate(denominators) if d.numel() >= _OVER_DENOMINATOR_NUMEL and type(d) is torch.Tensor]
-    if not large:
-        return apply("div", numerators, denominators)
-    out: list[torch.Tensor] = list(denominators)
-    for i in large:
-        torch.div(numerators[i], denominators[i], out=denominators[i])
-    rest = sorted(set(range(len(out))) - set(large))
-    for i, q in zip(rest, apply("div", [numerators[i] for i in rest], [denominators[i] for i in rest])):
+    large = [overwrite and type(d) is torch.Tensor and d.numel() >= _OVER_DENOMINATOR_NUMEL for d in denominators]
+    small = [i for i, big in enumerate(large) if not big]
+    out = list(denominators)
+    for i, q in zip(small, apply("div", [numerators[i] for i in small], [denominators[i] for i in small])):
         out[i] = q
+    for n, d, big in zip(numerators, denominators, large):
+        if big:
+            torch.div(n, d, out=d)
     return out

@@ -338,7 +338,7 @@ def newton_schulz(
     """
     schedule = ns_schedule(coefficients, steps)
     _check("newton_schulz", x, eps, dtype, eps_mode)
-    return _orthogonalized(x, schedule, eps, dtype, eps_mode, lambda X: _standard_steps(X, schedule, None))
+    return _orthogonalized(x, schedule, eps, dtype, eps_mode, _standard_iteration(schedule))
 
 
 def newton_schulz_columns(
@@ -418,6 +418,10 @@ def gram_newton_schulz(
     schedule = ns_schedule(coefficients, steps)
     _check("gram_newton_schulz", x, eps, dtype, eps_mode)
     return _orthogonalized(x, schedule, eps, dtype, eps_mode, _gram_iteration(schedule, restarts))
+
+
+def _standard_iteration(schedule: Coefficients) -> Callable[[torch.Tensor], torch.Tensor]:
+    return functools.partial(_standard_steps, schedule=schedule, reduction=None)
 
 
 def _gram_iteration(schedule: Coefficients, restarts: Sequence[int] | None) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -520,7 +524,7 @@ class NewtonSchulz:
             iterate = _gram_iteration(schedule, self.restarts)
         else:
             _check("newton_schulz", x, self.eps, self.dtype, self.eps_mode)
-            iterate = functools.partial(_standard_steps, schedule=schedule, reduction=None)
+            iterate = _standard_iteration(schedule)
         return _orthogonalized(x, schedule, self.eps, self.dtype, self.eps_mode, iterate, owned=overwrite_input)
 
     def _gram_is_cheaper(self, x: torch.Tensor) -> bool:
