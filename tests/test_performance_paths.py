@@ -142,8 +142,8 @@ ROW_STATISTICS = {"square", "mean", "div"}
         (lambda: muonfn.scale_by_sign(), set(), {"_foreach_sign"}),
         (
             lambda: muonfn.scale_by_element_rms(0.9, bias_correction=True, rescale="none"),
-            {"to"},  # its bias correction casts each leaf's step count and correction
-            {"_foreach_mul", "_foreach_lerp", "_foreach_add", "_foreach_exp", "_foreach_sqrt", "_foreach_div"},
+            set(),
+            {"_foreach_mul", "_foreach_lerp", "_foreach_add_", "_foreach_sqrt", "_foreach_div"},
         ),
         (
             lambda: muonfn.scale_by_neuron_norm(torch.tensor(0.9), rescale="none", donate_state=True),

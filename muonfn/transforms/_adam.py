@@ -12,7 +12,7 @@ from .. import _lists
 from .._tree import Leaves
 from .._validation import Scalar, check_params, positive, unit_interval
 from ._base import Rule, Scope, Transform, from_rule, per_leaf_needs
-from ._momentum import bias_corrections, cast_zero_dim
+from ._momentum import bias_corrections, cast_zero_dim, count_steps, leaf_factors
 from ._state import EXP_AVG, EXP_AVG_SQ, STEP
 
 AdamNesterov: TypeAlias = bool | Literal["timm"]
@@ -79,35 +79,42 @@ def scale_by_adam(
 
     def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
         keys, g = list(grads), list(grads.values())
-        step, exp_avg, exp_avg_sq = (scope.read(entry, keys) for entry in (STEP, EXP_AVG, EXP_AVG_SQ))
+        exp_avg, exp_avg_sq = scope.read(EXP_AVG, keys), scope.read(EXP_AVG_SQ, keys)
+        counts = count_steps(scope.read(STEP, keys), inplace=donate_state)
         if donate_state:
-            step, exp_avg = _lists.apply_("add", step, 1), _lists.lerp(exp_avg, g, 1.0 - b1, inplace=True)
+            exp_avg = _lists.lerp(exp_avg, g, 1.0 - b1, inplace=True)
             exp_avg_sq = _lists.apply_("addcmul", _lists.apply_("mul", exp_avg_sq, b2), g, g, value=1.0 - b2)
         else:
-            step, exp_avg = _lists.apply("add", step, 1), _lists.lerp(exp_avg, g, 1.0 - b1)
+            exp_avg = _lists.lerp(exp_avg, g, 1.0 - b1)
             accumulate = _lists.apply_ if _lists.may_overwrite(g) else _lists.apply
             exp_avg_sq = accumulate("addcmul", _lists.apply("mul", exp_avg_sq, b2), g, g, value=1.0 - b2)
-        for entry, values in ((STEP, step), (EXP_AVG, exp_avg), (EXP_AVG_SQ, exp_avg_sq)):
+        for entry, values in ((STEP, counts.leaves), (EXP_AVG, exp_avg), (EXP_AVG_SQ, exp_avg_sq)):
             scope.write(entry, keys, values)
         members = scope.members
-        root_correction = bias_corrections(step, log_b2, g, members, then=torch.sqrt)
         # in place on this update's own root where nothing differentiates through it (sqrt's
         # gradient reads its output): one fresh tensor less, which on a CPU is a page-fault pass
         divide = _lists.apply_ if donate_state or _lists.may_overwrite(exp_avg_sq) else _lists.apply
-        denom = _lists.apply_("add", divide("div", _lists.apply("sqrt", exp_avg_sq), root_correction), eps)
-        if nesterov == "timm":
-            look_ahead = _lists.lerp(exp_avg, g, 1.0 - b1)
-            updates = _lists.apply("div", look_ahead, bias_corrections(step, log_b1, g, members))
-        elif nesterov:
-            # beta1 / (1 - beta1**(t+1)) on the moment, (1 - beta1) / (1 - beta1**t) on the gradient
-            moment_weight = bias_corrections(step, log_b1, g, members, shift=1.0, then=lambda c: c.reciprocal().mul(b1))
-            grad_weight = bias_corrections(step, log_b1, g, members, then=lambda c: c.reciprocal().mul(1.0 - b1))
-            updates = _lists.apply("mul", exp_avg, moment_weight)
-            updates = _lists.apply_("add", updates, _lists.apply("mul", g, grad_weight))
-        else:  # m / ((√v̂ + ε)(1 − β₁ᵗ)), written over the denominator where nothing records it
-            denom = divide("mul", denom, bias_corrections(step, log_b1, g, members))
+        root = _lists.apply("sqrt", exp_avg_sq)
+        if not nesterov:
+            # m / ((√v/√(1−β₂ᵗ) + ε)(1−β₁ᵗ)) = m / (a√v + b), a = (1−β₁ᵗ)/√(1−β₂ᵗ), b = ε(1−β₁ᵗ):
+            # one pass over the leaves less; the quotient is written over its denominator
+            # where nothing records it
+            first = counts.corrections(log_b1)
+            scale = leaf_factors(first.div(counts.corrections(log_b2).sqrt()), g, members)
+            denom = _lists.apply_("add", divide("mul", root, scale), leaf_factors(first.mul(eps), g, members))
             overwrite = _lists.may_overwrite(exp_avg) and _lists.may_overwrite(denom)
             return dict(zip(keys, cast_zero_dim(_lists.quotients(exp_avg, denom, overwrite=overwrite), g)))
+        root_correction = bias_corrections(counts, log_b2, g, members, then=torch.sqrt)
+        denom = _lists.apply_("add", divide("div", root, root_correction), eps)
+        if nesterov == "timm":
+            look_ahead = _lists.lerp(exp_avg, g, 1.0 - b1)
+            updates = _lists.apply("div", look_ahead, bias_corrections(counts, log_b1, g, members))
+        else:
+            # beta1 / (1 - beta1**(t+1)) on the moment, (1 - beta1) / (1 - beta1**t) on the gradient
+            moment_weight = leaf_factors(counts.corrections(log_b1, shift=1.0).reciprocal().mul(b1), g, members)
+            grad_weight = leaf_factors(counts.corrections(log_b1).reciprocal().mul(1.0 - b1), g, members)
+            updates = _lists.apply("mul", exp_avg, moment_weight)
+            updates = _lists.apply_("add", updates, _lists.apply("mul", g, grad_weight))
         return dict(zip(keys, cast_zero_dim(_lists.apply_("div", updates, denom), g)))
 
     needs = per_leaf_needs("scale_by_adam", (EXP_AVG, EXP_AVG_SQ), (STEP,))

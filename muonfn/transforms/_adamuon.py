@@ -14,7 +14,7 @@ from .._validation import Scalar, check_params, positive, unit_interval
 from ..linalg import MatrixView
 from ._arithmetic import one_minus
 from ._base import Rule, Scope, StructureCache, Transform, from_rule, per_leaf_needs
-from ._momentum import per_member
+from ._momentum import bias_corrections, count_steps
 from ._normuon import _refuse_sharded
 from ._orthogonalize import ViewsLike, resolve_views
 from ._rescale import Rescale, check_rescale, rescaled
@@ -102,19 +102,9 @@ def scale_by_element_rms(
         scope.write(EXP_AVG_SQ, keys, exp_avg_sq)
         root = exp_avg_sq
         if bias_correction:
-            step = scope.read(STEP, keys)
-            step = _lists.apply_("add", step, 1) if donate_state else _lists.apply("add", step, 1)
-            scope.write(STEP, keys, step)
-            # 1 - beta**t in fp64 (beta**t as exp(t·log beta), t staying a tensor), then in each
-            # leaf's dtype: a 0-d fp64 factor would promote a 0-d leaf
-            steps = [t.to(torch.float64) for t in step]
-            correction = _lists.apply(
-                "add", _lists.apply("neg", _lists.apply("exp", _lists.scale(steps, log_beta))), 1.0
-            )
-            if scope.members:
-                correction = per_member(correction, values, scope.members)
-            else:
-                correction = [c.to(g.dtype) for c, g in zip(correction, values)]
+            counts = count_steps(scope.read(STEP, keys), inplace=donate_state)
+            scope.write(STEP, keys, counts.leaves)
+            correction = bias_corrections(counts, log_beta, values, scope.members)
             root = _lists.apply("div", exp_avg_sq, correction)
         denom = _lists.apply_("add", _lists.apply("sqrt", root), eps)
         adapted = _lists.apply("div", values, denom)

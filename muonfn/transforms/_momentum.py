@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -83,10 +83,9 @@ def ema_momentum(
         buf = _lists.lerp(scope.read(MOMENTUM, keys), values, one_minus(momentum), inplace=donate_state)
         scope.write(MOMENTUM, keys, buf)
         if bias_correction:
-            step = scope.read(STEP, keys)
-            step = _lists.apply_("add", step, 1) if donate_state else _lists.apply("add", step, 1)
-            scope.write(STEP, keys, step)
-            updates = _corrected(values, buf, step, momentum, nesterov=bool(nesterov), members=scope.members)
+            counts = count_steps(scope.read(STEP, keys), inplace=donate_state)
+            scope.write(STEP, keys, counts.leaves)
+            updates = _corrected(values, buf, counts, momentum, nesterov=bool(nesterov), members=scope.members)
         elif nesterov == "add":
             updates = _lists.apply("add", values, buf)
         elif nesterov:
@@ -99,8 +98,43 @@ def ema_momentum(
     return from_rule(init, Rule("ema_momentum", update, needs))
 
 
+class StepCounts(NamedTuple):
+    """Each leaf's update count after this update: ``leaves``, the tensors for the state, and
+    ``stacked``, the same counts in fp64 in one tensor padded to whole SIMD vectors
+    (so that every value takes the vectorized ``exp``, alone, in a ``vmap`` batch or compiled,
+    and the corrections are the same bits in each)."""
+
+    leaves: list[torch.Tensor]
+    stacked: torch.Tensor
+
+    def corrections(self, log_beta: torch.Tensor | float, shift: float = 0.0) -> torch.Tensor:
+        r""":math:`1-\beta^{t+\text{shift}}`, stacked as :attr:`stacked` (``beta**t`` as
+        ``exp(t·log beta)``, so that ``t`` stays a tensor)."""
+        t = self.stacked.add(shift) if shift else self.stacked
+        return t.mul(log_beta).exp().neg().add(1.0)
+
+
+def count_steps(steps: list[torch.Tensor], *, inplace: bool) -> StepCounts:
+    """``steps`` plus one. Not ``inplace``, the counts are added up on their stack and handed
+    out as views of it: one add for all leaves, where a multi-tensor add would cost per leaf
+    what the unbind does; in place, each leaf's own tensor counts up."""
+    if not steps:
+        return StepCounts([], torch.zeros(0, dtype=torch.float64))
+    if inplace or any(hasattr(s, "placements") for s in steps):
+        steps = _lists.apply_("add", steps, 1) if inplace else _lists.apply("add", steps, 1)
+        # replicated DTensor counts, possibly on several meshes: their values are local
+        local = [s.to_local() if hasattr(s, "placements") else s for s in steps]  # type: ignore[attr-defined]
+        return StepCounts(steps, _padded_stack(local).to(torch.float64))
+    stacked = _padded_stack(steps).add(1)
+    return StepCounts(list(stacked.unbind(0))[: len(steps)], stacked.to(torch.float64))
+
+
+def _padded_stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([*tensors, *[tensors[0].new_zeros(tensors[0].shape)] * (-len(tensors) % _LANES)])
+
+
 def bias_corrections(
-    steps: list[torch.Tensor],
+    counts: StepCounts,
     log_beta: torch.Tensor | float,
     like: list[torch.Tensor],
     members: int,
@@ -108,39 +142,32 @@ def bias_corrections(
     shift: float = 0.0,
     then: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
-    """:math:`1-\beta^{t+\text{shift}}` for each leaf's step count :math:`t` (0-d, or one per
-    ensemble member), mapped by ``then``, as factors for the leaves ``like``.
+    r""":math:`1-\beta^{t+\text{shift}}` for each leaf's step count :math:`t` (0-d, or one per
+    ensemble member), mapped by ``then``, as factors for the leaves ``like`` (see :func:`leaf_factors`)."""
+    corrections = counts.corrections(log_beta, shift)
+    return leaf_factors(corrections if then is None else then(corrections), like, members)
 
-    Computed in fp64 in one batch for all leaves (``beta**t`` as ``exp(t·log beta)``, so
-    that ``t`` stays a tensor), then rounded once to the precision the leaf's arithmetic
-    takes a number in: fp32 for fp32 leaves (so a 0-d leaf is not promoted, and no fused
-    op converts each factor again), fp64 otherwise; for an ensemble, the leaf's dtype,
-    shaped to broadcast against it.
+
+def leaf_factors(stacked: torch.Tensor, like: list[torch.Tensor], members: int) -> list[torch.Tensor]:
+    """One factor per leaf of ``like`` from ``stacked`` (fp64, as :attr:`StepCounts.stacked`).
+
+    Computed in fp64 in one batch for all leaves, they are rounded once to the precision the
+    leaf's arithmetic takes a number in: fp32 for fp32 leaves (so a 0-d leaf is not promoted,
+    and no fused op converts each factor again), fp64 otherwise; for an ensemble, the leaf's
+    dtype, shaped to broadcast against it.
     """
-    if not steps:
+    n = len(like)
+    if not n:
         return []
-    if any(hasattr(s, "placements") for s in steps):
-        # replicated DTensor counts, possibly on several meshes: their values are local
-        steps = [s.to_local() if hasattr(s, "placements") else s for s in steps]  # type: ignore[attr-defined]
-    t = torch.stack(steps).to(torch.float64)
-    # padded to whole SIMD vectors: every value then takes the vectorized exp, alone, in a
-    # ``vmap`` batch or compiled, and the corrections are the same bits in each
-    padded = t.new_zeros((-len(steps) % _LANES, *t.shape[1:]))
-    t = torch.cat([t, padded])
-    if shift:
-        t = t.add(shift)
-    corrections = t.mul(log_beta).exp().neg().add(1.0)
-    if then is not None:
-        corrections = then(corrections)
     if members:
-        return per_member(list(corrections.unbind(0)), like, members)
+        return per_member(list(stacked.unbind(0)), like, members)
     single = [x.dtype == torch.float32 for x in like]
     if all(single):
-        return list(corrections.to(torch.float32).unbind(0))[: len(steps)]
-    double = list(corrections.unbind(0))
+        return list(stacked.to(torch.float32).unbind(0))[:n]
+    double = list(stacked.unbind(0))
     if not any(single):
-        return double[: len(steps)]
-    narrowed = corrections.to(torch.float32).unbind(0)
+        return double[:n]
+    narrowed = stacked.to(torch.float32).unbind(0)
     return [narrowed[i] if f32 else double[i] for i, f32 in enumerate(single)]
 
 
@@ -167,7 +194,7 @@ def cast_zero_dim(updates: list[torch.Tensor], like: list[torch.Tensor]) -> list
 def _corrected(
     grads: list[torch.Tensor],
     buf: list[torch.Tensor],
-    step: list[torch.Tensor],
+    step: StepCounts,
     momentum: Scalar,
     *,
     nesterov: bool,
