@@ -200,6 +200,43 @@ def test_tall_matrices_join_the_batch_of_their_transposed_shape(method: str):
     assert seen == [(3, 16, 48), (1, 48, 16)]
 
 
+def test_plain_matrices_are_stacked_as_they_are():
+    """2-D matrices go into the call of their shape as they are (tall ones transposed into
+    their wide shape's call), with the blocks of tensors their views reshape; every result is
+    the bits of its own call, in order, contiguous, scaled by its own shape's factor."""
+    g = torch.Generator().manual_seed(4)
+    tensors = [
+        torch.randn(16, 48, generator=g),
+        torch.randn(8, 4, 3, 3, generator=g),  # a conv kernel: one 8×36 matrix
+        torch.randn(48, 16, generator=g),
+        torch.randn(2, 16, 48, generator=g),  # two experts
+        torch.randn(16, 48, generator=g),
+        torch.randn(16, 16, generator=g),
+    ]
+    views = [MatrixView(), MatrixView(), MatrixView(), MatrixView(batch_dims=1), MatrixView(), MatrixView()]
+    ns = muonfn.NewtonSchulz()
+    calls = []
+
+    class Counted(muonfn.NewtonSchulz):
+        def orthogonalize(self, x, **options):
+            calls.append(tuple(x.shape))
+            return super().orthogonalize(x, **options)
+
+    scale = muonfn.linalg.shape_scale("match_rms_adamw")
+    out = orthogonalize_blocks(tensors, views, Counted(), scale)
+    assert sorted(calls) == [(1, 8, 36), (1, 16, 16), (5, 16, 48)]
+    for t, view, o in zip(tensors, views, out):
+        rows, cols = view.matrix_shape(t.shape)
+        alone = view.from_matrices([ns(m) * scale(rows, cols) for m in view.to_matrices(t)], t.shape)
+        assert torch.equal(o, alone) and o.is_contiguous() and o.shape == t.shape
+    seen = []
+    mine = orthogonalize_blocks(
+        tensors, views, lambda x: seen.append(tuple(x.shape)) or ns(x).mT.contiguous().mT, scale
+    )
+    assert sorted(seen) == [(1, 8, 36), (1, 16, 16), (1, 48, 16), (4, 16, 48)]  # a function of one's own: no turning
+    assert all(o.is_contiguous() for o in mine)
+
+
 def test_bucket_cap_splits_batches():
     mats = [torch.randn(1, 8, 24) for _ in range(7)]
     seen = []

@@ -61,33 +61,60 @@ def _chunks(members: list[int], sizes: list[int], cap: int) -> list[list[int]]:
 
 
 def _batched(matrices: list[torch.Tensor], scales: list[float], ns: MatrixFn, cap: int) -> list[torch.Tensor]:
-    """``scale * ns(m)`` for every ``(count, rows, cols)`` batch, equal shapes stacked into calls of at most ``cap``.
+    """``scale * ns(m)`` for every matrix, equal shapes stacked into calls of at most ``cap`` elements.
 
-    Newton–Schulz orients every matrix by its shape alone, so that ``ns(Xᵀ) = ns(X)ᵀ`` bit for
-    bit: under it a tall batch joins the wide batches of its transposed shape (an MLP's
-    up and down projections make one call, not two).
+    A matrix is a ``(count, rows, cols)`` batch, or a contiguous 2-D matrix, which is stacked
+    as it is and comes back 2-D and contiguous (no reshaping per matrix). Newton–Schulz
+    orients every matrix by its shape alone, so that ``ns(Xᵀ) = ns(X)ᵀ`` bit for bit: under
+    it a tall matrix joins the calls of its transposed shape (an MLP's up and down
+    projections make one call, not two).
     """
     turns = isinstance(ns, NewtonSchulz)
-    tall = [turns and m.shape[1] > m.shape[2] for m in matrices]
     buckets: dict[tuple[Any, ...], list[int]] = {}
     for i, m in enumerate(matrices):
-        shape = m.shape[:0:-1] if tall[i] else m.shape[1:]
+        rows, cols = m.shape[-2:]
+        shape = (cols, rows) if turns and rows > cols else (rows, cols)
         buckets.setdefault((shape, m.dtype, m.device, scales[i]), []).append(i)
     sizes = [m.numel() for m in matrices]
-    wide = [m.mT if t else m for m, t in zip(matrices, tall)]
     out: list[torch.Tensor] = list(matrices)
     for (_, _, _, scale), members in buckets.items():
         for chunk in _chunks(members, sizes, cap):
-            if len(chunk) == 1:
-                result = ns(wide[chunk[0]])
-            elif isinstance(ns, NewtonSchulz):  # the stack is this call's own: normalised in place
-                result = ns.orthogonalize(torch.cat([wide[j] for j in chunk]), overwrite_input=True)
-            else:
-                result = ns(torch.cat([wide[j] for j in chunk]))
-            if scale != 1.0:
-                result = result.mul_(scale)
-            for j, piece in zip(chunk, result.split([matrices[j].shape[0] for j in chunk])):
-                out[j] = piece.mT if tall[j] else piece
+            for j, result in zip(chunk, _call([matrices[j] for j in chunk], ns, scale)):
+                out[j] = result
+    return out
+
+
+def _call(matrices: list[torch.Tensor], ns: MatrixFn, scale: float) -> list[torch.Tensor]:
+    """``scale * ns`` of matrices of one (wide) shape in one call: the 2-D ones stacked as they
+    are, wide then tall, and handed back as contiguous slices; the batches after them."""
+    turns = isinstance(ns, NewtonSchulz)
+    flips = [turns and m.size(-2) > m.size(-1) for m in matrices]
+    flat = [m.ndim == 2 for m in matrices]
+    plain_wide = [k for k in range(len(matrices)) if flat[k] and not flips[k]]
+    plain_tall = [k for k in range(len(matrices)) if flat[k] and flips[k]]
+    batches = [k for k in range(len(matrices)) if not flat[k]]
+    pieces = [matrices[k].mT if flips[k] else matrices[k] for k in (*plain_wide, *plain_tall, *batches)]
+    own = len(pieces) > 1 or not batches  # a stack built here: the call may normalise it in place
+    if not batches:
+        stack = torch.stack(pieces)
+    elif len(pieces) == 1:
+        stack = pieces[0]
+    else:
+        stack = torch.cat([p.unsqueeze(0) if p.ndim == 2 else p for p in pieces])
+    result = ns.orthogonalize(stack, overwrite_input=own) if isinstance(ns, NewtonSchulz) else ns(stack)
+    if scale != 1.0:
+        result = result.mul_(scale)
+    if plain_wide or plain_tall:
+        result = result.contiguous()  # a function of one's own may return another layout
+    counts = [len(plain_wide), len(plain_tall), *(matrices[k].shape[0] for k in batches)]
+    wide, tall, *rest = result.split(counts)
+    out: list[torch.Tensor] = [None] * len(matrices)  # type: ignore[list-item]
+    for k, piece in zip(plain_wide, wide.unbind(0)):
+        out[k] = piece
+    for k, piece in zip(plain_tall, dense(tall.mT).unbind(0) if plain_tall else ()):
+        out[k] = piece
+    for k, piece in zip(batches, rest):
+        out[k] = piece.mT if flips[k] else piece
     return out
 
 
@@ -108,16 +135,23 @@ def orthogonalize_blocks(
     empty tensor; a contiguous tensor to a contiguous one.
     """
     shapes = [t.shape for t in tensors] if shapes is None else shapes
+    plain = _plain_matrices(tensors, views, shapes)
     matrices: list[torch.Tensor] = []
     scales: list[float] = []
-    for t, view, shape in zip(tensors, views, shapes):
-        if t.numel():
+    for t, view, shape, whole in zip(tensors, views, shapes, plain):
+        if whole:
+            matrices.append(t)
+            scales.append(scale(*t.shape))
+        elif t.numel():
             matrices += view.to_matrices(t)
             scales += block_scales(view, shape, scale)
     done = _batched(matrices, scales, ns, bucket_numel)
     out, pos = [], 0
-    for t, view in zip(tensors, views):
-        if t.numel():
+    for t, view, whole in zip(tensors, views, plain):
+        if whole:
+            out.append(done[pos])
+            pos += 1
+        elif t.numel():
             n = len(view.blocks(t.shape))
             result = view.from_matrices(done[pos : pos + n], t.shape)
             out.append(dense(result) if t.is_contiguous() else result)
@@ -125,6 +159,24 @@ def orthogonalize_blocks(
         else:
             out.append(torch.empty_like(t))
     return out
+
+
+def _plain_matrices(
+    tensors: Sequence[torch.Tensor], views: Sequence[MatrixView], shapes: Sequence[Sequence[int]]
+) -> list[bool]:
+    """Which tensors are one contiguous 2-D matrix as they are (their view reads them whole and
+    their scale is read from their own shape): those go into their calls as they are."""
+    return [
+        t.ndim == 2
+        and t.numel() > 0
+        and t.is_contiguous()
+        and not hasattr(t, "placements")
+        and v.batch_dims == 0
+        and v.split is None
+        and not v.transposed
+        and tuple(shape) == tuple(t.shape)
+        for t, v, shape in zip(tensors, views, shapes)
+    ]
 
 
 class LocalOrthogonalizer:

@@ -99,6 +99,13 @@ class MatrixView:
 
     def check(self, key: Key, shape: Sequence[int]) -> None:
         """Raises a ValueError naming ``key`` when this view cannot read ``shape``."""
+        if (
+            self.batch_dims >= 0
+            and len(shape) - self.batch_dims == 2
+            and self.split is None
+            and self.split_dim in (0, 1)
+        ):
+            return  # the common case, checked every update: one matrix, nothing to split
         name = dotted(key)
         if self.batch_dims < 0 or len(shape) - self.batch_dims < 2:
             raise ValueError(
