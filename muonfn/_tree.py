@@ -71,8 +71,8 @@ def flatten(td: TensorDictBase, *, keep_empty: bool = False) -> FlatState:
     root = (keep_empty, *td._tensordict)
     candidates = _by_root.get(root, [])
     for plan in candidates:
-        values: list[Any] = []
-        if _collect(td, plan.root, values):
+        values = plan.collect(td)
+        if values is not None:
             if plan is not candidates[0]:  # the most recent first
                 candidates[:] = [plan, *(c for c in candidates if c is not plan)]
             return dict(zip(plan.keys, values))
@@ -148,7 +148,8 @@ def _built(node: dict[str, Any], batch_size: torch.Size, new_node: Callable[...,
 # Plans: the layout of a structure seen before, kept so that flattening it again and
 # rebuilding it cost no new key tuples and little Python per leaf. A plan holds names only,
 # never tensors. Every use checks the structure in full (names at every node, the type of
-# every leaf), so a structure changed in place is never read through a stale plan.
+# every leaf), so a structure changed in place is never read through a stale plan. It reads
+# a structure in one loop over its nodes (depth first) and builds one by recursion.
 
 
 class _Node:
@@ -181,10 +182,32 @@ def _getter(names: tuple[str, ...]) -> Callable[[dict[str, Any]], tuple[Any, ...
 
 
 class _Plan:
-    __slots__ = ("keys", "root")
+    """A structure's layout: ``keys``, its flat keys in order, and ``root``, its nodes. For
+    :meth:`collect`, the nodes in depth-first order (the root first): ``names``, each node's
+    names in order; ``parents``, each node but the root as ``(parent, name)``; ``leaves``,
+    each flat entry as ``(node, name)``; ``kept``, the flat indices of kept empty nodes."""
+
+    __slots__ = ("kept", "keys", "leaves", "names", "parents", "root")
 
     def __init__(self, keys: list[Key], root: _Node) -> None:
         self.keys, self.root = keys, root
+        self.names: list[tuple[str, ...]] = []
+        self.parents: list[tuple[int, str]] = []
+        self.leaves: list[tuple[int, str]] = []
+        self.kept: list[int] = []
+        self._number(root)
+
+    def _number(self, node: _Node) -> None:
+        index = len(self.names)
+        self.names.append(node.names)
+        for name, child in zip(node.names, node.children):
+            if type(child) is _Node:
+                self.parents.append((index, name))
+                self._number(child)
+            else:
+                self.leaves.append((index, name))
+                if type(child) is _Kept:
+                    self.kept.append(child.index)
 
     @staticmethod
     def of(td: TensorDict, flat: FlatState) -> _Plan | None:
@@ -197,6 +220,29 @@ class _Plan:
             return None
         _LEAF_TYPES.update(type(v) for v in flat.values() if not _is_node(v))
         return _Plan(list(flat), root)
+
+    def collect(self, td: Any) -> list[Any] | None:
+        """``td``'s leaves in flat order if ``td`` has this structure; else ``None``."""
+        if type(td) is not TensorDict:
+            return None
+        nodes = [td._tensordict]
+        for parent, name in self.parents:
+            child = nodes[parent].get(name)
+            if type(child) is not TensorDict:
+                return None
+            nodes.append(child._tensordict)
+        if list(map(tuple, nodes)) != self.names:
+            return None  # other names, or the same in another order
+        values = [nodes[node][name] for node, name in self.leaves]
+        if not self.kept:
+            return values if _LEAF_TYPES.issuperset(map(type, values)) else None
+        kept = set(self.kept)
+        if not _LEAF_TYPES.issuperset(type(v) for i, v in enumerate(values) if i not in kept):
+            return None
+        # a kept node must still hold no tensor
+        if not all(_is_node(values[i]) and not _walk(values[i], (), {}, True) for i in self.kept):
+            return None
+        return values
 
 
 def _plan_node(td: TensorDictBase, prefix: Key, index: dict[Key, int]) -> _Node | None:
@@ -231,36 +277,6 @@ def _remember(plan: _Plan, root: tuple[Any, ...]) -> None:
         plans = table.setdefault(entry, [])
         plans.insert(0, plan)
         del plans[_PLANS_PER_ENTRY:]
-
-
-def _collect(td: Any, node: _Node, out: list[Any]) -> bool:
-    """Appends ``td``'s leaves to ``out`` if ``td`` has ``node``'s structure; else ``False``."""
-    if type(td) is not TensorDict:
-        return False
-    items = td._tensordict
-    if len(items) != len(node.names) or not all(map(operator.eq, items, node.names)):
-        return False  # other names, or the same in another order
-    get = node.get
-    if get is not None:
-        values = get(items)
-        if not _LEAF_TYPES.issuperset(map(type, values)):
-            return False
-        out.extend(values)
-        return True
-    for name, child in zip(node.names, node.children):
-        value = items[name]
-        if type(child) is _Node:
-            if not _collect(value, child, out):
-                return False
-        elif type(child) is int:
-            if type(value) not in _LEAF_TYPES:
-                return False
-            out.append(value)
-        else:
-            if not _is_node(value) or _walk(value, (), {}, True):
-                return False  # a kept node must still hold no tensor
-            out.append(value)
-    return True
 
 
 def _build(node: _Node, values: list[Any], size: torch.Size, new_node: Callable[..., TensorDict]) -> TensorDict:

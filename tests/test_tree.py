@@ -88,10 +88,14 @@ def _mutations() -> list[tuple[str, object]]:
         reordered = TensorDict({"1": momentum["1"], "0": momentum["0"]}, batch_size=[])
         td["muon", "momentum", "h"] = reordered
 
+    def replace_leaf(td: TensorDict) -> None:
+        td["adamw", "exp_avg", "b"] = torch.full((3,), 7.0)
+
     def rename(td: TensorDict) -> None:
         td["adamw", "step", "c"] = td["adamw", "step"].pop("b")
 
-    return [(f.__name__, f) for f in (add_leaf, leaf_to_node, node_to_leaf, drop_leaf, fill_empty, reorder, rename)]
+    mutations = (add_leaf, leaf_to_node, node_to_leaf, drop_leaf, fill_empty, reorder, replace_leaf, rename)
+    return [(f.__name__, f) for f in mutations]
 
 
 @pytest.mark.parametrize(("name", "mutate"), _mutations())
