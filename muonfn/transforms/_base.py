@@ -303,7 +303,7 @@ class StructureCache:
         self.entries: dict[Hashable, Any] = {}
 
     def get(self, leaves: Leaves, batch_size: torch.Size, compute: Callable[[], Any]) -> Any:
-        key = (tuple(leaves), tuple(tuple(t.shape) for t in leaves.values()), tuple(batch_size))
+        key = (tuple(leaves), tuple([t.shape for t in leaves.values()]), tuple(batch_size))
         hit = self.entries.get(key)
         if hit is None:
             hit = compute()
