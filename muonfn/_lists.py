@@ -41,6 +41,8 @@ def _as_tensor_operands(op: str, tensors: Tensors, operands: tuple[Any, ...]) ->
     dtype become 0-d tensors of that dtype: torch's CPU multi-tensor kernels convert a number
     operand once per tensor (an allocation and a copy each), a tensor of the list's dtype not
     at all. The kernels round the number to that dtype either way: the same bits."""
+    if not any(_scalar_operand(v) for v in operands):
+        return operands  # lists only: nothing to convert (and no need to scan the leaves' dtypes)
     first = tensors[0]
     dtype = first.dtype
     # (a DTensor list keeps its numbers: a plain tensor operand would meet leaves on several meshes)
@@ -63,6 +65,11 @@ def _as_tensor_operands(op: str, tensors: Tensors, operands: tuple[Any, ...]) ->
 
 
 _ONE_TENSOR_OPS = frozenset({"mul", "div"})
+
+
+def _scalar_operand(v: Any) -> bool:
+    """A number, or a 0-d tensor (the operands :func:`_as_tensor_operands` may convert)."""
+    return isinstance(v, float | int) or (isinstance(v, torch.Tensor) and v.ndim == 0)
 
 
 def apply(op: str, tensors: Tensors, *operands: Any, **kwargs: Any) -> list[torch.Tensor]:
