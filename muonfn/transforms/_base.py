@@ -74,13 +74,11 @@ class Scope:
 
     def read(self, entry: str, keys: Iterable[Key]) -> list[torch.Tensor]:
         """The state ``entry`` of every leaf of ``keys`` (checked present by :class:`Needs`)."""
-        base, given = (*self.prefix, entry), self.given
-        return [given[(*base, *k)] for k in keys]
+        given = self.given
+        return [given[k] for k in _entry_keys((*self.prefix, entry), keys)]
 
     def write(self, entry: str, keys: Iterable[Key], values: Iterable[torch.Tensor]) -> None:
-        base, returned = (*self.prefix, entry), self.returned
-        for k, v in zip(keys, values):
-            returned[(*base, *k)] = v
+        self.returned.update(zip(_entry_keys((*self.prefix, entry), keys), values))
 
     def get(self, entry: str) -> torch.Tensor:
         """A state entry kept once for all leaves (a step count)."""
@@ -100,6 +98,25 @@ class Scope:
         for k in [k for k in self.returned if len(k) > n and k[:n] == prefix and k[n] in entries]:
             del self.returned[k]
         self.returned.update({(*prefix, *k): v for k, v in flat.items()})
+
+
+#: state keys of the leaves under an entry, by (entry, leaves): the same every update
+_ENTRY_KEYS: dict[tuple[Key, tuple[Key, ...]], list[Key]] = {}
+_ENTRY_KEYS_KEPT = 256
+
+
+def _entry_keys(base: Key, keys: Iterable[Key]) -> list[Key]:
+    """``(*base, *key)`` for every key, the tuples of an earlier update when there was one
+    (no new tuples, and dicts keyed by them compare by identity)."""
+    leaves = tuple(keys)
+    if torch.compiler.is_compiling():
+        return [(*base, *k) for k in leaves]  # a cache changed while tracing would fail the guards
+    found = _ENTRY_KEYS.get((base, leaves))
+    if found is None:
+        if len(_ENTRY_KEYS) >= _ENTRY_KEYS_KEPT:
+            del _ENTRY_KEYS[next(iter(_ENTRY_KEYS))]
+        found = _ENTRY_KEYS[base, leaves] = [(*base, *k) for k in leaves]
+    return found
 
 
 class Needs:
