@@ -170,6 +170,18 @@ def test_same_shape_matrices_share_one_batched_iteration():
     assert {shape[0] for _, shape in counter.shapes} == {6}
 
 
+class CountedNewtonSchulz(muonfn.NewtonSchulz):
+    """muonfn's Newton–Schulz, noting the shape of every batch it is called on."""
+
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        object.__setattr__(self, "calls", [])
+
+    def orthogonalize(self, x, **options):
+        self.calls.append(tuple(x.shape))
+        return super().orthogonalize(x, **options)
+
+
 @pytest.mark.parametrize("method", ["standard", "gram"])
 def test_tall_matrices_join_the_batch_of_their_transposed_shape(method: str):
     """An MLP's 16×48 and 48×16 matrices make one Newton–Schulz call, with each result the
@@ -182,16 +194,10 @@ def test_tall_matrices_join_the_batch_of_their_transposed_shape(method: str):
         torch.randn(1, 16, 48, generator=g),
     ]
     ns = muonfn.NewtonSchulz(method=method)
-    calls = []
-
-    class Counted(muonfn.NewtonSchulz):
-        def orthogonalize(self, x, **options):
-            calls.append(tuple(x.shape))
-            return super().orthogonalize(x, **options)
-
     none = muonfn.linalg.shape_scale("none")
-    out = orthogonalize_blocks(mats, [MatrixView(batch_dims=1)] * 3, Counted(method=method), none)
-    assert calls == [(4, 16, 48)]
+    counted = CountedNewtonSchulz(method=method)
+    out = orthogonalize_blocks(mats, [MatrixView(batch_dims=1)] * 3, counted, none)
+    assert counted.calls == [(4, 16, 48)]
     for m, o in zip(mats, out):
         alone = ns(m)
         assert torch.equal(o, alone) and o.is_contiguous() and alone.is_contiguous()
@@ -215,16 +221,10 @@ def test_plain_matrices_are_stacked_as_they_are():
     ]
     views = [MatrixView(), MatrixView(), MatrixView(), MatrixView(batch_dims=1), MatrixView(), MatrixView()]
     ns = muonfn.NewtonSchulz()
-    calls = []
-
-    class Counted(muonfn.NewtonSchulz):
-        def orthogonalize(self, x, **options):
-            calls.append(tuple(x.shape))
-            return super().orthogonalize(x, **options)
-
     scale = muonfn.linalg.shape_scale("match_rms_adamw")
-    out = orthogonalize_blocks(tensors, views, Counted(), scale)
-    assert sorted(calls) == [(1, 8, 36), (1, 16, 16), (5, 16, 48)]
+    counted = CountedNewtonSchulz()
+    out = orthogonalize_blocks(tensors, views, counted, scale)
+    assert sorted(counted.calls) == [(1, 8, 36), (1, 16, 16), (5, 16, 48)]
     for t, view, o in zip(tensors, views, out):
         rows, cols = view.matrix_shape(t.shape)
         alone = view.from_matrices([ns(m) * scale(rows, cols) for m in view.to_matrices(t)], t.shape)
