@@ -207,6 +207,24 @@ def test_scale_by_adam_matches_the_formula_with_per_leaf_steps(device: torch.dev
     assert state["step", "w"].dtype == torch.int64
 
 
+def test_step_counts_are_new_tensors_or_counted_up_in_place() -> None:
+    """A functional update returns new counts and leaves the given ones as they were; a donated
+    update counts each leaf's own tensor up, also when the counts it is given came from a
+    functional update (views of one stack)."""
+    params = td(w=torch.zeros(3, 4, dtype=F64), b=torch.zeros(4, dtype=F64))
+    grads = random_like(params, seed=1)
+    functional, donated = muonfn.scale_by_adam(), muonfn.scale_by_adam(donate_state=True)
+    given = functional.init(params)
+    _, state = functional.update(grads, given, None)
+    assert [int(given["step", k]) for k in ("w", "b")] == [0, 0]
+    assert [int(state["step", k]) for k in ("w", "b")] == [1, 1]
+    counts = [state["step", k] for k in ("w", "b")]
+    _, state = donated.update(grads.exclude("b"), state, None)
+    assert state["step", "w"] is counts[0] and [int(c) for c in counts] == [2, 1]
+    _, state = donated.update(grads, state, None)
+    assert [int(state["step", k]) for k in ("w", "b")] == [3, 2]
+
+
 # --- add_decayed_weights --------------------------------------------------------------------------------
 
 
