@@ -124,11 +124,11 @@ class Needs:
     that updates its state in place must not have run when a later one finds bad input).
 
     ``entries``: top-level entries a scope must hold (``(where, scope prefix, names)``);
-    ``like``: state leaves that must exist with the gradient's shape and dtype;
-    ``present``: state leaves that must exist; ``shaped``: state leaves that must exist with
-    a given shape and the gradient's dtype (statistics of a leaf, such as one per row);
-    ``params``: whether ``params`` are required. Keys are full (prefixed) state keys, each
-    with the name of the transform that reads it.
+    ``like``: state leaves that must exist with their gradients' shapes and dtypes (``(where,
+    state keys, gradient keys)``); ``present``: state leaves that must exist (``(where, state
+    keys)``); ``shaped``: state leaves that must exist with a given shape and the gradient's
+    dtype (statistics of a leaf, such as one per row); ``params``: whether ``params`` are
+    required. State keys are full (prefixed) keys; ``where`` names the transform that reads them.
     """
 
     __slots__ = ("batch_size", "entries", "like", "params", "present", "shaped")
@@ -136,8 +136,8 @@ class Needs:
     def __init__(self, batch_size: torch.Size) -> None:
         self.batch_size = batch_size
         self.entries: list[tuple[str, Key, Sequence[str]]] = []
-        self.like: list[tuple[str, Key, Key]] = []
-        self.present: list[tuple[str, Key]] = []
+        self.like: list[tuple[str, Sequence[Key], Sequence[Key]]] = []
+        self.present: list[tuple[str, Sequence[Key]]] = []
         self.shaped: list[tuple[str, Key, Key, tuple[int, ...]]] = []
         self.params: list[str] = []
 
@@ -157,23 +157,14 @@ class Needs:
                     )
         if params is None and self.params:
             raise ValueError(f"{self.params[0]} needs params: call update(grads, state, params)")
-        for where, key in self.present:
-            if key not in state:
-                raise ValueError(f"{where}: state has no entry {dotted(key)!r}; was it made by this transform's init?")
-        for where, key, grad_key in self.like:
-            s = state.get(key)
-            if s is None:
-                raise ValueError(
-                    f"{where}: gradient {dotted(grad_key)!r} has no matching parameter or state "
-                    f"(no {dotted(key)!r} in the state)"
-                )
-            g = grads[grad_key]
-            if s.shape != g.shape:
-                raise ValueError(
-                    f"{where}: gradient {dotted(grad_key)!r} has shape {tuple(g.shape)}, expected {tuple(s.shape)}"
-                )
-            if s.dtype != g.dtype:
-                raise ValueError(f"{where}: gradient {dotted(grad_key)!r} has dtype {g.dtype}, expected {s.dtype}")
+        for where, keys in self.present:
+            for key in keys:
+                if key not in state:
+                    raise ValueError(
+                        f"{where}: state has no entry {dotted(key)!r}; was it made by this transform's init?"
+                    )
+        for where, keys, grad_keys in self.like:
+            _check_like(where, keys, grad_keys, state, grads)
         for where, key, grad_key, shape in self.shaped:
             s = state.get(key)
             if s is None:
@@ -184,6 +175,24 @@ class Needs:
                     f"{where}: gradient {dotted(grad_key)!r} of shape {tuple(g.shape)} and dtype {g.dtype} does not "
                     f"fit its state {dotted(key)!r} of shape {tuple(s.shape)} and dtype {s.dtype}"
                 )
+
+
+def _check_like(where: str, keys: Sequence[Key], grad_keys: Sequence[Key], state: FlatState, grads: Leaves) -> None:
+    """Each state leaf of ``keys`` must exist with its gradient's shape and dtype."""
+    for key, grad_key in zip(keys, grad_keys):
+        s = state.get(key)
+        if s is None:
+            raise ValueError(
+                f"{where}: gradient {dotted(grad_key)!r} has no matching parameter or state "
+                f"(no {dotted(key)!r} in the state)"
+            )
+        g = grads[grad_key]
+        if s.shape != g.shape:
+            raise ValueError(
+                f"{where}: gradient {dotted(grad_key)!r} has shape {tuple(g.shape)}, expected {tuple(s.shape)}"
+            )
+        if s.dtype != g.dtype:
+            raise ValueError(f"{where}: gradient {dotted(grad_key)!r} has dtype {g.dtype}, expected {s.dtype}")
 
 
 class Rule(NamedTuple):
@@ -210,9 +219,9 @@ def per_leaf_needs(name: str, entries: Sequence[str], counts: Sequence[str] = ()
     def needs(grads: Leaves, params: Leaves | None, prefix: Key, out: Needs) -> None:
         out.entries.append((name, prefix, (*entries, *counts)))
         for entry in entries:
-            out.like += [(name, (*prefix, entry, *k), k) for k in grads]
+            out.like.append((name, _entry_keys((*prefix, entry), grads), list(grads)))
         for entry in counts:
-            out.present += [(name, (*prefix, entry, *k)) for k in grads]
+            out.present.append((name, _entry_keys((*prefix, entry), grads)))
 
     return needs
 
