@@ -26,7 +26,8 @@ def scale_by_adam(
     nesterov: AdamNesterov = False,
     donate_state: bool = False,
 ) -> Transform:
-    r"""Adam's direction with bias correction, exactly as torch.optim.AdamW computes it.
+    r"""Adam's direction with bias correction: torch.optim.AdamW's (its ``eps`` added to the
+    bias-corrected root).
 
     .. math::  m_t = \beta_1 m_{t-1} + (1-\beta_1) g_t, \quad
                v_t = \beta_2 v_{t-1} + (1-\beta_2) g_t^2, \quad
@@ -43,6 +44,9 @@ def scale_by_adam(
 
     ``t`` counts per leaf, so a leaf that had no gradient keeps its own bias correction;
     for a stacked ensemble (params of batch size ``[N]``) it counts per leaf and member.
+    Without Nesterov the update is computed as :math:`m_t / (a\sqrt{v_t} + b)`, with
+    :math:`a = (1-\beta_1^t)/\sqrt{1-\beta_2^t}` and :math:`b = \epsilon(1-\beta_1^t)` per
+    leaf in fp64: the same value, one pass over the leaves less than dividing in turn.
 
     Args:
         b1: :math:`\beta_1` in [0, 1), a float or a 0-d tensor read once, when the transform
