@@ -134,8 +134,8 @@ def orthogonalize_blocks(
     tensors' (an expert shard of a larger tensor). A tensor without elements maps to an
     empty tensor; a contiguous tensor to a contiguous one.
     """
-    shapes = [t.shape for t in tensors] if shapes is None else shapes
     plain = _plain_matrices(tensors, views, shapes)
+    shapes = [t.shape for t in tensors] if shapes is None else shapes
     matrices: list[torch.Tensor] = []
     scales: list[float] = []
     for t, view, shape, whole in zip(tensors, views, shapes, plain):
@@ -162,11 +162,11 @@ def orthogonalize_blocks(
 
 
 def _plain_matrices(
-    tensors: Sequence[torch.Tensor], views: Sequence[MatrixView], shapes: Sequence[Sequence[int]]
+    tensors: Sequence[torch.Tensor], views: Sequence[MatrixView], shapes: Sequence[Sequence[int]] | None
 ) -> list[bool]:
     """Which tensors are one contiguous 2-D matrix as they are (their view reads them whole and
     their scale is read from their own shape): those go into their calls as they are."""
-    return [
+    plain = [
         t.ndim == 2
         and t.numel() > 0
         and t.is_contiguous()
@@ -174,9 +174,11 @@ def _plain_matrices(
         and v.batch_dims == 0
         and v.split is None
         and not v.transposed
-        and tuple(shape) == tuple(t.shape)
-        for t, v, shape in zip(tensors, views, shapes)
+        for t, v in zip(tensors, views)
     ]
+    if shapes is None:
+        return plain
+    return [whole and tuple(shape) == tuple(t.shape) for whole, t, shape in zip(plain, tensors, shapes)]
 
 
 class LocalOrthogonalizer:
