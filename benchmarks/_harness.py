@@ -106,6 +106,23 @@ def run_interleaved(entries: list[Entry], device: torch.device, log: Callable[[s
             e.times.append(time.perf_counter() - t0)
 
 
+def time_in_a_row(entries: list[Entry], steps: int, device: torch.device) -> None:
+    """After :func:`run_interleaved`: each entry's median over ``steps`` steps taken one after
+    another (``info["in_a_row_ms"]``). Interleaved, a step also pays for the data the other
+    contenders' steps evicted, as a training step does after the forward and backward passes;
+    in a row, its data stays in the caches: the two bracket what a step costs."""
+    for e in entries:
+        assert e.step is not None
+        times = []
+        for _ in range(steps):
+            synchronize(device)
+            t0 = time.perf_counter()
+            e.step()
+            synchronize(device)
+            times.append(time.perf_counter() - t0)
+        e.info["in_a_row_ms"] = statistics.median(times) * 1e3
+
+
 def matmul_entry(device: torch.device, dtype: torch.dtype, size: int, repeats: int) -> Entry:
     """One ``size×size`` matmul: the hardware's throughput for this dtype."""
 

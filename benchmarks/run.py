@@ -17,7 +17,8 @@ Sections (``--sections``, default ``step,ns,elementwise,overhead,fixed``; ``comp
 - ``overhead``: the fixed cost of an update (one-element tensors), nested against flat keys.
 - ``fixed``: the fixed cost of every contender's step on a 24-layer GPT's structure of tiny
   tensors (292 leaves), one thread: muonfn against torch.optim.Muon + AdamW(foreach) and
-  torch.optim.AdamW(foreach), and the peers.
+  torch.optim.AdamW(foreach), and the peers; interleaved (the targets' figures: each step also
+  pays for what the others evicted from the caches), then each contender's steps in a row.
 - ``compile``: ``torch.compile(update, fullgraph=True)`` against eager: compile time and step
   (and heavyball's compiled step where installed).
 
@@ -56,6 +57,7 @@ from _harness import (  # noqa: E402
     matmul_flops,
     run_interleaved,
     synchronize,
+    time_in_a_row,
 )
 
 import muonfn  # noqa: E402
@@ -474,6 +476,7 @@ def section_fixed(args: argparse.Namespace, prof: dict[str, Any], device: torch.
     torch.set_num_threads(1)
     try:
         run_interleaved(entries, device, log)
+        time_in_a_row(entries, repeats, device)
     finally:
         torch.set_num_threads(threads)
     by_name = {e.name: e for e in entries}
@@ -489,20 +492,43 @@ def section_fixed(args: argparse.Namespace, prof: dict[str, Any], device: torch.
     for e in entries:
         # AdamW steps against torch's AdamW, the Muon steps against torch's Muon + AdamW
         reference = TORCH_ADAMW if e.name in adamw_steps else TORCH_MUON
-        rec = {**entry_record(e), "reference": reference, "x_reference": e.median / by_name[reference].median}
+        in_a_row = e.info["in_a_row_ms"] / by_name[reference].info["in_a_row_ms"]
+        rec = {
+            **entry_record(e),
+            "reference": reference,
+            "x_reference": e.median / by_name[reference].median,
+            "x_reference_in_a_row": in_a_row,
+        }
         out["contenders"][e.name] = rec
-        rows.append([e.name, fmt(e.median * 1e3, 2), fmt(rec["min_ms"], 2), reference, fmt(rec["x_reference"], 2)])
+        rows.append(
+            [
+                e.name,
+                fmt(e.median * 1e3, 2),
+                fmt(rec["min_ms"], 2),
+                fmt(e.info["in_a_row_ms"], 2),
+                reference,
+                fmt(rec["x_reference"], 2),
+                fmt(in_a_row, 2),
+            ]
+        )
     ratios = {
         "functional_over_torch_muon": ("muonfn", TORCH_MUON),
         "shim_over_torch_muon": ("muonfn shim", TORCH_MUON),
         "adamw_over_torch_adamw": ("muonfn adamw", TORCH_ADAMW),
     }
-    out["ratios"] = {
-        key: by_name[a].median / by_name[b].median for key, (a, b) in ratios.items() if a in by_name and b in by_name
+    present = {key: (a, b) for key, (a, b) in ratios.items() if a in by_name and b in by_name}
+    out["ratios"] = {key: by_name[a].median / by_name[b].median for key, (a, b) in present.items()}
+    out["ratios_in_a_row"] = {
+        key: by_name[a].info["in_a_row_ms"] / by_name[b].info["in_a_row_ms"] for key, (a, b) in present.items()
     }
-    print(f"\nFixed cost of one step: {leaves} tiny leaves shaped like {ps.description}; one thread, {repeats} rounds")
-    print(table(["contender", "median ms", "min ms", "reference", "× reference"], rows))
+    print(
+        f"\nFixed cost of one step: {leaves} tiny leaves shaped like {ps.description}; one thread, {repeats} "
+        f"interleaved rounds, then {repeats} steps in a row per contender"
+    )
+    headers = ["contender", "median ms", "min ms", "in a row ms", "reference", "× reference", "× in a row"]
+    print(table(headers, rows))
     print("  " + ", ".join(f"{key.replace('_', ' ')}: {value:.2f}×" for key, value in out["ratios"].items()))
+    print("  in a row: " + ", ".join(f"{key.replace('_', ' ')}: {v:.2f}×" for key, v in out["ratios_in_a_row"].items()))
     return out
 
 
