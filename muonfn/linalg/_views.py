@@ -99,30 +99,22 @@ class MatrixView:
 
     def check(self, key: Key, shape: Sequence[int]) -> None:
         """Raises a ValueError naming ``key`` when this view cannot read ``shape``."""
-        if (
-            self.batch_dims >= 0
-            and len(shape) - self.batch_dims == 2
-            and self.split is None
-            and self.split_dim in (0, 1)
-        ):
-            return  # the common case, checked every update: one matrix, nothing to split
-        name = dotted(key)
         if self.batch_dims < 0 or len(shape) - self.batch_dims < 2:
             raise ValueError(
-                f"{name!r}: shape {tuple(shape)} with batch_dims={self.batch_dims} holds no matrix "
+                f"{dotted(key)!r}: shape {tuple(shape)} with batch_dims={self.batch_dims} holds no matrix "
                 "(Newton–Schulz needs at least 2 dimensions after the batch dimensions; label it for AdamW)"
             )
         if self.transposed and len(shape) - self.batch_dims != 2:
             raise ValueError(
-                f"{name!r}: transposed=True needs a 2-D matrix after the batch dimensions, got {tuple(shape)}"
+                f"{dotted(key)!r}: transposed=True needs a 2-D matrix after the batch dimensions, got {tuple(shape)}"
             )
         if self.split_dim not in (0, 1):
-            raise ValueError(f"{name!r}: split_dim must be 0 (rows) or 1 (columns), got {self.split_dim}")
+            raise ValueError(f"{dotted(key)!r}: split_dim must be 0 (rows) or 1 (columns), got {self.split_dim}")
         if self.split is not None:
             length = self.matrix_shape(shape)[self.split_dim]
             if sum(self.split) != length or any(s < 1 for s in self.split):
                 raise ValueError(
-                    f"{name!r}: split {self.split} does not partition the {length} "
+                    f"{dotted(key)!r}: split {self.split} does not partition the {length} "
                     f"{'rows' if self.split_dim == 0 else 'columns'} of shape {tuple(shape)}"
                 )
 
