@@ -86,15 +86,15 @@ def _functional_step(tx: muonfn.Transform, ps: ParamSet, compile: bool) -> Step:
 
 
 def make_donated(ps: ParamSet, **options: Any) -> Step:
-    """``tx.update`` with ``donate_state=True`` and the updates added in place: the state and
-    the parameters are updated in place, as a torch.optim shim steps."""
+    """``tx.update`` with ``donate_state=True`` and ``apply_updates_``: the state and the
+    parameters are updated in place, as a torch.optim shim steps."""
     tx = muonfn_tx(ps, donate_state=True, **options)
     params, grads = tensordicts(ps)
     box = {"state": tx.init(params)}
 
     def step() -> None:
         updates, box["state"] = tx.update(grads, box["state"], params)
-        params.add_(updates)
+        muonfn.apply_updates_(params, updates)
 
     return step
 
@@ -187,14 +187,14 @@ def make_functional_adamw(ps: ParamSet, compile: bool = False) -> Step:
 
 
 def make_donated_adamw(ps: ParamSet) -> Step:
-    """``muonfn.adamw(donate_state=True)`` with the updates added in place."""
+    """``muonfn.adamw(donate_state=True)`` with ``apply_updates_``: state and parameters in place."""
     tx = muonfn.adamw(lr=ADAM_LR, betas=BETAS, eps=ADAM_EPS, weight_decay=WD, donate_state=True)
     params, grads = tensordicts(ps)
     box = {"state": tx.init(params)}
 
     def step() -> None:
         updates, box["state"] = tx.update(grads, box["state"], params)
-        params.add_(updates)
+        muonfn.apply_updates_(params, updates)
 
     return step
 

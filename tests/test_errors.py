@@ -397,6 +397,22 @@ def test_apply_updates_rejects_other_shapes_and_unknown_keys() -> None:
     assert_td_equal(p, kept)
 
 
+@pytest.mark.parametrize("bad", ["shape", "name"])
+def test_apply_updates_in_place_checks_every_update_before_writing_any(bad: str) -> None:
+    p = params()
+    kept = p.clone()
+    updates = p.apply(torch.ones_like)  # every other leaf would be stepped first
+    if bad == "shape":
+        updates.set(("1", "weight"), torch.ones(2, 1))  # the last leaf
+        match = r"apply_updates_: update '1.weight' has shape \(2, 1\), the parameter \(2, 4\)"
+    else:
+        updates.set(("1", "wieght"), torch.ones(2, 4))  # after the others
+        match = r"apply_updates_: update '1.wieght' has no matching parameter"
+    with pytest.raises(ValueError, match=match):
+        muonfn.apply_updates_(p, updates)
+    assert_td_equal(p, kept)
+
+
 # --- schedules, checked when called -------------------------------------------------------------------------
 
 

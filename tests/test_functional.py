@@ -308,6 +308,22 @@ def test_apply_updates_keeps_each_parameters_dtype() -> None:
     assert_td_equal(compiled(params, updates), new)
 
 
+def test_apply_updates_in_place_gives_the_same_bits_and_returns_the_params() -> None:
+    model = mlp(5)
+    params = TensorDict.from_module(model)  # Parameters that require gradients, as a module holds them
+    params.set("h", torch.ones(4, dtype=torch.bfloat16)).set("s", torch.ones(()))
+    updates = random_like(params, seed=3).exclude(("0", "bias"))  # a leaf without an update
+    updates.set(("0", "weight"), updates["0", "weight"].double()).set("h", torch.full((4,), 1e-3))
+    expected = muonfn.apply_updates(params.detach(), updates)
+    storages = {k: v.data_ptr() for k, v in params.items(True, True)}
+    assert muonfn.apply_updates_(params, updates) is params
+    assert_td_equal(params.detach(), expected)
+    assert {k: v.data_ptr() for k, v in params.items(True, True)} == storages
+    assert params["0", "weight"].dtype == torch.float32 and params["h"].dtype == torch.bfloat16
+    assert torch.equal(model[0].weight.detach(), expected["0", "weight"])  # the module's own tensors stepped
+    assert all(p.grad_fn is None for p in params.values(True, True))  # no step recorded by autograd
+
+
 def test_a_tensor_schedule_stays_traceable() -> None:
     params = TensorDict.from_module(mlp(7)).detach()
     tx = muonfn.muon(lr=lambda count: 0.05 * torch.clamp((count + 1) / 4, max=1.0), weight_decay=0.1)

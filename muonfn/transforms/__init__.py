@@ -7,7 +7,7 @@ distributed strategies reach :func:`orthogonalize` as an injected ``orthogonaliz
 
 from ._adam import scale_by_adam
 from ._adamuon import scale_by_element_rms
-from ._base import InitFn, Transform, UpdateFn, apply_updates, empty_state
+from ._base import InitFn, Transform, UpdateFn, apply_updates, apply_updates_, empty_state
 from ._cautious import CAUTIOUS_MODES, CautiousMode, cautious
 from ._combine import LabelsLike, apply_if_finite, chain, masked, named, partition, resolve_labels
 from ._decay import add_decayed_weights
@@ -50,6 +50,7 @@ __all__ = [
     "add_decayed_weights",
     "apply_if_finite",
     "apply_updates",
+    "apply_updates_",
     "cautious",
     "chain",
     "ema_momentum",
