@@ -73,10 +73,9 @@ def train(steps: int, replicated: str, collectives: CountingCollectives) -> tupl
         loss = nn.functional.cross_entropy(ddp(tokens), targets)
         loss.backward()  # DDP all-reduces: every rank now holds the same whole gradients
         grads = TensorDict({tuple(n.split(".")): p.grad for n, p in model.named_parameters()}, [])
-        with torch.no_grad():
-            params = TensorDict.from_module(model).detach()
-            updates, state = tx.update(grads, state, params)
-            params.copy_(muonfn.apply_updates(params, updates))  # plain tensors: copied back in one call
+        params = TensorDict.from_module(model).detach()  # sharing storage with the model
+        updates, state = tx.update(grads, state, params)
+        muonfn.apply_updates_(params, updates)  # the model stepped in place
         model.zero_grad(set_to_none=True)
         total = loss.detach().clone()
         dist.all_reduce(total)

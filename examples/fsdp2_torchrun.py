@@ -79,15 +79,10 @@ def train_step(model: nn.Module, tx: muonfn.Transform, state: TensorDict, step: 
     tokens, targets = batch(step, dist.get_rank(), dist.get_world_size())
     loss = nn.functional.cross_entropy(model(tokens), targets)
     loss.backward()  # FSDP2 reduce-scatters: every p.grad is this rank's shard (a DTensor)
-    names = [n for n, p in model.named_parameters() if p.grad is not None]
     grads = TensorDict({tuple(n.split(".")): p.grad for n, p in model.named_parameters() if p.grad is not None}, [])
-    with torch.no_grad():
-        params = TensorDict.from_module(model).detach()
-        updates, state = tx.update(grads, state, params)
-        new = muonfn.apply_updates(params, updates)
-        for name, p in model.named_parameters():
-            if name in names:
-                p.copy_(new[tuple(name.split("."))])  # DTensor has no _foreach_copy_: copy leaf by leaf
+    params = TensorDict.from_module(model).detach()  # this rank's DTensor shards, sharing storage with the model
+    updates, state = tx.update(grads, state, params)
+    muonfn.apply_updates_(params, updates)  # the model's shards stepped in place
     model.zero_grad(set_to_none=True)
     total = loss.detach().clone()
     dist.all_reduce(total)

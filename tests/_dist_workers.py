@@ -95,10 +95,17 @@ def check_params(model: nn.Module, expected: TensorDict, what: str, exact: bool 
 
 
 def train_step(
-    model: nn.Module, tx: muonfn.Transform, state: TensorDict, step: int, exact: Reference | None, data_slice: slice
+    model: nn.Module,
+    tx: muonfn.Transform,
+    state: TensorDict,
+    step: int,
+    exact: Reference | None,
+    data_slice: slice,
+    in_place: bool = False,
 ) -> TensorDict:
     """One training step; with ``exact``, the gradients are shards of the reference's (after a real
-    backward on the first step only, which is all the optimizer's correctness needs)."""
+    backward on the first step only, which is all the optimizer's correctness needs). ``in_place``:
+    the module's parameters are stepped by ``apply_updates_`` instead of written back."""
     if exact is None or step == 0:
         tokens, targets = batches()[step]
         loss_of(model, tokens[data_slice], targets[data_slice]).backward()
@@ -119,9 +126,12 @@ def train_step(
     with torch.no_grad():
         params = TensorDict.from_module(model).detach()
         updates, state = tx.update(grads, state, params)
-        new = muonfn.apply_updates(params, updates)
-        for name, p in model.named_parameters():  # TensorDict.copy_ uses _foreach_copy_, which DTensor lacks
-            p.copy_(new[key_of(name)])
+        if in_place:
+            muonfn.apply_updates_(params, updates)
+        else:
+            new = muonfn.apply_updates(params, updates)
+            for name, p in model.named_parameters():  # TensorDict.copy_ uses _foreach_copy_, which DTensor lacks
+                p.copy_(new[key_of(name)])
     model.zero_grad(set_to_none=True)
     return state
 
@@ -142,12 +152,13 @@ def exact_run(
     reference: Reference,
     what: str,
     tx: muonfn.Transform | None = None,
+    in_place: bool = False,
 ) -> None:
     check_params(model, reference.params[0], f"{what} initial layout")  # muonfn's layout is FSDP's
     tx = make_tx(collectives=collectives, strategy=strategy) if tx is None else tx
     state = tx.init(TensorDict.from_module(model).detach())
     for step in range(STEPS):
-        state = train_step(model, tx, state, step, reference, slice(None))
+        state = train_step(model, tx, state, step, reference, slice(None), in_place)
     check_params(model, reference.params[-1], f"{what} {strategy}", exact=strategy in EXACT)
     check_state_mirrors_params(model, state)
 
@@ -285,11 +296,12 @@ def replicated_run(rank: int, world: int, reference: Reference) -> None:
 
 
 def donated_state_run(rank: int, world: int, reference: Reference) -> None:
-    """FSDP2 with ``donate_state=True``: the DTensor state is updated in place, bitwise the single-process run."""
+    """FSDP2 with ``donate_state=True`` and ``apply_updates_``: the DTensor state and parameters are
+    updated in place, bitwise the single-process run."""
     mesh = init_device_mesh("cpu", (world,))
     collectives = torch_collectives(mesh)
     tx = make_tx(collectives=collectives, donate_state=True)
-    exact_run(fsdp(make_net(), mesh), collectives, "owner", reference, "FSDP2 donated", tx=tx)
+    exact_run(fsdp(make_net(), mesh), collectives, "owner", reference, "FSDP2 donated", tx=tx, in_place=True)
 
 
 def skipped_step_run(rank: int, world: int, reference: Reference) -> None:
