@@ -88,7 +88,10 @@ def _functional_step(tx: muonfn.Transform, ps: ParamSet, compile: bool) -> Step:
 def make_donated(ps: ParamSet, **options: Any) -> Step:
     """``tx.update`` with ``donate_state=True`` and ``apply_updates_``: the state and the
     parameters are updated in place, as a torch.optim shim steps."""
-    tx = muonfn_tx(ps, donate_state=True, **options)
+    return _donated_step(muonfn_tx(ps, donate_state=True, **options), ps)
+
+
+def _donated_step(tx: muonfn.Transform, ps: ParamSet) -> Step:
     params, grads = tensordicts(ps)
     box = {"state": tx.init(params)}
 
@@ -188,15 +191,7 @@ def make_functional_adamw(ps: ParamSet, compile: bool = False) -> Step:
 
 def make_donated_adamw(ps: ParamSet) -> Step:
     """``muonfn.adamw(donate_state=True)`` with ``apply_updates_``: state and parameters in place."""
-    tx = muonfn.adamw(lr=ADAM_LR, betas=BETAS, eps=ADAM_EPS, weight_decay=WD, donate_state=True)
-    params, grads = tensordicts(ps)
-    box = {"state": tx.init(params)}
-
-    def step() -> None:
-        updates, box["state"] = tx.update(grads, box["state"], params)
-        muonfn.apply_updates_(params, updates)
-
-    return step
+    return _donated_step(muonfn.adamw(lr=ADAM_LR, betas=BETAS, eps=ADAM_EPS, weight_decay=WD, donate_state=True), ps)
 
 
 def make_torch_adamw(ps: ParamSet, foreach: bool = True) -> Step:
