@@ -102,6 +102,25 @@ def test_experts_are_separate_matrices() -> None:
     assert out["moe"].norm() / newton_schulz(experts).norm() == pytest.approx(math.sqrt(20), rel=1e-5)
 
 
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_a_map_that_hands_its_input_back_leaves_the_state_and_gradients_alone(nesterov: bool) -> None:
+    # a stack of experts is its own Newton–Schulz call, so the map is given the leaf itself
+    # (without Nesterov, the new momentum), which the shape scale, decay and lr must not write into
+    experts, grads = gaussian(3, 12, 20, seed=5), td(moe=gaussian(3, 12, 20, seed=6))
+    kept = grads.clone()
+    tx = muonfn.muon(
+        lr=0.1, weight_decay=0.1, nesterov=nesterov, ns_method=lambda x: x, views={"moe": MatrixView(batch_dims=1)}
+    )
+    state = tx.init(td(moe=experts))
+    updates, state = tx.update(grads, state, td(moe=experts))
+    assert_td_equal(grads, kept)
+    momentum = 0.05 * kept["moe"]  # lerp from zero
+    torch.testing.assert_close(state["muon", "momentum", "moe"], momentum, atol=0, rtol=0)
+    direction = momentum.lerp(kept["moe"], 0.05) if nesterov else momentum
+    expected = -0.1 * (0.2 * math.sqrt(20) * direction + 0.1 * experts)
+    torch.testing.assert_close(updates["moe"], expected)
+
+
 @pytest.mark.parametrize("scale", ["original", "unit_rms_norm", "match_rms_adamw"])
 def test_fused_qkv_equals_separate_q_k_v(scale: str) -> None:
     """GQA: q has 4 heads, k and v one each (head dim 8), all from 16 inputs."""

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from .._keys import Key, dotted
-from ._newton_schulz import NewtonSchulz, dense
+from ._newton_schulz import NewtonSchulz, dense, may_write_into
 from ._views import MatrixView, ScaleFn, block_scales
 
 MatrixFn = Callable[[torch.Tensor], torch.Tensor]
@@ -27,7 +27,8 @@ class Orthogonalizer(Protocol):
 
     ``keys`` name the tensors (for errors, and for settings given by name), ``views`` say
     how each is read as matrices, ``ns`` maps a ``(count, m, n)`` batch of matrices.
-    Returns one tensor per input, of its type, shape and dtype.
+    Returns one tensor per input, of its type, shape and dtype, each a tensor of this call's
+    own (never an input, nor a view of one): the steps after it may write into it.
     """
 
     def __call__(
@@ -102,6 +103,8 @@ def _call(matrices: list[torch.Tensor], ns: MatrixFn, scale: float) -> list[torc
     else:
         stack = torch.cat([p.unsqueeze(0) if p.ndim == 2 else p for p in pieces])
     result = ns.orthogonalize(stack, overwrite_input=own) if isinstance(ns, NewtonSchulz) else ns(stack)
+    if not (own or turns) and _may_share_memory(result, stack):  # a map of one's own may hand its input back
+        result = result.clone()
     if scale != 1.0:
         result = result.mul_(scale)
     if plain_wide or plain_tall:
@@ -116,6 +119,12 @@ def _call(matrices: list[torch.Tensor], ns: MatrixFn, scale: float) -> list[torc
     for k, piece in zip(batches, rest):
         out[k] = piece.mT if flips[k] else piece
     return out
+
+
+def _may_share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if type(a) is type(b) is torch.Tensor and may_write_into(a):
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    return True  # traced, or a tensor subclass: no storage to compare
 
 
 def orthogonalize_blocks(

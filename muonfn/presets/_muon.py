@@ -164,7 +164,6 @@ def muon_branch(
         weight_decay_mask=weight_decay_mask,
         cautious_weight_decay=cautious_weight_decay,
         cautious_mode=cautious_mode,
-        donate_state=donate_state,
     )
 
 
@@ -188,15 +187,18 @@ def finish_branch(
     weight_decay_mask: MaskLike,
     cautious_weight_decay: bool,
     cautious_mode: CautiousMode | None,
-    donate_state: bool,
 ) -> Transform:
-    """``direction`` (made cautious with ``cautious_mode``), then the weight decay and the learning rate."""
+    """``direction`` (made cautious with ``cautious_mode``), then the weight decay and the learning rate.
+
+    Both write into the direction's tensors, which are this step's own: an orthogonalizer
+    returns fresh tensors (its contract), and the shape scale and caution compute out of place.
+    """
     if cautious_mode is not None:
         direction = cautious(direction, mode=cautious_mode)
     return chain(
         direction,
-        add_decayed_weights(weight_decay, mask=weight_decay_mask, cautious=cautious_weight_decay, inplace=donate_state),
-        scale_by_learning_rate(lr, inplace=donate_state),
+        add_decayed_weights(weight_decay, mask=weight_decay_mask, cautious=cautious_weight_decay, inplace=True),
+        scale_by_learning_rate(lr, inplace=True),
     )
 
 

@@ -170,7 +170,6 @@ def adapted_branch(
         weight_decay_mask=weight_decay_mask,
         cautious_weight_decay=cautious_weight_decay,
         cautious_mode=cautious_mode,
-        donate_state=donate_state,
     )
 
 

@@ -59,7 +59,7 @@ def add_decayed_weights(
         cautious: decay only where the incoming update and the parameter agree in sign.
         inplace: add into the incoming updates (the same bits) unless autograd
             records them or a ``torch.func`` transform is active: only after a transform that
-            returns fresh tensors, as in :func:`muonfn.adamw`.
+            returns fresh tensors, as every preset's direction does.
 
     Returns:
         A stateless :class:`Transform`; its ``update`` needs ``params``.

@@ -44,7 +44,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, inplace: bool = F
             checked: 0-d, or for a stacked ensemble one value per member, as its count is).
         inplace: scale the incoming updates in place (same bits, no new tensors) unless
             autograd records them or a ``torch.func`` transform is active: only after a
-            transform that returns fresh tensors, as :func:`muonfn.adamw` does.
+            transform that returns fresh tensors, as every preset's direction does.
 
     Returns:
         A :class:`Transform`, stateless unless ``learning_rate`` is a schedule.
