@@ -143,6 +143,14 @@ TABLE: tuple[Entry, ...] = (
         bitwise=NEWTON_SCHULZ,
     ),
     Entry(
+        # a map that hands its input back: the experts' stack is the momentum itself, which the
+        # shape scale, the decay and the learning rate write into unless the orthogonalizer copies it
+        "muon(identity map, no Nesterov)",
+        lambda **kw: muonfn.muon(lr=0.02, nesterov=False, weight_decay=0.1, ns_method=lambda x: x, views=VIEWS, **kw),
+        donate=True,
+        skip={"compile": "the same update as the muon entry's, with a map of one's own"},
+    ),
+    Entry(
         "adamw",
         lambda **kw: muonfn.adamw(
             lr=torch.tensor(0.01), betas=(0.8, 0.99), weight_decay=0.1, weight_decay_mask=NO_DECAY, **kw
