@@ -249,6 +249,17 @@ TABLE: tuple[Entry, ...] = (
         bitwise=NEWTON_SCHULZ,
     ),
     Entry(
+        "adamuon(both bias corrections)",
+        lambda **kw: muonfn.adamuon(
+            lr=0.02, views=VIEWS, momentum_bias_correction=True, second_moment_bias_correction=True, **kw
+        ),
+        missing=(("mlp", "up"), ("mlp", "bias")),
+        probes=(("mlp", "up"), ("mlp", "bias")),
+        donate=True,
+        bitwise=NEWTON_SCHULZ,
+        skip={"compile": "the adamuon entry's update with one more named member"},
+    ),
+    Entry(
         "muon(variant momenta)",
         lambda **kw: muonfn.muon(
             lr=0.02, nesterov="add", cautious_weight_decay=True, cautious_mode="heavyball", views=VIEWS, **kw

@@ -156,3 +156,27 @@ def test_a_row_moment_that_does_not_fit_fails_before_the_momentum_is_donated(bro
     with pytest.raises(ValueError, match=r"scale_by_neuron_norm: gradient 'w' of shape \(4, 6\).*does not fit"):
         tx.update(grads, state, params)
     assert (state == before).all()
+
+
+def test_adamuon_with_both_bias_corrections_is_its_parts_chained():
+    """Both corrections count steps under ``step``: the second moment's is kept under
+    ``second_moment``, and the update is that of the public transforms chained by hand."""
+    tx = muonfn.adamuon(lr=0.02, weight_decay=0.1, momentum_bias_correction=True, second_moment_bias_correction=True)
+    parts = muonfn.chain(
+        muonfn.ema_momentum(0.9, nesterov=False, bias_correction=True),
+        muonfn.scale_by_sign(),
+        muonfn.orthogonalize(),
+        muonfn.named("second_moment", muonfn.scale_by_element_rms(0.95, eps=1e-10, bias_correction=True)),
+        muonfn.scale_by_shape("match_rms_adamw"),
+        muonfn.add_decayed_weights(0.1),
+        muonfn.scale_by_learning_rate(0.02),
+    )
+    gen = torch.Generator().manual_seed(0)
+    params = TensorDict({"w": torch.randn(16, 32, generator=gen)}, [])
+    state, reference = tx.init(params), parts.init(params)
+    for _ in range(3):
+        grads = TensorDict({"w": torch.randn(16, 32, generator=gen)}, [])
+        updates, state = tx.update(grads, state, params)
+        expected, reference = parts.update(grads, reference, params)
+        assert torch.equal(updates["w"], expected["w"])
+    assert int(state["muon", "step", "w"]) == int(state["muon", "second_moment", "step", "w"]) == 3

@@ -26,6 +26,7 @@ from ..transforms import (
     ViewsLike,
     chain,
     ema_momentum,
+    named,
     orthogonalize,
     scale_by_element_rms,
     scale_by_neuron_norm,
@@ -49,6 +50,10 @@ VARIANT_OPTIONS: tuple[str, ...] = (
     "sign_momentum",
     "second_moment_bias_correction",
 )
+
+#: Where AdaMuon keeps its second moment when the momentum's bias correction keeps the step
+#: count at the branch's top level.
+SECOND_MOMENT = "second_moment"
 
 #: Each variant's defaults (those of :func:`~muonfn.muon`, :func:`normuon`, :func:`adamuon`) for
 #: the settings whose defaults differ between variants; an option of :data:`VARIANT_OPTIONS` a
@@ -146,6 +151,8 @@ def adapted_branch(
         )
     else:
         raise ValueError(f"unknown variant {variant!r}; choose 'normuon' or 'adamuon'")
+    if momentum_bias_correction and second_moment_bias_correction:
+        adapt = named(SECOND_MOMENT, adapt)  # both corrections count steps under "step"
     steps = [
         ema_momentum(momentum, nesterov=nesterov, bias_correction=momentum_bias_correction, donate_state=donate_state)
     ]
@@ -353,7 +360,9 @@ def adamuon(
 
     Returns:
         A :class:`Transform` with state ``{"muon": {"momentum", "exp_avg_sq"}, "adamw": {...}}``
-        (and ``"step"`` in ``"muon"`` with ``second_moment_bias_correction``).
+        (and ``"step"`` in ``"muon"`` with ``second_moment_bias_correction`` or
+        ``momentum_bias_correction``; with both, each keeps its own count, the second
+        moment's as ``{"muon": {"momentum", "step", "second_moment": {"exp_avg_sq", "step"}}}``).
 
     Example:
         >>> params = TensorDict({"w": torch.randn(4, 8), "b": torch.zeros(4)}, [])
