@@ -45,6 +45,27 @@ def storages(td: TensorDict) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in td.values(True, True)}
 
 
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("preset", ["muon", "normuon", "adamuon", "adamw"])
+@pytest.mark.parametrize("cautious", [False, True])
+def test_parameters_that_autograd_records_give_the_same_update(preset: str, weight_decay: float, cautious: bool):
+    """``TensorDict.from_module`` gives Parameters: with grad mode on, the update records them
+    (out of place where it would write into a view of a Newton–Schulz batch) and equals the
+    update taken under ``no_grad``."""
+    make = getattr(muonfn, preset)
+    options = {} if preset == "adamw" else {"views": VIEWS}
+    tx = make(lr=0.1, weight_decay=weight_decay, cautious_weight_decay=cautious, **options)
+    params = conv_and_experts().apply(lambda t: torch.nn.Parameter(t))
+    grads = random_like(params, 3)
+    state = tx.init(params)
+    recorded, recorded_state = tx.update(grads, state, params)
+    with torch.no_grad():
+        plain, plain_state = tx.update(grads, state, params)
+    assert_td_equal(recorded.detach(), plain)
+    assert_td_equal(recorded_state.detach(), plain_state)
+    assert all(u.requires_grad == (weight_decay > 0) for u in recorded.values(True, True))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["muon", "adamw", "guarded"])
 def test_update_is_pure(name: str, dtype: torch.dtype) -> None:

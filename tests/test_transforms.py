@@ -293,6 +293,33 @@ def test_decay_only_touches_leaves_with_gradients() -> None:
 # --- scale_by_learning_rate --------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("cautious", [False, True])
+@pytest.mark.parametrize("weight_decay", [0.1, torch.tensor(0.1), torch.tensor(0.1, dtype=torch.float64)])
+def test_a_scalar_leaf_keeps_its_dtype_whatever_the_weight_decay(weight_decay, cautious: bool, inplace: bool) -> None:
+    half = torch.bfloat16
+    grads = td(gain=torch.tensor(0.3, dtype=half), w=torch.full((3,), 0.3, dtype=half))
+    params = td(gain=torch.tensor(0.7, dtype=half), w=torch.full((3,), 0.7, dtype=half))
+    tx = muonfn.add_decayed_weights(weight_decay, cautious=cautious, inplace=inplace)
+    out, _ = tx.update(grads.clone(), tx.init(params), params)
+    assert out["gain"].dtype == half and out["w"].dtype == half
+    assert torch.equal(out["gain"], out["w"][0])
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize(
+    "lr", [0.1, torch.tensor(0.1), torch.tensor(0.1, dtype=torch.float64), lambda count: 0.1 / (1 + count)]
+)
+def test_a_scalar_leaf_keeps_its_dtype_whatever_the_learning_rate(lr, inplace: bool) -> None:
+    """A 0-d bf16 update meets a 0-d fp32/fp64 learning rate as an equal, and torch would promote
+    it; the update keeps the leaf's dtype, with the bits of the in-place product."""
+    grads = td(gain=torch.tensor(0.3, dtype=torch.bfloat16), w=torch.full((3,), 0.3, dtype=torch.bfloat16))
+    tx = muonfn.scale_by_learning_rate(lr, inplace=inplace)
+    out, _ = step(tx, grads.clone(), tx.init(grads))
+    assert out["gain"].dtype == torch.bfloat16 and out["w"].dtype == torch.bfloat16
+    assert torch.equal(out["gain"], out["w"][0])
+
+
 def test_learning_rate_float_tensor_and_schedule(device: torch.device) -> None:
     grads = td(w=torch.ones(3)).to(device)
     out, _ = step(muonfn.scale_by_learning_rate(0.25), grads, TensorDict())

@@ -10,6 +10,7 @@ from .._tree import Leaves
 from .._validation import Scalar, non_negative
 from ._base import Needs, Rule, Scope, StructureCache, Transform, empty_state, from_rule
 from ._masks import MaskLike, resolve_mask_flat
+from ._momentum import cast_zero_dim
 
 
 def _agreeing(decay: torch.Tensor, u: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -76,7 +77,9 @@ def add_decayed_weights(
         if not keys:
             return grads
         current, p = [grads[k] for k in keys], [params[k] for k in keys]
-        overwrite = inplace and _lists.may_overwrite(current)
+        # (a parameter that autograd records would make the update record it too, which the
+        # Newton–Schulz results, views of one batch, do not allow in place)
+        overwrite = inplace and _lists.may_overwrite([*current, *p])
         if not cautious and _on_cpu(weight_decay, current):
             # u + λp as one multiply-add per entry: no decay term written out. (Only on a CPU,
             # whose multi-tensor ops run tensor by tensor anyway: on a GPU a 0-d factor per
@@ -85,6 +88,8 @@ def add_decayed_weights(
             decayed = add("addcmul", current, p, _factors(weight_decay, current))
         else:
             decay = _lists.scale(p, weight_decay)
+            if isinstance(weight_decay, torch.Tensor):  # a 0-d leaf meets a 0-d λ as an equal
+                decay = cast_zero_dim(decay, p)
             if cautious:  # the mask is read before an in-place add changes the update
                 decay = [_agreeing(d, u, x) for d, u, x in zip(decay, current, p)]
             if overwrite:
