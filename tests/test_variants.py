@@ -7,6 +7,7 @@ import torch
 from tensordict import TensorDict
 
 import muonfn
+from muonfn import MatrixView
 
 
 def test_ns_restarts_reach_gram_newton_schulz():
@@ -180,3 +181,32 @@ def test_adamuon_with_both_bias_corrections_is_its_parts_chained():
         expected, reference = parts.update(grads, reference, params)
         assert torch.equal(updates["w"], expected["w"])
     assert int(state["muon", "step", "w"]) == int(state["muon", "second_moment", "step", "w"]) == 3
+
+
+@pytest.mark.parametrize("scale", ["match_rms_adamw", "original", "unit_rms_norm"])
+@pytest.mark.parametrize("preset", ["muon", "normuon", "adamuon"])
+def test_matrices_without_elements_leave_the_other_leaves_alone(preset, scale):
+    """Zero-size matrices of either side, a stack of empty experts and a stack of no experts
+    get empty updates and a finite state (a shape scale may divide by the zero side, a row
+    statistic average no columns), and every other leaf the update it gets without them."""
+    make = getattr(muonfn, preset)
+    views = {"none": MatrixView(batch_dims=1), "hollow": MatrixView(batch_dims=1)}
+    gen = torch.Generator().manual_seed(0)
+    full = {"w": torch.randn(8, 12, generator=gen), "b": torch.randn(8, generator=gen)}
+    empty = {
+        "no_rows": torch.zeros(0, 8),
+        "no_columns": torch.zeros(8, 0),
+        "none": torch.zeros(0, 4, 8),
+        "hollow": torch.zeros(2, 0, 8),
+    }
+    params, alone = TensorDict({**full, **empty}, []), TensorDict(full, [])
+    tx = make(lr=0.1, views=views, scale=scale)
+    grads = params.apply(lambda t: torch.randn(t.shape, generator=gen))
+    updates, state = tx.update(grads, tx.init(params), params)
+    reference = make(lr=0.1, scale=scale)
+    expected, _ = reference.update(grads.select(*full), reference.init(alone), alone)
+    for key, value in empty.items():
+        assert updates[key].shape == value.shape
+    for key in full:
+        assert torch.equal(updates[key], expected[key])
+    assert all(torch.isfinite(t).all() for t in state.values(True, True) if t.is_floating_point())

@@ -121,7 +121,8 @@ class MatrixView:
     def to_matrices(self, t: torch.Tensor) -> list[torch.Tensor]:
         """The blocks of ``t``, each as a ``(count, rows, cols)`` batch."""
         rows, cols = self.matrix_shape(t.shape)
-        m = (t.mT if self.transposed else t).reshape(-1, rows, cols)
+        count = math.prod(t.shape[: self.batch_dims])  # not -1: a tensor may hold no element
+        m = (t.mT if self.transposed else t).reshape(count, rows, cols)
         if self.split is None:
             return [m]
         return list(m.split(list(self.split), dim=1 + self.split_dim))
@@ -140,5 +141,6 @@ DEFAULT_VIEW = MatrixView()
 
 
 def block_scales(view: MatrixView, shape: Sequence[int], scale: ScaleFn) -> list[float]:
-    """The scale of every block of a leaf of ``shape``."""
-    return [scale(rows, cols) for rows, cols in view.blocks(shape)]
+    """The scale of every block of a leaf of ``shape`` (1 for a block without elements, which it
+    does not scale, and whose scale may divide by its zero side)."""
+    return [scale(rows, cols) if rows and cols else 1.0 for rows, cols in view.blocks(shape)]

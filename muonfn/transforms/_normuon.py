@@ -29,7 +29,8 @@ def row_moment_shape(view: MatrixView, shape: Sequence[int]) -> tuple[int, ...]:
 
 def _row_means(view: MatrixView, blocks: list[torch.Tensor]) -> torch.Tensor:
     """The mean square of every row of every block, as ``(count, rows, column blocks)``."""
-    means = [b.square().mean(dim=-1, keepdim=True) for b in blocks]
+    # (a row of no columns has no mean: its statistic stays zero, the update it scales is empty)
+    means = [b.square().mean(dim=-1, keepdim=True) if b.size(-1) else b.new_zeros((*b.shape[:-1], 1)) for b in blocks]
     if len(means) == 1:
         return means[0]
     return torch.cat(means, dim=1 if view.split_dim == 0 else 2)
