@@ -17,7 +17,7 @@ The properties:
    where the math is elementwise, to :data:`NS_REL` through Newton–Schulz);
 4. ``torch.compile(update, fullgraph=True)`` traces without graph breaks and, with the
    ``aot_eager`` backend, equals eager bit for bit (inductor's fused kernels round elementwise
-   chains their own way: within a few units in the last place);
+   chains their own way, to rounding);
 5. ``donate_state=True`` equals ``donate_state=False``, bit for bit;
 6. bad gradients raise an error naming the leaf before anything is modified;
 7. the state round-trips through :func:`muonfn.save` / :func:`muonfn.load` and the resumed
