@@ -1,10 +1,10 @@
 """Presets under drawn combinations of their options, dtypes and odd shapes.
 
 The contract table (``test_contract``) checks each property on chosen entries; here hypothesis
-draws the options together (Nesterov forms, bias corrections, caution, Newton–Schulz methods
-including a map that hands its input back, shape scales, tensor and scheduled learning rates,
-bf16/fp64 leaves, matrices without elements, a scalar leaf) and checks the properties that must
-hold for every combination:
+draws the options together (the three Muon presets and AdamW, alone or in ``apply_if_finite``;
+Nesterov forms, bias corrections, caution, Newton–Schulz methods including a map that hands its
+input back, shape scales, tensor and scheduled learning rates, bf16 and fp64 leaves, matrices
+without elements, a scalar leaf) and checks the properties that must hold for every combination:
 
 - ``update`` modifies none of its inputs;
 - ``donate_state=True`` gives the same bits, and ``apply_updates_`` the parameters
@@ -43,6 +43,7 @@ SHAPES: dict[Key, tuple[int, ...]] = {
     ("mlp", "bias"): (32,),
     ("norm", "weight"): (16,),
     ("gain",): (),
+    ("wide_float",): (6, 10),  # always fp64
 }
 VIEWS = {
     "attn.qkv": MatrixView(split=(16, 4, 4)),
@@ -67,14 +68,22 @@ def random_td(seed: int, dtypes: dict[Key, torch.dtype]) -> TensorDict:
 
 @st.composite
 def preset_options(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
-    preset = draw(st.sampled_from(["muon", "normuon", "adamuon"]))
-    nesterov = draw(st.sampled_from([True, False, "add"]))
-    options: dict[str, Any] = {
+    preset = draw(st.sampled_from(["muon", "normuon", "adamuon", "adamw"]))
+    common: dict[str, Any] = {
         "lr": draw(st.sampled_from(["float", "tensor", "schedule"])),
         "weight_decay": draw(st.sampled_from([0.0, 0.1, "tensor"])),
+        "cautious_weight_decay": draw(st.booleans()),
+    }
+    if preset == "adamw":
+        common["nesterov"] = draw(st.sampled_from([False, True, "timm"]))
+        common["betas"] = draw(st.sampled_from([(0.9, 0.999), (0.0, 0.95)]))
+        common["eps"] = draw(st.sampled_from([1e-8, 1e-3]))
+        return preset, common
+    nesterov = draw(st.sampled_from([True, False, "add"]))
+    options: dict[str, Any] = {
+        **common,
         "nesterov": nesterov,
         "momentum_bias_correction": nesterov != "add" and draw(st.booleans()),
-        "cautious_weight_decay": draw(st.booleans()),
         "cautious_mode": draw(st.sampled_from([None, "heavyball", "pytorch_optimizer"])),
         "ns_method": draw(st.sampled_from(["standard", "gram", "svd", "qr", "own"])),
         "ns_eps_mode": draw(st.sampled_from(["clamp", "add"])),
@@ -94,10 +103,12 @@ def built(preset: str, options: dict[str, Any], **extra: Any) -> muonfn.Transfor
     given["lr"] = lr[options["lr"]]
     if options["weight_decay"] == "tensor":
         given["weight_decay"] = torch.tensor(0.1)
-    if options["ns_method"] == "own":
+    if options.get("ns_method") == "own":
         given["ns_method"] = own_map
+    if preset != "adamw":
+        given["views"] = VIEWS
     make: Callable[..., muonfn.Transform] = getattr(muonfn, preset)
-    return make(views=VIEWS, **given, **extra)
+    return make(**given, **extra)
 
 
 def assert_kept_dtypes(updates: TensorDict, params: TensorDict) -> None:
@@ -111,11 +122,14 @@ def assert_kept_dtypes(updates: TensorDict, params: TensorDict) -> None:
 @given(
     drawn=preset_options(),
     narrow=st.sets(st.sampled_from(sorted(SHAPES)), max_size=4),
+    guarded=st.booleans(),
 )
-def test_every_combination_is_pure_donatable_and_differentiable(drawn, narrow) -> None:
+def test_every_combination_is_pure_donatable_and_differentiable(drawn, narrow, guarded) -> None:
     preset, options = drawn
-    dtypes = {k: torch.bfloat16 for k in narrow}
+    dtypes = {**{k: torch.bfloat16 for k in narrow}, ("wide_float",): torch.float64}
     plain, donating = built(preset, options), built(preset, options, donate_state=True)
+    if guarded:
+        plain, donating = muonfn.apply_if_finite(plain), muonfn.apply_if_finite(donating)
     params = random_td(0, dtypes)
     in_place = params.clone()
     state, donated = plain.init(params), donating.init(params)
