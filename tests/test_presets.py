@@ -262,6 +262,37 @@ def test_labels_from_module_by_type() -> None:
     assert muonfn.views_from_module(model) == {"attn.weight": MatrixView(transposed=True)}
 
 
+def test_multihead_attention_projections_are_muon_matrices_split_into_q_k_v() -> None:
+    """``nn.MultiheadAttention``'s fused ``in_proj_weight`` is three ``(E, E)`` projections: labelled
+    Muon by type, and declared split by rows, so that it is orthogonalized as q, k and v apart;
+    separate projections (``kdim``/``vdim``) are Muon matrices each."""
+    model = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 4, 32), 2, enable_nested_tensor=False)
+    labels = muonfn.labels_from_module(model, last_linear_is_head=False)
+    assert {name for name, label in labels.items() if label == "muon"} == {
+        f"layers.{i}.{name}"
+        for i in range(2)
+        for name in ("self_attn.in_proj_weight", "self_attn.out_proj.weight", "linear1.weight", "linear2.weight")
+    }
+    views = muonfn.views_from_module(model)
+    assert views == {f"layers.{i}.self_attn.in_proj_weight": MatrixView(split=(16, 16, 16)) for i in range(2)}
+    w = model.layers[0].self_attn.in_proj_weight.detach()
+    tx = muonfn.orthogonalize(views={"w": views["layers.0.self_attn.in_proj_weight"]}, scale="match_rms_adamw")
+    fused = tx.update(TensorDict({"w": w}, []), TensorDict())[0]["w"]
+    parts = muonfn.orthogonalize(scale="match_rms_adamw")
+    q, k, v = (parts.update(TensorDict({"m": block}, []), TensorDict())[0]["m"] for block in w.split(16))
+    assert torch.equal(fused, torch.cat([q, k, v]))
+    apart = torch.nn.MultiheadAttention(16, 4, kdim=8, vdim=12)
+    assert muonfn.labels_from_module(apart, last_linear_is_head=False) == {
+        "q_proj_weight": "muon",
+        "k_proj_weight": "muon",
+        "v_proj_weight": "muon",
+        "in_proj_bias": "adamw",
+        "out_proj.weight": "muon",
+        "out_proj.bias": "adamw",
+    }
+    assert muonfn.views_from_module(apart) == {}
+
+
 def test_muon_state_layout_and_a_step_on_a_language_model() -> None:
     model = TinyLM()
     params = TensorDict.from_module(model).detach()
@@ -430,12 +461,7 @@ def test_label_rules_keep_hidden_layers_on_muon() -> None:
     }
     assert muon_names(muonfn.label_params(params)) == matrices
     trunk = muonfn.labels_from_module(decoder, last_linear_is_head=False)  # a trunk: its last Linear is hidden
-    assert muon_names(trunk) == {
-        "self_attn.out_proj.weight",
-        "multihead_attn.out_proj.weight",
-        "linear1.weight",
-        "linear2.weight",
-    }
+    assert muon_names(trunk) == matrices  # the attention projections are matrices by type too
     assert muonfn.labels_from_module(decoder)["linear2.weight"] == "adamw"
 
 

@@ -7,8 +7,9 @@ Muon is for hidden-layer matrices. :func:`label_params` decides by shape and nam
   output heads, classifiers, token parameters, relative-position tables, LoRA);
 - by shape (:func:`label_params`): a leaf with fewer than two dimensions of size other
   than 1 (besides an ensemble's batch dimensions): a ``(1, 1, D)`` class token is a vector;
-- by module (:func:`labels_from_module`): anything but Linear/Conv weights, and the
-  model's last ``nn.Linear``, its output head whatever its name (``fc`` of a ResNet).
+- by module (:func:`labels_from_module`): anything but Linear/Conv weights and attention
+  projections, and the model's last ``nn.Linear``, its output head whatever its name (``fc``
+  of a ResNet).
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ def labels_from_module(
     model: nn.Module, exclude: Sequence[str] = DEFAULT_EXCLUDE, *, last_linear_is_head: bool = True
 ) -> dict[str, str]:
     """Labels by module type: weights of Linear and Conv layers (and Hugging Face ``Conv1D``)
-    go to Muon; embeddings, norms, biases and token parameters go to AdamW.
+    and the query, key and value projections of ``nn.MultiheadAttention`` go to Muon;
+    embeddings, norms, biases and token parameters go to AdamW.
 
     Also AdamW: the model's output head, which is its last ``nn.Linear`` in registration
     order (``lm_head``, timm's ``head``, Hugging Face's ``classifier``, a torchvision
@@ -133,24 +135,34 @@ def labels_from_module(
     head = _output_head(model) if last_linear_is_head else None
     label_of: dict[int, str] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
-        is_matrix_module = isinstance(module, _MATRIX_MODULES) or type(module).__name__ == "Conv1D"
+        matrices = _matrix_names(module)
         for param_name, param in module.named_parameters(recurse=False, remove_duplicate=False):
             name = f"{module_name}.{param_name}" if module_name else param_name
             wants_muon = (
-                is_matrix_module
-                and module is not head
-                and param_name == "weight"
-                and param.ndim >= 2
-                and not _excluded(name, exclude)
+                param_name in matrices and module is not head and param.ndim >= 2 and not _excluded(name, exclude)
             )
             label_of.setdefault(id(param), MUON if wants_muon else ADAMW)
     return {name: label_of[id(param)] for name, param in model.named_parameters()}
 
 
 def views_from_module(model: nn.Module) -> dict[str, MatrixView]:
-    """Views a module tree declares by its types: Hugging Face ``Conv1D`` stores ``(in, out)``."""
-    return {
-        f"{module_name}.weight" if module_name else "weight": MatrixView(transposed=True)
-        for module_name, module in model.named_modules()
-        if type(module).__name__ == "Conv1D"
-    }
+    """Views a module tree declares by its types: Hugging Face ``Conv1D`` stores ``(in, out)``;
+    ``nn.MultiheadAttention``'s fused ``in_proj_weight`` is the query, key and value
+    projections stacked by rows, ``(E, E, E)``, each orthogonalized and scaled on its own."""
+    views: dict[str, MatrixView] = {}
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        if type(module).__name__ == "Conv1D":
+            views[f"{prefix}weight"] = MatrixView(transposed=True)
+        elif isinstance(module, nn.MultiheadAttention) and module.in_proj_weight is not None:
+            views[f"{prefix}in_proj_weight"] = MatrixView(split=(module.embed_dim,) * 3)
+    return views
+
+
+def _matrix_names(module: nn.Module) -> tuple[str, ...]:
+    """The names of a module's own parameters that are hidden-layer matrices, by its type."""
+    if isinstance(module, _MATRIX_MODULES) or type(module).__name__ == "Conv1D":
+        return ("weight",)
+    if isinstance(module, nn.MultiheadAttention):  # (its out_proj is an nn.Linear of its own)
+        return ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
+    return ()
