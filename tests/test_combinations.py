@@ -112,7 +112,7 @@ def built(preset: str, options: dict[str, Any], **extra: Any) -> muonfn.Transfor
     return make(**given, **extra)
 
 
-def assert_kept_dtypes(updates: TensorDict, params: TensorDict) -> None:
+def assert_finite_and_shaped_like(updates: TensorDict, params: TensorDict) -> None:
     for key, u in zip(updates.keys(True, True), updates.values(True, True)):
         p = params[key]
         assert (u.dtype, u.shape) == (p.dtype, p.shape), key
@@ -142,7 +142,7 @@ def test_every_combination_is_pure_donatable_and_differentiable(drawn, narrow, g
         updates, new_state = plain.update(grads, state, params)
         for given_td, copy in zip((grads, state, params), inputs):
             assert_bitwise(given_td, copy)
-        assert_kept_dtypes(updates, params)
+        assert_finite_and_shaped_like(updates, params)
         assert all(torch.isfinite(s).all() for s in new_state.values(True, True) if s.is_floating_point())
         recorded = params.apply(lambda p: torch.nn.Parameter(p.clone()))
         with_autograd, state_with_autograd = plain.update(grads, state, recorded)
