@@ -290,9 +290,6 @@ def test_decay_only_touches_leaves_with_gradients() -> None:
     assert set(out.keys()) == {"w"} and out["w"].unique().tolist() == [1.0]
 
 
-# --- scale_by_learning_rate --------------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("cautious", [False, True])
 @pytest.mark.parametrize("weight_decay", [0.1, torch.tensor(0.1), torch.tensor(0.1, dtype=torch.float64)])
@@ -304,6 +301,9 @@ def test_a_scalar_leaf_keeps_its_dtype_whatever_the_weight_decay(weight_decay, c
     out, _ = tx.update(grads.clone(), tx.init(params), params)
     assert out["gain"].dtype == half and out["w"].dtype == half
     assert torch.equal(out["gain"], out["w"][0])
+
+
+# --- scale_by_learning_rate --------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("inplace", [False, True])
