@@ -99,11 +99,16 @@ def run_interleaved(entries: list[Entry], device: torch.device, log: Callable[[s
             if r >= e.repeats:
                 continue
             assert e.step is not None
-            synchronize(device)
-            t0 = time.perf_counter()
-            e.step()
-            synchronize(device)
-            e.times.append(time.perf_counter() - t0)
+            e.times.append(timed(e.step, device))
+
+
+def timed(step: Callable[[], Any], device: torch.device) -> float:
+    """Seconds one call of ``step`` takes, bracketed by device synchronisations."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    step()
+    synchronize(device)
+    return time.perf_counter() - t0
 
 
 def time_in_a_row(entries: list[Entry], steps: int, device: torch.device) -> None:
@@ -112,15 +117,9 @@ def time_in_a_row(entries: list[Entry], steps: int, device: torch.device) -> Non
     contenders' steps evicted, as a training step does after the forward and backward passes;
     in a row, its data stays in the caches: the two bracket what a step costs."""
     for e in entries:
-        assert e.step is not None
-        times = []
-        for _ in range(steps):
-            synchronize(device)
-            t0 = time.perf_counter()
-            e.step()
-            synchronize(device)
-            times.append(time.perf_counter() - t0)
-        e.info["in_a_row_ms"] = statistics.median(times) * 1e3
+        step = e.step
+        assert step is not None
+        e.info["in_a_row_ms"] = statistics.median(timed(step, device) for _ in range(steps)) * 1e3
 
 
 def matmul_entry(device: torch.device, dtype: torch.dtype, size: int, repeats: int) -> Entry:

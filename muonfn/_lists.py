@@ -136,8 +136,13 @@ def lerp(starts: Tensors, ends: Tensors, weight: float | torch.Tensor, *, inplac
 
 
 def scale(tensors: Tensors, factor: float | torch.Tensor, *, inplace: bool = False) -> list[torch.Tensor]:
-    """``t·factor`` for every tensor (``factor`` a number or a 0-d tensor)."""
-    return apply_("mul", tensors, factor) if inplace else apply("mul", tensors, factor)
+    """``t·factor`` for every tensor (``factor`` a number or a 0-d tensor), in each tensor's dtype."""
+    if inplace:
+        return apply_("mul", tensors, factor)
+    out = apply("mul", tensors, factor)
+    if isinstance(factor, torch.Tensor):  # a 0-d tensor meets a 0-d factor as an equal and is promoted
+        return [o if o.dtype == t.dtype else o.to(t.dtype) for o, t in zip(out, tensors)]
+    return out
 
 
 #: Quotients of at least this many elements are written over their denominators, one op per

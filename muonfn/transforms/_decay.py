@@ -10,7 +10,6 @@ from .._tree import Leaves
 from .._validation import Scalar, non_negative
 from ._base import Needs, Rule, Scope, StructureCache, Transform, empty_state, from_rule
 from ._masks import MaskLike, resolve_mask_flat
-from ._momentum import cast_zero_dim
 
 
 def _agreeing(decay: torch.Tensor, u: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -88,8 +87,6 @@ def add_decayed_weights(
             decayed = add("addcmul", current, p, _factors(weight_decay, current))
         else:
             decay = _lists.scale(p, weight_decay)
-            if isinstance(weight_decay, torch.Tensor):  # a 0-d leaf meets a 0-d λ as an equal
-                decay = cast_zero_dim(decay, p)
             if cautious:  # the mask is read before an in-place add changes the update
                 decay = [_agreeing(d, u, x) for d, u, x in zip(decay, current, p)]
             if overwrite:

@@ -11,7 +11,7 @@ from .._tree import Leaves
 from .._validation import Scalar, ScalarOrSchedule, checked_schedule, non_negative
 from ._arithmetic import neg
 from ._base import Needs, Rule, Scope, Transform, empty_state, from_rule, no_needs
-from ._momentum import cast_zero_dim, per_member
+from ._momentum import per_member
 from ._state import COUNT
 
 
@@ -29,8 +29,6 @@ def _scaled(grads: Leaves, lr: Scalar, members: int, batch_size: torch.Size, *, 
         out = _lists.apply_("mul", values, factors) if inplace else _lists.apply("mul", values, factors)
     else:
         out = _lists.scale(values, neg(lr), inplace=inplace)
-        if isinstance(lr, torch.Tensor) and not inplace:
-            out = cast_zero_dim(out, values)
     return dict(zip(keys, out))
 
 
