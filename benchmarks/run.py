@@ -19,8 +19,8 @@ Sections (``--sections``, default ``step,ns,elementwise,overhead,fixed``; ``comp
   tensors (292 leaves), one thread: muonfn against torch.optim.Muon + AdamW(foreach) and
   torch.optim.AdamW(foreach), and the peers; interleaved (the targets' figures: each step also
   pays for what the others evicted from the caches), then each contender's steps in a row.
-- ``compile``: ``torch.compile(update, fullgraph=True)`` against eager: compile time and step
-  (and heavyball's compiled step where installed).
+- ``compile``: ``torch.compile(update, fullgraph=True)`` and the shim's ``compile=True`` against
+  eager: compile time and step (and heavyball's compiled step where installed).
 
 Every run also times one fp32 and one bf16 matmul and says whether the CPU has bf16 units
 (AVX512-BF16 or AMX): every peer, like torch.optim.Muon, runs Newton–Schulz in bf16.
@@ -532,9 +532,13 @@ def section_fixed(args: argparse.Namespace, prof: dict[str, Any], device: torch.
     return out
 
 
+#: the compile section's contenders that step AdamW alone (compared with torch's foreach AdamW)
+ADAMW_ALONE = ("torch AdamW foreach", "muonfn adamw", "muonfn adamw compiled")
+
+
 def section_compile(args: argparse.Namespace, prof: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """Eager against ``torch.compile(update + apply_updates, fullgraph=True)``, with the
-    comparisons of the step and elementwise sections timed in the same rounds."""
+    """Eager against ``torch.compile(update + apply_updates, fullgraph=True)`` and the shim's
+    ``compile=True``, with the comparisons of the step and elementwise sections timed in the same rounds."""
     ps = _sets.build("gpt", str(device), **prof["gpt"])
     log(f"[compile] torch.compile(fullgraph=True) of the muonfn step on {ps.description}")
     compile_s: dict[str, float] = {}
@@ -559,6 +563,13 @@ def section_compile(args: argparse.Namespace, prof: dict[str, Any], device: torc
             compiled("muonfn gram compiled", lambda: C.make_functional(ps, compile=True, ns_method="gram")),
             args.repeats,
         ),
+        Entry("muonfn shim", lambda: C.make_shim(ps), args.repeats),
+        Entry(
+            "muonfn shim compiled",
+            compiled("muonfn shim compiled", lambda: C.make_shim(ps, compile=True)),
+            args.repeats,
+        ),
+        Entry(TORCH_MUON, lambda: C.make_torch_muon(ps), args.repeats),
         Entry("plain fp32 loop", lambda: C.make_plain_loop(ps), args.repeats),
         Entry("torch AdamW foreach", lambda: C.make_torch_adamw(ps, foreach=True), args.repeats),
         Entry("muonfn adamw", lambda: C.make_functional_adamw(ps), args.repeats),
@@ -591,7 +602,7 @@ def section_compile(args: argparse.Namespace, prof: dict[str, Any], device: torc
     rows = []
     for e in entries[1:]:
         rec = {**entry_record(e), "compile_s": compile_s.get(e.name)}
-        if "adamw" in e.name.lower():
+        if e.name in ADAMW_ALONE:
             rec["x_torch_foreach"] = e.median / by_name["torch AdamW foreach"].median
         else:
             rec["x_limit"] = e.median / limit

@@ -634,6 +634,94 @@ def test_compiled_training_step_matches_eager():
     assert int(opt.functional_state["adamw", "step", "0", "bias"]) == 3
 
 
+def compiled_graphs(counter) -> int:
+    """Graphs with work in them (Dynamo may also hand the backend an empty one for a wrapper frame)."""
+    return sum(1 for g in counter.graphs if any(n.op == "call_function" for n in g.graph.nodes))
+
+
+@pytest.mark.parametrize("variant", ["muon", "normuon", "adamuon"])
+def test_compiled_step_matches_eager_and_compiles_once(variant):
+    """compile=: the whole step (here in parts) is one graph, reused while a scheduler changes
+    lr; aot_eager keeps eager's rounding, so the results must agree bit for bit. A step where a
+    parameter has no gradient is another structure: compiled anew, still eager's bits."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from muonfn.optim._groups import chunks
+
+    data = batches(5)
+    settings = {**HP, "variant": variant, "chunk_numel": 100}
+    runs = []
+    counter = CompileCounterWithBackend("aot_eager")
+    for compile in (False, {"backend": counter}):
+        model = mlp()
+        opt = Muon(model.named_parameters(), **settings, compile=compile)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+        shim_steps(model, opt, data[:4], scheduler)
+        assert compiled_graphs(counter) == (1 if compile else 0)
+        opt.zero_grad()
+        loss_of(model, *data[4]).backward()
+        model[5].bias.grad = None
+        opt.step()
+        runs.append((model, opt))
+    assert compiled_graphs(counter) == 2
+    (eager, eager_opt), (model, opt) = runs
+    assert len(chunks([p.numel() for p in model.parameters()], settings["chunk_numel"])) > 1  # (the premise)
+    assert_bitwise(TensorDict.from_module(model), TensorDict.from_module(eager))
+    assert_bitwise(opt.functional_state, eager_opt.functional_state)
+
+
+def test_compiled_step_with_inductor_is_eager_to_rounding():
+    """compile=True: inductor's default kernels (fused elementwise work rounds its own way)."""
+    from torch._dynamo.utils import counters
+
+    data = batches(3)
+    eager, model = mlp(), mlp()
+    eager_opt = Muon(eager.named_parameters(), **HP)
+    opt = Muon(model.named_parameters(), **HP, compile=True)
+    shim_steps(eager, eager_opt, data)
+    graphs = counters["stats"]["unique_graphs"]
+    shim_steps(model, opt, data)
+    assert counters["stats"]["unique_graphs"] == graphs + 1
+    for got, want in zip(
+        TensorDict.from_module(model).values(True, True), TensorDict.from_module(eager).values(True, True)
+    ):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert int(opt.functional_state["adamw", "step", "0", "bias"]) == 3
+
+
+def test_compiled_step_checks_input_eagerly_and_copies():
+    """Bad input raises before the graph runs, changing nothing; a deep copy compiles its own step."""
+    model = mlp()
+    opt = Muon(model.named_parameters(), **HP, compile={"backend": "aot_eager"})
+    shim_steps(model, opt, batches(1))
+    copied_model = copy.deepcopy(model)
+    copied = Muon(copied_model.named_parameters(), **HP, compile={"backend": "aot_eager"})
+    copied.load_state_dict(copy.deepcopy(opt.state_dict()))
+    twin = copy.deepcopy(opt)
+    assert twin._apply_parts is not opt._apply_parts
+    model[0].weight.grad = torch.zeros(12, 6).to_sparse()
+    before = snapshot(model, opt)
+    with pytest.raises(TypeError, match=r"'0.weight' is torch.sparse_coo"):
+        opt.step()
+    assert_unchanged(model, opt, before)
+    shim_steps(model, opt, batches(2, seed=3))
+    shim_steps(copied_model, copied, batches(2, seed=3))
+    assert_bitwise(TensorDict.from_module(model), TensorDict.from_module(copied_model))
+
+
+def test_compile_option_is_checked():
+    model = mlp()
+    with pytest.raises(TypeError, match=r"compile=\.\.\.\) takes a bool or a mapping"):
+        Muon(model.named_parameters(), compile="yes")
+
+    def build(collectives) -> str:
+        with pytest.raises(ValueError, match="cannot be compiled; leave compile off with collectives") as error:
+            Muon(model.named_parameters(), compile=True, collectives=collectives)
+        return str(error.value)
+
+    assert muonfn.distributed.simulate(1, build)[0].startswith("Muon(compile=...)")
+
+
 def test_bad_gradients_raise_before_anything_changes():
     torch.manual_seed(0)
     model = nn.ModuleDict({"embed": nn.Embedding(5, 4, sparse=True), "proj": nn.Linear(4, 4)})

@@ -11,6 +11,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from .. import _tree
 from .._collection import pause_collections, resume_collections
+from .._keys import Key
 from .._validation import Scalar
 from ..linalg import CoefficientsLike, NSMethod, Orthogonalizer, ScaleMode
 from ..presets import (
@@ -75,6 +76,16 @@ class Muon(torch.optim.Optimizer):
     before the first part runs. ``"auto"``: parts of a tenth of the parameters'
     elements, at least 2**18 (a model of up to 2**18 elements is one part); ``None``: one part.
 
+    ``compile=True`` runs the step's arithmetic (every part's update and its addition to the
+    parameters) as one ``torch.compile(fullgraph=True)`` graph. It is compiled at the first
+    step and again only when its structure changes (other parameters have gradients, a
+    setting that rebuilds the transform); ``lr``, ``momentum`` and ``weight_decay`` are
+    tensors refilled before each step, so a scheduler does not recompile. A mapping gives
+    ``torch.compile``'s keywords instead (``{"mode": "max-autotune-no-cudagraphs"}``,
+    ``{"backend": "aot_eager"}``), ``fullgraph=True`` unless it says otherwise. The checks
+    run eagerly before the compiled graph: bad input raises as without it, changing nothing.
+    Refused with ``collectives``, whose exchanges run in Python.
+
     ``collectives`` is refused with a variant, as :func:`muonfn.normuon` and
     :func:`muonfn.adamuon` refuse it.
 
@@ -135,6 +146,7 @@ class Muon(torch.optim.Optimizer):
         overlap: bool = True,
         donate_state: bool = True,
         chunk_numel: int | Literal["auto"] | None = "auto",
+        compile: bool | Mapping[str, Any] = False,
         adjust_lr_fn: str | NotGiven | None = NOT_GIVEN,
         eps: float | None = None,
     ) -> None:
@@ -157,6 +169,8 @@ class Muon(torch.optim.Optimizer):
         _groups.refuse_inapplicable(where, variant, options)
         if variant != MUON:
             refuse_collectives(where, collectives)
+        self._compile = compile
+        self._apply_parts = _parts_applier(compile, collectives)
         scale, ns_eps = _migration.resolve_spellings(scale=scale, adjust_lr_fn=adjust_lr_fn, ns_eps=ns_eps, eps=eps)
         # None: each group's variant's default (filled in as groups are added)
         defaults: dict[str, Any] = {
@@ -478,10 +492,8 @@ class Muon(torch.optim.Optimizer):
             size = torch.Size([])
             check_rule(rule, dict(zip(keys, grads)), state, params, size)  # all of it, before any part runs
             kinds = [(self._slots[p].group, p.shape, p.dtype) for p in targets]
-            for part in _groups.chunks([g.numel() for g in grads], self._chunk_numel, kinds):
-                updates, state = run_checked(rule, {keys[i]: grads[i] for i in part}, state, params, size)
-                torch._foreach_add_([targets[i] for i in part], [updates[keys[i]] for i in part])
-                del updates  # before the next part computes its own
+            parts = _groups.chunks([g.numel() for g in grads], self._chunk_numel, kinds)
+            state = self._apply_parts(rule, parts, keys, targets, grads, state, params)
         self._state_leaves, self._state_tree = state, None
 
     @property
@@ -610,14 +622,65 @@ class Muon(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         # the cached transform closes over this instance's scalar tensors; a copy builds its own.
-        # The state travels as its TensorDict only, so that a copy's two forms cannot differ.
-        state = {k: v for k, v in self.__dict__.items() if k != "_cache"}
+        # The state travels as its TensorDict only, so that a copy's two forms cannot differ;
+        # a compiled step is compiled anew.
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_cache", "_apply_parts")}
         state["_state_tree"], state["_state_leaves"] = self._functional_state, {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._cache = None
+        self._compile = state.get("_compile", False)  # (pickled before the option existed: eager)
+        self._apply_parts = _parts_applier(self._compile, self._collectives)
+
+
+def _apply_parts(
+    rule: Rule,
+    parts: list[list[int]],
+    keys: list[Key],
+    targets: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    state: _tree.FlatState,
+    params: _tree.Leaves,
+) -> _tree.FlatState:
+    """Each part's update, added to its ``targets`` before the next part is computed; the state after the last."""
+    for part in parts:
+        # (a part's updates are freed when its call returns, before the next part computes its own)
+        state = _apply_part(
+            rule, [keys[i] for i in part], [targets[i] for i in part], [grads[i] for i in part], state, params
+        )
+    return state
+
+
+def _apply_part(
+    rule: Rule,
+    keys: list[Key],
+    targets: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    state: _tree.FlatState,
+    params: _tree.Leaves,
+) -> _tree.FlatState:
+    updates, state = run_checked(rule, dict(zip(keys, grads)), state, params, torch.Size([]))
+    torch._foreach_add_(targets, [updates[k] for k in keys])
+    return state
+
+
+def _parts_applier(
+    compile: bool | Mapping[str, Any], collectives: Collectives | None
+) -> Callable[..., _tree.FlatState]:
+    """:func:`_apply_parts`, compiled as ``compile`` asks."""
+    if not isinstance(compile, bool | Mapping):
+        raise TypeError(f"Muon(compile=...) takes a bool or a mapping of torch.compile's keywords, got {compile!r}")
+    if compile is False:
+        return _apply_parts
+    if collectives is not None:
+        raise ValueError(
+            "Muon(compile=...): the sharded step exchanges data between ranks in Python and cannot be "
+            "compiled; leave compile off with collectives"
+        )
+    options = {"fullgraph": True, **(compile if isinstance(compile, Mapping) else {})}
+    return torch.compile(_apply_parts, **options)
 
 
 def _is_zero(value: Any) -> bool:
