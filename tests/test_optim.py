@@ -709,6 +709,41 @@ def test_compiled_step_checks_input_eagerly_and_copies():
     assert_bitwise(TensorDict.from_module(model), TensorDict.from_module(copied_model))
 
 
+@torch._dynamo.config.patch(recompile_limit=1)
+def test_compiled_structures_do_not_share_recompilations(monkeypatch):
+    """Each optimizer, and each structure of one, compiles a graph of its own: with a
+    recompilation limit of 1 two optimizers of different settings and a step without a
+    bias gradient all compile (fullgraph=True would raise at the limit). Past
+    MAX_COMPILED_STRUCTURES a new structure steps eagerly, with one warning, to the same bits."""
+    import muonfn.optim._parts as parts
+
+    monkeypatch.setattr(parts, "MAX_COMPILED_STRUCTURES", 2)
+    data = batches(4)
+    runs = []
+    for compile in (False, {"backend": "aot_eager"}):
+        for variant in ("muon", "normuon"):
+            model = mlp()
+            opt = Muon(model.named_parameters(), **HP, variant=variant, compile=compile)
+            shim_steps(model, opt, data[:1])
+            for step, unused in enumerate(["5.bias", "3.bias"]):
+                opt.zero_grad()
+                loss_of(model, *data[1 + step]).backward()
+                model.get_parameter(unused).grad = None
+                if compile and step == 1:
+                    with pytest.warns(
+                        UserWarning, match="2 structures .* are compiled; steps of other structures run eagerly"
+                    ):
+                        opt.step()
+                else:
+                    opt.step()
+            if compile:
+                assert len(opt._apply_parts.compiled) == 2
+            runs.append((model, opt))
+    for (eager, eager_opt), (model, opt) in zip(runs[:2], runs[2:]):
+        assert_bitwise(TensorDict.from_module(model), TensorDict.from_module(eager))
+        assert_bitwise(opt.functional_state, eager_opt.functional_state)
+
+
 def test_compile_option_is_checked():
     model = mlp()
     with pytest.raises(TypeError, match=r"compile=\.\.\.\) takes a bool or a mapping"):

@@ -11,7 +11,6 @@ from tensordict import TensorDict, TensorDictBase
 
 from .. import _tree
 from .._collection import pause_collections, resume_collections
-from .._keys import Key
 from .._validation import Scalar
 from ..linalg import CoefficientsLike, NSMethod, Orthogonalizer, ScaleMode
 from ..presets import (
@@ -27,10 +26,11 @@ from ..presets import (
     refuse_collectives,
 )
 from ..transforms import LabelsLike, MaskLike, Rescale, Transform, ViewsLike, partition, resolve_labels, resolve_views
-from ..transforms._base import Rule, as_rule, check_rule, run_checked
+from ..transforms._base import Rule, as_rule, check_rule
 from . import _groups, _migration
 from ._migration import NOT_GIVEN, NotGiven
 from ._param_state import ParamState
+from ._parts import parts_applier
 from ._state_dict import packed_state_dict, translate_state_dict
 
 if TYPE_CHECKING:
@@ -79,7 +79,8 @@ class Muon(torch.optim.Optimizer):
     ``compile=True`` runs the step's arithmetic (every part's update and its addition to the
     parameters) as one ``torch.compile(fullgraph=True)`` graph. It is compiled at the first
     step and again only when its structure changes (other parameters have gradients, a
-    setting that rebuilds the transform); ``lr``, ``momentum`` and ``weight_decay`` are
+    setting that rebuilds the transform): up to 8 structures per optimizer, steps of further
+    ones run eagerly (with a warning). ``lr``, ``momentum`` and ``weight_decay`` are
     tensors refilled before each step, so a scheduler does not recompile. A mapping gives
     ``torch.compile``'s keywords instead (``{"mode": "max-autotune-no-cudagraphs"}``,
     ``{"backend": "aot_eager"}``), ``fullgraph=True`` unless it says otherwise. The checks
@@ -170,7 +171,7 @@ class Muon(torch.optim.Optimizer):
         if variant != MUON:
             refuse_collectives(where, collectives)
         self._compile = compile
-        self._apply_parts = _parts_applier(compile, collectives)
+        self._apply_parts = parts_applier(compile, collectives)
         scale, ns_eps = _migration.resolve_spellings(scale=scale, adjust_lr_fn=adjust_lr_fn, ns_eps=ns_eps, eps=eps)
         # None: each group's variant's default (filled in as groups are added)
         defaults: dict[str, Any] = {
@@ -632,55 +633,7 @@ class Muon(torch.optim.Optimizer):
         super().__setstate__(state)
         self._cache = None
         self._compile = state.get("_compile", False)  # (pickled before the option existed: eager)
-        self._apply_parts = _parts_applier(self._compile, self._collectives)
-
-
-def _apply_parts(
-    rule: Rule,
-    parts: list[list[int]],
-    keys: list[Key],
-    targets: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    state: _tree.FlatState,
-    params: _tree.Leaves,
-) -> _tree.FlatState:
-    """Each part's update, added to its ``targets`` before the next part is computed; the state after the last."""
-    for part in parts:
-        # (a part's updates are freed when its call returns, before the next part computes its own)
-        state = _apply_part(
-            rule, [keys[i] for i in part], [targets[i] for i in part], [grads[i] for i in part], state, params
-        )
-    return state
-
-
-def _apply_part(
-    rule: Rule,
-    keys: list[Key],
-    targets: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    state: _tree.FlatState,
-    params: _tree.Leaves,
-) -> _tree.FlatState:
-    updates, state = run_checked(rule, dict(zip(keys, grads)), state, params, torch.Size([]))
-    torch._foreach_add_(targets, [updates[k] for k in keys])
-    return state
-
-
-def _parts_applier(
-    compile: bool | Mapping[str, Any], collectives: Collectives | None
-) -> Callable[..., _tree.FlatState]:
-    """:func:`_apply_parts`, compiled as ``compile`` asks."""
-    if not isinstance(compile, bool | Mapping):
-        raise TypeError(f"Muon(compile=...) takes a bool or a mapping of torch.compile's keywords, got {compile!r}")
-    if compile is False:
-        return _apply_parts
-    if collectives is not None:
-        raise ValueError(
-            "Muon(compile=...): the sharded step exchanges data between ranks in Python and cannot be "
-            "compiled; leave compile off with collectives"
-        )
-    options = {"fullgraph": True, **(compile if isinstance(compile, Mapping) else {})}
-    return torch.compile(_apply_parts, **options)
+        self._apply_parts = parts_applier(self._compile, self._collectives)
 
 
 def _is_zero(value: Any) -> bool:

@@ -1,0 +1,119 @@
+"""The shim's step after its checks: every part's update added to its parameters, eagerly or compiled."""
+
+from __future__ import annotations
+
+import types
+import warnings
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .._keys import Key
+from .._tree import FlatState, Leaves
+from ..transforms._base import Rule, run_checked
+
+if TYPE_CHECKING:
+    from ..distributed import Collectives
+
+#: structures (which parameters have gradients, and the parts) one optimizer compiles; a step of
+#: another structure after that many runs eagerly
+MAX_COMPILED_STRUCTURES = 8
+
+PartsApplier = Callable[
+    [Rule, list[list[int]], list[Key], list[torch.Tensor], list[torch.Tensor], FlatState, Leaves], FlatState
+]
+
+
+def apply_parts(
+    rule: Rule,
+    parts: list[list[int]],
+    keys: list[Key],
+    targets: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    state: FlatState,
+    params: Leaves,
+) -> FlatState:
+    """Each part's update, added to its ``targets`` before the next part is computed; the state after the last."""
+    for part in parts:
+        # (a part's updates are freed when its call returns, before the next part computes its own)
+        state = _apply_part(
+            rule, [keys[i] for i in part], [targets[i] for i in part], [grads[i] for i in part], state, params
+        )
+    return state
+
+
+def _apply_part(
+    rule: Rule,
+    keys: list[Key],
+    targets: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    state: FlatState,
+    params: Leaves,
+) -> FlatState:
+    updates, state = run_checked(rule, dict(zip(keys, grads)), state, params, torch.Size([]))
+    torch._foreach_add_(targets, [updates[k] for k in keys])
+    return state
+
+
+def parts_applier(compile: bool | Mapping[str, Any], collectives: Collectives | None) -> PartsApplier:
+    """:func:`apply_parts`, or a :class:`CompiledParts` as ``compile`` asks (checked here)."""
+    if not isinstance(compile, bool | Mapping):
+        raise TypeError(f"Muon(compile=...) takes a bool or a mapping of torch.compile's keywords, got {compile!r}")
+    if compile is False:
+        return apply_parts
+    if collectives is not None:
+        raise ValueError(
+            "Muon(compile=...): the sharded step exchanges data between ranks in Python and cannot be "
+            "compiled; leave compile off with collectives"
+        )
+    return CompiledParts({"fullgraph": True, **(compile if isinstance(compile, Mapping) else {})})
+
+
+class CompiledParts:
+    """:func:`apply_parts` compiled once per structure: the rule, which parameters have
+    gradients and the parts.
+
+    Each structure gets a function of its own (a copy of :func:`apply_parts` with its own code
+    object, which is what ``torch.compile`` keys its graphs and its recompilation limit on), so
+    that structures, and optimizers in one process, do not use up each other's recompilations.
+    A rebuilt rule drops the graphs of the old one. Past :data:`MAX_COMPILED_STRUCTURES`, a step
+    of a new structure runs eagerly (the same arithmetic), with one warning.
+    """
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        self.options = options
+        self.rule: Rule | None = None
+        self.compiled: dict[tuple[Any, ...], PartsApplier] = {}
+        self.warned = False
+
+    def __call__(
+        self,
+        rule: Rule,
+        parts: list[list[int]],
+        keys: list[Key],
+        targets: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        state: FlatState,
+        params: Leaves,
+    ) -> FlatState:
+        if rule is not self.rule:
+            self.rule, self.compiled = rule, {}
+        structure = (tuple(keys), tuple(map(tuple, parts)))
+        step = self.compiled.get(structure)
+        if step is None and len(self.compiled) < MAX_COMPILED_STRUCTURES:
+            step = self.compiled[structure] = torch.compile(_copy_of_apply_parts(), **self.options)
+        if step is None:
+            if not self.warned:
+                self.warned = True
+                warnings.warn(
+                    f"Muon(compile=...): {MAX_COMPILED_STRUCTURES} structures (sets of parameters with "
+                    "gradients) are compiled; steps of other structures run eagerly",
+                    stacklevel=4,
+                )
+            step = apply_parts
+        return step(rule, parts, keys, targets, grads, state, params)
+
+
+def _copy_of_apply_parts() -> PartsApplier:
+    return types.FunctionType(apply_parts.__code__.replace(), apply_parts.__globals__, apply_parts.__name__)
