@@ -30,7 +30,7 @@ from ..transforms._base import Rule, as_rule, check_rule
 from . import _groups, _migration
 from ._migration import NOT_GIVEN, NotGiven
 from ._param_state import ParamState
-from ._parts import parts_applier
+from ._parts import StepInputs, parts_applier
 from ._state_dict import packed_state_dict, translate_state_dict
 
 if TYPE_CHECKING:
@@ -494,7 +494,7 @@ class Muon(torch.optim.Optimizer):
             check_rule(rule, dict(zip(keys, grads)), state, params, size)  # all of it, before any part runs
             kinds = [(self._slots[p].group, p.shape, p.dtype) for p in targets]
             parts = _groups.chunks([g.numel() for g in grads], self._chunk_numel, kinds)
-            state = self._apply_parts(rule, parts, keys, targets, grads, state, params)
+            state = self._apply_parts(StepInputs(rule, parts, keys, targets, grads, params), state)
         self._state_leaves, self._state_tree = state, None
 
     @property

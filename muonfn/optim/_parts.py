@@ -5,7 +5,7 @@ from __future__ import annotations
 import types
 import warnings
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -20,25 +20,29 @@ if TYPE_CHECKING:
 #: another structure after that many runs eagerly
 MAX_COMPILED_STRUCTURES = 8
 
-PartsApplier = Callable[
-    [Rule, list[list[int]], list[Key], list[torch.Tensor], list[torch.Tensor], FlatState, Leaves], FlatState
-]
+
+class StepInputs(NamedTuple):
+    """A step's inputs, checked: the gradients under ``keys`` go to the parameters ``targets``
+    (``params``: every parameter by key), in ``parts`` (lists of indices into ``keys``)."""
+
+    rule: Rule
+    parts: list[list[int]]
+    keys: list[Key]
+    targets: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    params: Leaves
 
 
-def apply_parts(
-    rule: Rule,
-    parts: list[list[int]],
-    keys: list[Key],
-    targets: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    state: FlatState,
-    params: Leaves,
-) -> FlatState:
-    """Each part's update, added to its ``targets`` before the next part is computed; the state after the last."""
-    for part in parts:
+PartsApplier = Callable[[StepInputs, FlatState], FlatState]
+
+
+def apply_parts(step: StepInputs, state: FlatState) -> FlatState:
+    """Each part's update, added to its parameters before the next part is computed; the state after the last."""
+    rule, keys, targets, grads = step.rule, step.keys, step.targets, step.grads
+    for part in step.parts:
         # (a part's updates are freed when its call returns, before the next part computes its own)
         state = _apply_part(
-            rule, [keys[i] for i in part], [targets[i] for i in part], [grads[i] for i in part], state, params
+            rule, [keys[i] for i in part], [targets[i] for i in part], [grads[i] for i in part], state, step.params
         )
     return state
 
@@ -87,23 +91,14 @@ class CompiledParts:
         self.compiled: dict[tuple[Any, ...], PartsApplier] = {}
         self.warned = False
 
-    def __call__(
-        self,
-        rule: Rule,
-        parts: list[list[int]],
-        keys: list[Key],
-        targets: list[torch.Tensor],
-        grads: list[torch.Tensor],
-        state: FlatState,
-        params: Leaves,
-    ) -> FlatState:
-        if rule is not self.rule:
-            self.rule, self.compiled = rule, {}
-        structure = (tuple(keys), tuple(map(tuple, parts)))
-        step = self.compiled.get(structure)
-        if step is None and len(self.compiled) < MAX_COMPILED_STRUCTURES:
-            step = self.compiled[structure] = torch.compile(_copy_of_apply_parts(), **self.options)
-        if step is None:
+    def __call__(self, step: StepInputs, state: FlatState) -> FlatState:
+        if step.rule is not self.rule:
+            self.rule, self.compiled = step.rule, {}
+        structure = (tuple(step.keys), tuple(map(tuple, step.parts)))
+        applier = self.compiled.get(structure)
+        if applier is None and len(self.compiled) < MAX_COMPILED_STRUCTURES:
+            applier = self.compiled[structure] = torch.compile(_copy_of_apply_parts(), **self.options)
+        if applier is None:
             if not self.warned:
                 self.warned = True
                 warnings.warn(
@@ -111,8 +106,8 @@ class CompiledParts:
                     "gradients) are compiled; steps of other structures run eagerly",
                     stacklevel=4,
                 )
-            step = apply_parts
-        return step(rule, parts, keys, targets, grads, state, params)
+            applier = apply_parts
+        return applier(step, state)
 
 
 def _copy_of_apply_parts() -> PartsApplier:
