@@ -169,3 +169,27 @@ def test_gpt2_sets_have_gpt2s_parameter_counts():
     shrunk = sets.build("gpt2-medium", "cpu", width=16, depth=2, vocab=32, context=8)
     assert shrunk.name == "gpt2-medium" and "shrunk" in shrunk.description
     assert len(shrunk.matrix_params()) == 4 * 2  # fused QKV, attention and MLP projections per block
+
+
+def test_profile_step_budgets_the_target_from_its_own_figures(tmp_path):
+    """``profile_step.py`` splits every contender's step into its matmuls and everything else,
+    and budgets the muonfn steps against the fastest rival of the same run."""
+    out = tmp_path / "profile.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), "--width", "16", "--depth", "1"]
+    options = ["--repeats", "2", "--steps", "1", "--threads", "1", "--target", "1.25", "--out", str(out)]
+    proc = subprocess.run([*command, *options], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    contenders = results["contenders"]
+    assert set(contenders) == {"muonfn", "muonfn donated", "torch Muon+AdamW", "plain fp32 loop"} | installed_peers()
+    for c in contenders.values():
+        assert positive(c["step_ms"]) and positive(c["matmul_ms"])
+        assert math.isclose(c["other_ms"], c["step_ms"] - c["matmul_ms"])
+        assert set(c["split_ms"]) >= {"matmul", "elementwise", "copy"}
+    rivals = {name: c for name, c in contenders.items() if not name.startswith("muonfn")}
+    fastest = min(rivals, key=lambda name: rivals[name]["step_ms"])
+    assert results["fastest_rival"] == fastest
+    for name in ("muonfn", "muonfn donated"):
+        budget = results["budgets"][name]
+        assert math.isclose(budget["budget_ms"], rivals[fastest]["step_ms"] / 1.25)
+        assert math.isclose(budget["other_allowed_ms"], budget["budget_ms"] - contenders[name]["matmul_ms"])
