@@ -105,8 +105,12 @@ def load(
     """
     try:
         raw = torch.load(path, map_location=map_location, weights_only=True)
-    except OSError:  # missing, unreadable: the error names the path already
-        raise
+    except OSError as e:
+        if e.filename is not None:  # missing, unreadable: the error names the path already
+            raise
+        # torch's archive reader reports some truncated files as a bare OSError (EINVAL)
+        reason = f"torch.load cannot read it: {e}"
+        raise ValueError(f"load: {os.fspath(path)!r} is not a muonfn checkpoint ({reason})") from e
     except pickle.UnpicklingError as e:  # code or unknown types: refused by weights_only, or no pickle at all
         raise pickle.UnpicklingError(f"load: {os.fspath(path)!r} is not a muonfn checkpoint: {e}") from e
     except Exception as e:  # empty, text, truncated or corrupted: the unpickler fails in many ways

@@ -308,3 +308,30 @@ def test_save_into_a_missing_directory_names_the_target(tmp_path: pathlib.Path):
     ):
         muonfn.save(trained_state(), target)
     assert os.listdir(tmp_path) == []  # nothing written, no directory made
+
+
+def test_load_names_the_file_at_every_truncation(tmp_path: pathlib.Path):
+    """torch's archive reader fails some cuts with a bare OSError (EINVAL): still a ValueError naming the file."""
+    path, cut = tmp_path / "ckpt.pt", tmp_path / "cut.pt"
+    muonfn.save(trained_state(), path)
+    data = path.read_bytes()
+    for length in sorted({len(data) - 1, len(data) - 30, len(data) - 2000, *range(4, len(data), 997)}):
+        cut.write_bytes(data[: max(length, 4)])
+        with pytest.raises((ValueError, pickle.UnpicklingError), match=rf"load: '{cut}' is not a muonfn checkpoint"):
+            muonfn.load(cut)
+
+
+def test_a_stacked_ensemble_comes_back_with_like_and_is_refused_without(tmp_path: pathlib.Path):
+    """The file keeps no batch size: ``like=`` restores it; without it an update refuses the state unchanged."""
+    ensemble = torch.stack([TensorDict({"w": torch.randn(16, 8), "b": torch.randn(16)}, []) for _ in range(3)])
+    tx = muonfn.adamw(lr=1e-2, donate_state=True)
+    state = tx.init(ensemble)
+    muonfn.save({"params": ensemble, "state": state}, tmp_path / "ensemble.pt")
+    loaded = muonfn.load(tmp_path / "ensemble.pt", like=TensorDict({"params": ensemble, "state": state}, [3]))
+    assert loaded["state"].batch_size == (3,)
+    assert_bitwise(loaded["state"], state)
+    bare = muonfn.load(tmp_path / "ensemble.pt")
+    before = bare["state"].clone()
+    with pytest.raises(ValueError, match=r"state entry 'step\.w' must be an int64 step count of shape \(\)"):
+        tx.update(bare["params"].apply(torch.randn_like), bare["state"], bare["params"])
+    assert_bitwise(bare["state"], before)

@@ -488,3 +488,25 @@ def test_unknown_label() -> None:
     labels = {"0.weight": "muon", "0.bias": "adam", "1.weight": "muon"}
     with pytest.raises(ValueError, match=r"'0.bias' has label 'adam'; known labels: \['adamw', 'muon'\]"):
         muonfn.muon(labels=labels).init(params())
+
+
+def test_a_malformed_step_count_is_refused_before_a_donated_state_changes():
+    params = TensorDict({"w": torch.randn(16, 8), "b": torch.zeros(16), "c": torch.zeros(4)}, [])
+    tx = muonfn.muon(lr=0.02, donate_state=True)
+    for bad in (torch.zeros(3, dtype=torch.int64), torch.zeros((), dtype=torch.float32)):
+        state = tx.init(params)
+        state["adamw", "step", "c"] = bad
+        before = state.clone()
+        with pytest.raises(ValueError, match=r"state entry 'adamw\.step\.c' must be an int64 step count of shape \(\)"):
+            tx.update(params.apply(torch.randn_like), state, params)
+        assert_td_equal(state, before)
+
+
+def test_apply_updates_in_place_refuses_a_sum_its_parameter_cannot_hold_before_writing():
+    for dtype, update in ((torch.float32, torch.ones(3, dtype=torch.complex64)), (torch.int64, torch.ones(3))):
+        params = TensorDict({"a": torch.zeros(3), "c": torch.zeros(3, dtype=dtype)}, [])
+        before = params.clone()
+        updates = TensorDict({"a": torch.ones(3), "c": update}, [])
+        with pytest.raises(ValueError, match=r"update 'c' of dtype .* cannot be added in place to its parameter"):
+            muonfn.apply_updates_(params, updates)
+        assert_td_equal(params, before)

@@ -375,3 +375,43 @@ def test_zero_size_matrices_get_empty_updates() -> None:
     assert_td_equal(state, before)
     assert new_state["muon", "momentum", "0", "weight"].shape == (0, 5)
     assert set(new_state.keys(True, True)) == set(state.keys(True, True))
+
+
+# --------------------------------------------------------------- differentiating through a step
+
+
+@pytest.mark.parametrize("preset", [muonfn.muon, muonfn.normuon, muonfn.adamuon])
+def test_a_step_is_differentiable_with_respect_to_the_gradients(preset):
+    """The variants' denominators stay out of place under torch.func.grad: sqrt's gradient reads its output."""
+    params = TensorDict({"w": torch.randn(8, 4, dtype=torch.float64), "b": torch.randn(4, dtype=torch.float64)}, [])
+    grads = params.apply(torch.randn_like)
+    tx = preset(lr=0.02)
+    state = tx.init(params)
+
+    def loss(w: torch.Tensor) -> torch.Tensor:
+        return tx.update(TensorDict({"w": w, "b": grads["b"]}, []), state, params)[0]["w"].square().sum()
+
+    grad = torch.func.grad(loss)(grads["w"])
+    direction = torch.randn_like(grad)
+    step = 1e-6
+    numeric = (loss(grads["w"] + step * direction) - loss(grads["w"] - step * direction)) / (2 * step)
+    assert torch.isfinite(grad).all()
+    assert torch.allclose((grad * direction).sum(), numeric, rtol=1e-4, atol=1e-8)
+
+
+@pytest.mark.parametrize("setting", ["lr", "weight_decay"])
+def test_a_recorded_learning_rate_or_decay_is_differentiated_not_written_into(setting):
+    """A 0-d hyperparameter autograd records makes the step's product record it: out of place."""
+    params = TensorDict({"w": torch.randn(8, 4, dtype=torch.float64), "b": torch.randn(4, dtype=torch.float64)}, [])
+    grads = params.apply(torch.randn_like)
+    value = torch.tensor(0.05, dtype=torch.float64, requires_grad=True)
+    options = {"lr": 0.02, "weight_decay": 0.1, setting: value}
+    tx = muonfn.muon(**options)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    (derivative,) = torch.autograd.grad(updates["w"].sum(), value)
+    with torch.no_grad():
+        plain = {**options, setting: float(value)}
+        shifted = {**options, setting: float(value) + 1e-6}
+        lower = muonfn.muon(**plain).update(grads, muonfn.muon(**plain).init(params), params)[0]["w"].sum()
+        upper = muonfn.muon(**shifted).update(grads, muonfn.muon(**shifted).init(params), params)[0]["w"].sum()
+    assert torch.allclose(derivative, (upper - lower) / 1e-6, rtol=1e-4)

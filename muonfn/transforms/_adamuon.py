@@ -106,7 +106,9 @@ def scale_by_element_rms(
             scope.write(STEP, keys, counts.leaves)
             correction = bias_corrections(counts, log_beta, values, scope.members)
             root = _lists.apply("div", exp_avg_sq, correction)
-        denom = _lists.apply_("add", _lists.apply("sqrt", root), eps)
+        roots = _lists.apply("sqrt", root)
+        # (in place only where nothing differentiates through it: sqrt's gradient reads its output)
+        denom = (_lists.apply_ if _lists.may_overwrite(roots) else _lists.apply)("add", roots, eps)
         adapted = _lists.apply("div", values, denom)
         if rescale == "none":
             return dict(zip(keys, adapted))

@@ -125,19 +125,20 @@ class Needs:
 
     ``entries``: top-level entries a scope must hold (``(where, scope prefix, names)``);
     ``like``: state leaves that must exist with their gradients' shapes and dtypes (``(where,
-    state keys, gradient keys)``); ``present``: state leaves that must exist (``(where, state
-    keys)``); ``shaped``: state leaves that must exist with a given shape and the gradient's
-    dtype (statistics of a leaf, such as one per row); ``params``: whether ``params`` are
-    required. State keys are full (prefixed) keys; ``where`` names the transform that reads them.
+    state keys, gradient keys)``); ``counts``: step counts that must exist as int64 tensors of
+    the batch size, one count per ensemble member (``(where, state keys)``); ``shaped``: state
+    leaves that must exist with a given shape and the gradient's dtype (statistics of a leaf,
+    such as one per row); ``params``: whether ``params`` are required. State keys are full
+    (prefixed) keys; ``where`` names the transform that reads them.
     """
 
-    __slots__ = ("batch_size", "entries", "like", "params", "present", "shaped")
+    __slots__ = ("batch_size", "counts", "entries", "like", "params", "shaped")
 
     def __init__(self, batch_size: torch.Size) -> None:
         self.batch_size = batch_size
         self.entries: list[tuple[str, Key, Sequence[str]]] = []
         self.like: list[tuple[str, Sequence[Key], Sequence[Key]]] = []
-        self.present: list[tuple[str, Sequence[Key]]] = []
+        self.counts: list[tuple[str, Sequence[Key]]] = []
         self.shaped: list[tuple[str, Key, Key, tuple[int, ...]]] = []
         self.params: list[str] = []
 
@@ -157,11 +158,17 @@ class Needs:
                     )
         if params is None and self.params:
             raise ValueError(f"{self.params[0]} needs params: call update(grads, state, params)")
-        for where, keys in self.present:
+        for where, keys in self.counts:
             for key in keys:
-                if key not in state:
+                count = state.get(key)
+                if count is None:
                     raise ValueError(
                         f"{where}: state has no entry {dotted(key)!r}; was it made by this transform's init?"
+                    )
+                if count.dtype != torch.int64 or tuple(count.shape) != tuple(self.batch_size):
+                    raise ValueError(
+                        f"{where}: state entry {dotted(key)!r} must be an int64 step count of shape "
+                        f"{tuple(self.batch_size)}, got dtype {count.dtype} and shape {tuple(count.shape)}"
                     )
         for where, keys, grad_keys in self.like:
             _check_like(where, keys, grad_keys, state, grads)
@@ -221,7 +228,7 @@ def per_leaf_needs(name: str, entries: Sequence[str], counts: Sequence[str] = ()
         for entry in entries:
             out.like.append((name, _entry_keys((*prefix, entry), grads), list(grads)))
         for entry in counts:
-            out.present.append((name, _entry_keys((*prefix, entry), grads)))
+            out.counts.append((name, _entry_keys((*prefix, entry), grads)))
 
     return needs
 
@@ -371,7 +378,15 @@ def apply_updates_(params: TensorDictBase, updates: TensorDictBase) -> TensorDic
     paused = pause_collections()
     try:
         flat_params = _tree.flatten(params, keep_empty=True)
-        targets, values, _ = _matched("apply_updates_", flat_params, _tree.flatten(updates))
+        flat_updates = _tree.flatten(updates)
+        targets, values, recast = _matched("apply_updates_", flat_params, flat_updates)
+        for key in recast:  # a sum the parameter's dtype cannot hold would fail halfway through the add
+            p, u = flat_params[key], flat_updates[key]
+            if not torch.can_cast(torch.promote_types(p.dtype, u.dtype), p.dtype):
+                raise ValueError(
+                    f"apply_updates_: update {dotted(key)!r} of dtype {u.dtype} cannot be added in place to "
+                    f"its parameter of dtype {p.dtype}"
+                )
         with torch.no_grad():
             _lists.apply_("add", targets, values)
         return params

@@ -130,7 +130,9 @@ def scale_by_neuron_norm(
         scope.write(
             ROW_SECOND_MOMENT, keys, moments if donate_state else [n.reshape(v.shape) for n, v in zip(new, moments)]
         )
-        denoms = _lists.apply_("add", _lists.apply("sqrt", new), eps)
+        roots = _lists.apply("sqrt", new)
+        # (in place only where nothing differentiates through it: sqrt's gradient reads its output)
+        denoms = (_lists.apply_ if _lists.may_overwrite(roots) else _lists.apply)("add", roots, eps)
         out = []
         for o, view, matrices, denom in zip(values, leaf_views, blocks, denoms):
             adapted = [rescaled(b.div(d), b, rescale, eps) for b, d in zip(matrices, _per_block(view, denom))]
