@@ -1045,3 +1045,74 @@ def test_a_step_in_parts_routes_each_part_once(monkeypatch):
     opt.step()
     opt.step()
     assert routed == []
+
+
+# ------------------------------------------------------------- edits the shim refuses or undoes
+
+
+def _stepped() -> tuple[nn.Sequential, Muon]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3))
+    opt = Muon(net.named_parameters(), **HP)
+    net(torch.randn(5, 4)).square().mean().backward()
+    opt.step()
+    return net, opt
+
+
+def test_an_edited_use_muon_is_refused_naming_the_group_and_changes_nothing():
+    net, opt = _stepped()
+    before = opt.functional_state.clone()
+    opt.param_groups[0]["use_muon"] = not opt.param_groups[0]["use_muon"]
+    for call in (opt.state_dict, opt.step, lambda: opt.functional_state):
+        with pytest.raises(ValueError, match=r"param group 0: use_muon was .* when the group was added"):
+            call()
+    opt.param_groups[0]["use_muon"] = not opt.param_groups[0]["use_muon"]  # set back: as it was
+    assert_bitwise(opt.functional_state, before)
+    net(torch.randn(5, 4)).square().mean().backward()
+    opt.step()
+
+
+def test_a_failed_step_after_a_variant_edit_keeps_the_old_layout():
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 8, bias=False)
+    opt = Muon(lin.named_parameters(), lr=0.02, variant="normuon")
+    lin(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    moment = opt.state[lin.weight]["row_second_moment"].clone()
+    opt.param_groups[0]["variant"] = "muon"
+    lin.weight.grad_dtype = None
+    lin.weight.grad = lin.weight.grad.double()
+    with pytest.raises(ValueError, match=r"has dtype torch\.float64"):
+        opt.step()
+    opt.param_groups[0]["variant"] = "normuon"
+    assert torch.equal(opt.state[lin.weight]["row_second_moment"], moment)
+
+
+def test_clearing_opt_state_resets_every_parameter_and_ends():
+    net, opt = _stepped()
+    opt.state["note"] = {"x": 1}
+    opt.state.clear()
+    fresh = Muon(net.named_parameters(), **HP)
+    assert_bitwise(opt.functional_state, fresh.functional_state)
+    assert "note" not in opt.state
+    with pytest.raises(KeyError, match="no keys other than parameters"):
+        opt.state.popitem()
+
+
+def test_parameter_names_that_nest_are_refused_before_anything_changes():
+    _, opt = _stepped()
+    before, groups = opt.functional_state.clone(), len(opt.param_groups)
+    with pytest.raises(ValueError, match=r"parameter names '0' and '0\.(weight|bias)' nest"):
+        opt.add_param_group({"params": [("0", nn.Parameter(torch.randn(4, 4)))]})
+    assert_bitwise(opt.functional_state, before)
+    assert len(opt.param_groups) == groups
+    with pytest.raises(ValueError, match=r"parameter names 'a' and 'a\.b' nest"):
+        Muon([("a", nn.Parameter(torch.randn(3, 3))), ("a.b", nn.Parameter(torch.randn(3, 3)))])
+
+
+def test_a_negative_step_count_written_into_opt_state_is_refused():
+    net, opt = _stepped()
+    before = opt.functional_state.clone()
+    with pytest.raises(ValueError, match=r"state\['0\.bias'\]\['step'\] must be a count >= 0"):
+        opt.state[net[0].bias]["step"] = torch.tensor(-1)
+    assert_bitwise(opt.functional_state, before)

@@ -269,6 +269,18 @@ def check_new_params(
         if key in known_keys:
             raise ValueError(f"a parameter named {name!r} is already being optimized")
         seen[p] = name
+    _check_nesting([*known_keys, *keys])
+
+
+def _check_nesting(keys: Sequence[Key]) -> None:
+    """No key may be a node above another (``"0"`` and ``"0.weight"``): the state nests by key."""
+    above = {key[:i]: key for key in keys for i in range(1, len(key))}
+    for key in keys:
+        below = above.get(key)
+        if below is not None:
+            raise ValueError(
+                f"parameter names {dotted(key)!r} and {dotted(below)!r} nest (the state is a tree by name); rename one"
+            )
 
 
 #: ``chunk_numel="auto"``: about this many parts, each of at least ``AUTO_MIN_CHUNK`` elements

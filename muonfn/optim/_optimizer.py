@@ -282,6 +282,7 @@ class Muon(torch.optim.Optimizer):
     @torch.compiler.disable
     def _synced_transform(self) -> Transform:
         """Copies the scheduled hyperparameters into their tensors; rebuilds the transform if settings changed."""
+        self._check_routes()
         for i, group in enumerate(self.param_groups):
             _groups.check_scheduled(i, group)
         for group, scalars in zip(self.param_groups, self._scalars):
@@ -303,6 +304,17 @@ class Muon(torch.optim.Optimizer):
             if group["variant"] != MUON:
                 refuse_collectives(f"param group {group_index}: variant={group['variant']!r}", self._collectives)
 
+    def _check_routes(self) -> None:
+        """A group's ``use_muon`` is fixed when the group is added (its parameters' labels and state
+        are laid out for it): an edit in ``param_groups`` is refused, naming the group."""
+        routes = {slot.group: slot.use_muon for slot in self._slots.values()}
+        for i, group in enumerate(self.param_groups):
+            if i in routes and bool(group["use_muon"]) != routes[i]:
+                raise ValueError(
+                    f"param group {i}: use_muon was {routes[i]} when the group was added and cannot change; "
+                    "set it back, or add the parameters to a new optimizer"
+                )
+
     def _synced_layout(self) -> None:
         """Lays out anew the state of every group whose settings now ask for other entries (its
         variant, or AdaMuon's ``second_moment_bias_correction``, was changed in ``param_groups``).
@@ -310,6 +322,7 @@ class Muon(torch.optim.Optimizer):
         The entries both layouts keep (the momentum) are kept; the new ones start as the
         branch's ``init`` makes them; the others are dropped. Nothing changes unless all succeed.
         """
+        self._check_routes()
         for i, group in enumerate(self.param_groups):
             if group["use_muon"]:
                 _groups.check_variant(f"param group {i}", group["variant"])
@@ -470,15 +483,21 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        rule = as_rule(self._synced_transform())
+        # settings changed in param_groups may lay the state out anew: undone if the step's checks fail
+        layout = (self._state_tree, self._state_leaves, self._entry_names, self._cache)
+        try:
+            rule = as_rule(self._synced_transform())
+        except Exception:
+            self._state_tree, self._state_leaves, self._entry_names, self._cache = layout
+            raise
         paused = pause_collections()  # the step's temporaries hold no cycles (see muonfn._collection)
         try:
-            self._step(rule)
+            self._step(rule, layout)
         finally:
             resume_collections(paused)
         return loss
 
-    def _step(self, rule: Rule) -> None:
+    def _step(self, rule: Rule, layout: tuple[Any, ...]) -> None:
         with torch.no_grad():
             keys, targets, grads = [], [], []
             for p, slot in self._slots.items():
@@ -491,7 +510,11 @@ class Muon(torch.optim.Optimizer):
             state = self._state_leaves if self._state_tree is None else _tree.flatten(self._state_tree, keep_empty=True)
             params = {slot.key: p for p, slot in self._slots.items()}
             size = torch.Size([])
-            check_rule(rule, dict(zip(keys, grads)), state, params, size)  # all of it, before any part runs
+            try:
+                check_rule(rule, dict(zip(keys, grads)), state, params, size)  # all of it, before any part runs
+            except Exception:
+                self._state_tree, self._state_leaves, self._entry_names, self._cache = layout
+                raise
             kinds = [(self._slots[p].group, p.shape, p.dtype) for p in targets]
             parts = _groups.chunks([g.numel() for g in grads], self._chunk_numel, kinds)
             state = self._apply_parts(StepInputs(rule, parts, keys, targets, grads, params), state)

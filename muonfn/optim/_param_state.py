@@ -72,6 +72,19 @@ class ParamState(MutableMapping[Any, Any]):
         del self[key]
         return entries
 
+    def clear(self) -> None:
+        """Resets every parameter's entries (as ``del``) and drops the other keys."""
+        for param in list(self._optimizer._slots):
+            del self[param]
+        self.others.clear()
+
+    def popitem(self) -> tuple[Any, Any]:
+        """The last other key and its value, removed; a parameter's entries are reset by ``del``,
+        never removed, so a ``KeyError`` once only parameters are left (as from an empty dict)."""
+        if not self.others:
+            raise KeyError("popitem(): no keys other than parameters (del opt.state[p] resets p's entries)")
+        return self.others.popitem()
+
     def _slot(self, key: Any) -> _groups.Slot | None:
         # only tensors are parameters; a dict lookup of another key could compare it to tensors
         return self._optimizer._slots.get(key) if isinstance(key, torch.Tensor) else None
@@ -153,6 +166,8 @@ def write_entries(optimizer: Muon, slot: _groups.Slot, values: Mapping[str, Any]
             raise ValueError(f"state of {name!r} has no entry {torch_name!r}; its entries are {sorted(fields)}")
         if isinstance(value, bool) or not isinstance(value, torch.Tensor | int | float):
             raise TypeError(f"state[{name!r}][{torch_name!r}] must be a tensor, got {type(value).__name__}")
+        if torch_name == "step" and bool((torch.as_tensor(value) < 0).any()):
+            raise ValueError(f"state[{name!r}]['step'] must be a count >= 0, got {value!r}")
         key = (slot.label, fields[torch_name], *slot.key)
         checked[key] = _tree.laid_out_like(
             TensorDict({key: value}, batch_size=[]), state.select(key), f"state[{name!r}]"
