@@ -1116,3 +1116,16 @@ def test_a_negative_step_count_written_into_opt_state_is_refused():
     with pytest.raises(ValueError, match=r"state\['0\.bias'\]\['step'\] must be a count >= 0"):
         opt.state[net[0].bias]["step"] = torch.tensor(-1)
     assert_bitwise(opt.functional_state, before)
+
+
+def test_adamw_settings_are_refused_under_the_shims_own_names():
+    net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3))
+    with pytest.raises(ValueError, match=r"^adamw_eps must be finite and > 0, got 0\.0"):
+        Muon(net.named_parameters(), adamw_eps=0.0)
+    with pytest.raises(ValueError, match=r"^adamw_betas\[1\] must be in \[0, 1\), got 1\.0"):
+        Muon(net.named_parameters(), adamw_betas=(0.9, 1.0))
+    _, opt = _stepped()
+    adamw_group = next(i for i, g in enumerate(opt.param_groups) if not g["use_muon"])
+    opt.param_groups[adamw_group]["adamw_eps"] = -1.0
+    with pytest.raises(ValueError, match=rf"param group {adamw_group}: adamw_eps must be finite and > 0"):
+        opt.step()

@@ -191,12 +191,16 @@ def check_scheduled(group_index: int, group: Mapping[str, Any]) -> None:
         check(f"param group {group_index}: {name}", value)
     if not group["use_muon"]:
         check_betas(f"param group {group_index}: adamw_betas", group["adamw_betas"])
+        positive(f"param group {group_index}: adamw_eps", group["adamw_eps"])
 
 
 def check_betas(where: str, betas: Any) -> None:
-    """``adamw_betas`` must be two numbers: the core would read the first two of a longer sequence."""
+    """``adamw_betas`` must be two numbers in [0, 1): the core would read the first two of a
+    longer sequence, and name them by its own spelling."""
     if isinstance(betas, str | bytes) or not isinstance(betas, Sequence) or len(betas) != 2:
         raise ValueError(f"{where} must be a pair (beta1, beta2), got {betas!r}")
+    for i, beta in enumerate(betas):
+        unit_interval(f"{where}[{i}]", beta)
 
 
 def plain_coefficients(value: CoefficientsLike) -> Any:

@@ -11,7 +11,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from .. import _tree
 from .._collection import pause_collections, resume_collections
-from .._validation import Scalar
+from .._validation import Scalar, positive
 from ..linalg import CoefficientsLike, NSMethod, Orthogonalizer, ScaleMode
 from ..presets import (
     ADAMW,
@@ -158,6 +158,7 @@ class Muon(torch.optim.Optimizer):
                     "(schedule functions are for muonfn.muon)"
                 )
         _groups.check_betas("adamw_betas", adamw_betas)
+        positive("adamw_eps", adamw_eps)
         where = f"Muon(variant={variant!r})"
         _groups.check_variant("Muon(...)", variant)
         options = {
