@@ -101,13 +101,15 @@ def apply_(op: str, tensors: Tensors, *operands: Any, **kwargs: Any) -> list[tor
     return list(tensors)
 
 
-def may_overwrite(tensors: Tensors) -> bool:
-    """Whether an update may write into the temporaries it computed from ``tensors``: not
-    under a ``torch.func`` transform (in-place ops lack batching rules there) nor while
-    autograd records them (a gradient may read a value the write would replace)."""
+def may_overwrite(tensors: Tensors, *operands: Any) -> bool:
+    """Whether an update may write into the temporaries it computed from ``tensors`` (and
+    ``operands``, numbers or 0-d tensors such as a learning rate): not under a ``torch.func``
+    transform (in-place ops lack batching rules there) nor while autograd records any of them
+    (a gradient may read a value the write would replace)."""
     if torch._C._are_functorch_transforms_active():
         return False
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    recorded = [*tensors, *(v for v in operands if isinstance(v, torch.Tensor))]
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in recorded))
 
 
 def lerp(starts: Tensors, ends: Tensors, weight: float | torch.Tensor, *, inplace: bool = False) -> list[torch.Tensor]:

@@ -26,7 +26,7 @@ from ..presets import (
     refuse_collectives,
 )
 from ..transforms import LabelsLike, MaskLike, Rescale, Transform, ViewsLike, partition, resolve_labels, resolve_views
-from ..transforms._base import Rule, as_rule, check_rule
+from ..transforms._base import as_rule, check_rule
 from . import _groups, _migration
 from ._migration import NOT_GIVEN, NotGiven
 from ._param_state import ParamState
@@ -486,40 +486,38 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         # settings changed in param_groups may lay the state out anew: undone if the step's checks fail
         layout = (self._state_tree, self._state_leaves, self._entry_names, self._cache)
-        try:
-            rule = as_rule(self._synced_transform())
-        except Exception:
-            self._state_tree, self._state_leaves, self._entry_names, self._cache = layout
-            raise
         paused = pause_collections()  # the step's temporaries hold no cycles (see muonfn._collection)
         try:
-            self._step(rule, layout)
+            with torch.no_grad():
+                try:
+                    checked = self._checked_step()
+                except Exception:
+                    self._state_tree, self._state_leaves, self._entry_names, self._cache = layout
+                    raise
+                if checked is not None:
+                    self._state_leaves, self._state_tree = self._apply_parts(*checked), None
         finally:
             resume_collections(paused)
         return loss
 
-    def _step(self, rule: Rule, layout: tuple[Any, ...]) -> None:
-        with torch.no_grad():
-            keys, targets, grads = [], [], []
-            for p, slot in self._slots.items():
-                if p.grad is not None:
-                    keys.append(slot.key)
-                    targets.append(p)
-                    grads.append(p.grad)
-            if not grads:
-                return
-            state = self._state_leaves if self._state_tree is None else _tree.flatten(self._state_tree, keep_empty=True)
-            params = {slot.key: p for p, slot in self._slots.items()}
-            size = torch.Size([])
-            try:
-                check_rule(rule, dict(zip(keys, grads)), state, params, size)  # all of it, before any part runs
-            except Exception:
-                self._state_tree, self._state_leaves, self._entry_names, self._cache = layout
-                raise
-            kinds = [(self._slots[p].group, p.shape, p.dtype) for p in targets]
-            parts = _groups.chunks([g.numel() for g in grads], self._chunk_numel, kinds)
-            state = self._apply_parts(StepInputs(rule, parts, keys, targets, grads, params), state)
-        self._state_leaves, self._state_tree = state, None
+    def _checked_step(self) -> tuple[StepInputs, _tree.FlatState] | None:
+        """The step's inputs and the flat state, every input checked before any part runs;
+        ``None`` when no parameter has a gradient."""
+        rule = as_rule(self._synced_transform())
+        keys, targets, grads = [], [], []
+        for p, slot in self._slots.items():
+            if p.grad is not None:
+                keys.append(slot.key)
+                targets.append(p)
+                grads.append(p.grad)
+        if not grads:
+            return None
+        state = self._state_leaves if self._state_tree is None else _tree.flatten(self._state_tree, keep_empty=True)
+        params = {slot.key: p for p, slot in self._slots.items()}
+        check_rule(rule, dict(zip(keys, grads)), state, params, torch.Size([]))
+        kinds = [(self._slots[p].group, p.shape, p.dtype) for p in targets]
+        parts = _groups.chunks([g.numel() for g in grads], self._chunk_numel, kinds)
+        return StepInputs(rule, parts, keys, targets, grads, params), state
 
     @property
     def _functional_state(self) -> TensorDictBase:

@@ -78,8 +78,7 @@ def add_decayed_weights(
         current, p = [grads[k] for k in keys], [params[k] for k in keys]
         # (a parameter that autograd records would make the update record it too, which the
         # Newton–Schulz results, views of one batch, do not allow in place)
-        recorded = [*current, *p, *([weight_decay] if isinstance(weight_decay, torch.Tensor) else [])]
-        overwrite = inplace and _lists.may_overwrite(recorded)
+        overwrite = inplace and _lists.may_overwrite([*current, *p], weight_decay)
         if not cautious and _on_cpu(weight_decay, current):
             # u + λp as one multiply-add per entry: no decay term written out. (Only on a CPU,
             # whose multi-tensor ops run tensor by tensor anyway: on a GPU a 0-d factor per

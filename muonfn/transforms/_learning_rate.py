@@ -18,8 +18,7 @@ from ._state import COUNT
 def _scaled(grads: Leaves, lr: Scalar, members: int, batch_size: torch.Size, *, inplace: bool) -> Leaves:
     """``grads * -lr`` for ``lr`` a number, a 0-d tensor, or one value per ensemble member."""
     keys, values = list(grads), list(grads.values())
-    # (a learning rate that autograd records makes the product record it too)
-    inplace = inplace and _lists.may_overwrite([*values, lr] if isinstance(lr, torch.Tensor) else values)
+    inplace = inplace and _lists.may_overwrite(values, lr)
     if isinstance(lr, torch.Tensor) and lr.ndim:
         if not members or lr.shape != batch_size:
             raise ValueError(
