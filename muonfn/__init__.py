@@ -6,7 +6,10 @@ subpackage: :mod:`muonfn.linalg` (Newton–Schulz, views, batching; plain tensor
 :mod:`muonfn.transforms` (building blocks and combinators), :mod:`muonfn.presets`
 (:func:`muon`, :func:`adamw`), :mod:`muonfn.optim` (the ``torch.optim`` shim) and
 :mod:`muonfn.distributed` (sharded parameters, injected as an orthogonalizer).
-``muonfn.optim`` and ``muonfn.distributed`` load on first use.
+``muonfn.optim``, ``muonfn.distributed`` and ``muonfn.reference`` load on first use.
+
+Read :mod:`muonfn.reference` first: one step of :func:`muon` in plain PyTorch, about a hundred
+lines, which the test suite holds every fast path to.
 """
 
 from __future__ import annotations
@@ -62,11 +65,11 @@ from .transforms import (
 )
 
 if TYPE_CHECKING:
-    from . import distributed, optim
+    from . import distributed, optim, reference
 
 __version__ = "0.1.0"
 
-_LAZY_SUBMODULES = ("optim", "distributed")
+_LAZY_SUBMODULES = ("optim", "distributed", "reference")
 
 
 def __getattr__(name: str) -> Any:
@@ -110,6 +113,7 @@ __all__ = [
     "polar",
     "qk_clip",
     "qr_orthogonal",
+    "reference",
     "save",
     "scale_by_adam",
     "scale_by_element_rms",

@@ -14,7 +14,7 @@ import muonfn
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-PUBLIC_MODULES = ["muonfn", "muonfn.linalg", "muonfn.optim", "muonfn.distributed", "muonfn.testing"]
+PUBLIC_MODULES = ["muonfn", "muonfn.linalg", "muonfn.optim", "muonfn.distributed", "muonfn.testing", "muonfn.reference"]
 
 
 def documented_objects() -> set[str]:

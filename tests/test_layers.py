@@ -25,6 +25,8 @@ ALLOWED = {
     "distributed": {"linalg", "_keys"},
     # hypothesis strategies and invariant checks for users' orthogonalizers (hypothesis is an optional extra)
     "testing": {"linalg", "_keys", "_tree"},
+    # one step in plain PyTorch, the oracle the fast paths are tested against: it shares no code with them
+    "reference": set(),
 }
 #: third-party packages a layer must not need
 FORBIDDEN_EXTERNAL = {"linalg": {"tensordict", "torch.distributed"}, "distributed": {"tensordict"}}
