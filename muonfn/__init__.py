@@ -8,8 +8,8 @@ subpackage: :mod:`muonfn.linalg` (Newton–Schulz, views, batching; plain tensor
 :mod:`muonfn.distributed` (sharded parameters, injected as an orthogonalizer).
 ``muonfn.optim``, ``muonfn.distributed`` and ``muonfn.reference`` load on first use.
 
-Read :mod:`muonfn.reference` first: one step of :func:`muon` in plain PyTorch, about a hundred
-lines, which the test suite holds every fast path to.
+Read :mod:`muonfn.reference` first: one step of :func:`muon` in plain PyTorch, in one file,
+which the test suite holds every fast path to.
 """
 
 from __future__ import annotations

@@ -5,14 +5,18 @@ compiled, vmapped or sharded. ``tests/test_reference.py`` holds those paths to t
 for bit where they do the same arithmetic in the same order.
 
 Parameters with two or more dimensions take Muon (a conv kernel ``(out, in, k…)`` as the
-``(out, in·k)`` matrix); the others take AdamW, with ``torch.optim.AdamW``'s arithmetic. For an
-:math:`A \times B` matrix, with momentum :math:`\mu`, learning rate :math:`\eta` and decay :math:`\lambda`:
+``(out, in·k)`` matrix); the others take AdamW as ``torch.optim.AdamW`` computes it (muonfn's
+AdamW orders its arithmetic otherwise, a few ulps apart). For an :math:`A \times B` matrix,
+with momentum :math:`\mu`, learning rate :math:`\eta` and decay :math:`\lambda`:
 
 .. math::  b \leftarrow \mu b + (1-\mu) g, \qquad u = \mu b + (1-\mu) g \ \text{(Nesterov)}, \qquad
            p \leftarrow p - \eta\,\bigl(s(A, B)\,\mathrm{NS}(u) + \lambda p\bigr).
 
 :math:`\mathrm{NS}(u) \approx UV^\top` for :math:`u = U\Sigma V^\top`. The scale :math:`s = 0.2\sqrt{\max(A, B)}`
 gives the update AdamW's RMS, so one ``lr`` and one ``weight_decay`` serve both groups.
+Not here (their docstrings give their math): other matrix views, labels by name, schedules,
+caution, bias corrections, Gram Newton–Schulz, and the power-of-two prescaling that keeps
+muonfn's normalisation from overflowing (the same bits wherever this one does not).
 """
 
 from __future__ import annotations
@@ -87,7 +91,14 @@ def step(
 ) -> None:
     """One step, in place on ``params`` and ``state``. ``adamw_names``: matrices for AdamW
     (``muonfn.muon`` sends embeddings and output heads there by name). ``variant``: ``"normuon"``
-    or ``"adamuon"`` adapt the orthogonalized update (AdaMuon's defaults: ``momentum=0.9, nesterov=False``)."""
+    or ``"adamuon"`` adapt the orthogonalized update (AdaMuon's defaults: ``momentum=0.9, nesterov=False``).
+
+    Example:
+        >>> params, state = {"w": torch.ones(2, 3), "b": torch.zeros(2)}, muonfn.reference.init()
+        >>> muonfn.reference.step(params, {"w": torch.ones(2, 3), "b": torch.ones(2)}, state, lr=0.1)
+        >>> list(state["momentum"]), list(state["exp_avg"]), params["b"]  # AdamW's first step: -lr·sign(g)
+        (['w'], ['b'], tensor([-0.1000, -0.1000]))
+    """
     state["step"] += 1
     for name, p in params.items():
         g = grads[name]

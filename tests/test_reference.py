@@ -1,10 +1,10 @@
-"""muonfn.reference as the oracle: every fast path computes what its ten-line loop computes.
+"""muonfn.reference as the oracle: every fast path computes what ``muonfn.reference.step`` computes.
 
 Three kinds of comparison, each test named for its kind:
 
 - ``..._bitwise_with_the_same_newton_schulz``: the fast path runs the reference's own
   Newton–Schulz on each matrix alone (``ns_method=``), so both sides do the same arithmetic
-  in the same order: the Muon parameters and every state entry are equal bit for bit. What
+  in the same order: the Muon parameters and all moments are equal bit for bit. What
   is left to differ is how the fast paths stack, bucket, shard, transpose, scale, decay and
   apply, which must not change a bit.
 - ``..._bitwise``: the same arithmetic by construction (AdamW against ``torch.optim.AdamW``;
@@ -80,7 +80,10 @@ def reference_ns(M: torch.Tensor) -> torch.Tensor:
 
 
 def per_matrix_ns(X: torch.Tensor) -> torch.Tensor:
-    """:func:`reference_ns` on every matrix of a ``(count, m, n)`` batch alone: the fast paths' ``ns_method``."""
+    """:func:`reference_ns` on every matrix of a ``(count, m, n)`` batch alone: the fast paths' ``ns_method``.
+
+    Each matrix is copied out of the stack first, as the reference has it: in memory of its own
+    (an sgemm may round a matrix at another alignment differently)."""
     return torch.stack([reference_ns(x.clone()) for x in X])
 
 
@@ -119,9 +122,9 @@ def assert_bitwise(got: Any, expected: Params, keys: list[str]) -> None:
         assert torch.equal(got[k], expected[k]), f"{k}: max |difference| {(got[k] - expected[k]).abs().max():.3g}"
 
 
-def assert_adamw_close(got: Any, expected: Params) -> None:
+def assert_adamw_close(got: Any, expected: Params, keys: list[str] = VECTORS) -> None:
     """Each step's two formulas round apart by at most a few ulps of the parameter, or of an update of size lr."""
-    for k in VECTORS:
+    for k in keys:
         bound = 4 * STEPS * EPS32 * (expected[k].abs() + LR)
         assert ((got[k] - expected[k]).abs() <= bound).all(), k
 
@@ -181,6 +184,22 @@ def test_reference_adamw_equals_torch_optim_adamw_bitwise() -> None:
     for k, p in torch_params.items():
         assert torch.equal(opt.state[p]["exp_avg"], state["exp_avg"][k])
         assert torch.equal(opt.state[p]["exp_avg_sq"], state["exp_avg_sq"][k])
+
+
+def test_muonfn_adamw_matches_torch_optim_adamw_within_rounding() -> None:
+    """``muonfn.adamw`` divides by ``a√v + b`` (``a = c₁/√c₂``, ``b = εc₁``, one pass less) and adds
+    ``λp`` to the update; torch (and the reference) divide by ``√v/√c₂ + ε`` and multiply ``p`` by
+    ``1 − ηλ`` first. The same moments, parameters a few ulps apart (see :func:`assert_adamw_close`)."""
+    params = TensorDict(model(), batch_size=[])
+    tx = muonfn.adamw(LR, betas=(0.9, 0.95), weight_decay=0.1)
+    state = tx.init(params)
+    for g in gradients():
+        updates, state = tx.update(TensorDict(g, batch_size=[]), state, params)
+        params = muonfn.apply_updates(params, updates)
+    expected, expected_state = reference_run(adamw_names=MATRICES)
+    for entry in ("exp_avg", "exp_avg_sq"):
+        assert_bitwise(state[entry], expected_state[entry], list(SHAPES))
+    assert_adamw_close(params, expected, list(SHAPES))
 
 
 # ----------------------------------------------------------------- bitwise: the same Newton–Schulz
