@@ -19,7 +19,7 @@ from ..presets import (
     VARIANTS,
     variant_state_names,
 )
-from ..transforms import RESCALE_MODES
+from ..transforms import MOMENTUM, RESCALE_MODES, STEP
 
 #: Hyperparameters fed to the transform as 0-d tensors, refreshed before every step.
 SCHEDULED = ("lr", "momentum", "weight_decay")
@@ -47,6 +47,21 @@ def state_names(group: Mapping[str, Any]) -> dict[str, str]:
         return TORCH_STATE_NAMES[ADAMW]
     bias_correction = setting(group, "second_moment_bias_correction")
     return variant_state_names(group["variant"], second_moment_bias_correction=bias_correction is True)
+
+
+def carried_fields(held: Mapping[str, str], wanted: Mapping[str, str]) -> set[str]:
+    """The fields of a group's state that a new layout (``wanted``, from ``held``: torch's name
+    -> field) takes over; the others start as its ``init`` makes them.
+
+    The fields both layouts hold, except where the new one counts steps and the old one did not
+    (AdaMuon's ``second_moment_bias_correction`` turned on): the count starts at zero, and the
+    second moment it corrects must start with it (divided by ``1 - beta2**t`` for a small ``t``,
+    a trained moment would shrink the update several times over). The momentum is never counted.
+    """
+    carried = set(wanted.values()) & set(held.values())
+    if STEP in wanted.values() and STEP not in held.values():
+        carried &= {MOMENTUM}
+    return carried
 
 
 # ---------------------------------------------------------------------------- variants

@@ -94,7 +94,9 @@ class Muon(torch.optim.Optimizer):
     default, an option inherited from the defaults that its variant does not take becomes
     ``None``. A variant (or ``second_moment_bias_correction``) changed in ``param_groups``
     takes effect at the next step: the momentum is kept, the new variant's second moment
-    starts from zero, and the old one is dropped.
+    starts from zero, and the old one is dropped. ``second_moment_bias_correction`` turned
+    on starts the second moment from zero with its ``step`` count; turned off, it keeps the
+    second moment and drops the count.
 
     torch.optim.Muon's spellings are taken too: ``adjust_lr_fn`` (``None`` or
     ``"original"``: ``scale="original"``; ``"match_rms_adamw"``), ``eps`` (``ns_eps``) and
@@ -320,8 +322,9 @@ class Muon(torch.optim.Optimizer):
         """Lays out anew the state of every group whose settings now ask for other entries (its
         variant, or AdaMuon's ``second_moment_bias_correction``, was changed in ``param_groups``).
 
-        The entries both layouts keep (the momentum) are kept; the new ones start as the
-        branch's ``init`` makes them; the others are dropped. Nothing changes unless all succeed.
+        The entries both layouts keep are carried over (the momentum; AdaMuon's second moment
+        unless its count starts now: ``_groups.carried_fields``); the others start as the
+        branch's ``init`` makes them; the dropped ones go. Nothing changes unless all succeed.
         """
         self._check_routes()
         for i, group in enumerate(self.param_groups):
@@ -338,7 +341,7 @@ class Muon(torch.optim.Optimizer):
             keys = [self._slots[p].key for p in group["params"]]
             params = TensorDict(dict(zip(keys, [p.detach() for p in group["params"]])), batch_size=[])
             fresh = self._branch(group, _groups.new_scalars(group)).init(params)
-            for field in set(names.values()) & set(held.values()):
+            for field in _groups.carried_fields(held, names):
                 fresh[field] = state[label, field]
             state[label] = fresh
         self._functional_state = state
