@@ -1072,6 +1072,99 @@ def test_an_edited_use_muon_is_refused_naming_the_group_and_changes_nothing():
     opt.step()
 
 
+def _appended(opt: Muon, net: nn.Module) -> None:
+    opt.param_groups[0]["params"].append(nn.Parameter(torch.randn(6, 6)))
+
+
+def _removed(opt: Muon, net: nn.Module) -> None:
+    del opt.param_groups[1]["params"][1]  # 1.bias
+
+
+def _replaced(opt: Muon, net: nn.Module) -> None:
+    opt.param_groups[0]["params"][1] = nn.Parameter(torch.randn(3, 8))
+
+
+def _moved(opt: Muon, net: nn.Module) -> None:
+    opt.param_groups[1]["params"].append(opt.param_groups[0]["params"].pop())
+
+
+def _repeated(opt: Muon, net: nn.Module) -> None:
+    opt.param_groups[0]["params"][1] = net[0].weight
+
+
+def _group_appended(opt: Muon, net: nn.Module) -> None:
+    opt.param_groups.append({**opt.param_groups[0], "params": [nn.Parameter(torch.randn(5, 5))]})
+
+
+def _group_removed(opt: Muon, net: nn.Module) -> None:
+    del opt.param_groups[1]
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (_appended, r"param group 0: params\[2\] \(a tensor of shape \(6, 6\)\) was not in the group when it was "),
+        (_removed, r"param group 1: parameter '1\.bias' is no longer in its params"),
+        (_replaced, r"param group 0: params\[1\] \(a tensor of shape \(3, 8\)\) was not in the group when"),
+        (_moved, r"param group 1: parameter '1\.weight' was added to param group 0 and cannot move"),
+        (_repeated, r"param group 0: parameter '0\.weight' is in its params twice"),
+        (_group_appended, r"param_groups holds 3 groups, but 2 were added .*: add a group with add_param_group"),
+        (_group_removed, r"param_groups holds 1 groups, but 2 were added"),
+    ],
+)
+def test_a_group_edited_in_param_groups_is_refused_naming_it_and_changes_nothing(edit, match):
+    """torch.optim steps a tensor appended to a group's params (and stops stepping one removed);
+    the shim lays out a parameter's state when its group is added, so the next step refuses
+    such an edit before anything changes, where it used to skip the new tensor silently (and
+    keep stepping a removed one)."""
+    net, opt = _stepped()
+    params, state, _ = snapshot(net, opt)
+    saved = opt.state_dict()
+    layout = (opt._slots.copy(), list(opt._entry_names), opt._cache)
+    edit(opt, net)
+    net(torch.randn(5, 4)).square().mean().backward()
+    calls = [opt.step, opt.state_dict, lambda: opt.functional_state, opt.torch_state_dicts]
+    calls += [lambda: opt.load_state_dict(saved), lambda: setattr(opt, "functional_state", state)]
+    for call in calls:
+        with pytest.raises(ValueError, match=match):
+            call()
+    assert_bitwise(TensorDict.from_module(net), params)
+    assert_bitwise(opt._functional_state, state)
+    assert (opt._slots, opt._entry_names, opt._cache) == layout
+
+
+def test_a_group_reordered_in_param_groups_steps_as_before():
+    """Only the parameters a group holds are fixed, not their order (torch's only numbers them
+    in a state_dict)."""
+    runs = []
+    for reorder in (False, True):
+        net, opt = _stepped()
+        if reorder:
+            opt.param_groups[1]["params"].reverse()
+        net(torch.randn(5, 4)).square().mean().backward()
+        opt.step()
+        runs.append((TensorDict.from_module(net).clone(), opt.functional_state.clone()))
+        assert opt.state_dict()["state"][2].keys() == {"step", "exp_avg", "exp_avg_sq"}
+    assert_bitwise(runs[0][0], runs[1][0])
+    assert_bitwise(runs[0][1], runs[1][1])
+
+
+def test_the_route_of_an_empty_group_is_fixed_too():
+    """An empty group's label counts (the k-th Muon group keeps its state under muon_k): its
+    use_muon edited would shift the other groups' state labels."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3))
+    opt = Muon([{"params": [], "use_muon": True}, {"params": net.parameters()}], **HP)
+    net(torch.randn(5, 4)).square().mean().backward()
+    opt.step()
+    before = snapshot(net, opt)
+    opt.param_groups[0]["use_muon"] = False
+    with pytest.raises(ValueError, match=r"param group 0: use_muon was True when the group was added"):
+        opt.step()
+    opt.param_groups[0]["use_muon"] = True
+    assert_unchanged(net, opt, before)
+
+
 def test_a_failed_step_after_a_variant_edit_keeps_the_old_layout():
     torch.manual_seed(0)
     lin = nn.Linear(4, 8, bias=False)

@@ -155,6 +155,50 @@ class Slot(NamedTuple):
     use_muon: bool
 
 
+def check_members(groups: Sequence[Mapping[str, Any]], slots: Mapping[torch.Tensor, Slot], added: int) -> None:
+    """The groups are the ``added`` ones, each holding the parameters it was added with (in any
+    order); else an error naming the group and the parameter.
+
+    torch.optim would step a tensor appended to a group's ``params`` (and stop stepping one
+    removed), but here a parameter's key, route, view and state are laid out when its group is
+    added: ``add_param_group`` is the way to add parameters.
+    """
+    if len(groups) != added:
+        raise ValueError(
+            f"param_groups holds {len(groups)} groups, but {added} were added (by the constructor and "
+            "add_param_group): add a group with add_param_group, and remove none"
+        )
+    for i, group in enumerate(groups):
+        for position, p in enumerate(group["params"]):
+            slot = slots.get(p) if isinstance(p, torch.Tensor) else None
+            if slot is None:
+                shown = f"a tensor of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else type(p).__name__
+                raise ValueError(
+                    f"param group {i}: params[{position}] ({shown}) was not in the group when it was added; "
+                    "a parameter's state is laid out when its group is added: add it with add_param_group"
+                )
+            if slot.group != i:
+                raise ValueError(
+                    f"param group {i}: parameter {dotted(slot.key)!r} was added to param group {slot.group} "
+                    "and cannot move; its state is laid out for that group"
+                )
+    counts = [0] * len(groups)
+    for slot in slots.values():
+        counts[slot.group] += 1
+    for i, group in enumerate(groups):
+        params = group["params"]
+        held = set(params)
+        if len(held) != len(params):
+            repeated = next(p for k, p in enumerate(params) if any(p is q for q in params[:k]))
+            raise ValueError(f"param group {i}: parameter {dotted(slots[repeated].key)!r} is in its params twice")
+        if len(held) != counts[i]:
+            missing = next(slot.key for p, slot in slots.items() if slot.group == i and p not in held)
+            raise ValueError(
+                f"param group {i}: parameter {dotted(missing)!r} is no longer in its params; a group keeps "
+                "the parameters it was added with: put it back (a parameter without a gradient is not stepped)"
+            )
+
+
 def group_labels(routes: Sequence[bool]) -> list[str]:
     """``"muon"``, ``"adamw"``, ``"muon_1"``, ...: the k-th group of a kind gets suffix k (none for 0)."""
     seen = {True: 0, False: 0}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -217,6 +218,8 @@ class Muon(torch.optim.Optimizer):
         # per group, the entries the state holds (torch's name -> field): the layout its settings
         # asked for when it was last laid out (a changed variant is laid out anew before it is used)
         self._entry_names: list[dict[str, str]] = []
+        self._routes: list[bool] = []  # per group, its use_muon when it was added
+        self._members: list[tuple[torch.Tensor, ...]] = []  # per group, its params as last checked
         self._slots: dict[torch.Tensor, _groups.Slot] = {}
         self._cache: tuple[list[Any], Transform] | None = None
         super().__init__(params, defaults)  # routes every group through add_param_group
@@ -285,7 +288,7 @@ class Muon(torch.optim.Optimizer):
     @torch.compiler.disable
     def _synced_transform(self) -> Transform:
         """Copies the scheduled hyperparameters into their tensors; rebuilds the transform if settings changed."""
-        self._check_routes()
+        self._check_groups()
         for i, group in enumerate(self.param_groups):
             _groups.check_scheduled(i, group)
         for group, scalars in zip(self.param_groups, self._scalars):
@@ -307,14 +310,18 @@ class Muon(torch.optim.Optimizer):
             if group["variant"] != MUON:
                 refuse_collectives(f"param group {group_index}: variant={group['variant']!r}", self._collectives)
 
-    def _check_routes(self) -> None:
-        """A group's ``use_muon`` is fixed when the group is added (its parameters' labels and state
-        are laid out for it): an edit in ``param_groups`` is refused, naming the group."""
-        routes = {slot.group: slot.use_muon for slot in self._slots.values()}
-        for i, group in enumerate(self.param_groups):
-            if i in routes and bool(group["use_muon"]) != routes[i]:
+    def _check_groups(self) -> None:
+        """The groups, their parameters and their ``use_muon`` are fixed when a group is added (its
+        parameters' keys, labels and state are laid out for them): an edit in ``param_groups`` is
+        refused, naming the group (and the parameter)."""
+        groups = self.param_groups
+        if len(groups) != len(self._members) or not all(map(_holds, groups, self._members)):
+            _groups.check_members(groups, self._slots, len(self._routes))
+            self._members = [tuple(g["params"]) for g in groups]  # (a tensor's hash runs Python: checked once)
+        for i, (group, route) in enumerate(zip(groups, self._routes)):
+            if bool(group["use_muon"]) != route:
                 raise ValueError(
-                    f"param group {i}: use_muon was {routes[i]} when the group was added and cannot change; "
+                    f"param group {i}: use_muon was {route} when the group was added and cannot change; "
                     "set it back, or add the parameters to a new optimizer"
                 )
 
@@ -326,7 +333,7 @@ class Muon(torch.optim.Optimizer):
         unless its count starts now: ``_groups.carried_fields``); the others start as the
         branch's ``init`` makes them; the dropped ones go. Nothing changes unless all succeed.
         """
-        self._check_routes()
+        self._check_groups()
         for i, group in enumerate(self.param_groups):
             if group["use_muon"]:
                 _groups.check_variant(f"param group {i}", group["variant"])
@@ -468,6 +475,8 @@ class Muon(torch.optim.Optimizer):
 
         self.param_groups.extend(new_groups)
         self._entry_names = [*self._entry_names, *(_groups.state_names(g) for g in new_groups)]
+        self._routes = [*self._routes, *(g["use_muon"] for g in new_groups)]
+        self._members = [*self._members, *(tuple(g["params"]) for g in new_groups)]
         self._scalars = scalars
         self._slots = slots
         self._functional_state = state
@@ -547,6 +556,7 @@ class Muon(torch.optim.Optimizer):
 
     @functional_state.setter
     def functional_state(self, state: TensorDictBase | Mapping[str, Any]) -> None:
+        self._check_groups()
         self._functional_state = self._checked_state(state, "functional_state")
         self._entry_names = [_groups.state_names(g) for g in self.param_groups]  # the layout it was checked against
 
@@ -601,6 +611,7 @@ class Muon(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        self._check_groups()
         loaded = translate_state_dict(self, state_dict)
         state = self._checked_state(TensorDict(loaded.entries, batch_size=[]), "load_state_dict")
 
@@ -639,6 +650,7 @@ class Muon(torch.optim.Optimizer):
         ``"match_rms_adamw"``, ``extra_scale``, views, a weight-decay mask inside a decayed
         group, a Muon parameter that is not 2-D).
         """
+        self._check_groups()
         return _migration.torch_state_dicts(self)
 
     @property
@@ -658,7 +670,16 @@ class Muon(torch.optim.Optimizer):
         super().__setstate__(state)
         self._cache = None
         self._compile = state.get("_compile", False)  # (pickled before the option existed: eager)
+        if "_routes" not in state:  # (pickled before routes were kept: a Muon group's scalars hold its momentum)
+            self._routes = ["momentum" in scalars for scalars in self._scalars]
+            self._members = []  # checked in full at the next step
         self._apply_parts = parts_applier(self._compile, self._collectives)
+
+
+def _holds(group: Mapping[str, Any], members: tuple[torch.Tensor, ...]) -> bool:
+    """Whether ``group`` holds the tensors ``members``, in order (by identity: ``==`` of tensors compares values)."""
+    params = group["params"]
+    return len(params) == len(members) and all(map(operator.is_, params, members))
 
 
 def _is_zero(value: Any) -> bool:
