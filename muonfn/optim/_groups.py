@@ -358,26 +358,66 @@ def check_chunk_numel(chunk_numel: int | str | None) -> int | str | None:
     return chunk_numel
 
 
-def chunks(sizes: Sequence[int], chunk_numel: int | str | None, kinds: Sequence[Hashable] = ()) -> list[list[int]]:
+def part_kind(group: int, p: torch.Tensor) -> tuple[Hashable, Hashable]:
+    """How :func:`chunks` keeps together the parameters the one-part step stacks into one
+    Newton–Schulz call: by group, dtype and shape, an ``(m, n)`` matrix with the ``(n, m)``
+    ones (Newton–Schulz orients a matrix by its shape, so an MLP's up and down projections
+    share a call), then by the exact shape (a scale that tells those apart gives each its own)."""
+    shape = tuple(p.shape)
+    return (group, p.dtype, tuple(sorted(shape)) if len(shape) == 2 else shape), shape
+
+
+def chunks(
+    sizes: Sequence[int], chunk_numel: int | str | None, kinds: Sequence[tuple[Hashable, ...]] = ()
+) -> list[list[int]]:
     """Indices of ``sizes`` in parts of at most ``chunk_numel`` elements (a tensor larger than
     that is a part of its own); one part when ``chunk_numel`` is ``None``.
 
-    ``kinds`` (one per size): tensors of a kind are taken together, kinds in the order they
-    first appear, so that same-shape matrices share a part and one Newton–Schulz batch.
+    ``kinds`` (one tuple of keys per size, outermost first, as :func:`part_kind` makes them):
+    tensors of a kind are taken together, kinds in the order they first appear, and a kind
+    that fits in a part is never split across two: it starts a part of its own where the
+    current one has no room. A kind larger than a part is split by its next key, and the
+    tensors of its innermost kinds one by one. So same-shape matrices keep their one
+    Newton–Schulz call whenever they fit in a part (a batched matrix product may round each
+    matrix differently by the batch's size).
     """
     if chunk_numel == "auto":
         chunk_numel = max(sum(sizes) // AUTO_PARTS, AUTO_MIN_CHUNK)
     if chunk_numel is None or isinstance(chunk_numel, str):
         return [list(range(len(sizes)))] if sizes else []
-    order: dict[Hashable, list[int]] = {}
-    for i, kind in enumerate(kinds or range(len(sizes))):
-        order.setdefault(kind, []).append(i)
+    cap = chunk_numel
+    kinds = kinds or [(i,) for i in range(len(sizes))]
     out: list[list[int]] = [[]]
     held = 0
-    for i in (i for members in order.values() for i in members):
-        if out[-1] and held + sizes[i] > chunk_numel:
+
+    def place(members: list[int]) -> None:
+        nonlocal held
+        numel = sum(sizes[i] for i in members)
+        if out[-1] and held + numel > cap:
             out.append([])
             held = 0
-        out[-1].append(i)
-        held += sizes[i]
-    return out if out[0] else []
+        out[-1].extend(members)
+        held += numel
+
+    def pack(members: list[int], level: int) -> None:
+        if sum(sizes[i] for i in members) <= cap or len(members) == 1:
+            place(members)
+        elif level == len(kinds[members[0]]):
+            for i in members:
+                place([i])
+        else:
+            for sub in _by_key(members, [kinds[i][level] for i in members]):
+                pack(sub, level + 1)
+
+    for members in _by_key(list(range(len(sizes))), [kind[0] for kind in kinds]):
+        pack(members, 1)
+    # each part in the step's order: a call the one-part step makes is made here with its matrices in its order
+    return [sorted(part) for part in out] if out[0] else []
+
+
+def _by_key(members: list[int], keys: Sequence[Hashable]) -> list[list[int]]:
+    """``members`` grouped by their ``keys``, in the order the keys first appear."""
+    groups: dict[Hashable, list[int]] = {}
+    for i, key in zip(members, keys):
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())

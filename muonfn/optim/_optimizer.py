@@ -70,12 +70,15 @@ class Muon(torch.optim.Optimizer):
     ``donate_state`` is ``True`` here: the state is updated in place, as torch.optim's is
     (``donate_state=False`` allocates a new state each step). ``chunk_numel`` steps the
     parameters in parts of at most that many elements (a larger parameter is a part of its
-    own; same-shape parameters of a group go together, so that they share a Newton–Schulz
-    batch), each part's update added before the next is computed: the step's temporaries
-    then hold one part instead of all parameters (peak memory near torch.optim's), for a
-    little more host work per part. The results are the same bits; everything is checked
-    before the first part runs. ``"auto"``: parts of a tenth of the parameters'
-    elements, at least 2**18 (a model of up to 2**18 elements is one part); ``None``: one part.
+    own; the matrices of a group's Newton–Schulz call go together when they fit in a part),
+    each part's update added before the next is computed: the step's temporaries then hold
+    one part instead of all parameters (peak memory near torch.optim's), for a little more
+    host work per part. Everything is checked before the first part runs, and the results
+    are the same bits, but for the matrices of a call split across parts: a batched matrix
+    product may round by the batch's size, so their updates may differ as two roundings of
+    the iteration in ``ns_dtype`` do (see the shim's page). ``"auto"``: parts of a tenth of
+    the parameters' elements, at least 2**18 (a model of up to 2**18 elements is one part);
+    ``None``: one part, the functional update's bits.
 
     ``compile=True`` runs the step's arithmetic (every part's update and its addition to the
     parameters) as one ``torch.compile(fullgraph=True)`` graph. It is compiled at the first
@@ -527,7 +530,7 @@ class Muon(torch.optim.Optimizer):
         state = self._state_leaves if self._state_tree is None else _tree.flatten(self._state_tree, keep_empty=True)
         params = {slot.key: p for p, slot in self._slots.items()}
         check_rule(rule, dict(zip(keys, grads)), state, params, torch.Size([]))
-        kinds = [(self._slots[p].group, p.shape, p.dtype) for p in targets]
+        kinds = [_groups.part_kind(self._slots[p].group, p) for p in targets]
         parts = _groups.chunks([g.numel() for g in grads], self._chunk_numel, kinds)
         return StepInputs(rule, parts, keys, targets, grads, params), state
 
