@@ -362,7 +362,9 @@ def part_kind(group: int, p: torch.Tensor) -> tuple[Hashable, Hashable]:
     """How :func:`chunks` keeps together the parameters the one-part step stacks into one
     Newton–Schulz call: by group, dtype and shape, an ``(m, n)`` matrix with the ``(n, m)``
     ones (Newton–Schulz orients a matrix by its shape, so an MLP's up and down projections
-    share a call), then by the exact shape (a scale that tells those apart gives each its own)."""
+    share a call), then by the exact shape (a scale that tells those apart gives each its own).
+    A parameter of more dimensions goes by its shape: the blocks its view reads may share a call
+    with another shape's, which parts may then split (within the bound of the shim's page)."""
     shape = tuple(p.shape)
     return (group, p.dtype, tuple(sorted(shape)) if len(shape) == 2 else shape), shape
 
