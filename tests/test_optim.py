@@ -991,7 +991,8 @@ def test_one_element_tensors_are_numbers_in_groups_and_schedulers():
     ("dtype", "variant"), [(torch.float32, "muon"), (torch.bfloat16, "muon"), (torch.float32, "normuon")]
 )
 def test_stepping_in_parts_gives_the_same_bits(dtype, variant):
-    """One part per parameter, a few parts, one part: the same params and state, skipped grads too."""
+    """One part per parameter, a few parts, one part: the same params and state, skipped grads too
+    (no two of the model's matrices share a Newton–Schulz call, so no part splits one)."""
     data = batches(4, dtype=dtype)
     runs = []
     for chunk_numel in (1, 100, "auto", None):
@@ -1016,11 +1017,97 @@ def test_parts_follow_the_sizes_and_keep_kinds_together():
     assert _groups.chunks([4, 4, 4, 9, 1], 8) == [[0, 1], [2], [3], [4]]
     assert _groups.chunks([4, 4, 4, 9, 1], 10) == [[0, 1], [2], [3, 4]]
     assert _groups.chunks([4, 4, 4, 9, 1], 1) == [[i] for i in range(5)]
-    assert _groups.chunks([4, 9, 4, 9], 8, kinds=["a", "b", "a", "b"]) == [[0, 2], [1], [3]]
+    assert _groups.chunks([4, 9, 4, 9], 8, kinds=[("a",), ("b",), ("a",), ("b",)]) == [[0, 2], [1], [3]]
+    # a kind that fits in a part is never split: it starts a part where the current one has no room
+    assert _groups.chunks([2, 4, 4], 8, kinds=[("a",), ("b",), ("b",)]) == [[0], [1, 2]]
+    # a kind larger than a part is split by its next key first, each part in the step's order
+    kinds = [("w", "up"), ("w", "down"), ("w", "up"), ("w", "down")]
+    assert _groups.chunks([3, 3, 3, 3], 6, kinds=kinds) == [[0, 2], [1, 3]]
+    assert _groups.chunks([3, 3, 3, 3], 12, kinds=kinds) == [[0, 1, 2, 3]]
     assert _groups.chunks([10] * 4, "auto") == [[0, 1, 2, 3]]  # small: one part
     big = [2**18] * 30  # 10 parts of 3 * 2**18 elements
     assert _groups.chunks(big, "auto") == [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(10)]
     assert _groups.chunks([], 3) == [] and _groups.chunks([], None) == []
+
+
+@pytest.fixture
+def rounding_by_batch_size(monkeypatch):
+    """Batched matrix products that round a batch of one matrix another way than a larger batch
+    (summing the two halves of the inner dimension apart, as a BLAS that splits the work across
+    threads may), as some CPUs' BLAS does in fp32: the parts' only way to change bits."""
+    bmm, baddbmm = torch.bmm, torch.baddbmm
+
+    def product(a, b):
+        k = a.shape[-1] // 2
+        return bmm(a[..., :k], b[..., :k, :]) + bmm(a[..., k:], b[..., k:, :])
+
+    def split_bmm(a, b, *, out=None):
+        if a.shape[0] != 1:
+            return bmm(a, b, out=out)
+        return product(a, b) if out is None else out.copy_(product(a, b))
+
+    def split_baddbmm(c, a, b, *, beta=1.0, alpha=1.0, out=None):
+        if a.shape[0] != 1:
+            return baddbmm(c, a, b, beta=beta, alpha=alpha, out=out)
+        result = c * beta + product(a, b) * alpha
+        return result if out is None else out.copy_(result)
+
+    monkeypatch.setattr(torch, "bmm", split_bmm)
+    monkeypatch.setattr(torch, "baddbmm", split_baddbmm)
+
+
+def _parts_run(chunk_numel, *, variant="muon", ns_dtype=torch.float32, steps=3):
+    """Params and state after ``steps`` steps on fixed gradients, with the summed norms of each
+    parameter's updates: a matrix a, and b, c, d of one Newton–Schulz call (c is b's shape
+    transposed) that fits in a part of 1536 elements, but not with a; a bias goes to AdamW."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"a": (8, 8), "b": (16, 32), "c": (32, 16), "d": (16, 32), "e": (16,)}
+    named = [(name, nn.Parameter(torch.randn(shape, generator=gen))) for name, shape in shapes.items()]
+    opt = Muon(named, lr=0.02, weight_decay=0.0, variant=variant, ns_dtype=ns_dtype, chunk_numel=chunk_numel)
+    moved = dict.fromkeys(shapes, 0.0)
+    for _ in range(steps):
+        before = {name: p.detach().clone() for name, p in named}
+        for _, p in named:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+        for name, p in named:
+            moved[name] += float((p.detach() - before[name]).norm())
+    params = TensorDict({name: p.detach() for name, p in named}, batch_size=[])
+    return params, opt.functional_state, moved
+
+
+def test_parts_keep_a_newton_schulz_call_that_fits_and_its_bits(rounding_by_batch_size):
+    """b, c and d fit in a part: they keep the one-part step's call, and its bits, where the
+    rounding of a batched product depends on the batch's size. Parts used to fill up with a,
+    b and d, leaving c a call of its own."""
+    whole = _parts_run(None)
+    params, state, _ = _parts_run(1536)
+    assert_bitwise(params, whole[0])
+    assert_bitwise(state, whole[1])
+    split, _, _ = _parts_run(1)
+    assert not torch.equal(split["c"], whole[0]["c"])  # (the premise: the rounding tells the batches apart)
+
+
+@pytest.mark.parametrize(
+    ("variant", "ns_dtype"),
+    [("muon", torch.float32), ("muon", torch.bfloat16), ("normuon", torch.float32), ("adamuon", torch.float32)],
+)
+def test_parts_that_split_a_newton_schulz_call_stay_within_its_rounding(rounding_by_batch_size, variant, ns_dtype):
+    """One part per parameter splits b, c, d's call into three: their updates may then differ
+    as two roundings of the iteration do, within the equivariance tolerance of
+    muonfn.testing (the bound docs/shim.md states); everything else keeps its bits."""
+    from muonfn.testing import TOLERANCES
+
+    params, state, moved = _parts_run(None, variant=variant, ns_dtype=ns_dtype)
+    split_params, split_state, _ = _parts_run(1, variant=variant, ns_dtype=ns_dtype)
+    for name in ("a", "e"):  # a call of one matrix either way; AdamW
+        assert torch.equal(split_params[name], params[name]), name
+    assert_bitwise(split_state["adamw"], state["adamw"])
+    assert_bitwise(split_state["muon", "momentum"], state["muon", "momentum"])
+    differences = {name: float((split_params[name] - params[name]).norm()) for name in ("b", "c", "d")}
+    assert any(differences.values())  # (the premise: the rounding tells the calls apart)
+    for name, difference in differences.items():
+        assert difference <= TOLERANCES[ns_dtype].equivariance * moved[name], name
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "half"])
@@ -1070,6 +1157,99 @@ def test_an_edited_use_muon_is_refused_naming_the_group_and_changes_nothing():
     assert_bitwise(opt.functional_state, before)
     net(torch.randn(5, 4)).square().mean().backward()
     opt.step()
+
+
+def _appended(opt: Muon, net: nn.Module) -> None:
+    opt.param_groups[0]["params"].append(nn.Parameter(torch.randn(6, 6)))
+
+
+def _removed(opt: Muon, net: nn.Module) -> None:
+    del opt.param_groups[1]["params"][1]  # 1.bias
+
+
+def _replaced(opt: Muon, net: nn.Module) -> None:
+    opt.param_groups[0]["params"][1] = nn.Parameter(torch.randn(3, 8))
+
+
+def _moved(opt: Muon, net: nn.Module) -> None:
+    opt.param_groups[1]["params"].append(opt.param_groups[0]["params"].pop())
+
+
+def _repeated(opt: Muon, net: nn.Module) -> None:
+    opt.param_groups[0]["params"][1] = net[0].weight
+
+
+def _group_appended(opt: Muon, net: nn.Module) -> None:
+    opt.param_groups.append({**opt.param_groups[0], "params": [nn.Parameter(torch.randn(5, 5))]})
+
+
+def _group_removed(opt: Muon, net: nn.Module) -> None:
+    del opt.param_groups[1]
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (_appended, r"param group 0: params\[2\] \(a tensor of shape \(6, 6\)\) was not in the group when it was "),
+        (_removed, r"param group 1: parameter '1\.bias' is no longer in its params"),
+        (_replaced, r"param group 0: params\[1\] \(a tensor of shape \(3, 8\)\) was not in the group when"),
+        (_moved, r"param group 1: parameter '1\.weight' was added to param group 0 and cannot move"),
+        (_repeated, r"param group 0: parameter '0\.weight' is in its params twice"),
+        (_group_appended, r"param_groups holds 3 groups, but 2 were added .*: add a group with add_param_group"),
+        (_group_removed, r"param_groups holds 1 groups, but 2 were added"),
+    ],
+)
+def test_a_group_edited_in_param_groups_is_refused_naming_it_and_changes_nothing(edit, match):
+    """torch.optim steps a tensor appended to a group's params (and stops stepping one removed);
+    the shim lays out a parameter's state when its group is added, so the next step refuses
+    such an edit before anything changes, where it used to skip the new tensor silently (and
+    keep stepping a removed one)."""
+    net, opt = _stepped()
+    params, state, _ = snapshot(net, opt)
+    saved = opt.state_dict()
+    layout = (opt._slots.copy(), list(opt._entry_names), opt._cache)
+    edit(opt, net)
+    net(torch.randn(5, 4)).square().mean().backward()
+    calls = [opt.step, opt.state_dict, lambda: opt.functional_state, opt.torch_state_dicts]
+    calls += [lambda: opt.load_state_dict(saved), lambda: setattr(opt, "functional_state", state)]
+    for call in calls:
+        with pytest.raises(ValueError, match=match):
+            call()
+    assert_bitwise(TensorDict.from_module(net), params)
+    assert_bitwise(opt._functional_state, state)
+    assert (opt._slots, opt._entry_names, opt._cache) == layout
+
+
+def test_a_group_reordered_in_param_groups_steps_as_before():
+    """Only the parameters a group holds are fixed, not their order (torch's only numbers them
+    in a state_dict)."""
+    runs = []
+    for reorder in (False, True):
+        net, opt = _stepped()
+        if reorder:
+            opt.param_groups[1]["params"].reverse()
+        net(torch.randn(5, 4)).square().mean().backward()
+        opt.step()
+        runs.append((TensorDict.from_module(net).clone(), opt.functional_state.clone()))
+        assert opt.state_dict()["state"][2].keys() == {"step", "exp_avg", "exp_avg_sq"}
+    assert_bitwise(runs[0][0], runs[1][0])
+    assert_bitwise(runs[0][1], runs[1][1])
+
+
+def test_the_route_of_an_empty_group_is_fixed_too():
+    """An empty group's label counts (the k-th Muon group keeps its state under muon_k): its
+    use_muon edited would shift the other groups' state labels."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3))
+    opt = Muon([{"params": [], "use_muon": True}, {"params": net.parameters()}], **HP)
+    net(torch.randn(5, 4)).square().mean().backward()
+    opt.step()
+    before = snapshot(net, opt)
+    opt.param_groups[0]["use_muon"] = False
+    with pytest.raises(ValueError, match=r"param group 0: use_muon was True when the group was added"):
+        opt.step()
+    opt.param_groups[0]["use_muon"] = True
+    assert_unchanged(net, opt, before)
 
 
 def test_a_failed_step_after_a_variant_edit_keeps_the_old_layout():

@@ -251,6 +251,44 @@ def test_changing_a_groups_variant_lays_out_its_state_anew():
     assert opt.state_dict()["state"][0].keys() == {"momentum_buffer"}
 
 
+def test_toggling_second_moment_bias_correction_hands_off_a_consistent_state():
+    """Turned on mid-run, the step count starts at zero and so does the second moment it
+    corrects (a trained moment divided by 1 - beta2 would shrink the next update several
+    times); turned off, the moment is kept and the count dropped: each is the functional
+    hand-off to the new setting, bit for bit."""
+    data = batches(9)
+    options = {**HP, "rescale": "none", "sign_momentum": False}  # no rescale to hide the moment's size
+
+    def adamuon(on):
+        return muonfn.adamuon(**options, second_moment_bias_correction=on)
+
+    model, ref = mlp(), mlp()
+    opt = Muon(model.named_parameters(), variant="adamuon", **options)
+    params = params_of(ref)
+    params, state = functional_steps(ref, adamuon(False), params, adamuon(False).init(params), data[:3])
+    shim_steps(model, opt, data[:3])
+
+    opt.param_groups[0]["second_moment_bias_correction"] = True
+    handed = adamuon(True).init(params)
+    handed["muon", "momentum"] = state["muon", "momentum"]
+    handed["adamw"] = state["adamw"]
+    params, state = functional_steps(ref, adamuon(True), params, handed, data[3:6])
+    shim_steps(model, opt, data[3:6])
+    assert_bitwise(TensorDict.from_module(model), params)
+    assert_bitwise(opt.functional_state, state)
+    assert int(opt.state[model[0].weight]["step"]) == 3
+
+    opt.param_groups[0]["second_moment_bias_correction"] = False
+    handed = adamuon(False).init(params)
+    handed["muon", "momentum"] = state["muon", "momentum"]
+    handed["muon", "exp_avg_sq"] = state["muon", "exp_avg_sq"]
+    handed["adamw"] = state["adamw"]
+    params, state = functional_steps(ref, adamuon(False), params, handed, data[6:])
+    shim_steps(model, opt, data[6:])
+    assert_bitwise(TensorDict.from_module(model), params)
+    assert_bitwise(opt.functional_state, state)
+
+
 # ---------------------------------------------------------------------------- errors
 
 

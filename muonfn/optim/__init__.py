@@ -14,7 +14,9 @@ and a scheduler scales both learning rates alike. Scheduled hyperparameters (``l
 (``variant``, ``nesterov``, ``ns_*``, ``scale``, ``extra_scale``, the variants' options,
 ``adamw_betas``, ``adamw_eps``) may be changed too and rebuild the transform.
 ``momentum`` drives Muon only: AdamW's ``adamw_betas`` are not touched by schedulers that
-cycle momentum.
+cycle momentum. A group's parameters and its ``"use_muon"`` are fixed when it is added (an
+edit is refused by the next step, naming the group and the parameter): add parameters with
+``add_param_group``.
 
 **State.** ``opt.functional_state`` is the TensorDict ``Transform.update`` takes and
 returns. Parameters are keyed by their ``named_parameters()`` names split at dots

@@ -19,7 +19,7 @@ from ..presets import (
     VARIANTS,
     variant_state_names,
 )
-from ..transforms import RESCALE_MODES
+from ..transforms import MOMENTUM, RESCALE_MODES, STEP
 
 #: Hyperparameters fed to the transform as 0-d tensors, refreshed before every step.
 SCHEDULED = ("lr", "momentum", "weight_decay")
@@ -47,6 +47,21 @@ def state_names(group: Mapping[str, Any]) -> dict[str, str]:
         return TORCH_STATE_NAMES[ADAMW]
     bias_correction = setting(group, "second_moment_bias_correction")
     return variant_state_names(group["variant"], second_moment_bias_correction=bias_correction is True)
+
+
+def carried_fields(held: Mapping[str, str], wanted: Mapping[str, str]) -> set[str]:
+    """The fields of a group's state that a new layout (``wanted``, from ``held``: torch's name
+    -> field) takes over; the others start as its ``init`` makes them.
+
+    The fields both layouts hold, except where the new one counts steps and the old one did not
+    (AdaMuon's ``second_moment_bias_correction`` turned on): the count starts at zero, and the
+    second moment it corrects must start with it (divided by ``1 - beta2**t`` for a small ``t``,
+    a trained moment would shrink the update several times over). The momentum is never counted.
+    """
+    carried = set(wanted.values()) & set(held.values())
+    if STEP in wanted.values() and STEP not in held.values():
+        carried &= {MOMENTUM}
+    return carried
 
 
 # ---------------------------------------------------------------------------- variants
@@ -138,6 +153,50 @@ class Slot(NamedTuple):
     key: Key
     label: str
     use_muon: bool
+
+
+def check_members(groups: Sequence[Mapping[str, Any]], slots: Mapping[torch.Tensor, Slot], added: int) -> None:
+    """The groups are the ``added`` ones, each holding the parameters it was added with (in any
+    order); else an error naming the group and the parameter.
+
+    torch.optim would step a tensor appended to a group's ``params`` (and stop stepping one
+    removed), but here a parameter's key, route, view and state are laid out when its group is
+    added: ``add_param_group`` is the way to add parameters.
+    """
+    if len(groups) != added:
+        raise ValueError(
+            f"param_groups holds {len(groups)} groups, but {added} were added (by the constructor and "
+            "add_param_group): add a group with add_param_group, and remove none"
+        )
+    for i, group in enumerate(groups):
+        for position, p in enumerate(group["params"]):
+            slot = slots.get(p) if isinstance(p, torch.Tensor) else None
+            if slot is None:
+                shown = f"a tensor of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else type(p).__name__
+                raise ValueError(
+                    f"param group {i}: params[{position}] ({shown}) was not in the group when it was added; "
+                    "a parameter's state is laid out when its group is added: add it with add_param_group"
+                )
+            if slot.group != i:
+                raise ValueError(
+                    f"param group {i}: parameter {dotted(slot.key)!r} was added to param group {slot.group} "
+                    "and cannot move; its state is laid out for that group"
+                )
+    counts = [0] * len(groups)
+    for slot in slots.values():
+        counts[slot.group] += 1
+    for i, group in enumerate(groups):
+        params = group["params"]
+        held = set(params)
+        if len(held) != len(params):
+            repeated = next(p for k, p in enumerate(params) if any(p is q for q in params[:k]))
+            raise ValueError(f"param group {i}: parameter {dotted(slots[repeated].key)!r} is in its params twice")
+        if len(held) != counts[i]:
+            missing = next(slot.key for p, slot in slots.items() if slot.group == i and p not in held)
+            raise ValueError(
+                f"param group {i}: parameter {dotted(missing)!r} is no longer in its params; a group keeps "
+                "the parameters it was added with: put it back (a parameter without a gradient is not stepped)"
+            )
 
 
 def group_labels(routes: Sequence[bool]) -> list[str]:
@@ -299,26 +358,68 @@ def check_chunk_numel(chunk_numel: int | str | None) -> int | str | None:
     return chunk_numel
 
 
-def chunks(sizes: Sequence[int], chunk_numel: int | str | None, kinds: Sequence[Hashable] = ()) -> list[list[int]]:
+def part_kind(group: int, p: torch.Tensor) -> tuple[Hashable, Hashable]:
+    """How :func:`chunks` keeps together the parameters the one-part step stacks into one
+    Newton–Schulz call: by group, dtype and shape, an ``(m, n)`` matrix with the ``(n, m)``
+    ones (Newton–Schulz orients a matrix by its shape, so an MLP's up and down projections
+    share a call), then by the exact shape (a scale that tells those apart gives each its own).
+    A parameter of more dimensions goes by its shape: the blocks its view reads may share a call
+    with another shape's, which parts may then split (within the bound of the shim's page)."""
+    shape = tuple(p.shape)
+    return (group, p.dtype, tuple(sorted(shape)) if len(shape) == 2 else shape), shape
+
+
+def chunks(
+    sizes: Sequence[int], chunk_numel: int | str | None, kinds: Sequence[tuple[Hashable, ...]] = ()
+) -> list[list[int]]:
     """Indices of ``sizes`` in parts of at most ``chunk_numel`` elements (a tensor larger than
     that is a part of its own); one part when ``chunk_numel`` is ``None``.
 
-    ``kinds`` (one per size): tensors of a kind are taken together, kinds in the order they
-    first appear, so that same-shape matrices share a part and one Newton–Schulz batch.
+    ``kinds`` (one tuple of keys per size, outermost first, as :func:`part_kind` makes them):
+    tensors of a kind are taken together, kinds in the order they first appear, and a kind
+    that fits in a part is never split across two: it starts a part of its own where the
+    current one has no room. A kind larger than a part is split by its next key, and the
+    tensors of its innermost kinds one by one. So same-shape matrices keep their one
+    Newton–Schulz call whenever they fit in a part (a batched matrix product may round each
+    matrix differently by the batch's size).
     """
     if chunk_numel == "auto":
         chunk_numel = max(sum(sizes) // AUTO_PARTS, AUTO_MIN_CHUNK)
     if chunk_numel is None or isinstance(chunk_numel, str):
         return [list(range(len(sizes)))] if sizes else []
-    order: dict[Hashable, list[int]] = {}
-    for i, kind in enumerate(kinds or range(len(sizes))):
-        order.setdefault(kind, []).append(i)
+    cap = chunk_numel
+    kinds = kinds or [(i,) for i in range(len(sizes))]
     out: list[list[int]] = [[]]
     held = 0
-    for i in (i for members in order.values() for i in members):
-        if out[-1] and held + sizes[i] > chunk_numel:
+
+    def place(members: list[int]) -> None:
+        nonlocal held
+        numel = sum(sizes[i] for i in members)
+        if out[-1] and held + numel > cap:
             out.append([])
             held = 0
-        out[-1].append(i)
-        held += sizes[i]
-    return out if out[0] else []
+        out[-1].extend(members)
+        held += numel
+
+    def pack(members: list[int], level: int) -> None:
+        if sum(sizes[i] for i in members) <= cap or len(members) == 1:
+            place(members)
+        elif level == len(kinds[members[0]]):
+            for i in members:
+                place([i])
+        else:
+            for sub in _by_key(members, [kinds[i][level] for i in members]):
+                pack(sub, level + 1)
+
+    for members in _by_key(list(range(len(sizes))), [kind[0] for kind in kinds]):
+        pack(members, 1)
+    # each part in the step's order: a call the one-part step makes is made here with its matrices in its order
+    return [sorted(part) for part in out] if out[0] else []
+
+
+def _by_key(members: list[int], keys: Sequence[Hashable]) -> list[list[int]]:
+    """``members`` grouped by their ``keys``, in the order the keys first appear."""
+    groups: dict[Hashable, list[int]] = {}
+    for i, key in zip(members, keys):
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -69,12 +70,15 @@ class Muon(torch.optim.Optimizer):
     ``donate_state`` is ``True`` here: the state is updated in place, as torch.optim's is
     (``donate_state=False`` allocates a new state each step). ``chunk_numel`` steps the
     parameters in parts of at most that many elements (a larger parameter is a part of its
-    own; same-shape parameters of a group go together, so that they share a Newton–Schulz
-    batch), each part's update added before the next is computed: the step's temporaries
-    then hold one part instead of all parameters (peak memory near torch.optim's), for a
-    little more host work per part. The results are the same bits; everything is checked
-    before the first part runs. ``"auto"``: parts of a tenth of the parameters'
-    elements, at least 2**18 (a model of up to 2**18 elements is one part); ``None``: one part.
+    own; the matrices of a group's Newton–Schulz call go together when they fit in a part),
+    each part's update added before the next is computed: the step's temporaries then hold
+    one part instead of all parameters (peak memory near torch.optim's), for a little more
+    host work per part. Everything is checked before the first part runs, and the results
+    are the same bits, but for the matrices of a call split across parts: a batched matrix
+    product may round by the batch's size, so their updates may differ as two roundings of
+    the iteration in ``ns_dtype`` do (see the shim's page). ``"auto"``: parts of a tenth of
+    the parameters' elements, at least 2**18 (a model of up to 2**18 elements is one part);
+    ``None``: one part, the functional update's bits.
 
     ``compile=True`` runs the step's arithmetic (every part's update and its addition to the
     parameters) as one ``torch.compile(fullgraph=True)`` graph. It is compiled at the first
@@ -94,7 +98,9 @@ class Muon(torch.optim.Optimizer):
     default, an option inherited from the defaults that its variant does not take becomes
     ``None``. A variant (or ``second_moment_bias_correction``) changed in ``param_groups``
     takes effect at the next step: the momentum is kept, the new variant's second moment
-    starts from zero, and the old one is dropped.
+    starts from zero, and the old one is dropped. ``second_moment_bias_correction`` turned
+    on starts the second moment from zero with its ``step`` count; turned off, it keeps the
+    second moment and drops the count.
 
     torch.optim.Muon's spellings are taken too: ``adjust_lr_fn`` (``None`` or
     ``"original"``: ``scale="original"``; ``"match_rms_adamw"``), ``eps`` (``ns_eps``) and
@@ -215,6 +221,8 @@ class Muon(torch.optim.Optimizer):
         # per group, the entries the state holds (torch's name -> field): the layout its settings
         # asked for when it was last laid out (a changed variant is laid out anew before it is used)
         self._entry_names: list[dict[str, str]] = []
+        self._routes: list[bool] = []  # per group, its use_muon when it was added
+        self._members: list[tuple[torch.Tensor, ...]] = []  # per group, its params as last checked
         self._slots: dict[torch.Tensor, _groups.Slot] = {}
         self._cache: tuple[list[Any], Transform] | None = None
         super().__init__(params, defaults)  # routes every group through add_param_group
@@ -283,7 +291,7 @@ class Muon(torch.optim.Optimizer):
     @torch.compiler.disable
     def _synced_transform(self) -> Transform:
         """Copies the scheduled hyperparameters into their tensors; rebuilds the transform if settings changed."""
-        self._check_routes()
+        self._check_groups()
         for i, group in enumerate(self.param_groups):
             _groups.check_scheduled(i, group)
         for group, scalars in zip(self.param_groups, self._scalars):
@@ -305,14 +313,18 @@ class Muon(torch.optim.Optimizer):
             if group["variant"] != MUON:
                 refuse_collectives(f"param group {group_index}: variant={group['variant']!r}", self._collectives)
 
-    def _check_routes(self) -> None:
-        """A group's ``use_muon`` is fixed when the group is added (its parameters' labels and state
-        are laid out for it): an edit in ``param_groups`` is refused, naming the group."""
-        routes = {slot.group: slot.use_muon for slot in self._slots.values()}
-        for i, group in enumerate(self.param_groups):
-            if i in routes and bool(group["use_muon"]) != routes[i]:
+    def _check_groups(self) -> None:
+        """The groups, their parameters and their ``use_muon`` are fixed when a group is added (its
+        parameters' keys, labels and state are laid out for them): an edit in ``param_groups`` is
+        refused, naming the group (and the parameter)."""
+        groups = self.param_groups
+        if len(groups) != len(self._members) or not all(map(_holds, groups, self._members)):
+            _groups.check_members(groups, self._slots, len(self._routes))
+            self._members = [tuple(g["params"]) for g in groups]  # (a tensor's hash runs Python: checked once)
+        for i, (group, route) in enumerate(zip(groups, self._routes)):
+            if bool(group["use_muon"]) != route:
                 raise ValueError(
-                    f"param group {i}: use_muon was {routes[i]} when the group was added and cannot change; "
+                    f"param group {i}: use_muon was {route} when the group was added and cannot change; "
                     "set it back, or add the parameters to a new optimizer"
                 )
 
@@ -320,10 +332,11 @@ class Muon(torch.optim.Optimizer):
         """Lays out anew the state of every group whose settings now ask for other entries (its
         variant, or AdaMuon's ``second_moment_bias_correction``, was changed in ``param_groups``).
 
-        The entries both layouts keep (the momentum) are kept; the new ones start as the
-        branch's ``init`` makes them; the others are dropped. Nothing changes unless all succeed.
+        The entries both layouts keep are carried over (the momentum; AdaMuon's second moment
+        unless its count starts now: ``_groups.carried_fields``); the others start as the
+        branch's ``init`` makes them; the dropped ones go. Nothing changes unless all succeed.
         """
-        self._check_routes()
+        self._check_groups()
         for i, group in enumerate(self.param_groups):
             if group["use_muon"]:
                 _groups.check_variant(f"param group {i}", group["variant"])
@@ -338,7 +351,7 @@ class Muon(torch.optim.Optimizer):
             keys = [self._slots[p].key for p in group["params"]]
             params = TensorDict(dict(zip(keys, [p.detach() for p in group["params"]])), batch_size=[])
             fresh = self._branch(group, _groups.new_scalars(group)).init(params)
-            for field in set(names.values()) & set(held.values()):
+            for field in _groups.carried_fields(held, names):
                 fresh[field] = state[label, field]
             state[label] = fresh
         self._functional_state = state
@@ -465,6 +478,8 @@ class Muon(torch.optim.Optimizer):
 
         self.param_groups.extend(new_groups)
         self._entry_names = [*self._entry_names, *(_groups.state_names(g) for g in new_groups)]
+        self._routes = [*self._routes, *(g["use_muon"] for g in new_groups)]
+        self._members = [*self._members, *(tuple(g["params"]) for g in new_groups)]
         self._scalars = scalars
         self._slots = slots
         self._functional_state = state
@@ -515,7 +530,7 @@ class Muon(torch.optim.Optimizer):
         state = self._state_leaves if self._state_tree is None else _tree.flatten(self._state_tree, keep_empty=True)
         params = {slot.key: p for p, slot in self._slots.items()}
         check_rule(rule, dict(zip(keys, grads)), state, params, torch.Size([]))
-        kinds = [(self._slots[p].group, p.shape, p.dtype) for p in targets]
+        kinds = [_groups.part_kind(self._slots[p].group, p) for p in targets]
         parts = _groups.chunks([g.numel() for g in grads], self._chunk_numel, kinds)
         return StepInputs(rule, parts, keys, targets, grads, params), state
 
@@ -544,6 +559,7 @@ class Muon(torch.optim.Optimizer):
 
     @functional_state.setter
     def functional_state(self, state: TensorDictBase | Mapping[str, Any]) -> None:
+        self._check_groups()
         self._functional_state = self._checked_state(state, "functional_state")
         self._entry_names = [_groups.state_names(g) for g in self.param_groups]  # the layout it was checked against
 
@@ -598,6 +614,7 @@ class Muon(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        self._check_groups()
         loaded = translate_state_dict(self, state_dict)
         state = self._checked_state(TensorDict(loaded.entries, batch_size=[]), "load_state_dict")
 
@@ -636,6 +653,7 @@ class Muon(torch.optim.Optimizer):
         ``"match_rms_adamw"``, ``extra_scale``, views, a weight-decay mask inside a decayed
         group, a Muon parameter that is not 2-D).
         """
+        self._check_groups()
         return _migration.torch_state_dicts(self)
 
     @property
@@ -655,7 +673,16 @@ class Muon(torch.optim.Optimizer):
         super().__setstate__(state)
         self._cache = None
         self._compile = state.get("_compile", False)  # (pickled before the option existed: eager)
+        if "_routes" not in state:  # (pickled before routes were kept: a Muon group's scalars hold its momentum)
+            self._routes = ["momentum" in scalars for scalars in self._scalars]
+            self._members = []  # checked in full at the next step
         self._apply_parts = parts_applier(self._compile, self._collectives)
+
+
+def _holds(group: Mapping[str, Any], members: tuple[torch.Tensor, ...]) -> bool:
+    """Whether ``group`` holds the tensors ``members``, in order (by identity: ``==`` of tensors compares values)."""
+    params = group["params"]
+    return len(params) == len(members) and all(map(operator.is_, params, members))
 
 
 def _is_zero(value: Any) -> bool:
