@@ -510,3 +510,106 @@ def test_apply_updates_in_place_refuses_a_sum_its_parameter_cannot_hold_before_w
         with pytest.raises(ValueError, match=r"update 'c' of dtype .* cannot be added in place to its parameter"):
             muonfn.apply_updates_(params, updates)
         assert_td_equal(params, before)
+
+
+# --- ns_method: the maps that are no Newton–Schulz, and maps of one's own -----------------------------
+
+
+def shim(**options: object) -> muonfn.optim.Muon:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    return muonfn.optim.Muon(model.named_parameters(), **options)
+
+
+FRONTS: dict[str, Callable[..., object]] = {
+    "muon": lambda **kw: muonfn.muon(**kw),
+    "normuon": lambda **kw: muonfn.normuon(**kw),
+    "adamuon": lambda **kw: muonfn.adamuon(**kw),
+    "shim": shim,
+}
+
+
+def own_map(x: torch.Tensor) -> torch.Tensor:
+    return muonfn.polar(x)
+
+
+@pytest.mark.parametrize("front", sorted(FRONTS))
+@pytest.mark.parametrize("method", ["svd", "qr", "own"])
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("ns_steps", 3),
+        ("ns_dtype", torch.float64),
+        ("ns_coefficients", "cesista"),
+        ("ns_coefficients", [(3.0, -3.0, 1.0)]),
+        ("ns_eps", 1e-6),
+        ("ns_eps_mode", "add"),
+    ],
+)
+def test_newton_schulz_settings_are_refused_with_a_method_that_ignores_them(
+    front: str, method: str, setting: str, value: object
+) -> None:
+    if front == "shim" and setting == "ns_eps_mode":
+        pytest.skip("the shim has no ns_eps_mode")
+    ns_method = own_map if method == "own" else method
+    shown = "own_map" if method == "own" else repr(method)
+    with pytest.raises(ValueError, match=rf"ns_method={re.escape(shown)} does not run Newton–Schulz, so {setting}="):
+        FRONTS[front](ns_method=ns_method, **{setting: value})
+    FRONTS[front](ns_method=ns_method)  # the defaults are no conflict
+
+
+def test_newton_schulz_settings_are_refused_by_the_transforms_too() -> None:
+    with pytest.raises(ValueError, match=r"ns_method='svd' does not run Newton–Schulz, so ns_steps=3, ns_eps=1e-06"):
+        muonfn.orthogonalize(steps=3, eps=1e-6, ns_method="svd")
+    with pytest.raises(ValueError, match=r"ns_method='qr' does not run Newton–Schulz, so ns_dtype=torch.float64"):
+        muonfn.scale_by_muon(ns_dtype=torch.float64, ns_method="qr")
+
+
+def test_newton_schulz_settings_set_in_param_groups_are_refused_at_the_step_changing_nothing() -> None:
+    opt = shim(ns_method="svd")
+    model_params = [p for group in opt.param_groups for p in group["params"]]
+    for p in model_params:
+        p.grad = torch.ones_like(p)
+    opt.param_groups[0]["ns_steps"] = 2
+    before, state = [p.detach().clone() for p in model_params], opt.functional_state.clone()
+    with pytest.raises(ValueError, match=r"ns_method='svd' does not run Newton–Schulz, so ns_steps=2"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model_params, before))
+    assert_td_equal(opt.functional_state, state)
+
+
+WRONG_MAPS: dict[str, tuple[Callable[[torch.Tensor], object], str]] = {
+    "None": (lambda x: None, r"returned NoneType"),
+    "a list": (lambda x: list(x), r"returned list"),
+    "another shape": (lambda x: x[..., :1], r"returned a torch.float32 tensor of shape \(1, 4, 1\)"),
+    "another dtype": (lambda x: x.double(), r"returned a torch.float64 tensor of shape \(1, 4, 3\)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WRONG_MAPS))
+def test_a_map_returning_the_wrong_thing_is_named_at_init(case: str) -> None:
+    wrong, returned = WRONG_MAPS[case]
+    expected = rf"ns_method=<lambda> {returned} for a torch.float32 batch of shape \(1, 4, 3\); it must return"
+    with pytest.raises(TypeError, match=expected):
+        muonfn.muon(ns_method=wrong).init(params())
+    with pytest.raises(TypeError, match=expected):
+        shim(ns_method=wrong)
+
+
+def test_a_map_that_cannot_run_on_meta_tensors_is_checked_at_its_call() -> None:
+    """The check at each call reads metadata only: shape, dtype and device."""
+
+    def on_meta(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty(x.shape, dtype=x.dtype, device="meta")  # on meta, also for a CPU batch
+
+    def numpy_only(x: torch.Tensor) -> object:
+        return x.numpy()  # fails on meta tensors; returns no tensor
+
+    for wrong, returned in (
+        (on_meta, r"returned a torch.float32 tensor of shape \(1, 4, 3\) on meta"),
+        (numpy_only, r"returned ndarray"),
+    ):
+        tx = muonfn.orthogonalize(ns_method=wrong)
+        p = params().select(("0", "weight"))
+        state = tx.init(p)
+        with pytest.raises(TypeError, match=rf"ns_method=.*{wrong.__name__} {returned} for a torch.float32 batch"):
+            tx.update(p.apply(torch.ones_like), state, p)

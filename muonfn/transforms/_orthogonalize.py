@@ -25,6 +25,7 @@ from ..linalg import (
     Orthogonalizer,
     ScaleMode,
     block_scales,
+    check_matrix_fn,
     polar,
     qr_orthogonal,
     shape_scale,
@@ -51,21 +52,53 @@ def matrix_map(
     ``"standard"`` and ``"gram"`` give a :class:`muonfn.NewtonSchulz` with the other settings;
     ``"svd"`` :func:`muonfn.polar`; ``"qr"`` :func:`muonfn.linalg.qr_orthogonal`; a callable
     is returned as it is. The Newton–Schulz settings must be left at their defaults with
-    ``"svd"``, ``"qr"`` or a callable, which do not read them.
+    ``"svd"``, ``"qr"`` or a callable, which do not read them: a ``ValueError`` names those given.
     """
     if method in ("standard", "gram"):
-        return NewtonSchulz(
-            coefficients, steps, eps, dtype, method, eps_mode, None if restarts is None else tuple(restarts)
-        )
+        return NewtonSchulz(coefficients, steps, eps, dtype, method, eps_mode, restarts)  # type: ignore[arg-type]
+    if method not in ("svd", "qr") and (isinstance(method, str) or not callable(method)):
+        raise ValueError(f"unknown ns_method {method!r}; choose 'standard', 'gram', 'svd', 'qr' or a callable")
     if restarts is not None:
         raise ValueError(f"ns_restarts apply to ns_method='gram', not {method!r}")
+    _refuse_newton_schulz_settings(
+        method, coefficients=coefficients, steps=steps, eps=eps, dtype=dtype, eps_mode=eps_mode
+    )
     if method == "svd":
         return polar
     if method == "qr":
         return qr_orthogonal
-    if isinstance(method, str) or not callable(method):
-        raise ValueError(f"unknown ns_method {method!r}; choose 'standard', 'gram', 'svd', 'qr' or a callable")
     return method
+
+
+#: The Newton–Schulz settings and their defaults, which the other methods do not read.
+_NEWTON_SCHULZ_DEFAULTS: dict[str, object] = {
+    "coefficients": "keller",
+    "steps": None,
+    "eps": 1e-7,
+    "dtype": None,
+    "eps_mode": "clamp",
+}
+
+
+def _refuse_newton_schulz_settings(method: MethodLike, **settings: object) -> None:
+    """A Newton–Schulz setting given with a method that does not run Newton–Schulz would be
+    ignored: an error naming each (as the presets spell them, ``ns_steps``, ...)."""
+    given = [
+        f"ns_{name}={value!r}"
+        for name, value in settings.items()
+        if not _is_default(value, _NEWTON_SCHULZ_DEFAULTS[name])
+    ]
+    if given:
+        shown = repr(method) if isinstance(method, str) else getattr(method, "__qualname__", repr(method))
+        raise ValueError(
+            f"ns_method={shown} does not run Newton–Schulz, so {', '.join(given)} would be ignored; "
+            "leave the Newton–Schulz settings at their defaults with it"
+        )
+
+
+def _is_default(value: object, default: object) -> bool:
+    # (same type too: ns_eps=True is no 1e-7, and a schedule given as a list is no "keller")
+    return type(value) is type(default) and value == default
 
 
 ViewsLike: TypeAlias = (
@@ -95,13 +128,21 @@ def resolve_views(
     return resolved
 
 
-def _view_checker(views: ViewsLike) -> InitFn:
-    """An ``init`` that rejects leaves their view cannot read (a vector labelled as a matrix)."""
+def _view_checker(views: ViewsLike, ns: MatrixFn | None = None) -> InitFn:
+    """An ``init`` that rejects leaves their view cannot read (a vector labelled as a matrix), and
+    with ``ns`` a map that returns another shape or dtype for their matrices (run on meta tensors)."""
 
     def init(params: TensorDictBase) -> TensorDictBase:
         keys, values = _tree.leaf_keys(params), _tree.leaves(params)
+        probed: set[tuple[int, int, torch.dtype]] = set()
         for key, p, view in zip(keys, values, resolve_views(views, keys, values, members=params.batch_dims)):
             view.check(key, p.shape)
+            if ns is None:
+                continue
+            for rows, cols in view.blocks(p.shape):
+                if rows and cols and (rows, cols, p.dtype) not in probed:
+                    probed.add((rows, cols, p.dtype))
+                    check_matrix_fn(ns, (1, rows, cols), p.dtype)
         return empty_state(params)
 
     return init
@@ -138,8 +179,13 @@ def orthogonalize(
             :math:`U_rV_r^\top` (:func:`muonfn.polar`, in fp64); ``"qr"`` for the :math:`Q`
             factor of the tall orientation (:func:`muonfn.linalg.qr_orthogonal`, heavyball's
             ``"qr"`` mode); or a callable mapping a ``(count, m, n)`` tensor to one of the same
-            shape and dtype. The strategy ``"tp_gram"`` of :mod:`muonfn.distributed` needs
-            Newton–Schulz (``"standard"``/``"gram"``) and raises a ``TypeError`` otherwise.
+            shape, dtype and device (checked at every call; with the local orthogonalizer
+            ``init`` also runs it once per matrix shape on a meta tensor, so that a wrong
+            result fails before a step). ``"svd"``, ``"qr"`` and a callable do not run
+            Newton–Schulz: ``coefficients``, ``steps``, ``eps``, ``dtype``, ``eps_mode`` and
+            ``restarts`` must be left at their defaults with them (an error otherwise). The
+            strategy ``"tp_gram"`` of :mod:`muonfn.distributed` needs Newton–Schulz
+            (``"standard"``/``"gram"``) and raises a ``TypeError`` otherwise.
         eps_mode: ``"clamp"``, :math:`G/\max(\|G\|_F, \varepsilon)`, or ``"add"``,
             :math:`G/(\|G\|_F + \varepsilon)` (Keller's, optax's, dtensor-muon's);
             see :func:`muonfn.newton_schulz`.
@@ -181,7 +227,9 @@ def orthogonalize(
         return dict(zip(keys, run(keys, values, leaf_views, ns, scale_fn)))
 
     # sharded leaves may be local blocks: their views are checked against global shapes at update
-    init = _view_checker(views) if isinstance(run, LocalOrthogonalizer) else empty_state
+    # (a map of one's own is tried at init on meta tensors, so that a wrong shape fails before a step)
+    probe = None if isinstance(ns, NewtonSchulz) else ns
+    init = _view_checker(views, probe) if isinstance(run, LocalOrthogonalizer) else empty_state
     return from_rule(init, Rule("orthogonalize", update, no_needs))
 
 
