@@ -613,3 +613,62 @@ def test_a_map_that_cannot_run_on_meta_tensors_is_checked_at_its_call() -> None:
         state = tx.init(p)
         with pytest.raises(TypeError, match=rf"ns_method=.*{wrong.__name__} {returned} for a torch.float32 batch"):
             tx.update(p.apply(torch.ones_like), state, p)
+
+
+# --- masks: flags only ------------------------------------------------------------------------------------
+
+MASK_TAKERS: dict[str, Callable[[object], object]] = {
+    "muon": lambda mask: muonfn.muon(weight_decay_mask=mask),
+    "normuon": lambda mask: muonfn.normuon(weight_decay_mask=mask),
+    "adamuon": lambda mask: muonfn.adamuon(weight_decay_mask=mask),
+    "adamw": lambda mask: muonfn.adamw(weight_decay_mask=mask),
+    "Muon(...)": lambda mask: shim(weight_decay_mask=mask),
+}
+
+
+@pytest.mark.parametrize("value", ["False", [False], 0, None, torch.tensor([False, True])], ids=repr)
+@pytest.mark.parametrize("taker", sorted(MASK_TAKERS))
+def test_a_mask_value_that_is_no_flag_is_refused_when_the_optimizer_is_built(taker: str, value: object) -> None:
+    """``bool("False")`` and ``bool([False])`` are true: read as flags, they would decay the leaf."""
+    with pytest.raises(
+        TypeError, match=rf"{re.escape(taker)}: weight_decay_mask: '0.bias' maps to .*; a mask's values"
+    ):
+        MASK_TAKERS[taker]({"0.bias": value})
+
+
+@pytest.mark.parametrize("taker", ["muon", "normuon", "adamuon", "Muon(...)"])
+def test_a_callable_mask_returning_no_flags_is_refused_before_a_step(taker: str) -> None:
+    with pytest.raises(TypeError, match=r"weight_decay_mask: '0.bias' maps to 'False'; a mask's values must be"):
+        tx = MASK_TAKERS[taker](lambda p: {"0.bias": "False"})
+        assert isinstance(tx, muonfn.Transform)
+        tx.init(params())
+    with pytest.raises(TypeError, match=r"weight_decay_mask must map names to True or False, got list"):
+        tx = MASK_TAKERS[taker](lambda p: ["0.bias"])
+        assert isinstance(tx, muonfn.Transform)
+        tx.init(params())
+
+
+@pytest.mark.parametrize("value", [["0.bias"], "0.bias", 1.0])
+def test_a_mask_that_is_no_mapping_or_callable_is_refused(value: object) -> None:
+    for taker in ("muon", "adamw", "Muon(...)"):
+        with pytest.raises(TypeError, match=rf"{re.escape(taker)}: weight_decay_mask must be a mapping of names to"):
+            MASK_TAKERS[taker](value)
+
+
+def test_the_transforms_refuse_mask_values_that_are_no_flags() -> None:
+    with pytest.raises(TypeError, match=r"add_decayed_weights: mask: '0.bias' maps to \[False\]"):
+        muonfn.add_decayed_weights(0.1, mask={"0.bias": [False]})
+    with pytest.raises(TypeError, match=r"masked: mask: '0.bias' maps to 'False'"):
+        muonfn.masked(muonfn.scale_by_sign(), {"0.bias": "False"})
+    decay = muonfn.add_decayed_weights(0.1, mask=lambda p: {"0.bias": "False"})
+    with pytest.raises(TypeError, match=r"add_decayed_weights: mask: '0.bias' maps to 'False'"):
+        decay.init(params())
+
+
+def test_a_one_element_bool_tensor_is_a_flag() -> None:
+    p = params()
+    for mask in ({"0.bias": torch.tensor(False)}, {"0.bias": False}):
+        tx = muonfn.adamw(lr=0.1, weight_decay=0.5, weight_decay_mask=mask)
+        updates, _ = tx.update(p.apply(torch.zeros_like), tx.init(p), p)
+        assert torch.equal(updates["0", "bias"], torch.zeros(4))  # not decayed
+        assert (updates["0", "weight"] != 0).all()  # decayed

@@ -25,7 +25,18 @@ from ..presets import (
     muon_orthogonalizer,
     refuse_collectives,
 )
-from ..transforms import LabelsLike, MaskLike, Rescale, Transform, ViewsLike, partition, resolve_labels, resolve_views
+from ..transforms import (
+    LabelsLike,
+    MaskLike,
+    Rescale,
+    Transform,
+    ViewsLike,
+    check_mask,
+    mask_table,
+    partition,
+    resolve_labels,
+    resolve_views,
+)
 from ..transforms._base import as_rule, check_rule
 from . import _groups, _migration
 from ._migration import NOT_GIVEN, NotGiven
@@ -159,6 +170,7 @@ class Muon(torch.optim.Optimizer):
                 )
         _groups.check_betas("adamw_betas", adamw_betas)
         positive("adamw_eps", adamw_eps)
+        check_mask("Muon(...): weight_decay_mask", weight_decay_mask)
         where = f"Muon(variant={variant!r})"
         _groups.check_variant("Muon(...)", variant)
         options = {
@@ -394,9 +406,11 @@ class Muon(torch.optim.Optimizer):
             keys = [(str(i),) for i in range(len(self._slots), len(self._slots) + len(tensors))]
         _groups.check_new_params(tensors, keys, self._slots, named=names is not None)
 
+        detached = TensorDict(dict(zip(keys, [p.detach() for p in tensors])), batch_size=[])
+        if callable(self._weight_decay_mask):  # named as given here, before the branches read it
+            mask_table(self._weight_decay_mask, detached, where="Muon(...): weight_decay_mask")
         use_muon = param_group.get("use_muon")
         if use_muon is None:
-            detached = TensorDict(dict(zip(keys, [p.detach() for p in tensors])), batch_size=[])
             try:
                 table = resolve_labels(self._labels, detached, dict.fromkeys((MUON, ADAMW)))
             except ValueError as error:

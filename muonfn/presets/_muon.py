@@ -32,6 +32,7 @@ from ..transforms import (
     add_decayed_weights,
     cautious,
     chain,
+    check_mask,
     mask_table,
     partition,
     scale_by_adam,
@@ -96,6 +97,7 @@ def adamw(
         tensor([-0.1010, -0.1010, -0.1010])
     """
     betas = _pair("betas", betas)
+    check_mask("adamw: weight_decay_mask", weight_decay_mask)
     if not (isinstance(nesterov, bool) or nesterov == "timm"):
         raise ValueError(f"adamw: nesterov must be True, False or 'timm', got {nesterov!r}")
     flag("adamw: cautious_weight_decay", cautious_weight_decay)
@@ -139,6 +141,7 @@ def muon_branch(
 ) -> Transform:
     """The Muon branch of :func:`muon`: momentum, Newton–Schulz and shape scale, decay, learning rate."""
     check_branch_flags("muon", momentum_bias_correction, cautious_weight_decay, cautious_mode)
+    check_mask("muon: weight_decay_mask", weight_decay_mask)
     direction = scale_by_muon(
         momentum,
         nesterov=nesterov,
@@ -246,7 +249,7 @@ def check_names(params: TensorDictBase, **tables: Any) -> None:
     keys = _tree.leaf_keys(params)
     for where, table in tables.items():
         if where == "weight_decay_mask":
-            table = mask_table(table, params)
+            table = mask_table(table, params, where=where)
         elif where == "labels" and callable(table) and not isinstance(table, TensorDictBase):
             table = table(params)
         if table is not None and not callable(table) and not isinstance(table, TensorDictBase):
@@ -336,7 +339,8 @@ def muon(
             ``shard_specs`` by their number of dimensions); :func:`labels_from_module`
             labels by module type instead.
         views: conv, expert, fused and transposed matrices (:class:`MatrixView` by name).
-        weight_decay_mask: exempts the leaves it maps to ``False`` (default: decay all).
+        weight_decay_mask: exempts the leaves it maps to ``False`` (default: decay all); its
+            values must be ``True`` or ``False`` (``"False"`` would read as true: an error).
         bucket_numel: at most this many elements per batched Newton–Schulz call.
         collectives, strategy, shard_specs, replicated, overlap: sharded and replicated
             parameters (see :func:`muonfn.distributed.sharded_orthogonalizer`): under data

@@ -25,6 +25,7 @@ from ..transforms import (
     Transform,
     ViewsLike,
     chain,
+    check_mask,
     ema_momentum,
     named,
     orthogonalize,
@@ -134,6 +135,7 @@ def adapted_branch(
     """The matrix branch of :func:`normuon` or :func:`adamuon`: momentum, (sign,) Newton–Schulz,
     the second-moment adaptation, shape scale, decay, learning rate."""
     check_branch_flags(variant, momentum_bias_correction, cautious_weight_decay, cautious_mode)
+    check_mask(f"{variant}: weight_decay_mask", weight_decay_mask)
     flag(f"{variant}: sign_momentum", sign_momentum)
     flag(f"{variant}: second_moment_bias_correction", second_moment_bias_correction)
     if variant == "normuon":

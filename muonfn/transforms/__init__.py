@@ -12,7 +12,7 @@ from ._cautious import CAUTIOUS_MODES, CautiousMode, cautious
 from ._combine import LabelsLike, apply_if_finite, chain, masked, named, partition, resolve_labels
 from ._decay import add_decayed_weights
 from ._learning_rate import scale_by_learning_rate
-from ._masks import MaskLike, mask_table, resolve_mask
+from ._masks import MaskLike, check_mask, mask_table, resolve_mask
 from ._momentum import ema_momentum
 from ._normuon import row_moment_shape, scale_by_neuron_norm
 from ._orthogonalize import (
@@ -53,6 +53,7 @@ __all__ = [
     "apply_updates_",
     "cautious",
     "chain",
+    "check_mask",
     "ema_momentum",
     "empty_state",
     "mask_table",

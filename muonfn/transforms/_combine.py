@@ -13,7 +13,7 @@ from .._keys import Key, dotted, resolve_table
 from .._tree import Leaves
 from .._validation import check_params
 from ._base import Needs, Rule, Scope, StructureCache, Transform, as_rule, from_rule
-from ._masks import MaskLike, resolve_mask
+from ._masks import MaskLike, check_mask, resolve_mask
 from ._state import NOTFINITE_COUNT
 
 LabelsLike: TypeAlias = Mapping[Any, str] | TensorDictBase | Callable[[TensorDictBase], Mapping[Any, str]]
@@ -165,20 +165,23 @@ def partition(transforms: Mapping[str, Transform], labels: LabelsLike) -> Transf
 def masked(tx: Transform, mask: MaskLike) -> Transform:
     """Applies ``tx`` to the leaves ``mask`` selects; the others pass through unchanged.
 
-    ``mask``: a mapping from key to bool or a callable ``params -> mapping``; leaves it
-    does not name are not selected. Names that are not leaves are ignored, so that one
-    mask can serve a whole model inside :func:`partition`.
+    ``mask``: a mapping from key to ``True``/``False`` (or one-element bool tensors) or a
+    callable ``params -> mapping``; leaves it does not name are not selected. Names that are
+    not leaves are ignored, so that one mask can serve a whole model inside :func:`partition`.
     """
+    where = "masked: mask"
+    check_mask(where, mask)
 
     def init(params: TensorDictBase) -> TensorDictBase:
-        return tx.init(params.select(*resolve_mask(mask, params, default=False)))
+        return tx.init(params.select(*resolve_mask(mask, params, default=False, where=where)))
 
     rule = as_rule(tx)
     selections = StructureCache()
 
     def select(grads: Leaves, params: Leaves | None, batch_size: torch.Size) -> list[Key]:
         tree = params if params is not None else grads
-        return [k for k in resolve_mask(mask, _tree.unflatten(tree, batch_size), default=False) if k in grads]
+        selected = resolve_mask(mask, _tree.unflatten(tree, batch_size), default=False, where=where)
+        return [k for k in selected if k in grads]
 
     def chosen(grads: Leaves, params: Leaves | None, batch_size: torch.Size) -> list[Key]:
         return selections.get(grads, batch_size, lambda: select(grads, params, batch_size))
