@@ -672,3 +672,173 @@ def test_a_one_element_bool_tensor_is_a_flag() -> None:
         updates, _ = tx.update(p.apply(torch.zeros_like), tx.init(p), p)
         assert torch.equal(updates["0", "bias"], torch.zeros(4))  # not decayed
         assert (updates["0", "weight"] != 0).all()  # decayed
+
+
+# --- options of the wrong type, refused where they are given, naming what is expected -----------------
+
+MUON_WEIGHT = "0.weight"
+
+WRONG_TYPES: dict[str, tuple[Callable[[], object], type[Exception], str]] = {
+    "views value": (
+        lambda: muonfn.muon(views={MUON_WEIGHT: (3, 3)}),
+        TypeError,
+        r"muon: views: '0.weight' maps to \(3, 3\); a view must be a muonfn.MatrixView",
+    ),
+    "views value, adamuon": (
+        lambda: muonfn.adamuon(views={MUON_WEIGHT: (3, 3)}),
+        TypeError,
+        r"adamuon: views: '0.weight' maps to \(3, 3\)",
+    ),
+    "views value, shim": (
+        lambda: shim(views={MUON_WEIGHT: (3, 3)}),
+        TypeError,
+        r"Muon\(...\): views: '0.weight' maps to \(3, 3\)",
+    ),
+    "views value, transform": (
+        lambda: muonfn.scale_by_shape(views={MUON_WEIGHT: "conv"}),
+        TypeError,
+        r"scale_by_shape: views: '0.weight' maps to 'conv'",
+    ),
+    "views a tuple": (
+        lambda: muonfn.normuon(views=(3, 3)),
+        TypeError,
+        r"normuon: views must be a mapping of names to MatrixView, a callable \(key, tensor\)",
+    ),
+    "views callable returning a tuple": (
+        lambda: muonfn.muon(views=lambda key, t: (3, 3)).init(params()),
+        TypeError,
+        r"views returned \(3, 3\) for '0.weight'; it must return a muonfn.MatrixView or None",
+    ),
+    "labels a list": (
+        lambda: muonfn.muon(labels=[MUON_WEIGHT]),
+        TypeError,
+        r"muon: labels must be a mapping of names to labels, a TensorDict of labels or a callable",
+    ),
+    "labels a list, shim": (lambda: shim(labels=[MUON_WEIGHT]), TypeError, r"Muon\(...\): labels must be a mapping"),
+    "labels a list, partition": (
+        lambda: muonfn.partition({"a": muonfn.scale_by_sign()}, ["a"]),
+        TypeError,
+        r"partition: labels must be a mapping",
+    ),
+    "labels callable returning a list": (
+        lambda: muonfn.muon(labels=lambda p: [MUON_WEIGHT]).init(params()),
+        TypeError,
+        r"labels returned list; it must return a mapping of names to labels",
+    ),
+    "ns_restarts an int": (
+        lambda: muonfn.muon(ns_method="gram", ns_restarts=2),
+        TypeError,
+        r"Gram Newton–Schulz restarts must be a sequence of step indices in \[1, 4\], got 2",
+    ),
+    "ns_coefficients a number": (
+        lambda: muonfn.muon(ns_coefficients=3.4445),
+        TypeError,
+        r"Newton–Schulz coefficients must be a set name \('cesista', 'keller', 'polar_express'\), a Coefficients or",
+    ),
+    "ns_coefficients a number, shim": (lambda: shim(ns_coefficients=None), TypeError, r"Newton–Schulz coefficients"),
+    "ns_coefficients a number, shim group": (
+        lambda: muonfn.optim.Muon([{"params": [torch.zeros(2, 2, requires_grad=True)], "ns_coefficients": 5}]),
+        TypeError,
+        r"Newton–Schulz coefficients must be a set name",
+    ),
+    "scale a list": (lambda: muonfn.muon(scale=["original"]), ValueError, r"unknown scale mode \['original'\]"),
+    "beta2 a string": (
+        lambda: muonfn.normuon(beta2="0.9"),
+        TypeError,
+        r"normuon: beta2 must be a float or a 0-d tensor, got str",
+    ),
+    "adaptive_eps a string": (
+        lambda: muonfn.adamuon(adaptive_eps="1e-8"),
+        TypeError,
+        r"adamuon: adaptive_eps must be a float or a 0-d tensor, got str",
+    ),
+    "donate_state a string": (
+        lambda: muonfn.muon(donate_state="no"),
+        TypeError,
+        r"muon: donate_state must be True or False, got 'no'",
+    ),
+    "donate_state None, adamw": (
+        lambda: muonfn.adamw(donate_state=None),
+        TypeError,
+        r"adamw: donate_state must be True or False, got None",
+    ),
+    "donate_state, shim": (lambda: shim(donate_state=0), TypeError, r"Muon\(...\): donate_state must be True or False"),
+    "donate_state, ema_momentum": (
+        lambda: muonfn.ema_momentum(0.9, donate_state="yes"),
+        TypeError,
+        r"ema_momentum: donate_state must be True or False",
+    ),
+    "bias_correction, scale_by_element_rms": (
+        lambda: muonfn.scale_by_element_rms(0.9, bias_correction=1),
+        TypeError,
+        r"scale_by_element_rms: bias_correction must be True or False, got 1",
+    ),
+    "inplace, scale_by_learning_rate": (
+        lambda: muonfn.scale_by_learning_rate(0.1, inplace="yes"),
+        TypeError,
+        r"scale_by_learning_rate: inplace must be True or False",
+    ),
+    "cautious, add_decayed_weights": (
+        lambda: muonfn.add_decayed_weights(0.1, cautious="heavyball"),
+        TypeError,
+        r"add_decayed_weights: cautious must be True or False, got 'heavyball'",
+    ),
+    "MatrixView batch_dims a string": (
+        lambda: MatrixView(batch_dims="1"),  # type: ignore[arg-type]
+        TypeError,
+        r"MatrixView: batch_dims must be an integer, got '1'",
+    ),
+    "MatrixView transposed a number": (
+        lambda: MatrixView(transposed=1),  # type: ignore[arg-type]
+        TypeError,
+        r"MatrixView: transposed must be True or False, got 1",
+    ),
+    "MatrixView split of floats": (
+        lambda: MatrixView(split=(2.0, 2.0)),  # type: ignore[arg-type]
+        TypeError,
+        r"MatrixView: split must be a tuple of block sizes \(integers\), got \(2.0, 2.0\)",
+    ),
+    "orthogonalizer not callable": (
+        lambda: muonfn.orthogonalize(orthogonalizer="owner"),  # type: ignore[arg-type]
+        TypeError,
+        r"orthogonalize: orthogonalizer must be a muonfn.linalg.Orthogonalizer .* or None, got str",
+    ),
+    "chain member not a transform": (
+        lambda: muonfn.chain(muonfn.scale_by_sign(), (0.9,)),  # type: ignore[arg-type]
+        TypeError,
+        r"expected a muonfn.Transform \(init, update\), got tuple",
+    ),
+    "cautious of no transform": (
+        lambda: muonfn.cautious("heavyball"),  # type: ignore[arg-type]
+        TypeError,
+        r"expected a muonfn.Transform \(init, update\), got str",
+    ),
+    "partition of a list": (
+        lambda: muonfn.partition([muonfn.scale_by_sign()], {}),  # type: ignore[arg-type]
+        TypeError,
+        r"partition: transforms must be a mapping of labels to transforms, got list",
+    ),
+    "named by a number": (
+        lambda: muonfn.named(1, muonfn.scale_by_sign()),  # type: ignore[arg-type]
+        TypeError,
+        r"named: name must be a non-empty string, got 1",
+    ),
+    "shard_specs a list": (
+        lambda: muonfn.muon(shard_specs=[MUON_WEIGHT]),  # type: ignore[arg-type]
+        TypeError,
+        r"shard_specs must be a mapping of names to ShardSpec, got list",
+    ),
+    "shard_specs a number, shim": (lambda: shim(shard_specs=2), TypeError, r"shard_specs must be a mapping"),
+    "compile keyword unknown": (
+        lambda: shim(compile={"modes": "max-autotune"}),
+        TypeError,
+        r"Muon\(compile=...\): torch.compile has no keyword 'modes'; its keywords are \[.*'mode'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WRONG_TYPES))
+def test_an_option_of_the_wrong_type_is_named_with_what_it_takes(case: str) -> None:
+    build, error, match = WRONG_TYPES[case]
+    with pytest.raises(error, match=match):
+        build()

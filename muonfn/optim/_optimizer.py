@@ -11,7 +11,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from .. import _tree
 from .._collection import pause_collections, resume_collections
-from .._validation import Scalar, positive
+from .._validation import Scalar, flag, positive
 from ..linalg import CoefficientsLike, NSMethod, Orthogonalizer, ScaleMode
 from ..presets import (
     ADAMW,
@@ -31,7 +31,9 @@ from ..transforms import (
     Rescale,
     Transform,
     ViewsLike,
+    check_labels,
     check_mask,
+    check_views,
     mask_table,
     partition,
     resolve_labels,
@@ -171,6 +173,10 @@ class Muon(torch.optim.Optimizer):
         _groups.check_betas("adamw_betas", adamw_betas)
         positive("adamw_eps", adamw_eps)
         check_mask("Muon(...): weight_decay_mask", weight_decay_mask)
+        check_views("Muon(...): views", views)
+        if labels is not None:
+            check_labels("Muon(...): labels", labels)
+        flag("Muon(...): donate_state", donate_state)
         where = f"Muon(variant={variant!r})"
         _groups.check_variant("Muon(...)", variant)
         options = {
@@ -206,6 +212,9 @@ class Muon(torch.optim.Optimizer):
         }
         self._adamw_lr = adamw_lr
         self._adamw_weight_decay = adamw_weight_decay
+        self._orthogonalizer: Orthogonalizer | None = muon_orthogonalizer(
+            collectives, strategy, shard_specs, bucket_numel, replicated=replicated, overlap=overlap
+        )
         if labels is None:
             # a shard's own shape can look like a vector (one row per rank): shards go by their names
             labels = functools.partial(label_params, shards=tuple(shard_specs)) if shard_specs else label_params
@@ -216,9 +225,6 @@ class Muon(torch.optim.Optimizer):
         self._donate_state = donate_state
         self._chunk_numel = _groups.check_chunk_numel(chunk_numel)
         self._collectives = collectives
-        self._orthogonalizer: Orthogonalizer | None = muon_orthogonalizer(
-            collectives, strategy, shard_specs, bucket_numel, replicated=replicated, overlap=overlap
-        )
         # The state lives as flat leaves between steps; its TensorDict is built when asked for
         # (and is then what the next step reads, in case it was changed).
         self._state_leaves: _tree.FlatState = {}

@@ -10,7 +10,7 @@ import torch
 from tensordict import TensorDictBase
 
 from .. import _tree
-from .._keys import Key, resolve_table
+from .._keys import Key, dotted, resolve_table
 from .._tree import Leaves
 from .._validation import Scalar
 from ..linalg import (
@@ -106,6 +106,30 @@ ViewsLike: TypeAlias = (
 )
 
 
+def check_views(where: str, views: object) -> None:
+    """Views as written: ``None``, a mapping of names to :class:`MatrixView` (checked now), or a
+    callable ``(key, tensor) -> view`` (its results are checked where they are read)."""
+    if views is None or (callable(views) and not isinstance(views, Mapping)):
+        return
+    if not isinstance(views, Mapping):
+        raise TypeError(
+            f"{where} must be a mapping of names to MatrixView, a callable (key, tensor) -> MatrixView or "
+            f"None, or None; got {type(views).__name__}"
+        )
+    for name, view in views.items():
+        if not isinstance(view, MatrixView):
+            raise TypeError(f"{where}: {name!r} maps to {view!r}; a view must be a muonfn.MatrixView")
+
+
+def _called_view(views: Callable[[Key, torch.Tensor], MatrixView | None], key: Key, t: torch.Tensor) -> MatrixView:
+    view = views(key, t)
+    if view is None:
+        return DEFAULT_VIEW
+    if not isinstance(view, MatrixView):
+        raise TypeError(f"views returned {view!r} for {dotted(key)!r}; it must return a muonfn.MatrixView or None")
+    return view
+
+
 def resolve_views(
     views: ViewsLike, keys: Sequence[Key], tensors: Sequence[torch.Tensor], *, members: int = 0
 ) -> list[MatrixView]:
@@ -119,7 +143,7 @@ def resolve_views(
     if views is None:
         resolved = [DEFAULT_VIEW] * len(keys)
     elif not isinstance(views, Mapping):  # `callable` of a dict does not trace under torch.compile
-        resolved = [views(k, t) or DEFAULT_VIEW for k, t in zip(keys, tensors)]
+        resolved = [_called_view(views, k, t) for k, t in zip(keys, tensors)]
     else:
         declared = resolve_table(views, keys)
         resolved = [declared.get(k, DEFAULT_VIEW) for k in keys]
@@ -210,6 +234,12 @@ def orthogonalize(
     """
     ns = matrix_map(ns_method, coefficients, steps=steps, eps=eps, dtype=dtype, eps_mode=eps_mode, restarts=restarts)
     scale_fn = shape_scale(scale, extra_scale)
+    check_views("orthogonalize: views", views)
+    if orthogonalizer is not None and not callable(orthogonalizer):
+        raise TypeError(
+            "orthogonalize: orthogonalizer must be a muonfn.linalg.Orthogonalizer (such as "
+            f"muonfn.distributed.sharded_orthogonalizer(...)) or None, got {type(orthogonalizer).__name__}"
+        )
     if orthogonalizer is None:
         orthogonalizer = (
             LocalOrthogonalizer() if bucket_numel is None else LocalOrthogonalizer(bucket_numel=bucket_numel)
@@ -248,6 +278,7 @@ def scale_by_shape(
         A stateless :class:`Transform`; ``init`` checks that every leaf's view can read it.
     """
     scale_fn = shape_scale(scale, extra_scale)
+    check_views("scale_by_shape: views", views)
     plans = StructureCache()
 
     def plan(keys: list[Key], values: list[torch.Tensor], members: int) -> list[tuple[MatrixView, list[float]]]:
