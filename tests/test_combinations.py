@@ -81,13 +81,15 @@ def preset_options(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
         common["eps"] = draw(st.sampled_from([1e-8, 1e-3]))
         return preset, common
     nesterov = draw(st.sampled_from([True, False, "add"]))
+    ns_method = draw(st.sampled_from(["standard", "gram", "svd", "qr", "own"]))
+    newton_schulz = ns_method in ("standard", "gram")  # the others refuse Newton–Schulz settings
     options: dict[str, Any] = {
         **common,
         "nesterov": nesterov,
         "momentum_bias_correction": nesterov != "add" and draw(st.booleans()),
         "cautious_mode": draw(st.sampled_from([None, "heavyball", "pytorch_optimizer"])),
-        "ns_method": draw(st.sampled_from(["standard", "gram", "svd", "qr", "own"])),
-        "ns_eps_mode": draw(st.sampled_from(["clamp", "add"])),
+        "ns_method": ns_method,
+        "ns_eps_mode": draw(st.sampled_from(["clamp", "add"])) if newton_schulz else "clamp",
         "scale": draw(st.sampled_from(["match_rms_adamw", "original", "spectral", "unit_rms_norm", "none"])),
         "bucket_numel": draw(st.sampled_from([None, 1, 300])),
     }

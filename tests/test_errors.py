@@ -510,3 +510,335 @@ def test_apply_updates_in_place_refuses_a_sum_its_parameter_cannot_hold_before_w
         with pytest.raises(ValueError, match=r"update 'c' of dtype .* cannot be added in place to its parameter"):
             muonfn.apply_updates_(params, updates)
         assert_td_equal(params, before)
+
+
+# --- ns_method: the maps that are no Newton–Schulz, and maps of one's own -----------------------------
+
+
+def shim(**options: object) -> muonfn.optim.Muon:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    return muonfn.optim.Muon(model.named_parameters(), **options)
+
+
+FRONTS: dict[str, Callable[..., object]] = {
+    "muon": lambda **kw: muonfn.muon(**kw),
+    "normuon": lambda **kw: muonfn.normuon(**kw),
+    "adamuon": lambda **kw: muonfn.adamuon(**kw),
+    "shim": shim,
+}
+
+
+def own_map(x: torch.Tensor) -> torch.Tensor:
+    return muonfn.polar(x)
+
+
+@pytest.mark.parametrize("front", sorted(FRONTS))
+@pytest.mark.parametrize("method", ["svd", "qr", "own"])
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("ns_steps", 3),
+        ("ns_dtype", torch.float64),
+        ("ns_coefficients", "cesista"),
+        ("ns_coefficients", [(3.0, -3.0, 1.0)]),
+        ("ns_eps", 1e-6),
+        ("ns_eps_mode", "add"),
+    ],
+)
+def test_newton_schulz_settings_are_refused_with_a_method_that_ignores_them(
+    front: str, method: str, setting: str, value: object
+) -> None:
+    if front == "shim" and setting == "ns_eps_mode":
+        pytest.skip("the shim has no ns_eps_mode")
+    ns_method = own_map if method == "own" else method
+    shown = "own_map" if method == "own" else repr(method)
+    with pytest.raises(ValueError, match=rf"ns_method={re.escape(shown)} does not run Newton–Schulz, so {setting}="):
+        FRONTS[front](ns_method=ns_method, **{setting: value})
+    FRONTS[front](ns_method=ns_method)  # the defaults are no conflict
+
+
+def test_newton_schulz_settings_are_refused_by_the_transforms_too() -> None:
+    with pytest.raises(ValueError, match=r"ns_method='svd' does not run Newton–Schulz, so ns_steps=3, ns_eps=1e-06"):
+        muonfn.orthogonalize(steps=3, eps=1e-6, ns_method="svd")
+    with pytest.raises(ValueError, match=r"ns_method='qr' does not run Newton–Schulz, so ns_dtype=torch.float64"):
+        muonfn.scale_by_muon(ns_dtype=torch.float64, ns_method="qr")
+
+
+def test_newton_schulz_settings_set_in_param_groups_are_refused_at_the_step_changing_nothing() -> None:
+    opt = shim(ns_method="svd")
+    model_params = [p for group in opt.param_groups for p in group["params"]]
+    for p in model_params:
+        p.grad = torch.ones_like(p)
+    opt.param_groups[0]["ns_steps"] = 2
+    before, state = [p.detach().clone() for p in model_params], opt.functional_state.clone()
+    with pytest.raises(ValueError, match=r"ns_method='svd' does not run Newton–Schulz, so ns_steps=2"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model_params, before))
+    assert_td_equal(opt.functional_state, state)
+
+
+WRONG_MAPS: dict[str, tuple[Callable[[torch.Tensor], object], str]] = {
+    "None": (lambda x: None, r"returned NoneType"),
+    "a list": (lambda x: list(x), r"returned list"),
+    "another shape": (lambda x: x[..., :1], r"returned a torch.float32 tensor of shape \(1, 4, 1\)"),
+    "another dtype": (lambda x: x.double(), r"returned a torch.float64 tensor of shape \(1, 4, 3\)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WRONG_MAPS))
+def test_a_map_returning_the_wrong_thing_is_named_at_init(case: str) -> None:
+    wrong, returned = WRONG_MAPS[case]
+    expected = rf"ns_method=<lambda> {returned} for a torch.float32 batch of shape \(1, 4, 3\); it must return"
+    with pytest.raises(TypeError, match=expected):
+        muonfn.muon(ns_method=wrong).init(params())
+    with pytest.raises(TypeError, match=expected):
+        shim(ns_method=wrong)
+
+
+def test_a_map_that_cannot_run_on_meta_tensors_is_checked_at_its_call() -> None:
+    """The check at each call reads metadata only: shape, dtype and device."""
+
+    def on_meta(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty(x.shape, dtype=x.dtype, device="meta")  # on meta, also for a CPU batch
+
+    def numpy_only(x: torch.Tensor) -> object:
+        return x.numpy()  # fails on meta tensors; returns no tensor
+
+    for wrong, returned in (
+        (on_meta, r"returned a torch.float32 tensor of shape \(1, 4, 3\) on meta"),
+        (numpy_only, r"returned ndarray"),
+    ):
+        tx = muonfn.orthogonalize(ns_method=wrong)
+        p = params().select(("0", "weight"))
+        state = tx.init(p)
+        with pytest.raises(TypeError, match=rf"ns_method=.*{wrong.__name__} {returned} for a torch.float32 batch"):
+            tx.update(p.apply(torch.ones_like), state, p)
+
+
+# --- masks: flags only ------------------------------------------------------------------------------------
+
+MASK_TAKERS: dict[str, Callable[[object], object]] = {
+    "muon": lambda mask: muonfn.muon(weight_decay_mask=mask),
+    "normuon": lambda mask: muonfn.normuon(weight_decay_mask=mask),
+    "adamuon": lambda mask: muonfn.adamuon(weight_decay_mask=mask),
+    "adamw": lambda mask: muonfn.adamw(weight_decay_mask=mask),
+    "Muon(...)": lambda mask: shim(weight_decay_mask=mask),
+}
+
+
+@pytest.mark.parametrize("value", ["False", [False], 0, None, torch.tensor([False, True])], ids=repr)
+@pytest.mark.parametrize("taker", sorted(MASK_TAKERS))
+def test_a_mask_value_that_is_no_flag_is_refused_when_the_optimizer_is_built(taker: str, value: object) -> None:
+    """``bool("False")`` and ``bool([False])`` are true: read as flags, they would decay the leaf."""
+    with pytest.raises(
+        TypeError, match=rf"{re.escape(taker)}: weight_decay_mask: '0.bias' maps to .*; a mask's values"
+    ):
+        MASK_TAKERS[taker]({"0.bias": value})
+
+
+@pytest.mark.parametrize("taker", ["muon", "normuon", "adamuon", "Muon(...)"])
+def test_a_callable_mask_returning_no_flags_is_refused_before_a_step(taker: str) -> None:
+    with pytest.raises(TypeError, match=r"weight_decay_mask: '0.bias' maps to 'False'; a mask's values must be"):
+        tx = MASK_TAKERS[taker](lambda p: {"0.bias": "False"})
+        assert isinstance(tx, muonfn.Transform)
+        tx.init(params())
+    with pytest.raises(TypeError, match=r"weight_decay_mask must map names to True or False, got list"):
+        tx = MASK_TAKERS[taker](lambda p: ["0.bias"])
+        assert isinstance(tx, muonfn.Transform)
+        tx.init(params())
+
+
+@pytest.mark.parametrize("value", [["0.bias"], "0.bias", 1.0])
+def test_a_mask_that_is_no_mapping_or_callable_is_refused(value: object) -> None:
+    for taker in ("muon", "adamw", "Muon(...)"):
+        with pytest.raises(TypeError, match=rf"{re.escape(taker)}: weight_decay_mask must be a mapping of names to"):
+            MASK_TAKERS[taker](value)
+
+
+def test_the_transforms_refuse_mask_values_that_are_no_flags() -> None:
+    with pytest.raises(TypeError, match=r"add_decayed_weights: mask: '0.bias' maps to \[False\]"):
+        muonfn.add_decayed_weights(0.1, mask={"0.bias": [False]})
+    with pytest.raises(TypeError, match=r"masked: mask: '0.bias' maps to 'False'"):
+        muonfn.masked(muonfn.scale_by_sign(), {"0.bias": "False"})
+    decay = muonfn.add_decayed_weights(0.1, mask=lambda p: {"0.bias": "False"})
+    with pytest.raises(TypeError, match=r"add_decayed_weights: mask: '0.bias' maps to 'False'"):
+        decay.init(params())
+
+
+def test_a_one_element_bool_tensor_is_a_flag() -> None:
+    p = params()
+    for mask in ({"0.bias": torch.tensor(False)}, {"0.bias": False}):
+        tx = muonfn.adamw(lr=0.1, weight_decay=0.5, weight_decay_mask=mask)
+        updates, _ = tx.update(p.apply(torch.zeros_like), tx.init(p), p)
+        assert torch.equal(updates["0", "bias"], torch.zeros(4))  # not decayed
+        assert (updates["0", "weight"] != 0).all()  # decayed
+
+
+# --- options of the wrong type, refused where they are given, naming what is expected -----------------
+
+MUON_WEIGHT = "0.weight"
+
+WRONG_TYPES: dict[str, tuple[Callable[[], object], type[Exception], str]] = {
+    "views value": (
+        lambda: muonfn.muon(views={MUON_WEIGHT: (3, 3)}),
+        TypeError,
+        r"muon: views: '0.weight' maps to \(3, 3\); a view must be a muonfn.MatrixView",
+    ),
+    "views value, adamuon": (
+        lambda: muonfn.adamuon(views={MUON_WEIGHT: (3, 3)}),
+        TypeError,
+        r"adamuon: views: '0.weight' maps to \(3, 3\)",
+    ),
+    "views value, shim": (
+        lambda: shim(views={MUON_WEIGHT: (3, 3)}),
+        TypeError,
+        r"Muon\(...\): views: '0.weight' maps to \(3, 3\)",
+    ),
+    "views value, transform": (
+        lambda: muonfn.scale_by_shape(views={MUON_WEIGHT: "conv"}),
+        TypeError,
+        r"scale_by_shape: views: '0.weight' maps to 'conv'",
+    ),
+    "views a tuple": (
+        lambda: muonfn.normuon(views=(3, 3)),
+        TypeError,
+        r"normuon: views must be a mapping of names to MatrixView, a callable \(key, tensor\)",
+    ),
+    "views callable returning a tuple": (
+        lambda: muonfn.muon(views=lambda key, t: (3, 3)).init(params()),
+        TypeError,
+        r"views returned \(3, 3\) for '0.weight'; it must return a muonfn.MatrixView or None",
+    ),
+    "labels a list": (
+        lambda: muonfn.muon(labels=[MUON_WEIGHT]),
+        TypeError,
+        r"muon: labels must be a mapping of names to labels, a TensorDict of labels or a callable",
+    ),
+    "labels a list, shim": (lambda: shim(labels=[MUON_WEIGHT]), TypeError, r"Muon\(...\): labels must be a mapping"),
+    "labels a list, partition": (
+        lambda: muonfn.partition({"a": muonfn.scale_by_sign()}, ["a"]),
+        TypeError,
+        r"partition: labels must be a mapping",
+    ),
+    "labels callable returning a list": (
+        lambda: muonfn.muon(labels=lambda p: [MUON_WEIGHT]).init(params()),
+        TypeError,
+        r"labels returned list; it must return a mapping of names to labels",
+    ),
+    "ns_restarts an int": (
+        lambda: muonfn.muon(ns_method="gram", ns_restarts=2),
+        TypeError,
+        r"Gram Newton–Schulz restarts must be a sequence of step indices in \[1, 4\], got 2",
+    ),
+    "ns_coefficients a number": (
+        lambda: muonfn.muon(ns_coefficients=3.4445),
+        TypeError,
+        r"Newton–Schulz coefficients must be a set name \('cesista', 'keller', 'polar_express'\), a Coefficients or",
+    ),
+    "ns_coefficients a number, shim": (lambda: shim(ns_coefficients=None), TypeError, r"Newton–Schulz coefficients"),
+    "ns_coefficients a number, shim group": (
+        lambda: muonfn.optim.Muon([{"params": [torch.zeros(2, 2, requires_grad=True)], "ns_coefficients": 5}]),
+        TypeError,
+        r"Newton–Schulz coefficients must be a set name",
+    ),
+    "scale a list": (lambda: muonfn.muon(scale=["original"]), ValueError, r"unknown scale mode \['original'\]"),
+    "beta2 a string": (
+        lambda: muonfn.normuon(beta2="0.9"),
+        TypeError,
+        r"normuon: beta2 must be a float or a 0-d tensor, got str",
+    ),
+    "adaptive_eps a string": (
+        lambda: muonfn.adamuon(adaptive_eps="1e-8"),
+        TypeError,
+        r"adamuon: adaptive_eps must be a float or a 0-d tensor, got str",
+    ),
+    "donate_state a string": (
+        lambda: muonfn.muon(donate_state="no"),
+        TypeError,
+        r"muon: donate_state must be True or False, got 'no'",
+    ),
+    "donate_state None, adamw": (
+        lambda: muonfn.adamw(donate_state=None),
+        TypeError,
+        r"adamw: donate_state must be True or False, got None",
+    ),
+    "donate_state, shim": (lambda: shim(donate_state=0), TypeError, r"Muon\(...\): donate_state must be True or False"),
+    "donate_state, ema_momentum": (
+        lambda: muonfn.ema_momentum(0.9, donate_state="yes"),
+        TypeError,
+        r"ema_momentum: donate_state must be True or False",
+    ),
+    "bias_correction, scale_by_element_rms": (
+        lambda: muonfn.scale_by_element_rms(0.9, bias_correction=1),
+        TypeError,
+        r"scale_by_element_rms: bias_correction must be True or False, got 1",
+    ),
+    "inplace, scale_by_learning_rate": (
+        lambda: muonfn.scale_by_learning_rate(0.1, inplace="yes"),
+        TypeError,
+        r"scale_by_learning_rate: inplace must be True or False",
+    ),
+    "cautious, add_decayed_weights": (
+        lambda: muonfn.add_decayed_weights(0.1, cautious="heavyball"),
+        TypeError,
+        r"add_decayed_weights: cautious must be True or False, got 'heavyball'",
+    ),
+    "MatrixView batch_dims a string": (
+        lambda: MatrixView(batch_dims="1"),  # type: ignore[arg-type]
+        TypeError,
+        r"MatrixView: batch_dims must be an integer, got '1'",
+    ),
+    "MatrixView transposed a number": (
+        lambda: MatrixView(transposed=1),  # type: ignore[arg-type]
+        TypeError,
+        r"MatrixView: transposed must be True or False, got 1",
+    ),
+    "MatrixView split of floats": (
+        lambda: MatrixView(split=(2.0, 2.0)),  # type: ignore[arg-type]
+        TypeError,
+        r"MatrixView: split must be a tuple of block sizes \(integers\), got \(2.0, 2.0\)",
+    ),
+    "orthogonalizer not callable": (
+        lambda: muonfn.orthogonalize(orthogonalizer="owner"),  # type: ignore[arg-type]
+        TypeError,
+        r"orthogonalize: orthogonalizer must be a muonfn.linalg.Orthogonalizer .* or None, got str",
+    ),
+    "chain member not a transform": (
+        lambda: muonfn.chain(muonfn.scale_by_sign(), (0.9,)),  # type: ignore[arg-type]
+        TypeError,
+        r"expected a muonfn.Transform \(init, update\), got tuple",
+    ),
+    "cautious of no transform": (
+        lambda: muonfn.cautious("heavyball"),  # type: ignore[arg-type]
+        TypeError,
+        r"expected a muonfn.Transform \(init, update\), got str",
+    ),
+    "partition of a list": (
+        lambda: muonfn.partition([muonfn.scale_by_sign()], {}),  # type: ignore[arg-type]
+        TypeError,
+        r"partition: transforms must be a mapping of labels to transforms, got list",
+    ),
+    "named by a number": (
+        lambda: muonfn.named(1, muonfn.scale_by_sign()),  # type: ignore[arg-type]
+        TypeError,
+        r"named: name must be a non-empty string, got 1",
+    ),
+    "shard_specs a list": (
+        lambda: muonfn.muon(shard_specs=[MUON_WEIGHT]),  # type: ignore[arg-type]
+        TypeError,
+        r"shard_specs must be a mapping of names to ShardSpec, got list",
+    ),
+    "shard_specs a number, shim": (lambda: shim(shard_specs=2), TypeError, r"shard_specs must be a mapping"),
+    "compile keyword unknown": (
+        lambda: shim(compile={"modes": "max-autotune"}),
+        TypeError,
+        r"Muon\(compile=...\): torch.compile has no keyword 'modes'; its keywords are \[.*'mode'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WRONG_TYPES))
+def test_an_option_of_the_wrong_type_is_named_with_what_it_takes(case: str) -> None:
+    build, error, match = WRONG_TYPES[case]
+    with pytest.raises(error, match=match):
+        build()

@@ -60,6 +60,13 @@ def test_gram_newton_schulz_passes(dtype: torch.dtype) -> None:
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_exact_polar_factor_passes(dtype: torch.dtype) -> None:
+    """An fp32 G of rank 1 has, as passed, a second singular value of rounding (~1e-8 relative)
+    that the exact polar factor maps to 1: the rank is that of the input as passed."""
+    check_orthogonalizer(muonfn.polar, band=(1.0, 1.0), dtype=dtype, max_examples=EXAMPLES)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16_bit_iterations_pass_with_16_bit_tolerances(dtype: torch.dtype) -> None:
     """16-bit inputs iterated in 16 bits: the default sigma_min (0.05) and tolerances hold."""
@@ -99,6 +106,18 @@ def in_place(g: torch.Tensor) -> torch.Tensor:
     return newton_schulz(g.mul_(1.0).div_(2.0))
 
 
+def polar_without_null_space(g: torch.Tensor) -> torch.Tensor:
+    """U Vᵀ of the full SVD: a zero singular value maps to 1, so a rank-1 G gives an orthogonal O."""
+    u, _, vh = torch.linalg.svd(g.double(), full_matrices=False)
+    return (u @ vh).to(g.dtype)
+
+
+def polar_of_the_top_direction(g: torch.Tensor) -> torch.Tensor:
+    """u₁v₁ᵀ: every direction but the largest maps to 0."""
+    u, _, vh = torch.linalg.svd(g.double(), full_matrices=False)
+    return (u[..., :1] @ vh[..., :1, :]).to(g.dtype)
+
+
 NEGATED_LAST = [*COEFFICIENTS["keller"].triples[:-1], tuple(-x for x in COEFFICIENTS["keller"].triples[-1])]
 
 
@@ -112,6 +131,10 @@ NEGATED_LAST = [*COEFFICIENTS["keller"].triples[:-1], tuple(-x for x in COEFFICI
         pytest.param(lambda g: newton_schulz(g).float(), torch.bfloat16, (), "dtype and shape", id="bf16-to-fp32"),
         pytest.param(in_place, torch.float32, (), "input not mutated", id="in-place"),
         pytest.param(normalizes_the_whole_batch, torch.float64, (), "batch consistency", id="batch-norm"),
+        pytest.param(polar_without_null_space, torch.float64, (), "rank preservation", id="null-space-to-one"),
+        pytest.param(
+            polar_of_the_top_direction, torch.float32, ("singular value band",), "rank preservation", id="rank-one"
+        ),
         pytest.param(
             aol_then_ns,
             torch.float64,

@@ -30,6 +30,7 @@ from ._orthogonalizer import (
     MatrixFn,
     Orthogonalizer,
     check_bucket_numel,
+    check_matrix_fn,
     orthogonalize_blocks,
 )
 from ._views import DEFAULT_VIEW, SCALE_MODES, MatrixView, ScaleFn, ScaleMode, block_scales, shape_scale
@@ -57,6 +58,7 @@ __all__ = [
     "Triple",
     "block_scales",
     "check_bucket_numel",
+    "check_matrix_fn",
     "cpu_has_bf16_units",
     "default_ns_dtype",
     "default_restarts",

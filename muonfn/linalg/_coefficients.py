@@ -73,6 +73,11 @@ def ns_schedule(coefficients: CoefficientsLike = "keller", steps: int | None = N
         schedule = COEFFICIENTS[coefficients]
     elif isinstance(coefficients, Coefficients):
         schedule = Coefficients(tuple(_triple(t, coefficients) for t in coefficients.triples), coefficients.norm_factor)
+    elif isinstance(coefficients, bytes) or not isinstance(coefficients, Sequence):
+        raise TypeError(
+            f"Newton–Schulz coefficients must be a set name ({', '.join(map(repr, sorted(COEFFICIENTS)))}), "
+            f"a Coefficients or a sequence of (a, b, c) triples, got {coefficients!r}"
+        )
     elif _is_number_triple(coefficients):
         raise ValueError(
             f"Newton–Schulz coefficients {coefficients!r} are one (a, b, c), not a schedule: pass "

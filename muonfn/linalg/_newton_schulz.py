@@ -378,6 +378,10 @@ def default_restarts(steps: int, dtype: torch.dtype = torch.float32) -> tuple[in
 
 
 def _check_restarts(restarts: Sequence[int], steps: int) -> tuple[int, ...]:
+    if isinstance(restarts, str | bytes) or not isinstance(restarts, Sequence):
+        raise TypeError(
+            f"Gram Newton–Schulz restarts must be a sequence of step indices in [1, {steps - 1}], got {restarts!r}"
+        )
     out = tuple(restarts)
     for r in out:
         if isinstance(r, bool) or not isinstance(r, int) or not 0 < r < steps:

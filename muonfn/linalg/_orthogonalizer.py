@@ -102,7 +102,10 @@ def _call(matrices: list[torch.Tensor], ns: MatrixFn, scale: float) -> list[torc
         stack = pieces[0]
     else:
         stack = torch.cat([p.unsqueeze(0) if p.ndim == 2 else p for p in pieces])
-    result = ns.orthogonalize(stack, overwrite_input=own) if isinstance(ns, NewtonSchulz) else ns(stack)
+    if isinstance(ns, NewtonSchulz):
+        result = ns.orthogonalize(stack, overwrite_input=own)
+    else:
+        result = checked_map_result(ns, stack, ns(stack))
     if not (own or turns) and _may_share_memory(result, stack):  # a map of one's own may hand its input back
         result = result.clone()
     if scale != 1.0:
@@ -119,6 +122,51 @@ def _call(matrices: list[torch.Tensor], ns: MatrixFn, scale: float) -> list[torc
     for k, piece in zip(batches, rest):
         out[k] = piece.mT if flips[k] else piece
     return out
+
+
+def _map_name(ns: MatrixFn) -> str:
+    name = getattr(ns, "__qualname__", None)
+    return name if isinstance(name, str) else repr(ns)
+
+
+def _result_problem(batch: torch.Tensor, result: object, *, device: bool) -> str | None:
+    """What is wrong with ``result`` as the image of ``batch`` (``None``: nothing); metadata only."""
+    if not isinstance(result, torch.Tensor):
+        return f"returned {type(result).__name__}"
+    if result.shape != batch.shape or result.dtype != batch.dtype or (device and result.device != batch.device):
+        where = f" on {result.device}" if device else ""
+        return f"returned a {result.dtype} tensor of shape {tuple(result.shape)}{where}"
+    return None
+
+
+def checked_map_result(ns: MatrixFn, batch: torch.Tensor, result: object) -> torch.Tensor:
+    """``result``, what ``ns(batch)`` returned, if it is a tensor of ``batch``'s shape, dtype and
+    device; else an error naming ``ns`` and what it returned. Metadata only: nothing is read
+    from the device, so the check costs no sync and traces."""
+    problem = _result_problem(batch, result, device=True)
+    if problem is None and isinstance(result, torch.Tensor):
+        return result
+    raise TypeError(
+        f"ns_method={_map_name(ns)} {problem} for a {batch.dtype} batch of shape {tuple(batch.shape)} "
+        f"on {batch.device}; it must return a tensor of its input's shape, dtype and device"
+    )
+
+
+def check_matrix_fn(ns: MatrixFn, shape: Sequence[int], dtype: torch.dtype) -> None:
+    """Runs ``ns`` on a meta tensor of ``shape`` and ``dtype`` (no data, no arithmetic): a map that
+    returns no tensor, or one of another shape or dtype, fails here, naming itself, before a
+    step changes any state. A map that cannot run on meta tensors is checked at its calls."""
+    batch = torch.empty(shape, dtype=dtype, device="meta")
+    try:
+        result = ns(batch)
+    except Exception:  # (numpy, .item(), tensors of its own on a device: checked when called)
+        return
+    problem = _result_problem(batch, result, device=False)
+    if problem is not None:
+        raise TypeError(
+            f"ns_method={_map_name(ns)} {problem} for a {dtype} batch of shape {tuple(shape)}; "
+            "it must return a tensor of its input's shape and dtype"
+        )
 
 
 def _may_share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

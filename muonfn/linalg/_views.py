@@ -49,7 +49,7 @@ assert tuple(SCALE_MODES) == get_args(ScaleMode)
 
 def shape_scale(scale: ScaleMode, extra_scale: float = 1.0) -> ScaleFn:
     """The scale of an ``A × B`` matrix block: ``SCALE_MODES[scale](A, B) * extra_scale``, checked."""
-    if scale not in SCALE_MODES:
+    if not isinstance(scale, str) or scale not in SCALE_MODES:
         raise ValueError(f"unknown scale mode {scale!r}; choose one of {sorted(SCALE_MODES)}")
     # a Python number: scales are fixed per shape, so they stay out of the traced update
     if isinstance(extra_scale, bool) or not isinstance(extra_scale, int | float):
@@ -80,6 +80,24 @@ class MatrixView:
     transposed: bool = False
     split: tuple[int, ...] | None = None
     split_dim: int = 0
+
+    def __post_init__(self) -> None:
+        # the types only: the values are checked against each leaf's shape (see check)
+        for name in ("batch_dims", "split_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"MatrixView: {name} must be an integer, got {value!r}")
+        if not isinstance(self.transposed, bool):
+            raise TypeError(f"MatrixView: transposed must be True or False, got {self.transposed!r}")
+        if self.split is not None:
+            split = self.split
+            if (
+                isinstance(split, str | bytes)
+                or not isinstance(split, Sequence)
+                or not all(isinstance(s, int) and not isinstance(s, bool) for s in split)
+            ):
+                raise TypeError(f"MatrixView: split must be a tuple of block sizes (integers), got {split!r}")
+            object.__setattr__(self, "split", tuple(split))
 
     def matrix_shape(self, shape: Sequence[int]) -> tuple[int, int]:
         """The logical ``(out, in)`` shape of the (unsplit) matrix inside ``shape``."""

@@ -9,7 +9,7 @@ import torch
 
 from .._keys import Key, dotted
 from .._validation import flag, non_negative, positive, unit_interval
-from ..linalg import Coefficients, CoefficientsLike
+from ..linalg import Coefficients, CoefficientsLike, ns_schedule
 from ..presets import (
     ADAMW,
     MUON,
@@ -265,6 +265,7 @@ def check_betas(where: str, betas: Any) -> None:
 def plain_coefficients(value: CoefficientsLike) -> Any:
     """A schedule in a form ``torch.load(weights_only=True)`` reads back: a name, or a tuple of
     triples with, for a norm factor other than 1, ``("norm_factor", c)`` in front."""
+    ns_schedule(value)  # a malformed schedule is named here, before it is taken apart
     if isinstance(value, str):
         return value
     triples = value.triples if isinstance(value, Coefficients) else value

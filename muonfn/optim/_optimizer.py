@@ -12,7 +12,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from .. import _tree
 from .._collection import pause_collections, resume_collections
-from .._validation import Scalar, positive
+from .._validation import Scalar, flag, positive
 from ..linalg import CoefficientsLike, NSMethod, Orthogonalizer, ScaleMode
 from ..presets import (
     ADAMW,
@@ -26,7 +26,20 @@ from ..presets import (
     muon_orthogonalizer,
     refuse_collectives,
 )
-from ..transforms import LabelsLike, MaskLike, Rescale, Transform, ViewsLike, partition, resolve_labels, resolve_views
+from ..transforms import (
+    LabelsLike,
+    MaskLike,
+    Rescale,
+    Transform,
+    ViewsLike,
+    check_labels,
+    check_mask,
+    check_views,
+    mask_table,
+    partition,
+    resolve_labels,
+    resolve_views,
+)
 from ..transforms._base import as_rule, check_rule
 from . import _groups, _migration
 from ._migration import NOT_GIVEN, NotGiven
@@ -165,6 +178,11 @@ class Muon(torch.optim.Optimizer):
                 )
         _groups.check_betas("adamw_betas", adamw_betas)
         positive("adamw_eps", adamw_eps)
+        check_mask("Muon(...): weight_decay_mask", weight_decay_mask)
+        check_views("Muon(...): views", views)
+        if labels is not None:
+            check_labels("Muon(...): labels", labels)
+        flag("Muon(...): donate_state", donate_state)
         where = f"Muon(variant={variant!r})"
         _groups.check_variant("Muon(...)", variant)
         options = {
@@ -200,6 +218,9 @@ class Muon(torch.optim.Optimizer):
         }
         self._adamw_lr = adamw_lr
         self._adamw_weight_decay = adamw_weight_decay
+        self._orthogonalizer: Orthogonalizer | None = muon_orthogonalizer(
+            collectives, strategy, shard_specs, bucket_numel, replicated=replicated, overlap=overlap
+        )
         if labels is None:
             # a shard's own shape can look like a vector (one row per rank): shards go by their names
             labels = functools.partial(label_params, shards=tuple(shard_specs)) if shard_specs else label_params
@@ -210,9 +231,6 @@ class Muon(torch.optim.Optimizer):
         self._donate_state = donate_state
         self._chunk_numel = _groups.check_chunk_numel(chunk_numel)
         self._collectives = collectives
-        self._orthogonalizer: Orthogonalizer | None = muon_orthogonalizer(
-            collectives, strategy, shard_specs, bucket_numel, replicated=replicated, overlap=overlap
-        )
         # The state lives as flat leaves between steps; its TensorDict is built when asked for
         # (and is then what the next step reads, in case it was changed).
         self._state_leaves: _tree.FlatState = {}
@@ -407,9 +425,11 @@ class Muon(torch.optim.Optimizer):
             keys = [(str(i),) for i in range(len(self._slots), len(self._slots) + len(tensors))]
         _groups.check_new_params(tensors, keys, self._slots, named=names is not None)
 
+        detached = TensorDict(dict(zip(keys, [p.detach() for p in tensors])), batch_size=[])
+        if callable(self._weight_decay_mask):  # named as given here, before the branches read it
+            mask_table(self._weight_decay_mask, detached, where="Muon(...): weight_decay_mask")
         use_muon = param_group.get("use_muon")
         if use_muon is None:
-            detached = TensorDict(dict(zip(keys, [p.detach() for p in tensors])), batch_size=[])
             try:
                 table = resolve_labels(self._labels, detached, dict.fromkeys((MUON, ADAMW)))
             except ValueError as error:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import types
 import warnings
 from collections.abc import Callable, Mapping
@@ -64,6 +65,14 @@ def parts_applier(compile: bool | Mapping[str, Any], collectives: Collectives | 
     """:func:`apply_parts`, or a :class:`CompiledParts` as ``compile`` asks (checked here)."""
     if not isinstance(compile, bool | Mapping):
         raise TypeError(f"Muon(compile=...) takes a bool or a mapping of torch.compile's keywords, got {compile!r}")
+    if isinstance(compile, Mapping):
+        known = set(inspect.signature(torch.compile).parameters) - {"model"}
+        unknown = sorted(set(compile) - known)
+        if unknown:
+            raise TypeError(
+                f"Muon(compile=...): torch.compile has no keyword {', '.join(map(repr, unknown))}; "
+                f"its keywords are {sorted(known)}"
+            )
     if compile is False:
         return apply_parts
     if collectives is not None:

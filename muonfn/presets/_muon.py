@@ -8,7 +8,7 @@ front ends cannot drift apart.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import torch
@@ -32,6 +32,9 @@ from ..transforms import (
     add_decayed_weights,
     cautious,
     chain,
+    check_labels,
+    check_mask,
+    check_views,
     mask_table,
     partition,
     scale_by_adam,
@@ -96,6 +99,8 @@ def adamw(
         tensor([-0.1010, -0.1010, -0.1010])
     """
     betas = _pair("betas", betas)
+    check_mask("adamw: weight_decay_mask", weight_decay_mask)
+    flag("adamw: donate_state", donate_state)
     if not (isinstance(nesterov, bool) or nesterov == "timm"):
         raise ValueError(f"adamw: nesterov must be True, False or 'timm', got {nesterov!r}")
     flag("adamw: cautious_weight_decay", cautious_weight_decay)
@@ -138,7 +143,9 @@ def muon_branch(
     cautious_mode: CautiousMode | None = None,
 ) -> Transform:
     """The Muon branch of :func:`muon`: momentum, Newton–Schulz and shape scale, decay, learning rate."""
-    check_branch_flags("muon", momentum_bias_correction, cautious_weight_decay, cautious_mode)
+    check_branch_flags("muon", momentum_bias_correction, cautious_weight_decay, cautious_mode, donate_state)
+    check_mask("muon: weight_decay_mask", weight_decay_mask)
+    check_views("muon: views", views)
     direction = scale_by_muon(
         momentum,
         nesterov=nesterov,
@@ -168,11 +175,16 @@ def muon_branch(
 
 
 def check_branch_flags(
-    where: str, momentum_bias_correction: bool, cautious_weight_decay: bool, cautious_mode: str | None
+    where: str,
+    momentum_bias_correction: bool,
+    cautious_weight_decay: bool,
+    cautious_mode: str | None,
+    donate_state: bool,
 ) -> None:
     """The switches every Muon-type branch takes: booleans, and a known cautious mode."""
     flag(f"{where}: momentum_bias_correction", momentum_bias_correction)
     flag(f"{where}: cautious_weight_decay", cautious_weight_decay)
+    flag(f"{where}: donate_state", donate_state)
     if cautious_mode is not None and cautious_mode not in CAUTIOUS_MODES:
         raise ValueError(
             f"{where}: unknown cautious mode {cautious_mode!r}; choose None or one of {list(CAUTIOUS_MODES)}"
@@ -215,6 +227,8 @@ def muon_orthogonalizer(
 
     Distributed settings without collectives would be ignored, so they are an error.
     """
+    if shard_specs is not None and not isinstance(shard_specs, Mapping):
+        raise TypeError(f"shard_specs must be a mapping of names to ShardSpec, got {type(shard_specs).__name__}")
     if strategy != "owner":
         from ..distributed import STRATEGIES
 
@@ -246,7 +260,7 @@ def check_names(params: TensorDictBase, **tables: Any) -> None:
     keys = _tree.leaf_keys(params)
     for where, table in tables.items():
         if where == "weight_decay_mask":
-            table = mask_table(table, params)
+            table = mask_table(table, params, where=where)
         elif where == "labels" and callable(table) and not isinstance(table, TensorDictBase):
             table = table(params)
         if table is not None and not callable(table) and not isinstance(table, TensorDictBase):
@@ -336,7 +350,8 @@ def muon(
             ``shard_specs`` by their number of dimensions); :func:`labels_from_module`
             labels by module type instead.
         views: conv, expert, fused and transposed matrices (:class:`MatrixView` by name).
-        weight_decay_mask: exempts the leaves it maps to ``False`` (default: decay all).
+        weight_decay_mask: exempts the leaves it maps to ``False`` (default: decay all); its
+            values must be ``True`` or ``False`` (``"False"`` would read as true: an error).
         bucket_numel: at most this many elements per batched Newton–Schulz call.
         collectives, strategy, shard_specs, replicated, overlap: sharded and replicated
             parameters (see :func:`muonfn.distributed.sharded_orthogonalizer`): under data
@@ -348,7 +363,9 @@ def muon(
     ``init`` checks every name in ``labels``, ``views``, ``weight_decay_mask`` and
     ``shard_specs`` against the parameters (a typo is an error) and every Muon leaf against
     its view, and rejects integer leaves (buffers: see :func:`split_buffers`) and two names
-    of one tensor (tied weights).
+    of one tensor (tied weights). Options of the wrong type (a view that is no
+    :class:`MatrixView`, labels or a mask that are neither a mapping nor a callable, a mask
+    value other than ``True``/``False``) are refused when the transform is built.
 
     Returns:
         A :class:`Transform` with state ``{"muon": {"momentum"}, "adamw": {"step", "exp_avg", "exp_avg_sq"}}``.
@@ -386,6 +403,7 @@ def muon(
         cautious_mode=cautious_mode,
     )
     return with_adamw(
+        "muon",
         branch,
         lr=lr,
         weight_decay=weight_decay,
@@ -404,6 +422,7 @@ def muon(
 
 
 def with_adamw(
+    where: str,
     branch: Transform,
     *,
     lr: ScalarOrSchedule,
@@ -421,6 +440,8 @@ def with_adamw(
     donate_state: bool,
 ) -> Transform:
     """A preset: ``branch`` for the matrices, :func:`adamw` for the rest, names checked at ``init``."""
+    if labels is not None:
+        check_labels(f"{where}: labels", labels)
     branches = {
         MUON: branch,
         ADAMW: adamw(

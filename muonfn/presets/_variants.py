@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import torch
 
-from .._validation import Scalar, ScalarOrSchedule, flag
+from .._validation import Scalar, ScalarOrSchedule, flag, positive, unit_interval
 from ..linalg import CoefficientsLike, EpsMode, ScaleMode
 from ..transforms import (
     EXP_AVG_SQ,
@@ -25,6 +25,8 @@ from ..transforms import (
     Transform,
     ViewsLike,
     chain,
+    check_mask,
+    check_views,
     ema_momentum,
     named,
     orthogonalize,
@@ -133,7 +135,12 @@ def adapted_branch(
 ) -> Transform:
     """The matrix branch of :func:`normuon` or :func:`adamuon`: momentum, (sign,) Newton–Schulz,
     the second-moment adaptation, shape scale, decay, learning rate."""
-    check_branch_flags(variant, momentum_bias_correction, cautious_weight_decay, cautious_mode)
+    check_branch_flags(variant, momentum_bias_correction, cautious_weight_decay, cautious_mode, donate_state)
+    check_mask(f"{variant}: weight_decay_mask", weight_decay_mask)
+    check_views(f"{variant}: views", views)
+    # named as the presets spell them (the building blocks call them beta and eps)
+    unit_interval(f"{variant}: beta2", beta2)
+    positive(f"{variant}: adaptive_eps", adaptive_eps)
     flag(f"{variant}: sign_momentum", sign_momentum)
     flag(f"{variant}: second_moment_bias_correction", second_moment_bias_correction)
     if variant == "normuon":
@@ -277,6 +284,7 @@ def normuon(
         cautious_mode=cautious_mode,
     )
     return with_adamw(
+        "normuon",
         branch,
         lr=lr,
         weight_decay=weight_decay,
@@ -400,6 +408,7 @@ def adamuon(
         cautious_mode=cautious_mode,
     )
     return with_adamw(
+        "adamuon",
         branch,
         lr=lr,
         weight_decay=weight_decay,

@@ -237,17 +237,36 @@ class _Run:
                 )
 
     def check_rank(self, o: torch.Tensor) -> None:
+        """``rank(G) <= rank(f(G)) <= rank(G as passed)``: every nonzero direction of the drawn G is
+        kept, and no direction is made where the input ``fn`` was given has none.
+
+        The input as passed is G rounded to its dtype: the rounding gives G's null space singular
+        values of about ``eps·σ_max`` (fp32: ~1e-8 relative), which an exact polar factor sends to 1.
+        Its rank is the numerical rank in fp64, as ``numpy.linalg.matrix_rank`` and
+        :func:`muonfn.polar` count it: singular values above ``max(m, n)·eps₆₄·σ_max``.
+        """
         sp = self.case.spectral
-        nonzero = sp.s > 0
         threshold = self.tol.null_space
+        sv = torch.linalg.svdvals(o.to(torch.float64).reshape(*self.batch, self.m, self.n))
+        rank_o = (sv > threshold).sum(-1)
+        passed = torch.linalg.svdvals(self.g.to(torch.float64).reshape(*self.batch, self.m, self.n))
+        resolution = max(self.m, self.n) * torch.finfo(torch.float64).eps * passed.amax(-1, keepdim=True)
+        rank_passed = (passed > resolution).sum(-1)
+        if (rank_o > rank_passed).any():
+            index = tuple(int(i) for i in (rank_o > rank_passed).nonzero()[0]) if self.batch else ()
+            raise self.violation(
+                "rank preservation",
+                f"f(G) has rank {int(rank_o[index])} (singular values > {threshold:g}: "
+                f"{[round(x, 6) for x in sv[index].tolist()]}) where G as passed, in {self.g.dtype}, has rank "
+                f"{int(rank_passed[index])} (singular values: {[float(f'{x:.6g}') for x in passed[index].tolist()]})",
+            )
+        nonzero = sp.s > 0
         # only where every nonzero σ is well-conditioned (so must land in the band, above the threshold)
         if not bool((self.well == nonzero).all()) or self.band[0] - self.tol.band <= threshold:
             return
-        sv = torch.linalg.svdvals(o.to(torch.float64).reshape(*self.batch, self.m, self.n))
-        rank_o = (sv > threshold).sum(-1)
         rank_g = nonzero.sum(-1)
-        if not torch.equal(rank_o, rank_g):
-            index = tuple(int(i) for i in (rank_o != rank_g).nonzero()[0]) if self.batch else ()
+        if (rank_o < rank_g).any():
+            index = tuple(int(i) for i in (rank_o < rank_g).nonzero()[0]) if self.batch else ()
             raise self.violation(
                 "rank preservation",
                 f"f(G) has rank {int(rank_o[index])} (singular values > {threshold:g}: "
@@ -358,8 +377,11 @@ def check_orthogonalizer(
       direction with :math:`\sigma_i \ge` ``sigma_min`` :math:`\cdot\|G\|_F` maps into ``band``:
       :math:`u_i^\top O v_i \in` ``band``;
     - **rank preservation** (fp32 and fp64 inputs only; 16-bit rounding noise in the null space
-      is amplified to order 1): ``O`` has as many singular values above
-      ``tolerances.null_space`` as ``G`` has nonzero ones, checked where every nonzero
+      is amplified to order 1): ``O`` has at most as many singular values above
+      ``tolerances.null_space`` as ``G`` *as passed* has nonzero ones (in fp64, above
+      :math:`\max(m, n)\,\epsilon_{64}\sigma_{max}`: rounding to fp32 gives a rank-deficient
+      ``G`` singular values of about :math:`10^{-8}\sigma_{max}`, which an exact polar factor
+      maps to 1), and at least as many as the drawn ``G`` has nonzero ones, where every nonzero
       :math:`\sigma_i` is above ``sigma_min`` :math:`\cdot\|G\|_F`;
     - **transpose symmetry**: :math:`f(G^\top) = f(G)^\top`;
     - **orthogonal equivariance**: :math:`f(Q_1 G Q_2^\top) = Q_1 f(G) Q_2^\top` for Haar-random

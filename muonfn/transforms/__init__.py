@@ -9,15 +9,16 @@ from ._adam import scale_by_adam
 from ._adamuon import scale_by_element_rms
 from ._base import InitFn, Transform, UpdateFn, apply_updates, apply_updates_, empty_state
 from ._cautious import CAUTIOUS_MODES, CautiousMode, cautious
-from ._combine import LabelsLike, apply_if_finite, chain, masked, named, partition, resolve_labels
+from ._combine import LabelsLike, apply_if_finite, chain, check_labels, masked, named, partition, resolve_labels
 from ._decay import add_decayed_weights
 from ._learning_rate import scale_by_learning_rate
-from ._masks import MaskLike, mask_table, resolve_mask
+from ._masks import MaskLike, check_mask, mask_table, resolve_mask
 from ._momentum import ema_momentum
 from ._normuon import row_moment_shape, scale_by_neuron_norm
 from ._orthogonalize import (
     MethodLike,
     ViewsLike,
+    check_views,
     matrix_map,
     orthogonalize,
     resolve_views,
@@ -53,6 +54,9 @@ __all__ = [
     "apply_updates_",
     "cautious",
     "chain",
+    "check_labels",
+    "check_mask",
+    "check_views",
     "ema_momentum",
     "empty_state",
     "mask_table",

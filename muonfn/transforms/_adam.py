@@ -10,7 +10,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from .. import _lists
 from .._tree import Leaves
-from .._validation import Scalar, check_params, positive, unit_interval
+from .._validation import Scalar, check_params, flag, positive, unit_interval
 from ._base import Rule, Scope, Transform, from_rule, per_leaf_needs
 from ._momentum import bias_corrections, cast_zero_dim, count_steps, leaf_factors
 from ._state import EXP_AVG, EXP_AVG_SQ, STEP
@@ -64,6 +64,7 @@ def scale_by_adam(
     if not (isinstance(nesterov, bool) or nesterov == "timm"):
         raise ValueError(f"scale_by_adam: nesterov must be True, False or 'timm', got {nesterov!r}")
     positive("eps", eps)
+    flag("scale_by_adam: donate_state", donate_state)
     eps = float(eps)
     log_b1, log_b2 = math.log(b1) if b1 > 0 else -math.inf, math.log(b2) if b2 > 0 else -math.inf
 

@@ -10,13 +10,13 @@ from tensordict import TensorDict, TensorDictBase
 from .. import _lists, _tree
 from .._keys import Key
 from .._tree import Leaves
-from .._validation import Scalar, check_params, positive, unit_interval
+from .._validation import Scalar, check_params, flag, positive, unit_interval
 from ..linalg import MatrixView
 from ._arithmetic import one_minus
 from ._base import Rule, Scope, StructureCache, Transform, from_rule, per_leaf_needs
 from ._momentum import bias_corrections, count_steps
 from ._normuon import _refuse_sharded
-from ._orthogonalize import ViewsLike, resolve_views
+from ._orthogonalize import ViewsLike, check_views, resolve_views
 from ._rescale import Rescale, check_rescale, rescaled
 from ._state import EXP_AVG_SQ, STEP
 
@@ -72,6 +72,9 @@ def scale_by_element_rms(
     positive("eps", eps)
     eps = float(eps)
     check_rescale("scale_by_element_rms", rescale)
+    check_views("scale_by_element_rms: views", views)
+    flag("scale_by_element_rms: bias_correction", bias_correction)
+    flag("scale_by_element_rms: donate_state", donate_state)
     log_beta = math.log(beta_value) if beta_value > 0 else -math.inf
 
     views_of = StructureCache()

@@ -306,6 +306,8 @@ def from_rule(init: InitFn, rule: Rule) -> Transform:
 def as_rule(tx: Transform) -> Rule:
     """``tx``'s rule; a transform written over TensorDicts is wrapped: its state and
     gradients are rebuilt as TensorDicts for it (correct, not fast), and it checks its own input."""
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+        raise TypeError(f"expected a muonfn.Transform (init, update), got {type(tx).__name__}")
     update = tx.update
     if isinstance(update, RuleUpdate):
         return update.rule

@@ -13,7 +13,7 @@ from .._keys import Key, dotted, resolve_table
 from .._tree import Leaves
 from .._validation import check_params
 from ._base import Needs, Rule, Scope, StructureCache, Transform, as_rule, from_rule
-from ._masks import MaskLike, resolve_mask
+from ._masks import MaskLike, check_mask, resolve_mask
 from ._state import NOTFINITE_COUNT
 
 LabelsLike: TypeAlias = Mapping[Any, str] | TensorDictBase | Callable[[TensorDictBase], Mapping[Any, str]]
@@ -33,6 +33,7 @@ def chain(*transforms: Transform) -> Transform:
     so keys stay readable; two members owning the same key is an error (wrap one in
     :func:`named`).
     """
+    rules = [as_rule(t) for t in transforms]  # (each checked to be a transform)
     owned = [_state_keys(t) for t in transforms]
     seen: dict[str, int] = {}
     for i, keys in enumerate(owned):
@@ -42,7 +43,6 @@ def chain(*transforms: Transform) -> Transform:
                     f"chain: members {seen[key]} and {i} both keep state {key!r}; wrap one in muonfn.named(...)"
                 )
             seen[key] = i
-    rules = [as_rule(t) for t in transforms]
 
     def init(params: TensorDictBase) -> TensorDictBase:
         check_params("init", params)
@@ -66,6 +66,8 @@ def chain(*transforms: Transform) -> Transform:
 
 def named(name: str, tx: Transform) -> Transform:
     """Keeps ``tx``'s state under ``state[name]``."""
+    if not (isinstance(name, str) and name):
+        raise TypeError(f"named: name must be a non-empty string, got {name!r}")
 
     def init(params: TensorDictBase) -> TensorDictBase:
         return TensorDict({name: tx.init(params)}, batch_size=params.batch_size)
@@ -82,11 +84,27 @@ def named(name: str, tx: Transform) -> Transform:
     return from_rule(init, Rule(f"named({name!r})", update, needs))
 
 
+def check_labels(where: str, labels: object) -> None:
+    """Labels as written: a mapping of names to labels, a TensorDict of labels, or a callable
+    ``params -> mapping`` (what it returns is checked where it is read)."""
+    if isinstance(labels, Mapping | TensorDictBase) or callable(labels):
+        return
+    raise TypeError(
+        f"{where} must be a mapping of names to labels, a TensorDict of labels or a callable params -> mapping; "
+        f"got {type(labels).__name__}"
+    )
+
+
 def label_table(labels: LabelsLike, params: TensorDictBase) -> Mapping[Any, Any]:
     """The names-to-labels table ``labels`` gives for these ``params``."""
     if isinstance(labels, TensorDictBase):
         return {k: labels.get(k) for k in labels.keys(True, True, is_leaf=is_leaf_nontensor)}
-    return labels if isinstance(labels, Mapping) else labels(params)
+    if isinstance(labels, Mapping):
+        return labels
+    table = labels(params)
+    if not isinstance(table, Mapping):
+        raise TypeError(f"labels returned {type(table).__name__}; it must return a mapping of names to labels")
+    return table
 
 
 def resolve_labels(
@@ -118,8 +136,13 @@ def partition(transforms: Mapping[str, Transform], labels: LabelsLike) -> Transf
     labels, or a callable ``params -> mapping`` (see :func:`muonfn.label_params`). Every
     parameter needs a label, and ``init`` rejects labels for names that are not parameters.
     """
+    if not isinstance(transforms, Mapping):
+        raise TypeError(
+            f"partition: transforms must be a mapping of labels to transforms, got {type(transforms).__name__}"
+        )
     transforms = dict(transforms)
     where = f"partition({sorted(transforms)})"
+    check_labels("partition: labels", labels)
 
     def init(params: TensorDictBase) -> TensorDictBase:
         check_params("init", params)
@@ -165,20 +188,23 @@ def partition(transforms: Mapping[str, Transform], labels: LabelsLike) -> Transf
 def masked(tx: Transform, mask: MaskLike) -> Transform:
     """Applies ``tx`` to the leaves ``mask`` selects; the others pass through unchanged.
 
-    ``mask``: a mapping from key to bool or a callable ``params -> mapping``; leaves it
-    does not name are not selected. Names that are not leaves are ignored, so that one
-    mask can serve a whole model inside :func:`partition`.
+    ``mask``: a mapping from key to ``True``/``False`` (or one-element bool tensors) or a
+    callable ``params -> mapping``; leaves it does not name are not selected. Names that are
+    not leaves are ignored, so that one mask can serve a whole model inside :func:`partition`.
     """
+    where = "masked: mask"
+    check_mask(where, mask)
 
     def init(params: TensorDictBase) -> TensorDictBase:
-        return tx.init(params.select(*resolve_mask(mask, params, default=False)))
+        return tx.init(params.select(*resolve_mask(mask, params, default=False, where=where)))
 
     rule = as_rule(tx)
     selections = StructureCache()
 
     def select(grads: Leaves, params: Leaves | None, batch_size: torch.Size) -> list[Key]:
         tree = params if params is not None else grads
-        return [k for k in resolve_mask(mask, _tree.unflatten(tree, batch_size), default=False) if k in grads]
+        selected = resolve_mask(mask, _tree.unflatten(tree, batch_size), default=False, where=where)
+        return [k for k in selected if k in grads]
 
     def chosen(grads: Leaves, params: Leaves | None, batch_size: torch.Size) -> list[Key]:
         return selections.get(grads, batch_size, lambda: select(grads, params, batch_size))

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import torch
+from tensordict import TensorDictBase
 
-from .. import _lists
+from .. import _lists, _tree
 from .._keys import Key
 from .._tree import Leaves
-from .._validation import Scalar, non_negative
+from .._validation import Scalar, flag, non_negative
 from ._base import Needs, Rule, Scope, StructureCache, Transform, empty_state, from_rule
-from ._masks import MaskLike, resolve_mask_flat
+from ._masks import MaskLike, check_mask, resolve_mask, resolve_mask_flat
 
 
 def _agreeing(decay: torch.Tensor, u: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -53,9 +54,10 @@ def add_decayed_weights(
 
     Args:
         weight_decay: :math:`\lambda \ge 0`, a float or a 0-d tensor.
-        mask: a mapping from key to bool, or a callable ``params -> mapping``; leaves it does
-            not name are decayed, so ``{"norm.weight": False}`` exempts just that leaf.
-            ``None`` decays every leaf.
+        mask: a mapping from key to ``True``/``False`` (or one-element bool tensors), or a
+            callable ``params -> mapping``; leaves it does not name are decayed, so
+            ``{"norm.weight": False}`` exempts just that leaf. ``None`` decays every leaf.
+            Other values (``"False"``, ``[False]``) are refused: their truth value is true.
         cautious: decay only where the incoming update and the parameter agree in sign.
         inplace: add into the incoming updates (the same bits) unless autograd
             records them or a ``torch.func`` transform is active: only after a transform that
@@ -65,14 +67,27 @@ def add_decayed_weights(
         A stateless :class:`Transform`; its ``update`` needs ``params``.
     """
     non_negative("weight_decay", weight_decay)
+    where = "add_decayed_weights: mask"
+    check_mask(where, mask)
+    flag("add_decayed_weights: cautious", cautious)
+    flag("add_decayed_weights: inplace", inplace)
 
     masks = StructureCache()
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        # what a callable mask returns is checked before a step (not for the empty params a
+        # chain builds to read the state's keys, which the callable may not expect)
+        if callable(mask) and _tree.leaf_keys(params):
+            resolve_mask(mask, params, True, where=where)
+        return empty_state(params)
 
     def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
         if isinstance(weight_decay, float | int) and weight_decay == 0:
             return grads
         assert params is not None  # (checked by needs)
-        keys = masks.get(grads, scope.batch_size, lambda: resolve_mask_flat(mask, grads, params, scope.batch_size))
+        keys = masks.get(
+            grads, scope.batch_size, lambda: resolve_mask_flat(mask, grads, params, scope.batch_size, where=where)
+        )
         if not keys:
             return grads
         current, p = [grads[k] for k in keys], [params[k] for k in keys]
@@ -103,4 +118,4 @@ def add_decayed_weights(
         if not (isinstance(weight_decay, float | int) and weight_decay == 0):
             out.params.append("add_decayed_weights")
 
-    return from_rule(empty_state, Rule("add_decayed_weights", update, needs))
+    return from_rule(init, Rule("add_decayed_weights", update, needs))

@@ -8,7 +8,7 @@ from tensordict import TensorDict, TensorDictBase
 from .. import _lists
 from .._keys import Key
 from .._tree import Leaves
-from .._validation import Scalar, ScalarOrSchedule, checked_schedule, non_negative
+from .._validation import Scalar, ScalarOrSchedule, checked_schedule, flag, non_negative
 from ._arithmetic import neg
 from ._base import Needs, Rule, Scope, Transform, empty_state, from_rule, no_needs
 from ._momentum import per_member
@@ -50,6 +50,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, inplace: bool = F
         A :class:`Transform`, stateless unless ``learning_rate`` is a schedule.
     """
     non_negative("learning rate", learning_rate)
+    flag("scale_by_learning_rate: inplace", inplace)
 
     if callable(learning_rate) and not isinstance(learning_rate, torch.Tensor):
         schedule = checked_schedule("learning rate", learning_rate)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias
 
+import torch
 from tensordict import TensorDictBase
 
 from .. import _tree
@@ -13,28 +14,64 @@ from .._keys import Key, resolve_table
 MaskLike: TypeAlias = Mapping[Any, bool] | Callable[[TensorDictBase], Mapping[Any, bool]] | None
 
 
-def mask_table(mask: MaskLike, params: TensorDictBase) -> Mapping[Any, bool]:
-    """The names-to-flags table of ``mask`` for these ``params`` (empty for ``None``)."""
+def _is_flag(value: object) -> bool:
+    """``True``, ``False`` or a one-element bool tensor: anything else would be read by its truth
+    value (the string ``"False"`` and the list ``[False]`` are true)."""
+    if isinstance(value, bool):
+        return True
+    return isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.numel() == 1
+
+
+def checked_flags(where: str, table: object) -> Mapping[Any, Any]:
+    """``table`` if it maps names to flags; else a ``TypeError`` naming ``where`` and the culprit."""
+    if not isinstance(table, Mapping):
+        raise TypeError(f"{where} must map names to True or False, got {type(table).__name__}")
+    for name, value in table.items():
+        if not _is_flag(value):
+            raise TypeError(f"{where}: {name!r} maps to {value!r}; a mask's values must be True or False")
+    return table
+
+
+def check_mask(where: str, mask: object) -> None:
+    """A mask as written: ``None``, a mapping of names to flags (checked now), or a callable
+    ``params -> mapping`` (checked when it is called)."""
+    if mask is None or (callable(mask) and not isinstance(mask, Mapping)):
+        return
+    if not isinstance(mask, Mapping):
+        raise TypeError(
+            f"{where} must be a mapping of names to True or False, a callable params -> mapping, or None; "
+            f"got {type(mask).__name__}"
+        )
+    checked_flags(where, mask)
+
+
+def mask_table(mask: MaskLike, params: TensorDictBase, *, where: str = "mask") -> Mapping[Any, bool]:
+    """The names-to-flags table of ``mask`` for these ``params`` (empty for ``None``), its values checked."""
     if mask is None:
         return {}
-    return mask if isinstance(mask, Mapping) else mask(params)
+    return checked_flags(where, mask if isinstance(mask, Mapping) else mask(params))
 
 
-def resolve_mask(mask: MaskLike, params: TensorDictBase, default: bool) -> list[Key]:
+def resolve_mask(mask: MaskLike, params: TensorDictBase, default: bool, *, where: str = "mask") -> list[Key]:
     """The leaf keys a mask selects: all of them for ``None``; leaves it does not name get ``default``.
 
     Names that are not leaves of ``params`` are ignored: a transform inside
     :func:`partition` sees only its own leaves of a mask written for the whole model.
+    ``where`` names the mask in errors (a value that is not ``True``, ``False`` or a
+    one-element bool tensor).
     """
     keys = _tree.leaf_keys(params)
     if mask is None:
         return keys
-    flags = {k: bool(flag) for k, flag in resolve_table(mask_table(mask, params), keys).items()}
+    table = mask_table(mask, params, where=where)
+    flags = {k: bool(flag) for k, flag in resolve_table(table, keys).items()}
     return [k for k in keys if flags.get(k, default)]
 
 
-def resolve_mask_flat(mask: MaskLike, grads: _tree.Leaves, params: _tree.Leaves, batch_size: Any) -> list[Key]:
+def resolve_mask_flat(
+    mask: MaskLike, grads: _tree.Leaves, params: _tree.Leaves, batch_size: Any, *, where: str = "mask"
+) -> list[Key]:
     """:func:`resolve_mask` over the leaves of ``grads``, a callable mask given the matching params."""
     if mask is None:
         return list(grads)
-    return resolve_mask(mask, _tree.unflatten({k: params[k] for k in grads}, batch_size), default=True)
+    return resolve_mask(mask, _tree.unflatten({k: params[k] for k in grads}, batch_size), default=True, where=where)

@@ -10,7 +10,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from .. import _lists
 from .._tree import Leaves
-from .._validation import Scalar, check_params, unit_interval
+from .._validation import Scalar, check_params, flag, unit_interval
 from ._arithmetic import one_minus
 from ._base import Rule, Scope, Transform, from_rule, per_leaf_needs
 from ._state import MOMENTUM, STEP
@@ -65,6 +65,8 @@ def ema_momentum(
         stacked ensemble).
     """
     unit_interval("momentum", momentum)
+    flag("ema_momentum: bias_correction", bias_correction)
+    flag("ema_momentum: donate_state", donate_state)
     if nesterov not in (True, False, "add"):
         raise ValueError(f"ema_momentum: nesterov must be True, False or 'add', got {nesterov!r}")
     if bias_correction and nesterov == "add":

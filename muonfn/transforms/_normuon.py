@@ -10,11 +10,11 @@ from tensordict import TensorDict, TensorDictBase
 from .. import _lists, _tree
 from .._keys import Key, dotted
 from .._tree import Leaves
-from .._validation import Scalar, check_params, positive, unit_interval
+from .._validation import Scalar, check_params, flag, positive, unit_interval
 from ..linalg import MatrixView
 from ._arithmetic import one_minus
 from ._base import Needs, Rule, Scope, StructureCache, Transform, from_rule
-from ._orthogonalize import ViewsLike, resolve_views
+from ._orthogonalize import ViewsLike, check_views, resolve_views
 from ._rescale import Rescale, check_rescale, rescaled
 from ._state import ROW_SECOND_MOMENT
 
@@ -97,6 +97,8 @@ def scale_by_neuron_norm(
     positive("eps", eps)
     eps = float(eps)
     check_rescale("scale_by_neuron_norm", rescale)
+    check_views("scale_by_neuron_norm: views", views)
+    flag("scale_by_neuron_norm: donate_state", donate_state)
 
     plans = StructureCache()
 

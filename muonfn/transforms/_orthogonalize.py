@@ -10,7 +10,7 @@ import torch
 from tensordict import TensorDictBase
 
 from .. import _tree
-from .._keys import Key, resolve_table
+from .._keys import Key, dotted, resolve_table
 from .._tree import Leaves
 from .._validation import Scalar
 from ..linalg import (
@@ -25,6 +25,7 @@ from ..linalg import (
     Orthogonalizer,
     ScaleMode,
     block_scales,
+    check_matrix_fn,
     polar,
     qr_orthogonal,
     shape_scale,
@@ -51,26 +52,82 @@ def matrix_map(
     ``"standard"`` and ``"gram"`` give a :class:`muonfn.NewtonSchulz` with the other settings;
     ``"svd"`` :func:`muonfn.polar`; ``"qr"`` :func:`muonfn.linalg.qr_orthogonal`; a callable
     is returned as it is. The Newton–Schulz settings must be left at their defaults with
-    ``"svd"``, ``"qr"`` or a callable, which do not read them.
+    ``"svd"``, ``"qr"`` or a callable, which do not read them: a ``ValueError`` names those given.
     """
     if method in ("standard", "gram"):
-        return NewtonSchulz(
-            coefficients, steps, eps, dtype, method, eps_mode, None if restarts is None else tuple(restarts)
-        )
+        return NewtonSchulz(coefficients, steps, eps, dtype, method, eps_mode, restarts)  # type: ignore[arg-type]
+    if method not in ("svd", "qr") and (isinstance(method, str) or not callable(method)):
+        raise ValueError(f"unknown ns_method {method!r}; choose 'standard', 'gram', 'svd', 'qr' or a callable")
     if restarts is not None:
         raise ValueError(f"ns_restarts apply to ns_method='gram', not {method!r}")
+    _refuse_newton_schulz_settings(
+        method, coefficients=coefficients, steps=steps, eps=eps, dtype=dtype, eps_mode=eps_mode
+    )
     if method == "svd":
         return polar
     if method == "qr":
         return qr_orthogonal
-    if isinstance(method, str) or not callable(method):
-        raise ValueError(f"unknown ns_method {method!r}; choose 'standard', 'gram', 'svd', 'qr' or a callable")
     return method
+
+
+#: The Newton–Schulz settings and their defaults, which the other methods do not read.
+_NEWTON_SCHULZ_DEFAULTS: dict[str, object] = {
+    "coefficients": "keller",
+    "steps": None,
+    "eps": 1e-7,
+    "dtype": None,
+    "eps_mode": "clamp",
+}
+
+
+def _refuse_newton_schulz_settings(method: MethodLike, **settings: object) -> None:
+    """A Newton–Schulz setting given with a method that does not run Newton–Schulz would be
+    ignored: an error naming each (as the presets spell them, ``ns_steps``, ...)."""
+    given = [
+        f"ns_{name}={value!r}"
+        for name, value in settings.items()
+        if not _is_default(value, _NEWTON_SCHULZ_DEFAULTS[name])
+    ]
+    if given:
+        shown = repr(method) if isinstance(method, str) else getattr(method, "__qualname__", repr(method))
+        raise ValueError(
+            f"ns_method={shown} does not run Newton–Schulz, so {', '.join(given)} would be ignored; "
+            "leave the Newton–Schulz settings at their defaults with it"
+        )
+
+
+def _is_default(value: object, default: object) -> bool:
+    # (same type too: ns_eps=True is no 1e-7, and a schedule given as a list is no "keller")
+    return type(value) is type(default) and value == default
 
 
 ViewsLike: TypeAlias = (
     Mapping[str, MatrixView] | Mapping[Key, MatrixView] | Callable[[Key, torch.Tensor], MatrixView | None] | None
 )
+
+
+def check_views(where: str, views: object) -> None:
+    """Views as written: ``None``, a mapping of names to :class:`MatrixView` (checked now), or a
+    callable ``(key, tensor) -> view`` (its results are checked where they are read)."""
+    if views is None or (callable(views) and not isinstance(views, Mapping)):
+        return
+    if not isinstance(views, Mapping):
+        raise TypeError(
+            f"{where} must be a mapping of names to MatrixView, a callable (key, tensor) -> MatrixView or "
+            f"None, or None; got {type(views).__name__}"
+        )
+    for name, view in views.items():
+        if not isinstance(view, MatrixView):
+            raise TypeError(f"{where}: {name!r} maps to {view!r}; a view must be a muonfn.MatrixView")
+
+
+def _called_view(views: Callable[[Key, torch.Tensor], MatrixView | None], key: Key, t: torch.Tensor) -> MatrixView:
+    view = views(key, t)
+    if view is None:
+        return DEFAULT_VIEW
+    if not isinstance(view, MatrixView):
+        raise TypeError(f"views returned {view!r} for {dotted(key)!r}; it must return a muonfn.MatrixView or None")
+    return view
 
 
 def resolve_views(
@@ -86,7 +143,7 @@ def resolve_views(
     if views is None:
         resolved = [DEFAULT_VIEW] * len(keys)
     elif not isinstance(views, Mapping):  # `callable` of a dict does not trace under torch.compile
-        resolved = [views(k, t) or DEFAULT_VIEW for k, t in zip(keys, tensors)]
+        resolved = [_called_view(views, k, t) for k, t in zip(keys, tensors)]
     else:
         declared = resolve_table(views, keys)
         resolved = [declared.get(k, DEFAULT_VIEW) for k in keys]
@@ -95,13 +152,21 @@ def resolve_views(
     return resolved
 
 
-def _view_checker(views: ViewsLike) -> InitFn:
-    """An ``init`` that rejects leaves their view cannot read (a vector labelled as a matrix)."""
+def _view_checker(views: ViewsLike, ns: MatrixFn | None = None) -> InitFn:
+    """An ``init`` that rejects leaves their view cannot read (a vector labelled as a matrix), and
+    with ``ns`` a map that returns another shape or dtype for their matrices (run on meta tensors)."""
 
     def init(params: TensorDictBase) -> TensorDictBase:
         keys, values = _tree.leaf_keys(params), _tree.leaves(params)
+        probed: set[tuple[int, int, torch.dtype]] = set()
         for key, p, view in zip(keys, values, resolve_views(views, keys, values, members=params.batch_dims)):
             view.check(key, p.shape)
+            if ns is None:
+                continue
+            for rows, cols in view.blocks(p.shape):
+                if rows and cols and (rows, cols, p.dtype) not in probed:
+                    probed.add((rows, cols, p.dtype))
+                    check_matrix_fn(ns, (1, rows, cols), p.dtype)
         return empty_state(params)
 
     return init
@@ -138,8 +203,13 @@ def orthogonalize(
             :math:`U_rV_r^\top` (:func:`muonfn.polar`, in fp64); ``"qr"`` for the :math:`Q`
             factor of the tall orientation (:func:`muonfn.linalg.qr_orthogonal`, heavyball's
             ``"qr"`` mode); or a callable mapping a ``(count, m, n)`` tensor to one of the same
-            shape and dtype. The strategy ``"tp_gram"`` of :mod:`muonfn.distributed` needs
-            Newton–Schulz (``"standard"``/``"gram"``) and raises a ``TypeError`` otherwise.
+            shape, dtype and device (checked at every call; with the local orthogonalizer
+            ``init`` also runs it once per matrix shape on a meta tensor, so that a wrong
+            result fails before a step). ``"svd"``, ``"qr"`` and a callable do not run
+            Newton–Schulz: ``coefficients``, ``steps``, ``eps``, ``dtype``, ``eps_mode`` and
+            ``restarts`` must be left at their defaults with them (an error otherwise). The
+            strategy ``"tp_gram"`` of :mod:`muonfn.distributed` needs Newton–Schulz
+            (``"standard"``/``"gram"``) and raises a ``TypeError`` otherwise.
         eps_mode: ``"clamp"``, :math:`G/\max(\|G\|_F, \varepsilon)`, or ``"add"``,
             :math:`G/(\|G\|_F + \varepsilon)` (Keller's, optax's, dtensor-muon's);
             see :func:`muonfn.newton_schulz`.
@@ -164,6 +234,12 @@ def orthogonalize(
     """
     ns = matrix_map(ns_method, coefficients, steps=steps, eps=eps, dtype=dtype, eps_mode=eps_mode, restarts=restarts)
     scale_fn = shape_scale(scale, extra_scale)
+    check_views("orthogonalize: views", views)
+    if orthogonalizer is not None and not callable(orthogonalizer):
+        raise TypeError(
+            "orthogonalize: orthogonalizer must be a muonfn.linalg.Orthogonalizer (such as "
+            f"muonfn.distributed.sharded_orthogonalizer(...)) or None, got {type(orthogonalizer).__name__}"
+        )
     if orthogonalizer is None:
         orthogonalizer = (
             LocalOrthogonalizer() if bucket_numel is None else LocalOrthogonalizer(bucket_numel=bucket_numel)
@@ -181,7 +257,9 @@ def orthogonalize(
         return dict(zip(keys, run(keys, values, leaf_views, ns, scale_fn)))
 
     # sharded leaves may be local blocks: their views are checked against global shapes at update
-    init = _view_checker(views) if isinstance(run, LocalOrthogonalizer) else empty_state
+    # (a map of one's own is tried at init on meta tensors, so that a wrong shape fails before a step)
+    probe = None if isinstance(ns, NewtonSchulz) else ns
+    init = _view_checker(views, probe) if isinstance(run, LocalOrthogonalizer) else empty_state
     return from_rule(init, Rule("orthogonalize", update, no_needs))
 
 
@@ -200,6 +278,7 @@ def scale_by_shape(
         A stateless :class:`Transform`; ``init`` checks that every leaf's view can read it.
     """
     scale_fn = shape_scale(scale, extra_scale)
+    check_views("scale_by_shape: views", views)
     plans = StructureCache()
 
     def plan(keys: list[Key], values: list[torch.Tensor], members: int) -> list[tuple[MatrixView, list[float]]]:
