@@ -19,7 +19,9 @@ def _masked(u: torch.Tensor, g: torch.Tensor, mode: str, members: int) -> torch.
     numel = 1
     for d in dims:
         numel *= u.shape[d]
-    kept = keep.sum(dim=dims, keepdim=True, dtype=torch.int64)
+    # one count per member; with no dimension left to sum (a 0-d leaf per member) each entry is its own count,
+    # where sum(dim=()) would sum over every dimension, the members' too
+    kept = keep.sum(dim=dims, keepdim=True, dtype=torch.int64) if dims else keep.to(torch.int64)
     kept = kept.clamp_min(1) if mode == "heavyball" else kept.add(1)
     # the scale in the update's dtype (at least fp32), as the peers compute it in fp32/fp64
     scale = kept.to(torch.promote_types(u.dtype, torch.float32)).reciprocal().mul(numel)

@@ -223,8 +223,7 @@ def apply_if_finite(tx: Transform) -> Transform:
         if not values:
             return grads
         members = scope.members  # 0 for one model: the whole leaf is tested
-        # a whole leaf is tested with all(): a DTensor sharded unevenly cannot be flattened
-        flags = [g.isfinite().all() if not members else g.isfinite().flatten(members).all(-1) for g in values]
+        flags = [_all_finite(g, members) for g in values]
         finite = torch.stack([f.full_tensor() if hasattr(f, "full_tensor") else f for f in flags]).all(0)
         count_key = (*scope.prefix, NOTFINITE_COUNT)
         # the wrapped transform sees its own state only, and writes a trial state
@@ -242,6 +241,14 @@ def apply_if_finite(tx: Transform) -> Transform:
         rule.needs(grads, params, prefix, out)
 
     return from_rule(init, Rule("apply_if_finite", update, needs))
+
+
+def _all_finite(g: torch.Tensor, members: int) -> torch.Tensor:
+    """Whether every entry of ``g`` is finite: one flag, or one per ensemble member."""
+    if not members:  # all() of the whole leaf: a DTensor sharded unevenly cannot be flattened
+        return g.isfinite().all()
+    finite = g.isfinite()
+    return finite.flatten(members).all(-1) if g.ndim > members else finite  # a 0-d leaf per member: its own flag
 
 
 def _where(condition: torch.Tensor, a: torch.Tensor, b: torch.Tensor, members: int) -> torch.Tensor:
