@@ -29,6 +29,7 @@ from ._layout import ShardSpec
 from ._owner import OwnerRound
 from ._pipeline import Round, run_rounds
 from ._plan import Leaf, Plan, describe, make_plan
+from ._sums import ShardSums
 from ._tp_gram import run_tp_gram
 
 Strategy: TypeAlias = Literal["owner", "gather", "tp_gram"]
@@ -61,6 +62,8 @@ class ShardedOrthogonalizer:
         self.replicated = replicated
         self.overlap = overlap
         self._plans: dict[tuple[Any, ...], Plan] = {}
+        #: sums over the shards of these leaves, for the transforms that count over a leaf (caution)
+        self.sum_shards = ShardSums(collectives, self.shard_specs)
 
     def _plan(self, group: Any, members: list[Leaf]) -> Plan:
         key = (id(group), tuple(leaf.signature() for leaf in members))
