@@ -236,6 +236,42 @@ def test_caution_counts_over_whole_leaves_as_one_process_does(layout: str, mode:
             assert torch.equal(params[key], expected), f"rank {rank}: {dotted(key)} differs"
 
 
+@pytest.mark.parametrize("mode", muonfn.transforms.CAUTIOUS_MODES)
+@pytest.mark.parametrize("dim", [0, 1])
+def test_caution_of_a_stacked_ensemble_counts_per_member_over_its_shards(dim: int, mode: str) -> None:
+    """Three members of batch size [3], each member's matrix sharded by rows (dim 1), or the members
+    split between the ranks (dim 0, batch sizes [1] and [2]): bitwise each member's single-process step."""
+    gen = torch.Generator().manual_seed(0)
+    full = TensorDict({"w": torch.randn(3, 8, 6, generator=gen), "t": torch.randn(3, generator=gen)}, [3])
+    grads = [full.apply(lambda t: torch.randn(t.shape, generator=gen)) for _ in range(3)]
+    options = {"lr": 0.1, "ns_dtype": torch.float32, "cautious_mode": mode, "labels": {"w": "muon", "t": "adamw"}}
+
+    def run(tx: muonfn.Transform, params: TensorDict, take_part: Callable[[TensorDict], TensorDict]) -> TensorDict:
+        state = tx.init(params)
+        for g in grads:
+            updates, state = tx.update(take_part(g), state, params)
+            params = muonfn.apply_updates(params, updates)
+        return params
+
+    expected = run(muonfn.muon(**options), full, lambda g: g)
+
+    def body(col: SimulatedCollectives) -> tuple[TensorDict, slice, slice]:
+        cut = [0, 1, 3] if dim == 0 else [0, 4, 8]
+        rows, members = slice(cut[col.rank], cut[col.rank + 1]), slice(None)
+        if dim == 0:
+            rows, members = slice(None), rows
+
+        def part(td: TensorDict) -> TensorDict:
+            return TensorDict({"w": td["w"][members, rows], "t": td["t"][members]}, [len(td["t"][members])])
+
+        tx = muonfn.muon(**options, collectives=col, shard_specs={"w": ShardSpec(dim)})
+        return run(tx, part(full), part), members, rows
+
+    for params, members, rows in simulate(2, body):
+        assert torch.equal(params["w"], expected["w"][members, rows])
+        assert torch.equal(params["t"], expected["t"][members])
+
+
 def test_caution_sums_its_counts_in_one_all_reduce_per_step() -> None:
     """Two numbers per sharded leaf, all leaves at once: caution adds one all_reduce a step and nothing else."""
     full = TensorDict({"w": torch.randn(8, 6), "v": torch.randn(6, 8)}, [])
