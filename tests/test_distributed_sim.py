@@ -728,6 +728,12 @@ def test_bad_configuration_is_refused_up_front() -> None:
         ShardSpec(placements=(Shard(0),))
     with pytest.raises(TypeError, match="Collectives"):
         sharded(object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="Collectives"):
+        shard_sums(object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="cautious: sum_shards must be callable"):
+        muonfn.cautious(muonfn.ema_momentum(), sum_shards=3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="apply_if_finite: sum_shards must be callable"):
+        muonfn.apply_if_finite(muonfn.ema_momentum(), sum_shards=3)  # type: ignore[arg-type]
 
     with pytest.raises(ValueError, match="replicated='local' takes effect with collectives"):
         muonfn.muon(replicated="local")
@@ -743,6 +749,8 @@ def test_bad_configuration_is_refused_up_front() -> None:
             sharded(col, overlap="yes")  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="ShardSpec"):
             sharded(col, shard_specs={"w": 0})  # type: ignore[dict-item]
+        with pytest.raises(TypeError, match=r"shard_specs\['w'\] must be a muonfn.distributed.ShardSpec"):
+            shard_sums(col, shard_specs={"w": 0})  # type: ignore[dict-item]
         grads = TensorDict({"w": torch.randn(4, 3)}, [])
         spec = ShardSpec(placements=(Shard(0),), mesh_shape=(3,))
         tx = muonfn.orthogonalize(orthogonalizer=sharded(col, shard_specs={"w": spec}))
