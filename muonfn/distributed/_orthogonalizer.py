@@ -44,7 +44,11 @@ _REQUIRED = ("rank", "world_size", "all_gather_into_tensor", "all_to_all_single"
 
 
 class ShardedOrthogonalizer:
-    """Orthogonalizes sharded leaves as whole matrices through ``collectives`` (see :func:`sharded_orthogonalizer`)."""
+    """Orthogonalizes sharded leaves as whole matrices through ``collectives`` (see :func:`sharded_orthogonalizer`).
+
+    Its ``sum_shards`` (a :class:`ShardSums` over the same collectives and ``shard_specs``) is
+    what the transforms that count over a leaf take (``muonfn.cautious(..., sum_shards=...)``).
+    """
 
     def __init__(
         self,
@@ -62,7 +66,6 @@ class ShardedOrthogonalizer:
         self.replicated = replicated
         self.overlap = overlap
         self._plans: dict[tuple[Any, ...], Plan] = {}
-        #: sums over the shards of these leaves, for the transforms that count over a leaf (caution)
         self.sum_shards = ShardSums(collectives, self.shard_specs)
 
     def _plan(self, group: Any, members: list[Leaf]) -> Plan:

@@ -135,9 +135,9 @@ def shard_sums(collectives: Collectives, *, shard_specs: Mapping[Any, ShardSpec]
     Under ``shard_specs`` a plain tensor is one rank's shard, and a transform that counts over
     the leaf (:func:`muonfn.cautious`'s :math:`N/\sum k`, :func:`muonfn.apply_if_finite`'s
     test) would count over the shard alone. Pass the result as their ``sum_shards``, with the
-    collectives and ``shard_specs`` given to the orthogonalizer; :func:`muonfn.muon` and the
-    shim do so themselves (it is :attr:`ShardedOrthogonalizer.sum_shards`). DTensor leaves need
-    none of this (their reductions are global), nor whole tensors.
+    collectives and ``shard_specs`` given to the orthogonalizer (a :class:`ShardedOrthogonalizer`
+    carries one as its ``sum_shards``; :func:`muonfn.muon` passes it to caution). DTensor leaves
+    need none of this (their reductions are global), nor whole tensors.
 
     Returns:
         A callable ``(keys, tensors, sums, *, batch_dims) -> sums`` making one ``all_reduce`` per
