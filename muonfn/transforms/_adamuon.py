@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from tensordict import TensorDict, TensorDictBase
 
@@ -14,7 +12,7 @@ from .._validation import Scalar, check_params, positive, unit_interval
 from ..linalg import MatrixView
 from ._arithmetic import one_minus
 from ._base import Rule, Scope, StructureCache, Transform, from_rule, per_leaf_needs
-from ._momentum import bias_corrections, count_steps
+from ._momentum import as64, bias_corrections, count_steps
 from ._normuon import _refuse_sharded
 from ._orthogonalize import ViewsLike, resolve_views
 from ._rescale import Rescale, check_rescale, rescaled
@@ -48,7 +46,9 @@ def scale_by_element_rms(
     are refused.
 
     Args:
-        beta: :math:`\beta`, a float or a 0-d tensor in [0, 1).
+        beta: :math:`\beta`, a float or a 0-d tensor in [0, 1); a tensor is read at every
+            update, by the moving average and its bias correction alike (change it in place
+            between steps).
         eps: :math:`\epsilon > 0`.
         bias_correction: divide :math:`V_t` by :math:`1-\beta^t`, :math:`t` counting the
             leaf's updates; the state then also counts steps.
@@ -68,11 +68,13 @@ def scale_by_element_rms(
         tensor([[ 1., -1.],
                 [ 1.,  1.]])
     """
-    beta_value = unit_interval("beta", beta)
+    unit_interval("beta", beta)
     positive("eps", eps)
     eps = float(eps)
     check_rescale("scale_by_element_rms", rescale)
-    log_beta = math.log(beta_value) if beta_value > 0 else -math.inf
+    # log β as ema_momentum's bias correction takes it (-inf for β = 0: then β^t = 0), so that a
+    # float and a tensor holding it give the same bits
+    fixed_log_beta = None if isinstance(beta, torch.Tensor) else as64(beta).log()
 
     views_of = StructureCache()
 
@@ -104,6 +106,7 @@ def scale_by_element_rms(
         if bias_correction:
             counts = count_steps(scope.read(STEP, keys), inplace=donate_state)
             scope.write(STEP, keys, counts.leaves)
+            log_beta = as64(beta).log() if fixed_log_beta is None else fixed_log_beta
             correction = bias_corrections(counts, log_beta, values, scope.members)
             root = _lists.apply("div", exp_avg_sq, correction)
         roots = _lists.apply("sqrt", root)

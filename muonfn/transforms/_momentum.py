@@ -18,7 +18,7 @@ from ._state import MOMENTUM, STEP
 NesterovLike = bool | Literal["add"]
 
 
-def _as64(v: Scalar) -> torch.Tensor:
+def as64(v: Scalar) -> torch.Tensor:
     """``v`` as a 0-d fp64 tensor, without reading a tensor back."""
     return v.detach().to(torch.float64) if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=torch.float64)
 
@@ -201,7 +201,7 @@ def _corrected(
     members: int,
 ) -> list[torch.Tensor]:
     """optax's bias-corrected momentum (see :func:`ema_momentum`), in the leaves' dtypes."""
-    mu = _as64(momentum)
+    mu = as64(momentum)
     log_mu = mu.log()  # -inf for mu = 0: then mu**t = 0
     if nesterov:
         moment_weight = bias_corrections(step, log_mu, buf, members, shift=1.0, then=lambda c: c.reciprocal().mul(mu))
