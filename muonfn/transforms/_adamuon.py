@@ -12,7 +12,7 @@ from .._validation import Scalar, check_params, positive, unit_interval
 from ..linalg import MatrixView
 from ._arithmetic import one_minus
 from ._base import Rule, Scope, StructureCache, Transform, from_rule, per_leaf_needs
-from ._momentum import as64, bias_corrections, count_steps
+from ._momentum import as64, bias_corrections, cast_like, count_steps
 from ._normuon import _refuse_sharded
 from ._orthogonalize import ViewsLike, resolve_views
 from ._rescale import Rescale, check_rescale, rescaled
@@ -43,7 +43,9 @@ def scale_by_element_rms(
 
     Place it after :func:`orthogonalize` (with ``scale="none"``) and before the shape scale.
     The adaptation is element-wise, but the rescaling needs whole matrices: sharded leaves
-    are refused.
+    are refused. An fp16 leaf is adapted in fp32 (:math:`V` kept in fp32: fp16 cannot hold
+    the square of an entry below 2.4e-4, nor an :math:`\epsilon` of 1e-10) and its update
+    rounded once to fp16.
 
     Args:
         beta: :math:`\beta`, a float or a 0-d tensor in [0, 1); a tensor is read at every
@@ -57,8 +59,8 @@ def scale_by_element_rms(
         donate_state: update the state in place (see :func:`ema_momentum`).
 
     Returns:
-        A :class:`Transform` with state ``{"exp_avg_sq": V}`` shaped like the params (and
-        ``{"step": int64 per leaf}`` with ``bias_correction``).
+        A :class:`Transform` with state ``{"exp_avg_sq": V}`` shaped like the params, in their
+        dtype but fp32 for fp16 leaves (and ``{"step": int64 per leaf}`` with ``bias_correction``).
 
     Example:
         >>> params = TensorDict({"w": torch.zeros(2, 2)}, [])
@@ -83,7 +85,7 @@ def scale_by_element_rms(
         keys, values = _tree.leaf_keys(params), _tree.leaves(params)
         for key, p, view in zip(keys, values, resolve_views(views, keys, values, members=params.batch_dims)):
             view.check(key, p.shape)
-        state = {EXP_AVG_SQ: params.apply(torch.zeros_like)}
+        state = {EXP_AVG_SQ: params.apply(lambda p: torch.zeros_like(p, dtype=_lists.second_moment_dtype(p.dtype)))}
         if bias_correction:
             members = params.batch_size
             state[STEP] = params.apply(lambda p: p.new_zeros(members, dtype=torch.int64))
@@ -96,9 +98,10 @@ def scale_by_element_rms(
         return leaf_views
 
     def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
-        keys, values = list(grads), list(grads.values())
-        leaf_views = views_of.get(grads, scope.batch_size, lambda: checked_views(keys, values, scope.members))
-        _refuse_sharded(keys, values)
+        keys, given = list(grads), list(grads.values())
+        leaf_views = views_of.get(grads, scope.batch_size, lambda: checked_views(keys, given, scope.members))
+        _refuse_sharded(keys, given)
+        values = _lists.widened(given)  # an fp16 leaf adapted in fp32
         squares = _lists.apply("mul", values, values)
         exp_avg_sq = _lists.lerp(scope.read(EXP_AVG_SQ, keys), squares, one_minus(beta), inplace=donate_state)
         scope.write(EXP_AVG_SQ, keys, exp_avg_sq)
@@ -114,13 +117,15 @@ def scale_by_element_rms(
         denom = (_lists.apply_ if _lists.may_overwrite(roots) else _lists.apply)("add", roots, eps)
         adapted = _lists.apply("div", values, denom)
         if rescale == "none":
-            return dict(zip(keys, adapted))
+            return dict(zip(keys, cast_like(adapted, given)))
         out = []
         for o, u, view in zip(values, adapted, leaf_views):
             blocks = view.to_matrices(u)
             befores = view.to_matrices(o) if rescale == "preserve_norm" else blocks
             out.append(view.from_matrices([rescaled(b, a, rescale, eps) for b, a in zip(blocks, befores)], o.shape))
-        return dict(zip(keys, out))
+        return dict(zip(keys, cast_like(out, given)))
 
-    needs = per_leaf_needs("scale_by_element_rms", (EXP_AVG_SQ,), (STEP,) if bias_correction else ())
+    needs = per_leaf_needs(
+        "scale_by_element_rms", (EXP_AVG_SQ,), (STEP,) if bias_correction else (), squares=(EXP_AVG_SQ,)
+    )
     return from_rule(init, Rule("scale_by_element_rms", update, needs))
