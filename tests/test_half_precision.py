@@ -197,3 +197,19 @@ def test_an_fp16_second_moment_is_refused_naming_the_dtype_it_is_kept_in(make, e
     with pytest.raises(ValueError, match=match):
         tx.update(grads[0], state, params)
     assert (state == before).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_qk_clip_of_half_precision_weights_is_the_fp32_clip_to_two_roundings(dtype):
+    """The factors are computed in fp32, rounded to the weights' dtype, and multiplied in: two
+    roundings of at most one unit each (and the fp32 reference's, far smaller)."""
+    g = torch.Generator().manual_seed(0)
+    params = TensorDict({"q": torch.randn(8, 6, generator=g), "k": torch.randn(8, 6, generator=g)}, []).to(dtype)
+    logits = torch.tensor([50.0, 400.0, 1e4, 6e4]).to(dtype)  # 6e4: near fp16's largest number
+    heads = {"attn": muonfn.QKHeads(heads=4, query="q", key="k")}
+    narrow = muonfn.qk_clip(params, {"attn": logits}, heads)
+    wide = muonfn.qk_clip(params.float(), {"attn": logits.float()}, heads)
+    for key in ("q", "k"):
+        assert narrow[key].dtype == dtype
+        error = (narrow[key].double() - wide[key].double()).abs()
+        assert (error <= 2.5 * UNIT_ROUNDOFF[dtype] * wide[key].double().abs()).all(), key
