@@ -309,9 +309,9 @@ def apart(x: torch.Tensor) -> torch.Tensor:
     A compiler fuses a transposing copy into its neighbours, so that the kernel writing a
     buffer and the one reading it transposed meet in one fusion decision, and torch 2.11's
     inductor (CUDA) fails on it when one of them is a fused multi-tensor (``_foreach_*``)
-    kernel: ``reorder_loops_by_dep_pair`` asserts on the memory deps ``32*d0 + d1`` and
-    ``d0 + 32*d1``. Newton–Schulz's stacks read the momentum's multi-tensor results
-    transposed (tall matrices join the calls of their wide shape), and the update's
+    kernel (``reorder_loops_by_dep_pair`` asserts, on two memory deps of one buffer that are
+    transposes of each other). Newton–Schulz's stacks read the momentum's multi-tensor
+    results transposed (tall matrices join the calls of their wide shape), and the update's
     multi-tensor ops read its results: a copy the compiler keeps apart (an opaque op) stands
     between the two. Eager, nothing is copied: the reader reads ``x`` as it is.
     """
