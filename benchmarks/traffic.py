@@ -2,7 +2,7 @@
 
 :class:`TrafficCounter` is a ``TorchDispatchMode`` that sees every aten op of one step and
 counts, from the tensors' shapes, strides and dtypes alone (no values), so that a GPT-2 small
-step runs on the meta device in about a second and without memory. The contenders are those of
+step runs on the meta device in a second or two and without memory. The contenders are those of
 ``_contenders.py`` on GPT-2 small's parameter shapes (``_sets.gpt2``: Muon on the blocks' 2-D
 weights, AdamW on the embeddings with the tied head, the norms and the biases), each counted on
 its second step (the first builds the torch optimizers' state).
@@ -15,9 +15,9 @@ Counting rules
 - **kernel ops**: the aten ops that run a kernel. Not counted: views and metadata ops (every op
   whose schema returns an alias of an argument it does not write: ``view``, ``t``, ``transpose``,
   ``as_strided``, ``detach``, ``alias``, ``split``, ``unbind``, ...; ``_unsafe_view`` and
-  ``lift_fresh``; and queries that neither return a tensor nor write one, ``promote_types``),
-  and allocations (``empty``, ``empty_like``, ``empty_strided``, ``new_empty``), which write
-  nothing.
+  ``lift_fresh``; queries on dtypes and sizes, ``promote_types``; ``.item()``'s read of one
+  number, ``_local_scalar_dense``), and allocations (``empty``, ``empty_like``,
+  ``empty_strided``, ``new_empty``), which write nothing.
 - **matmul flops**: ``2·m·n·k`` per matrix product for ``mm``, ``bmm``, ``addmm``, ``baddbmm``,
   ``addbmm``, ``mv``, ``addmv``, ``dot`` (the ``beta·C`` term of the ``add`` forms is not counted).
   A matmul's bytes are kept apart (``matmul_bytes``), out of the non-matmul traffic.
@@ -76,8 +76,9 @@ aten = torch.ops.aten
 GB, MB = 1e9, 2**20
 
 MATMULS = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot"}
-#: ops that alias their input without a schema saying so
-METADATA = {"_unsafe_view", "lift_fresh", "_reshape_alias", "resolve_conj", "resolve_neg"}
+#: ops that alias their input without a schema saying so, and ``.item()``'s read of one number
+#: (on a GPU a copy to the host, no kernel; torch.optim's step counts live on the host)
+METADATA = {"_unsafe_view", "lift_fresh", "_reshape_alias", "resolve_conj", "resolve_neg", "_local_scalar_dense"}
 ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 #: torch.optim's fused steps, whose schemas mark the gradients written: only unscaled by a ``grad_scale``
 FUSED_OPTIMIZERS = {"_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"}
@@ -125,17 +126,26 @@ def op_kind(func: torch._ops.OpOverload) -> str:
     return "kernel"
 
 
-def written_arguments(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-    """The arguments ``func`` writes (in-place ``self``, ``out=``), as given."""
-    written = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
-            if value is not None:
-                written.append((arg, value))
-    if func.overloadpacket.__name__ in FUSED_OPTIMIZERS and kwargs.get("grad_scale") is None:
-        written = [(arg, value) for arg, value in written if arg.name != "grads"]
-    return written
+def bound_arguments(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[tuple[Any, Any]]:
+    """``(schema argument, value)`` for every argument of the call, positional or by keyword."""
+    return [
+        (arg, args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name))
+        for i, arg in enumerate(func._schema.arguments)
+    ]
+
+
+def is_written(name: str, arg: Any, value: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether the op ``name`` writes this argument (in-place ``self``, ``out=``)."""
+    if arg.alias_info is None or not arg.alias_info.is_write or value is None:
+        return False
+    return not (name in FUSED_OPTIMIZERS and arg.name == "grads" and kwargs.get("grad_scale") is None)
+
+
+def only_written(name: str, arg: Any) -> bool:
+    """Whether a written argument is written without being read (``out=``, a copy's destination)."""
+    return arg.kwarg_only or name in OVERWRITES or name.startswith("_foreach_copy")
 
 
 @dataclass
@@ -180,6 +190,7 @@ class TrafficCounter(TorchDispatchMode):
         self.live = 0  # bytes of the storages created under the mode and still alive
         self.peak = 0
         self._created: dict[int, int] = {}  # id of a created storage -> its bytes
+        self._finalizers: list[weakref.finalize] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -193,23 +204,22 @@ class TrafficCounter(TorchDispatchMode):
 
     def _count(self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Op:
         name, kind = func.overloadpacket.__name__, op_kind(func)
-        written = written_arguments(func, args, kwargs)
-        if kind == "kernel" and not written and next(_tensors(tree_flatten(out)[0]), None) is None:
-            kind = "view"  # a query that returns no tensor (promote_types, sym_size): no kernel
+        bound = bound_arguments(func, args, kwargs)
+        written = [(arg, value) for arg, value in bound if is_written(name, arg, value, kwargs)]
+        tensors_in, tensors_out = _tensors(value for _, value in bound), _tensors(tree_flatten(out)[0])
+        if kind == "kernel" and next(tensors_in, None) is None and next(tensors_out, None) is None:
+            kind = "view"  # a query on dtypes or sizes (promote_types): no kernel
         op = Op(name, kind)
         if kind in ("view", "alloc"):
             return op
-        only_written = {
-            id(t)
-            for arg, value in written
-            if arg.kwarg_only or name in OVERWRITES or name.startswith("_foreach_copy")
+        op.read = sum(
+            addressed_bytes(t)
+            for arg, value in bound
+            if not (is_written(name, arg, value, kwargs) and only_written(name, arg))
             for t in _tensors([value])
-        }
-        op.read = sum(addressed_bytes(t) for t in _tensors([*args, *kwargs.values()]) if id(t) not in only_written)
-        if written:
-            op.written = sum(addressed_bytes(t) for _, value in written for t in _tensors([value]))
-        else:
-            op.written = sum(addressed_bytes(t) for t in _tensors(tree_flatten(out)[0]))
+        )
+        results = [value for _, value in written] if written else tree_flatten(out)[0]
+        op.written = sum(addressed_bytes(t) for t in _tensors(results))
         if kind == "matmul":
             op.flops = matmul_flops(name, args)
         return op
@@ -224,10 +234,16 @@ class TrafficCounter(TorchDispatchMode):
         self._created[key] = size
         self.live += size
         self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._freed, key)
+        self._finalizers.append(weakref.finalize(storage, self._freed, key))
 
     def _freed(self, key: int) -> None:
         self.live -= self._created.pop(key, 0)
+
+    def release(self) -> None:
+        """Stops following the storages still alive (the step's results)."""
+        for finalizer in self._finalizers:
+            finalizer.detach()
+        self._finalizers.clear()
 
     def summary(self) -> Summary:
         nonmatmul = [op for op in self.ops if op.kind != "matmul"]
@@ -257,6 +273,7 @@ def count_step(step: Callable[[], Any]) -> Summary:
     with counter:
         out = step()
     summary = counter.summary()
+    counter.release()
     del out
     return summary
 

@@ -54,6 +54,8 @@ def test_in_place_out_and_copy_ops_count_what_they_write() -> None:
     out = torch.empty(8)
     s = counted(lambda: torch.mul(a, b, out=out))  # an out= argument is not read
     assert (s.read_bytes, s.written_bytes, s.temporaries_peak_bytes) == (16 * F32, 8 * F32, 0)
+    s = counted(lambda: torch.mul(a, out, out=out))  # an out= argument read as an operand is read
+    assert (s.read_bytes, s.written_bytes) == (16 * F32, 8 * F32)
     s = counted(lambda: torch._foreach_mul_([a, out], 2.0))  # one op for the list
     assert (s.aten_ops, s.read_bytes, s.written_bytes) == (1, 16 * F32, 16 * F32)
 
