@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.machinery
 import importlib.util
 import math
 import os
@@ -128,13 +129,15 @@ def _matrix_params_2d(ps: ParamSet, grads: list[torch.Tensor] | None = None) -> 
     return out
 
 
-def make_torch_muon(ps: ParamSet) -> Step:
-    """torch.optim.Muon on the matrices + torch.optim.AdamW(foreach=True) on the rest."""
+def make_torch_muon(ps: ParamSet, fused: bool = False) -> Step:
+    """torch.optim.Muon on the matrices + torch.optim.AdamW on the rest (``foreach=True``, or
+    ``fused=True``)."""
     muon = torch.optim.Muon(
         _matrix_params_2d(ps), lr=LR, momentum=MOMENTUM, weight_decay=WD, adjust_lr_fn="match_rms_adamw"
     )
     others = [p for _, p in ps.other_params()]
-    adamw = torch.optim.AdamW(others, lr=ADAM_LR, betas=BETAS, eps=ADAM_EPS, weight_decay=WD, foreach=True)
+    kernel = {"fused": True} if fused else {"foreach": True}
+    adamw = torch.optim.AdamW(others, lr=ADAM_LR, betas=BETAS, eps=ADAM_EPS, weight_decay=WD, **kernel)
 
     def step() -> None:
         muon.step()
@@ -257,22 +260,33 @@ class Peer:
         return lambda: self.make(ps, grads)
 
 
+#: the private package timm's optimizer modules are loaded under, so that ``timm`` itself is never
+#: put in ``sys.modules`` by us (``importlib.util.find_spec("timm")``, which transformers calls,
+#: raises on a stand-in without a ``__spec__``, and a later ``import timm`` would get the stand-in)
+TIMM_OPTIM_ALIAS = "_muonfn_bench_timm_optim"
+
+
 def load_timm_muon() -> types.ModuleType:
     """``timm.optim.muon`` without running ``timm/__init__`` and ``timm/optim/__init__``: they
     import torchvision, whose PyPI wheel expects a CUDA build of torch; the module itself
-    needs only torch. Raises ``ImportError`` when timm is not installed."""
-    if "timm.optim.muon" in sys.modules:
-        return sys.modules["timm.optim.muon"]
-    spec = importlib.util.find_spec("timm")
+    needs only torch and its siblings in ``timm/optim``. It is loaded from its file under
+    :data:`TIMM_OPTIM_ALIAS`, a package of our own with a real spec, so that ``timm`` is
+    left to be imported (or looked up) as usual. Raises ``ImportError`` when timm is not
+    installed."""
+    name = f"{TIMM_OPTIM_ALIAS}.muon"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.find_spec("timm")  # the package's location; its __init__ is not run
     if spec is None or not spec.submodule_search_locations:
         raise ImportError("timm is not installed")
-    root = next(iter(spec.submodule_search_locations))
-    for name, path in (("timm", root), ("timm.optim", os.path.join(root, "optim"))):
-        if name not in sys.modules:
-            package = types.ModuleType(name)
-            package.__path__ = [path]
-            sys.modules[name] = package
-    return importlib.import_module("timm.optim.muon")
+    optim = os.path.join(next(iter(spec.submodule_search_locations)), "optim")
+    if not os.path.isfile(os.path.join(optim, "muon.py")):
+        raise ImportError(f"this timm ({optim}) has no optim/muon.py")
+    if TIMM_OPTIM_ALIAS not in sys.modules:  # the package the module's relative imports resolve in
+        package_spec = importlib.machinery.ModuleSpec(TIMM_OPTIM_ALIAS, None, is_package=True)
+        package_spec.submodule_search_locations = [optim]
+        sys.modules[TIMM_OPTIM_ALIAS] = importlib.util.module_from_spec(package_spec)
+    return importlib.import_module(name)
 
 
 @contextlib.contextmanager

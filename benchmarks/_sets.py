@@ -59,8 +59,13 @@ class ParamSet:
 
 
 def _fill_grads(model: nn.Module, generator: torch.Generator) -> None:
+    """Random weights and gradients; on the meta device (shapes only, no memory) just a
+    gradient per parameter, which the traffic counter needs and no value."""
     for p in model.parameters():
         p.requires_grad_(False)
+        if p.device.type == "meta":
+            p.grad = torch.empty_like(p)
+            continue
         p.copy_(torch.randn(p.shape, generator=generator, dtype=p.dtype, device="cpu").to(p.device) * 0.02)
         p.grad = torch.randn(p.shape, generator=generator, dtype=p.dtype, device="cpu").to(p.device)
 
@@ -91,7 +96,8 @@ def gpt(
 ) -> ParamSet:
     """Block matrices (fused QKV as one matrix, as torch.optim.Muon sees it) go to Muon;
     embeddings, norms and biases to AdamW."""
-    model = GPT(width, depth, vocab, context).to(device)
+    with torch.device(device):  # built where it lives (a 124 M set on the meta device in no time)
+        model = GPT(width, depth, vocab, context)
     _fill_grads(model, torch.Generator().manual_seed(0))
     labels = muonfn.label_params(TensorDict.from_module(model))
     return ParamSet(

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -193,3 +194,24 @@ def test_profile_step_budgets_the_target_from_its_own_figures(tmp_path):
         budget = results["budgets"][name]
         assert math.isclose(budget["budget_ms"], rivals[fastest]["step_ms"] / 1.25)
         assert math.isclose(budget["other_allowed_ms"], budget["budget_ms"] - contenders[name]["matmul_ms"])
+
+
+def test_timm_muon_is_loaded_without_a_stand_in_timm():
+    """timm's Muon is loaded without timm's package imports, and without a stand-in ``timm`` in
+    ``sys.modules``: ``importlib.util.find_spec("timm")`` (which transformers calls when
+    pytorch-optimizer imports it) must still work after it, and ``import timm`` still get timm."""
+    if importlib.util.find_spec("timm") is None:
+        pytest.skip("timm is not installed")
+    script = (
+        "import importlib.util, sys\n"
+        f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
+        "import _contenders\n"
+        "muon = _contenders.load_timm_muon()\n"
+        "assert callable(muon.Muon)\n"
+        "spec = importlib.util.find_spec('timm')\n"
+        "assert spec is not None and spec.submodule_search_locations, spec\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] == 'timm'], 'a stand-in timm in sys.modules'\n"
+        "assert _contenders.load_timm_muon() is muon\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]

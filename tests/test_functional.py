@@ -124,6 +124,39 @@ def test_compiled_update_matches_eager_without_recompiling() -> None:
     assert counter.frame_count == 1
 
 
+MAKERS = {
+    "muon": lambda: muonfn.muon(lr=0.02, weight_decay=0.1, weight_decay_mask={"0.bias": False, "2.bias": False}),
+    "normuon": lambda: muonfn.normuon(lr=0.02, weight_decay=0.1),
+    "adamuon": lambda: muonfn.adamuon(lr=0.02, weight_decay=0.1),
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "order"),
+    [
+        ("muon", "compiled, eager, compiled"),
+        ("normuon", "compiled, eager, compiled"),
+        ("adamuon", "compiled, eager, compiled"),
+        ("muon", "eager, compiled, eager, compiled"),
+    ],
+)
+def test_compiled_update_compiles_once_beside_eager_updates(name: str, order: str) -> None:
+    """Eager updates of the same transform, before or between compiled ones, cost no second
+    compile: the per-structure caches (labels, masks, views) are not looked up while traced, so
+    the graph's guards do not depend on what an eager update stored in them."""
+    torch._dynamo.reset()
+    params = TensorDict.from_module(mlp(8)).detach()
+    tx = MAKERS[name]()
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(tx.update, fullgraph=True, backend=counter)
+    state = tx.init(params)
+    for t, how in enumerate(order.split(", ")):
+        step = compiled if how == "compiled" else tx.update
+        _, state = step(random_like(params, seed=70 + t), state, params)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+
 def test_torch_func_loops_with_to_module_and_functional_call() -> None:
     model = mlp(5)
     params = TensorDict.from_module(model).detach()

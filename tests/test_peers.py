@@ -396,26 +396,20 @@ def test_muon_matches_pytorch_optimizer_muon(fp64_pytorch_optimizer, nesterov):
 
 @pytest.fixture(scope="module")
 def timm_muon():
-    """``timm.optim.muon`` without timm's package imports (they need torchvision, whose wheel expects CUDA torch)."""
-    import importlib
-    import importlib.util
-    import os
+    """``timm.optim.muon`` without timm's package imports (they need torchvision, whose wheel expects
+    CUDA torch), loaded as the benchmarks load it: under a private name, ``timm`` left alone."""
     import sys
-    import types
+    from pathlib import Path
 
-    if "timm.optim.muon" in sys.modules:  # loaded so already (the benchmarks load it the same way)
-        return sys.modules["timm.optim.muon"]
-    spec = importlib.util.find_spec("timm")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("timm is not installed")
-    if "timm.optim.muon" not in sys.modules:
-        root = next(iter(spec.submodule_search_locations))
-        for name, path in (("timm", root), ("timm.optim", os.path.join(root, "optim"))):
-            if name not in sys.modules:
-                stub = types.ModuleType(name)
-                stub.__path__ = [path]
-                sys.modules[name] = stub
-    return importlib.import_module("timm.optim.muon")
+    benchmarks = str(Path(__file__).resolve().parent.parent / "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)
+    import _contenders
+
+    try:
+        return _contenders.load_timm_muon()
+    except ImportError as e:
+        pytest.skip(str(e))
 
 
 @pytest.mark.parametrize("nesterov", [False, True])

@@ -3,16 +3,18 @@ elementwise math, the Gram method, compiled updates. Correctness only; speed is 
 in benchmarks/."""
 
 import collections
+import operator
 
 import pytest
 import torch
-from _steps import compiled_donated_beside_eager
+from _steps import compiled_donated_beside_eager, stepper
 from tensordict import TensorDict, TensorDictBase
 from torch.overrides import TorchFunctionMode
 
 import muonfn
 from muonfn import MatrixView
 from muonfn.linalg import orthogonalize_blocks
+from muonfn.linalg._newton_schulz import transposed
 from muonfn.transforms._base import RuleUpdate
 
 # Real-model shapes. (MKL computes a few matrices with 5–11 rows differently in a batch
@@ -377,3 +379,157 @@ def test_compiled_update_fullgraph_matches_eager():
     for key in params.keys(True, True):
         torch.testing.assert_close(params_c[key], params_e[key], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(state_c["adamw", "step", "norm"], state_e["adamw", "step", "norm"])
+
+
+# --- no multi-tensor kernel next to a transposed read ------------------------------------------------
+# Inductor (torch 2.11, CUDA) fails on a fused `_foreach_*` kernel that shares a buffer with a read of
+# it in the other order (its loop reordering asserts); the CPU backend never reorders loops, so the
+# pattern is looked for in the traced graph instead: every buffer a `_foreach_*` op touches, through
+# views and through the copies and pointwise ops inductor inlines into it, and every read of its
+# results by a kernel it could fuse with, must walk that buffer in one order.
+
+TRANSPOSED_SHAPES = {
+    "up": (128, 32),  # tall: joins the (32, 128) call transposed
+    "down": (32, 128),
+    "qkv": (96, 32),  # split in three (32, 32) blocks
+    "experts": (2, 64, 32),  # a batch of tall matrices
+    "stored": (64, 32),  # stored (in, out): a (32, 64) matrix
+    "embed": (64, 32),
+    "norm": (32,),
+}
+TRANSPOSED_OPTIONS = {
+    "labels": {k: "adamw" if k in ("embed", "norm") else "muon" for k in TRANSPOSED_SHAPES},
+    "views": {
+        "qkv": MatrixView(split=(32, 32, 32)),
+        "experts": MatrixView(batch_dims=1),
+        "stored": MatrixView(transposed=True),
+    },
+    "weight_decay": 0.1,
+}
+UNFUSED = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "dot"}  # run as library calls
+
+
+def traced(fn, *args) -> torch.fx.GraphModule:
+    """The functional ATen graph ``torch.compile(fn, fullgraph=True)`` hands its backend."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    graphs = []
+
+    def backend(gm, inputs):
+        def keep(graph, _):
+            graphs.append(graph)
+            return graph.forward
+
+        return aot_module_simplified(gm, inputs, fw_compiler=keep)
+
+    torch._dynamo.reset()
+    torch.compile(fn, fullgraph=True, backend=backend)(*args)
+    torch._dynamo.reset()
+    return graphs[0]
+
+
+def _aten(node: torch.fx.Node) -> str | None:
+    """The name of ``node``'s aten op (``None`` for other nodes, and for muonfn's own ops, which a
+    compiler runs as they are)."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload) and target.namespace == "aten":
+        return target.overloadpacket.__name__
+    return None
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    if node.target is operator.getitem:  # an element of split's or unbind's views, or of an op's results
+        return node.args[0].op == "call_function" and _is_view(node.args[0])
+    return _aten(node) is not None and (node.target.is_view or _aten(node) == "_unsafe_view")
+
+
+def _inlined(node: torch.fx.Node) -> bool:
+    """An op inductor computes inside its reader's kernel: a copy, a cast, a pointwise op."""
+    return _aten(node) in ("clone", "_to_copy", "copy") or (
+        _aten(node) is not None and torch.Tag.pointwise in node.target.tags
+    )
+
+
+def _base(node: torch.fx.Node) -> torch.fx.Node:
+    while _is_view(node):
+        node = node.args[0]
+    return node
+
+
+def _flipped(node: torch.fx.Node) -> bool:
+    value = node.meta["val"]  # (a list for split's views, whose elements say)
+    return isinstance(value, torch.Tensor) and transposed(value)
+
+
+def _sources(read: torch.fx.Node, flipped: bool = False) -> list[tuple[torch.fx.Node, bool]]:
+    """``(buffer, transposed?)`` for every buffer the tensor ``read`` comes from."""
+    base, flipped = _base(read), flipped != _flipped(read)
+    if base.op == "call_function" and _inlined(base):
+        return [source for arg in base.all_input_nodes for source in _sources(arg, flipped)]
+    return [(base, flipped)]
+
+
+def _readers(node: torch.fx.Node) -> list[tuple[torch.fx.Node, bool]]:
+    """``(op, transposed?)`` for every op reading ``node``'s buffer, through views."""
+    out = []
+    for user in node.users:
+        if _is_view(user):
+            out += [(reader, flipped != _flipped(user)) for reader, flipped in _readers(user)]
+        else:
+            out.append((user, False))
+    return out
+
+
+def mixed_orders(graph: torch.fx.GraphModule) -> list[str]:
+    """Every ``_foreach_*`` op that touches a buffer in both orders, with the buffer."""
+    found = []
+    for node in graph.graph.nodes:
+        if not (_aten(node) or "").startswith("_foreach_"):
+            continue
+        orders: dict[torch.fx.Node, set[bool]] = collections.defaultdict(set)
+        for arg in node.args:
+            for t in arg if isinstance(arg, list | tuple) else ():
+                if isinstance(t, torch.fx.Node):
+                    for source, flipped in _sources(t):
+                        orders[source].add(flipped)
+        for result in node.users:  # its results, written in order, and their readers
+            orders[result].add(False)
+            for reader, flipped in _readers(result):
+                if _aten(reader) not in (None, *UNFUSED):
+                    orders[result].add(flipped)
+        found += [f"{node.name} reads and writes {buffer.name} both ways" for buffer, o in orders.items() if len(o) > 1]
+    return found
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_compiled_step_reads_no_multi_tensor_buffer_transposed(donate: bool) -> None:
+    """Tall matrices, a tall batch, transposed storage and split blocks: in the compiled step no
+    ``_foreach_*`` op shares a buffer with a transposed read of it (torch 2.11's inductor fails on
+    CUDA there). Eager, the transposed views are read as they are."""
+    g = torch.Generator().manual_seed(0)
+    params = TensorDict({k: torch.randn(s, generator=g) for k, s in TRANSPOSED_SHAPES.items()}, batch_size=[])
+    grads = params.apply(lambda p: torch.randn(p.shape, generator=g))
+    tx = muonfn.muon(lr=0.02, donate_state=donate, **TRANSPOSED_OPTIONS)
+    graph = traced(stepper(tx), grads, tx.init(params), params)
+    assert any((_aten(n) or "").startswith("_foreach_") for n in graph.graph.nodes)
+    assert mixed_orders(graph) == []
+
+
+def test_the_check_finds_a_multi_tensor_op_beside_a_transposed_read() -> None:
+    """The check itself: a ``_foreach_*`` result read transposed, and a list holding a buffer and a
+    transposed copy of it, are found; the same ops in one order are not."""
+
+    def transposed_reader(a, b):
+        u, v = torch._foreach_mul([a, b], 2.0)
+        return torch.stack([u.mT, v])
+
+    def mixed_list(a, b):
+        return torch._foreach_add([a.mT.contiguous(), a], [b, b])
+
+    def in_order(a, b):
+        u, v = torch._foreach_mul([a, b], 2.0)
+        return torch.stack([u, v]), torch._foreach_add([a.contiguous(), a], [b, b])
+
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    for fn, found in ((transposed_reader, 1), (mixed_list, 1), (in_order, 0)):
+        assert len(mixed_orders(traced(fn, a, b))) == found, fn.__name__

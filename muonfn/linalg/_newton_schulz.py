@@ -27,6 +27,7 @@ slightly negative eigenvalues, which the map amplifies by about :math:`a^2` a st
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -272,9 +273,13 @@ def dense(x: torch.Tensor) -> torch.Tensor:
     Every pass that follows (decay, learning rate, the parameter update) would then read
     it across rows: with row strides of a power of two bytes that is ~30× slower than
     reading it in memory order on a CPU, so one transposing copy here saves two or more.
+
+    Compiled, a transposed ``x`` is copied by a kernel of its own (:func:`apart`).
     """
     if x.is_contiguous():
         return x
+    if compiled_apart(x) and transposed(x):
+        return _copy_apart(x)
     rows, cols = x.shape[-2:]
     tiled = x.mT.is_contiguous() and rows * cols >= _TILED_TRANSPOSE_NUMEL
     if not (tiled and type(x) is torch.Tensor and x.device.type == "cpu" and may_write_into(x)):
@@ -283,6 +288,48 @@ def dense(x: torch.Tensor) -> torch.Tensor:
     for dst, src in zip(out.view(-1, rows, cols), x.mT.reshape(-1, cols, rows)):
         dst.copy_(src.mT)
     return out
+
+
+def transposed(x: torch.Tensor) -> bool:
+    """Whether ``x`` walks its memory out of order (a transposed view): its strides, over the
+    dimensions longer than 1, do not decrease."""
+    strides = [stride for size, stride in zip(x.shape, x.stride()) if size > 1]
+    return any(a < b for a, b in itertools.pairwise(strides))
+
+
+def compiled_apart(x: torch.Tensor) -> bool:
+    """Whether :func:`apart` copies ``x``: a plain tensor, traced by ``torch.compile`` and by no
+    ``torch.func`` transform."""
+    return torch.compiler.is_compiling() and type(x) is torch.Tensor and not torch._C._are_functorch_transforms_active()
+
+
+def apart(x: torch.Tensor) -> torch.Tensor:
+    """``x``; compiled, a transposed ``x`` is copied into contiguous memory by a kernel of its own.
+
+    A compiler fuses a transposing copy into its neighbours, so that the kernel writing a
+    buffer and the one reading it transposed meet in one fusion decision, and torch 2.11's
+    inductor (CUDA) fails on it when one of them is a fused multi-tensor (``_foreach_*``)
+    kernel (``reorder_loops_by_dep_pair`` asserts, on two memory deps of one buffer that are
+    transposes of each other). Newton–Schulz's stacks read the momentum's multi-tensor
+    results transposed (tall matrices join the calls of their wide shape), and the update's
+    multi-tensor ops read its results: a copy the compiler keeps apart (an opaque op) stands
+    between the two. Eager, nothing is copied: the reader reads ``x`` as it is.
+    """
+    return _copy_apart(x) if compiled_apart(x) and transposed(x) else x
+
+
+@torch.library.custom_op("muonfn::copy_apart", mutates_args=())
+def _copy_apart(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in new contiguous memory: an op of muonfn's own, which a compiler runs as it is."""
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+@_copy_apart.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+_copy_apart.register_autograd(lambda ctx, grad: grad)  # the values are unchanged: so is the gradient
 
 
 def _restored(X: torch.Tensor, x: torch.Tensor, tall: bool, into: torch.Tensor | None = None) -> torch.Tensor:

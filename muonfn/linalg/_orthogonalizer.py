@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from .._keys import Key, dotted
-from ._newton_schulz import NewtonSchulz, dense, may_write_into
+from ._newton_schulz import NewtonSchulz, apart, dense, may_write_into
 from ._views import MatrixView, ScaleFn, block_scales
 
 MatrixFn = Callable[[torch.Tensor], torch.Tensor]
@@ -94,7 +94,7 @@ def _call(matrices: list[torch.Tensor], ns: MatrixFn, scale: float) -> list[torc
     plain_wide = [k for k in range(len(matrices)) if flat[k] and not flips[k]]
     plain_tall = [k for k in range(len(matrices)) if flat[k] and flips[k]]
     batches = [k for k in range(len(matrices)) if not flat[k]]
-    pieces = [matrices[k].mT if flips[k] else matrices[k] for k in (*plain_wide, *plain_tall, *batches)]
+    pieces = [apart(matrices[k].mT if flips[k] else matrices[k]) for k in (*plain_wide, *plain_tall, *batches)]
     own = len(pieces) > 1 or not batches  # a stack built here: the call may normalise it in place
     if not batches:
         stack = torch.stack(pieces)

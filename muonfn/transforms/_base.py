@@ -355,12 +355,14 @@ class StructureCache:
         self.entries: dict[Hashable, Any] = {}
 
     def get(self, leaves: Leaves, batch_size: torch.Size, compute: Callable[[], Any]) -> Any:
+        if torch.compiler.is_compiling():
+            # neither read nor written while traced: a lookup would guard the graph on what the cache
+            # holds, and an eager update that fills it afterwards would cost a second compile
+            return compute()
         key = (tuple(leaves), tuple([t.shape for t in leaves.values()]), tuple(batch_size))
         hit = self.entries.get(key)
         if hit is None:
             hit = compute()
-            if torch.compiler.is_compiling():
-                return hit  # a cache changed while tracing would fail the guards and recompile
             if len(self.entries) >= self.size:
                 del self.entries[next(iter(self.entries))]
             self.entries[key] = hit
