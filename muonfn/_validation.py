@@ -81,6 +81,21 @@ def flag(name: str, v: object) -> bool:
     return v
 
 
+def check_table(
+    where: str, table: object, *, holds: str, called: str, check: Callable[[Mapping[Any, Any]], object]
+) -> None:
+    """A per-name table as written: ``None``, a mapping (``check`` runs on it now) or a callable
+    ``called`` (checked where it is called); anything else is a ``TypeError`` naming ``where``.
+    ``holds`` says what a mapping maps names to."""
+    if table is None or (callable(table) and not isinstance(table, Mapping)):
+        return
+    if not isinstance(table, Mapping):
+        raise TypeError(
+            f"{where} must be a mapping of names to {holds}, a callable {called}, or None; got {type(table).__name__}"
+        )
+    check(table)
+
+
 def known_names(where: str, names: Iterable[Any], keys: Sequence[Key]) -> None:
     """Every user-written name must be a leaf of ``keys``: a typo is an error, never ignored."""
     resolve_table(dict.fromkeys(names), keys, where=where)

@@ -10,6 +10,7 @@ from tensordict import TensorDictBase
 
 from .. import _tree
 from .._keys import Key, resolve_table
+from .._validation import check_table
 
 MaskLike: TypeAlias = Mapping[Any, bool] | Callable[[TensorDictBase], Mapping[Any, bool]] | None
 
@@ -35,14 +36,7 @@ def checked_flags(where: str, table: object) -> Mapping[Any, Any]:
 def check_mask(where: str, mask: object) -> None:
     """A mask as written: ``None``, a mapping of names to flags (checked now), or a callable
     ``params -> mapping`` (checked when it is called)."""
-    if mask is None or (callable(mask) and not isinstance(mask, Mapping)):
-        return
-    if not isinstance(mask, Mapping):
-        raise TypeError(
-            f"{where} must be a mapping of names to True or False, a callable params -> mapping, or None; "
-            f"got {type(mask).__name__}"
-        )
-    checked_flags(where, mask)
+    check_table(where, mask, holds="True or False", called="params -> mapping", check=lambda t: checked_flags(where, t))
 
 
 def mask_table(mask: MaskLike, params: TensorDictBase, *, where: str = "mask") -> Mapping[Any, bool]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Literal, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 import torch
 from tensordict import TensorDictBase
@@ -12,7 +12,7 @@ from tensordict import TensorDictBase
 from .. import _tree
 from .._keys import Key, dotted, resolve_table
 from .._tree import Leaves
-from .._validation import Scalar
+from .._validation import Scalar, check_table
 from ..linalg import (
     DEFAULT_VIEW,
     CoefficientsLike,
@@ -109,16 +109,13 @@ ViewsLike: TypeAlias = (
 def check_views(where: str, views: object) -> None:
     """Views as written: ``None``, a mapping of names to :class:`MatrixView` (checked now), or a
     callable ``(key, tensor) -> view`` (its results are checked where they are read)."""
-    if views is None or (callable(views) and not isinstance(views, Mapping)):
-        return
-    if not isinstance(views, Mapping):
-        raise TypeError(
-            f"{where} must be a mapping of names to MatrixView, a callable (key, tensor) -> MatrixView or "
-            f"None, or None; got {type(views).__name__}"
-        )
-    for name, view in views.items():
-        if not isinstance(view, MatrixView):
-            raise TypeError(f"{where}: {name!r} maps to {view!r}; a view must be a muonfn.MatrixView")
+
+    def check(table: Mapping[Any, Any]) -> None:
+        for name, view in table.items():
+            if not isinstance(view, MatrixView):
+                raise TypeError(f"{where}: {name!r} maps to {view!r}; a view must be a muonfn.MatrixView")
+
+    check_table(where, views, holds="MatrixView", called="(key, tensor) -> MatrixView or None", check=check)
 
 
 def _called_view(views: Callable[[Key, torch.Tensor], MatrixView | None], key: Key, t: torch.Tensor) -> MatrixView:
