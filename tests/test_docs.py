@@ -148,6 +148,7 @@ def test_readme_quick_example_runs():
 def marked_table(page: str, name: str) -> dict[str, list[str]]:
     """Rows of the table between ``<!-- name: start -->`` and ``<!-- name: end -->``: first cell -> the others."""
     text = (DOCS / page).read_text()
+    assert f"<!-- {name}: start -->" in text, f"docs/{page} has no {name}"
     lines = text.split(f"<!-- {name}: start -->")[1].split(f"<!-- {name}: end -->")[0].strip().splitlines()
     rows = [[cell.strip().strip("*") for cell in line.strip().strip("|").split("|")] for line in lines[2:]]
     return {row[0]: row[1:] for row in rows}
