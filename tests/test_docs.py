@@ -1,9 +1,11 @@
 """The documentation says what the code does: every public name has an API entry, the measured
-Newton–Schulz table is reproducible, and every migration claim points at a test that exists."""
+Newton–Schulz table is reproducible, every migration claim points at a test that exists, and the
+performance page's tables quote the recorded runs."""
 
 from __future__ import annotations
 
 import importlib
+import json
 import pathlib
 import re
 
@@ -141,3 +143,72 @@ def test_readme_quick_example_runs():
     with params.to_module(model):
         loss = torch.nn.functional.cross_entropy(model(x), y).item()
     assert loss < 0.5 * torch.log(torch.tensor(8.0)).item()  # well below chance after 100 steps
+
+
+def marked_table(page: str, name: str) -> dict[str, list[str]]:
+    """Rows of the table between ``<!-- name: start -->`` and ``<!-- name: end -->``: first cell -> the others."""
+    text = (DOCS / page).read_text()
+    assert f"<!-- {name}: start -->" in text, f"docs/{page} has no {name}"
+    lines = text.split(f"<!-- {name}: start -->")[1].split(f"<!-- {name}: end -->")[0].strip().splitlines()
+    rows = [[cell.strip().strip("*") for cell in line.strip().strip("|").split("|")] for line in lines[2:]]
+    return {row[0]: row[1:] for row in rows}
+
+
+def quoted(figure: float | None, digits: int) -> str:
+    return "" if figure is None else f"{figure:.{digits}f}"
+
+
+#: the performance page's row names -> the contenders' names in the recorded JSON
+GPU_ROWS = {
+    "pytorch-optimizer Muon": "pytorch_optimizer",
+    "muonfn donated (`donate_state=True` + `apply_updates_`)": "muonfn_donated",
+    "muonfn functional (`update` + `apply_updates`)": "muonfn_functional",
+    "muonfn shim (`muonfn.optim.Muon`, defaults)": "muonfn_shim",
+    "torch Muon + fused AdamW": "torch_fused",
+    "torch Muon + foreach AdamW": "torch_foreach",
+    "timm Muon": "timm",
+}
+CPU_ROWS = {
+    "pytorch-optimizer Muon": "pytorch-optimizer Muon",
+    'muonfn gram (`ns_method="gram"`)': "muonfn gram",
+    "torch Muon + foreach AdamW": "torch Muon+AdamW",
+    "muonfn donated (`donate_state=True` + `apply_updates_`)": "muonfn donated",
+    "timm Muon": "timm Muon",
+    "muonfn functional (`update` + `apply_updates`)": "muonfn",
+    "muonfn shim (`muonfn.optim.Muon`, defaults)": "muonfn shim",
+    "heavyball Muon (eager)": "heavyball Muon",
+    "plain fp32 loop (hand-written, + AdamW foreach)": "plain fp32 loop",
+}
+
+
+def test_performance_gpu_table_quotes_the_recorded_run():
+    run = json.loads((ROOT / "benchmarks" / "results" / "cuda-h200-step-gpt2.json").read_text())
+    assert run["device"] == "NVIDIA H200" and run["torch"].startswith("2.11")
+    small, medium = run["sizes"]["small"], run["sizes"]["medium"]
+    table = marked_table("performance.md", "gpu-table")
+    assert set(table) == set(GPU_ROWS)
+    for row, key in GPU_ROWS.items():
+        recorded = [
+            quoted(small["step_ms"][key], 2),
+            quoted(medium["step_ms"][key], 2),
+            quoted(small["memory"][key]["peak_mb"], 0),
+            quoted(medium["memory"][key]["peak_mb"], 0),
+        ]
+        assert table[row] == recorded, row
+
+
+def test_performance_cpu_table_quotes_the_recorded_runs():
+    results = ROOT / "benchmarks" / "results"
+    with_units = json.loads((results / "cpu-2core-avx512bf16-final.json").read_text())
+    without = json.loads((results / "cpu-2core-avx2.json").read_text())
+    assert with_units["machine"]["cpu_bf16_units"] is True and without["machine"]["cpu_capability"] == "AVX2"
+    a, b = (run["step"]["gpt-w256-d4"]["contenders"] for run in (with_units, without))
+    table = marked_table("performance.md", "cpu-table")
+    assert set(table) == set(CPU_ROWS)
+    for row, key in CPU_ROWS.items():
+        recorded = [
+            quoted(a[key]["median_ms"], 1),
+            quoted(a[key]["peak_mb"], 1),
+            quoted(b[key]["median_ms"] if key in b else None, 1),
+        ]
+        assert table[row] == recorded, row

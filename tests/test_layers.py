@@ -1,9 +1,11 @@
 """The dependency rule, read from the imports: linalg ← transforms ← presets ← optim, distributed → linalg,
-testing → linalg."""
+testing → linalg; and docs/architecture.md, its map, held to it: every module in its tree, its layer table
+these rules."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "muonfn"
@@ -109,3 +111,84 @@ def test_no_import_cycles() -> None:
     for node in sorted(graph):
         if node not in state:
             visit(node, [node])
+
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+
+
+def fenced_block_after(heading: str, text: str) -> str:
+    """The first ```text block of the section that ``heading`` opens."""
+    section = text.split(f"\n{heading}\n", 1)[1]
+    return section.split("```text\n", 1)[1].split("```", 1)[0]
+
+
+def documented_tree() -> dict[str, str]:
+    """Module name -> description, from the tree of docs/architecture.md: two spaces of indent per
+    level, a folder's line standing for its ``__init__.py``."""
+    text = ARCHITECTURE.read_text()
+    assert "\n## The tree\n" in text, "docs/architecture.md has no '## The tree' section"
+    block = fenced_block_after("## The tree", text)
+    lines = [line for line in block.splitlines() if line.strip()]
+    assert lines[0] == "muonfn/", f"the tree must start at muonfn/, not {lines[0]!r}"
+    folders = ["muonfn"]
+    listed: dict[str, str] = {}
+    for line in lines[1:]:
+        indent = len(line) - len(line.lstrip(" "))
+        assert indent % 2 == 0 and 2 <= indent <= 2 * len(folders), f"misindented tree line: {line!r}"
+        del folders[indent // 2 :]
+        entry, _, description = line.strip().partition(" ")
+        if entry.endswith("/"):
+            folders.append(entry.removesuffix("/"))
+            name = ".".join(folders)
+        else:
+            assert entry.endswith(".py"), f"tree line neither a folder nor a module: {line!r}"
+            stem = entry.removesuffix(".py")
+            name = ".".join(folders if stem == "__init__" else [*folders, stem])
+        listed[name] = description.strip()
+    return listed
+
+
+def test_architecture_tree_lists_every_module() -> None:
+    on_disk = {module_name(p) for p in PACKAGE.rglob("*.py")}
+    listed = set(documented_tree())
+    problems = [f"misses {sorted(on_disk - listed)}"] if on_disk - listed else []
+    problems += [f"lists {sorted(listed - on_disk)}, which do not exist"] if listed - on_disk else []
+    assert not problems, "docs/architecture.md's tree " + " and ".join(problems)
+
+
+def test_architecture_tree_describes_every_module() -> None:
+    undescribed = sorted(name for name, description in documented_tree().items() if not description)
+    assert not undescribed, f"docs/architecture.md's tree gives no description for {undescribed}"
+
+
+def documented_layer_rules() -> dict[str, tuple[set[str], set[str]]]:
+    """Layer -> (may import, must not import), from the table of docs/architecture.md."""
+    text = ARCHITECTURE.read_text()
+    assert "<!-- layer-rules: start -->" in text, "docs/architecture.md has no layer-rules table"
+    table = text.split("<!-- layer-rules: start -->")[1].split("<!-- layer-rules: end -->")[0]
+    rules = {}
+    for row in table.splitlines():
+        cells = [cell.strip() for cell in row.strip().strip("|").split("|")]
+        if len(cells) != 3 or not cells[0].startswith("`"):
+            continue
+        may, must_not = (set(re.findall(r"`([\w.]+)`", cell)) for cell in cells[1:])
+        rules[cells[0].strip("`")] = (may, must_not)
+    return rules
+
+
+def test_architecture_layer_table_is_the_rule_this_file_enforces() -> None:
+    documented = documented_layer_rules()
+    enforced = {name: (ALLOWED[name], FORBIDDEN_EXTERNAL.get(name, set())) for name in ALLOWED}
+    differ = sorted(set(documented) ^ set(enforced)) + sorted(
+        name for name in set(documented) & set(enforced) if documented[name] != enforced[name]
+    )
+    assert not differ, f"docs/architecture.md's layer table and ALLOWED / FORBIDDEN_EXTERNAL differ on {differ}"
+
+
+def test_architecture_tree_folders_are_the_layers() -> None:
+    """Every folder of the tree, and every top-level module but the package's own ``__init__``, has
+    a layer rule, and every rule a folder or module in the tree."""
+    layers = {layer(name) for name in documented_tree()} - {None}
+    problems = [f"layers without a rule: {sorted(layers - set(ALLOWED))}"] if layers - set(ALLOWED) else []
+    problems += [f"rules for layers not in the tree: {sorted(set(ALLOWED) - layers)}"] if set(ALLOWED) - layers else []
+    assert not problems, "docs/architecture.md: " + "; ".join(problems)
