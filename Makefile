@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test lint docs bench clean
+.PHONY: install demo test test-floor lint docs dist bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -30,12 +30,37 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -q
 
+# The core tests on the oldest versions pyproject.toml admits, in a venv of their own: .ci/floor.txt pins torch
+# (its CPU build) and tensordict, FLOOR_PYTHON is requires-python's floor (tests/test_packaging.py checks both).
+FLOOR_VENV ?= .venv-floor
+FLOOR_PY := $(FLOOR_VENV)/bin/python
+FLOOR_STAMP := $(FLOOR_VENV)/.installed-stamp
+FLOOR_PYTHON := python3.11
+FLOOR_TESTS := tests/test_newton_schulz.py tests/test_presets.py tests/test_transforms.py tests/test_optim.py \
+	tests/test_functional.py tests/test_checkpoint.py muonfn
+
+$(FLOOR_STAMP): pyproject.toml .ci/floor.txt
+	$(FLOOR_PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_PY) -m pip install -q --upgrade pip
+	# muonfn's own requirements resolve under the pins: they must admit the floor, and nothing can pull a CUDA torch
+	$(FLOOR_PY) -m pip install -q -c .ci/floor.txt -e ".[testing]" pytest pytest-timeout
+	touch $(FLOOR_STAMP)
+
+test-floor: $(FLOOR_STAMP)
+	$(FLOOR_PY) -m pytest -q $(FLOOR_TESTS)
+
 # the API reference is generated from the docstrings; any warning fails the build
 docs: $(STAMP)
 	$(PY) -m sphinx -W --keep-going -q -b html docs site
+
+# the sdist and the wheel a user installs, under dist/, checked as an index would check them
+dist: $(STAMP)
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+	$(PY) -m twine check --strict dist/*
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
 
 clean:
-	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(FLOOR_VENV) dist site .pytest_cache .mypy_cache .ruff_cache .hypothesis

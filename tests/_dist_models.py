@@ -104,15 +104,16 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def reference_run(steps: int = STEPS) -> Reference:
+def reference_run(steps: int = STEPS, **options: Any) -> Reference:
+    """``options``: more arguments of :func:`make_tx` (the same go to the distributed runs compared with it)."""
     with one_thread():
-        return _reference_run(steps)
+        return _reference_run(steps, **options)
 
 
-def _reference_run(steps: int) -> Reference:
+def _reference_run(steps: int, **options: Any) -> Reference:
     model = make_net()
     params = TensorDict.from_module(model).detach().clone()
-    tx = make_tx()
+    tx = make_tx(**options)
     state = tx.init(params)
 
     def loss_fn(p: TensorDict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

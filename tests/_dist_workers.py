@@ -45,6 +45,7 @@ from muonfn.distributed import (
     CountingCollectives,
     ShardSpec,
     TorchCollectives,
+    shard_sums,
     sharded_orthogonalizer,
     torch_collectives,
 )
@@ -216,6 +217,22 @@ def fsdp_cases(rank: int, world: int, reference: Reference, shim_reference: Refe
         end_to_end_run(tp_fsdp(make_net(), tp_mesh), tp, reference, share_of(dp_rank, 2), "TP2 + FSDP2 e2e")
 
 
+def cautious_runs(rank: int, world: int, references: dict[str, Reference]) -> None:
+    """Caution over DTensor shards (FSDP2, HSDP, TP + FSDP2 on 4 ranks): its counts are the whole
+    leaf's, so the run is bitwise the single-process one, in both modes."""
+    mesh = init_device_mesh("cpu", (world,))
+    hsdp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    tp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    for mode, reference in references.items():
+        for model, group, what in (
+            (fsdp(make_net(), mesh), torch_collectives(mesh), "FSDP2"),
+            (fsdp(make_net(), hsdp_mesh), torch_collectives(hsdp_mesh), "HSDP 2x2"),
+            (tp_fsdp(make_net(), tp_mesh), torch_collectives(tp_mesh), "TP2 + FSDP2"),
+        ):
+            tx = make_tx(collectives=group, cautious_mode=mode)
+            exact_run(model, group, "owner", reference, f"{what}, cautious_mode={mode!r}", tx)
+
+
 def shim_run(model: nn.Module, collectives: TorchCollectives, reference: Reference, what: str) -> None:
     """``muonfn.optim.Muon(..., collectives=...)`` on a sharded model: bitwise the single-process shim."""
     opt = make_shim(model, collectives=collectives)
@@ -307,10 +324,18 @@ def donated_state_run(rank: int, world: int, reference: Reference) -> None:
 def skipped_step_run(rank: int, world: int, reference: Reference) -> None:
     """FSDP2 under ``muonfn.apply_if_finite``: a step whose gradient shard on one rank holds a NaN is
     skipped on every rank (params and DTensor state unchanged, counted once); the run then goes on
-    bitwise as the single-process one without that step."""
-    mesh = init_device_mesh("cpu", (world,))
-    model = fsdp(make_net(), mesh)
-    tx = muonfn.apply_if_finite(make_tx(collectives=torch_collectives(mesh)))
+    bitwise as the single-process one without that step. The same with ``sum_shards``, which DTensor
+    leaves do not need but must not mind."""
+    for sums in (False, True):
+        mesh = init_device_mesh("cpu", (world,))
+        collectives = torch_collectives(mesh)
+        tx = muonfn.apply_if_finite(
+            make_tx(collectives=collectives), sum_shards=shard_sums(collectives) if sums else None
+        )
+        skipped_step(rank, world, reference, fsdp(make_net(), mesh), tx)
+
+
+def skipped_step(rank: int, world: int, reference: Reference, model: nn.Module, tx: muonfn.Transform) -> None:
     state = tx.init(TensorDict.from_module(model).detach())
     for step in range(STEPS):
         state = train_step(model, tx, state, step, reference, slice(None))

@@ -13,8 +13,9 @@ The properties:
    modify the params;
 2. a missing gradient carries state: a leaf absent from ``grads`` gets no update and its
    state is carried over bit for bit, while every other output is the full update's;
-3. ``torch.vmap`` over a stacked ensemble equals updating each member alone (bit for bit
-   where the math is elementwise, to :data:`NS_REL` through Newton–Schulz);
+3. ``torch.vmap`` over a stacked ensemble, and the stacked ensemble updated as it is (params of
+   batch size ``[3]``, every reduction keeping the member dimension), equal updating each member
+   alone (bit for bit where the math is elementwise, to :data:`NS_REL` through Newton–Schulz);
 4. ``torch.compile(update, fullgraph=True)`` traces without graph breaks and, with the
    ``aot_eager`` backend, equals eager bit for bit (inductor's fused kernels round elementwise
    chains their own way, to rounding);
@@ -506,6 +507,26 @@ def test_vmap_over_an_ensemble_equals_the_loop(entry: Entry) -> None:
     for t in range(2):
         grads = random_like(stacked, 10 + t)
         updates, state = torch.vmap(tx.update)(grads, state, stacked)
+        for i in range(3):
+            expected, alone[i] = tx.update(grads[i], alone[i], members[i])
+            assert_close(updates[i], expected, bitwise)
+            assert_close(state[i], alone[i], bitwise)
+
+
+@pytest.mark.parametrize("entry", cases("stacked"))
+def test_a_stacked_ensemble_without_vmap_equals_the_loop(entry: Entry) -> None:
+    """Three param sets stacked into a batch size of ``[3]`` and updated without ``torch.vmap``
+    equal each member updated alone, for two steps: no reduction may sum over the members, the
+    0-d ``gain`` (one scalar per member) included."""
+    tx = entry.make()
+    members = [entry.params(seed) for seed in range(3)]
+    stacked = torch.stack(members)
+    state = tx.init(stacked)
+    alone = [tx.init(p) for p in members]
+    bitwise = "vmap" in entry.bitwise
+    for t in range(2):
+        grads = random_like(stacked, 10 + t)
+        updates, state = tx.update(grads, state, stacked)
         for i in range(3):
             expected, alone[i] = tx.update(grads[i], alone[i], members[i])
             assert_close(updates[i], expected, bitwise)

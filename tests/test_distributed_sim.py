@@ -7,6 +7,7 @@ views, and a step where some parameters have no gradient.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
@@ -29,6 +30,7 @@ from muonfn.distributed import (
     Link,
     ShardSpec,
     SimulatedCollectives,
+    shard_sums,
     sharded_orthogonalizer,
     simulate,
     torch_collectives,
@@ -121,6 +123,18 @@ def odd_sizes() -> Sharding:
     return shard
 
 
+def shards(
+    col: SimulatedCollectives, reference: Reference, sharding: Sharding
+) -> tuple[dict[Key, Box], dict[Key, ShardSpec]]:
+    """This rank's box of every leaf, and the ShardSpecs to declare."""
+    boxes, specs = {}, {}
+    for key in leaf_keys(reference.params[0]):
+        boxes[key], spec = sharding(col, key, reference.params[0][key].shape)
+        if spec is not None:
+            specs[key] = spec
+    return boxes, specs
+
+
 def train(
     col: SimulatedCollectives,
     reference: Reference,
@@ -130,13 +144,8 @@ def train(
     **distributed: Any,
 ) -> tuple[TensorDict, TensorDict, dict[Key, Box]]:
     """This rank's part of the reference run: shards of the reference's gradients in, shards of params out."""
-    keys = leaf_keys(reference.params[0])
-    boxes, specs = {}, {}
-    for key in keys:
-        boxes[key], spec = sharding(col, key, reference.params[0][key].shape)
-        if spec is not None:
-            specs[key] = spec
-    params = TensorDict({k: take(reference.params[0][k], boxes[k]) for k in keys}, batch_size=[])
+    boxes, specs = shards(col, reference, sharding)
+    params = TensorDict({k: take(reference.params[0][k], box) for k, box in boxes.items()}, batch_size=[])
     tx = make_tx(collectives=col, strategy=strategy, shard_specs=specs, bucket_numel=bucket_numel, **distributed)
     state = tx.init(params)
     for full in reference.grads:
@@ -207,6 +216,133 @@ def test_small_buckets_move_in_rounds_and_stay_exact(reference: Reference) -> No
         for params, _, boxes in results:
             for key in leaf_keys(params):
                 assert torch.equal(params[key], take(reference.params[-1][key], boxes[key])), dotted(key)
+
+
+@functools.cache
+def cautious_reference(mode: str) -> Reference:
+    return reference_run(cautious_mode=mode)
+
+
+@pytest.mark.parametrize("mode", muonfn.transforms.CAUTIOUS_MODES)
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name not in ("ddp3", "fsdp1", "fsdp3")])
+def test_caution_counts_over_whole_leaves_as_one_process_does(layout: str, mode: str) -> None:
+    """N/Σk of caution counts the whole leaf, not the shard (each replica once): bitwise the single-process run."""
+    reference = cautious_reference(mode)
+    world, sharding = LAYOUTS[layout]
+    results = simulate(world, train, reference, sharding(), "owner", 1 << 26, cautious_mode=mode)
+    for rank, (params, _, boxes) in enumerate(results):
+        for key in leaf_keys(reference.params[-1]):
+            expected = take(reference.params[-1][key], boxes[key])
+            assert torch.equal(params[key], expected), f"rank {rank}: {dotted(key)} differs"
+
+
+@pytest.mark.parametrize("mode", muonfn.transforms.CAUTIOUS_MODES)
+@pytest.mark.parametrize("dim", [0, 1])
+def test_caution_of_a_stacked_ensemble_counts_per_member_over_its_shards(dim: int, mode: str) -> None:
+    """Three members of batch size [3], each member's matrix sharded by rows (dim 1), or the members
+    split between the ranks (dim 0, batch sizes [1] and [2]): bitwise each member's single-process step."""
+    gen = torch.Generator().manual_seed(0)
+    full = TensorDict({"w": torch.randn(3, 8, 6, generator=gen), "t": torch.randn(3, generator=gen)}, [3])
+    grads = [full.apply(lambda t: torch.randn(t.shape, generator=gen)) for _ in range(3)]
+    options = {"lr": 0.1, "ns_dtype": torch.float32, "cautious_mode": mode, "labels": {"w": "muon", "t": "adamw"}}
+
+    def run(tx: muonfn.Transform, params: TensorDict, take_part: Callable[[TensorDict], TensorDict]) -> TensorDict:
+        state = tx.init(params)
+        for g in grads:
+            updates, state = tx.update(take_part(g), state, params)
+            params = muonfn.apply_updates(params, updates)
+        return params
+
+    expected = run(muonfn.muon(**options), full, lambda g: g)
+
+    def body(col: SimulatedCollectives) -> tuple[TensorDict, slice, slice]:
+        cut = [0, 1, 3] if dim == 0 else [0, 4, 8]
+        rows, members = slice(cut[col.rank], cut[col.rank + 1]), slice(None)
+        if dim == 0:
+            rows, members = slice(None), rows
+
+        def part(td: TensorDict) -> TensorDict:
+            return TensorDict({"w": td["w"][members, rows], "t": td["t"][members]}, [len(td["t"][members])])
+
+        tx = muonfn.muon(**options, collectives=col, shard_specs={"w": ShardSpec(dim)})
+        return run(tx, part(full), part), members, rows
+
+    for params, members, rows in simulate(2, body):
+        assert torch.equal(params["w"], expected["w"][members, rows])
+        assert torch.equal(params["t"], expected["t"][members])
+
+
+def test_caution_sums_its_counts_in_one_all_reduce_per_step() -> None:
+    """Two numbers per sharded leaf, all leaves at once: caution adds one all_reduce a step and nothing else."""
+    full = TensorDict({"w": torch.randn(8, 6), "v": torch.randn(6, 8)}, [])
+
+    def run(col: SimulatedCollectives, mode: str | None) -> dict[str, int]:
+        counting = CountingCollectives(col)
+        shards = {k: fsdp(2)(col, (k,), full[k].shape) for k in ("w", "v")}
+        specs = {k: spec for k, (_, spec) in shards.items()}
+        tx = muonfn.muon(lr=0.1, collectives=counting, shard_specs=specs, cautious_mode=mode, ns_dtype=torch.float32)
+        params = TensorDict({k: take(full[k], box) for k, (box, _) in shards.items()}, [])
+        state = tx.init(params)
+        tx.update(params, state, params)  # the first step exchanges shapes
+        counting.reset()
+        tx.update(params, state, params)
+        return counting.calls
+
+    for plain, careful in zip(simulate(2, run, None), simulate(2, run, "heavyball")):
+        assert careful == {**plain, "all_reduce": plain.get("all_reduce", 0) + 1}
+
+
+NAN_STEP, NAN_LEAF = 1, ("fc1", "weight")
+
+
+@functools.cache
+def reference_without_nan_step() -> Reference:
+    """The single-process run under apply_if_finite, with a NaN in one gradient at NAN_STEP: that step skipped."""
+    with one_thread():
+        reference = reference_run()
+        tx = muonfn.apply_if_finite(make_tx())
+        params = reference.params[0]
+        state = tx.init(params)
+        history = [params]
+        for step, grads in enumerate(reference.grads):
+            if step == NAN_STEP:
+                grads = grads.clone()
+                grads[NAN_LEAF][-1, -1] = float("nan")
+            updates, state = tx.update(grads, state, params)
+            params = muonfn.apply_updates(params, updates)
+            history.append(params)
+        assert int(state["notfinite_count"]) == 1
+        return Reference(history, reference.grads)
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "hsdp2x2", "hand_rolled_tp2_dp2", "odd_sizes4"])
+def test_apply_if_finite_skips_on_every_rank_a_nan_one_shard_holds(layout: str) -> None:
+    """The NaN lies in the shard of the last rows alone; counted over whole leaves, every rank skips the step."""
+    reference = reference_without_nan_step()
+    world, make_sharding = LAYOUTS[layout]
+    sharding = make_sharding()
+
+    def body(col: SimulatedCollectives) -> tuple[TensorDict, TensorDict, dict[Key, Box]]:
+        boxes, specs = shards(col, reference, sharding)
+        params = TensorDict({k: take(reference.params[0][k], box) for k, box in boxes.items()}, [])
+        tx = muonfn.apply_if_finite(
+            make_tx(collectives=col, shard_specs=specs), sum_shards=shard_sums(col, shard_specs=specs)
+        )
+        state = tx.init(params)
+        for step, full in enumerate(reference.grads):
+            if step == NAN_STEP:  # in the last rows' shards only (and their replicas)
+                full = full.clone()
+                full[NAN_LEAF][-1, -1] = float("nan")
+            grads = TensorDict({k: take(full[k], boxes[k]) for k in leaf_keys(full)}, [])
+            updates, state = tx.update(grads, state, params)
+            params = muonfn.apply_updates(params, updates)
+        return params, state, boxes
+
+    for rank, (params, state, boxes) in enumerate(simulate(world, body)):
+        assert int(state["notfinite_count"]) == 1, f"rank {rank}"
+        for key in leaf_keys(params):
+            expected = take(reference.params[-1][key], boxes[key])
+            assert torch.equal(params[key], expected), f"rank {rank}: {dotted(key)} differs"
 
 
 # --------------------------------------------------------------------------- layouts
@@ -592,6 +728,12 @@ def test_bad_configuration_is_refused_up_front() -> None:
         ShardSpec(placements=(Shard(0),))
     with pytest.raises(TypeError, match="Collectives"):
         sharded(object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="Collectives"):
+        shard_sums(object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="cautious: sum_shards must be callable"):
+        muonfn.cautious(muonfn.ema_momentum(), sum_shards=3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="apply_if_finite: sum_shards must be callable"):
+        muonfn.apply_if_finite(muonfn.ema_momentum(), sum_shards=3)  # type: ignore[arg-type]
 
     with pytest.raises(ValueError, match="replicated='local' takes effect with collectives"):
         muonfn.muon(replicated="local")
@@ -607,6 +749,8 @@ def test_bad_configuration_is_refused_up_front() -> None:
             sharded(col, overlap="yes")  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="ShardSpec"):
             sharded(col, shard_specs={"w": 0})  # type: ignore[dict-item]
+        with pytest.raises(TypeError, match=r"shard_specs\['w'\] must be a muonfn.distributed.ShardSpec"):
+            shard_sums(col, shard_specs={"w": 0})  # type: ignore[dict-item]
         grads = TensorDict({"w": torch.randn(4, 3)}, [])
         spec = ShardSpec(placements=(Shard(0),), mesh_shape=(3,))
         tx = muonfn.orthogonalize(orthogonalizer=sharded(col, shard_specs={"w": spec}))

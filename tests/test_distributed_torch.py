@@ -14,6 +14,8 @@ import torch.distributed as dist
 from _dist_harness import run, run_interpreters
 from _dist_models import Reference, reference_run, shim_reference_run
 
+import muonfn
+
 pytestmark = [
     pytest.mark.timeout(600),
     pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"),
@@ -34,6 +36,11 @@ def shim_reference() -> Reference:
 def test_fsdp2_matches_single_process(reference: Reference, shim_reference: Reference, world: int) -> None:
     """Bitwise for both strategies (exact gradient shards), to tolerance end to end; HSDP and TP + FSDP2 on 4."""
     run(workers.fsdp_cases, world, reference, shim_reference if world == 4 else None)
+
+
+def test_caution_counts_whole_dtensor_leaves() -> None:
+    references = {mode: reference_run(cautious_mode=mode) for mode in muonfn.transforms.CAUTIOUS_MODES}
+    run(workers.cautious_runs, 4, references)
 
 
 def test_shard_specs_optim_shim_and_explicit_groups(shim_reference: Reference) -> None:

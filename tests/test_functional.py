@@ -257,6 +257,17 @@ def test_stacked_ensemble_without_vmap_equals_the_vmapped_step() -> None:
     assert stacked_state["adamw", "step", "head", "bias"].tolist() == [3, 3, 2]
 
 
+def test_a_nan_in_one_members_scalar_skips_that_member_alone() -> None:
+    """apply_if_finite over 0-d leaves of a stacked ensemble (a temperature per member): one flag per member."""
+    params = TensorDict({"temperature": torch.ones(3), "w": torch.ones(3, 2)}, batch_size=[3])
+    tx = muonfn.apply_if_finite(muonfn.adamw(lr=0.1, weight_decay=0.0))
+    grads = TensorDict({"temperature": torch.tensor([1.0, float("nan"), 1.0]), "w": torch.ones(3, 2)}, [3])
+    updates, state = tx.update(grads, tx.init(params), params)
+    assert state["notfinite_count"].tolist() == [0, 1, 0]
+    assert updates["temperature"].tolist() == pytest.approx([-0.1, 0.0, -0.1])
+    assert updates["w"][1].eq(0).all() and updates["w"][[0, 2]].ne(0).all()
+
+
 # --- buffers and tied weights ---------------------------------------------------------------------------------
 
 

@@ -117,6 +117,31 @@ def test_qk_clip_brings_every_head_to_the_threshold():
     assert torch.allclose(after[clipped & (after >= tau * (1 - 1e-12))], torch.tensor(tau, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_qk_clip_of_a_stacked_ensemble_clips_each_member_by_its_own_logits(transposed):
+    """Params of batch size [3] take (3, heads) logits: the same as each member alone, and as torch.vmap."""
+    members = [_fused_and_split(transposed)[0].apply(lambda t, i=i: t * (i + 1)) for i in range(3)]
+    stacked = torch.stack(members)
+    logits = {"a": torch.tensor([[10.0, 300.0, 120.0, 99.0], [400.0, 1.0, 150.0, 200.0], [99.0] * 4])}
+    fused_view = muonfn.MatrixView(transposed=transposed, split=(8, 8, 8))
+    heads = {
+        "a": [
+            muonfn.QKHeads(heads=4, kv_heads=2, fused="qkv", view=fused_view),
+            muonfn.QKHeads(heads=4, query="q", key="k", view=muonfn.MatrixView(transposed=transposed)),
+        ]
+    }
+    clipped = muonfn.qk_clip(stacked, logits, heads)
+    vmapped = torch.vmap(lambda p, m: muonfn.qk_clip(p, {"a": m}, heads))(stacked, logits["a"])
+    for i, member in enumerate(members):
+        alone = muonfn.qk_clip(member, {"a": logits["a"][i]}, heads)
+        for key in ("qkv", "q", "k"):
+            assert torch.equal(clipped[key][i], alone[key]), (i, key)
+            assert torch.equal(vmapped[key][i], alone[key]), (i, key)
+    assert torch.equal(clipped["q"][2], stacked["q"][2])  # every head of the third member at the threshold
+    with pytest.raises(ValueError, match=r"shape \(3, 4\), got \(4,\)"):
+        muonfn.qk_clip(stacked, {"a": logits["a"][0]}, heads)
+
+
 @pytest.mark.parametrize(
     ("logits", "layout", "match"),
     [

@@ -24,10 +24,12 @@ they lie without moving; fused-QKV splits, conv kernels and transposed storage a
 to the assembled tensor. Orientation and scale come from the global shape.
 
 **Only Newton–Schulz communicates,** through the :class:`Collectives` given (never a
-default group); momentum and AdamW stay elementwise on the local shards, and the state
-mirrors the params' placements (DTensor in, DTensor state; momentum stays a shard). Every
-rank of a group joins the same collectives in the same order, whatever shards are empty;
-ranks that pass different parameters get an error the first time, not a hang.
+default group), and the counts over ``shard_specs`` shards that caution and
+:func:`muonfn.apply_if_finite` take over whole leaves (one ``all_reduce``, :func:`shard_sums`);
+momentum and AdamW stay elementwise on the local shards, and the state mirrors the params'
+placements (DTensor in, DTensor state; momentum stays a shard). Every rank of a group joins
+the same collectives in the same order, whatever shards are empty; ranks that pass different
+parameters get an error the first time, not a hang.
 
 **Strategies** (``strategy=``):
 
@@ -95,6 +97,7 @@ from ._orthogonalizer import (
     sharded_orthogonalizer,
 )
 from ._simulate import Link, SimulatedCollectives, simulate
+from ._sums import ShardSums, shard_sums
 
 __all__ = [
     "FINISHED",
@@ -108,10 +111,12 @@ __all__ = [
     "Replicated",
     "ShardSpec",
     "ShardSpecs",
+    "ShardSums",
     "ShardedOrthogonalizer",
     "SimulatedCollectives",
     "Strategy",
     "TorchCollectives",
+    "shard_sums",
     "sharded_orthogonalizer",
     "simulate",
     "start_all_gather_into_tensor",

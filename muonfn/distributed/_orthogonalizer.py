@@ -29,6 +29,7 @@ from ._layout import ShardSpec
 from ._owner import OwnerRound
 from ._pipeline import Round, run_rounds
 from ._plan import Leaf, Plan, describe, make_plan
+from ._sums import ShardSums
 from ._tp_gram import run_tp_gram
 
 Strategy: TypeAlias = Literal["owner", "gather", "tp_gram"]
@@ -43,7 +44,11 @@ _REQUIRED = ("rank", "world_size", "all_gather_into_tensor", "all_to_all_single"
 
 
 class ShardedOrthogonalizer:
-    """Orthogonalizes sharded leaves as whole matrices through ``collectives`` (see :func:`sharded_orthogonalizer`)."""
+    """Orthogonalizes sharded leaves as whole matrices through ``collectives`` (see :func:`sharded_orthogonalizer`).
+
+    Its ``sum_shards`` (a :class:`ShardSums` over the same collectives and ``shard_specs``) is
+    what the transforms that count over a leaf take (``muonfn.cautious(..., sum_shards=...)``).
+    """
 
     def __init__(
         self,
@@ -61,6 +66,7 @@ class ShardedOrthogonalizer:
         self.replicated = replicated
         self.overlap = overlap
         self._plans: dict[tuple[Any, ...], Plan] = {}
+        self.sum_shards = ShardSums(collectives, self.shard_specs)
 
     def _plan(self, group: Any, members: list[Leaf]) -> Plan:
         key = (id(group), tuple(leaf.signature() for leaf in members))

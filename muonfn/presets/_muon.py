@@ -27,6 +27,7 @@ from ..transforms import (
     LabelsLike,
     MaskLike,
     MethodLike,
+    SumShards,
     Transform,
     ViewsLike,
     add_decayed_weights,
@@ -160,6 +161,8 @@ def muon_branch(
         weight_decay_mask=weight_decay_mask,
         cautious_weight_decay=cautious_weight_decay,
         cautious_mode=cautious_mode,
+        # a sharded orthogonalizer's leaves are shards: caution counts over the whole leaf
+        sum_shards=getattr(orthogonalizer, "sum_shards", None),
     )
 
 
@@ -188,14 +191,16 @@ def finish_branch(
     weight_decay_mask: MaskLike,
     cautious_weight_decay: bool,
     cautious_mode: CautiousMode | None,
+    sum_shards: SumShards | None = None,
 ) -> Transform:
-    """``direction`` (made cautious with ``cautious_mode``), then the weight decay and the learning rate.
+    """``direction`` (made cautious with ``cautious_mode``, counting over whole leaves through
+    ``sum_shards``), then the weight decay and the learning rate.
 
     Both write into the direction's tensors, which are this step's own: an orthogonalizer
     returns fresh tensors (its contract), and the shape scale and caution compute out of place.
     """
     if cautious_mode is not None:
-        direction = cautious(direction, mode=cautious_mode)
+        direction = cautious(direction, mode=cautious_mode, sum_shards=sum_shards)
     return chain(
         direction,
         add_decayed_weights(weight_decay, mask=weight_decay_mask, cautious=cautious_weight_decay, inplace=True),

@@ -3,6 +3,7 @@ whose largest attention logit went past a threshold."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -50,6 +51,11 @@ class QKHeads:
         return [(as_key(name) if isinstance(name, str | tuple) else name, role) for name, role in named if name]
 
 
+def _member_view(layout: QKHeads, params: TensorDictBase) -> MatrixView:
+    """The layout's view of a stacked ensemble's leaves: its batch dimensions are the members'."""
+    return dataclasses.replace(layout.view, batch_dims=params.batch_dims) if params.batch_dims else layout.view
+
+
 def _check_layout(name: str, layout: QKHeads, params: TensorDictBase) -> None:
     where = f"qk_clip: attention {name!r}"
     if not isinstance(layout, QKHeads):
@@ -76,6 +82,7 @@ def _check_layout(name: str, layout: QKHeads, params: TensorDictBase) -> None:
     elif view.split is not None:
         raise ValueError(f"{where}: a split view describes a fused tensor; pass it as fused=")
     known = set(_tree.leaf_keys(params))
+    view = _member_view(layout, params)
     for key, role in layout.leaves():
         if key not in known:
             raise ValueError(f"{where}: no parameter named {dotted(key)!r}")
@@ -94,8 +101,9 @@ def _check_alpha(where: str, alpha: float) -> None:
 
 
 def _scaled_rows(m: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
-    """``m`` (``(1, rows, cols)``) with each of ``len(factors)`` contiguous row blocks multiplied by its factor."""
-    per_row = factors.repeat_interleave(m.shape[1] // factors.shape[0]).to(m.dtype)
+    """``m`` (``(count, rows, cols)``) with each of the ``h`` contiguous row blocks of each matrix
+    multiplied by its factor (``factors``: ``(count, h)``, one row per ensemble member)."""
+    per_row = factors.repeat_interleave(m.shape[1] // factors.shape[-1], dim=-1).to(m.dtype)
     return m.mul(per_row.unsqueeze(-1))
 
 
@@ -129,7 +137,8 @@ def qk_clip(
     Args:
         params: the parameters after the step.
         max_logits: attention name -> ``(heads,)`` tensor of the largest pre-softmax logit
-            of each query head. Attentions not given are left unchanged.
+            of each query head; for a stacked ensemble (params of batch size ``[N]``),
+            ``(N, heads)``, each member's own. Attentions not given are left unchanged.
         layouts: attention name -> its :class:`QKHeads` (or several, e.g. MLA's content
             and rotary parts).
         threshold: :math:`\tau > 0` (the K2 report's 100).
@@ -159,28 +168,36 @@ def qk_clip(
             raise ValueError(f"qk_clip: max_logits names {name!r}, which layouts do not describe: {sorted(groups)}")
         for layout in groups[name]:
             _check_layout(name, layout, params)
-            if not isinstance(logits, torch.Tensor) or logits.shape != (layout.heads,):
+            expected = (*params.batch_size, layout.heads)
+            if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != expected:
                 shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
-                raise ValueError(f"qk_clip: max_logits[{name!r}] must have shape ({layout.heads},), got {shape}")
+                raise ValueError(f"qk_clip: max_logits[{name!r}] must have shape {expected}, got {shape}")
     replaced: dict[Key, torch.Tensor] = {}
+    members = math.prod(params.batch_size)  # one matrix per member of a stacked ensemble
     for name, logits in max_logits.items():
         for layout in groups[name]:
             a = alpha if layout.alpha is None else layout.alpha
             kv = layout.heads if layout.kv_heads is None else layout.kv_heads
+            view = _member_view(layout, params)
             for key, role in layout.leaves():
                 p = replaced.get(key, params.get(key))
                 dtype = torch.promote_types(torch.promote_types(logits.dtype, p.dtype), torch.float32)
                 gamma = (
-                    logits.detach().to(device=p.device, dtype=dtype).clamp_min(threshold).reciprocal().mul(threshold)
+                    logits.detach()
+                    .to(device=p.device, dtype=dtype)
+                    .clamp_min(threshold)
+                    .reciprocal()
+                    .mul(threshold)
+                    .reshape(members, layout.heads)
                 )
                 q_factor = gamma.pow(a)
-                k_factor = gamma.reshape(kv, -1).amin(dim=-1).pow(1.0 - a)
-                blocks = layout.view.to_matrices(p)
+                k_factor = gamma.reshape(members, kv, -1).amin(dim=-1).pow(1.0 - a)
+                blocks = view.to_matrices(p)
                 if role == "fused":
                     blocks = [_scaled_rows(blocks[0], q_factor), _scaled_rows(blocks[1], k_factor), *blocks[2:]]
                 else:
                     blocks = [_scaled_rows(blocks[0], q_factor if role == "query" else k_factor)]
-                replaced[key] = layout.view.from_matrices(blocks, p.shape)
+                replaced[key] = view.from_matrices(blocks, p.shape)
     if not replaced:
         return params
     out = params.clone(recurse=False)

@@ -27,6 +27,7 @@ from ._orthogonalize import (
     scale_by_shape,
 )
 from ._rescale import RESCALE_MODES, Rescale
+from ._shards import SumShards
 from ._sign import scale_by_sign
 from ._state import COUNT, EXP_AVG, EXP_AVG_SQ, MOMENTUM, NOTFINITE_COUNT, ROW_SECOND_MOMENT, STEP
 
@@ -46,6 +47,7 @@ __all__ = [
     "MaskLike",
     "MethodLike",
     "Rescale",
+    "SumShards",
     "Transform",
     "UpdateFn",
     "ViewsLike",

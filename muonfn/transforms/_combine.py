@@ -14,6 +14,7 @@ from .._tree import Leaves
 from .._validation import check_params
 from ._base import Needs, Rule, Scope, StructureCache, Transform, as_rule, from_rule
 from ._masks import MaskLike, check_mask, resolve_mask
+from ._shards import SumShards, check_sum_shards, count_per_member
 from ._state import NOTFINITE_COUNT
 
 LabelsLike: TypeAlias = Mapping[Any, str] | TensorDictBase | Callable[[TensorDictBase], Mapping[Any, str]]
@@ -226,13 +227,22 @@ def masked(tx: Transform, mask: MaskLike) -> Transform:
     return from_rule(init, Rule("masked", update, needs))
 
 
-def apply_if_finite(tx: Transform) -> Transform:
+def apply_if_finite(tx: Transform, *, sum_shards: SumShards | None = None) -> Transform:
     """Skips a step whose gradients hold NaN or Inf: zero updates, state unchanged.
 
     Skipped steps are counted in ``state["notfinite_count"]``. The test is a tensor
     (no ``.item()``), so the guarded update stays traceable. For a stacked ensemble
     (params of batch size ``[N]``) each member is tested, skipped and counted on its own.
+
+    Args:
+        tx: the transform guarded.
+        sum_shards: for leaves that are one rank's shard of a larger tensor (plain tensors
+            under ``shard_specs``), the sums over every rank's shard
+            (:func:`muonfn.distributed.shard_sums`), so that every rank tests the whole
+            gradient and all skip the same steps, as one process would: one ``all_reduce`` a
+            step. DTensor leaves need none (their test is global).
     """
+    check_sum_shards("apply_if_finite", sum_shards)
 
     def init(params: TensorDictBase) -> TensorDictBase:
         state = tx.init(params)
@@ -249,8 +259,12 @@ def apply_if_finite(tx: Transform) -> Transform:
         if not values:
             return grads
         members = scope.members  # 0 for one model: the whole leaf is tested
-        # a whole leaf is tested with all(): a DTensor sharded unevenly cannot be flattened
-        flags = [g.isfinite().all() if not members else g.isfinite().flatten(members).all(-1) for g in values]
+        if sum_shards is None:
+            flags = [_all_finite(g, members) for g in values]
+        else:  # the count of entries that are not finite, over every rank's shard of the leaf
+            bad = [count_per_member(g.isfinite().logical_not(), members) for g in values]
+            bad = sum_shards(list(grads), values, bad, batch_dims=members)
+            flags = [b.eq(0).reshape(scope.batch_size) for b in bad]
         finite = torch.stack([f.full_tensor() if hasattr(f, "full_tensor") else f for f in flags]).all(0)
         count_key = (*scope.prefix, NOTFINITE_COUNT)
         # the wrapped transform sees its own state only, and writes a trial state
@@ -268,6 +282,14 @@ def apply_if_finite(tx: Transform) -> Transform:
         rule.needs(grads, params, prefix, out)
 
     return from_rule(init, Rule("apply_if_finite", update, needs))
+
+
+def _all_finite(g: torch.Tensor, members: int) -> torch.Tensor:
+    """Whether every entry of ``g`` is finite: one flag, or one per ensemble member."""
+    if not members:  # all() of the whole leaf: a DTensor sharded unevenly cannot be flattened
+        return g.isfinite().all()
+    finite = g.isfinite()
+    return finite.flatten(members).all(-1) if g.ndim > members else finite  # a 0-d leaf per member: its own flag
 
 
 def _where(condition: torch.Tensor, a: torch.Tensor, b: torch.Tensor, members: int) -> torch.Tensor:

@@ -1,0 +1,152 @@
+r"""Sums over the shards of a leaf: the whole leaf's statistic from each rank's part of it.
+
+A transform that reduces a leaf (caution's count of kept entries, a finite check) sees,
+on each rank, only that rank's shard of a plain tensor that ``shard_specs`` declares a
+shard. :class:`ShardSums` turns each such local sum into the sum over the whole leaf: every
+rank places its sums at its position along the leading (ensemble) dimensions, one
+``all_reduce`` per group adds them up, and each rank takes back its own positions. Ranks
+that hold a replica of another's shard (HSDP) add nothing, so that each element counts once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .._keys import Key, resolve_table
+from ..linalg import DEFAULT_VIEW
+from ._collectives import Collectives
+from ._layout import Box, Layout, ShardSpec, copy_into, copy_out
+from ._plan import Leaf, describe, handshake, layout_of
+
+_REQUIRED = ("rank", "world_size", "all_gather_into_tensor", "all_reduce")
+
+
+class ShardSums:
+    """Sums per-leaf statistics of local shards over each whole leaf (see :func:`shard_sums`)."""
+
+    def __init__(self, collectives: Collectives, shard_specs: Mapping[Any, ShardSpec]) -> None:
+        self.collectives = collectives
+        self.shard_specs = dict(shard_specs)
+        self._layouts: dict[tuple[Any, ...], list[Layout]] = {}
+
+    def __call__(
+        self, keys: Sequence[Key], tensors: Sequence[torch.Tensor], sums: Sequence[torch.Tensor], *, batch_dims: int
+    ) -> list[torch.Tensor]:
+        """``sums[i]``, a statistic of the local tensor ``tensors[i]`` summed over its dimensions
+        after the first ``batch_dims`` (shape ``(*tensors[i].shape[:batch_dims], *rest)``), summed
+        over the leaf's shards on every rank as well; same shapes. Leaves ``shard_specs`` does not
+        name are whole tensors, returned as given, or DTensors, whose sums are global already:
+        those with a reduction pending come back reduced (replicated)."""
+        declared = resolve_table(self.shard_specs, keys)
+        out = list(sums)
+        groups: dict[int, tuple[Any, list[Leaf]]] = {}
+        pending: list[int] = []
+        for i, (key, value) in enumerate(zip(keys, tensors)):
+            spec = declared.get(key)
+            if spec is not None:
+                leaf = describe(i, key, value, DEFAULT_VIEW, spec, self.collectives, split_replicated=False)
+                groups.setdefault(id(leaf.group), (leaf.group, []))[1].append(leaf)
+            elif _is_partial(sums[i]):
+                pending.append(i)
+        for i, total in zip(pending, _reduced([sums[i] for i in pending])):
+            out[i] = total
+        for group, leaves in groups.values():
+            summed = _summed(group, self._layouts_of(group, leaves), [sums[leaf.index] for leaf in leaves], batch_dims)
+            for leaf, total in zip(leaves, summed):
+                out[leaf.index] = total
+        return out
+
+    def _layouts_of(self, group: Any, leaves: list[Leaf]) -> list[Layout]:
+        """The leaves' layouts over ``group``: exchanged once per set of leaves (every rank in the same order)."""
+        key = (id(group), tuple(leaf.signature() for leaf in leaves))
+        layouts = self._layouts.get(key)
+        if layouts is None:
+            if len(self._layouts) >= 16:
+                self._layouts.clear()
+            shapes = handshake(group, leaves)
+            layouts = self._layouts[key] = [layout_of(leaf, s) for leaf, s in zip(leaves, shapes)]
+        return layouts
+
+    def __repr__(self) -> str:
+        return f"ShardSums({self.collectives!r}, shard_specs={sorted(map(str, self.shard_specs))})"
+
+
+def _is_partial(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor with a reduction pending (the sum of a sharded DTensor)."""
+    return any(p.is_partial() for p in getattr(t, "placements", ()))
+
+
+def _reduced(sums: list[Any]) -> list[torch.Tensor]:
+    """DTensor sums with their pending reductions done (``Partial`` made ``Replicate``), so that
+    what is computed from them stays a plain placement: one ``redistribute`` per mesh and placements."""
+    from torch.distributed.tensor import Replicate
+
+    out: list[torch.Tensor] = list(sums)
+    batches: dict[tuple[int, tuple[Any, ...]], list[int]] = {}
+    for i, s in enumerate(sums):
+        batches.setdefault((id(s.device_mesh), tuple(s.placements)), []).append(i)
+    for (_, placements), members in batches.items():
+        mesh = sums[members[0]].device_mesh
+        done = [Replicate() if p.is_partial() else p for p in placements]
+        if any(p.is_shard() for p in placements):  # sharded along ensemble dimensions: unevenly, it cannot be flattened
+            for i in members:
+                out[i] = sums[i].redistribute(mesh, done)
+            continue
+        flat: Any = torch.cat([sums[i].reshape(-1) for i in members])
+        flat = flat.redistribute(mesh, done)
+        for i, piece in zip(members, flat.split([sums[i].numel() for i in members])):
+            out[i] = piece.view(sums[i].shape)
+    return out
+
+
+def _box(layout: Layout, rank: int, batch_dims: int, statistic: Sequence[int]) -> Box:
+    """Where ``rank``'s sums lie among the whole leaf's: its runs of the leading dimensions, then all of the rest."""
+    return (*layout.boxes[rank][:batch_dims], *(((0, n),) for n in statistic))
+
+
+def _summed(group: Collectives, layouts: list[Layout], sums: list[torch.Tensor], batch_dims: int) -> list[torch.Tensor]:
+    """Every rank's ``sums`` of one group's leaves added up in one ``all_reduce``; this rank's part of each."""
+    me = group.rank
+    wholes, boxes = [], []
+    for layout, local in zip(layouts, sums):
+        rest = tuple(local.shape[batch_dims:])
+        whole = local.new_zeros((*layout.shape[:batch_dims], *rest))
+        box = _box(layout, me, batch_dims, rest)
+        if layout.replica[me] == 0:  # the other replicas hold the same shards: each element counts once
+            copy_into(whole, local, box)
+        wholes.append(whole)
+        boxes.append(box)
+    flat = torch.cat([whole.reshape(-1) for whole in wholes])
+    group.all_reduce(flat)
+    out = []
+    for total, whole, local, box in zip(flat.split([w.numel() for w in wholes]), wholes, sums, boxes):
+        mine = torch.empty_like(local)
+        copy_out(total.view(whole.shape), box, mine)
+        out.append(mine)
+    return out
+
+
+def shard_sums(collectives: Collectives, *, shard_specs: Mapping[Any, ShardSpec] | None = None) -> ShardSums:
+    r"""Sums of local shards over whole leaves, for the transforms that reduce a leaf.
+
+    Under ``shard_specs`` a plain tensor is one rank's shard, and a transform that counts over
+    the leaf (:func:`muonfn.cautious`'s :math:`N/\sum k`, :func:`muonfn.apply_if_finite`'s
+    test) would count over the shard alone. Pass the result as their ``sum_shards``, with the
+    collectives and ``shard_specs`` given to the orthogonalizer (a :class:`ShardedOrthogonalizer`
+    carries one as its ``sum_shards``; :func:`muonfn.muon` passes it to caution). DTensor leaves
+    need none of this (their reductions are global), nor whole tensors.
+
+    Returns:
+        A callable ``(keys, tensors, sums, *, batch_dims) -> sums`` making one ``all_reduce`` per
+        group, of two int64 numbers per leaf (and ensemble member) for caution.
+    """
+    if collectives is None or not all(hasattr(collectives, n) for n in _REQUIRED):
+        raise TypeError(f"collectives must implement muonfn.distributed.Collectives, got {collectives!r}")
+    specs = dict(shard_specs or {})
+    for name, spec in specs.items():
+        if not isinstance(spec, ShardSpec):
+            raise TypeError(f"shard_specs[{name!r}] must be a muonfn.distributed.ShardSpec, got {spec!r}")
+    return ShardSums(collectives, specs)
