@@ -17,6 +17,19 @@ _WIDE = (torch.float32, torch.float64)
 _NARROW = (torch.bfloat16, torch.float16)
 
 
+def second_moment_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype squares of a leaf of ``dtype`` are computed and kept in (second moments): the
+    leaf's own, but fp32 for fp16. fp16's range stops at 6e-8: the square of an entry below
+    2.4e-4 is zero there, of one below 7.8e-3 subnormal, and an epsilon such as 1e-8 rounds to
+    zero, so a second moment kept in fp16 divides by zero. bf16 has fp32's range."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
+def widened(tensors: Tensors) -> list[torch.Tensor]:
+    """``tensors`` with the fp16 ones in fp32 (see :func:`second_moment_dtype`); the others as they are."""
+    return [t.float() if t.dtype == torch.float16 else t for t in tensors]
+
+
 def _is_dtensor(t: torch.Tensor) -> bool:
     return hasattr(t, "placements")
 

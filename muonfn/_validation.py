@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeAlias
@@ -26,44 +25,39 @@ def _value(name: str, v: Scalar) -> float:
             )
         if v.is_complex() or v.dtype == torch.bool:
             raise TypeError(f"{name} must be a real float or a 0-d real tensor, got a {v.dtype} tensor")
+        if v.is_meta:
+            raise ValueError(f"{name} is a tensor on the meta device, which holds no value")
         return float(v.detach().cpu())
     if isinstance(v, bool) or not isinstance(v, int | float):
         raise TypeError(f"{name} must be a float or a 0-d tensor, got {type(v).__name__}")
     return float(v)
 
 
-def _is_schedule(v: object) -> bool:
-    return callable(v) and not isinstance(v, torch.Tensor)
-
-
-def non_negative(name: str, v: ScalarOrSchedule) -> None:
-    """Learning rates and weight decays: ``v >= 0`` (schedules: see :func:`checked_schedule`)."""
-    if _is_schedule(v):
-        return
-    x = _value(name, v)  # type: ignore[arg-type]
+def non_negative(name: str, v: Scalar) -> None:
+    """Learning rates and weight decays given as values: ``v >= 0`` (a schedule's results are
+    checked by :func:`schedule_value`)."""
+    x = _value(name, v)
     if not (math.isfinite(x) and x >= 0):
         raise ValueError(f"{name} must be finite and >= 0, got {v!r}")
 
 
-def checked_schedule(name: str, schedule: Schedule) -> Schedule:
-    """``schedule`` whose Python-number results are checked (finite, ``>= 0``) at every call.
+def schedule_value(where: str, value: object) -> Scalar:
+    """The result of a schedule, checked at every call; ``where`` names the schedule.
 
-    A tensor result is passed through: checking it would read it back from the device and
-    stall the step (and break ``torch.compile(fullgraph=True)``).
+    A Python number must be finite and ``>= 0``. Of a tensor only what needs no read-back is
+    checked, its dtype here (real: no bool, no complex, as for a tensor given as the value
+    itself) and its shape and device where the leaves are known: reading its value would wait
+    for the device and stall the step (and break ``torch.compile(fullgraph=True)``).
     """
-
-    @functools.wraps(schedule)
-    def call(count: torch.Tensor) -> Scalar:
-        value = schedule(count)
-        if isinstance(value, torch.Tensor):
-            return value
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise TypeError(f"the {name} schedule must return a float or a 0-d tensor, got {type(value).__name__}")
-        if not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"the {name} schedule returned {value!r}; it must be finite and >= 0")
+    if isinstance(value, torch.Tensor):
+        if value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{where} must return a float or a 0-d real tensor, got a {value.dtype} tensor")
         return value
-
-    return call
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{where} must return a float or a 0-d tensor, got {type(value).__name__}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{where} returned {value!r}; it must be finite and >= 0")
+    return value
 
 
 def unit_interval(name: str, v: Scalar) -> float:

@@ -44,6 +44,16 @@ BAD_HYPERPARAMETERS: dict[str, tuple[Callable[[], object], type[Exception], str]
         ValueError,
         r"learning rate must be a float or a 0-d tensor, got a tensor of shape \(1, 1\)",
     ),
+    "lr on the meta device": (
+        lambda: muonfn.muon(lr=torch.tensor(0.01, device="meta")),
+        ValueError,
+        r"learning rate is a tensor on the meta device, which holds no value",
+    ),
+    "weight_decay schedule": (
+        lambda: muonfn.muon(weight_decay=lambda count: 0.1),  # type: ignore[arg-type]
+        TypeError,
+        r"weight_decay must be a float or a 0-d tensor, got function",
+    ),
     "momentum 1-element tensor": (
         lambda: muonfn.muon(momentum=torch.tensor([0.9])),
         ValueError,
@@ -416,29 +426,54 @@ def test_apply_updates_in_place_checks_every_update_before_writing_any(bad: str)
 # --- schedules, checked when called -------------------------------------------------------------------------
 
 
+# each schedule as its error names it: (preset, the option scheduled) -> the name
+SCHEDULED = {
+    "adamw lr": (muonfn.adamw, "lr", "the learning rate schedule"),
+    "muon lr": (muonfn.muon, "lr", "the learning rate schedule of branch 'muon'"),
+    "muon adamw_lr": (muonfn.muon, "adamw_lr", "the learning rate schedule of branch 'adamw'"),
+    "adamuon lr": (muonfn.adamuon, "lr", "the learning rate schedule of branch 'muon'"),
+}
+
+
+@pytest.mark.parametrize("scheduled", sorted(SCHEDULED))
 @pytest.mark.parametrize(
     ("value", "error", "match"),
     [
-        (float("nan"), ValueError, r"the learning rate schedule returned nan; it must be finite and >= 0"),
-        (-0.1, ValueError, r"the learning rate schedule returned -0.1; it must be finite and >= 0"),
-        (float("inf"), ValueError, r"the learning rate schedule returned inf"),
-        ("0.1", TypeError, r"the learning rate schedule must return a float or a 0-d tensor, got str"),
+        (float("nan"), ValueError, r"{schedule} returned nan; it must be finite and >= 0"),
+        (-0.1, ValueError, r"{schedule} returned -0.1; it must be finite and >= 0"),
+        (float("inf"), ValueError, r"{schedule} returned inf"),
+        ("0.1", TypeError, r"{schedule} must return a float or a 0-d tensor, got str"),
+        (torch.tensor([0.1]), ValueError, r"{schedule} returned a tensor of shape \(1,\); it must be 0-d"),
         (
-            torch.tensor([0.1]),
+            torch.tensor(True),
+            TypeError,
+            r"{schedule} must return a float or a 0-d real tensor, got a torch.bool tensor",
+        ),
+        (
+            torch.tensor(0.1 + 0j),
+            TypeError,
+            r"{schedule} must return a float or a 0-d real tensor, got a torch.complex64 tensor",
+        ),
+        (
+            torch.tensor(0.1, device="meta"),  # once used as it was: no learning rate, and uphill
             ValueError,
-            r"the learning rate schedule returned a tensor of shape \(1,\); it must be 0-d",
+            r"{schedule} returned a tensor on meta, the parameters are on cpu; it must be on their device, "
+            r"or a 0-d tensor on the CPU",
         ),
     ],
-    ids=["nan", "negative", "inf", "str", "1-element tensor"],
+    ids=["nan", "negative", "inf", "str", "1-element tensor", "bool tensor", "complex tensor", "meta tensor"],
 )
-def test_a_bad_schedule_value_is_rejected_when_called(value: object, error: type[Exception], match: str) -> None:
+def test_a_bad_schedule_value_is_rejected_when_called(
+    value: object, error: type[Exception], match: str, scheduled: str
+) -> None:
+    preset, option, name = SCHEDULED[scheduled]
     p = params()
-    for tx in (muonfn.adamw(lr=lambda count: value), muonfn.muon(lr=lambda count: value)):  # type: ignore[arg-type, return-value]
-        state = tx.init(p)
-        before = state.clone()
-        with pytest.raises(error, match=match):
-            tx.update(p.apply(torch.ones_like), state, p)
-        assert_td_equal(state, before)
+    tx = preset(**{option: lambda count: value})  # type: ignore[operator]
+    state = tx.init(p)
+    before = state.clone()
+    with pytest.raises(error, match=match.format(schedule=re.escape(name))):
+        tx.update(p.apply(torch.ones_like), state, p)
+    assert_td_equal(state, before)
 
 
 def test_decay_without_params() -> None:

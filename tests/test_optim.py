@@ -984,6 +984,33 @@ def test_one_element_tensors_are_numbers_in_groups_and_schedulers():
         opt.step()
 
 
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        (torch.tensor(True), TypeError, r"param group 0: lr must be a real number, got a torch.bool tensor"),
+        (torch.tensor(0.1 + 0j), TypeError, r"param group 0: lr must be a real number, got a torch.complex64 tensor"),
+        (
+            torch.tensor(0.1, device="meta"),
+            ValueError,
+            r"param group 0: lr is a tensor on the meta device, which holds no value",
+        ),
+    ],
+    ids=["bool", "complex", "meta"],
+)
+def test_a_group_lr_that_is_no_real_number_is_refused_before_the_step(value, error, match):
+    """As the functional presets refuse the same tensors as lr=: not read as 1.0, 0.1 or a crash."""
+    model = mlp()
+    opt = Muon(model.named_parameters(), **HP)
+    shim_steps(model, opt, batches(1))
+    opt.param_groups[0]["lr"] = value
+    loss_of(model, *batches(1, seed=5)[0]).backward()
+    params, state = params_of(model), opt.functional_state.clone()
+    with pytest.raises(error, match=match):
+        opt.step()
+    assert_bitwise(TensorDict.from_module(model), params)
+    assert_bitwise(opt.functional_state, state)
+
+
 # ---------------------------------------------------------------------------- stepping in parts
 
 

@@ -71,6 +71,8 @@ def test_defaults_are_the_presets(variant):
         ("adamuon", OPTIONS["adamuon"], torch.float32, 6),
         ("normuon", {}, torch.bfloat16, 4),
         ("adamuon", OPTIONS["adamuon"], torch.bfloat16, 4),
+        ("normuon", {}, torch.float16, 4),  # second moments in fp32
+        ("adamuon", OPTIONS["adamuon"], torch.float16, 4),
     ],
 )
 def test_matches_the_preset_bit_for_bit_under_an_lr_schedule(variant, options, dtype, steps):
@@ -154,6 +156,40 @@ def test_state_dict_round_trip_continues_bit_for_bit(variant, options, names):
     shim_steps(resumed, opt2, data[4:])
     assert_bitwise(TensorDict.from_module(resumed), TensorDict.from_module(model))
     assert_bitwise(opt2.functional_state, opt.functional_state)
+
+
+@pytest.mark.parametrize("variant", ["normuon", "adamuon"])
+def test_the_fp32_second_moments_of_fp16_parameters_round_trip(variant, tmp_path):
+    """Kept in fp32 (fp16 cannot hold the squares): state_dict and muonfn.save keep them fp32, and
+    a resumed run continues bit for bit."""
+    data = batches(6, dtype=torch.float16)
+    model = mlp(dtype=torch.float16)
+    opt = Muon(model.named_parameters(), variant=variant, **HP)
+    shim_steps(model, opt, data[:3])
+    moment = "row_second_moment" if variant == "normuon" else "exp_avg_sq"
+    dtypes = {name: t.dtype for name, t in opt.state[model[0].weight].items()}
+    assert dtypes == {"momentum_buffer": torch.float16, moment: torch.float32}
+    assert {name: t.dtype for name, t in opt.state[model[0].bias].items()} == {
+        "step": torch.int64,
+        "exp_avg": torch.float16,
+        "exp_avg_sq": torch.float32,
+    }
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "checkpoint.pt")
+    muonfn.save(opt.functional_state, tmp_path / "state.pt")
+    shim_steps(model, opt, data[3:])
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert checkpoint["optimizer"]["state"][0][moment].dtype == torch.float32
+    resumed = mlp(seed=7, dtype=torch.float16)
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_opt = Muon(resumed.named_parameters(), variant=variant, **HP)
+    resumed_opt.load_state_dict(checkpoint["optimizer"])
+    loaded = muonfn.load(tmp_path / "state.pt", like=resumed_opt.functional_state)
+    assert_bitwise(resumed_opt.functional_state, loaded)
+    shim_steps(resumed, resumed_opt, data[3:])
+    assert_bitwise(TensorDict.from_module(resumed), TensorDict.from_module(model))
+    assert_bitwise(resumed_opt.functional_state, opt.functional_state)
 
 
 def test_param_state_of_a_variant_writes_through_and_checks():

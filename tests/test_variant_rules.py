@@ -43,3 +43,20 @@ def test_a_tensor_beta_weighs_as_a_float_in_bf16(make, vmap):
     as_tensor = steps(make(torch.tensor(BETA)), params, vmap=vmap)
     for a, b in zip(as_tensor, as_float):
         assert_bitwise(a, b)
+
+
+def test_a_tensor_beta_changed_in_place_is_read_by_the_average_and_its_bias_correction():
+    """V_t = β V_{t-1} + (1-β) O², divided by 1 - β^t, with β read at each step for both."""
+    beta = torch.tensor(0.5, dtype=torch.float64)
+    tx = muonfn.scale_by_element_rms(beta, bias_correction=True, rescale="none", eps=1e-30)
+    params = TensorDict({"w": torch.zeros(3, 4, dtype=torch.float64)}, [])
+    g = torch.Generator().manual_seed(0)
+    first, second = (torch.randn(3, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    state = tx.init(params)
+    _, state = tx.update(TensorDict({"w": first}, []), state)
+    beta.fill_(0.9)
+    updates, state = tx.update(TensorDict({"w": second}, []), state)
+    moment = 0.9 * (0.5 * first.square()) + 0.1 * second.square()
+    assert torch.allclose(state["exp_avg_sq", "w"], moment, rtol=1e-12, atol=0)
+    expected = second / (moment / (1 - 0.9**2)).sqrt()
+    assert torch.allclose(updates["w"], expected, rtol=1e-12, atol=0)

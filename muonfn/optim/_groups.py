@@ -218,12 +218,16 @@ def index_slots(groups: Sequence[Mapping[str, Any]], keys: Mapping[torch.Tensor,
 
 
 def group_value(group_index: int, name: str, value: Any) -> float:
-    """A group's number as a float; like torch, any one-element tensor is a number here."""
+    """A group's number as a float; like torch, any one-element real tensor is a number here."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(
                 f"param group {group_index}: {name} must be a number, got a tensor of shape {tuple(value.shape)}"
             )
+        if value.dtype == torch.bool or value.is_complex():
+            raise TypeError(f"param group {group_index}: {name} must be a real number, got a {value.dtype} tensor")
+        if value.is_meta:
+            raise ValueError(f"param group {group_index}: {name} is a tensor on the meta device, which holds no value")
         return float(value)
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"param group {group_index}: {name} must be a number, got {type(value).__name__}")

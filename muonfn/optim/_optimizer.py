@@ -623,7 +623,8 @@ class Muon(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a :meth:`state_dict` (torch's format); on any mismatch raises naming the parameter and changes nothing.
 
-        As in torch, state tensors are cast to their parameter's dtype and device, except
+        As in torch, state tensors are cast to their parameter's dtype and device (the second
+        moments of an fp16 parameter to fp32, the dtype this optimizer keeps them in), except
         the integer ``"step"`` counts, which come back exact, and the saved groups are
         deep-copied. The saved hyperparameters replace the current ones; groups keep their
         parameters and routes, and take the saved ``param_names`` when they have none.
@@ -668,7 +669,8 @@ class Muon(torch.optim.Optimizer):
 
         Load them into ``torch.optim.Muon`` built with this optimizer's Muon groups and
         ``torch.optim.AdamW`` with its AdamW groups, in order (``use_muon`` says which).
-        State tensors are copies, bit for bit; ``step`` is torch's float count. Raises naming
+        State tensors are copies, bit for bit (the second moments of fp16 parameters in fp32,
+        which torch's ``load_state_dict`` rounds to fp16); ``step`` is torch's float count. Raises naming
         the group or parameter whose settings torch's optimizers cannot run (a schedule of
         several triples or a norm factor, a scale mode other than ``"original"`` and
         ``"match_rms_adamw"``, ``extra_scale``, views, a weight-decay mask inside a decayed

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 def loaded_value(name: str, torch_name: str, value: Any, like: torch.Tensor) -> torch.Tensor:
     """A state_dict entry cast as ``torch.optim`` casts it (to ``like``'s dtype and device: its
-    parameter's, but for a step count, which must be a whole number)."""
+    parameter's, but fp32 for the second moment of an fp16 parameter, and an int64 step count,
+    which must be a whole number)."""
     if torch_name == "step":
         if isinstance(value, torch.Tensor) and value.numel() != 1:
             raise ValueError(f"load_state_dict: parameter {name} has a step of shape {tuple(value.shape)}")

@@ -12,7 +12,7 @@ from .. import _lists
 from .._tree import Leaves
 from .._validation import Scalar, check_params, flag, positive, unit_interval
 from ._base import Rule, Scope, Transform, from_rule, per_leaf_needs
-from ._momentum import bias_corrections, cast_zero_dim, count_steps, leaf_factors
+from ._momentum import bias_corrections, cast_like, count_steps, leaf_factors
 from ._state import EXP_AVG, EXP_AVG_SQ, STEP
 
 AdamNesterov: TypeAlias = bool | Literal["timm"]
@@ -48,6 +48,11 @@ def scale_by_adam(
     :math:`a = (1-\beta_1^t)/\sqrt{1-\beta_2^t}` and :math:`b = \epsilon(1-\beta_1^t)` per
     leaf in fp64: the same value, one pass over the leaves less than dividing in turn.
 
+    Moments are kept in the leaf's dtype, but :math:`v` of an fp16 leaf in fp32: fp16 cannot
+    hold the square of an entry below 2.4e-4, nor an :math:`\epsilon` of 1e-8 (both round to
+    zero, and the quotient to inf or nan). Such a leaf's denominator and quotient are computed
+    in fp32 and the update rounded once to fp16.
+
     Args:
         b1: :math:`\beta_1` in [0, 1), a float or a 0-d tensor read once, when the transform
             is built (the bias corrections are precomputed from it).
@@ -58,7 +63,8 @@ def scale_by_adam(
         donate_state: update the state in place (see :func:`ema_momentum`).
 
     Returns:
-        A :class:`Transform` with state ``{"step": int64 per leaf, "exp_avg": m, "exp_avg_sq": v}``.
+        A :class:`Transform` with state ``{"step": int64 per leaf, "exp_avg": m, "exp_avg_sq": v}``
+        (``v`` in fp32 for fp16 leaves).
     """
     b1, b2 = unit_interval("b1", b1), unit_interval("b2", b2)
     if not (isinstance(nesterov, bool) or nesterov == "timm"):
@@ -77,7 +83,7 @@ def scale_by_adam(
                 # bias corrections combine with its moments even when params live on several meshes
                 STEP: params.apply(lambda p: p.new_zeros(members, dtype=torch.int64)),
                 EXP_AVG: params.apply(torch.zeros_like),
-                EXP_AVG_SQ: params.apply(torch.zeros_like),
+                EXP_AVG_SQ: params.apply(lambda p: torch.zeros_like(p, dtype=_lists.second_moment_dtype(p.dtype))),
             },
             batch_size=params.batch_size,
         )
@@ -103,13 +109,14 @@ def scale_by_adam(
         if not nesterov:
             # m / ((√v/√(1−β₂ᵗ) + ε)(1−β₁ᵗ)) = m / (a√v + b), a = (1−β₁ᵗ)/√(1−β₂ᵗ), b = ε(1−β₁ᵗ):
             # one pass over the leaves less; the quotient is written over its denominator
-            # where nothing records it
+            # where nothing records it. The factors take the dtype of the root they meet (fp32
+            # for an fp16 leaf's).
             first = counts.corrections(log_b1)
-            scale = leaf_factors(first.div(counts.corrections(log_b2).sqrt()), g, members)
-            denom = _lists.apply_("add", divide("mul", root, scale), leaf_factors(first.mul(eps), g, members))
+            scale = leaf_factors(first.div(counts.corrections(log_b2).sqrt()), exp_avg_sq, members)
+            denom = _lists.apply_("add", divide("mul", root, scale), leaf_factors(first.mul(eps), exp_avg_sq, members))
             overwrite = _lists.may_overwrite(exp_avg) and _lists.may_overwrite(denom)
-            return dict(zip(keys, cast_zero_dim(_lists.quotients(exp_avg, denom, overwrite=overwrite), g)))
-        root_correction = bias_corrections(counts, log_b2, g, members, then=torch.sqrt)
+            return dict(zip(keys, cast_like(_lists.quotients(exp_avg, denom, overwrite=overwrite), g)))
+        root_correction = bias_corrections(counts, log_b2, exp_avg_sq, members, then=torch.sqrt)
         denom = _lists.apply_("add", divide("div", root, root_correction), eps)
         if nesterov == "timm":
             look_ahead = _lists.lerp(exp_avg, g, 1.0 - b1)
@@ -120,7 +127,9 @@ def scale_by_adam(
             grad_weight = leaf_factors(counts.corrections(log_b1).reciprocal().mul(1.0 - b1), g, members)
             updates = _lists.apply("mul", exp_avg, moment_weight)
             updates = _lists.apply_("add", updates, _lists.apply("mul", g, grad_weight))
-        return dict(zip(keys, cast_zero_dim(_lists.apply_("div", updates, denom), g)))
+        # (into the numerators, unless an fp16 leaf's quotient is to be taken in its fp32 denominator's dtype)
+        same = all(u.dtype == d.dtype for u, d in zip(updates, denom))
+        return dict(zip(keys, cast_like((_lists.apply_ if same else _lists.apply)("div", updates, denom), g)))
 
-    needs = per_leaf_needs("scale_by_adam", (EXP_AVG, EXP_AVG_SQ), (STEP,))
+    needs = per_leaf_needs("scale_by_adam", (EXP_AVG, EXP_AVG_SQ), (STEP,), squares=(EXP_AVG_SQ,))
     return from_rule(init, Rule("scale_by_adam", update, needs))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from tensordict import TensorDict, TensorDictBase
 
@@ -14,7 +12,7 @@ from .._validation import Scalar, check_params, flag, positive, unit_interval
 from ..linalg import MatrixView
 from ._arithmetic import one_minus
 from ._base import Rule, Scope, StructureCache, Transform, from_rule, per_leaf_needs
-from ._momentum import bias_corrections, count_steps
+from ._momentum import as64, bias_corrections, cast_like, count_steps
 from ._normuon import _refuse_sharded
 from ._orthogonalize import ViewsLike, check_views, resolve_views
 from ._rescale import Rescale, check_rescale, rescaled
@@ -45,10 +43,14 @@ def scale_by_element_rms(
 
     Place it after :func:`orthogonalize` (with ``scale="none"``) and before the shape scale.
     The adaptation is element-wise, but the rescaling needs whole matrices: sharded leaves
-    are refused.
+    are refused. An fp16 leaf is adapted in fp32 (:math:`V` kept in fp32: fp16 cannot hold
+    the square of an entry below 2.4e-4, nor an :math:`\epsilon` of 1e-10) and its update
+    rounded once to fp16.
 
     Args:
-        beta: :math:`\beta`, a float or a 0-d tensor in [0, 1).
+        beta: :math:`\beta`, a float or a 0-d tensor in [0, 1); a tensor is read at every
+            update, by the moving average and its bias correction alike (change it in place
+            between steps).
         eps: :math:`\epsilon > 0`.
         bias_correction: divide :math:`V_t` by :math:`1-\beta^t`, :math:`t` counting the
             leaf's updates; the state then also counts steps.
@@ -57,8 +59,8 @@ def scale_by_element_rms(
         donate_state: update the state in place (see :func:`ema_momentum`).
 
     Returns:
-        A :class:`Transform` with state ``{"exp_avg_sq": V}`` shaped like the params (and
-        ``{"step": int64 per leaf}`` with ``bias_correction``).
+        A :class:`Transform` with state ``{"exp_avg_sq": V}`` shaped like the params, in their
+        dtype but fp32 for fp16 leaves (and ``{"step": int64 per leaf}`` with ``bias_correction``).
 
     Example:
         >>> params = TensorDict({"w": torch.zeros(2, 2)}, [])
@@ -68,14 +70,16 @@ def scale_by_element_rms(
         tensor([[ 1., -1.],
                 [ 1.,  1.]])
     """
-    beta_value = unit_interval("beta", beta)
+    unit_interval("beta", beta)
     positive("eps", eps)
     eps = float(eps)
     check_rescale("scale_by_element_rms", rescale)
     check_views("scale_by_element_rms: views", views)
     flag("scale_by_element_rms: bias_correction", bias_correction)
     flag("scale_by_element_rms: donate_state", donate_state)
-    log_beta = math.log(beta_value) if beta_value > 0 else -math.inf
+    # log β as ema_momentum's bias correction takes it (-inf for β = 0: then β^t = 0), so that a
+    # float and a tensor holding it give the same bits
+    fixed_log_beta = None if isinstance(beta, torch.Tensor) else as64(beta).log()
 
     views_of = StructureCache()
 
@@ -84,7 +88,7 @@ def scale_by_element_rms(
         keys, values = _tree.leaf_keys(params), _tree.leaves(params)
         for key, p, view in zip(keys, values, resolve_views(views, keys, values, members=params.batch_dims)):
             view.check(key, p.shape)
-        state = {EXP_AVG_SQ: params.apply(torch.zeros_like)}
+        state = {EXP_AVG_SQ: params.apply(lambda p: torch.zeros_like(p, dtype=_lists.second_moment_dtype(p.dtype)))}
         if bias_correction:
             members = params.batch_size
             state[STEP] = params.apply(lambda p: p.new_zeros(members, dtype=torch.int64))
@@ -97,9 +101,10 @@ def scale_by_element_rms(
         return leaf_views
 
     def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
-        keys, values = list(grads), list(grads.values())
-        leaf_views = views_of.get(grads, scope.batch_size, lambda: checked_views(keys, values, scope.members))
-        _refuse_sharded(keys, values)
+        keys, given = list(grads), list(grads.values())
+        leaf_views = views_of.get(grads, scope.batch_size, lambda: checked_views(keys, given, scope.members))
+        _refuse_sharded(keys, given)
+        values = _lists.widened(given)  # an fp16 leaf adapted in fp32
         squares = _lists.apply("mul", values, values)
         exp_avg_sq = _lists.lerp(scope.read(EXP_AVG_SQ, keys), squares, one_minus(beta), inplace=donate_state)
         scope.write(EXP_AVG_SQ, keys, exp_avg_sq)
@@ -107,6 +112,7 @@ def scale_by_element_rms(
         if bias_correction:
             counts = count_steps(scope.read(STEP, keys), inplace=donate_state)
             scope.write(STEP, keys, counts.leaves)
+            log_beta = as64(beta).log() if fixed_log_beta is None else fixed_log_beta
             correction = bias_corrections(counts, log_beta, values, scope.members)
             root = _lists.apply("div", exp_avg_sq, correction)
         roots = _lists.apply("sqrt", root)
@@ -114,13 +120,15 @@ def scale_by_element_rms(
         denom = (_lists.apply_ if _lists.may_overwrite(roots) else _lists.apply)("add", roots, eps)
         adapted = _lists.apply("div", values, denom)
         if rescale == "none":
-            return dict(zip(keys, adapted))
+            return dict(zip(keys, cast_like(adapted, given)))
         out = []
         for o, u, view in zip(values, adapted, leaf_views):
             blocks = view.to_matrices(u)
             befores = view.to_matrices(o) if rescale == "preserve_norm" else blocks
             out.append(view.from_matrices([rescaled(b, a, rescale, eps) for b, a in zip(blocks, befores)], o.shape))
-        return dict(zip(keys, out))
+        return dict(zip(keys, cast_like(out, given)))
 
-    needs = per_leaf_needs("scale_by_element_rms", (EXP_AVG_SQ,), (STEP,) if bias_correction else ())
+    needs = per_leaf_needs(
+        "scale_by_element_rms", (EXP_AVG_SQ,), (STEP,) if bias_correction else (), squares=(EXP_AVG_SQ,)
+    )
     return from_rule(init, Rule("scale_by_element_rms", update, needs))

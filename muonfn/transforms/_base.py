@@ -125,11 +125,13 @@ class Needs:
 
     ``entries``: top-level entries a scope must hold (``(where, scope prefix, names)``);
     ``like``: state leaves that must exist with their gradients' shapes and dtypes (``(where,
-    state keys, gradient keys)``); ``counts``: step counts that must exist as int64 tensors of
-    the batch size, one count per ensemble member (``(where, state keys)``); ``shaped``: state
-    leaves that must exist with a given shape and the gradient's dtype (statistics of a leaf,
-    such as one per row); ``params``: whether ``params`` are required. State keys are full
-    (prefixed) keys; ``where`` names the transform that reads them.
+    state keys, gradient keys, squares)``, ``squares``: second moments, whose dtype is
+    :func:`~muonfn._lists.second_moment_dtype` of the gradient's); ``counts``: step counts that
+    must exist as int64 tensors of the batch size, one count per ensemble member (``(where,
+    state keys)``); ``shaped``: state leaves that must exist with a given shape (second-moment
+    statistics of a leaf, such as one per row, in the gradient's second-moment dtype);
+    ``params``: whether ``params`` are required. State keys are full (prefixed) keys;
+    ``where`` names the transform that reads them.
     """
 
     __slots__ = ("batch_size", "counts", "entries", "like", "params", "shaped")
@@ -137,7 +139,7 @@ class Needs:
     def __init__(self, batch_size: torch.Size) -> None:
         self.batch_size = batch_size
         self.entries: list[tuple[str, Key, Sequence[str]]] = []
-        self.like: list[tuple[str, Sequence[Key], Sequence[Key]]] = []
+        self.like: list[tuple[str, Sequence[Key], Sequence[Key], bool]] = []
         self.counts: list[tuple[str, Sequence[Key]]] = []
         self.shaped: list[tuple[str, Key, Key, tuple[int, ...]]] = []
         self.params: list[str] = []
@@ -170,22 +172,27 @@ class Needs:
                         f"{where}: state entry {dotted(key)!r} must be an int64 step count of shape "
                         f"{tuple(self.batch_size)}, got dtype {count.dtype} and shape {tuple(count.shape)}"
                     )
-        for where, keys, grad_keys in self.like:
-            _check_like(where, keys, grad_keys, state, grads)
+        for where, keys, grad_keys, squares in self.like:
+            _check_like(where, keys, grad_keys, state, grads, squares=squares)
         for where, key, grad_key, shape in self.shaped:
             s = state.get(key)
             if s is None:
                 raise ValueError(f"{where}: state has no entry {dotted(key)!r}; was it made by this transform's init?")
             g = grads[grad_key]
-            if tuple(s.shape) != shape or s.dtype != g.dtype:
+            dtype = _lists.second_moment_dtype(g.dtype)
+            if tuple(s.shape) != shape or s.dtype != dtype:
                 raise ValueError(
                     f"{where}: gradient {dotted(grad_key)!r} of shape {tuple(g.shape)} and dtype {g.dtype} does not "
-                    f"fit its state {dotted(key)!r} of shape {tuple(s.shape)} and dtype {s.dtype}"
+                    f"fit its state {dotted(key)!r} of shape {tuple(s.shape)} and dtype {s.dtype} "
+                    f"(expected {shape} and {dtype})"
                 )
 
 
-def _check_like(where: str, keys: Sequence[Key], grad_keys: Sequence[Key], state: FlatState, grads: Leaves) -> None:
-    """Each state leaf of ``keys`` must exist with its gradient's shape and dtype."""
+def _check_like(
+    where: str, keys: Sequence[Key], grad_keys: Sequence[Key], state: FlatState, grads: Leaves, *, squares: bool
+) -> None:
+    """Each state leaf of ``keys`` must exist with its gradient's shape and dtype (for ``squares``,
+    second moments, the dtype squares of the gradient are kept in)."""
     for key, grad_key in zip(keys, grad_keys):
         s = state.get(key)
         if s is None:
@@ -198,8 +205,15 @@ def _check_like(where: str, keys: Sequence[Key], grad_keys: Sequence[Key], state
             raise ValueError(
                 f"{where}: gradient {dotted(grad_key)!r} has shape {tuple(g.shape)}, expected {tuple(s.shape)}"
             )
-        if s.dtype != g.dtype:
+        expected = _lists.second_moment_dtype(g.dtype) if squares else g.dtype
+        if s.dtype == expected:
+            continue
+        if not squares or (expected == g.dtype and _lists.second_moment_dtype(s.dtype) == s.dtype):
             raise ValueError(f"{where}: gradient {dotted(grad_key)!r} has dtype {g.dtype}, expected {s.dtype}")
+        raise ValueError(
+            f"{where}: gradient {dotted(grad_key)!r} of dtype {g.dtype} does not fit its state {dotted(key)!r} "
+            f"of dtype {s.dtype}: the second moment of a {g.dtype} leaf is kept in {expected}"
+        )
 
 
 class Rule(NamedTuple):
@@ -219,14 +233,17 @@ def no_needs(grads: Leaves, params: Leaves | None, prefix: Key, needs: Needs) ->
     """The :attr:`Rule.needs` of a rule that reads no state and no params."""
 
 
-def per_leaf_needs(name: str, entries: Sequence[str], counts: Sequence[str] = ()) -> Callable[..., None]:
-    """The :attr:`Rule.needs` of a rule keeping ``entries`` shaped like each leaf and
-    ``counts`` (one int64 per leaf) in its state."""
+def per_leaf_needs(
+    name: str, entries: Sequence[str], counts: Sequence[str] = (), *, squares: Sequence[str] = ()
+) -> Callable[..., None]:
+    """The :attr:`Rule.needs` of a rule keeping ``entries`` shaped like each leaf (those of
+    ``squares`` second moments, see :func:`~muonfn._lists.second_moment_dtype`) and ``counts``
+    (one int64 per leaf) in its state."""
 
     def needs(grads: Leaves, params: Leaves | None, prefix: Key, out: Needs) -> None:
         out.entries.append((name, prefix, (*entries, *counts)))
         for entry in entries:
-            out.like.append((name, _entry_keys((*prefix, entry), grads), list(grads)))
+            out.like.append((name, _entry_keys((*prefix, entry), grads), list(grads), entry in squares))
         for entry in counts:
             out.counts.append((name, _entry_keys((*prefix, entry), grads)))
 

@@ -6,26 +6,51 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from .. import _lists
-from .._keys import Key
+from .._keys import Key, dotted
 from .._tree import Leaves
-from .._validation import Scalar, ScalarOrSchedule, checked_schedule, flag, non_negative
+from .._validation import Scalar, ScalarOrSchedule, flag, non_negative, schedule_value
 from ._arithmetic import neg
 from ._base import Needs, Rule, Scope, Transform, empty_state, from_rule, no_needs
 from ._momentum import per_member
 from ._state import COUNT
 
 
-def _scaled(grads: Leaves, lr: Scalar, members: int, batch_size: torch.Size, *, inplace: bool) -> Leaves:
+def _named(prefix: Key, *, scheduled: bool) -> str:
+    """The learning rate (or its schedule) of the state scope ``prefix``: a preset's branch."""
+    name = "the learning rate schedule" if scheduled else "the learning rate"
+    return f"{name} of branch {dotted(prefix)!r}" if prefix else name
+
+
+def _check_tensor(lr: torch.Tensor, values: list[torch.Tensor], scope: Scope, *, scheduled: bool) -> None:
+    """A tensor learning rate must be 0-d (or one value per ensemble member) and where the
+    leaves are: on their device, or a 0-d tensor on the CPU, which meets any device's tensors
+    as a number does. Only metadata is read: no wait for the device."""
+    members, batch_size = scope.members, scope.batch_size
+    if lr.ndim and (not members or lr.shape != batch_size):
+        raise ValueError(
+            f"{_named(scope.prefix, scheduled=scheduled)} returned a tensor of shape {tuple(lr.shape)}; it must be 0-d"
+            + (f" or of the ensemble's batch size {tuple(batch_size)}" if members else "")
+        )
+    if lr.ndim == 0 and lr.device.type == "cpu":
+        return
+    device = lr.device
+    stray = next((v.device for v in values if v.device != device), None)
+    if stray is not None:
+        verb = "returned" if scheduled else "is"
+        raise ValueError(
+            f"{_named(scope.prefix, scheduled=scheduled)} {verb} a tensor on {device}, the parameters are on "
+            f"{stray}; it must be on their device, or a 0-d tensor on the CPU"
+        )
+
+
+def _scaled(grads: Leaves, lr: Scalar, scope: Scope, *, inplace: bool, scheduled: bool) -> Leaves:
     """``grads * -lr`` for ``lr`` a number, a 0-d tensor, or one value per ensemble member."""
     keys, values = list(grads), list(grads.values())
+    if isinstance(lr, torch.Tensor):
+        _check_tensor(lr, values, scope, scheduled=scheduled)
     inplace = inplace and _lists.may_overwrite(values, lr)
     if isinstance(lr, torch.Tensor) and lr.ndim:
-        if not members or lr.shape != batch_size:
-            raise ValueError(
-                f"the learning rate schedule returned a tensor of shape {tuple(lr.shape)}; it must be 0-d"
-                + (f" or of the ensemble's batch size {tuple(batch_size)}" if members else "")
-            )
-        factors = per_member([lr.neg()] * len(values), values, members)
+        factors = per_member([lr.neg()] * len(values), values, scope.members)
         out = _lists.apply_("mul", values, factors) if inplace else _lists.apply("mul", values, factors)
     else:
         out = _lists.scale(values, neg(lr), inplace=inplace)
@@ -39,9 +64,12 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, inplace: bool = F
         learning_rate: a float, a 0-d tensor (change it in place between steps: no
             recompilation), or a schedule ``step -> lr`` called with the 0-d int64 count of
             previous updates (state ``{"count": ...}`` then). A schedule that returns a
-            Python number is checked at each call (finite, ``>= 0``); a tensor it returns
-            is used as it is, since reading it would wait for the device (only its shape is
-            checked: 0-d, or for a stacked ensemble one value per member, as its count is).
+            Python number is checked at each call (finite, ``>= 0``). Of a tensor it returns
+            only what needs no read-back from the device is checked: a real dtype (no bool,
+            no complex), 0-d (for a stacked ensemble, or one value per member, as its count
+            is), on the leaves' device or a 0-d tensor on the CPU. A tensor given as
+            ``learning_rate`` is checked alike (its device at each update). The errors name
+            the branch of a preset (``"muon"``, ``"adamw"``) the learning rate belongs to.
         inplace: scale the incoming updates in place (same bits, no new tensors) unless
             autograd records them or a ``torch.func`` transform is active: only after a
             transform that returns fresh tensors, as every preset's direction does.
@@ -49,11 +77,9 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, inplace: bool = F
     Returns:
         A :class:`Transform`, stateless unless ``learning_rate`` is a schedule.
     """
-    non_negative("learning rate", learning_rate)
     flag("scale_by_learning_rate: inplace", inplace)
-
     if callable(learning_rate) and not isinstance(learning_rate, torch.Tensor):
-        schedule = checked_schedule("learning rate", learning_rate)
+        schedule = learning_rate
 
         def init(params: TensorDictBase) -> TensorDictBase:
             device = next(iter(params.values(True, True)), torch.empty(0)).device
@@ -64,17 +90,19 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, inplace: bool = F
 
         def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
             count = scope.get(COUNT)
+            lr = schedule_value(_named(scope.prefix, scheduled=True), schedule(count))
             scope.set(COUNT, count + 1)
-            return _scaled(grads, schedule(count), scope.members, scope.batch_size, inplace=inplace)
+            return _scaled(grads, lr, scope, inplace=inplace, scheduled=True)
 
         def needs(grads: Leaves, params: Leaves | None, prefix: Key, out: Needs) -> None:
             out.entries.append(("scale_by_learning_rate", prefix, (COUNT,)))
 
         return from_rule(init, Rule("scale_by_learning_rate", update, needs))
 
+    non_negative("learning rate", learning_rate)
     lr = learning_rate
 
     def scale(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
-        return _scaled(grads, lr, scope.members, scope.batch_size, inplace=inplace)
+        return _scaled(grads, lr, scope, inplace=inplace, scheduled=False)
 
     return from_rule(empty_state, Rule("scale_by_learning_rate", scale, no_needs))

@@ -18,7 +18,7 @@ from ._state import MOMENTUM, STEP
 NesterovLike = bool | Literal["add"]
 
 
-def _as64(v: Scalar) -> torch.Tensor:
+def as64(v: Scalar) -> torch.Tensor:
     """``v`` as a 0-d fp64 tensor, without reading a tensor back."""
     return v.detach().to(torch.float64) if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=torch.float64)
 
@@ -186,10 +186,11 @@ def per_member(factors: list[torch.Tensor], like: list[torch.Tensor], members: i
     return [f.reshape(*f.shape, *[1] * (x.ndim - members)).to(x.dtype) for f, x in zip(factors, like)]
 
 
-def cast_zero_dim(updates: list[torch.Tensor], like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """A 0-d leaf meets 0-d fp64 factors as an equal and is promoted: cast it back."""
-    if any(x.ndim == 0 and x.dtype != u.dtype for u, x in zip(updates, like)):
-        return [u.to(x.dtype) for u, x in zip(updates, like)]
+def cast_like(updates: list[torch.Tensor], like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each update in its leaf's dtype: a 0-d leaf meets 0-d fp64 factors as an equal and is
+    promoted, and an fp16 leaf's quotient is computed in fp32 (see ``second_moment_dtype``)."""
+    if any(x.dtype != u.dtype for u, x in zip(updates, like)):
+        return [u if u.dtype == x.dtype else u.to(x.dtype) for u, x in zip(updates, like)]
     return updates
 
 
@@ -203,7 +204,7 @@ def _corrected(
     members: int,
 ) -> list[torch.Tensor]:
     """optax's bias-corrected momentum (see :func:`ema_momentum`), in the leaves' dtypes."""
-    mu = _as64(momentum)
+    mu = as64(momentum)
     log_mu = mu.log()  # -inf for mu = 0: then mu**t = 0
     if nesterov:
         moment_weight = bias_corrections(step, log_mu, buf, members, shift=1.0, then=lambda c: c.reciprocal().mul(mu))
@@ -214,4 +215,4 @@ def _corrected(
         updates = _lists.apply_("add", weighted, _lists.apply("mul", grads, grad_weight))
     else:
         updates = _lists.apply("div", buf, bias_corrections(step, log_mu, buf, members))
-    return cast_zero_dim(updates, grads)
+    return cast_like(updates, grads)

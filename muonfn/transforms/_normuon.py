@@ -14,6 +14,7 @@ from .._validation import Scalar, check_params, flag, positive, unit_interval
 from ..linalg import MatrixView
 from ._arithmetic import one_minus
 from ._base import Needs, Rule, Scope, StructureCache, Transform, from_rule
+from ._momentum import cast_like
 from ._orthogonalize import ViewsLike, check_views, resolve_views
 from ._rescale import Rescale, check_rescale, rescaled
 from ._state import ROW_SECOND_MOMENT
@@ -71,7 +72,9 @@ def scale_by_neuron_norm(
 
     Place it after :func:`orthogonalize` (with ``scale="none"``) and before the shape scale.
     The row statistics need whole rows, and the rescaling whole matrices: sharded leaves are
-    refused (see :func:`muonfn.normuon`).
+    refused (see :func:`muonfn.normuon`). An fp16 leaf is normalised in fp32 (:math:`v` kept
+    in fp32: an :math:`\epsilon` of 1e-10 is zero in fp16, and a zero row would give nan)
+    and its update rounded once to fp16.
 
     Args:
         beta: :math:`\beta`, a float or a 0-d tensor in [0, 1).
@@ -83,7 +86,7 @@ def scale_by_neuron_norm(
     Returns:
         A :class:`Transform` with state ``{"row_second_moment": v}``, one entry per row and
         column block (see :func:`row_moment_shape`: ``(m, 1)`` for a plain ``(m, n)`` matrix),
-        in the leaves' dtypes.
+        in the leaves' dtypes, but fp32 for fp16 leaves.
 
     Example:
         >>> params = TensorDict({"w": torch.zeros(2, 3)}, [])
@@ -108,7 +111,7 @@ def scale_by_neuron_norm(
         moments = []
         for key, p, view in zip(keys, values, resolve_views(views, keys, values, members=params.batch_dims)):
             view.check(key, p.shape)
-            moments.append(p.new_zeros(row_moment_shape(view, p.shape)))
+            moments.append(p.new_zeros(row_moment_shape(view, p.shape), dtype=_lists.second_moment_dtype(p.dtype)))
         return TensorDict({ROW_SECOND_MOMENT: _tree.build(keys, moments, params)}, batch_size=params.batch_size)
 
     def plan(
@@ -124,7 +127,8 @@ def scale_by_neuron_norm(
         keys, values = list(grads), list(grads.values())
         leaf_views, _ = plans.get(grads, scope.batch_size, lambda: plan(keys, values, scope.members))
         moments = scope.read(ROW_SECOND_MOMENT, keys)  # (checked by needs, with the gradients)
-        blocks = [view.to_matrices(o) for o, view in zip(values, leaf_views)]
+        # (an fp16 leaf normalised in fp32)
+        blocks = [view.to_matrices(o) for o, view in zip(_lists.widened(values), leaf_views)]
         means = [_row_means(view, b) for view, b in zip(leaf_views, blocks)]
         # (count, rows, column blocks) views of the state's tensors: a donated update writes into them
         current = [v.reshape(m.shape) for v, m in zip(moments, means)]
@@ -139,7 +143,7 @@ def scale_by_neuron_norm(
         for o, view, matrices, denom in zip(values, leaf_views, blocks, denoms):
             adapted = [rescaled(b.div(d), b, rescale, eps) for b, d in zip(matrices, _per_block(view, denom))]
             out.append(view.from_matrices(adapted, o.shape))
-        return dict(zip(keys, out))
+        return dict(zip(keys, cast_like(out, values)))
 
     def needs(grads: Leaves, params: Leaves | None, prefix: Key, out: Needs) -> None:
         keys, values = list(grads), list(grads.values())
