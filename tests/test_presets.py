@@ -528,7 +528,7 @@ def test_ns_with_a_flat_spelling_too_is_refused_naming_the_spelling(build) -> No
 
 
 def test_ns_of_the_wrong_type_is_refused() -> None:
-    with pytest.raises(TypeError, match="ns must be a muonfn.NewtonSchulz"):
+    with pytest.raises(TypeError, match=r"ns must be a muonfn\.NewtonSchulz"):
         muonfn.muon(ns="keller")
 
 
