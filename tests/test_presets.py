@@ -480,3 +480,60 @@ def test_unit_dimensions_do_not_make_a_matrix() -> None:
     assert labels == {"token": "adamw", "column": "adamw", "row": "adamw", "kernel": "muon", "empty": "muon"}
     # a rank's one-row block of a sharded matrix: its size says nothing of the whole
     assert muonfn.label_params(params, shards=["row"])["row"] == "muon"
+
+
+# ---------------------------------------------------------------------------- the Newton–Schulz setting
+
+
+@pytest.mark.parametrize("preset", [muonfn.muon, muonfn.normuon, muonfn.adamuon])
+def test_one_newton_schulz_setting_equals_its_flat_spellings(preset) -> None:
+    params = TensorDict({"w": torch.randn(6, 10), "v": torch.randn(10, 6), "b": torch.randn(6)}, [])
+    grads = TensorDict({k: torch.randn_like(p) for k, p in params.items()}, [])
+    flat = preset(
+        lr=0.02, ns_coefficients="cesista", ns_steps=4, ns_dtype=torch.float64, ns_eps=1e-6, ns_eps_mode="add"
+    )
+    whole = preset(
+        lr=0.02, ns=muonfn.NewtonSchulz("cesista", steps=4, eps=1e-6, dtype=torch.float64, eps_mode="add")
+    )
+    expected, _ = flat.update(grads, flat.init(params), params)
+    got, _ = whole.update(grads, whole.init(params), params)
+    for key in ("w", "v", "b"):
+        assert torch.equal(got[key], expected[key]), key
+
+
+def test_a_map_given_as_ns_is_the_method_it_replaces() -> None:
+    params = TensorDict({"w": torch.randn(6, 10, dtype=torch.float64)}, [])
+    grads = TensorDict({"w": torch.randn(6, 10, dtype=torch.float64)}, [])
+    by_name = muonfn.muon(lr=0.02, ns_method="svd")
+    by_value = muonfn.muon(lr=0.02, ns=muonfn.polar)
+    expected, _ = by_name.update(grads, by_name.init(params), params)
+    got, _ = by_value.update(grads, by_value.init(params), params)
+    assert torch.equal(got["w"], expected["w"])
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda ns: muonfn.muon(ns=ns, ns_steps=3),
+        lambda ns: muonfn.normuon(ns=ns, ns_dtype=torch.float32),
+        lambda ns: muonfn.adamuon(ns=ns, ns_method="gram"),
+        lambda ns: muonfn.scale_by_muon(ns=ns, ns_coefficients="cesista"),
+        lambda ns: muonfn.orthogonalize(ns=ns, steps=2),
+    ],
+    ids=["muon", "normuon", "adamuon", "scale_by_muon", "orthogonalize"],
+)
+def test_ns_with_a_flat_spelling_too_is_refused_naming_the_spelling(build) -> None:
+    with pytest.raises(ValueError, match=r"ns_(steps|dtype|method|coefficients)=.* would be ignored"):
+        build(muonfn.NewtonSchulz())
+
+
+def test_ns_of_the_wrong_type_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"ns must be a muonfn\.NewtonSchulz"):
+        muonfn.muon(ns="keller")
+
+
+def test_a_newton_schulz_setting_resolves_its_schedule_once() -> None:
+    ns = muonfn.NewtonSchulz("polar_express", steps=10)
+    assert ns.schedule is ns.schedule
+    assert len(ns.schedule.triples) == 10 and ns.schedule.norm_factor == 1.01
+    assert ns == muonfn.NewtonSchulz("polar_express", steps=10)  # the resolved schedule is no part of its identity

@@ -31,7 +31,7 @@ import itertools
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Protocol, TypeAlias, get_args
 
 import torch
@@ -550,8 +550,12 @@ class NewtonSchulz:
     eps_mode: EpsMode = "clamp"
     restarts: tuple[int, ...] | None = None
 
+    #: the ``(a, b, c)`` triples, resolved once from ``coefficients`` and ``steps``
+    schedule: Coefficients = field(init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
         schedule = ns_schedule(self.coefficients, self.steps)
+        object.__setattr__(self, "schedule", schedule)
         _check("Newton–Schulz", torch.empty(1, 1), self.eps, self.dtype, self.eps_mode)
         if self.method not in NS_METHODS:
             raise ValueError(f"unknown ns_method {self.method!r}; choose one of {list(NS_METHODS)}")
@@ -559,10 +563,6 @@ class NewtonSchulz:
             if self.method != "gram":
                 raise ValueError("Newton–Schulz restarts apply to method='gram' only")
             object.__setattr__(self, "restarts", _check_restarts(self.restarts, len(schedule.triples)))
-
-    @property
-    def schedule(self) -> Coefficients:
-        return ns_schedule(self.coefficients, self.steps)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.orthogonalize(x)

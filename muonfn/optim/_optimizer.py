@@ -36,6 +36,7 @@ from ..transforms import (
     check_mask,
     check_views,
     mask_table,
+    newton_schulz_setting,
     partition,
     resolve_labels,
     resolve_views,
@@ -266,11 +267,13 @@ class Muon(torch.optim.Optimizer):
                 "momentum": scalars["momentum"],
                 "nesterov": _groups.setting(group, "nesterov"),
                 "weight_decay": weight_decay,
-                "ns_coefficients": _groups.coefficients_of(group["ns_coefficients"]),
-                **{
-                    name: group[name]
-                    for name in ("ns_steps", "ns_dtype", "ns_eps", "ns_method", "scale", "extra_scale")
-                },
+                "ns": newton_schulz_setting(
+                    "Muon",
+                    ns_coefficients=_groups.coefficients_of(group["ns_coefficients"]),
+                    **{name: group[name] for name in ("ns_steps", "ns_dtype", "ns_eps", "ns_method")},
+                ),
+                "scale": group["scale"],
+                "extra_scale": group["extra_scale"],
                 "views": self._views,
                 "weight_decay_mask": self._weight_decay_mask,
                 "bucket_numel": self._bucket_numel,
@@ -279,9 +282,7 @@ class Muon(torch.optim.Optimizer):
             if group["variant"] == MUON:
                 return muon_branch(**settings, orthogonalizer=self._orthogonalizer)
             refuse_collectives(f"variant={group['variant']!r}", self._collectives)
-            return adapted_branch(
-                group["variant"], **settings, **_groups.adapted_settings(group), ns_eps_mode="clamp", ns_restarts=None
-            )
+            return adapted_branch(group["variant"], **settings, **_groups.adapted_settings(group))
         return adamw(
             scalars["lr"],
             betas=group["adamw_betas"],

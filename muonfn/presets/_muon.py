@@ -16,7 +16,7 @@ from tensordict import TensorDictBase
 
 from .. import _tree
 from .._validation import Scalar, ScalarOrSchedule, flag, known_names
-from ..linalg import CoefficientsLike, EpsMode, Orthogonalizer, ScaleMode
+from ..linalg import CoefficientsLike, EpsMode, MatrixFn, Orthogonalizer, ScaleMode
 from ..transforms import (
     CAUTIOUS_MODES,
     EXP_AVG,
@@ -37,6 +37,7 @@ from ..transforms import (
     check_mask,
     check_views,
     mask_table,
+    newton_schulz_setting,
     partition,
     scale_by_adam,
     scale_by_learning_rate,
@@ -125,11 +126,7 @@ def muon_branch(
     momentum: Scalar,
     nesterov: NesterovLike,
     weight_decay: Scalar,
-    ns_coefficients: CoefficientsLike,
-    ns_steps: int | None,
-    ns_dtype: torch.dtype | None,
-    ns_eps: float,
-    ns_method: MethodLike,
+    ns: MatrixFn,
     scale: ScaleMode,
     extra_scale: float,
     views: ViewsLike,
@@ -137,8 +134,6 @@ def muon_branch(
     orthogonalizer: Orthogonalizer | None,
     bucket_numel: int | None,
     donate_state: bool,
-    ns_eps_mode: EpsMode = "clamp",
-    ns_restarts: Sequence[int] | None = None,
     momentum_bias_correction: bool = False,
     cautious_weight_decay: bool = False,
     cautious_mode: CautiousMode | None = None,
@@ -151,13 +146,7 @@ def muon_branch(
         momentum,
         nesterov=nesterov,
         momentum_bias_correction=momentum_bias_correction,
-        ns_coefficients=ns_coefficients,
-        ns_steps=ns_steps,
-        ns_dtype=ns_dtype,
-        ns_eps=ns_eps,
-        ns_method=ns_method,
-        ns_eps_mode=ns_eps_mode,
-        ns_restarts=ns_restarts,
+        ns=ns,
         scale=scale,
         extra_scale=extra_scale,
         views=views,
@@ -302,6 +291,7 @@ def muon(
     ns_method: MethodLike = "standard",
     ns_eps_mode: EpsMode = "clamp",
     ns_restarts: Sequence[int] | None = None,
+    ns: MatrixFn | None = None,
     scale: ScaleMode = "match_rms_adamw",
     extra_scale: float = 1.0,
     adamw_lr: ScalarOrSchedule | None = None,
@@ -347,6 +337,9 @@ def muon(
             Newton–Schulz iteration (see :func:`orthogonalize`); ``ns_method="gram"`` runs Gram
             Newton–Schulz where it is cheaper, ``"svd"``/``"qr"``/a callable replace it;
             ``ns_eps_mode="add"`` normalises by :math:`\|G\|_F + \varepsilon`.
+        ns: the whole Newton–Schulz setting in one value instead of the ``ns_*`` keywords
+            (which must then keep their defaults): a :class:`NewtonSchulz`, or any map of
+            ``(count, m, n)`` batches such as :func:`muonfn.polar`.
         scale, extra_scale: the shape scale :math:`s` (see :func:`scale_by_shape`).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW branch.
         adamw_nesterov: NAdamW for the AdamW branch (see :func:`adamw`).
@@ -387,13 +380,17 @@ def muon(
         momentum=momentum,
         nesterov=nesterov,
         weight_decay=weight_decay,
-        ns_coefficients=ns_coefficients,
-        ns_steps=ns_steps,
-        ns_dtype=ns_dtype,
-        ns_eps=ns_eps,
-        ns_method=ns_method,
-        ns_eps_mode=ns_eps_mode,
-        ns_restarts=ns_restarts,
+        ns=newton_schulz_setting(
+            "muon",
+            ns,
+            ns_coefficients=ns_coefficients,
+            ns_steps=ns_steps,
+            ns_dtype=ns_dtype,
+            ns_eps=ns_eps,
+            ns_method=ns_method,
+            ns_eps_mode=ns_eps_mode,
+            ns_restarts=ns_restarts,
+        ),
         scale=scale,
         extra_scale=extra_scale,
         views=views,

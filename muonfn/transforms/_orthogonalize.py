@@ -70,6 +70,70 @@ def matrix_map(
     return method
 
 
+def newton_schulz_setting(
+    where: str,
+    ns: MatrixFn | None = None,
+    *,
+    ns_coefficients: CoefficientsLike = "keller",
+    ns_steps: int | None = None,
+    ns_eps: float = 1e-7,
+    ns_dtype: torch.dtype | None = None,
+    ns_method: MethodLike = "standard",
+    ns_eps_mode: EpsMode = "clamp",
+    ns_restarts: Sequence[int] | None = None,
+) -> MatrixFn:
+    """The one Newton–Schulz setting of a preset, resolved once where the user wrote it.
+
+    ``ns`` is that setting whole (a :class:`muonfn.NewtonSchulz`, or any map of
+    ``(count, m, n)`` batches such as :func:`muonfn.polar`); the flat ``ns_*`` keywords are
+    its familiar spellings, turned into one by :func:`matrix_map`. Giving both is an error
+    naming the flat ones, which would be ignored.
+    """
+    if ns is None:
+        return matrix_map(
+            ns_method,
+            ns_coefficients,
+            steps=ns_steps,
+            eps=ns_eps,
+            dtype=ns_dtype,
+            eps_mode=ns_eps_mode,
+            restarts=ns_restarts,
+        )
+    flat = {
+        "ns_coefficients": ns_coefficients,
+        "ns_steps": ns_steps,
+        "ns_eps": ns_eps,
+        "ns_dtype": ns_dtype,
+        "ns_method": ns_method,
+        "ns_eps_mode": ns_eps_mode,
+        "ns_restarts": ns_restarts,
+    }
+    given = [f"{name}={value!r}" for name, value in flat.items() if not _is_default(value, _FLAT_DEFAULTS[name])]
+    if given:
+        raise ValueError(
+            f"{where}: ns={ns!r} is the whole Newton–Schulz setting, so {', '.join(given)} would be ignored; "
+            "put them in the NewtonSchulz(...) you pass, or drop ns="
+        )
+    if not callable(ns):
+        raise TypeError(
+            f"{where}: ns must be a muonfn.NewtonSchulz or a map of (count, m, n) batches such as "
+            f"muonfn.polar, got {type(ns).__name__}"
+        )
+    return ns
+
+
+#: The flat spellings of the Newton–Schulz setting and their defaults.
+_FLAT_DEFAULTS: dict[str, object] = {
+    "ns_coefficients": "keller",
+    "ns_steps": None,
+    "ns_eps": 1e-7,
+    "ns_dtype": None,
+    "ns_method": "standard",
+    "ns_eps_mode": "clamp",
+    "ns_restarts": None,
+}
+
+
 #: The Newton–Schulz settings and their defaults, which the other methods do not read.
 _NEWTON_SCHULZ_DEFAULTS: dict[str, object] = {
     "coefficients": "keller",
@@ -178,6 +242,7 @@ def orthogonalize(
     ns_method: MethodLike = "standard",
     eps_mode: EpsMode = "clamp",
     restarts: Sequence[int] | None = None,
+    ns: MatrixFn | None = None,
     views: ViewsLike = None,
     scale: ScaleMode = "none",
     extra_scale: float = 1.0,
@@ -212,6 +277,9 @@ def orthogonalize(
             see :func:`muonfn.newton_schulz`.
         restarts: the Gram iteration's restart steps (``ns_method="gram"`` only; see
             :func:`muonfn.gram_newton_schulz`).
+        ns: the whole setting in one value instead of the keywords above: a
+            :class:`muonfn.NewtonSchulz`, or any map of ``(count, m, n)`` batches (such as
+            :func:`muonfn.polar`); the keywords above must then keep their defaults.
         views: how leaves are read as matrices (:class:`MatrixView` by name, or a callable
             ``(key, tensor) -> view``); conv kernels are flattened by default. For a stacked
             ensemble (gradients of batch size ``[N]``) they describe one member's leaf: the
@@ -229,7 +297,17 @@ def orthogonalize(
         every leaf's view can read it (a vector is no matrix); a sharded one checks views
         against global shapes at the first update.
     """
-    ns = matrix_map(ns_method, coefficients, steps=steps, eps=eps, dtype=dtype, eps_mode=eps_mode, restarts=restarts)
+    ns = newton_schulz_setting(
+        "orthogonalize",
+        ns,
+        ns_coefficients=coefficients,
+        ns_steps=steps,
+        ns_eps=eps,
+        ns_dtype=dtype,
+        ns_method=ns_method,
+        ns_eps_mode=eps_mode,
+        ns_restarts=restarts,
+    )
     scale_fn = shape_scale(scale, extra_scale)
     check_views("orthogonalize: views", views)
     if orthogonalizer is not None and not callable(orthogonalizer):
@@ -313,6 +391,7 @@ def scale_by_muon(
     ns_method: MethodLike = "standard",
     ns_eps_mode: EpsMode = "clamp",
     ns_restarts: Sequence[int] | None = None,
+    ns: MatrixFn | None = None,
     momentum_bias_correction: bool = False,
     scale: ScaleMode = "match_rms_adamw",
     extra_scale: float = 1.0,
@@ -325,8 +404,10 @@ def scale_by_muon(
 
     Equal to ``chain(ema_momentum(...), orthogonalize(...), scale_by_shape(...))``; the
     scale is applied inside the batched Newton–Schulz call to save a pass over memory.
-    The ``ns_*`` arguments are :func:`orthogonalize`'s ``coefficients``, ``steps``,
-    ``dtype``, ``eps``, ``ns_method``, ``eps_mode`` and ``restarts``; ``nesterov``,
+    ``ns`` is the whole Newton–Schulz setting (a :class:`muonfn.NewtonSchulz` or a map of
+    batches), and the ``ns_*`` arguments its flat spellings, :func:`orthogonalize`'s
+    ``coefficients``, ``steps``, ``dtype``, ``eps``, ``ns_method``, ``eps_mode`` and
+    ``restarts`` (see :func:`newton_schulz_setting`); ``nesterov``,
     ``momentum_bias_correction`` (its ``bias_correction``) and ``donate_state`` are
     :func:`ema_momentum`'s.
 
@@ -336,13 +417,17 @@ def scale_by_muon(
     return chain(
         ema_momentum(momentum, nesterov=nesterov, bias_correction=momentum_bias_correction, donate_state=donate_state),
         orthogonalize(
-            ns_coefficients,
-            steps=ns_steps,
-            eps=ns_eps,
-            dtype=ns_dtype,
-            ns_method=ns_method,
-            eps_mode=ns_eps_mode,
-            restarts=ns_restarts,
+            ns=newton_schulz_setting(
+                "scale_by_muon",
+                ns,
+                ns_coefficients=ns_coefficients,
+                ns_steps=ns_steps,
+                ns_eps=ns_eps,
+                ns_dtype=ns_dtype,
+                ns_method=ns_method,
+                ns_eps_mode=ns_eps_mode,
+                ns_restarts=ns_restarts,
+            ),
             views=views,
             scale=scale,
             extra_scale=extra_scale,
