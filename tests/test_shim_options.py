@@ -114,6 +114,25 @@ def test_the_shims_defaults_are_the_presets_but_those_named():
             assert group[name] == keywords(preset)[name].default, (variant, name)
 
 
+#: The shim's annotations that differ from the presets' (but ``X | None`` for the ``None`` defaults above), and why.
+DIFFERENT_TYPES = {
+    "lr": "a number, for torch.optim.lr_scheduler: no schedule function",
+    "adamw_lr": "a number, for torch.optim.lr_scheduler: no schedule function",
+    "nesterov": "the presets' private alias spelled out",
+    "adamw_nesterov": "the presets' private alias spelled out",
+}
+
+
+def test_the_shims_types_are_the_presets_but_those_named():
+    shim = keywords(Muon)
+    for name, theirs in {**keywords(muonfn.adamuon), **keywords(muonfn.muon)}.items():
+        if name in DIFFERENT_TYPES:
+            continue
+        optional = name in DIFFERENT_DEFAULTS and shim[name].default is None
+        expected = f"{theirs.annotation} | None" if optional else theirs.annotation
+        assert shim[name].annotation == expected, f"{name}: shim {shim[name].annotation}, preset {theirs.annotation}"
+
+
 def test_the_shim_page_lists_every_keyword():
     text = (pathlib.Path(__file__).parents[1] / "docs" / "shim.md").read_text()
     rows = text.split("| argument | meaning |")[1].split("\n\n")[0].splitlines()[2:]

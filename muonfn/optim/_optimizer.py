@@ -154,7 +154,7 @@ class Muon(torch.optim.Optimizer):
         *,
         variant: Variant = "muon",
         momentum: Scalar | None = None,
-        nesterov: bool | None = None,
+        nesterov: bool | Literal["add"] | None = None,
         momentum_bias_correction: bool = False,
         beta2: Scalar | None = None,
         adaptive_eps: float | None = None,
