@@ -11,7 +11,8 @@ without elements, a scalar leaf) and checks the properties that must hold for ev
   ``apply_updates`` gives;
 - Parameters that autograd records give the update taken under ``no_grad``;
 - every update keeps its leaf's shape and dtype, and updates and state are finite;
-- the ``torch.optim`` shim steps a module exactly as the functional preset steps its params.
+- the ``torch.optim`` shim steps a module exactly as the functional preset steps its params, its
+  switches (bias correction, caution, Newton–Schulz eps mode, NAdamW) drawn too.
 """
 
 from __future__ import annotations
@@ -183,12 +184,21 @@ def module(dtype: torch.dtype) -> torch.nn.Module:
     # split apart may round differently on a CPU whose BLAS rounds by batch size (see test_optim)
     chunk_numel=st.sampled_from([None, 1536, 2000, "auto"]),
     weight_decay=st.sampled_from([0.0, 0.1]),
+    switches=st.fixed_dictionaries(
+        {
+            "momentum_bias_correction": st.booleans(),
+            "cautious_weight_decay": st.booleans(),
+            "cautious_mode": st.sampled_from([None, "heavyball", "pytorch_optimizer"]),
+            "ns_eps_mode": st.sampled_from(["clamp", "add"]),
+            "adamw_nesterov": st.sampled_from([False, True, "timm"]),
+        }
+    ),
 )
 def test_the_shim_steps_as_the_preset_under_every_combination(
-    variant, nesterov, ns_method, scale, dtype, chunk_numel, weight_decay
+    variant, nesterov, ns_method, scale, dtype, chunk_numel, weight_decay, switches
 ) -> None:
     options = dict(lr=0.02, nesterov=nesterov, ns_method=ns_method, scale=scale, weight_decay=weight_decay)
-    options |= dict(adamw_lr=0.004, adamw_betas=(0.9, 0.99), adamw_eps=1e-8)
+    options |= dict(adamw_lr=0.004, adamw_betas=(0.9, 0.99), adamw_eps=1e-8, **switches)
     model, reference = module(dtype), module(dtype)
     opt = Muon(model.named_parameters(), variant=variant, chunk_numel=chunk_numel, **options)
     tx = getattr(muonfn, variant)(**options)

@@ -583,8 +583,6 @@ def own_map(x: torch.Tensor) -> torch.Tensor:
 def test_newton_schulz_settings_are_refused_with_a_method_that_ignores_them(
     front: str, method: str, setting: str, value: object
 ) -> None:
-    if front == "shim" and setting == "ns_eps_mode":
-        pytest.skip("the shim has no ns_eps_mode")
     ns_method = own_map if method == "own" else method
     shown = "own_map" if method == "own" else repr(method)
     with pytest.raises(ValueError, match=rf"ns_method={re.escape(shown)} does not run Newton–Schulz, so {setting}="):

@@ -11,8 +11,10 @@ without the key) is split by ``labels`` into a Muon group followed by an AdamW g
 both kept even when empty, so ``Muon(model.named_parameters())`` has exactly two groups
 and a scheduler scales both learning rates alike. Scheduled hyperparameters (``lr``,
 ``momentum``, ``weight_decay``) are read from ``param_groups`` at every step; the others
-(``variant``, ``nesterov``, ``ns_*``, ``scale``, ``extra_scale``, the variants' options,
-``adamw_betas``, ``adamw_eps``) may be changed too and rebuild the transform.
+(``variant``, ``nesterov``, ``momentum_bias_correction``, ``cautious_weight_decay``,
+``cautious_mode``, ``ns_*``, ``scale``, ``extra_scale``, the variants' options,
+``adamw_betas``, ``adamw_eps``, ``adamw_nesterov``) may be changed too and rebuild the
+transform. ``ns=`` is kept as the ``ns_*`` entries.
 ``momentum`` drives Muon only: AdamW's ``adamw_betas`` are not touched by schedulers that
 cycle momentum. A group's parameters and its ``"use_muon"`` are fixed when it is added (an
 edit is refused by the next step, naming the group and the parameter): add parameters with
@@ -26,10 +28,11 @@ under ``"muon"`` (k = 0) or ``f"muon_{k}"``, the k-th AdamW group under ``"adamw
 ``f"adamw_{k}"``, so for the default two groups the layout is that of
 ``muonfn.muon(...).init(params)``: ``state["muon", "momentum", *key]`` and
 ``state["adamw", "step" | "exp_avg" | "exp_avg_sq", *key]``. ``opt.state[p]`` shows the
-same tensors under torch's names: ``{"momentum_buffer"}`` for Muon (with
-``"row_second_moment"`` for NorMuon; ``"exp_avg_sq"``, and ``"step"`` with
-``second_moment_bias_correction``, for AdaMuon), ``{"step", "exp_avg", "exp_avg_sq"}`` for
-AdamW (``"step"`` an exact int64 count). It is a live view: assigning an entry
+same tensors under torch's names: ``{"momentum_buffer"}`` for Muon (with ``"step"`` under
+``momentum_bias_correction``; ``"row_second_moment"`` for NorMuon; ``"exp_avg_sq"``, and its
+count with ``second_moment_bias_correction``, for AdaMuon: ``"step"``, or
+``"second_moment_step"`` where the momentum's count is ``"step"``), ``{"step", "exp_avg",
+"exp_avg_sq"}`` for AdamW (each count an exact int64). It is a live view: assigning an entry
 (``opt.state[p]["momentum_buffer"] = t``, ``.update(...)``) replaces that tensor of the
 functional state after checking its shape and dtype; other names are an error. Keys of
 ``opt.state`` that are not parameters hold what torch's would.

@@ -9,59 +9,143 @@ import torch
 
 from .._keys import Key, dotted
 from .._validation import flag, non_negative, positive, unit_interval
-from ..linalg import Coefficients, CoefficientsLike, ns_schedule
-from ..presets import (
-    ADAMW,
-    MUON,
-    TORCH_STATE_NAMES,
-    VARIANT_DEFAULTS,
-    VARIANT_OPTIONS,
-    VARIANTS,
-    variant_state_names,
+from ..linalg import Coefficients, CoefficientsLike, MatrixFn, NewtonSchulz, ns_schedule, polar, qr_orthogonal
+from ..presets import ADAMW, MUON, VARIANT_DEFAULTS, VARIANT_OPTIONS, VARIANTS
+from ..transforms import (
+    CAUTIOUS_MODES,
+    EXP_AVG,
+    EXP_AVG_SQ,
+    MOMENTUM,
+    RESCALE_MODES,
+    ROW_SECOND_MOMENT,
+    SECOND_MOMENT,
+    STEP,
+    newton_schulz_setting,
 )
-from ..transforms import MOMENTUM, RESCALE_MODES, STEP
 
-#: Hyperparameters fed to the transform as 0-d tensors, refreshed before every step.
+# Where the shim keeps each keyword of the presets (muonfn.muon, normuon, adamuon): these tables
+# (but SHIM_OWN) hold exactly the presets' keywords, and the shim takes exactly these and SHIM_OWN
+# (tests/test_shim_options.py fails the day they differ).
+
+#: Per param group, fed to the transform as 0-d tensors refreshed before every step.
 SCHEDULED = ("lr", "momentum", "weight_decay")
+#: The whole Newton–Schulz setting (taken by the constructor and group dicts), kept as NEWTON_SCHULZ.
+WHOLE_NEWTON_SCHULZ = "ns"
+#: The Newton–Schulz setting's flat spellings, per Muon group.
+NEWTON_SCHULZ = ("ns_coefficients", "ns_steps", "ns_dtype", "ns_eps", "ns_method", "ns_eps_mode", "ns_restarts")
+#: Per Muon group, read when the transform is built (a change rebuilds it).
 MUON_SETTINGS = (
     "variant",
     "nesterov",
-    "ns_coefficients",
-    "ns_steps",
-    "ns_dtype",
-    "ns_eps",
-    "ns_method",
+    "momentum_bias_correction",
+    "cautious_weight_decay",
+    "cautious_mode",
+    *NEWTON_SCHULZ,
     "scale",
     "extra_scale",
     *VARIANT_OPTIONS,
 )
-ADAMW_SETTINGS = ("adamw_betas", "adamw_eps")
+#: Muon-group settings the branch builders take as the group holds them.
+AS_GIVEN = ("momentum_bias_correction", "cautious_weight_decay", "cautious_mode", "scale", "extra_scale")
+#: Per AdamW group, read when the transform is built.
+ADAMW_SETTINGS = ("adamw_betas", "adamw_eps", "adamw_nesterov", "cautious_weight_decay")
 #: Group keys that only say how a group given without ``use_muon`` sets its AdamW half.
 SPLIT_ONLY = ("adamw_lr", "adamw_weight_decay")
+#: Given once, for every group: tables and functions by parameter name, the distributed setup, donation.
+PER_OPTIMIZER = (
+    "labels",
+    "views",
+    "weight_decay_mask",
+    "bucket_numel",
+    "collectives",
+    "strategy",
+    "shard_specs",
+    "replicated",
+    "overlap",
+    "donate_state",
+)
+#: The shim's own keywords: no preset takes them.
+SHIM_OWN = ("variant", "chunk_numel", "compile", "adjust_lr_fn", "eps")
+#: What every group holds (its defaults from the constructor).
+GROUP_SETTINGS = tuple(dict.fromkeys((*SCHEDULED, *MUON_SETTINGS, *ADAMW_SETTINGS)))
+#: Settings that may be functions: a state_dict leaves them out (``torch.load(weights_only=True)``
+#: reads no functions), and a load keeps the loading optimizer's.
+FUNCTION_SETTINGS = ("ns_method",)
 ROUTES = ((True, MUON), (False, ADAMW))
 
+#: A path in a group's functional state, below its label: ``("momentum",)``, ``("second_moment", "exp_avg_sq")``.
+Field = tuple[str, ...]
 
-def state_names(group: Mapping[str, Any]) -> dict[str, str]:
-    """torch's name of each state entry of a group, as its settings lay it out -> its field in the functional state."""
+
+class Entries(NamedTuple):
+    """A group's state as ``opt.state[p]`` shows it, as the group's settings lay it out."""
+
+    #: torch's name of each entry -> its field
+    fields: dict[str, Field]
+    #: torch's name of each entry whose bias correction a setting switches -> torch's name of its count
+    counts: dict[str, str]
+
+
+def entries(group: Mapping[str, Any]) -> Entries:
+    """A group's entries: AdamW's ``step``, ``exp_avg``, ``exp_avg_sq``; Muon's ``momentum_buffer``
+    (with its ``step`` under ``momentum_bias_correction``), and the second moment its variant
+    adds under its own field's name (``row_second_moment``; ``exp_avg_sq``, torch's name for an
+    EMA of squares, with its count under AdaMuon's ``second_moment_bias_correction``: ``step``,
+    or ``second_moment_step`` where the momentum's count is ``step``)."""
     if not group["use_muon"]:
-        return TORCH_STATE_NAMES[ADAMW]
-    bias_correction = setting(group, "second_moment_bias_correction")
-    return variant_state_names(group["variant"], second_moment_bias_correction=bias_correction is True)
+        return Entries({"step": (STEP,), "exp_avg": (EXP_AVG,), "exp_avg_sq": (EXP_AVG_SQ,)}, {})
+    fields: dict[str, Field] = {"momentum_buffer": (MOMENTUM,)}
+    counts: dict[str, str] = {}
+    momentum_counted = group.get("momentum_bias_correction") is True
+    if momentum_counted:
+        fields["step"], counts["momentum_buffer"] = (STEP,), "step"
+    variant = group["variant"]
+    if variant == "normuon":
+        fields["row_second_moment"] = (ROW_SECOND_MOMENT,)
+    elif variant == "adamuon":
+        moment_counted = setting(group, "second_moment_bias_correction") is True
+        nested: Field = (SECOND_MOMENT,) if momentum_counted and moment_counted else ()
+        fields["exp_avg_sq"] = (*nested, EXP_AVG_SQ)
+        if moment_counted:
+            count = "second_moment_step" if nested else "step"
+            fields[count], counts["exp_avg_sq"] = (*nested, STEP), count
+    elif variant != MUON:
+        raise ValueError(f"unknown variant {variant!r}; choose one of {list(VARIANTS)}")
+    return Entries(fields, counts)
 
 
-def carried_fields(held: Mapping[str, str], wanted: Mapping[str, str]) -> set[str]:
-    """The fields of a group's state that a new layout (``wanted``, from ``held``: torch's name
-    -> field) takes over; the others start as its ``init`` makes them.
+def state_names(group: Mapping[str, Any]) -> dict[str, Field]:
+    """torch's name of each state entry of a group, as its settings lay it out -> its field in the functional state."""
+    return entries(group).fields
 
-    The fields both layouts hold, except where the new one counts steps and the old one did not
-    (AdaMuon's ``second_moment_bias_correction`` turned on): the count starts at zero, and the
-    second moment it corrects must start with it (divided by ``1 - beta2**t`` for a small ``t``,
-    a trained moment would shrink the update several times over). The momentum is never counted.
+
+def carried_fields(held: Entries, wanted: Entries) -> dict[Field, Field]:
+    """The fields of a group's state that a new layout (``wanted``, from ``held``) takes over
+    (new field -> old field); the others start as its ``init`` makes them.
+
+    An entry both layouts hold is carried, with its step count where both count it; a count is
+    dropped where the new layout does not count the entry. Where the new layout counts it and
+    the old one did not (a bias correction turned on), the count starts at zero and the entry
+    it corrects must start with it: divided by ``1 - beta**t`` for a small ``t``, a trained
+    moment would grow or shrink the update several times over.
     """
-    carried = set(wanted.values()) & set(held.values())
-    if STEP in wanted.values() and STEP not in held.values():
-        carried &= {MOMENTUM}
+    carried: dict[Field, Field] = {}
+    count_names = set(wanted.counts.values())
+    for name, field in wanted.fields.items():
+        if name in count_names or name not in held.fields:
+            continue
+        count, held_count = wanted.counts.get(name), held.counts.get(name)
+        if count is not None and held_count is None:
+            continue
+        carried[field] = held.fields[name]
+        if count is not None and held_count is not None:
+            carried[wanted.fields[count]] = held.fields[held_count]
     return carried
+
+
+def is_count(field: Field) -> bool:
+    """Whether an entry is a step count (an exact int64 count of updates)."""
+    return field[-1] == STEP
 
 
 # ---------------------------------------------------------------------------- variants
@@ -144,6 +228,31 @@ def check_variant_settings(group_index: int, group: Mapping[str, Any]) -> None:
     for name in _ADAMUON_ONLY:
         if name in VARIANT_DEFAULTS[variant]:
             flag(f"{where}: {name}", setting(group, name))
+
+
+def check_switches(group_index: int, group: Mapping[str, Any]) -> None:
+    """The core's checks of a group's switches, naming the group (the core would name its preset)."""
+    where = f"param group {group_index}"
+    flag(f"{where}: cautious_weight_decay", group["cautious_weight_decay"])
+    if group["use_muon"]:
+        flag(f"{where}: momentum_bias_correction", group["momentum_bias_correction"])
+        mode = group["cautious_mode"]
+        if mode is not None and mode not in CAUTIOUS_MODES:
+            raise ValueError(f"{where}: unknown cautious_mode {mode!r}; choose None or one of {list(CAUTIOUS_MODES)}")
+        return
+    nesterov = group["adamw_nesterov"]
+    if not (isinstance(nesterov, bool) or (isinstance(nesterov, str) and nesterov == "timm")):
+        raise ValueError(f"{where}: adamw_nesterov must be True, False or 'timm', got {nesterov!r}")
+
+
+def refuse_whole_setting(group_index: int, group: Mapping[str, Any]) -> None:
+    """A group keeps its Newton–Schulz setting as its ``ns_*`` entries: an ``"ns"`` entry written
+    into ``param_groups`` would be ignored."""
+    if WHOLE_NEWTON_SCHULZ in group:
+        raise ValueError(
+            f"param group {group_index} holds {WHOLE_NEWTON_SCHULZ!r}; a group keeps its Newton–Schulz setting as its "
+            f"entries {list(NEWTON_SCHULZ)}: set those (ns= is taken by the constructor and add_param_group)"
+        )
 
 
 class Slot(NamedTuple):
@@ -277,6 +386,36 @@ def plain_coefficients(value: CoefficientsLike) -> Any:
     if isinstance(value, Coefficients) and value.norm_factor != 1.0:
         return (("norm_factor", float(value.norm_factor)), *plain)
     return plain
+
+
+def newton_schulz_fields(ns: MatrixFn) -> dict[str, Any]:
+    """The group entries that keep ``ns``, the whole Newton–Schulz setting: a
+    :class:`~muonfn.NewtonSchulz` as its fields; :func:`muonfn.polar` and
+    :func:`~muonfn.linalg.qr_orthogonal` by their names, ``"svd"`` and ``"qr"``, so that a
+    state_dict holds them as data; another map as ``ns_method``, the other entries at their defaults."""
+    if isinstance(ns, NewtonSchulz):
+        return {
+            "ns_coefficients": plain_coefficients(ns.coefficients),
+            "ns_steps": ns.steps,
+            "ns_dtype": ns.dtype,
+            "ns_eps": ns.eps,
+            "ns_method": ns.method,
+            "ns_eps_mode": ns.eps_mode,
+            "ns_restarts": ns.restarts,
+        }
+    method = "svd" if ns is polar else "qr" if ns is qr_orthogonal else ns
+    return {**newton_schulz_fields(NewtonSchulz()), "ns_method": method}
+
+
+def ns_entries(where: str, param_group: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``ns_*`` entries that a group dict's ``"ns"`` (the whole Newton–Schulz setting) stands
+    for (none without one); given with them, they must keep their defaults."""
+    ns = param_group.get(WHOLE_NEWTON_SCHULZ)
+    if ns is None:
+        return {}
+    flat = {name: param_group[name] for name in NEWTON_SCHULZ if name in param_group}
+    newton_schulz_setting(where, ns, **flat)
+    return newton_schulz_fields(ns)
 
 
 def coefficients_of(value: Any) -> CoefficientsLike:

@@ -107,6 +107,11 @@ def shim_state_dict(opt: Muon, muon_state_dict: Mapping[str, Any], adamw_state_d
                 f"load_torch_state_dicts: param group {i} has variant={group['variant']!r}; torch.optim.Muon's "
                 "state continues variant='muon' groups only (it keeps no second moment)"
             )
+        if group["use_muon"] and group["momentum_bias_correction"] is True:
+            raise ValueError(
+                f"load_torch_state_dicts: param group {i} has momentum_bias_correction=True; torch.optim.Muon's "
+                "momentum is not bias-corrected and has no step count to continue it with"
+            )
     sources = {True: muon_state_dict, False: adamw_state_dict}
     torch_groups: dict[bool, list[Mapping[str, Any]]] = {}
     for route, sd in sources.items():
@@ -249,6 +254,7 @@ def torch_state_dicts(opt: Muon) -> tuple[dict[str, Any], dict[str, Any]]:
                     f"{where}: weight_decay_mask exempts {exempt} from its weight decay, which torch applies to "
                     "the whole group; put them in a group of their own with weight_decay=0"
                 )
+        _refuse_what_torch_does_not_run(where, group)
         if route:
             views = resolve_views(opt._views, keys, group["params"])
             torch_group = _torch_muon_group(where, group, keys, views)
@@ -263,6 +269,32 @@ def torch_state_dicts(opt: Muon) -> tuple[dict[str, Any], dict[str, Any]]:
         for index, p in zip(indices, group["params"]):
             out[route]["state"][index] = {name: _torch_value(name, t) for name, t in opt.state[p].items()}
     return out[True], out[False]
+
+
+#: The settings torch.optim.Muon (True) and torch.optim.AdamW (False) run, at the value they run
+#: (``ns_method="gram"`` runs the same iteration as torch's, rounded another way).
+TORCH_RUNS: dict[bool, dict[str, tuple[Any, ...]]] = {
+    True: {
+        "momentum_bias_correction": (False,),
+        "cautious_weight_decay": (False,),
+        "cautious_mode": (None,),
+        "ns_method": ("standard", "gram"),
+        "ns_eps_mode": ("clamp",),
+    },
+    False: {"cautious_weight_decay": (False,), "adamw_nesterov": (False,)},
+}
+
+
+def _refuse_what_torch_does_not_run(where: str, group: Mapping[str, Any]) -> None:
+    runner = ROUTE_NAMES[group["use_muon"]]
+    for name, values in TORCH_RUNS[group["use_muon"]].items():
+        value = group[name]
+        if not any(value is v or (isinstance(value, str) and value == v) for v in values):
+            shown = getattr(value, "__qualname__", None) if callable(value) else None
+            raise ValueError(
+                f"{where}: {runner} does not run {name}={shown or repr(value)} "
+                f"(it runs {' or '.join(repr(v) for v in values)})"
+            )
 
 
 def _torch_muon_group(

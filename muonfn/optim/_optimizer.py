@@ -13,7 +13,7 @@ from tensordict import TensorDict, TensorDictBase
 from .. import _tree
 from .._collection import pause_collections, resume_collections
 from .._validation import Scalar, flag, positive
-from ..linalg import CoefficientsLike, NSMethod, Orthogonalizer, ScaleMode
+from ..linalg import CoefficientsLike, EpsMode, MatrixFn, Orthogonalizer, ScaleMode
 from ..presets import (
     ADAMW,
     MUON,
@@ -27,8 +27,10 @@ from ..presets import (
     refuse_collectives,
 )
 from ..transforms import (
+    CautiousMode,
     LabelsLike,
     MaskLike,
+    MethodLike,
     Rescale,
     Transform,
     ViewsLike,
@@ -55,9 +57,11 @@ if TYPE_CHECKING:
 class Muon(torch.optim.Optimizer):
     r"""Muon (or NorMuon, AdaMuon) for matrices and AdamW for the rest, as a ``torch.optim.Optimizer``.
 
-    Takes the keywords of :func:`muonfn.muon` (see there for the math) and steps with the
-    ``update`` of the same branches; see :mod:`muonfn.optim` for how groups and state are
-    laid out.
+    Takes exactly the keywords of :func:`muonfn.muon`, :func:`muonfn.normuon` and
+    :func:`muonfn.adamuon` (see there for the math), with their defaults but those below, and
+    its own (``variant``, ``chunk_numel``, ``compile``, torch's ``adjust_lr_fn`` and ``eps``);
+    it steps with the ``update`` of the same branches. See :mod:`muonfn.optim` for how groups
+    and state are laid out.
 
     Args:
         params: ``model.named_parameters()`` (names drive ``labels``), an iterable of
@@ -77,9 +81,17 @@ class Muon(torch.optim.Optimizer):
             preset's default); an error with another variant.
 
     The other keywords are those of :func:`muonfn.muon` (``scale=None`` and ``ns_eps=None``
-    mean its defaults, ``"match_rms_adamw"`` and ``1e-7``). ``adamw_lr`` and
+    mean its defaults, ``"match_rms_adamw"`` and ``1e-7``). They are kept in every group, which
+    a group dict may set, but ``labels``, ``views``, ``weight_decay_mask``, ``bucket_numel``,
+    the distributed ones and ``donate_state``, given once. ``adamw_lr`` and
     ``adamw_weight_decay`` (``None``: the Muon value) set the AdamW groups' ``lr`` and
-    ``weight_decay``. ``labels``, ``views``, ``weight_decay_mask`` and ``shard_specs`` are
+    ``weight_decay``; ``cautious_weight_decay`` applies to both kinds of group, ``adamw_nesterov``
+    to the AdamW groups. ``ns=`` (the whole Newton–Schulz setting, in the constructor or a group
+    dict) is kept in a group as its plain ``ns_*`` entries (:func:`muonfn.polar` as
+    ``ns_method="svd"``, :func:`muonfn.linalg.qr_orthogonal` as ``"qr"``); a map of one's own as
+    ``ns_method``, which :meth:`state_dict` leaves out (``torch.load(weights_only=True)`` reads
+    no functions) and :meth:`load_state_dict` keeps as the loading optimizer has it, as it keeps
+    ``views`` and ``labels``. ``labels``, ``views``, ``weight_decay_mask`` and ``shard_specs`` are
     checked against the parameters' names at construction: a typo is an error.
     ``donate_state`` is ``True`` here: the state is updated in place, as torch.optim's is
     (``donate_state=False`` allocates a new state each step). ``chunk_numel`` steps the
@@ -110,11 +122,12 @@ class Muon(torch.optim.Optimizer):
 
     A group's variant options are resolved when it is added: ``None`` becomes its variant's
     default, an option inherited from the defaults that its variant does not take becomes
-    ``None``. A variant (or ``second_moment_bias_correction``) changed in ``param_groups``
-    takes effect at the next step: the momentum is kept, the new variant's second moment
-    starts from zero, and the old one is dropped. ``second_moment_bias_correction`` turned
-    on starts the second moment from zero with its ``step`` count; turned off, it keeps the
-    second moment and drops the count.
+    ``None``. A setting changed in ``param_groups`` takes effect at the next step. A changed
+    variant keeps the momentum, starts the new variant's second moment from zero, and drops
+    the old one. A bias correction (``momentum_bias_correction``, AdaMuon's
+    ``second_moment_bias_correction``) turned on starts what it corrects from zero with its
+    ``step`` count (a trained moment divided by :math:`1 - \beta^t` for a small :math:`t`
+    would be several times too large); turned off, it keeps the moment and drops the count.
 
     torch.optim.Muon's spellings are taken too: ``adjust_lr_fn`` (``None`` or
     ``"original"``: ``scale="original"``; ``"match_rms_adamw"``), ``eps`` (``ns_eps``) and
@@ -129,6 +142,9 @@ class Muon(torch.optim.Optimizer):
         >>> opt = muonfn.optim.Muon(model.named_parameters(), lr=0.02, variant="normuon")
         >>> sorted(opt.state[model[0].weight])
         ['momentum_buffer', 'row_second_moment']
+        >>> opt = muonfn.optim.Muon(model.named_parameters(), lr=0.02, momentum_bias_correction=True)
+        >>> sorted(opt.state[model[0].weight])
+        ['momentum_buffer', 'step']
     """
 
     def __init__(
@@ -138,24 +154,31 @@ class Muon(torch.optim.Optimizer):
         *,
         variant: Variant = "muon",
         momentum: Scalar | None = None,
-        nesterov: bool | None = None,
+        nesterov: bool | Literal["add"] | None = None,
+        momentum_bias_correction: bool = False,
         beta2: Scalar | None = None,
         adaptive_eps: float | None = None,
         rescale: Rescale | None = None,
         sign_momentum: bool | None = None,
         second_moment_bias_correction: bool | None = None,
         weight_decay: Scalar = 0.1,
+        cautious_weight_decay: bool = False,
+        cautious_mode: CautiousMode | None = None,
         ns_coefficients: CoefficientsLike = "keller",
         ns_steps: int | None = None,
         ns_dtype: torch.dtype | None = None,
         ns_eps: float | None = None,
-        ns_method: NSMethod = "standard",
+        ns_method: MethodLike = "standard",
+        ns_eps_mode: EpsMode = "clamp",
+        ns_restarts: Sequence[int] | None = None,
+        ns: MatrixFn | None = None,
         scale: ScaleMode | None = None,
         extra_scale: float = 1.0,
         adamw_lr: Scalar | None = None,
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
         adamw_weight_decay: Scalar | None = None,
+        adamw_nesterov: bool | Literal["timm"] = False,
         labels: LabelsLike | None = None,
         views: ViewsLike = None,
         weight_decay_mask: MaskLike = None,
@@ -171,6 +194,7 @@ class Muon(torch.optim.Optimizer):
         adjust_lr_fn: str | NotGiven | None = NOT_GIVEN,
         eps: float | None = None,
     ) -> None:
+        arguments = dict(locals())  # first: the keywords as given, read by the table of group settings
         for name, value in (("lr", lr), ("adamw_lr", adamw_lr)):
             if callable(value) and not isinstance(value, torch.Tensor):
                 raise TypeError(
@@ -186,37 +210,22 @@ class Muon(torch.optim.Optimizer):
         flag("Muon(...): donate_state", donate_state)
         where = f"Muon(variant={variant!r})"
         _groups.check_variant("Muon(...)", variant)
-        options = {
-            "beta2": beta2,
-            "adaptive_eps": adaptive_eps,
-            "rescale": rescale,
-            "sign_momentum": sign_momentum,
-            "second_moment_bias_correction": second_moment_bias_correction,
-        }
-        _groups.refuse_inapplicable(where, variant, options)
+        _groups.refuse_inapplicable(where, variant, arguments)
         if variant != MUON:
             refuse_collectives(where, collectives)
         self._compile = compile
         self._apply_parts = parts_applier(compile, collectives)
         scale, ns_eps = _migration.resolve_spellings(scale=scale, adjust_lr_fn=adjust_lr_fn, ns_eps=ns_eps, eps=eps)
-        # None: each group's variant's default (filled in as groups are added)
-        defaults: dict[str, Any] = {
-            "lr": lr,
-            "momentum": momentum,
-            "weight_decay": weight_decay,
-            "variant": variant,
-            "nesterov": nesterov,
-            **options,
-            "ns_coefficients": _groups.plain_coefficients(_migration.schedule_of(ns_coefficients, ns_steps)),
-            "ns_steps": ns_steps,
-            "ns_dtype": ns_dtype,
-            "ns_eps": ns_eps,
-            "ns_method": ns_method,
-            "scale": scale,
-            "extra_scale": extra_scale,
-            "adamw_betas": tuple(adamw_betas),
-            "adamw_eps": adamw_eps,
-        }
+        # every group setting the table lists, as given (None: each group's variant's default, filled
+        # in as groups are added); a setting the table lists and this signature lacks fails here
+        given = {**arguments, "scale": scale, "ns_eps": ns_eps}
+        defaults: dict[str, Any] = {name: given[name] for name in _groups.GROUP_SETTINGS}
+        if ns is not None:
+            newton_schulz_setting("Muon(...)", ns, **{name: defaults[name] for name in _groups.NEWTON_SCHULZ})
+            defaults.update(_groups.newton_schulz_fields(ns))
+        schedule = _migration.schedule_of(defaults["ns_coefficients"], defaults["ns_steps"])
+        defaults["ns_coefficients"] = _groups.plain_coefficients(schedule)
+        defaults["adamw_betas"] = tuple(adamw_betas)
         self._adamw_lr = adamw_lr
         self._adamw_weight_decay = adamw_weight_decay
         self._orthogonalizer: Orthogonalizer | None = muon_orthogonalizer(
@@ -237,9 +246,9 @@ class Muon(torch.optim.Optimizer):
         self._state_leaves: _tree.FlatState = {}
         self._state_tree: TensorDictBase | None = None
         self._scalars: list[dict[str, torch.Tensor]] = []
-        # per group, the entries the state holds (torch's name -> field): the layout its settings
-        # asked for when it was last laid out (a changed variant is laid out anew before it is used)
-        self._entry_names: list[dict[str, str]] = []
+        # per group, the entries the state holds: the layout its settings asked for when it was last
+        # laid out (a changed variant or bias correction is laid out anew before it is used)
+        self._entry_names: list[_groups.Entries] = []
         self._routes: list[bool] = []  # per group, its use_muon when it was added
         self._members: list[tuple[torch.Tensor, ...]] = []  # per group, its params as last checked
         self._slots: dict[torch.Tensor, _groups.Slot] = {}
@@ -262,18 +271,16 @@ class Muon(torch.optim.Optimizer):
         # the core skips a zero decay given as a number (as muon(weight_decay=0.0) does)
         weight_decay: Scalar = 0.0 if _is_zero(group["weight_decay"]) else scalars["weight_decay"]
         if group["use_muon"]:
+            coefficients = _groups.coefficients_of(group["ns_coefficients"])
             settings: dict[str, Any] = {
                 "lr": scalars["lr"],
                 "momentum": scalars["momentum"],
                 "nesterov": _groups.setting(group, "nesterov"),
                 "weight_decay": weight_decay,
                 "ns": newton_schulz_setting(
-                    "Muon",
-                    ns_coefficients=_groups.coefficients_of(group["ns_coefficients"]),
-                    **{name: group[name] for name in ("ns_steps", "ns_dtype", "ns_eps", "ns_method")},
+                    "Muon", **{**{name: group[name] for name in _groups.NEWTON_SCHULZ}, "ns_coefficients": coefficients}
                 ),
-                "scale": group["scale"],
-                "extra_scale": group["extra_scale"],
+                **{name: group[name] for name in _groups.AS_GIVEN},
                 "views": self._views,
                 "weight_decay_mask": self._weight_decay_mask,
                 "bucket_numel": self._bucket_numel,
@@ -289,6 +296,8 @@ class Muon(torch.optim.Optimizer):
             eps=group["adamw_eps"],
             weight_decay=weight_decay,
             weight_decay_mask=self._weight_decay_mask,
+            nesterov=group["adamw_nesterov"],
+            cautious_weight_decay=group["cautious_weight_decay"],
             donate_state=self._donate_state,
         )
 
@@ -313,20 +322,22 @@ class Muon(torch.optim.Optimizer):
         self._check_groups()
         for i, group in enumerate(self.param_groups):
             _groups.check_scheduled(i, group)
+            _groups.refuse_whole_setting(i, group)
         for group, scalars in zip(self.param_groups, self._scalars):
             for name, tensor in scalars.items():
                 tensor.fill_(float(group[name]))
         signature = self._signature()
         if self._cache is None or self._cache[0] != signature:
             for i, group in enumerate(self.param_groups):
-                self._check_variant(i, group)
+                self._check_settings(i, group)
             self._synced_layout()
             self._cache = (signature, self._build(self._scalars))
         return self._cache[1]
 
-    def _check_variant(self, group_index: int, group: Mapping[str, Any]) -> None:
-        """A Muon group's variant and its options, checked naming the group (they may have been
-        changed in ``param_groups``); the variants run on whole matrices only."""
+    def _check_settings(self, group_index: int, group: Mapping[str, Any]) -> None:
+        """A group's switches, and a Muon group's variant and its options, checked naming the group
+        (they may have been changed in ``param_groups``); the variants run on whole matrices only."""
+        _groups.check_switches(group_index, group)
         if group["use_muon"]:
             _groups.check_variant_settings(group_index, group)
             if group["variant"] != MUON:
@@ -349,17 +360,19 @@ class Muon(torch.optim.Optimizer):
 
     def _synced_layout(self) -> None:
         """Lays out anew the state of every group whose settings now ask for other entries (its
-        variant, or AdaMuon's ``second_moment_bias_correction``, was changed in ``param_groups``).
+        variant, ``momentum_bias_correction`` or AdaMuon's ``second_moment_bias_correction`` was
+        changed in ``param_groups``).
 
-        The entries both layouts keep are carried over (the momentum; AdaMuon's second moment
-        unless its count starts now: ``_groups.carried_fields``); the others start as the
-        branch's ``init`` makes them; the dropped ones go. Nothing changes unless all succeed.
+        The entries both layouts keep are carried over (the momentum, the second moment, with
+        their step counts), unless their bias correction starts now (``_groups.carried_fields``);
+        the others start as the branch's ``init`` makes them; the dropped ones go. Nothing
+        changes unless all succeed.
         """
         self._check_groups()
         for i, group in enumerate(self.param_groups):
             if group["use_muon"]:
                 _groups.check_variant(f"param group {i}", group["variant"])
-        wanted = [_groups.state_names(g) for g in self.param_groups]
+        wanted = [_groups.entries(g) for g in self.param_groups]
         if wanted == self._entry_names:
             return
         labels = _groups.group_labels([g["use_muon"] for g in self.param_groups])
@@ -370,17 +383,17 @@ class Muon(torch.optim.Optimizer):
             keys = [self._slots[p].key for p in group["params"]]
             params = TensorDict(dict(zip(keys, [p.detach() for p in group["params"]])), batch_size=[])
             fresh = self._branch(group, _groups.new_scalars(group)).init(params)
-            for field in _groups.carried_fields(held, names):
-                fresh[field] = state[label, field]
+            for field, held_field in _groups.carried_fields(held, names).items():
+                fresh[field] = state[(label, *held_field)]
             state[label] = fresh
         self._functional_state = state
         self._entry_names = wanted
         self._cache = None  # the cached transform may have been built for the old layout
 
-    def _state_entries(self, group_index: int) -> dict[str, str]:
+    def _state_entries(self, group_index: int) -> dict[str, _groups.Field]:
         """The state entries of a group (torch's name -> field), its state laid out for its settings first."""
         self._synced_layout()
-        return self._entry_names[group_index]
+        return self._entry_names[group_index].fields
 
     @property
     def transform(self) -> Transform:
@@ -402,11 +415,13 @@ class Muon(torch.optim.Optimizer):
         """The functional state's structure: expanded one-element tensors of each leaf's shape, dtype and device."""
         scalars = [_groups.new_scalars(g) for g in self.param_groups]
         meta = self._build(scalars).init(self._param_tensordict("meta"))
-        devices = {slot.key: p.device for p, slot in self._slots.items()}
         layout = meta.empty(recurse=True)
-        for key, t in zip(_tree.leaf_keys(meta), _tree.leaves(meta)):
-            # state leaves are keyed (label, field, *parameter key)
-            layout.set(key, torch.empty((), dtype=t.dtype, device=devices[key[2:]]).expand(t.shape))
+        for p, slot in self._slots.items():
+            # state leaves are keyed (label, *field, *parameter key)
+            for field in _groups.state_names(self.param_groups[slot.group]).values():
+                key = (slot.label, *field, *slot.key)
+                t = meta.get(key)
+                layout.set(key, torch.empty((), dtype=t.dtype, device=p.device).expand(t.shape))
         return layout
 
     # ------------------------------------------------------------------ groups
@@ -449,9 +464,12 @@ class Muon(torch.optim.Optimizer):
         else:
             raise TypeError(f"use_muon must be True or False, got {use_muon!r}")
 
+        whole = _groups.ns_entries(f"param group {len(self.param_groups)}", param_group)
+        read_here = ("params", "param_names", _groups.WHOLE_NEWTON_SCHULZ, *_groups.SPLIT_ONLY)
         new_groups: list[dict[str, Any]] = []
         for route, members in parts:
-            group = {k: v for k, v in param_group.items() if k not in ("params", "param_names", *_groups.SPLIT_ONLY)}
+            group = {k: v for k, v in param_group.items() if k not in read_here}
+            group.update(whole)
             group["params"] = [tensors[i] for i in members]
             if names is not None:
                 group["param_names"] = [names[i] for i in members]
@@ -485,7 +503,7 @@ class Muon(torch.optim.Optimizer):
         for i in range(len(self.param_groups), len(groups)):
             group = groups[i]
             _groups.check_scheduled(i, group)
-            self._check_variant(i, group)
+            self._check_settings(i, group)
             scalars.append(_groups.new_scalars(group))
             branch = self._branch(group, scalars[i])  # the core checks the other settings
             group_keys = [slots[p].key for p in group["params"]]
@@ -498,7 +516,7 @@ class Muon(torch.optim.Optimizer):
             )
 
         self.param_groups.extend(new_groups)
-        self._entry_names = [*self._entry_names, *(_groups.state_names(g) for g in new_groups)]
+        self._entry_names = [*self._entry_names, *(_groups.entries(g) for g in new_groups)]
         self._routes = [*self._routes, *(g["use_muon"] for g in new_groups)]
         self._members = [*self._members, *(tuple(g["params"]) for g in new_groups)]
         self._scalars = scalars
@@ -582,7 +600,7 @@ class Muon(torch.optim.Optimizer):
     def functional_state(self, state: TensorDictBase | Mapping[str, Any]) -> None:
         self._check_groups()
         self._functional_state = self._checked_state(state, "functional_state")
-        self._entry_names = [_groups.state_names(g) for g in self.param_groups]  # the layout it was checked against
+        self._entry_names = [_groups.entries(g) for g in self.param_groups]  # the layout it was checked against
 
     def _checked_state(self, state: TensorDictBase | Mapping[str, Any], where: str) -> TensorDict:
         """``state`` laid out as expected, on its parameters' devices; else an error naming the first difference."""
@@ -598,7 +616,7 @@ class Muon(torch.optim.Optimizer):
         group = self.param_groups[slot.group]
         names = self._state_entries(slot.group)
         fresh = self._branch(group, _groups.new_scalars(group)).init(TensorDict({slot.key: p.detach()}, batch_size=[]))
-        return {name: fresh.get((field, *slot.key)) for name, field in names.items()}
+        return {name: fresh.get((*field, *slot.key)) for name, field in names.items()}
 
     @torch.compiler.disable
     def state_dict(self) -> dict[str, Any]:
@@ -642,7 +660,7 @@ class Muon(torch.optim.Optimizer):
 
         self.param_groups = loaded.groups
         self._functional_state = state
-        self._entry_names = [_groups.state_names(g) for g in loaded.groups]
+        self._entry_names = [_groups.entries(g) for g in loaded.groups]
         self._param_state.others = loaded.others
         self._cache = None
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
@@ -713,5 +731,6 @@ def _is_zero(value: Any) -> bool:
 
 
 def _comparable(value: Any) -> Any:
-    # a one-element tensor setting (beta2) compared by value: == of tensors is no bool
-    return float(value) if isinstance(value, torch.Tensor) else value
+    # a one-element tensor setting (beta2) compared by value: == of tensors is no bool; others with
+    # their type, so that a switch set to 0 for False is checked (and refused) as any other change
+    return float(value) if isinstance(value, torch.Tensor) else (type(value), value)

@@ -106,9 +106,10 @@ class ParamState(MutableMapping[Any, Any]):
 class ParamEntries(MutableMapping[str, Any]):
     """``opt.state[p]`` of a parameter: its entries under torch's names, read from and written to the functional state.
 
-    The entries are fixed by the group (``momentum_buffer`` for a Muon group, with
-    ``row_second_moment`` for a NorMuon group and ``exp_avg_sq`` (and ``step``) for an AdaMuon
-    group; ``step``, ``exp_avg``, ``exp_avg_sq`` for an AdamW group): assigning one replaces its tensor after the checks
+    The entries are fixed by the group (``momentum_buffer`` for a Muon group, and ``step`` with
+    ``momentum_bias_correction``, with ``row_second_moment`` for a NorMuon group and
+    ``exp_avg_sq`` (and its count) for an AdaMuon group; ``step``, ``exp_avg``, ``exp_avg_sq``
+    for an AdamW group; see ``_groups.entries``): assigning one replaces its tensor after the checks
     of ``functional_state`` (shape and dtype), another name is an error, and ``clear()``
     resets them all as ``del opt.state[p]`` does.
     """
@@ -122,7 +123,7 @@ class ParamEntries(MutableMapping[str, Any]):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._fields:
             raise KeyError(name)
-        return self._optimizer._functional_state.get((self._slot.label, self._fields[name], *self._slot.key))
+        return self._optimizer._functional_state.get((self._slot.label, *self._fields[name], *self._slot.key))
 
     def __setitem__(self, name: str, value: Any) -> None:
         self.update({name: value})
@@ -166,9 +167,9 @@ def write_entries(optimizer: Muon, slot: _groups.Slot, values: Mapping[str, Any]
             raise ValueError(f"state of {name!r} has no entry {torch_name!r}; its entries are {sorted(fields)}")
         if isinstance(value, bool) or not isinstance(value, torch.Tensor | int | float):
             raise TypeError(f"state[{name!r}][{torch_name!r}] must be a tensor, got {type(value).__name__}")
-        if torch_name == "step" and bool((torch.as_tensor(value) < 0).any()):
-            raise ValueError(f"state[{name!r}]['step'] must be a count >= 0, got {value!r}")
-        key = (slot.label, fields[torch_name], *slot.key)
+        if _groups.is_count(fields[torch_name]) and bool((torch.as_tensor(value) < 0).any()):
+            raise ValueError(f"state[{name!r}][{torch_name!r}] must be a count >= 0, got {value!r}")
+        key = (slot.label, *fields[torch_name], *slot.key)
         checked[key] = _tree.laid_out_like(
             TensorDict({key: value}, batch_size=[]), state.select(key), f"state[{name!r}]"
         ).get(key)

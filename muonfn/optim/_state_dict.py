@@ -20,12 +20,12 @@ def loaded_value(name: str, torch_name: str, value: Any, like: torch.Tensor) -> 
     """A state_dict entry cast as ``torch.optim`` casts it (to ``like``'s dtype and device: its
     parameter's, but fp32 for the second moment of an fp16 parameter, and an int64 step count,
     which must be a whole number)."""
-    if torch_name == "step":
+    if not like.is_floating_point():  # a step count
         if isinstance(value, torch.Tensor) and value.numel() != 1:
-            raise ValueError(f"load_state_dict: parameter {name} has a step of shape {tuple(value.shape)}")
+            raise ValueError(f"load_state_dict: parameter {name} has a {torch_name} of shape {tuple(value.shape)}")
         count = float(value)
         if not (math.isfinite(count) and count >= 0 and count == int(count)):
-            raise ValueError(f"load_state_dict: parameter {name} has step {value!r}; expected a count >= 0")
+            raise ValueError(f"load_state_dict: parameter {name} has {torch_name} {value!r}; expected a count >= 0")
         return torch.tensor(int(count), dtype=torch.int64, device=like.device)
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"load_state_dict: parameter {name}: {torch_name} is a {type(value).__name__}, not a tensor")
@@ -47,7 +47,7 @@ def packed_state_dict(opt: Muon) -> dict[str, Any]:
     index: dict[torch.Tensor, int] = {}
     param_groups = []
     for group in opt.param_groups:
-        packed = {k: v for k, v in group.items() if k != "params"}
+        packed = {k: v for k, v in group.items() if k != "params" and not _is_function_setting(k, v)}
         packed["params"] = [index.setdefault(p, len(index)) for p in group["params"]]
         param_groups.append(packed)
     state: dict[Any, Any] = {i: dict(opt.state[p]) for p, i in index.items()}
@@ -69,11 +69,15 @@ def packed_state_dict(opt: Muon) -> dict[str, Any]:
     return {"state": state, "param_groups": param_groups}
 
 
+def _is_function_setting(name: str, value: Any) -> bool:
+    return name in _groups.FUNCTION_SETTINGS and callable(value)
+
+
 def _layout_hint(group: Mapping[str, Any], saved: Mapping[str, Any]) -> str:
     """Why a saved Muon group's state has other entries: it was saved with other settings."""
     if not group["use_muon"]:
         return ""
-    for name in ("variant", "second_moment_bias_correction"):
+    for name in ("variant", "momentum_bias_correction", "second_moment_bias_correction"):
         here, there = group.get(name), saved.get(name, group.get(name))
         if here != there:
             return f" (saved with {name}={there!r}, this optimizer's group has {name}={here!r})"
@@ -136,7 +140,7 @@ def translate_state_dict(opt: Muon, state_dict: dict[str, Any]) -> Loaded:
                     + _layout_hint(group, saved)
                 )
             for torch_name, field in expected.items():
-                entry_key = (labels[i], field, *slot.key)
+                entry_key = (labels[i], *field, *slot.key)
                 entries[entry_key] = loaded_value(name, torch_name, entry[torch_name], layout.get(entry_key))
         # torch deep-copies the saved groups: a scheduler of the source must not reach this optimizer
         new_group = copy.deepcopy({k: v for k, v in saved.items() if k != "params"})
@@ -144,6 +148,9 @@ def translate_state_dict(opt: Muon, state_dict: dict[str, Any]) -> Loaded:
         if "param_names" in group:
             new_group["param_names"] = group["param_names"]
         new_group["use_muon"] = route
+        for name in _groups.FUNCTION_SETTINGS:  # a function is not saved: the loading group keeps its own
+            if name not in saved and name in group:
+                new_group[name] = group[name]
         for key, default in opt.defaults.items():
             new_group.setdefault(key, default)
         _groups.resolve_variant(f"load_state_dict: parameter group {i}", new_group, given=())
@@ -153,7 +160,7 @@ def translate_state_dict(opt: Muon, state_dict: dict[str, Any]) -> Loaded:
                 f"{sorted(_groups.state_names(new_group))} in the state_dict" + _layout_hint(group, new_group)
             )
         _groups.check_scheduled(i, new_group)
-        opt._check_variant(i, new_group)
+        opt._check_settings(i, new_group)
         opt._branch(new_group, _groups.new_scalars(new_group))  # the core checks the other settings
         groups.append(new_group)
     others = {k: v for k, v in saved_state.items() if k not in claimed}

@@ -2,7 +2,6 @@
 
 from ._labels import ADAMW, DEFAULT_EXCLUDE, MUON, label_params, labels_from_module, views_from_module
 from ._muon import (
-    TORCH_STATE_NAMES,
     adamw,
     check_names,
     checks_names,
@@ -22,14 +21,12 @@ from ._variants import (
     adapted_branch,
     normuon,
     refuse_collectives,
-    variant_state_names,
 )
 
 __all__ = [
     "ADAMW",
     "DEFAULT_EXCLUDE",
     "MUON",
-    "TORCH_STATE_NAMES",
     "VARIANTS",
     "VARIANT_DEFAULTS",
     "VARIANT_OPTIONS",
@@ -49,7 +46,6 @@ __all__ = [
     "qk_clip",
     "refuse_collectives",
     "split_buffers",
-    "variant_state_names",
     "views_from_module",
     "with_adamw",
 ]

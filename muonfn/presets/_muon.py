@@ -19,10 +19,6 @@ from .._validation import Scalar, ScalarOrSchedule, flag, known_names
 from ..linalg import CoefficientsLike, EpsMode, MatrixFn, Orthogonalizer, ScaleMode
 from ..transforms import (
     CAUTIOUS_MODES,
-    EXP_AVG,
-    EXP_AVG_SQ,
-    MOMENTUM,
-    STEP,
     CautiousMode,
     LabelsLike,
     MaskLike,
@@ -50,12 +46,6 @@ if TYPE_CHECKING:
     from ..distributed import Collectives, Replicated, ShardSpecs, Strategy
 
 NesterovLike: TypeAlias = bool | Literal["add"]
-
-#: torch.optim's name of each state entry of a branch -> that branch's state field.
-TORCH_STATE_NAMES: dict[str, dict[str, str]] = {
-    MUON: {"momentum_buffer": MOMENTUM},
-    ADAMW: {"step": STEP, "exp_avg": EXP_AVG, "exp_avg_sq": EXP_AVG_SQ},
-}
 
 
 def adamw(

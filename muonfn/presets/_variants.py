@@ -14,9 +14,7 @@ import torch
 from .._validation import Scalar, ScalarOrSchedule, flag, positive, unit_interval
 from ..linalg import CoefficientsLike, EpsMode, MatrixFn, ScaleMode
 from ..transforms import (
-    EXP_AVG_SQ,
-    ROW_SECOND_MOMENT,
-    STEP,
+    SECOND_MOMENT,
     CautiousMode,
     LabelsLike,
     MaskLike,
@@ -36,8 +34,7 @@ from ..transforms import (
     scale_by_shape,
     scale_by_sign,
 )
-from ._labels import MUON
-from ._muon import TORCH_STATE_NAMES, NesterovLike, check_branch_flags, finish_branch, with_adamw
+from ._muon import NesterovLike, check_branch_flags, finish_branch, with_adamw
 
 if TYPE_CHECKING:
     from ..distributed import Collectives
@@ -53,10 +50,6 @@ VARIANT_OPTIONS: tuple[str, ...] = (
     "sign_momentum",
     "second_moment_bias_correction",
 )
-
-#: Where AdaMuon keeps its second moment when the momentum's bias correction keeps the step
-#: count at the branch's top level.
-SECOND_MOMENT = "second_moment"
 
 #: Each variant's defaults (those of :func:`~muonfn.muon`, :func:`normuon`, :func:`adamuon`) for
 #: the settings whose defaults differ between variants; an option of :data:`VARIANT_OPTIONS` a
@@ -74,25 +67,6 @@ VARIANT_DEFAULTS: dict[str, dict[str, Any]] = {
         "second_moment_bias_correction": False,
     },
 }
-
-
-def variant_state_names(variant: str, *, second_moment_bias_correction: bool = False) -> dict[str, str]:
-    """torch-style name of each state entry of a variant's matrix branch -> its field in the state.
-
-    Muon's ``momentum_buffer``, and the second moment the variant adds under its own field's
-    name (``row_second_moment``; ``exp_avg_sq``, torch's name for an EMA of squares, with its
-    ``step`` count under AdaMuon's ``second_moment_bias_correction``).
-    """
-    names = dict(TORCH_STATE_NAMES[MUON])
-    if variant == "normuon":
-        names["row_second_moment"] = ROW_SECOND_MOMENT
-    elif variant == "adamuon":
-        names["exp_avg_sq"] = EXP_AVG_SQ
-        if second_moment_bias_correction:
-            names["step"] = STEP
-    elif variant != "muon":
-        raise ValueError(f"unknown variant {variant!r}; choose one of {list(VARIANTS)}")
-    return names
 
 
 def refuse_collectives(where: str, collectives: Collectives | None) -> None:

@@ -29,7 +29,7 @@ from ._orthogonalize import (
 from ._rescale import RESCALE_MODES, Rescale
 from ._shards import SumShards
 from ._sign import scale_by_sign
-from ._state import COUNT, EXP_AVG, EXP_AVG_SQ, MOMENTUM, NOTFINITE_COUNT, ROW_SECOND_MOMENT, STEP
+from ._state import COUNT, EXP_AVG, EXP_AVG_SQ, MOMENTUM, NOTFINITE_COUNT, ROW_SECOND_MOMENT, SECOND_MOMENT, STEP
 
 __all__ = [
     "CAUTIOUS_MODES",
@@ -40,6 +40,7 @@ __all__ = [
     "NOTFINITE_COUNT",
     "RESCALE_MODES",
     "ROW_SECOND_MOMENT",
+    "SECOND_MOMENT",
     "STEP",
     "CautiousMode",
     "InitFn",

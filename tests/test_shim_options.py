@@ -1,0 +1,526 @@
+"""The shim takes exactly the presets' options, each with the preset's meaning, state and checkpoints.
+
+``muonfn.optim._groups`` says where the shim keeps each keyword of ``muonfn.muon``, ``normuon``
+and ``adamuon`` (per group, scheduled or read when the transform is built; per optimizer); the
+first tests fail the day the presets, that table and the shim's signature differ. The others run
+the options through the shim, bit for bit against the presets.
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import pathlib
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from _bitwise import assert_bitwise
+from tensordict import TensorDict
+from test_optim import assert_unchanged, batches, functional_steps, mlp, params_of, shim_steps, snapshot
+
+import muonfn
+from muonfn import NewtonSchulz
+from muonfn.optim import Muon, _groups
+from muonfn.presets import VARIANT_DEFAULTS, VARIANT_OPTIONS
+
+PRESETS: dict[str, Callable[..., muonfn.Transform]] = {
+    "muon": muonfn.muon,
+    "normuon": muonfn.normuon,
+    "adamuon": muonfn.adamuon,
+}
+HP = {"lr": 0.02, "weight_decay": 0.05, "adamw_lr": 0.004, "adamw_betas": (0.85, 0.97)}
+
+#: The shim's defaults that deliberately differ from the presets', and why.
+DIFFERENT_DEFAULTS = {
+    # None: the group's variant's default (the presets differ: 0.95/True for Muon and NorMuon, 0.9/False for AdaMuon)
+    "momentum": "the variant's",
+    "nesterov": "the variant's",
+    **dict.fromkeys(VARIANT_OPTIONS, "the variant's"),
+    # None: the preset's default, unless torch.optim.Muon's spelling (adjust_lr_fn, eps) gives it
+    "scale": "the preset's, or torch's spelling's",
+    "ns_eps": "the preset's, or torch's spelling's",
+    # the state is updated in place, as torch.optim's is
+    "donate_state": "True",
+}
+
+
+def keywords(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
+    """The keywords ``fn`` takes (``lr`` included), its operands left out."""
+    parameters = inspect.signature(fn).parameters
+    return {name: p for name, p in parameters.items() if name not in ("self", "params")}
+
+
+def preset_keywords() -> set[str]:
+    return set().union(*(keywords(preset) for preset in PRESETS.values()))
+
+
+def assert_same(name: str, these: set[str], those: set[str]) -> None:
+    assert these == those, (
+        f"{name}: only on the left {sorted(these - those)}, only on the right {sorted(those - these)}"
+    )
+
+
+# ---------------------------------------------------------------------------- the keywords, by construction
+
+
+def test_the_table_holds_exactly_the_presets_keywords():
+    """Each keyword of a preset has its place in the shim (kept per group, per optimizer, or as the
+    ``ns_*`` entries for ``ns=``), and the table names nothing else but the shim's own."""
+    table = {
+        *_groups.SCHEDULED,
+        *_groups.MUON_SETTINGS,
+        *_groups.ADAMW_SETTINGS,
+        *_groups.SPLIT_ONLY,
+        *_groups.PER_OPTIMIZER,
+        _groups.WHOLE_NEWTON_SCHULZ,  # "ns", kept in a group as its NEWTON_SCHULZ entries
+    }
+    assert_same("presets vs table", preset_keywords(), table - set(_groups.SHIM_OWN))
+    assert set(_groups.GROUP_SETTINGS) == {*_groups.SCHEDULED, *_groups.MUON_SETTINGS, *_groups.ADAMW_SETTINGS}
+    # the adapted variants add their options and take no sharded parameters
+    variants = (set(keywords(muonfn.normuon)) | set(keywords(muonfn.adamuon))) - set(keywords(muonfn.muon))
+    assert variants == set(VARIANT_OPTIONS)
+
+
+def test_the_shim_takes_the_presets_keywords_and_its_own():
+    """The day a preset gains an option the shim lacks (or the shim one no preset takes, beyond
+    its own: ``variant``, ``chunk_numel``, ``compile`` and torch.optim.Muon's ``adjust_lr_fn`` and
+    ``eps``), this fails naming it."""
+    assert_same("shim vs presets + own", set(keywords(Muon)), preset_keywords() | set(_groups.SHIM_OWN))
+
+
+def test_the_shims_defaults_are_the_presets_but_those_named():
+    """Every default the shim shares with a preset is that preset's, but ``DIFFERENT_DEFAULTS``.
+    (Also deliberate, in kind rather than default: ``lr`` and ``adamw_lr`` take numbers, for
+    ``torch.optim.lr_scheduler``, not the presets' schedule functions; ``ns_coefficients`` also
+    takes torch.optim.Muon's one triple.)"""
+    shim = keywords(Muon)
+    for name in sorted(preset_keywords()):
+        for preset_name, preset in PRESETS.items():
+            theirs = keywords(preset).get(name)
+            if theirs is None or name in DIFFERENT_DEFAULTS:
+                continue
+            assert shim[name].default == theirs.default, (
+                f"{name}: shim {shim[name].default!r}, {preset_name} {theirs.default!r}"
+            )
+    for name in DIFFERENT_DEFAULTS:
+        assert shim[name].default is (True if name == "donate_state" else None), name
+    # the None defaults resolve to the presets'
+    for variant, preset in PRESETS.items():
+        group = Muon(mlp().named_parameters(), variant=variant).param_groups[0]
+        for name in ("momentum", "nesterov", "scale", "ns_eps", *VARIANT_DEFAULTS[variant]):
+            assert group[name] == keywords(preset)[name].default, (variant, name)
+
+
+#: The shim's annotations that differ from the presets' (but ``X | None`` for the ``None`` defaults above), and why.
+DIFFERENT_TYPES = {
+    "lr": "a number, for torch.optim.lr_scheduler: no schedule function",
+    "adamw_lr": "a number, for torch.optim.lr_scheduler: no schedule function",
+    "nesterov": "the presets' private alias spelled out",
+    "adamw_nesterov": "the presets' private alias spelled out",
+}
+
+
+def test_the_shims_types_are_the_presets_but_those_named():
+    shim = keywords(Muon)
+    for name, theirs in {**keywords(muonfn.adamuon), **keywords(muonfn.muon)}.items():
+        if name in DIFFERENT_TYPES:
+            continue
+        optional = name in DIFFERENT_DEFAULTS and shim[name].default is None
+        expected = f"{theirs.annotation} | None" if optional else theirs.annotation
+        assert shim[name].annotation == expected, f"{name}: shim {shim[name].annotation}, preset {theirs.annotation}"
+
+
+def test_the_shim_page_lists_every_keyword():
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "shim.md").read_text()
+    rows = text.split("| argument | meaning |")[1].split("\n\n")[0].splitlines()[2:]
+    listed = {name for row in rows for name in re.findall(r"`(\w+)", row.split("|")[1])}
+    assert_same("shim keywords vs docs/shim.md", set(keywords(Muon)), listed)
+
+
+# ---------------------------------------------------------------------------- the options, bit for bit
+
+
+def own_map(x: torch.Tensor) -> torch.Tensor:
+    return muonfn.polar(x)
+
+
+#: (variant, options) the shim and the preset both take; each differs from the defaults somewhere.
+CASES = {
+    "momentum_bias_correction": ("muon", {"momentum_bias_correction": True}),
+    "cautious_weight_decay": ("muon", {"cautious_weight_decay": True}),
+    "cautious_mode heavyball": ("muon", {"cautious_mode": "heavyball"}),
+    "cautious_mode pytorch_optimizer": ("muon", {"cautious_mode": "pytorch_optimizer", "cautious_weight_decay": True}),
+    "ns_eps_mode": ("muon", {"ns_eps_mode": "add", "ns_eps": 1e-3}),
+    "ns_restarts": ("muon", {"ns_method": "gram", "ns_restarts": (2,)}),
+    "adamw_nesterov": ("muon", {"adamw_nesterov": True}),
+    "adamw_nesterov timm": ("muon", {"adamw_nesterov": "timm"}),
+    "ns NewtonSchulz": ("muon", {"ns": NewtonSchulz("cesista", eps=1e-4, eps_mode="add")}),
+    "ns polar": ("muon", {"ns": muonfn.polar}),
+    "normuon counted and cautious": ("normuon", {"momentum_bias_correction": True, "cautious_mode": "heavyball"}),
+    "adamuon momentum counted": ("adamuon", {"momentum_bias_correction": True}),
+    "adamuon both counted": ("adamuon", {"momentum_bias_correction": True, "second_moment_bias_correction": True}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_an_option_steps_saves_and_hands_off_as_the_preset(case):
+    """Each option steps the preset's bits; the state_dict (read with ``weights_only=True``) and
+    the functional state handed over continue them."""
+    variant, options = CASES[case]
+    preset = PRESETS[variant](**HP, **options)
+    data = batches(7)
+    model, ref = mlp(), mlp()
+    opt = Muon(model.named_parameters(), variant=variant, **HP, **options)
+    params = params_of(ref)
+    state = preset.init(params)
+    assert_bitwise(opt.functional_state, state)  # the preset's layout
+    params, state = functional_steps(ref, preset, params, state, data[:4])
+    shim_steps(model, opt, data[:4])
+    assert_bitwise(TensorDict.from_module(model), params)
+    assert_bitwise(opt.functional_state, state)
+
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=True)
+    resumed = mlp(seed=7)
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_opt = Muon(resumed.named_parameters(), variant=variant, **options)
+    resumed_opt.load_state_dict(checkpoint["optimizer"])
+    handed_model = mlp(seed=8)
+    handed_model.load_state_dict(checkpoint["model"])
+    handed = Muon(handed_model.named_parameters(), variant=variant, **HP, **options)
+    handed.functional_state = state.clone()
+
+    params, state = functional_steps(ref, preset, params, state, data[4:])
+    for m, o in ((model, opt), (resumed, resumed_opt), (handed_model, handed)):
+        shim_steps(m, o, data[4:])
+        assert_bitwise(TensorDict.from_module(m), params)
+        assert_bitwise(o.functional_state, state)
+
+
+@pytest.mark.parametrize(
+    ("variant", "options", "names"),
+    [
+        ("muon", {"momentum_bias_correction": True}, ["momentum_buffer", "step"]),
+        ("normuon", {"momentum_bias_correction": True}, ["momentum_buffer", "step", "row_second_moment"]),
+        ("adamuon", {"momentum_bias_correction": True}, ["momentum_buffer", "step", "exp_avg_sq"]),
+        (
+            "adamuon",
+            {"momentum_bias_correction": True, "second_moment_bias_correction": True},
+            ["momentum_buffer", "step", "exp_avg_sq", "second_moment_step"],
+        ),
+    ],
+)
+def test_the_counts_show_in_opt_state_and_the_state_dict(variant, options, names):
+    model = mlp()
+    opt = Muon(model.named_parameters(), variant=variant, **HP, **options)
+    shim_steps(model, opt, batches(3))
+    weight = model[0].weight
+    assert list(opt.state[weight]) == names
+    fields = {"step": ("step",), "second_moment_step": ("second_moment", "step")}
+    if "second_moment_step" in names:
+        fields["exp_avg_sq"] = ("second_moment", "exp_avg_sq")
+    for name, field in fields.items():
+        if name in names:  # the view shows the functional state's own tensors
+            assert opt.state[weight][name] is opt.functional_state["muon", *field, "0", "weight"]
+    for name in ("step", "second_moment_step"):
+        if name in names:
+            assert opt.state[weight][name].dtype == torch.int64 and int(opt.state[weight][name]) == 3
+    saved = opt.state_dict()["state"][0]
+    assert sorted(saved) == sorted(names)
+    with pytest.raises(ValueError, match=r"state\['0.weight'\]\['step'\] must be a count >= 0, got -1"):
+        opt.state[weight]["step"] = -1
+    count = [name for name in names if name.endswith("step")][-1]
+    saved = {**saved, count: torch.tensor(2.5)}
+    with pytest.raises(ValueError, match=rf"parameter '0.weight' \(index 0\) has {count} tensor\(2.5000\); expected"):
+        opt.load_state_dict({**opt.state_dict(), "state": {**opt.state_dict()["state"], 0: saved}})
+
+
+def test_a_state_dict_saved_without_the_momentums_count_does_not_load():
+    source = Muon(mlp().named_parameters(), **HP)
+    model = mlp()
+    opt = Muon(model.named_parameters(), momentum_bias_correction=True, **HP)
+    before = snapshot(model, opt)
+    with pytest.raises(
+        ValueError,
+        match=r"parameter '0.weight' \(index 0\) has state \['momentum_buffer'\], expected \['momentum_buffer', "
+        r"'step'\] \(saved with momentum_bias_correction=False, this optimizer's group has "
+        r"momentum_bias_correction=True\)",
+    ):
+        opt.load_state_dict(source.state_dict())
+    assert_unchanged(model, opt, before)
+
+
+# ---------------------------------------------------------------------------- changed in param_groups
+
+
+def hand_off(tx: muonfn.Transform, params, state, carried: dict[tuple[str, ...], tuple[str, ...]]):
+    """``tx``'s init for ``params`` with the AdamW state and the ``carried`` fields (new -> old) of ``state``."""
+    handed = tx.init(params)
+    handed["adamw"] = state["adamw"]
+    for new, old in carried.items():
+        handed["muon", *new] = state["muon", *old]
+    return handed
+
+
+def test_toggling_momentum_bias_correction_hands_off_a_consistent_state():
+    """Turned on mid-run, the momentum starts from zero with its count (a trained momentum
+    divided by 1 - momentum would outweigh the gradient twentyfold); turned off, the momentum is
+    kept and the count dropped: each is the functional hand-off to the new setting, bit for bit."""
+    data = batches(9)
+
+    def muon(on):
+        return muonfn.muon(**HP, momentum_bias_correction=on)
+
+    model, ref = mlp(), mlp()
+    opt = Muon(model.named_parameters(), **HP)
+    params = params_of(ref)
+    params, state = functional_steps(ref, muon(False), params, muon(False).init(params), data[:3])
+    shim_steps(model, opt, data[:3])
+
+    opt.param_groups[0]["momentum_bias_correction"] = True
+    assert list(opt.state[model[0].weight]) == ["momentum_buffer", "step"]
+    params, state = functional_steps(ref, muon(True), params, hand_off(muon(True), params, state, {}), data[3:6])
+    shim_steps(model, opt, data[3:6])
+    assert_bitwise(TensorDict.from_module(model), params)
+    assert_bitwise(opt.functional_state, state)
+    assert int(opt.state[model[0].weight]["step"]) == 3
+
+    opt.param_groups[0]["momentum_bias_correction"] = False
+    handed = hand_off(muon(False), params, state, {("momentum",): ("momentum",)})
+    params, state = functional_steps(ref, muon(False), params, handed, data[6:])
+    shim_steps(model, opt, data[6:])
+    assert_bitwise(TensorDict.from_module(model), params)
+    assert_bitwise(opt.functional_state, state)
+
+
+def test_counting_the_momentum_too_nests_adamuons_counted_second_moment():
+    """With ``second_moment_bias_correction``, turning on ``momentum_bias_correction`` moves the
+    second moment and its count under ``"second_moment"`` (as ``muonfn.adamuon`` keeps them) and
+    starts the momentum's count and the momentum from zero; turning on
+    ``second_moment_bias_correction`` instead, with the momentum's count already on, starts the
+    second moment from zero with its count and keeps the momentum with its count."""
+    data = batches(9)
+    options = {**HP, "rescale": "none", "sign_momentum": False}
+
+    def adamuon(momentum, moment):
+        return muonfn.adamuon(**options, momentum_bias_correction=momentum, second_moment_bias_correction=moment)
+
+    model, ref = mlp(), mlp()
+    opt = Muon(model.named_parameters(), variant="adamuon", second_moment_bias_correction=True, **options)
+    params = params_of(ref)
+    params, state = functional_steps(ref, adamuon(False, True), params, adamuon(False, True).init(params), data[:3])
+    shim_steps(model, opt, data[:3])
+
+    opt.param_groups[0]["momentum_bias_correction"] = True
+    moment = {("second_moment", "exp_avg_sq"): ("exp_avg_sq",), ("second_moment", "step"): ("step",)}
+    handed = hand_off(adamuon(True, True), params, state, moment)
+    params, state = functional_steps(ref, adamuon(True, True), params, handed, data[3:6])
+    shim_steps(model, opt, data[3:6])
+    assert_bitwise(TensorDict.from_module(model), params)
+    assert_bitwise(opt.functional_state, state)
+    counts = opt.state[model[0].weight]
+    assert (int(counts["step"]), int(counts["second_moment_step"])) == (3, 6)
+
+    opt.param_groups[0]["momentum_bias_correction"] = False
+    handed = hand_off(
+        adamuon(False, True), params, state, {("momentum",): ("momentum",), **{v: k for k, v in moment.items()}}
+    )
+    params, state = functional_steps(ref, adamuon(False, True), params, handed, data[6:])
+    shim_steps(model, opt, data[6:])
+    assert_bitwise(TensorDict.from_module(model), params)
+    assert_bitwise(opt.functional_state, state)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "groups"),
+    [
+        ("cautious_mode", "heavyball", [0]),
+        ("cautious_weight_decay", True, [0, 1]),  # both branches, as muonfn.muon's
+        ("ns_eps_mode", "add", [0]),
+        ("adamw_nesterov", "timm", [1]),
+    ],
+)
+def test_a_setting_changed_in_param_groups_takes_effect_at_the_next_step(name, value, groups):
+    """Set in the groups whose branch reads it, the state carried over: the preset with it from then on."""
+    data = batches(5)
+    model, ref = mlp(), mlp()
+    opt = Muon(model.named_parameters(), **HP)
+    params = params_of(ref)
+    params, state = functional_steps(ref, muonfn.muon(**HP), params, muonfn.muon(**HP).init(params), data[:2])
+    shim_steps(model, opt, data[:2])
+    for i in groups:
+        opt.param_groups[i][name] = value
+    params, state = functional_steps(ref, muonfn.muon(**HP, **{name: value}), params, state, data[2:])
+    shim_steps(model, opt, data[2:])
+    assert_bitwise(TensorDict.from_module(model), params)
+    assert_bitwise(opt.functional_state, state)
+
+
+# ---------------------------------------------------------------------------- ns=
+
+
+def test_ns_is_kept_in_the_groups_as_plain_entries():
+    setting = NewtonSchulz("cesista", 4, 1e-5, torch.float64, "gram", "add", (2,))
+    opt = Muon(mlp().named_parameters(), ns=setting)
+    entries = {name: opt.param_groups[0][name] for name in _groups.NEWTON_SCHULZ}
+    assert entries == {
+        "ns_coefficients": "cesista",
+        "ns_steps": 4,
+        "ns_dtype": torch.float64,
+        "ns_eps": 1e-5,
+        "ns_method": "gram",
+        "ns_eps_mode": "add",
+        "ns_restarts": (2,),
+    }
+    assert "ns" not in opt.param_groups[0] and "ns" not in opt.defaults
+    for ns, method in ((muonfn.polar, "svd"), (muonfn.linalg.qr_orthogonal, "qr"), (own_map, own_map)):
+        group = Muon(mlp().named_parameters(), ns=ns).param_groups[0]
+        assert group["ns_method"] is method or group["ns_method"] == method
+        assert (group["ns_steps"], group["ns_coefficients"], group["ns_eps_mode"]) == (None, "keller", "clamp")
+    # a group dict's ns replaces the constructor's ns_* settings for that group
+    named = list(mlp().named_parameters())
+    opt = Muon(
+        [{"params": named[:1], "use_muon": True, "ns": NewtonSchulz(steps=3)}, {"params": named[1:]}],
+        ns_steps=2,
+        ns_eps_mode="add",
+    )
+    assert (opt.param_groups[0]["ns_steps"], opt.param_groups[0]["ns_eps_mode"]) == (3, "clamp")
+    assert (opt.param_groups[1]["ns_steps"], opt.param_groups[1]["ns_eps_mode"]) == (2, "add")
+
+
+def test_a_map_of_ones_own_is_left_out_of_the_state_dict_and_kept_by_the_loading_optimizer():
+    """A function cannot be read with ``weights_only=True``: the saved groups leave it out, and the
+    optimizer that loads them keeps its own (as it keeps its views and labels)."""
+    data = batches(6)
+    model = mlp()
+    opt = Muon(model.named_parameters(), ns=own_map, **HP)
+    shim_steps(model, opt, data[:3])
+    sd = opt.state_dict()
+    assert all("ns_method" not in group for group in sd["param_groups"])
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": sd}, buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=True)
+    shim_steps(model, opt, data[3:])
+
+    resumed = mlp(seed=7)
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_opt = Muon(resumed.named_parameters(), ns_method=own_map)
+    resumed_opt.load_state_dict(checkpoint["optimizer"])
+    assert resumed_opt.param_groups[0]["ns_method"] is own_map and resumed_opt.param_groups[0]["lr"] == HP["lr"]
+    shim_steps(resumed, resumed_opt, data[3:])
+    assert_bitwise(TensorDict.from_module(resumed), TensorDict.from_module(model))
+    assert_bitwise(resumed_opt.functional_state, opt.functional_state)
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (
+            lambda params: Muon(params, ns=NewtonSchulz(), ns_steps=3),
+            ValueError,
+            r"^Muon\(\.\.\.\): ns=NewtonSchulz\(.*\) is the whole Newton–Schulz setting, so ns_steps=3 would be",
+        ),
+        (
+            lambda params: Muon(params, ns=muonfn.polar, eps=1e-3),
+            ValueError,
+            r"^Muon\(\.\.\.\): ns=<function polar .*>.*, so ns_eps=0.001 would be ignored",
+        ),
+        (
+            lambda params: Muon(params, ns="keller"),
+            TypeError,
+            r"^Muon\(\.\.\.\): ns must be a muonfn.NewtonSchulz or a map .*, got str",
+        ),
+        (
+            lambda params: Muon([{"params": params, "ns": NewtonSchulz(), "ns_eps_mode": "add"}]),
+            ValueError,
+            r"^param group 0: ns=NewtonSchulz\(.*\) is the whole Newton–Schulz setting, so ns_eps_mode='add' would",
+        ),
+    ],
+)
+def test_ns_with_flat_settings_or_of_the_wrong_type_is_refused(make, error, match):
+    with pytest.raises(error, match=match):
+        make(list(mlp().named_parameters()))
+
+
+def test_ns_written_into_param_groups_is_refused_at_the_step_changing_nothing():
+    model = mlp()
+    opt = Muon(model.named_parameters(), **HP)
+    shim_steps(model, opt, batches(1))
+    opt.param_groups[0]["ns"] = NewtonSchulz(steps=3)
+    before = snapshot(model, opt)
+    with pytest.raises(ValueError, match=r"^param group 0 holds 'ns'; a group keeps its Newton–Schulz setting as"):
+        shim_steps(model, opt, batches(1))
+    assert_unchanged(model, opt, before)
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"momentum_bias_correction": 1}, TypeError, r"^param group 0: momentum_bias_correction must be True or False"),
+        ({"cautious_weight_decay": None}, TypeError, r"^param group 0: cautious_weight_decay must be True or False"),
+        ({"cautious_mode": "always"}, ValueError, r"^param group 0: unknown cautious_mode 'always'; choose None or"),
+        ({"adamw_nesterov": "yes"}, ValueError, r"^param group 1: adamw_nesterov must be True, False or 'timm'"),
+        ({"ns_eps_mode": "max"}, ValueError, r"eps_mode"),
+        ({"ns_restarts": (2,)}, ValueError, r"restarts apply to (method|ns_method)='gram'"),
+    ],
+)
+def test_bad_options_raise_naming_the_culprit(options, error, match):
+    with pytest.raises(error, match=match):
+        Muon(mlp().named_parameters(), **options)
+
+
+@pytest.mark.parametrize(
+    ("group", "name", "value", "match"),
+    [
+        (0, "momentum_bias_correction", "yes", r"^param group 0: momentum_bias_correction must be True or False"),
+        (1, "cautious_weight_decay", 0, r"^param group 1: cautious_weight_decay must be True or False"),
+        (0, "cautious_mode", "Heavyball", r"^param group 0: unknown cautious_mode 'Heavyball'"),
+        (1, "adamw_nesterov", None, r"^param group 1: adamw_nesterov must be True, False or 'timm', got None"),
+    ],
+)
+def test_bad_options_set_in_param_groups_are_refused_at_the_step_changing_nothing(group, name, value, match):
+    model = mlp()
+    opt = Muon(model.named_parameters(), **HP)
+    shim_steps(model, opt, batches(1))
+    opt.param_groups[group][name] = value
+    before = snapshot(model, opt)
+    with pytest.raises((TypeError, ValueError), match=match):
+        shim_steps(model, opt, batches(1))
+    assert_unchanged(model, opt, before)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"momentum_bias_correction": True}, r"param group 0: torch.optim.Muon does not run momentum_bias_correction"),
+        ({"cautious_mode": "heavyball"}, r"param group 0: torch.optim.Muon does not run cautious_mode='heavyball'"),
+        ({"cautious_weight_decay": True}, r"param group 0: torch.optim.Muon does not run cautious_weight_decay=True"),
+        ({"ns_eps_mode": "add"}, r"param group 0: torch.optim.Muon does not run ns_eps_mode='add' \(it runs 'clamp'\)"),
+        ({"ns": muonfn.polar}, r"param group 0: torch.optim.Muon does not run ns_method='svd' \(it runs 'standard' or"),
+        ({"ns_method": own_map}, r"param group 0: torch.optim.Muon does not run ns_method=own_map"),
+        ({"adamw_nesterov": True}, r"param group 1: torch.optim.AdamW does not run adamw_nesterov=True"),
+    ],
+)
+def test_torch_state_dicts_refuse_what_torchs_optimizers_do_not_run(options, match):
+    with pytest.raises(ValueError, match=rf"^torch_state_dicts: {match}"):
+        Muon(mlp().named_parameters(), **HP, **options).torch_state_dicts()
+
+
+def test_torchs_state_does_not_continue_a_counted_momentum():
+    model = mlp()
+    opt = Muon(model.named_parameters(), momentum_bias_correction=True, **HP)
+    torch_model = mlp()
+    torch_opt = torch.optim.Muon([torch_model[0].weight, torch_model[3].weight, torch_model[5].weight], lr=0.02)
+    before = snapshot(model, opt)
+    with pytest.raises(ValueError, match=r"^load_torch_state_dicts: param group 0 has momentum_bias_correction=True"):
+        opt.load_torch_state_dicts(torch_opt.state_dict(), torch.optim.AdamW(model.parameters()).state_dict())
+    assert_unchanged(model, opt, before)
