@@ -405,3 +405,36 @@ def test_an_empty_matrix_maps_to_an_empty_result(shape: tuple[int, ...]) -> None
     x = torch.zeros(shape)
     for out in (newton_schulz(x), gram_newton_schulz(x)):
         assert out.shape == shape and out.dtype == x.dtype
+
+
+@pytest.mark.parametrize("ns_dtype", [None, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("eps_mode", ["clamp", "add"])
+def test_the_gpus_fewest_passes_normalise_to_the_cpus_bits(monkeypatch, ns_dtype, eps_mode: str) -> None:
+    """A GPU takes max |G| in one reduction and divides straight into the iteration's dtype; the
+    same arithmetic as the CPU's two reductions and division then cast, so the same bits (both
+    run here on the CPU), for huge, tiny, zero and ordinary matrices, overwritten or not."""
+    g = gaussian(3, 12, 20, seed=5)
+    cases = [g, g * 3e37, g * 1e-40, torch.zeros_like(g), g.mT]
+    f = muonfn.NewtonSchulz("polar_express", dtype=ns_dtype, eps_mode=eps_mode)  # type: ignore[arg-type]
+    cpu = [f(x) for x in cases] + [f.orthogonalize(g.clone(), overwrite_input=True)]
+    monkeypatch.setattr(_newton_schulz, "cpu_passes", lambda t: False)
+    fewest = [f(x) for x in cases] + [f.orthogonalize(g.clone(), overwrite_input=True)]
+    for a, b in zip(cpu, fewest):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("ns_dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_scale_taken_as_the_result_is_restored_gives_the_bits_of_scaling_after(monkeypatch, ns_dtype, dtype) -> None:
+    """``orthogonalize(x, scale=s)`` is ``s·f(x)``, the product computed in ``x``'s dtype (at least
+    fp32): on a GPU in the pass that widens the result (forced here), on a CPU after it."""
+    x = gaussian(3, 12, 20, seed=6).to(dtype)
+    f = muonfn.NewtonSchulz("keller", dtype=ns_dtype)
+    s = 0.2 * 20**0.5
+    expected = f(x).mul(s)
+    assert torch.equal(f.orthogonalize(x, scale=s), expected)
+    assert torch.equal(f.orthogonalize(x.mT, scale=s), expected.mT)
+    monkeypatch.setattr(_newton_schulz, "cpu_passes", lambda t: False)
+    assert torch.equal(f.orthogonalize(x, scale=s), expected)
+    assert torch.equal(f.orthogonalize(x.clone(), overwrite_input=True, scale=s), expected)
+    assert torch.equal(f.orthogonalize(x.mT, scale=s), expected.mT)

@@ -361,6 +361,28 @@ def test_inplace_decay_and_learning_rate_overwrite_their_input_with_the_same_bit
     assert (expected[True] == expected[False]).all()
 
 
+def test_off_the_cpu_a_number_decay_is_one_multiply_add_in_place_or_not(monkeypatch):
+    """Off the CPU (forced here), ``u + λp`` for a number λ and fp32 leaves is one
+    ``add(alpha=λ)`` pass, no ``λp`` written out; in place or not, the same bits, and a tensor
+    λ keeps the rounded product."""
+    from muonfn.transforms import _decay
+
+    monkeypatch.setattr(_decay, "_on_cpu", lambda weight_decay, leaves: False)
+    params, grads = make(8)
+    params, grads = matrices_only(params), matrices_only(grads)
+    results = {}
+    for weight_decay in (0.1, torch.tensor(0.1)):
+        for inplace in (False, True):
+            tx = muonfn.add_decayed_weights(weight_decay, mask={"attn.q": False}, inplace=inplace)
+            results[type(weight_decay), inplace] = tx.update(grads.clone(), tx.init(params), params)[0]
+    for key, g in grads.items(True, True):
+        p = params[key]
+        decayed = key != ("attn", "q")
+        assert torch.equal(results[float, False][key], torch.add(g, p, alpha=0.1) if decayed else g)
+        assert torch.equal(results[float, True][key], results[float, False][key])
+        assert torch.equal(results[torch.Tensor, False][key], g + p * torch.tensor(0.1) if decayed else g)
+
+
 def test_compiled_update_fullgraph_matches_eager():
     """``torch.compile(update, fullgraph=True)`` traces the whole Muon + AdamW step (no graph
     breaks), with labels, views and a decay mask given as dicts and the state donated; the

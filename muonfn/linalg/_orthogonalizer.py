@@ -103,13 +103,13 @@ def _call(matrices: list[torch.Tensor], ns: MatrixFn, scale: float) -> list[torc
     else:
         stack = torch.cat([p.unsqueeze(0) if p.ndim == 2 else p for p in pieces])
     if isinstance(ns, NewtonSchulz):
-        result = ns.orthogonalize(stack, overwrite_input=own)
+        result = ns.orthogonalize(stack, overwrite_input=own, scale=scale)
     else:
         result = checked_map_result(ns, stack, ns(stack))
-    if not (own or turns) and _may_share_memory(result, stack):  # a map of one's own may hand its input back
-        result = result.clone()
-    if scale != 1.0:
-        result = result.mul_(scale)
+        if not own and _may_share_memory(result, stack):  # a map of one's own may hand its input back
+            result = result.clone()
+        if scale != 1.0:
+            result = result.mul_(scale)
     if plain_wide or plain_tall:
         result = result.contiguous()  # a function of one's own may return another layout
     counts = [len(plain_wide), len(plain_tall), *(matrices[k].shape[0] for k in batches)]

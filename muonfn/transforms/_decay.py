@@ -24,6 +24,12 @@ def _on_cpu(weight_decay: Scalar, leaves: list[torch.Tensor]) -> bool:
     return all(u.device.type == "cpu" for u in leaves)
 
 
+def _wide(leaves: list[torch.Tensor]) -> bool:
+    """fp32/fp64 leaves only: a fused in-place op rounds a bf16/fp16 leaf's number operand
+    otherwise than the out-of-place one, and donated updates equal undonated ones bitwise."""
+    return all(u.dtype in (torch.float32, torch.float64) for u in leaves)
+
+
 def _factors(weight_decay: Scalar, like: list[torch.Tensor]) -> list[torch.Tensor]:
     r""":math:`\lambda` as a 0-d tensor of each (CPU) leaf's dtype, one conversion per dtype.
 
@@ -49,8 +55,9 @@ def add_decayed_weights(
 
     Followed by :func:`scale_by_learning_rate` this is :math:`p \leftarrow p - \eta\lambda p`
     with the unadjusted learning rate (torch semantics). On a CPU the plain decay is one
-    multiply-add per entry, with :math:`\lambda` rounded to the leaf's dtype; elsewhere
-    :math:`\lambda p` is rounded before it is added.
+    multiply-add per entry, with :math:`\lambda` rounded to the leaf's dtype; elsewhere it is
+    ``torch.add(u, p, alpha=λ)`` for a number :math:`\lambda` and fp32/fp64 leaves, and
+    :math:`\lambda p` rounded before it is added otherwise.
 
     Args:
         weight_decay: :math:`\lambda \ge 0`, a float or a 0-d tensor.
@@ -100,7 +107,12 @@ def add_decayed_weights(
             # leaf would leave the fused kernels, and moving a host λ there would wait for it.)
             add = _lists.apply_ if overwrite else _lists.apply
             decayed = add("addcmul", current, p, _factors(weight_decay, current))
+        elif not cautious and isinstance(weight_decay, float | int) and _wide(current):
+            # u + λp in one pass, λ a number: no decay term written out and read back
+            add = _lists.apply_ if overwrite else _lists.apply
+            decayed = add("add", current, p, alpha=weight_decay)
         else:
+            # (a tensor λ would be read back to the host as alpha: its product is written out)
             decay = _lists.scale(p, weight_decay)
             if cautious:  # the mask is read before an in-place add changes the update
                 decay = [_agreeing(d, u, x) for d, u, x in zip(decay, current, p)]
