@@ -492,9 +492,7 @@ def test_one_newton_schulz_setting_equals_its_flat_spellings(preset) -> None:
     flat = preset(
         lr=0.02, ns_coefficients="cesista", ns_steps=4, ns_dtype=torch.float64, ns_eps=1e-6, ns_eps_mode="add"
     )
-    whole = preset(
-        lr=0.02, ns=muonfn.NewtonSchulz("cesista", steps=4, eps=1e-6, dtype=torch.float64, eps_mode="add")
-    )
+    whole = preset(lr=0.02, ns=muonfn.NewtonSchulz("cesista", steps=4, eps=1e-6, dtype=torch.float64, eps_mode="add"))
     expected, _ = flat.update(grads, flat.init(params), params)
     got, _ = whole.update(grads, whole.init(params), params)
     for key in ("w", "v", "b"):
