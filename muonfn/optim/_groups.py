@@ -203,7 +203,7 @@ def setting(group: Mapping[str, Any], name: str) -> Any:
 
 
 def adapted_settings(group: Mapping[str, Any]) -> dict[str, Any]:
-    """The keywords of ``adapted_branch`` a NorMuon or AdaMuon group sets."""
+    """The keywords of ``matrix_branch`` a NorMuon or AdaMuon group sets."""
     options = {name: setting(group, name) for name in VARIANT_OPTIONS}
     for name in _ADAMUON_ONLY:  # off for NorMuon, as normuon() passes them
         if options[name] is None:

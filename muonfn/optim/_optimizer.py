@@ -19,10 +19,9 @@ from ..presets import (
     MUON,
     Variant,
     adamw,
-    adapted_branch,
     check_names,
     label_params,
-    muon_branch,
+    matrix_branch,
     muon_orthogonalizer,
     refuse_collectives,
 )
@@ -287,9 +286,9 @@ class Muon(torch.optim.Optimizer):
                 "donate_state": self._donate_state,
             }
             if group["variant"] == MUON:
-                return muon_branch(**settings, orthogonalizer=self._orthogonalizer)
+                return matrix_branch(MUON, **settings, orthogonalizer=self._orthogonalizer)
             refuse_collectives(f"variant={group['variant']!r}", self._collectives)
-            return adapted_branch(group["variant"], **settings, **_groups.adapted_settings(group))
+            return matrix_branch(group["variant"], **settings, **_groups.adapted_settings(group))
         return adamw(
             scalars["lr"],
             betas=group["adamw_betas"],

@@ -1,27 +1,17 @@
-"""Presets: ready-made optimizers assembled from the transforms, and how leaves are routed to them."""
+"""Presets: ready-made optimizers assembled from the transforms, and how leaves are routed to them.
 
+Public: :func:`muon`, :func:`normuon`, :func:`adamuon`, :func:`adamw`, :func:`qk_clip` and the
+labelling helpers. The ``torch.optim`` shim is built from the same pieces, so this package also
+hands it :func:`matrix_branch` and the checks the presets run (not re-exported by ``muonfn``).
+"""
+
+from ._adamw import adamw
+from ._branch import VARIANTS, Variant, check_names, matrix_branch
 from ._labels import ADAMW, DEFAULT_EXCLUDE, MUON, label_params, labels_from_module, views_from_module
-from ._muon import (
-    adamw,
-    check_names,
-    checks_names,
-    muon,
-    muon_branch,
-    muon_orthogonalizer,
-    with_adamw,
-)
+from ._muon import muon, muon_orthogonalizer
 from ._params import split_buffers
 from ._qk_clip import QKHeads, qk_clip
-from ._variants import (
-    VARIANT_DEFAULTS,
-    VARIANT_OPTIONS,
-    VARIANTS,
-    Variant,
-    adamuon,
-    adapted_branch,
-    normuon,
-    refuse_collectives,
-)
+from ._variants import VARIANT_DEFAULTS, VARIANT_OPTIONS, adamuon, normuon, refuse_collectives
 
 __all__ = [
     "ADAMW",
@@ -34,18 +24,15 @@ __all__ = [
     "Variant",
     "adamuon",
     "adamw",
-    "adapted_branch",
     "check_names",
-    "checks_names",
     "label_params",
     "labels_from_module",
+    "matrix_branch",
     "muon",
-    "muon_branch",
     "muon_orthogonalizer",
     "normuon",
     "qk_clip",
     "refuse_collectives",
     "split_buffers",
     "views_from_module",
-    "with_adamw",
 ]

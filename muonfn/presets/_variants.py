@@ -1,46 +1,24 @@
 """NorMuon and AdaMuon: Muon whose orthogonalized update is adapted by a second moment.
 
-Each is :func:`~muonfn.muon`'s partition with another matrix branch; the branch builders are
-also what the ``torch.optim`` shim builds its groups from (``variant=``).
+Each is :func:`~muonfn.muon`'s partition with another adaptation step in its
+:func:`matrix_branch`, which the ``torch.optim`` shim builds its groups from too (``variant=``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._validation import Scalar, ScalarOrSchedule, flag, positive, unit_interval
+from .._validation import Scalar, ScalarOrSchedule
 from ..linalg import CoefficientsLike, EpsMode, MatrixFn, ScaleMode
-from ..transforms import (
-    SECOND_MOMENT,
-    CautiousMode,
-    LabelsLike,
-    MaskLike,
-    MethodLike,
-    Rescale,
-    Transform,
-    ViewsLike,
-    chain,
-    check_mask,
-    check_views,
-    ema_momentum,
-    named,
-    newton_schulz_setting,
-    orthogonalize,
-    scale_by_element_rms,
-    scale_by_neuron_norm,
-    scale_by_shape,
-    scale_by_sign,
-)
-from ._muon import NesterovLike, check_branch_flags, finish_branch, with_adamw
+from ..transforms import CautiousMode, LabelsLike, MaskLike, MethodLike, Rescale, Transform, ViewsLike
+from ._branch import NesterovLike, assemble
 
 if TYPE_CHECKING:
     from ..distributed import Collectives
 
-Variant: TypeAlias = Literal["muon", "normuon", "adamuon"]
-VARIANTS: tuple[str, ...] = ("muon", "normuon", "adamuon")
 
 #: The options that only the adapted variants take (the second moment and what feeds it).
 VARIANT_OPTIONS: tuple[str, ...] = (
@@ -77,77 +55,6 @@ def refuse_collectives(where: str, collectives: Collectives | None) -> None:
             "orthogonalized matrix on the rank that holds its state, and the sharded strategies return "
             "shards; use muonfn.muon for sharded parameters, or gather them"
         )
-
-
-def adapted_branch(
-    variant: Literal["normuon", "adamuon"],
-    *,
-    lr: ScalarOrSchedule,
-    momentum: Scalar,
-    nesterov: NesterovLike,
-    beta2: Scalar,
-    adaptive_eps: float,
-    rescale: Rescale,
-    sign_momentum: bool,
-    second_moment_bias_correction: bool,
-    weight_decay: Scalar,
-    ns: MatrixFn,
-    scale: ScaleMode,
-    extra_scale: float,
-    views: ViewsLike,
-    weight_decay_mask: MaskLike,
-    bucket_numel: int | None,
-    donate_state: bool,
-    momentum_bias_correction: bool = False,
-    cautious_weight_decay: bool = False,
-    cautious_mode: CautiousMode | None = None,
-) -> Transform:
-    """The matrix branch of :func:`normuon` or :func:`adamuon`: momentum, (sign,) Newton–Schulz,
-    the second-moment adaptation, shape scale, decay, learning rate."""
-    check_branch_flags(variant, momentum_bias_correction, cautious_weight_decay, cautious_mode, donate_state)
-    check_mask(f"{variant}: weight_decay_mask", weight_decay_mask)
-    check_views(f"{variant}: views", views)
-    # named as the presets spell them (the building blocks call them beta and eps)
-    unit_interval(f"{variant}: beta2", beta2)
-    positive(f"{variant}: adaptive_eps", adaptive_eps)
-    flag(f"{variant}: sign_momentum", sign_momentum)
-    flag(f"{variant}: second_moment_bias_correction", second_moment_bias_correction)
-    if variant == "normuon":
-        if second_moment_bias_correction:
-            raise ValueError("normuon: second_moment_bias_correction is AdaMuon's (NorMuon's row moment has none)")
-        adapt = scale_by_neuron_norm(beta2, eps=adaptive_eps, rescale=rescale, views=views, donate_state=donate_state)
-    elif variant == "adamuon":
-        adapt = scale_by_element_rms(
-            beta2,
-            eps=adaptive_eps,
-            bias_correction=second_moment_bias_correction,
-            rescale=rescale,
-            views=views,
-            donate_state=donate_state,
-        )
-    else:
-        raise ValueError(f"unknown variant {variant!r}; choose 'normuon' or 'adamuon'")
-    if momentum_bias_correction and second_moment_bias_correction:
-        adapt = named(SECOND_MOMENT, adapt)  # both corrections count steps under "step"
-    steps = [
-        ema_momentum(momentum, nesterov=nesterov, bias_correction=momentum_bias_correction, donate_state=donate_state)
-    ]
-    if sign_momentum:
-        steps.append(scale_by_sign())
-    ortho = orthogonalize(
-        ns=ns,
-        views=views,
-        bucket_numel=bucket_numel,
-    )
-    direction = chain(*steps, ortho, adapt, scale_by_shape(scale, extra_scale=extra_scale, views=views))
-    return finish_branch(
-        direction,
-        lr=lr,
-        weight_decay=weight_decay,
-        weight_decay_mask=weight_decay_mask,
-        cautious_weight_decay=cautious_weight_decay,
-        cautious_mode=cautious_mode,
-    )
 
 
 def normuon(
@@ -219,55 +126,7 @@ def normuon(
         torch.Size([4, 1])
     """
     refuse_collectives("normuon", collectives)
-    branch = adapted_branch(
-        "normuon",
-        lr=lr,
-        momentum=momentum,
-        nesterov=nesterov,
-        beta2=beta2,
-        adaptive_eps=adaptive_eps,
-        rescale=rescale,
-        sign_momentum=False,
-        second_moment_bias_correction=False,
-        weight_decay=weight_decay,
-        ns=newton_schulz_setting(
-            "normuon",
-            ns,
-            ns_coefficients=ns_coefficients,
-            ns_steps=ns_steps,
-            ns_dtype=ns_dtype,
-            ns_eps=ns_eps,
-            ns_method=ns_method,
-            ns_eps_mode=ns_eps_mode,
-            ns_restarts=ns_restarts,
-        ),
-        scale=scale,
-        extra_scale=extra_scale,
-        views=views,
-        weight_decay_mask=weight_decay_mask,
-        bucket_numel=bucket_numel,
-        donate_state=donate_state,
-        momentum_bias_correction=momentum_bias_correction,
-        cautious_weight_decay=cautious_weight_decay,
-        cautious_mode=cautious_mode,
-    )
-    return with_adamw(
-        "normuon",
-        branch,
-        lr=lr,
-        weight_decay=weight_decay,
-        adamw_lr=adamw_lr,
-        adamw_betas=adamw_betas,
-        adamw_eps=adamw_eps,
-        adamw_weight_decay=adamw_weight_decay,
-        adamw_nesterov=adamw_nesterov,
-        cautious_weight_decay=cautious_weight_decay,
-        labels=labels,
-        views=views,
-        weight_decay_mask=weight_decay_mask,
-        shard_specs=None,
-        donate_state=donate_state,
-    )
+    return assemble("normuon", locals())
 
 
 def adamuon(
@@ -348,52 +207,4 @@ def adamuon(
         ['exp_avg_sq', 'momentum']
     """
     refuse_collectives("adamuon", collectives)
-    branch = adapted_branch(
-        "adamuon",
-        lr=lr,
-        momentum=momentum,
-        nesterov=nesterov,
-        beta2=beta2,
-        adaptive_eps=adaptive_eps,
-        rescale=rescale,
-        sign_momentum=sign_momentum,
-        second_moment_bias_correction=second_moment_bias_correction,
-        weight_decay=weight_decay,
-        ns=newton_schulz_setting(
-            "adamuon",
-            ns,
-            ns_coefficients=ns_coefficients,
-            ns_steps=ns_steps,
-            ns_dtype=ns_dtype,
-            ns_eps=ns_eps,
-            ns_method=ns_method,
-            ns_eps_mode=ns_eps_mode,
-            ns_restarts=ns_restarts,
-        ),
-        scale=scale,
-        extra_scale=extra_scale,
-        views=views,
-        weight_decay_mask=weight_decay_mask,
-        bucket_numel=bucket_numel,
-        donate_state=donate_state,
-        momentum_bias_correction=momentum_bias_correction,
-        cautious_weight_decay=cautious_weight_decay,
-        cautious_mode=cautious_mode,
-    )
-    return with_adamw(
-        "adamuon",
-        branch,
-        lr=lr,
-        weight_decay=weight_decay,
-        adamw_lr=adamw_lr,
-        adamw_betas=adamw_betas,
-        adamw_eps=adamw_eps,
-        adamw_weight_decay=adamw_weight_decay,
-        adamw_nesterov=adamw_nesterov,
-        cautious_weight_decay=cautious_weight_decay,
-        labels=labels,
-        views=views,
-        weight_decay_mask=weight_decay_mask,
-        shard_specs=None,
-        donate_state=donate_state,
-    )
+    return assemble("adamuon", locals())
