@@ -41,15 +41,20 @@ def module_name(path: Path) -> str:
 
 def runtime_imports(path: Path) -> list[str]:
     """Absolute names of what ``path`` imports, leaving out ``if TYPE_CHECKING:`` blocks."""
+    return imports(path)
+
+
+def imports(path: Path, *, type_only: bool = False) -> list[str]:
+    """Absolute names of what ``path`` imports outside ``if TYPE_CHECKING:`` blocks (inside with ``type_only``)."""
     tree = ast.parse(path.read_text())
     package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
-    skipped: set[int] = set()
+    type_checked: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skipped |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+            type_checked |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
     names = []
     for node in ast.walk(tree):
-        if id(node) in skipped:
+        if (id(node) in type_checked) != type_only:
             continue
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
@@ -192,3 +197,45 @@ def test_architecture_tree_folders_are_the_layers() -> None:
     problems = [f"layers without a rule: {sorted(layers - set(ALLOWED))}"] if layers - set(ALLOWED) else []
     problems += [f"rules for layers not in the tree: {sorted(set(ALLOWED) - layers)}"] if set(ALLOWED) - layers else []
     assert not problems, "docs/architecture.md: " + "; ".join(problems)
+
+
+OPTIM = PACKAGE / "optim"
+
+
+def test_optim_has_no_type_only_back_imports() -> None:
+    """The shim's modules take what they read (the layout, the groups) as arguments: none imports a
+    sibling for its types only, as the state-dict, ``opt.state`` and migration modules once imported
+    the optimizer to reach into it."""
+    back = {
+        p.name: names
+        for p in sorted(OPTIM.glob("*.py"))
+        if (names := [n for n in imports(p, type_only=True) if n.startswith("muonfn.optim")])
+    }
+    assert not back, f"type-only imports of the shim's own modules: {back}"
+
+
+def test_only_the_package_imports_the_optimizer() -> None:
+    importers = sorted(
+        p.name
+        for p in OPTIM.glob("*.py")
+        if p.name != "__init__.py" and "muonfn.optim._optimizer" in imports(p) + imports(p, type_only=True)
+    )
+    assert not importers, f"{importers} import the optimizer: they should take the layout or the groups instead"
+
+
+def test_optim_modules_touch_only_their_own_privates() -> None:
+    """An underscore attribute is read only on ``self`` or ``cls`` (``opt._slots`` from another module
+    couples it to the optimizer's insides; a sibling module is reached by its public names)."""
+    reached = []
+    for path in sorted(OPTIM.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+                continue
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            # torch's own underscore API (torch._foreach_*) is how fused multi-tensor ops are reached
+            if (isinstance(root, ast.Name) and root.id == "torch") or ast.unparse(node.value) in ("self", "cls"):
+                continue
+            reached.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert not reached, f"private attributes of other objects: {reached}"

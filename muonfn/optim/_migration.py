@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .._keys import dotted
 from ..linalg import DEFAULT_VIEW, CoefficientsLike, MatrixView, ScaleMode, ns_schedule
-from ..transforms import resolve_mask, resolve_views
+from ..transforms import MaskLike, ViewsLike, resolve_mask, resolve_views
 from . import _groups
+from ._layout import Layout
 
-if TYPE_CHECKING:
-    from ._optimizer import Muon
+Groups = Sequence[Mapping[str, Any]]
 
 #: torch.optim.Muon's ``ns_steps`` when not given.
 TORCH_NS_STEPS = 5
@@ -96,12 +96,15 @@ def schedule_of(coefficients: Any, steps: int | None) -> CoefficientsLike:
 # ---------------------------------------------------------------------------- torch -> shim
 
 
-def shim_state_dict(opt: Muon, muon_state_dict: Mapping[str, Any], adamw_state_dict: Mapping[str, Any] | None) -> dict:
-    """The shim state_dict holding what the torch state_dicts hold, for ``opt``'s groups; changes nothing.
+def shim_state_dict(
+    param_groups: Groups, layout: Layout, muon_state_dict: Mapping[str, Any], adamw_state_dict: Mapping[str, Any] | None
+) -> dict:
+    """The shim state_dict holding what the torch state_dicts hold, for the shim's ``param_groups``
+    laid out by ``layout``; changes nothing.
 
     Raises naming the group or parameter that does not correspond.
     """
-    for i, group in enumerate(opt.param_groups):
+    for i, group in enumerate(param_groups):
         if group["use_muon"] and group["variant"] != "muon":
             raise ValueError(
                 f"load_torch_state_dicts: param group {i} has variant={group['variant']!r}; torch.optim.Muon's "
@@ -115,9 +118,9 @@ def shim_state_dict(opt: Muon, muon_state_dict: Mapping[str, Any], adamw_state_d
     sources = {True: muon_state_dict, False: adamw_state_dict}
     torch_groups: dict[bool, list[Mapping[str, Any]]] = {}
     for route, sd in sources.items():
-        ours = [g for g in opt.param_groups if g["use_muon"] == route]
+        ours = [g for g in param_groups if g["use_muon"] == route]
         if sd is None:
-            given = [name for g in ours for name in _names(opt, g)]
+            given = [name for g in ours for name in _names(layout, g)]
             if given:
                 raise ValueError(
                     f"load_torch_state_dicts: this optimizer has {'Muon' if route else 'AdamW'} parameters "
@@ -134,12 +137,12 @@ def shim_state_dict(opt: Muon, muon_state_dict: Mapping[str, Any], adamw_state_d
             )
         torch_groups[route] = saved
 
-    position = {p: i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    position = {p: i for i, p in enumerate(p for g in param_groups for p in g["params"])}
     state: dict[int, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []
     taken = {True: 0, False: 0}
     claimed: dict[bool, set[Any]] = {True: set(), False: set()}
-    for i, group in enumerate(opt.param_groups):
+    for i, group in enumerate(param_groups):
         route = group["use_muon"]
         nth = taken[route]
         saved_group = torch_groups[route][nth]
@@ -154,7 +157,7 @@ def shim_state_dict(opt: Muon, muon_state_dict: Mapping[str, Any], adamw_state_d
         saved_params = list(saved_group["params"])
         if len(saved_params) != len(group["params"]):
             raise ValueError(f"{where}: {len(group['params'])} parameters here, {len(saved_params)} there")
-        names = _names(opt, group)
+        names = _names(layout, group)
         if "param_names" in group and "param_names" in saved_group:
             for name, saved_name in zip(group["param_names"], saved_group["param_names"]):
                 if name != saved_name:
@@ -165,7 +168,7 @@ def shim_state_dict(opt: Muon, muon_state_dict: Mapping[str, Any], adamw_state_d
             claimed[route].add(index)
             entry = sd["state"].get(index)
             if not entry:  # torch makes a parameter's state at its first gradient
-                entry = opt._initial_entries(p)
+                entry = layout.initial_entries(param_groups, p)
             elif set(entry) != set(expected):
                 amsgrad = " (amsgrad, which muonfn's AdamW does not run)" if "max_exp_avg_sq" in entry else ""
                 raise ValueError(
@@ -185,8 +188,8 @@ def shim_state_dict(opt: Muon, muon_state_dict: Mapping[str, Any], adamw_state_d
     return {"state": state, "param_groups": groups}
 
 
-def _names(opt: Muon, group: Mapping[str, Any]) -> list[str]:
-    return [dotted(opt._slots[p].key) for p in group["params"]]
+def _names(layout: Layout, group: Mapping[str, Any]) -> list[str]:
+    return [dotted(layout.slots[p].key) for p in group["params"]]
 
 
 def _setting(saved: Mapping[str, Any], name: str, where: str) -> Any:
@@ -234,19 +237,21 @@ def _adamw_settings(saved: Mapping[str, Any], where: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- shim -> torch
 
 
-def torch_state_dicts(opt: Muon) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The state_dicts of a torch.optim.Muon and a torch.optim.AdamW built with ``opt``'s Muon and AdamW groups.
+def torch_state_dicts(
+    param_groups: Groups, layout: Layout, *, views: ViewsLike, weight_decay_mask: MaskLike
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The state_dicts of a torch.optim.Muon and a torch.optim.AdamW built with the shim's Muon and AdamW
+    groups, laid out by ``layout``, read with the shim's ``views`` and ``weight_decay_mask``.
 
     Raises naming the group or parameter whose settings torch's optimizers cannot run.
     """
     out: dict[bool, dict[str, Any]] = {route: {"state": {}, "param_groups": []} for route in (True, False)}
     count = {True: 0, False: 0}
-    params = opt._param_tensordict()
-    decayed = set(resolve_mask(opt._weight_decay_mask, params, True))
-    for i, group in enumerate(opt.param_groups):
+    decayed = set(resolve_mask(weight_decay_mask, layout.params(), True))
+    for i, group in enumerate(param_groups):
         route = group["use_muon"]
         where = f"torch_state_dicts: param group {i}"
-        keys = [opt._slots[p].key for p in group["params"]]
+        keys = [layout.slots[p].key for p in group["params"]]
         if float(group["weight_decay"]) != 0.0:
             exempt = [dotted(k) for k in keys if k not in decayed]
             if exempt:
@@ -256,8 +261,7 @@ def torch_state_dicts(opt: Muon) -> tuple[dict[str, Any], dict[str, Any]]:
                 )
         _refuse_what_torch_does_not_run(where, group)
         if route:
-            views = resolve_views(opt._views, keys, group["params"])
-            torch_group = _torch_muon_group(where, group, keys, views)
+            torch_group = _torch_muon_group(where, group, keys, resolve_views(views, keys, group["params"]))
         else:
             torch_group = _torch_adamw_group(group)
         indices = list(range(count[route], count[route] + len(keys)))
@@ -267,7 +271,9 @@ def torch_state_dicts(opt: Muon) -> tuple[dict[str, Any], dict[str, Any]]:
             torch_group["param_names"] = list(group["param_names"])
         out[route]["param_groups"].append(torch_group)
         for index, p in zip(indices, group["params"]):
-            out[route]["state"][index] = {name: _torch_value(name, t) for name, t in opt.state[p].items()}
+            out[route]["state"][index] = {
+                name: _torch_value(name, t) for name, t in layout.entries(param_groups, p).items()
+            }
     return out[True], out[False]
 
 

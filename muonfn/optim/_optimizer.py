@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -38,12 +37,12 @@ from ..transforms import (
     check_views,
     mask_table,
     newton_schulz_setting,
-    partition,
     resolve_labels,
     resolve_views,
 )
 from ..transforms._base import as_rule, check_rule
 from . import _groups, _migration
+from ._layout import Layout
 from ._migration import NOT_GIVEN, NotGiven
 from ._param_state import ParamState
 from ._parts import StepInputs, parts_applier
@@ -240,27 +239,19 @@ class Muon(torch.optim.Optimizer):
         self._donate_state = donate_state
         self._chunk_numel = _groups.check_chunk_numel(chunk_numel)
         self._collectives = collectives
-        # The state lives as flat leaves between steps; its TensorDict is built when asked for
-        # (and is then what the next step reads, in case it was changed).
-        self._state_leaves: _tree.FlatState = {}
-        self._state_tree: TensorDictBase | None = None
+        self._layout = Layout(self._branch)
         self._scalars: list[dict[str, torch.Tensor]] = []
-        # per group, the entries the state holds: the layout its settings asked for when it was last
-        # laid out (a changed variant or bias correction is laid out anew before it is used)
-        self._entry_names: list[_groups.Entries] = []
-        self._routes: list[bool] = []  # per group, its use_muon when it was added
-        self._members: list[tuple[torch.Tensor, ...]] = []  # per group, its params as last checked
-        self._slots: dict[torch.Tensor, _groups.Slot] = {}
-        self._cache: tuple[list[Any], Transform] | None = None
+        # the transform, and what it was built from: the layout's version and the group settings
+        self._cache: tuple[int, list[Any], Transform] | None = None
         super().__init__(params, defaults)  # routes every group through add_param_group
         check_names(
-            self._param_tensordict(),
+            self._layout.params(),
             labels=labels,
             views=views,
             weight_decay_mask=weight_decay_mask,
             shard_specs=shard_specs,
         )
-        self.state = ParamState(self)  # type: ignore[assignment]
+        self.state = ParamState(self._layout, self)  # type: ignore[assignment]
 
     # ------------------------------------------------------------------ layout
 
@@ -309,16 +300,10 @@ class Muon(torch.optim.Optimizer):
             signature.append((group["use_muon"], values, _is_zero(group["weight_decay"])))
         return signature
 
-    def _build(self, scalars: Sequence[Mapping[str, torch.Tensor]]) -> Transform:
-        """``partition`` over the groups' branches, each parameter labelled by its group."""
-        labels = _groups.group_labels([g["use_muon"] for g in self.param_groups])
-        branches = {label: self._branch(g, s) for label, g, s in zip(labels, self.param_groups, scalars)}
-        return partition(branches, {slot.key: slot.label for slot in self._slots.values()})
-
     @torch.compiler.disable
     def _synced_transform(self) -> Transform:
         """Copies the scheduled hyperparameters into their tensors; rebuilds the transform if settings changed."""
-        self._check_groups()
+        self._layout.check_groups(self.param_groups)
         for i, group in enumerate(self.param_groups):
             _groups.check_scheduled(i, group)
             _groups.refuse_whole_setting(i, group)
@@ -326,12 +311,12 @@ class Muon(torch.optim.Optimizer):
             for name, tensor in scalars.items():
                 tensor.fill_(float(group[name]))
         signature = self._signature()
-        if self._cache is None or self._cache[0] != signature:
+        if self._cache is None or self._cache[:2] != (self._layout.version, signature):
             for i, group in enumerate(self.param_groups):
                 self._check_settings(i, group)
-            self._synced_layout()
-            self._cache = (signature, self._build(self._scalars))
-        return self._cache[1]
+            self._layout.sync(self.param_groups)
+            self._cache = (self._layout.version, signature, self._layout.transform(self.param_groups, self._scalars))
+        return self._cache[2]
 
     def _check_settings(self, group_index: int, group: Mapping[str, Any]) -> None:
         """A group's switches, and a Muon group's variant and its options, checked naming the group
@@ -342,57 +327,12 @@ class Muon(torch.optim.Optimizer):
             if group["variant"] != MUON:
                 refuse_collectives(f"param group {group_index}: variant={group['variant']!r}", self._collectives)
 
-    def _check_groups(self) -> None:
-        """The groups, their parameters and their ``use_muon`` are fixed when a group is added (its
-        parameters' keys, labels and state are laid out for them): an edit in ``param_groups`` is
-        refused, naming the group (and the parameter)."""
-        groups = self.param_groups
-        if len(groups) != len(self._members) or not all(map(_holds, groups, self._members)):
-            _groups.check_members(groups, self._slots, len(self._routes))
-            self._members = [tuple(g["params"]) for g in groups]  # (a tensor's hash runs Python: checked once)
-        for i, (group, route) in enumerate(zip(groups, self._routes)):
-            if bool(group["use_muon"]) != route:
-                raise ValueError(
-                    f"param group {i}: use_muon was {route} when the group was added and cannot change; "
-                    "set it back, or add the parameters to a new optimizer"
-                )
-
-    def _synced_layout(self) -> None:
-        """Lays out anew the state of every group whose settings now ask for other entries (its
-        variant, ``momentum_bias_correction`` or AdaMuon's ``second_moment_bias_correction`` was
-        changed in ``param_groups``).
-
-        The entries both layouts keep are carried over (the momentum, the second moment, with
-        their step counts), unless their bias correction starts now (``_groups.carried_fields``);
-        the others start as the branch's ``init`` makes them; the dropped ones go. Nothing
-        changes unless all succeed.
-        """
-        self._check_groups()
-        for i, group in enumerate(self.param_groups):
-            if group["use_muon"]:
-                _groups.check_variant(f"param group {i}", group["variant"])
-        wanted = [_groups.entries(g) for g in self.param_groups]
-        if wanted == self._entry_names:
-            return
-        labels = _groups.group_labels([g["use_muon"] for g in self.param_groups])
-        state = self._functional_state.clone(recurse=False)
-        for label, group, names, held in zip(labels, self.param_groups, wanted, self._entry_names):
-            if names == held:
-                continue
-            keys = [self._slots[p].key for p in group["params"]]
-            params = TensorDict(dict(zip(keys, [p.detach() for p in group["params"]])), batch_size=[])
-            fresh = self._branch(group, _groups.new_scalars(group)).init(params)
-            for field, held_field in _groups.carried_fields(held, names).items():
-                fresh[field] = state[(label, *held_field)]
-            state[label] = fresh
-        self._functional_state = state
-        self._entry_names = wanted
-        self._cache = None  # the cached transform may have been built for the old layout
-
-    def _state_entries(self, group_index: int) -> dict[str, _groups.Field]:
-        """The state entries of a group (torch's name -> field), its state laid out for its settings first."""
-        self._synced_layout()
-        return self._entry_names[group_index].fields
+    def _checked_branch(self, group_index: int, group: Mapping[str, Any]) -> tuple[Transform, dict[str, torch.Tensor]]:
+        """A group's branch and its scalars, its settings checked naming the group (the core checks the others)."""
+        _groups.check_scheduled(group_index, group)
+        self._check_settings(group_index, group)
+        scalars = _groups.new_scalars(group)
+        return self._branch(group, scalars), scalars
 
     @property
     def transform(self) -> Transform:
@@ -402,26 +342,6 @@ class Muon(torch.optim.Optimizer):
         from ``param_groups`` before each of its steps.
         """
         return self._synced_transform()
-
-    def _param_tensordict(self, device: str | torch.device | None = None) -> TensorDict:
-        keys, values = [], []
-        for p, slot in self._slots.items():
-            keys.append(slot.key)
-            values.append(p.detach() if device is None else torch.empty_like(p, device=device))
-        return TensorDict(dict(zip(keys, values)), batch_size=[])
-
-    def _layout(self) -> TensorDictBase:
-        """The functional state's structure: expanded one-element tensors of each leaf's shape, dtype and device."""
-        scalars = [_groups.new_scalars(g) for g in self.param_groups]
-        meta = self._build(scalars).init(self._param_tensordict("meta"))
-        layout = meta.empty(recurse=True)
-        for p, slot in self._slots.items():
-            # state leaves are keyed (label, *field, *parameter key)
-            for field in _groups.state_names(self.param_groups[slot.group]).values():
-                key = (slot.label, *field, *slot.key)
-                t = meta.get(key)
-                layout.set(key, torch.empty((), dtype=t.dtype, device=p.device).expand(t.shape))
-        return layout
 
     # ------------------------------------------------------------------ groups
 
@@ -437,8 +357,8 @@ class Muon(torch.optim.Optimizer):
         if names is not None:
             keys = [tuple(name.split(".")) for name in names]
         else:  # by position in the order the optimizer was given them
-            keys = [(str(i),) for i in range(len(self._slots), len(self._slots) + len(tensors))]
-        _groups.check_new_params(tensors, keys, self._slots, named=names is not None)
+            keys = [(str(i),) for i in range(len(self._layout.slots), len(self._layout.slots) + len(tensors))]
+        _groups.check_new_params(tensors, keys, self._layout.slots, named=names is not None)
 
         detached = TensorDict(dict(zip(keys, [p.detach() for p in tensors])), batch_size=[])
         if callable(self._weight_decay_mask):  # named as given here, before the branches read it
@@ -494,33 +414,20 @@ class Muon(torch.optim.Optimizer):
                     group[name] = group[name].clone()
             new_groups.append(group)
 
-        groups = [*self.param_groups, *new_groups]
-        slots = _groups.index_slots(groups, {**{p: s.key for p, s in self._slots.items()}, **dict(zip(tensors, keys))})
-        labels = _groups.group_labels([g["use_muon"] for g in groups])
-        state = self._functional_state.clone(recurse=False)
         scalars = list(self._scalars)
-        for i in range(len(self.param_groups), len(groups)):
-            group = groups[i]
-            _groups.check_scheduled(i, group)
-            self._check_settings(i, group)
-            scalars.append(_groups.new_scalars(group))
-            branch = self._branch(group, scalars[i])  # the core checks the other settings
-            group_keys = [slots[p].key for p in group["params"]]
+
+        def new_branch(i: int, group: Mapping[str, Any], group_keys: Sequence[tuple[str, ...]]) -> Transform:
+            branch, group_scalars = self._checked_branch(i, group)
+            scalars.append(group_scalars)
             if group["use_muon"]:  # against global shapes, also where the branch's init cannot (sharded)
                 views = resolve_views(self._views, group_keys, group["params"])
                 for leaf_key, p, view in zip(group_keys, group["params"], views):
                     view.check(leaf_key, p.shape)
-            state[labels[i]] = branch.init(
-                TensorDict(dict(zip(group_keys, [p.detach() for p in group["params"]])), batch_size=[])
-            )
+            return branch
 
+        self._layout.add(self.param_groups, new_groups, dict(zip(tensors, keys)), new_branch)
         self.param_groups.extend(new_groups)
-        self._entry_names = [*self._entry_names, *(_groups.entries(g) for g in new_groups)]
-        self._routes = [*self._routes, *(g["use_muon"] for g in new_groups)]
-        self._members = [*self._members, *(tuple(g["params"]) for g in new_groups)]
         self._scalars = scalars
-        self._slots = slots
-        self._functional_state = state
         self._cache = None
 
     # ------------------------------------------------------------------ step
@@ -538,17 +445,18 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         # settings changed in param_groups may lay the state out anew: undone if the step's checks fail
-        layout = (self._state_tree, self._state_leaves, self._entry_names, self._cache)
+        undo = (self._layout.snapshot(), self._cache)
         paused = pause_collections()  # the step's temporaries hold no cycles (see muonfn._collection)
         try:
             with torch.no_grad():
                 try:
                     checked = self._checked_step()
                 except Exception:
-                    self._state_tree, self._state_leaves, self._entry_names, self._cache = layout
+                    self._layout.restore(undo[0])
+                    self._cache = undo[1]
                     raise
                 if checked is not None:
-                    self._state_leaves, self._state_tree = self._apply_parts(*checked), None
+                    self._layout.stepped(self._apply_parts(*checked))
         finally:
             resume_collections(paused)
         return loss
@@ -557,30 +465,21 @@ class Muon(torch.optim.Optimizer):
         """The step's inputs and the flat state, every input checked before any part runs;
         ``None`` when no parameter has a gradient."""
         rule = as_rule(self._synced_transform())
+        slots = self._layout.slots
         keys, targets, grads = [], [], []
-        for p, slot in self._slots.items():
+        for p, slot in slots.items():
             if p.grad is not None:
                 keys.append(slot.key)
                 targets.append(p)
                 grads.append(p.grad)
         if not grads:
             return None
-        state = self._state_leaves if self._state_tree is None else _tree.flatten(self._state_tree, keep_empty=True)
-        params = {slot.key: p for p, slot in self._slots.items()}
+        state = self._layout.leaves()
+        params = {slot.key: p for p, slot in slots.items()}
         check_rule(rule, dict(zip(keys, grads)), state, params, torch.Size([]))
-        kinds = [_groups.part_kind(self._slots[p].group, p) for p in targets]
+        kinds = [_groups.part_kind(slots[p].group, p) for p in targets]
         parts = _groups.chunks([g.numel() for g in grads], self._chunk_numel, kinds)
         return StepInputs(rule, parts, keys, targets, grads, params), state
-
-    @property
-    def _functional_state(self) -> TensorDictBase:
-        if self._state_tree is None:
-            self._state_tree = _tree.unflatten(self._state_leaves, torch.Size([]))
-        return self._state_tree
-
-    @_functional_state.setter
-    def _functional_state(self, state: TensorDictBase) -> None:
-        self._state_tree, self._state_leaves = state, {}
 
     # ------------------------------------------------------------------ state
 
@@ -592,30 +491,14 @@ class Muon(torch.optim.Optimizer):
         and ``update`` for the same parameters) replaces the state after checking that its
         keys, shapes, dtypes and devices are those expected; on a mismatch nothing changes.
         """
-        self._synced_layout()
-        return self._functional_state
+        self._layout.sync(self.param_groups)
+        return self._layout.state
 
     @functional_state.setter
     def functional_state(self, state: TensorDictBase | Mapping[str, Any]) -> None:
-        self._check_groups()
-        self._functional_state = self._checked_state(state, "functional_state")
-        self._entry_names = [_groups.entries(g) for g in self.param_groups]  # the layout it was checked against
-
-    def _checked_state(self, state: TensorDictBase | Mapping[str, Any], where: str) -> TensorDict:
-        """``state`` laid out as expected, on its parameters' devices; else an error naming the first difference."""
-        if not isinstance(state, TensorDictBase):
-            state = TensorDict(dict(state), batch_size=[])
-        if state.batch_size != torch.Size([]):
-            raise ValueError(f"{where}: batch size {tuple(state.batch_size)}, expected ()")
-        return _tree.laid_out_like(state, self._layout(), where)
-
-    def _initial_entries(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``p``'s state as its branch's ``init`` makes it, under torch's names."""
-        slot = self._slots[p]
-        group = self.param_groups[slot.group]
-        names = self._state_entries(slot.group)
-        fresh = self._branch(group, _groups.new_scalars(group)).init(TensorDict({slot.key: p.detach()}, batch_size=[]))
-        return {name: fresh.get((*field, *slot.key)) for name, field in names.items()}
+        self._layout.check_groups(self.param_groups)
+        checked = self._layout.checked_state(self.param_groups, state, "functional_state")
+        self._layout.load(self.param_groups, checked)  # laid out as it was checked
 
     @torch.compiler.disable
     def state_dict(self) -> dict[str, Any]:
@@ -628,8 +511,8 @@ class Muon(torch.optim.Optimizer):
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        self._synced_layout()  # its groups and its state saved as one layout
-        state_dict = packed_state_dict(self)
+        self._layout.sync(self.param_groups)  # its groups and its state saved as one layout
+        state_dict = packed_state_dict(self.param_groups, self._layout, self._param_state.others)
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
             if result is not None:
@@ -653,13 +536,14 @@ class Muon(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        self._check_groups()
-        loaded = translate_state_dict(self, state_dict)
-        state = self._checked_state(TensorDict(loaded.entries, batch_size=[]), "load_state_dict")
+        self._layout.check_groups(self.param_groups)
+        loaded = translate_state_dict(
+            state_dict, self.param_groups, self._layout, defaults=self.defaults, check=self._checked_branch
+        )
+        state = self._layout.checked_state(self.param_groups, loaded.entries, "load_state_dict")
 
         self.param_groups = loaded.groups
-        self._functional_state = state
-        self._entry_names = [_groups.entries(g) for g in loaded.groups]
+        self._layout.load(loaded.groups, state)
         self._param_state.others = loaded.others
         self._cache = None
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
@@ -679,7 +563,9 @@ class Muon(torch.optim.Optimizer):
         when this optimizer has no AdamW parameters. On a mismatch it raises naming the group
         or parameter and changes nothing. See :meth:`torch_state_dicts` for the way back.
         """
-        self.load_state_dict(_migration.shim_state_dict(self, muon_state_dict, adamw_state_dict))
+        self.load_state_dict(
+            _migration.shim_state_dict(self.param_groups, self._layout, muon_state_dict, adamw_state_dict)
+        )
 
     def torch_state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(muon_state_dict, adamw_state_dict)``: this run's state for ``torch.optim.Muon`` and ``torch.optim.AdamW``.
@@ -693,36 +579,42 @@ class Muon(torch.optim.Optimizer):
         ``"match_rms_adamw"``, ``extra_scale``, views, a weight-decay mask inside a decayed
         group, a Muon parameter that is not 2-D).
         """
-        self._check_groups()
-        return _migration.torch_state_dicts(self)
+        self._layout.check_groups(self.param_groups)
+        return _migration.torch_state_dicts(
+            self.param_groups, self._layout, views=self._views, weight_decay_mask=self._weight_decay_mask
+        )
 
     @property
     def _param_state(self) -> ParamState:
         """:attr:`state`, typed as what it is (torch declares a ``defaultdict``)."""
         return self.state  # type: ignore[return-value]
 
+    # where the state lives, for a debugger: the layout's own
+    @property
+    def _slots(self) -> dict[torch.Tensor, _groups.Slot]:
+        return self._layout.slots
+
+    @property
+    def _entry_names(self) -> list[_groups.Entries]:
+        return self._layout.entry_names
+
+    @property
+    def _functional_state(self) -> TensorDictBase:
+        return self._layout.state
+
     def __getstate__(self) -> dict[str, Any]:
         # the cached transform closes over this instance's scalar tensors; a copy builds its own.
-        # The state travels as its TensorDict only, so that a copy's two forms cannot differ;
-        # a compiled step is compiled anew.
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_cache", "_apply_parts")}
-        state["_state_tree"], state["_state_leaves"] = self._functional_state, {}
-        return state
+        # A compiled step is compiled anew.
+        return {k: v for k, v in self.__dict__.items() if k not in ("_cache", "_apply_parts")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        if "_layout" not in state:  # (pickled before the layout was an object of its own)
+            state = dict(state)
+            state["_layout"] = Layout.unpickled(self._branch, state)
         super().__setstate__(state)
         self._cache = None
         self._compile = state.get("_compile", False)  # (pickled before the option existed: eager)
-        if "_routes" not in state:  # (pickled before routes were kept: a Muon group's scalars hold its momentum)
-            self._routes = ["momentum" in scalars for scalars in self._scalars]
-            self._members = []  # checked in full at the next step
         self._apply_parts = parts_applier(self._compile, self._collectives)
-
-
-def _holds(group: Mapping[str, Any], members: tuple[torch.Tensor, ...]) -> bool:
-    """Whether ``group`` holds the tensors ``members``, in order (by identity: ``==`` of tensors compares values)."""
-    params = group["params"]
-    return len(params) == len(members) and all(map(operator.is_, params, members))
 
 
 def _is_zero(value: Any) -> bool:

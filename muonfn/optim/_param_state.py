@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -11,9 +11,7 @@ from tensordict import TensorDict
 from .. import _tree
 from .._keys import dotted
 from . import _groups
-
-if TYPE_CHECKING:
-    from ._optimizer import Muon
+from ._layout import Layout
 
 
 class ParamState(MutableMapping[Any, Any]):
@@ -27,8 +25,9 @@ class ParamState(MutableMapping[Any, Any]):
     ``state_dict()`` as torch's do.
     """
 
-    def __init__(self, optimizer: Muon) -> None:
-        self._optimizer = optimizer
+    def __init__(self, layout: Layout, optimizer: torch.optim.Optimizer) -> None:
+        self._layout = layout
+        self._optimizer = optimizer  # its param_groups, whose settings lay the state out
         #: entries under keys that are not parameters, as torch's ``defaultdict(dict)`` holds them
         self.others: dict[Any, Any] = {}
 
@@ -36,25 +35,26 @@ class ParamState(MutableMapping[Any, Any]):
         slot = self._slot(key)
         if slot is None:
             return self.others.setdefault(key, {})
-        return ParamEntries(self._optimizer, key, slot)
+        return ParamEntries(self._layout, self._optimizer, key, slot)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         slot = self._slot(key)
         if slot is None:
             self.others[key] = value
             return
-        expected = self._optimizer._state_entries(slot.group)
+        expected = self._layout.fields(self._optimizer.param_groups, slot.group)
         if not isinstance(value, Mapping) or set(value) != set(expected):
             given = sorted(value) if isinstance(value, Mapping) else type(value).__name__
             raise ValueError(f"state of {dotted(slot.key)!r} must have {sorted(expected)}, got {given}")
-        write_entries(self._optimizer, slot, value)
+        write_entries(self._layout, self._optimizer.param_groups, slot, value)
 
     def __delitem__(self, key: Any) -> None:
         slot = self._slot(key)
         if slot is None:
             del self.others[key]
             return
-        write_entries(self._optimizer, slot, self._optimizer._initial_entries(key))
+        groups = self._optimizer.param_groups
+        write_entries(self._layout, groups, slot, self._layout.initial_entries(groups, key))
 
     # as a defaultdict's: only a lookup by ``[]`` makes an entry for a key that has none
 
@@ -74,7 +74,7 @@ class ParamState(MutableMapping[Any, Any]):
 
     def clear(self) -> None:
         """Resets every parameter's entries (as ``del``) and drops the other keys."""
-        for param in list(self._optimizer._slots):
+        for param in list(self._layout.slots):
             del self[param]
         self.others.clear()
 
@@ -87,17 +87,17 @@ class ParamState(MutableMapping[Any, Any]):
 
     def _slot(self, key: Any) -> _groups.Slot | None:
         # only tensors are parameters; a dict lookup of another key could compare it to tensors
-        return self._optimizer._slots.get(key) if isinstance(key, torch.Tensor) else None
+        return self._layout.slots.get(key) if isinstance(key, torch.Tensor) else None
 
     def __contains__(self, key: object) -> bool:
         return self._slot(key) is not None or key in self.others
 
     def __iter__(self) -> Iterator[Any]:
-        yield from self._optimizer._slots
+        yield from self._layout.slots
         yield from self.others
 
     def __len__(self) -> int:
-        return len(self._optimizer._slots) + len(self.others)
+        return len(self._layout.slots) + len(self.others)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({dict(self.items())!r})"
@@ -114,16 +114,19 @@ class ParamEntries(MutableMapping[str, Any]):
     resets them all as ``del opt.state[p]`` does.
     """
 
-    def __init__(self, optimizer: Muon, param: torch.Tensor, slot: _groups.Slot) -> None:
+    def __init__(
+        self, layout: Layout, optimizer: torch.optim.Optimizer, param: torch.Tensor, slot: _groups.Slot
+    ) -> None:
+        self._layout = layout
         self._optimizer = optimizer
         self._param = param
         self._slot = slot
-        self._fields = optimizer._state_entries(slot.group)
+        self._fields = layout.fields(optimizer.param_groups, slot.group)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._fields:
             raise KeyError(name)
-        return self._optimizer._functional_state.get((self._slot.label, *self._fields[name], *self._slot.key))
+        return self._layout.state.get((self._slot.label, *self._fields[name], *self._slot.key))
 
     def __setitem__(self, name: str, value: Any) -> None:
         self.update({name: value})
@@ -131,7 +134,7 @@ class ParamEntries(MutableMapping[str, Any]):
     def update(self, other: Any = (), /, **kwargs: Any) -> None:
         """Replaces the named entries together: all are checked before any is written."""
         values = dict(other, **kwargs)
-        write_entries(self._optimizer, self._slot, values)
+        write_entries(self._layout, self._optimizer.param_groups, self._slot, values)
 
     def __delitem__(self, name: str) -> None:
         raise TypeError(
@@ -141,7 +144,8 @@ class ParamEntries(MutableMapping[str, Any]):
 
     def clear(self) -> None:
         """Resets every entry to its initial value (as ``del opt.state[p]``)."""
-        write_entries(self._optimizer, self._slot, self._optimizer._initial_entries(self._param))
+        groups = self._optimizer.param_groups
+        write_entries(self._layout, groups, self._slot, self._layout.initial_entries(groups, self._param))
 
     def __contains__(self, name: object) -> bool:
         return name in self._fields
@@ -156,11 +160,16 @@ class ParamEntries(MutableMapping[str, Any]):
         return repr(dict(self.items()))
 
 
-def write_entries(optimizer: Muon, slot: _groups.Slot, values: Mapping[str, Any] | Iterable[Any]) -> None:
+def write_entries(
+    layout: Layout,
+    groups: Sequence[Mapping[str, Any]],
+    slot: _groups.Slot,
+    values: Mapping[str, Any] | Iterable[Any],
+) -> None:
     """Replaces some of a parameter's entries (torch names -> tensors) after checking all of them."""
-    fields = optimizer._state_entries(slot.group)
+    fields = layout.fields(groups, slot.group)
     name = dotted(slot.key)
-    state = optimizer._functional_state
+    state = layout.state
     checked = {}
     for torch_name, value in dict(values).items():
         if torch_name not in fields:
@@ -176,4 +185,4 @@ def write_entries(optimizer: Muon, slot: _groups.Slot, values: Mapping[str, Any]
     new_state = state.clone(recurse=False)
     for key, tensor in checked.items():
         new_state.set(key, tensor)
-    optimizer._functional_state = new_state
+    layout.state = new_state

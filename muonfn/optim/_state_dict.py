@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
 from .._keys import Key, dotted
 from . import _groups
-
-if TYPE_CHECKING:
-    from ._optimizer import Muon
+from ._layout import Layout
 
 
 def loaded_value(name: str, torch_name: str, value: Any, like: torch.Tensor) -> torch.Tensor:
@@ -37,21 +35,21 @@ def loaded_value(name: str, torch_name: str, value: Any, like: torch.Tensor) -> 
     return value.to(dtype=like.dtype, device=like.device)
 
 
-def packed_state_dict(opt: Muon) -> dict[str, Any]:
-    """``opt``'s state in torch's format: parameters by index, counted across groups in order.
+def packed_state_dict(groups: Sequence[Mapping[str, Any]], layout: Layout, others: Mapping[Any, Any]) -> dict[str, Any]:
+    """The state of ``groups``' parameters in torch's format: by index, counted across groups in order.
 
     A parameter's state is a plain dict of its current tensors (so that
-    ``torch.load(weights_only=True)`` reads it back); the other entries of ``opt.state``
-    are kept under their own keys, as torch keeps them.
+    ``torch.load(weights_only=True)`` reads it back); ``others``, the entries of ``opt.state``
+    under keys that are not parameters, are kept under their own keys, as torch keeps them.
     """
     index: dict[torch.Tensor, int] = {}
     param_groups = []
-    for group in opt.param_groups:
+    for group in groups:
         packed = {k: v for k, v in group.items() if k != "params" and not _is_function_setting(k, v)}
         packed["params"] = [index.setdefault(p, len(index)) for p in group["params"]]
         param_groups.append(packed)
-    state: dict[Any, Any] = {i: dict(opt.state[p]) for p, i in index.items()}
-    for key, value in opt._param_state.others.items():
+    state: dict[Any, Any] = {i: layout.entries(groups, p) for p, i in index.items()}
+    for key, value in others.items():
         if isinstance(key, torch.Tensor):
             if isinstance(value, Mapping) and not value:
                 continue  # left by a lookup (a defaultdict's); it reads back as {} without being saved
@@ -94,26 +92,35 @@ class Loaded(NamedTuple):
     others: dict[Any, Any]
 
 
-def translate_state_dict(opt: Muon, state_dict: dict[str, Any]) -> Loaded:
-    """The param groups and the functional-state entries ``state_dict`` holds for ``opt``'s parameters,
-    and its entries under other keys.
+def translate_state_dict(
+    state_dict: dict[str, Any],
+    param_groups: Sequence[Mapping[str, Any]],
+    layout: Layout,
+    *,
+    defaults: Mapping[str, Any],
+    check: Callable[[int, Mapping[str, Any]], object],
+) -> Loaded:
+    """The param groups and the functional-state entries ``state_dict`` holds for the parameters of
+    ``param_groups``, laid out by ``layout``, and its entries under other keys.
 
     Checks everything (group sizes and routes, every parameter's entries, the
-    hyperparameters) and raises naming the first mismatch; changes nothing.
+    hyperparameters; ``check`` checks a group's settings naming it) and raises naming the
+    first mismatch; changes nothing. A saved group's missing settings are ``defaults``'.
     """
     saved_groups = state_dict["param_groups"]
     saved_state = state_dict["state"]
-    if len(saved_groups) != len(opt.param_groups):
+    if len(saved_groups) != len(param_groups):
         raise ValueError(
             f"load_state_dict: the state_dict has {len(saved_groups)} parameter groups, "
-            f"this optimizer {len(opt.param_groups)}"
+            f"this optimizer {len(param_groups)}"
         )
     groups: list[dict[str, Any]] = []
     entries: dict[Key, torch.Tensor] = {}
-    labels = _groups.group_labels([g["use_muon"] for g in opt.param_groups])
-    layout = opt._layout()  # each entry's shape, dtype and device (a row statistic is no parameter's shape)
+    labels = _groups.group_labels([g["use_muon"] for g in param_groups])
+    # each entry's shape, dtype and device (a row statistic is no parameter's shape)
+    structure = layout.structure(param_groups)
     claimed = set()
-    for i, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
+    for i, (group, saved) in enumerate(zip(param_groups, saved_groups)):
         if len(saved["params"]) != len(group["params"]):
             raise ValueError(
                 f"load_state_dict: parameter group {i} has {len(saved['params'])} parameters in the "
@@ -128,7 +135,7 @@ def translate_state_dict(opt: Muon, state_dict: dict[str, Any]) -> Loaded:
         # the layout this optimizer's settings ask for: a state saved with another variant does not load
         expected = _groups.state_names(group)
         for index, p in zip(saved["params"], group["params"]):
-            slot = opt._slots[p]
+            slot = layout.slots[p]
             name = f"{dotted(slot.key)!r} (index {index})"
             if index not in saved_state:
                 raise ValueError(f"load_state_dict: the state_dict has no state for parameter {name}")
@@ -141,7 +148,7 @@ def translate_state_dict(opt: Muon, state_dict: dict[str, Any]) -> Loaded:
                 )
             for torch_name, field in expected.items():
                 entry_key = (labels[i], *field, *slot.key)
-                entries[entry_key] = loaded_value(name, torch_name, entry[torch_name], layout.get(entry_key))
+                entries[entry_key] = loaded_value(name, torch_name, entry[torch_name], structure.get(entry_key))
         # torch deep-copies the saved groups: a scheduler of the source must not reach this optimizer
         new_group = copy.deepcopy({k: v for k, v in saved.items() if k != "params"})
         new_group["params"] = group["params"]
@@ -151,7 +158,7 @@ def translate_state_dict(opt: Muon, state_dict: dict[str, Any]) -> Loaded:
         for name in _groups.FUNCTION_SETTINGS:  # a function is not saved: the loading group keeps its own
             if name not in saved and name in group:
                 new_group[name] = group[name]
-        for key, default in opt.defaults.items():
+        for key, default in defaults.items():
             new_group.setdefault(key, default)
         _groups.resolve_variant(f"load_state_dict: parameter group {i}", new_group, given=())
         if route and _groups.state_names(new_group) != expected:  # a group without parameters says so here
@@ -159,9 +166,7 @@ def translate_state_dict(opt: Muon, state_dict: dict[str, Any]) -> Loaded:
                 f"load_state_dict: parameter group {i} keeps state {sorted(expected)} here and "
                 f"{sorted(_groups.state_names(new_group))} in the state_dict" + _layout_hint(group, new_group)
             )
-        _groups.check_scheduled(i, new_group)
-        opt._check_settings(i, new_group)
-        opt._branch(new_group, _groups.new_scalars(new_group))  # the core checks the other settings
+        check(i, new_group)
         groups.append(new_group)
     others = {k: v for k, v in saved_state.items() if k not in claimed}
     return Loaded(groups, entries, others)

@@ -1,0 +1,240 @@
+"""Where each parameter's state lives: its group, key and label, its group's entries, the functional state."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from .. import _tree
+from .._keys import Key
+from ..transforms import Transform, partition
+from . import _groups
+
+#: A group's transform, built from its settings and its scheduled scalar tensors.
+BranchOf = Callable[[Mapping[str, Any], Mapping[str, torch.Tensor]], Transform]
+#: A new group's transform (its settings checked), given its index and its parameters' keys.
+NewBranch = Callable[[int, Mapping[str, Any], Sequence[Key]], Transform]
+Groups = Sequence[Mapping[str, Any]]
+
+
+class Snapshot(NamedTuple):
+    """What a relayout changes, to undo it."""
+
+    tree: TensorDictBase | None
+    leaves: _tree.FlatState
+    entry_names: list[_groups.Entries]
+    version: int
+
+
+class Layout:
+    """The state of an optimizer's parameters, and where each parameter's part of it lives.
+
+    Every parameter has a :class:`~muonfn.optim._groups.Slot` (its group, key and its group's
+    label), fixed when its group is added, as is each group's route. Each group's state holds
+    the entries its settings asked for when it was last laid out (``entry_names``); a group
+    whose settings now ask for others is laid out anew by :meth:`sync`. The groups are not
+    held here: the optimizer passes its ``param_groups``, checked against the slots.
+
+    The functional state lives as flat leaves between steps; its TensorDict is built when
+    asked for (and is then what the next step reads, in case it was changed).
+    """
+
+    def __init__(self, branch: BranchOf) -> None:
+        self._branch = branch
+        self._tree: TensorDictBase | None = None
+        self._leaves: _tree.FlatState = {}
+        self.slots: dict[torch.Tensor, _groups.Slot] = {}
+        #: per group, the entries the state holds (a changed variant or bias correction is laid out
+        #: anew before it is used)
+        self.entry_names: list[_groups.Entries] = []
+        self.routes: list[bool] = []  # per group, its use_muon when it was added
+        self.members: list[tuple[torch.Tensor, ...]] = []  # per group, its params as last checked
+        #: counts the relayouts: a transform built at another version may be built for other entries
+        self.version = 0
+
+    # ------------------------------------------------------------------ the functional state
+
+    @property
+    def state(self) -> TensorDictBase:
+        """The functional state, as laid out when last synced."""
+        if self._tree is None:
+            self._tree = _tree.unflatten(self._leaves, torch.Size([]))
+        return self._tree
+
+    @state.setter
+    def state(self, state: TensorDictBase) -> None:
+        self._tree, self._leaves = state, {}
+
+    def leaves(self) -> _tree.FlatState:
+        """The functional state's leaves, as a step reads them."""
+        return self._leaves if self._tree is None else _tree.flatten(self._tree, keep_empty=True)
+
+    def stepped(self, leaves: _tree.FlatState) -> None:
+        """Takes a step's new leaves as the state."""
+        self._leaves, self._tree = leaves, None
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(self._tree, self._leaves, self.entry_names, self.version)
+
+    def restore(self, snapshot: Snapshot) -> None:
+        self._tree, self._leaves, self.entry_names, self.version = snapshot
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the state travels as its TensorDict only, so that a copy's two forms cannot differ
+        return {**self.__dict__, "_tree": self.state, "_leaves": {}}
+
+    @classmethod
+    def unpickled(cls, branch: BranchOf, attributes: dict[str, Any]) -> Layout:
+        """The layout of an optimizer pickled when it held these as attributes of its own (popped)."""
+        layout = cls(branch)
+        layout.stepped(attributes.pop("_state_leaves", {}))
+        tree = attributes.pop("_state_tree", None)
+        if tree is not None:
+            layout.state = tree
+        layout.slots = attributes.pop("_slots")
+        layout.entry_names = attributes.pop("_entry_names")
+        if "_routes" in attributes:
+            layout.routes = attributes.pop("_routes")
+            layout.members = attributes.pop("_members")
+        else:  # (pickled before routes were kept: a Muon group's scalars hold its momentum)
+            layout.routes = ["momentum" in scalars for scalars in attributes["_scalars"]]
+            layout.members = []  # checked in full at the next step
+        return layout
+
+    # ------------------------------------------------------------------ the groups
+
+    def check_groups(self, groups: Groups) -> None:
+        """The groups, their parameters and their ``use_muon`` are fixed when a group is added (its
+        parameters' keys, labels and state are laid out for them): an edit in ``param_groups`` is
+        refused, naming the group (and the parameter)."""
+        if len(groups) != len(self.members) or not all(map(_holds, groups, self.members)):
+            _groups.check_members(groups, self.slots, len(self.routes))
+            self.members = [tuple(g["params"]) for g in groups]  # (a tensor's hash runs Python: checked once)
+        for i, (group, route) in enumerate(zip(groups, self.routes)):
+            if bool(group["use_muon"]) != route:
+                raise ValueError(
+                    f"param group {i}: use_muon was {route} when the group was added and cannot change; "
+                    "set it back, or add the parameters to a new optimizer"
+                )
+
+    def add(self, groups: Groups, new_groups: Groups, new_keys: Mapping[torch.Tensor, Key], branch: NewBranch) -> None:
+        """Lays out the state of ``new_groups``, to follow ``groups``, their parameters keyed by
+        ``new_keys``, each group's state as its ``branch`` initializes it. Nothing changes unless all succeed."""
+        everything = [*groups, *new_groups]
+        slots = _groups.index_slots(everything, {**{p: s.key for p, s in self.slots.items()}, **new_keys})
+        labels = _groups.group_labels([g["use_muon"] for g in everything])
+        state = self.state.clone(recurse=False)
+        for i in range(len(groups), len(everything)):
+            group = everything[i]
+            keys = [slots[p].key for p in group["params"]]
+            init = branch(i, group, keys).init
+            state[labels[i]] = init(TensorDict(dict(zip(keys, [p.detach() for p in group["params"]])), batch_size=[]))
+        self.entry_names = [*self.entry_names, *(_groups.entries(g) for g in new_groups)]
+        self.routes = [*self.routes, *(g["use_muon"] for g in new_groups)]
+        self.members = [*self.members, *(tuple(g["params"]) for g in new_groups)]
+        self.slots = slots
+        self.state = state
+
+    def load(self, groups: Groups, state: TensorDictBase) -> None:
+        """Takes ``state``, checked against :meth:`structure`, as laid out for ``groups``' settings."""
+        self.state = state
+        self.entry_names = [_groups.entries(g) for g in groups]
+
+    def sync(self, groups: Groups) -> None:
+        """Lays out anew the state of every group whose settings now ask for other entries (its
+        variant, ``momentum_bias_correction`` or AdaMuon's ``second_moment_bias_correction`` was
+        changed in ``param_groups``).
+
+        The entries both layouts keep are carried over (the momentum, the second moment, with
+        their step counts), unless their bias correction starts now (``_groups.carried_fields``);
+        the others start as the branch's ``init`` makes them; the dropped ones go. Nothing
+        changes unless all succeed.
+        """
+        self.check_groups(groups)
+        for i, group in enumerate(groups):
+            if group["use_muon"]:
+                _groups.check_variant(f"param group {i}", group["variant"])
+        wanted = [_groups.entries(g) for g in groups]
+        if wanted == self.entry_names:
+            return
+        labels = _groups.group_labels([g["use_muon"] for g in groups])
+        state = self.state.clone(recurse=False)
+        for label, group, names, held in zip(labels, groups, wanted, self.entry_names):
+            if names == held:
+                continue
+            keys = [self.slots[p].key for p in group["params"]]
+            params = TensorDict(dict(zip(keys, [p.detach() for p in group["params"]])), batch_size=[])
+            fresh = self._branch(group, _groups.new_scalars(group)).init(params)
+            for field, held_field in _groups.carried_fields(held, names).items():
+                fresh[field] = state[(label, *held_field)]
+            state[label] = fresh
+        self.state = state
+        self.entry_names = wanted
+        self.version += 1
+
+    # ------------------------------------------------------------------ reading it
+
+    def fields(self, groups: Groups, group_index: int) -> dict[str, _groups.Field]:
+        """The state entries of a group (torch's name -> field), its state laid out for its settings first."""
+        self.sync(groups)
+        return self.entry_names[group_index].fields
+
+    def entries(self, groups: Groups, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``p``'s current state under torch's names."""
+        slot = self.slots[p]
+        state = self.state
+        return {
+            name: state.get((slot.label, *field, *slot.key)) for name, field in self.fields(groups, slot.group).items()
+        }
+
+    def initial_entries(self, groups: Groups, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``p``'s state as its branch's ``init`` makes it, under torch's names."""
+        slot = self.slots[p]
+        group = groups[slot.group]
+        names = self.fields(groups, slot.group)
+        fresh = self._branch(group, _groups.new_scalars(group)).init(TensorDict({slot.key: p.detach()}, batch_size=[]))
+        return {name: fresh.get((*field, *slot.key)) for name, field in names.items()}
+
+    def params(self, device: str | torch.device | None = None) -> TensorDict:
+        """The parameters by key (empty tensors on ``device`` if given)."""
+        keys, values = [], []
+        for p, slot in self.slots.items():
+            keys.append(slot.key)
+            values.append(p.detach() if device is None else torch.empty_like(p, device=device))
+        return TensorDict(dict(zip(keys, values)), batch_size=[])
+
+    def transform(self, groups: Groups, scalars: Sequence[Mapping[str, torch.Tensor]]) -> Transform:
+        """``partition`` over the groups' branches, each parameter labelled by its group."""
+        labels = _groups.group_labels([g["use_muon"] for g in groups])
+        branches = {label: self._branch(g, s) for label, g, s in zip(labels, groups, scalars)}
+        return partition(branches, {slot.key: slot.label for slot in self.slots.values()})
+
+    def structure(self, groups: Groups) -> TensorDictBase:
+        """The functional state's structure: expanded one-element tensors of each leaf's shape, dtype and device."""
+        meta = self.transform(groups, [_groups.new_scalars(g) for g in groups]).init(self.params("meta"))
+        structure = meta.empty(recurse=True)
+        for p, slot in self.slots.items():
+            # state leaves are keyed (label, *field, *parameter key)
+            for field in _groups.state_names(groups[slot.group]).values():
+                key = (slot.label, *field, *slot.key)
+                t = meta.get(key)
+                structure.set(key, torch.empty((), dtype=t.dtype, device=p.device).expand(t.shape))
+        return structure
+
+    def checked_state(self, groups: Groups, state: TensorDictBase | Mapping[str, Any], where: str) -> TensorDict:
+        """``state`` laid out as expected, on its parameters' devices; else an error naming the first difference."""
+        if not isinstance(state, TensorDictBase):
+            state = TensorDict(dict(state), batch_size=[])
+        if state.batch_size != torch.Size([]):
+            raise ValueError(f"{where}: batch size {tuple(state.batch_size)}, expected ()")
+        return _tree.laid_out_like(state, self.structure(groups), where)
+
+
+def _holds(group: Mapping[str, Any], members: tuple[torch.Tensor, ...]) -> bool:
+    """Whether ``group`` holds the tensors ``members``, in order (by identity: ``==`` of tensors compares values)."""
+    params = group["params"]
+    return len(params) == len(members) and all(map(operator.is_, params, members))
