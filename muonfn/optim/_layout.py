@@ -33,11 +33,11 @@ class Snapshot(NamedTuple):
 class Layout:
     """The state of an optimizer's parameters, and where each parameter's part of it lives.
 
-    Every parameter has a :class:`~muonfn.optim._groups.Slot` (its group, key and its group's
-    label), fixed when its group is added, as is each group's route. Each group's state holds
-    the entries its settings asked for when it was last laid out (``entry_names``); a group
-    whose settings now ask for others is laid out anew by :meth:`sync`. The groups are not
-    held here: the optimizer passes its ``param_groups``, checked against the slots.
+    Every parameter has a ``Slot`` (its group, key and its group's label), fixed when its group
+    is added, as is each group's route. Each group's state holds the entries its settings asked
+    for when it was last laid out (``entry_names``); a group whose settings now ask for others is
+    laid out anew by ``sync``. The groups are not held here: the optimizer passes its
+    ``param_groups``, checked against the slots.
 
     The functional state lives as flat leaves between steps; its TensorDict is built when
     asked for (and is then what the next step reads, in case it was changed).

@@ -445,15 +445,15 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         # settings changed in param_groups may lay the state out anew: undone if the step's checks fail
-        undo = (self._layout.snapshot(), self._cache)
+        snapshot, cache = self._layout.snapshot(), self._cache
         paused = pause_collections()  # the step's temporaries hold no cycles (see muonfn._collection)
         try:
             with torch.no_grad():
                 try:
                     checked = self._checked_step()
                 except Exception:
-                    self._layout.restore(undo[0])
-                    self._cache = undo[1]
+                    self._layout.restore(snapshot)
+                    self._cache = cache
                     raise
                 if checked is not None:
                     self._layout.stepped(self._apply_parts(*checked))
@@ -611,6 +611,9 @@ class Muon(torch.optim.Optimizer):
         if "_layout" not in state:  # (pickled before the layout was an object of its own)
             state = dict(state)
             state["_layout"] = Layout.unpickled(self._branch, state)
+            param_state = ParamState(state["_layout"], self)
+            param_state.others = state["state"].others
+            state["state"] = param_state
         super().__setstate__(state)
         self._cache = None
         self._compile = state.get("_compile", False)  # (pickled before the option existed: eager)
