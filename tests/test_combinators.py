@@ -228,3 +228,59 @@ def test_tensor_learning_rate_changed_in_place_takes_effect() -> None:
     u2, s2 = reference.update(grads, s2, params)
     for key in u1.keys(True, True):
         torch.testing.assert_close(u1[key], u2[key] / 4, rtol=1e-6, atol=0)
+
+
+# ---------------------------------------------------------------------------- a user's rule
+
+
+def _scale_by_rms(beta: float = 0.9, eps: float = 1e-8) -> muonfn.Transform:
+    """A transform written as the docs show: a rule over flat dicts, state through its scope."""
+
+    def init(params: TensorDict) -> TensorDict:
+        return TensorDict({"nu": params.apply(torch.zeros_like)}, batch_size=params.batch_size)
+
+    def update(grads, scope, params):  # type: ignore[no-untyped-def]
+        keys, g = list(grads), list(grads.values())
+        nu = [n.lerp(x * x, 1 - beta) for n, x in zip(scope.read("nu", keys), g)]
+        scope.write("nu", keys, nu)
+        return {k: x / (n.sqrt() + eps) for k, x, n in zip(keys, g, nu)}
+
+    return muonfn.from_rule(init, muonfn.Rule("scale_by_rms", update, muonfn.per_leaf_needs("scale_by_rms", ("nu",))))
+
+
+def test_a_users_rule_joins_a_composition_on_the_fast_path_and_computes_its_formula() -> None:
+    from muonfn.transforms._rules import as_rule
+
+    mine = _scale_by_rms(beta=0.9)
+    tx = muonfn.chain(mine, muonfn.scale_by_learning_rate(0.1))
+    assert as_rule(mine) is mine.update.rule  # its own rule, not the TensorDict wrapper
+    params = TensorDict({"w": torch.randn(3, 4), "b": torch.randn(4)}, [])
+    state = tx.init(params)
+    nu = {k: torch.zeros_like(p) for k, p in params.items()}
+    for _ in range(3):
+        grads = TensorDict({k: torch.randn_like(p) for k, p in params.items()}, [])
+        updates, state = tx.update(grads, state, params)
+        for k, g in grads.items():
+            nu[k] = 0.9 * nu[k] + 0.1 * g * g
+            torch.testing.assert_close(updates[k], -0.1 * g / (nu[k].sqrt() + 1e-8))
+
+
+def test_a_users_rule_is_checked_before_any_member_of_its_composition_runs() -> None:
+    params = TensorDict({"w": torch.randn(3, 4)}, [])
+    tx = muonfn.chain(muonfn.ema_momentum(0.9, donate_state=True), _scale_by_rms())
+    state = tx.init(params)
+    del state["nu"]
+    momentum = state["momentum", "w"].clone()
+    with pytest.raises(ValueError, match=r"scale_by_rms\): state has no entry 'nu'"):
+        tx.update(TensorDict({"w": torch.randn(3, 4)}, []), state, params)
+    assert torch.equal(state["momentum", "w"], momentum)  # the donated momentum was not touched
+
+
+def test_a_users_rule_runs_under_vmap_as_member_by_member() -> None:
+    tx = muonfn.chain(_scale_by_rms(), muonfn.scale_by_learning_rate(0.1))
+    params = TensorDict({"w": torch.randn(3, 2, 4)}, [3])
+    grads = TensorDict({"w": torch.randn(3, 2, 4)}, [3])
+    vmapped, _ = torch.vmap(tx.update)(grads, torch.vmap(tx.init)(params), params)
+    for i in range(3):
+        alone, _ = tx.update(grads[i], tx.init(params[i]), params[i])
+        torch.testing.assert_close(vmapped["w"][i], alone["w"])

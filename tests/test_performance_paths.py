@@ -15,7 +15,7 @@ import muonfn
 from muonfn import MatrixView
 from muonfn.linalg import orthogonalize_blocks
 from muonfn.linalg._newton_schulz import transposed
-from muonfn.transforms._base import RuleUpdate
+from muonfn.transforms._rules import RuleUpdate
 
 # Real-model shapes. (MKL computes a few matrices with 5–11 rows differently in a batch
 # than alone, so bitwise batch = loop is a property of the BLAS for those; not used here.)

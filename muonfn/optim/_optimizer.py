@@ -40,7 +40,7 @@ from ..transforms import (
     resolve_labels,
     resolve_views,
 )
-from ..transforms._base import as_rule, check_rule
+from ..transforms._rules import as_rule, check_rule
 from . import _groups, _migration
 from ._layout import Layout
 from ._migration import NOT_GIVEN, NotGiven

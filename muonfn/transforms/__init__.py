@@ -7,9 +7,10 @@ distributed strategies reach :func:`orthogonalize` as an injected ``orthogonaliz
 
 from ._adam import scale_by_adam
 from ._adamuon import scale_by_element_rms
-from ._base import InitFn, Transform, UpdateFn, apply_updates, apply_updates_, empty_state
+from ._apply import apply_updates, apply_updates_
 from ._cautious import CAUTIOUS_MODES, CautiousMode, cautious
 from ._combine import LabelsLike, apply_if_finite, chain, check_labels, masked, named, partition, resolve_labels
+from ._contract import InitFn, Transform, UpdateFn, empty_state
 from ._decay import add_decayed_weights
 from ._learning_rate import scale_by_learning_rate
 from ._masks import MaskLike, check_mask, mask_table, resolve_mask
@@ -27,6 +28,7 @@ from ._orthogonalize import (
     scale_by_shape,
 )
 from ._rescale import RESCALE_MODES, Rescale
+from ._rules import Needs, Rule, Scope, from_rule, no_needs, per_leaf_needs
 from ._shards import SumShards
 from ._sign import scale_by_sign
 from ._state import COUNT, EXP_AVG, EXP_AVG_SQ, MOMENTUM, NOTFINITE_COUNT, ROW_SECOND_MOMENT, SECOND_MOMENT, STEP
@@ -47,7 +49,10 @@ __all__ = [
     "LabelsLike",
     "MaskLike",
     "MethodLike",
+    "Needs",
     "Rescale",
+    "Rule",
+    "Scope",
     "SumShards",
     "Transform",
     "UpdateFn",
@@ -63,13 +68,16 @@ __all__ = [
     "check_views",
     "ema_momentum",
     "empty_state",
+    "from_rule",
     "mask_table",
     "masked",
     "matrix_map",
     "named",
     "newton_schulz_setting",
+    "no_needs",
     "orthogonalize",
     "partition",
+    "per_leaf_needs",
     "resolve_labels",
     "resolve_mask",
     "resolve_views",

@@ -11,8 +11,9 @@ from tensordict import TensorDict, TensorDictBase
 from .. import _lists
 from .._tree import Leaves
 from .._validation import Scalar, check_params, flag, positive, unit_interval
-from ._base import Rule, Scope, Transform, from_rule, per_leaf_needs
-from ._momentum import bias_corrections, cast_like, count_steps, leaf_factors
+from ._bias_correction import bias_corrections, cast_like, count_steps, leaf_factors
+from ._contract import Transform
+from ._rules import Rule, Scope, from_rule, per_leaf_needs
 from ._state import EXP_AVG, EXP_AVG_SQ, STEP
 
 AdamNesterov: TypeAlias = bool | Literal["timm"]

@@ -11,11 +11,13 @@ from .._tree import Leaves
 from .._validation import Scalar, check_params, flag, positive, unit_interval
 from ..linalg import MatrixView
 from ._arithmetic import one_minus
-from ._base import Rule, Scope, StructureCache, Transform, from_rule, per_leaf_needs
-from ._momentum import as64, bias_corrections, cast_like, count_steps
+from ._bias_correction import as64, bias_corrections, cast_like, count_steps
+from ._caches import StructureCache
+from ._contract import Transform
 from ._normuon import _refuse_sharded
 from ._orthogonalize import ViewsLike, check_views, resolve_views
 from ._rescale import Rescale, check_rescale, rescaled
+from ._rules import Rule, Scope, from_rule, per_leaf_needs
 from ._state import EXP_AVG_SQ, STEP
 
 

@@ -8,7 +8,8 @@ from typing import Literal, TypeAlias
 import torch
 
 from .._tree import Leaves
-from ._base import Rule, Scope, Transform, as_rule, from_rule
+from ._contract import Transform
+from ._rules import Rule, Scope, as_rule, from_rule
 from ._shards import SumShards, check_sum_shards, count_per_member
 
 CautiousMode: TypeAlias = Literal["heavyball", "pytorch_optimizer"]

@@ -12,8 +12,10 @@ from .. import _tree
 from .._keys import Key, dotted, resolve_table
 from .._tree import Leaves
 from .._validation import check_params
-from ._base import Needs, Rule, Scope, StructureCache, Transform, as_rule, from_rule
+from ._caches import StructureCache
+from ._contract import Transform
 from ._masks import MaskLike, check_mask, resolve_mask
+from ._rules import Needs, Rule, Scope, as_rule, from_rule
 from ._shards import SumShards, check_sum_shards, count_per_member
 from ._state import NOTFINITE_COUNT
 

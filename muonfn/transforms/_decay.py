@@ -9,8 +9,10 @@ from .. import _lists, _tree
 from .._keys import Key
 from .._tree import Leaves
 from .._validation import Scalar, flag, non_negative
-from ._base import Needs, Rule, Scope, StructureCache, Transform, empty_state, from_rule
+from ._caches import StructureCache
+from ._contract import Transform, empty_state
 from ._masks import MaskLike, check_mask, resolve_mask, resolve_mask_flat
+from ._rules import Needs, Rule, Scope, from_rule
 
 
 def _agreeing(decay: torch.Tensor, u: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

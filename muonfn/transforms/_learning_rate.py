@@ -10,8 +10,9 @@ from .._keys import Key, dotted
 from .._tree import Leaves
 from .._validation import Scalar, ScalarOrSchedule, flag, non_negative, schedule_value
 from ._arithmetic import neg
-from ._base import Needs, Rule, Scope, Transform, empty_state, from_rule, no_needs
-from ._momentum import per_member
+from ._bias_correction import per_member
+from ._contract import Transform, empty_state
+from ._rules import Needs, Rule, Scope, from_rule, no_needs
 from ._state import COUNT
 
 

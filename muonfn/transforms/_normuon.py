@@ -13,10 +13,12 @@ from .._tree import Leaves
 from .._validation import Scalar, check_params, flag, positive, unit_interval
 from ..linalg import MatrixView
 from ._arithmetic import one_minus
-from ._base import Needs, Rule, Scope, StructureCache, Transform, from_rule
-from ._momentum import cast_like
+from ._bias_correction import cast_like
+from ._caches import StructureCache
+from ._contract import Transform
 from ._orthogonalize import ViewsLike, check_views, resolve_views
 from ._rescale import Rescale, check_rescale, rescaled
+from ._rules import Needs, Rule, Scope, from_rule
 from ._state import ROW_SECOND_MOMENT
 
 

@@ -30,9 +30,11 @@ from ..linalg import (
     qr_orthogonal,
     shape_scale,
 )
-from ._base import InitFn, Rule, Scope, StructureCache, Transform, empty_state, from_rule, no_needs
+from ._caches import StructureCache
 from ._combine import chain
+from ._contract import InitFn, Transform, empty_state
 from ._momentum import ema_momentum
+from ._rules import Rule, Scope, from_rule, no_needs
 
 MethodLike: TypeAlias = NSMethod | Literal["svd", "qr"] | MatrixFn
 

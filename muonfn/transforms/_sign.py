@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from .. import _lists
 from .._tree import Leaves
-from ._base import Rule, Scope, Transform, empty_state, from_rule, no_needs
+from ._contract import Transform, empty_state
+from ._rules import Rule, Scope, from_rule, no_needs
 
 
 def scale_by_sign() -> Transform:

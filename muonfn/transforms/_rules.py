@@ -1,16 +1,17 @@
-"""The Transform contract: a pair of pure functions over TensorDicts, and the flat path beneath.
+"""Rules: a transform's update over flat ``{key: tensor}`` dicts, and the path that runs them.
 
-Every transform of this package is written once, as a :class:`Rule` over flat
-``{key: tensor}`` dicts: the combinators compose rules, and a TensorDict is flattened and
-rebuilt only at the API boundary, once per update (:class:`RuleUpdate`). A transform
-written by a user over TensorDicts joins a composition through :func:`as_rule`.
+Every transform of this package is written once, as a :class:`Rule`: the combinators compose
+rules, and a TensorDict is flattened and rebuilt only at the API boundary, once per update
+(:class:`RuleUpdate`). What a rule reads is declared in its ``needs`` and checked for every
+member of a composition before any of them runs. A transform written over TensorDicts joins a
+composition through :func:`as_rule` (correct, not fast): write a rule to run on the fast path.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -20,34 +21,7 @@ from .._collection import pause_collections, resume_collections
 from .._keys import Key, dotted
 from .._tree import FlatState, Leaves
 from .._validation import check_batch, check_leaves
-
-
-class InitFn(Protocol):
-    def __call__(self, params: TensorDictBase) -> TensorDictBase: ...
-
-
-class UpdateFn(Protocol):
-    def __call__(
-        self, grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
-    ) -> tuple[TensorDictBase, TensorDictBase]: ...
-
-
-class Transform(NamedTuple):
-    """A gradient transformation: ``init(params) -> state`` and
-    ``update(grads, state, params=None) -> (updates, state)``.
-
-    Both are pure: they read their inputs and return new TensorDicts. ``grads`` may
-    omit leaves (parameters without a gradient): no update is emitted for them and
-    their state is carried over unchanged, as ``torch.optim`` does for ``p.grad is None``.
-    """
-
-    init: InitFn
-    update: UpdateFn
-
-
-def empty_state(params: TensorDictBase) -> TensorDict:
-    """The state of a stateless transform."""
-    return TensorDict({}, batch_size=params.batch_size)
+from ._contract import InitFn, Transform
 
 
 class Scope:
@@ -217,11 +191,14 @@ def _check_like(
 
 
 class Rule(NamedTuple):
-    """A transform's update over flat dicts.
+    """A transform's update over flat dicts (see :func:`from_rule`).
 
     ``update(grads, scope, params) -> updates``: new leaves for the keys of ``grads``, in
     their order; state read and written through ``scope``. ``needs(grads, params, prefix,
-    needs)`` adds what it will read to ``needs`` (``prefix``: its scope's).
+    needs)`` adds what it will read to ``needs`` (``prefix``: its scope's), so that bad input
+    is refused before any member of a composition runs: :func:`per_leaf_needs` for state
+    entries shaped like each leaf, :func:`no_needs` for none. The update must not change its
+    inputs unless told the state is donated, and must stay traceable (no ``.item()``).
     """
 
     name: str
@@ -317,6 +294,32 @@ def run_checked(
 
 
 def from_rule(init: InitFn, rule: Rule) -> Transform:
+    """The :class:`Transform` of ``init`` and ``rule``: how every transform of muonfn is made, and
+    how to write one that joins a composition on the fast path (no TensorDict rebuilt for it).
+
+    ``init(params) -> state`` is the TensorDict contract's; ``rule.update`` sees the gradients
+    as a flat ``{key: tensor}`` dict and reads and writes its state through a :class:`Scope`.
+    Per-tensor ops, as below, run everywhere; ``torch._foreach_*`` ops are faster eagerly but
+    have no ``torch.vmap`` batching rule.
+
+    Example:
+        >>> def scale_by_rms(beta=0.99, eps=1e-8):
+        ...     def init(params):
+        ...         return TensorDict({"nu": params.apply(torch.zeros_like)}, batch_size=params.batch_size)
+        ...
+        ...     def update(grads, scope, params):
+        ...         keys, g = list(grads), list(grads.values())
+        ...         nu = [n.lerp(x * x, 1 - beta) for n, x in zip(scope.read("nu", keys), g)]
+        ...         scope.write("nu", keys, nu)
+        ...         return {k: x / (n.sqrt() + eps) for k, x, n in zip(keys, g, nu)}
+        ...
+        ...     needs = muonfn.per_leaf_needs("scale_by_rms", ("nu",))  # checked before any member runs
+        ...     return muonfn.from_rule(init, muonfn.Rule("scale_by_rms", update, needs))
+        >>> tx = muonfn.chain(scale_by_rms(beta=0.0), muonfn.scale_by_learning_rate(0.1))
+        >>> params = TensorDict({"w": torch.zeros(2)}, [])
+        >>> tx.update(TensorDict({"w": torch.tensor([3.0, -0.5])}, []), tx.init(params))[0]["w"]
+        tensor([-0.1000,  0.1000])
+    """
     return Transform(init, RuleUpdate(rule))
 
 
@@ -340,107 +343,3 @@ def as_rule(tx: Transform) -> Rule:
         return {k: flat[k] for k in grads}
 
     return Rule(getattr(update, "__qualname__", "update").partition(".<locals>")[0], run, no_needs)
-
-
-class StructureCache:
-    """Per-structure results (labels, masks, views) computed once and reused across steps.
-
-    Keyed by the leaves' keys and shapes; up to ``size`` structures are kept: a model whose
-    parameters alternate between having a gradient and not has more than one, and the shim
-    stepping in parts (``chunk_numel``) sees one per part, every step.
-    """
-
-    def __init__(self, size: int = 64) -> None:
-        self.size = size
-        self.entries: dict[Hashable, Any] = {}
-
-    def get(self, leaves: Leaves, batch_size: torch.Size, compute: Callable[[], Any]) -> Any:
-        if torch.compiler.is_compiling():
-            # neither read nor written while traced: a lookup would guard the graph on what the cache
-            # holds, and an eager update that fills it afterwards would cost a second compile
-            return compute()
-        key = (tuple(leaves), tuple([t.shape for t in leaves.values()]), tuple(batch_size))
-        hit = self.entries.get(key)
-        if hit is None:
-            hit = compute()
-            if len(self.entries) >= self.size:
-                del self.entries[next(iter(self.entries))]
-            self.entries[key] = hit
-        return hit
-
-
-def apply_updates(params: TensorDictBase, updates: TensorDictBase) -> TensorDictBase:
-    """``params + updates`` leaf by leaf; leaves without an update are returned as they are.
-
-    Every update must have its parameter's shape (a ``(4, 1)`` update would broadcast into a
-    ``(4, 3)`` parameter) and name a parameter: else a ``ValueError`` names the leaf, before
-    anything is computed. Each result keeps its parameter's dtype: where an update's dtype
-    differs, the sum is taken in the promoted dtype and cast back, as optax does (an fp32
-    parameter stays fp32 under fp64 updates).
-    """
-    paused = pause_collections()
-    try:
-        return _applied(params, updates)
-    finally:
-        resume_collections(paused)
-
-
-def apply_updates_(params: TensorDictBase, updates: TensorDictBase) -> TensorDictBase:
-    """``params += updates`` in place, in one multi-tensor add; returns ``params``.
-
-    The step of a loop that owns its parameters, as a ``torch.optim`` step does (with
-    ``donate_state=True`` for the state): no new parameters, and no TensorDict rebuilt.
-    The same checks as :func:`apply_updates`, all before any parameter is written, and the
-    same bits: a sum of another dtype is taken in the promoted dtype and rounded to the
-    parameter's. Runs without recording gradients, so parameters that require them (a
-    module's, from ``TensorDict.from_module``) are stepped as ``torch.optim`` steps them;
-    to differentiate through a step, use :func:`apply_updates`.
-    """
-    paused = pause_collections()
-    try:
-        flat_params = _tree.flatten(params, keep_empty=True)
-        flat_updates = _tree.flatten(updates)
-        targets, values, recast = _matched("apply_updates_", flat_params, flat_updates)
-        for key in recast:  # a sum the parameter's dtype cannot hold would fail halfway through the add
-            p, u = flat_params[key], flat_updates[key]
-            if not torch.can_cast(torch.promote_types(p.dtype, u.dtype), p.dtype):
-                raise ValueError(
-                    f"apply_updates_: update {dotted(key)!r} of dtype {u.dtype} cannot be added in place to "
-                    f"its parameter of dtype {p.dtype}"
-                )
-        with torch.no_grad():
-            _lists.apply_("add", targets, values)
-        return params
-    finally:
-        resume_collections(paused)
-
-
-def _matched(
-    where: str, params: FlatState, updates: Leaves
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[Key]]:
-    """The parameters the updates name, the updates in the same order, and the keys whose
-    update has another dtype than its parameter; a ``ValueError`` names an update without
-    a parameter or of another shape."""
-    targets, recast = [], []
-    for key, u in updates.items():
-        p = params.get(key)
-        if p is None:
-            raise ValueError(f"{where}: update {dotted(key)!r} has no matching parameter")
-        if u.shape != p.shape:
-            raise ValueError(
-                f"{where}: update {dotted(key)!r} has shape {tuple(u.shape)}, the parameter {tuple(p.shape)}"
-            )
-        if u.dtype != p.dtype:
-            recast.append(key)
-        targets.append(p)
-    return targets, list(updates.values()), recast
-
-
-def _applied(params: TensorDictBase, updates: TensorDictBase) -> TensorDictBase:
-    flat_params, flat_updates = _tree.flatten(params, keep_empty=True), _tree.flatten(updates)
-    targets, values, recast = _matched("apply_updates", flat_params, flat_updates)
-    out = dict(flat_params)
-    out.update(zip(flat_updates, _lists.apply("add", targets, values)))
-    for key in recast:  # a cast for each leaf whose dtype was promoted, none for the others
-        out[key] = out[key].to(flat_params[key].dtype)
-    return _tree.unflatten(out, params.batch_size)
