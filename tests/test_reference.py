@@ -17,7 +17,7 @@ Three kinds of comparison, each test named for its kind:
   :data:`NS_ATOL`; a parameter takes ``lr·s`` of it per step, hence :func:`muon_atol`.
 
 The AdamW parameters are within :func:`assert_adamw_close` everywhere but against
-``torch.optim.AdamW``: muonfn's AdamW computes ``m / (a√v + b)`` and adds ``λp`` to the update,
+``torch.optim.AdamW``: muonfn's AdamW computes ``m / ((√v + ε√c₂)·(−c₁/(η√c₂)))`` and subtracts ``ηλp``,
 the reference and torch compute ``m / (√v/√c₂ + ε)`` after multiplying ``p`` by ``1 − ηλ``;
 their moments are the same bits.
 """
