@@ -17,7 +17,7 @@ Three kinds of comparison, each test named for its kind:
   :data:`NS_ATOL`; a parameter takes ``lr·s`` of it per step, hence :func:`muon_atol`.
 
 The AdamW parameters are within :func:`assert_adamw_close` everywhere but against
-``torch.optim.AdamW``: muonfn's AdamW computes ``m / (a√v + b)`` and adds ``λp`` to the update,
+``torch.optim.AdamW``: muonfn's AdamW computes ``m / ((√v + ε√c₂)·(−c₁/(η√c₂)))`` and subtracts ``ηλp``,
 the reference and torch compute ``m / (√v/√c₂ + ε)`` after multiplying ``p`` by ``1 − ηλ``;
 their moments are the same bits.
 """
@@ -187,9 +187,9 @@ def test_reference_adamw_equals_torch_optim_adamw_bitwise() -> None:
 
 
 def test_muonfn_adamw_matches_torch_optim_adamw_within_rounding() -> None:
-    """``muonfn.adamw`` divides by ``a√v + b`` (``a = c₁/√c₂``, ``b = εc₁``, one pass less) and adds
-    ``λp`` to the update; torch (and the reference) divide by ``√v/√c₂ + ε`` and multiply ``p`` by
-    ``1 − ηλ`` first. The same moments, parameters a few ulps apart (see :func:`assert_adamw_close`)."""
+    """``muonfn.adamw`` folds the step size into the denominator, ``m / ((√v + ε√c₂)·(−c₁/(η√c₂)))``,
+    and adds ``−ηλp`` to the update; torch (and the reference) divide by ``√v/√c₂ + ε`` and multiply
+    ``p`` by ``1 − ηλ`` first. The same moments, parameters a few ulps apart (see :func:`assert_adamw_close`)."""
     params = TensorDict(model(), batch_size=[])
     tx = muonfn.adamw(LR, betas=(0.9, 0.95), weight_decay=0.1)
     state = tx.init(params)
@@ -200,6 +200,50 @@ def test_muonfn_adamw_matches_torch_optim_adamw_within_rounding() -> None:
     for entry in ("exp_avg", "exp_avg_sq"):
         assert_bitwise(state[entry], expected_state[entry], list(SHAPES))
     assert_adamw_close(params, expected, list(SHAPES))
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("lr", ["number", "tensor", "schedule"])
+def test_muonfn_adamw_moments_equal_torch_optim_adamw_bitwise(foreach: bool, lr: str) -> None:
+    """The moments are torch's bits (its ``lerp_``, ``mul_`` and ``addcmul_``), single-tensor and
+    foreach alike, with the learning rate a number, a tensor or a schedule; the parameters within
+    :func:`assert_adamw_close`, decayed or not (``weight_decay_mask``), donated or not."""
+    torch_params = {k: torch.nn.Parameter(v) for k, v in model().items()}
+    decayed = [p for k, p in torch_params.items() if k != "norm.weight"]
+    groups = [{"params": decayed}, {"params": [torch_params["norm.weight"]], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), weight_decay=0.1, foreach=foreach)
+    rate = {"number": LR, "tensor": torch.tensor(LR), "schedule": lambda count: LR}[lr]
+    for donated in (False, True):
+        tx = muonfn.adamw(
+            rate, betas=(0.9, 0.95), weight_decay=0.1, weight_decay_mask={"norm.weight": False}, donate_state=donated
+        )
+        params = TensorDict(model(), batch_size=[])
+        state = tx.init(params)
+        for g in gradients():
+            updates, state = tx.update(TensorDict(g, batch_size=[]), state, params)
+            params = muonfn.apply_updates_(params, updates) if donated else muonfn.apply_updates(params, updates)
+        if not donated:
+            for g in gradients():
+                for k, p in torch_params.items():
+                    p.grad = g[k].clone()
+                opt.step()
+        expected = {k: p.detach() for k, p in torch_params.items()}
+        for entry in ("exp_avg", "exp_avg_sq"):
+            assert_bitwise(state[entry], {k: opt.state[p][entry] for k, p in torch_params.items()}, list(SHAPES))
+        assert_adamw_close(params, expected, list(SHAPES))
+
+
+def test_muonfn_adamw_at_a_learning_rate_of_zero_leaves_the_parameters_as_they_are() -> None:
+    """The step size is folded into the denominator: at ``lr = 0`` it is ``-inf`` there, and the
+    update ``-0`` (no ``nan`` where a moment is 0)."""
+    params = TensorDict(model(), batch_size=[])
+    tx = muonfn.adamw(torch.tensor(0.0), weight_decay=0.1)
+    grads = {
+        k: torch.where(torch.arange(g.numel()).reshape(g.shape) % 2 == 0, 0.0, g) for k, g in gradients()[0].items()
+    }
+    updates, _ = tx.update(TensorDict(grads, batch_size=[]), tx.init(params), params)
+    for k, u in updates.items(True, True):
+        assert torch.equal(u, torch.zeros_like(u)), k
 
 
 # ----------------------------------------------------------------- bitwise: the same Newton–Schulz

@@ -1,7 +1,7 @@
 """The traffic counter of ``benchmarks/traffic.py``: right on cases counted by hand, and issue 26's
 targets on GPT-2 small's parameter shapes (the meta device: shapes only, no memory).
 
-The targets are not met yet: each is marked ``xfail(strict=True)``, so that the day one is met
+Each target not met yet is marked ``xfail(strict=True)``, so that the day it is met
 the test turns red and its mark is removed. The issue's "aten ops" (141 for the donated step in
 the GPU run's count) are the ops that run a kernel, :attr:`Summary.kernel_ops` here; its peak
 memory target is in the counter's CPU accounting (storages the step creates, above the
@@ -132,7 +132,6 @@ def test_shim_step_runs_at_most_120_kernel_ops(gpt2_small) -> None:
     assert gpt2_small["muonfn shim"].kernel_ops <= 120
 
 
-@pytest.mark.xfail(strict=True, reason=TARGET)
 def test_shim_temporaries_within_10_percent_of_torch_foreach(gpt2_small) -> None:
     ours = gpt2_small["muonfn shim"].temporaries_peak_bytes
     theirs = gpt2_small["torch Muon + AdamW foreach"].temporaries_peak_bytes

@@ -15,6 +15,7 @@ from ..transforms import (
     scale_by_learning_rate,
 )
 from ..transforms._adam import AdamNesterov
+from ..transforms._adamw import fused_adamw
 
 
 def adamw(
@@ -65,6 +66,16 @@ def adamw(
     if not (isinstance(nesterov, bool) or nesterov == "timm"):
         raise ValueError(f"adamw: nesterov must be True, False or 'timm', got {nesterov!r}")
     flag("adamw: cautious_weight_decay", cautious_weight_decay)
+    if not nesterov and not cautious_weight_decay:
+        return fused_adamw(
+            lr,
+            betas[0],
+            betas[1],
+            eps=eps,
+            weight_decay=weight_decay,
+            mask=weight_decay_mask,
+            donate_state=donate_state,
+        )
     # Adam's direction is a fresh tensor: the decay and the learning rate may write into it
     return chain(
         scale_by_adam(betas[0], betas[1], eps=eps, nesterov=nesterov, donate_state=donate_state),

@@ -9,9 +9,10 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from .. import _lists
+from .._keys import Key
 from .._tree import Leaves
 from .._validation import Scalar, check_params, flag, positive, unit_interval
-from ._bias_correction import bias_corrections, cast_like, count_steps, leaf_factors
+from ._bias_correction import StepCounts, bias_corrections, cast_like, count_steps, leaf_factors
 from ._contract import Transform
 from ._rules import Rule, Scope, from_rule, per_leaf_needs
 from ._state import EXP_AVG, EXP_AVG_SQ, STEP
@@ -91,17 +92,7 @@ def scale_by_adam(
 
     def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
         keys, g = list(grads), list(grads.values())
-        exp_avg, exp_avg_sq = scope.read(EXP_AVG, keys), scope.read(EXP_AVG_SQ, keys)
-        counts = count_steps(scope.read(STEP, keys), inplace=donate_state)
-        if donate_state:
-            exp_avg = _lists.lerp(exp_avg, g, 1.0 - b1, inplace=True)
-            exp_avg_sq = _lists.apply_("addcmul", _lists.apply_("mul", exp_avg_sq, b2), g, g, value=1.0 - b2)
-        else:
-            exp_avg = _lists.lerp(exp_avg, g, 1.0 - b1)
-            accumulate = _lists.apply_ if _lists.may_overwrite(g) else _lists.apply
-            exp_avg_sq = accumulate("addcmul", _lists.apply("mul", exp_avg_sq, b2), g, g, value=1.0 - b2)
-        for entry, values in ((STEP, counts.leaves), (EXP_AVG, exp_avg), (EXP_AVG_SQ, exp_avg_sq)):
-            scope.write(entry, keys, values)
+        counts, exp_avg, exp_avg_sq = adam_moments(keys, g, scope, b1, b2, donate_state=donate_state)
         members = scope.members
         # in place on this update's own root where nothing differentiates through it (sqrt's
         # gradient reads its output): one fresh tensor less, which on a CPU is a page-fault pass
@@ -134,3 +125,23 @@ def scale_by_adam(
 
     needs = per_leaf_needs("scale_by_adam", (EXP_AVG, EXP_AVG_SQ), (STEP,), squares=(EXP_AVG_SQ,))
     return from_rule(init, Rule("scale_by_adam", update, needs))
+
+
+def adam_moments(
+    keys: list[Key], g: list[torch.Tensor], scope: Scope, b1: float, b2: float, *, donate_state: bool
+) -> tuple[StepCounts, list[torch.Tensor], list[torch.Tensor]]:
+    r"""Adam's step counts and moments after this update, written to ``scope`` (state ``"step"``,
+    ``"exp_avg"``, ``"exp_avg_sq"``), with torch.optim.AdamW's ops and so its bits:
+    ``m.lerp_(g, 1-β₁)``, ``v.mul_(β₂).addcmul_(g, g, value=1-β₂)``."""
+    exp_avg, exp_avg_sq = scope.read(EXP_AVG, keys), scope.read(EXP_AVG_SQ, keys)
+    counts = count_steps(scope.read(STEP, keys), inplace=donate_state)
+    if donate_state:
+        exp_avg = _lists.lerp(exp_avg, g, 1.0 - b1, inplace=True)
+        exp_avg_sq = _lists.apply_("addcmul", _lists.apply_("mul", exp_avg_sq, b2), g, g, value=1.0 - b2)
+    else:
+        exp_avg = _lists.lerp(exp_avg, g, 1.0 - b1)
+        accumulate = _lists.apply_ if _lists.may_overwrite(g) else _lists.apply
+        exp_avg_sq = accumulate("addcmul", _lists.apply("mul", exp_avg_sq, b2), g, g, value=1.0 - b2)
+    for entry, values in ((STEP, counts.leaves), (EXP_AVG, exp_avg), (EXP_AVG_SQ, exp_avg_sq)):
+        scope.write(entry, keys, values)
+    return counts, exp_avg, exp_avg_sq

@@ -32,15 +32,17 @@ def _wide(leaves: list[torch.Tensor]) -> bool:
     return all(u.dtype in (torch.float32, torch.float64) for u in leaves)
 
 
-def _factors(weight_decay: Scalar, like: list[torch.Tensor]) -> list[torch.Tensor]:
+def decay_factors(weight_decay: Scalar, like: list[torch.Tensor]) -> list[torch.Tensor]:
     r""":math:`\lambda` as a 0-d tensor of each (CPU) leaf's dtype, one conversion per dtype.
 
     A number and a tensor holding it give the same bits: both are rounded to the leaf's
     dtype before the multiply-add, as the kernels round a number operand of a bf16 leaf.
     """
-    # (a number as float64 first: a default-dtype tensor would round it to fp32 for an fp64 leaf)
-    exact = weight_decay if isinstance(weight_decay, torch.Tensor) else torch.tensor(weight_decay, dtype=torch.float64)
-    kinds = {dtype: exact.to(dtype) for dtype in {u.dtype for u in like}}
+    dtypes = {u.dtype for u in like}
+    if isinstance(weight_decay, torch.Tensor):
+        kinds = {dtype: weight_decay.to(dtype) for dtype in dtypes}
+    else:  # rounded once from the number (a conversion less than from a float64 tensor, the same bits)
+        kinds = {dtype: torch.tensor(weight_decay, dtype=dtype) for dtype in dtypes}
     return [kinds[u.dtype] for u in like]
 
 
@@ -108,7 +110,7 @@ def add_decayed_weights(
             # whose multi-tensor ops run tensor by tensor anyway: on a GPU a 0-d factor per
             # leaf would leave the fused kernels, and moving a host λ there would wait for it.)
             add = _lists.apply_ if overwrite else _lists.apply
-            decayed = add("addcmul", current, p, _factors(weight_decay, current))
+            decayed = add("addcmul", current, p, decay_factors(weight_decay, current))
         elif not cautious and isinstance(weight_decay, float | int) and _wide(current):
             # u + λp in one pass, λ a number: no decay term written out and read back
             add = _lists.apply_ if overwrite else _lists.apply

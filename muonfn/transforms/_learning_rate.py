@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from tensordict import TensorDict, TensorDictBase
 
@@ -58,6 +60,27 @@ def _scaled(grads: Leaves, lr: Scalar, scope: Scope, *, inplace: bool, scheduled
     return dict(zip(keys, out))
 
 
+def scheduled_rate(schedule: Callable[[torch.Tensor], Scalar], scope: Scope) -> Scalar:
+    """The schedule's learning rate for this update, its count (state ``"count"``) advanced in ``scope``."""
+    count = scope.get(COUNT)
+    lr = schedule_value(_named(scope.prefix, scheduled=True), schedule(count))
+    scope.set(COUNT, count + 1)
+    return lr
+
+
+def current_rate(learning_rate: ScalarOrSchedule, scope: Scope, values: list[torch.Tensor]) -> Scalar:
+    """This update's learning rate, as :func:`scale_by_learning_rate` of ``learning_rate`` takes
+    it (a schedule's count advanced in ``scope``; a tensor checked against the leaves ``values``)."""
+    scheduled = callable(learning_rate) and not isinstance(learning_rate, torch.Tensor)
+    if callable(learning_rate) and not isinstance(learning_rate, torch.Tensor):
+        lr = scheduled_rate(learning_rate, scope)
+    else:
+        lr = learning_rate
+    if isinstance(lr, torch.Tensor):
+        _check_tensor(lr, values, scope, scheduled=scheduled)
+    return lr
+
+
 def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, inplace: bool = False) -> Transform:
     r""":math:`u \leftarrow -\eta\, u`, so that ``apply_updates`` descends.
 
@@ -90,10 +113,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, inplace: bool = F
             )
 
         def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
-            count = scope.get(COUNT)
-            lr = schedule_value(_named(scope.prefix, scheduled=True), schedule(count))
-            scope.set(COUNT, count + 1)
-            return _scaled(grads, lr, scope, inplace=inplace, scheduled=True)
+            return _scaled(grads, scheduled_rate(schedule, scope), scope, inplace=inplace, scheduled=True)
 
         def needs(grads: Leaves, params: Leaves | None, prefix: Key, out: Needs) -> None:
             out.entries.append(("scale_by_learning_rate", prefix, (COUNT,)))
