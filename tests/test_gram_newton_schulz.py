@@ -13,6 +13,9 @@ from muonfn.linalg import (
     newton_schulz_flops,
 )
 
+# the default Newton–Schulz dtype is the input's (at least fp32), whatever rule the run forces
+pytestmark = pytest.mark.usefixtures("fp32_newton_schulz")
+
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()

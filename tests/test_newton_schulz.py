@@ -24,6 +24,10 @@ from muonfn import COEFFICIENTS, Coefficients, gram_newton_schulz, newton_schulz
 from muonfn.linalg import _newton_schulz, cpu_has_bf16_units, default_ns_dtype
 from muonfn.linalg._newton_schulz import CPU_NS_DTYPE_VARIABLE
 
+# the default Newton–Schulz dtype is the input's (at least fp32), whatever rule the run forces;
+# the tests of the rule set their own
+pytestmark = pytest.mark.usefixtures("fp32_newton_schulz")
+
 SETS = sorted(COEFFICIENTS)
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
