@@ -140,7 +140,8 @@ def test_batched_equals_looped(batch: int, m: int, n: int, name: str, seed: int)
 
 def test_batched_equals_looped_on_consistent_shapes() -> None:
     x = gaussian(6, 16, 40, seed=1)
-    assert bmm_batch_consistent(16, 40, 6)
+    if not bmm_batch_consistent(16, 40, 6):  # the hypothesis test above holds it to rounding then
+        pytest.skip("this BLAS computes a 16×40 matrix differently in a batch of 6 than alone")
     for name in SETS:
         assert torch.equal(ns(x, name), torch.stack([ns(m, name) for m in x]))
 
