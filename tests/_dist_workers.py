@@ -256,7 +256,7 @@ def plain_shards_and_guards(rank: int, world: int, shim_reference: Reference) ->
     tx = muonfn.orthogonalize(dtype=torch.float32, orthogonalizer=orthogonalizer)
     out = tx.update(TensorDict(mine, []), TensorDict())[0]
     for k in full:  # "w" is cut along its long side: Gram sums over gloo; "e" goes to its owner
-        torch.testing.assert_close(out[k], expected[k].tensor_split(world)[rank], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out[k], expected[k].tensor_split(world)[rank], rtol=1e-4, atol=2e-6)
 
     sharded = DTensor.from_local(mine["w"], mesh, [Shard(0)], run_check=False, shape=(10, 6), stride=(6, 1))
     try:

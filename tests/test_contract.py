@@ -111,10 +111,11 @@ class Entry:
 
 ELEMENTWISE = frozenset({"missing", "vmap"})
 # vmap stacks the members' matrices into other batched matmuls than the loop's, which round
-# differently; fp32 Newton–Schulz turns a last-bit change of its input into up to ~2e-6 of its
-# output (as much as its own error against fp64), so these entries hold to NS_REL, not bitwise.
+# differently; fp32 Newton–Schulz amplifies a last-bit change of its input up to its slope at zero
+# (keller: 3.4445⁵ ≈ 485, times 2⁻²⁴: 3e-5 of its output; 7e-6 measured here, on the orthogonalize
+# entry), so these entries hold to NS_REL, not bitwise, on any BLAS.
 NEWTON_SCHULZ = frozenset({"missing"})
-NS_REL = 1e-5
+NS_REL = 1e-4
 
 BAD_CASES = ("shape", "dtype", "complex", "unknown_key", "batch_size")
 PER_LEAF_CASES = ("shape", "dtype", "complex")
