@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test lint docs bench clean
+.PHONY: install demo test test-portable lint docs bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -27,8 +27,18 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
-test: lint
+test: lint test-portable
 	$(PY) -m pytest -q
+
+# The suite again without ATen's AVX kernels (ATEN_CPU_CAPABILITY=default, as on a CPU without AVX2),
+# in a fresh inductor cache of its own: kernels compiled for this CPU's capability do not build there.
+# It leaves out the modules that mostly start processes (examples, torchrun launches, the benchmark
+# smoke run), so that `make test` stays well inside CI's limit on 2 cores.
+PORTABLE_SKIP := tests/test_examples.py tests/test_distributed_torch.py tests/test_benchmarks_smoke.py
+
+test-portable: $(STAMP)
+	cache=$$(mktemp -d) && trap 'rm -rf "$$cache"' EXIT && \
+		ATEN_CPU_CAPABILITY=default TORCHINDUCTOR_CACHE_DIR="$$cache" $(PY) -m pytest -q $(PORTABLE_SKIP:%=--ignore=%)
 
 # the API reference is generated from the docstrings; any warning fails the build
 docs: $(STAMP)
