@@ -264,14 +264,16 @@ def plain_shards_and_guards(rank: int, world: int, shim_reference: Reference) ->
     mine = {k: v.tensor_split(world)[rank] for k, v in full.items()}
     for strategy in EXACT:
         specs = {"w": ShardSpec(0), "e": ShardSpec(0)}
-        tx = muonfn.orthogonalize(orthogonalizer=sharded_orthogonalizer(group, strategy=strategy, shard_specs=specs))
+        orthogonalizer = sharded_orthogonalizer(group, strategy=strategy, shard_specs=specs)
+        tx = muonfn.orthogonalize(dtype=torch.float32, orthogonalizer=orthogonalizer)  # as `expected`
         out = tx.update(TensorDict(mine, []), TensorDict())[0]
         for k in full:
             assert torch.equal(out[k], expected[k].tensor_split(world)[rank]), (strategy, k)
-    tx = muonfn.orthogonalize(orthogonalizer=sharded_orthogonalizer(group, strategy="tp_gram", shard_specs=specs))
+    orthogonalizer = sharded_orthogonalizer(group, strategy="tp_gram", shard_specs=specs)
+    tx = muonfn.orthogonalize(dtype=torch.float32, orthogonalizer=orthogonalizer)
     out = tx.update(TensorDict(mine, []), TensorDict())[0]
     for k in full:  # "w" is cut along its long side: Gram sums over gloo; "e" goes to its owner
-        torch.testing.assert_close(out[k], expected[k].tensor_split(world)[rank], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out[k], expected[k].tensor_split(world)[rank], rtol=1e-4, atol=2e-6)
 
     sharded = DTensor.from_local(mine["w"], mesh, [Shard(0)], run_check=False, shape=(10, 6), stride=(6, 1))
     try:

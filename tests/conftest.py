@@ -1,4 +1,5 @@
 import os
+from collections.abc import Iterator
 
 # The suite's matrices are small, so one thread is as fast, and it is immune to oversubscription:
 # on a busy 2-core machine OpenMP barriers spin while a thread waits for a core (the whole suite
@@ -48,6 +49,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_report_header(config: pytest.Config) -> str:
     return f"muonfn test device: {chosen_device(config)}"
+
+
+@pytest.fixture(scope="module")
+def fp32_newton_schulz() -> Iterator[None]:
+    """The fp32 CPU rule for a module whose tests check fp32 Newton–Schulz, also in a run that
+    forces another (``MUONFN_CPU_NS_DTYPE=bfloat16``); the tests of the rule set their own."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MUONFN_CPU_NS_DTYPE", "float32")
+        yield
 
 
 @pytest.fixture(scope="session")

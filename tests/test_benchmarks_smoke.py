@@ -8,6 +8,7 @@ runs at its smoke sizes on the CPU through the same code.
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,8 +41,10 @@ def test_benchmark_suite_smoke(tmp_path):
     out = tmp_path / "smoke.json"
     sets = "gpt,conv,moe,gpt2-small,gpt2-medium"
     command = [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--smoke", "--threads", "1", "--device", "cpu"]
+    # the fp32 rule on every CPU: the Gram check below is to fp32 rounding
+    env = {**os.environ, "MUONFN_CPU_NS_DTYPE": "float32"}
     proc = subprocess.run(
-        [*command, "--sets", sets, "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT
+        [*command, "--sets", sets, "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| contender" in proc.stdout and "Targets" in proc.stdout

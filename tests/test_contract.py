@@ -112,10 +112,11 @@ class Entry:
 
 ELEMENTWISE = frozenset({"missing", "vmap"})
 # vmap stacks the members' matrices into other batched matmuls than the loop's, which round
-# differently; fp32 Newton–Schulz turns a last-bit change of its input into up to ~2e-6 of its
-# output (as much as its own error against fp64), so these entries hold to NS_REL, not bitwise.
+# differently; fp32 Newton–Schulz amplifies a last-bit change of its input up to its slope at zero
+# (keller: 3.4445⁵ ≈ 485, times 2⁻²⁴: 3e-5 of its output; 7e-6 measured here, on the orthogonalize
+# entry), so these entries hold to NS_REL, not bitwise, on any BLAS.
 NEWTON_SCHULZ = frozenset({"missing"})
-NS_REL = 1e-5
+NS_REL = 1e-4
 
 BAD_CASES = ("shape", "dtype", "complex", "unknown_key", "batch_size")
 PER_LEAF_CASES = ("shape", "dtype", "complex")
@@ -493,9 +494,10 @@ def test_missing_gradient_carries_state(entry: Entry, leaf: Key) -> None:
 
 
 @pytest.mark.parametrize("entry", cases("vmap"))
-def test_vmap_over_an_ensemble_equals_the_loop(entry: Entry) -> None:
+def test_vmap_over_an_ensemble_equals_the_loop(entry: Entry, monkeypatch: pytest.MonkeyPatch) -> None:
     """``torch.vmap`` of ``init`` and ``update`` over three stacked param sets equals running each
     member alone, for two steps (bit for bit where the entry's math is elementwise)."""
+    monkeypatch.setenv("MUONFN_CPU_NS_DTYPE", "float32")  # NS_REL is fp32's: bf16 rounds the two apart by percents
     tx = entry.make()
     members = [entry.params(seed) for seed in range(3)]
     stacked = torch.stack(members)

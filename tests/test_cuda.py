@@ -25,7 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import muonfn
 import muonfn.optim
 from muonfn import MatrixView
-from muonfn.linalg import default_ns_dtype
+from muonfn.linalg import _newton_schulz, default_ns_dtype
+from muonfn.linalg._newton_schulz import CPU_NS_DTYPE_VARIABLE
 
 # the benchmarks' parameter sets, contenders and peak-memory helper, so that the memory check
 # measures what benchmarks/run.py reports
@@ -93,8 +94,11 @@ def static_step(
 # --- Newton–Schulz dtype ---------------------------------------------------------------------------
 
 
-def test_default_ns_dtype_follows_the_device_type() -> None:
-    """bf16 on CUDA whatever the input; elsewhere the input's dtype, at least fp32 (a pure function)."""
+def test_default_ns_dtype_follows_the_device_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 on CUDA whatever the input; on a CPU without bf16 units the input's dtype, at least fp32
+    (a pure function; the rule for CPUs with them: tests/test_newton_schulz.py)."""
+    monkeypatch.setenv(CPU_NS_DTYPE_VARIABLE, "auto")
+    monkeypatch.setattr(_newton_schulz, "cpu_has_bf16_units", lambda: False)
     for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
         assert default_ns_dtype(CUDA, dtype) == torch.bfloat16
         assert default_ns_dtype(torch.device("cuda", 0), dtype) == torch.bfloat16

@@ -54,7 +54,15 @@ def ns_table() -> dict[str, tuple[float, float, float]]:
     return rows
 
 
+# fp32 rounding is a CPU's own (a BLAS sums a matmul's products in an order of its own): the bounds
+# docs/formulas.md gives for how far it moves the measured error and a singular value, over twice
+# the least accurate summation order (`docs/scripts/ns_bands.py --summation`) and Intel AMX's
+FP32_ERROR_ROUNDING = 1e-5
+FP32_SIGMA_ROUNDING = 2e-6
+
+
 def test_formulas_ns_table_matches_a_fresh_measurement():
+    """The band to the digits shown and the error to 2 %, each up to what fp32 rounding can move them."""
     rows = ns_table()
     assert set(rows) == set(muonfn.COEFFICIENTS)
     g = torch.randn(256, 1024, generator=torch.Generator().manual_seed(0))
@@ -62,10 +70,10 @@ def test_formulas_ns_table_matches_a_fresh_measurement():
     for name, (low, high, error) in rows.items():
         out = muonfn.newton_schulz(g, name, dtype=torch.float32).double()
         s = torch.linalg.svdvals(out)
-        assert round(s.min().item(), 3) == low, name
-        assert round(s.max().item(), 3) == high, name
+        assert abs(s.min().item() - low) <= 5e-4 + FP32_SIGMA_ROUNDING, name
+        assert abs(s.max().item() - high) <= 5e-4 + FP32_SIGMA_ROUNDING, name
         measured = ((out - exact).norm() / exact.norm()).item()
-        assert measured == pytest.approx(error, rel=0.02, abs=1e-6), name
+        assert abs(measured - error) <= 0.02 * error + FP32_ERROR_ROUNDING, (name, measured)
 
 
 def band_table() -> dict[str, list[tuple[float, float]]]:
@@ -91,14 +99,16 @@ def test_formulas_band_table_matches_a_fresh_computation():
         assert narrow == tuple(round(x, 7) for x in band), name
         out = torch.linalg.svdvals(muonfn.newton_schulz(g, name, dtype=torch.float32).double())
         fresh = (out.min().item(), out.max().item())
-        assert fresh == pytest.approx(measured, abs=1e-6), name
-        assert band[0] - 1e-6 <= fresh[0] and fresh[1] <= band[1] + 1e-6, name
+        assert fresh == pytest.approx(measured, abs=FP32_SIGMA_ROUNDING), name
+        assert band[0] - FP32_SIGMA_ROUNDING <= fresh[0] and fresh[1] <= band[1] + FP32_SIGMA_ROUNDING, name
 
 
-def test_the_testing_page_examples_run():
+def test_the_testing_page_examples_run(monkeypatch):
     """docs/testing.md: the first kernel fails as the pasted report says, the fixed one and the
     other examples pass."""
     testing = pytest.importorskip("muonfn.testing")
+    # the page's newton_schulz iterates in the input's dtype, as it does on every CPU at the sizes drawn
+    monkeypatch.setenv("MUONFN_CPU_NS_DTYPE", "float32")
     page = (DOCS / "testing.md").read_text()
     naive, fixed, schedule, strategies = re.findall(r"```python\n(.*?)```", page, re.S)
     report = re.findall(r"```text\n(.*?)```", page, re.S)[0]

@@ -104,9 +104,12 @@ def test_demo_refuses_to_resume_under_other_settings(tmp_path, one_thread):
 
 
 def test_demo_reports_a_diverged_run_instead_of_crashing(tmp_path, one_thread):
+    """Diverged by construction, not by a CPU's rounding: AdamW's first update is about lr·sign(g)
+    (plus decay), so the next forward multiplies weights of ~1e30, whose products overflow fp32."""
     demo = load_example("demo")
-    results = demo.main(["--quick", "--no-progress", "--out", str(tmp_path), "--adamw-lrs", "50"])
+    results = demo.main(["--quick", "--no-progress", "--out", str(tmp_path), "--adamw-lrs", "1e30"])
     assert results["final"]["adamw"]["val_loss"] is None
+    assert results["final"]["adamw"]["history"]["step"] == [0, 2]  # the second forward already overflows
     assert results["steps_ratio"] is None
     assert results["final"]["muon"]["val_loss"] < results["final"]["muon"]["history"]["val_loss"][0]
     assert "Infinity" not in (tmp_path / "results.json").read_text()

@@ -87,7 +87,8 @@ def test_update_is_pure(name: str, dtype: torch.dtype) -> None:
 def test_vmap_ensemble_equals_separate_updates() -> None:
     models = [mlp(seed) for seed in range(3)]
     stacked = torch.stack([TensorDict.from_module(m).detach() for m in models])
-    tx = muonfn.apply_if_finite(muonfn.muon(lr=0.05))
+    # fp32: the loop and vmap batch the matmuls differently, which bf16 would round apart by far more than 1e-6
+    tx = muonfn.apply_if_finite(muonfn.muon(lr=0.05, ns_dtype=torch.float32))
     state = torch.vmap(tx.init)(stacked)
     separate = [tx.init(stacked[i]) for i in range(3)]
     for t in range(2):
@@ -271,6 +272,7 @@ def test_stacked_ensemble_without_vmap_equals_the_vmapped_step() -> None:
             lr=lambda count: 0.05 * (count + 1).clamp(max=2) / 2,  # one lr per member: count has batch size [3]
             weight_decay=0.1,
             views={"experts": MatrixView(batch_dims=1)},
+            ns_dtype=torch.float32,  # the two batch the matmuls differently: bf16 would round them far apart
         )
     )
     vmapped_state, stacked_state = torch.vmap(tx.init)(params), tx.init(params)

@@ -24,6 +24,10 @@ from muonfn import COEFFICIENTS, Coefficients, gram_newton_schulz, newton_schulz
 from muonfn.linalg import _newton_schulz, cpu_has_bf16_units, default_ns_dtype
 from muonfn.linalg._newton_schulz import CPU_NS_DTYPE_VARIABLE
 
+# the default Newton–Schulz dtype is the input's (at least fp32), whatever rule the run forces;
+# the tests of the rule set their own
+pytestmark = pytest.mark.usefixtures("fp32_newton_schulz")
+
 SETS = sorted(COEFFICIENTS)
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
@@ -136,7 +140,8 @@ def test_batched_equals_looped(batch: int, m: int, n: int, name: str, seed: int)
 
 def test_batched_equals_looped_on_consistent_shapes() -> None:
     x = gaussian(6, 16, 40, seed=1)
-    assert bmm_batch_consistent(16, 40, 6)
+    if not bmm_batch_consistent(16, 40, 6):  # the hypothesis test above holds it to rounding then
+        pytest.skip("this BLAS computes a 16×40 matrix differently in a batch of 6 than alone")
     for name in SETS:
         assert torch.equal(ns(x, name), torch.stack([ns(m, name) for m in x]))
 

@@ -31,6 +31,9 @@ from muonfn.testing import (
     spectral_band,
 )
 
+# the default Newton–Schulz dtype is the input's (at least fp32), whatever rule the run forces
+pytestmark = pytest.mark.usefixtures("fp32_newton_schulz")
+
 ROOT = Path(__file__).resolve().parents[1]
 SETS = sorted(COEFFICIENTS)
 # small: every example runs the orthogonalizer five or more times (the CI budget for this file is seconds)

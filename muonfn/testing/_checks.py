@@ -420,7 +420,7 @@ def check_orthogonalizer(
 
     Example:
         >>> from functools import partial
-        >>> ns = partial(muonfn.newton_schulz, coefficients="cesista")
+        >>> ns = partial(muonfn.newton_schulz, coefficients="cesista", dtype=torch.float32)
         >>> muonfn.testing.check_orthogonalizer(
         ...     ns, band=muonfn.testing.spectral_band("cesista"), max_examples=10)
     """
