@@ -10,14 +10,14 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "muonfn"
 
-FOUNDATION = {"_keys", "_tree", "_validation", "_lists", "_collection"}
+FOUNDATION = {"_keys", "_tree", "_validation", "_multi_tensor", "_gc_pause"}
 #: what each layer may import from muonfn (besides itself)
 ALLOWED = {
     "_keys": set(),
     "_tree": {"_keys"},
     "_validation": {"_keys"},
-    "_lists": set(),
-    "_collection": set(),
+    "_multi_tensor": set(),
+    "_gc_pause": set(),
     "_checkpoint": {"_keys", "_tree"},
     "linalg": {"_keys"},
     "transforms": {"linalg"} | FOUNDATION,

@@ -715,7 +715,7 @@ def test_compiled_structures_do_not_share_recompilations(monkeypatch):
     recompilation limit of 1 two optimizers of different settings and a step without a
     bias gradient all compile (fullgraph=True would raise at the limit). Past
     MAX_COMPILED_STRUCTURES a new structure steps eagerly, with one warning, to the same bits."""
-    import muonfn.optim._parts as parts
+    import muonfn.optim._step_parts as parts
 
     monkeypatch.setattr(parts, "MAX_COMPILED_STRUCTURES", 2)
     data = batches(4)

@@ -535,3 +535,16 @@ def test_a_newton_schulz_setting_resolves_its_schedule_once() -> None:
     assert ns.schedule is ns.schedule
     assert len(ns.schedule.triples) == 10 and ns.schedule.norm_factor == 1.01
     assert ns == muonfn.NewtonSchulz("polar_express", steps=10)  # the resolved schedule is no part of its identity
+
+
+@pytest.mark.parametrize("preset", [muonfn.muon, muonfn.normuon, muonfn.adamuon])
+def test_every_keyword_of_a_preset_reaches_its_branches(preset) -> None:
+    """A keyword the assembly does not forward would be silently ignored: each is in one of its tables."""
+    import inspect
+
+    from muonfn.presets import _branch
+
+    forwarded = {*_branch.NEWTON_SCHULZ_SPELLINGS, *_branch.BRANCH_OPTIONS, *_branch.ADAMW_OPTIONS, "ns"}
+    distributed = {"collectives", "strategy", "shard_specs", "replicated", "overlap"}  # build the orthogonalizer
+    unread = set(inspect.signature(preset).parameters) - forwarded - distributed
+    assert not unread, f"{preset.__name__} takes {sorted(unread)}, which assemble() does not forward"

@@ -140,7 +140,7 @@ def _check(name: str, x: torch.Tensor, eps: float, dtype: torch.dtype | None, ep
         raise TypeError(f"Newton–Schulz dtype must be a real floating-point torch.dtype, got {dtype!r}")
 
 
-def _wide(x: torch.Tensor) -> tuple[torch.Tensor, bool, bool]:
+def _wide_batch(x: torch.Tensor) -> tuple[torch.Tensor, bool, bool]:
     """``x`` as a contiguous ``(count, m, n)`` batch with ``m <= n``, in at least fp32; whether
     it was transposed, and whether it was copied.
 
@@ -286,7 +286,7 @@ def _gram_steps(X: torch.Tensor, schedule: Coefficients, restarts: tuple[int, ..
 _TILED_TRANSPOSE_NUMEL = 1 << 17
 
 
-def dense(x: torch.Tensor) -> torch.Tensor:
+def in_memory_order(x: torch.Tensor) -> torch.Tensor:
     """``x`` in contiguous memory, its values unchanged.
 
     A tall matrix comes out of Newton–Schulz as the transposed view of a wide result.
@@ -371,7 +371,7 @@ def _restored(
     out = restored.reshape(*x.shape[:-2], *X.shape[-2:])
     if not tall:
         return out
-    return dense(out.mT) if x.is_contiguous() else out.mT
+    return in_memory_order(out.mT) if x.is_contiguous() else out.mT
 
 
 def newton_schulz(
@@ -533,7 +533,7 @@ def _orthogonalized(
 ) -> torch.Tensor:
     """``scale·iterate`` on ``x`` made wide and normalised, then restored; ``owned``: ``x`` is
     the caller's to overwrite."""
-    g, tall, copied = _wide(x)
+    g, tall, copied = _wide_batch(x)
     ns_dtype = default_ns_dtype(x.device, x.dtype, x.shape) if dtype is None else dtype
     X = _normalized(g, schedule, eps, ns_dtype, None, eps_mode, owned=owned or copied)
     # a normalised stack of our own, cast into X, is free to take the result: one fresh

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from .._keys import Key, dotted
-from ._newton_schulz import NewtonSchulz, apart, dense, may_write_into
+from ._newton_schulz import NewtonSchulz, apart, in_memory_order, may_write_into
 from ._views import MatrixView, ScaleFn, block_scales
 
 MatrixFn = Callable[[torch.Tensor], torch.Tensor]
@@ -117,7 +117,7 @@ def _call(matrices: list[torch.Tensor], ns: MatrixFn, scale: float) -> list[torc
     out: list[torch.Tensor] = [None] * len(matrices)  # type: ignore[list-item]
     for k, piece in zip(plain_wide, wide.unbind(0)):
         out[k] = piece
-    for k, piece in zip(plain_tall, dense(tall.mT).unbind(0) if plain_tall else ()):
+    for k, piece in zip(plain_tall, in_memory_order(tall.mT).unbind(0) if plain_tall else ()):
         out[k] = piece
     for k, piece in zip(batches, rest):
         out[k] = piece.mT if flips[k] else piece
@@ -211,7 +211,7 @@ def orthogonalize_blocks(
         elif t.numel():
             n = len(view.blocks(t.shape))
             result = view.from_matrices(done[pos : pos + n], t.shape)
-            out.append(dense(result) if t.is_contiguous() else result)
+            out.append(in_memory_order(result) if t.is_contiguous() else result)
             pos += n
         else:
             out.append(torch.empty_like(t))

@@ -10,7 +10,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from .. import _tree
-from .._collection import pause_collections, resume_collections
+from .._gc_pause import pause_collections, resume_collections
 from .._validation import Scalar, flag, positive
 from ..linalg import CoefficientsLike, EpsMode, MatrixFn, Orthogonalizer, ScaleMode
 from ..presets import (
@@ -45,8 +45,8 @@ from . import _groups, _migration
 from ._layout import Layout
 from ._migration import NOT_GIVEN, NotGiven
 from ._param_state import ParamState
-from ._parts import StepInputs, parts_applier
 from ._state_dict import packed_state_dict, translate_state_dict
+from ._step_parts import StepInputs, parts_applier
 
 if TYPE_CHECKING:
     from ..distributed import Collectives, Replicated, ShardSpecs, Strategy
@@ -446,7 +446,7 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         # settings changed in param_groups may lay the state out anew: undone if the step's checks fail
         snapshot, cache = self._layout.snapshot(), self._cache
-        paused = pause_collections()  # the step's temporaries hold no cycles (see muonfn._collection)
+        paused = pause_collections()  # the step's temporaries hold no cycles (see muonfn._gc_pause)
         try:
             with torch.no_grad():
                 try:

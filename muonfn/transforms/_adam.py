@@ -8,7 +8,7 @@ from typing import Literal, TypeAlias
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from .. import _lists
+from .. import _multi_tensor
 from .._keys import Key
 from .._tree import Leaves
 from .._validation import Scalar, check_params, flag, positive, unit_interval
@@ -85,7 +85,9 @@ def scale_by_adam(
                 # bias corrections combine with its moments even when params live on several meshes
                 STEP: params.apply(lambda p: p.new_zeros(members, dtype=torch.int64)),
                 EXP_AVG: params.apply(torch.zeros_like),
-                EXP_AVG_SQ: params.apply(lambda p: torch.zeros_like(p, dtype=_lists.second_moment_dtype(p.dtype))),
+                EXP_AVG_SQ: params.apply(
+                    lambda p: torch.zeros_like(p, dtype=_multi_tensor.second_moment_dtype(p.dtype))
+                ),
             },
             batch_size=params.batch_size,
         )
@@ -96,8 +98,10 @@ def scale_by_adam(
         members = scope.members
         # in place on this update's own root where nothing differentiates through it (sqrt's
         # gradient reads its output): one fresh tensor less, which on a CPU is a page-fault pass
-        divide = _lists.apply_ if donate_state or _lists.may_overwrite(exp_avg_sq) else _lists.apply
-        root = _lists.apply("sqrt", exp_avg_sq)
+        divide = (
+            _multi_tensor.apply_ if donate_state or _multi_tensor.may_overwrite(exp_avg_sq) else _multi_tensor.apply
+        )
+        root = _multi_tensor.apply("sqrt", exp_avg_sq)
         if not nesterov:
             # m / ((√v/√(1−β₂ᵗ) + ε)(1−β₁ᵗ)) = m / (a√v + b), a = (1−β₁ᵗ)/√(1−β₂ᵗ), b = ε(1−β₁ᵗ):
             # one pass over the leaves less; the quotient is written over its denominator
@@ -105,23 +109,27 @@ def scale_by_adam(
             # for an fp16 leaf's).
             first = counts.corrections(log_b1)
             scale = leaf_factors(first.div(counts.corrections(log_b2).sqrt()), exp_avg_sq, members)
-            denom = _lists.apply_("add", divide("mul", root, scale), leaf_factors(first.mul(eps), exp_avg_sq, members))
-            overwrite = _lists.may_overwrite(exp_avg) and _lists.may_overwrite(denom)
-            return dict(zip(keys, cast_like(_lists.quotients(exp_avg, denom, overwrite=overwrite), g)))
+            denom = _multi_tensor.apply_(
+                "add", divide("mul", root, scale), leaf_factors(first.mul(eps), exp_avg_sq, members)
+            )
+            overwrite = _multi_tensor.may_overwrite(exp_avg) and _multi_tensor.may_overwrite(denom)
+            return dict(zip(keys, cast_like(_multi_tensor.quotients(exp_avg, denom, overwrite=overwrite), g)))
         root_correction = bias_corrections(counts, log_b2, exp_avg_sq, members, then=torch.sqrt)
-        denom = _lists.apply_("add", divide("div", root, root_correction), eps)
+        denom = _multi_tensor.apply_("add", divide("div", root, root_correction), eps)
         if nesterov == "timm":
-            look_ahead = _lists.lerp(exp_avg, g, 1.0 - b1)
-            updates = _lists.apply("div", look_ahead, bias_corrections(counts, log_b1, g, members))
+            look_ahead = _multi_tensor.lerp(exp_avg, g, 1.0 - b1)
+            updates = _multi_tensor.apply("div", look_ahead, bias_corrections(counts, log_b1, g, members))
         else:
             # beta1 / (1 - beta1**(t+1)) on the moment, (1 - beta1) / (1 - beta1**t) on the gradient
             moment_weight = leaf_factors(counts.corrections(log_b1, shift=1.0).reciprocal().mul(b1), g, members)
             grad_weight = leaf_factors(counts.corrections(log_b1).reciprocal().mul(1.0 - b1), g, members)
-            updates = _lists.apply("mul", exp_avg, moment_weight)
-            updates = _lists.apply_("add", updates, _lists.apply("mul", g, grad_weight))
+            updates = _multi_tensor.apply("mul", exp_avg, moment_weight)
+            updates = _multi_tensor.apply_("add", updates, _multi_tensor.apply("mul", g, grad_weight))
         # (into the numerators, unless an fp16 leaf's quotient is to be taken in its fp32 denominator's dtype)
         same = all(u.dtype == d.dtype for u, d in zip(updates, denom))
-        return dict(zip(keys, cast_like((_lists.apply_ if same else _lists.apply)("div", updates, denom), g)))
+        return dict(
+            zip(keys, cast_like((_multi_tensor.apply_ if same else _multi_tensor.apply)("div", updates, denom), g))
+        )
 
     needs = per_leaf_needs("scale_by_adam", (EXP_AVG, EXP_AVG_SQ), (STEP,), squares=(EXP_AVG_SQ,))
     return from_rule(init, Rule("scale_by_adam", update, needs))
@@ -136,12 +144,12 @@ def adam_moments(
     exp_avg, exp_avg_sq = scope.read(EXP_AVG, keys), scope.read(EXP_AVG_SQ, keys)
     counts = count_steps(scope.read(STEP, keys), inplace=donate_state)
     if donate_state:
-        exp_avg = _lists.lerp(exp_avg, g, 1.0 - b1, inplace=True)
-        exp_avg_sq = _lists.apply_("addcmul", _lists.apply_("mul", exp_avg_sq, b2), g, g, value=1.0 - b2)
+        exp_avg = _multi_tensor.lerp(exp_avg, g, 1.0 - b1, inplace=True)
+        exp_avg_sq = _multi_tensor.apply_("addcmul", _multi_tensor.apply_("mul", exp_avg_sq, b2), g, g, value=1.0 - b2)
     else:
-        exp_avg = _lists.lerp(exp_avg, g, 1.0 - b1)
-        accumulate = _lists.apply_ if _lists.may_overwrite(g) else _lists.apply
-        exp_avg_sq = accumulate("addcmul", _lists.apply("mul", exp_avg_sq, b2), g, g, value=1.0 - b2)
+        exp_avg = _multi_tensor.lerp(exp_avg, g, 1.0 - b1)
+        accumulate = _multi_tensor.apply_ if _multi_tensor.may_overwrite(g) else _multi_tensor.apply
+        exp_avg_sq = accumulate("addcmul", _multi_tensor.apply("mul", exp_avg_sq, b2), g, g, value=1.0 - b2)
     for entry, values in ((STEP, counts.leaves), (EXP_AVG, exp_avg), (EXP_AVG_SQ, exp_avg_sq)):
         scope.write(entry, keys, values)
     return counts, exp_avg, exp_avg_sq

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from .. import _lists, _tree
+from .. import _multi_tensor, _tree
 from .._keys import Key
 from .._tree import Leaves
 from .._validation import Scalar, check_params, flag, positive, unit_interval
@@ -90,7 +90,9 @@ def scale_by_element_rms(
         keys, values = _tree.leaf_keys(params), _tree.leaves(params)
         for key, p, view in zip(keys, values, resolve_views(views, keys, values, members=params.batch_dims)):
             view.check(key, p.shape)
-        state = {EXP_AVG_SQ: params.apply(lambda p: torch.zeros_like(p, dtype=_lists.second_moment_dtype(p.dtype)))}
+        state = {
+            EXP_AVG_SQ: params.apply(lambda p: torch.zeros_like(p, dtype=_multi_tensor.second_moment_dtype(p.dtype)))
+        }
         if bias_correction:
             members = params.batch_size
             state[STEP] = params.apply(lambda p: p.new_zeros(members, dtype=torch.int64))
@@ -106,9 +108,9 @@ def scale_by_element_rms(
         keys, given = list(grads), list(grads.values())
         leaf_views = views_of.get(grads, scope.batch_size, lambda: checked_views(keys, given, scope.members))
         _refuse_sharded(keys, given)
-        values = _lists.widened(given)  # an fp16 leaf adapted in fp32
-        squares = _lists.apply("mul", values, values)
-        exp_avg_sq = _lists.lerp(scope.read(EXP_AVG_SQ, keys), squares, one_minus(beta), inplace=donate_state)
+        values = _multi_tensor.widened(given)  # an fp16 leaf adapted in fp32
+        squares = _multi_tensor.apply("mul", values, values)
+        exp_avg_sq = _multi_tensor.lerp(scope.read(EXP_AVG_SQ, keys), squares, one_minus(beta), inplace=donate_state)
         scope.write(EXP_AVG_SQ, keys, exp_avg_sq)
         root = exp_avg_sq
         if bias_correction:
@@ -116,11 +118,11 @@ def scale_by_element_rms(
             scope.write(STEP, keys, counts.leaves)
             log_beta = as64(beta).log() if fixed_log_beta is None else fixed_log_beta
             correction = bias_corrections(counts, log_beta, values, scope.members)
-            root = _lists.apply("div", exp_avg_sq, correction)
-        roots = _lists.apply("sqrt", root)
+            root = _multi_tensor.apply("div", exp_avg_sq, correction)
+        roots = _multi_tensor.apply("sqrt", root)
         # (in place only where nothing differentiates through it: sqrt's gradient reads its output)
-        denom = (_lists.apply_ if _lists.may_overwrite(roots) else _lists.apply)("add", roots, eps)
-        adapted = _lists.apply("div", values, denom)
+        denom = (_multi_tensor.apply_ if _multi_tensor.may_overwrite(roots) else _multi_tensor.apply)("add", roots, eps)
+        adapted = _multi_tensor.apply("div", values, denom)
         if rescale == "none":
             return dict(zip(keys, cast_like(adapted, given)))
         out = []

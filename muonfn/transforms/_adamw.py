@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .. import _lists
+from .. import _multi_tensor
 from .._keys import Key
 from .._tree import Leaves
 from .._validation import Scalar, ScalarOrSchedule
@@ -70,11 +70,15 @@ def fused_adamw(
         # -c₁/(η√c₂): -inf at η = 0, which meets a denominator of at least ε√c₂ > 0
         step_scale = counts.corrections(log_b1).div(root_c2.mul(neg(lr)))
         # in place on this update's own root where nothing differentiates through it
-        rewrite = _lists.apply_ if donate_state or _lists.may_overwrite(exp_avg_sq) else _lists.apply
-        denom = rewrite("add", _lists.apply("sqrt", exp_avg_sq), leaf_factors(root_c2.mul(eps), exp_avg_sq, members))
+        rewrite = (
+            _multi_tensor.apply_ if donate_state or _multi_tensor.may_overwrite(exp_avg_sq) else _multi_tensor.apply
+        )
+        denom = rewrite(
+            "add", _multi_tensor.apply("sqrt", exp_avg_sq), leaf_factors(root_c2.mul(eps), exp_avg_sq, members)
+        )
         denom = rewrite("mul", denom, leaf_factors(step_scale, exp_avg_sq, members))
-        overwrite = _lists.may_overwrite(exp_avg) and _lists.may_overwrite(denom)
-        updates = _lists.quotients(exp_avg, denom, overwrite=overwrite)  # (over the denominators: one buffer)
+        overwrite = _multi_tensor.may_overwrite(exp_avg) and _multi_tensor.may_overwrite(denom)
+        updates = _multi_tensor.quotients(exp_avg, denom, overwrite=overwrite)  # (over the denominators: one buffer)
         if decays:
             assert params is not None  # (checked by needs)
             decayed = _decayed_keys(grads, scope, params)
@@ -83,7 +87,11 @@ def fused_adamw(
             terms = [updates[i] for i in where]
             p = [params[k] for k in decayed]
             factors = _decay_factors(lr * weight_decay, terms, members)
-            add = _lists.apply_ if _lists.may_overwrite([*terms, *p], lr, weight_decay) else _lists.apply
+            add = (
+                _multi_tensor.apply_
+                if _multi_tensor.may_overwrite([*terms, *p], lr, weight_decay)
+                else _multi_tensor.apply
+            )
             for i, u in zip(where, add("addcmul", terms, p, factors, value=-1)):
                 updates[i] = u
         return dict(zip(keys, cast_like(updates, g)))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDictBase
 
-from .. import _lists, _tree
-from .._collection import pause_collections, resume_collections
+from .. import _multi_tensor, _tree
+from .._gc_pause import pause_collections, resume_collections
 from .._keys import Key, dotted
 from .._tree import FlatState, Leaves
 
@@ -51,7 +51,7 @@ def apply_updates_(params: TensorDictBase, updates: TensorDictBase) -> TensorDic
                     f"its parameter of dtype {p.dtype}"
                 )
         with torch.no_grad():
-            _lists.apply_("add", targets, values)
+            _multi_tensor.apply_("add", targets, values)
         return params
     finally:
         resume_collections(paused)
@@ -82,7 +82,7 @@ def _applied(params: TensorDictBase, updates: TensorDictBase) -> TensorDictBase:
     flat_params, flat_updates = _tree.flatten(params, keep_empty=True), _tree.flatten(updates)
     targets, values, recast = _matched("apply_updates", flat_params, flat_updates)
     out = dict(flat_params)
-    out.update(zip(flat_updates, _lists.apply("add", targets, values)))
+    out.update(zip(flat_updates, _multi_tensor.apply("add", targets, values)))
     for key in recast:  # a cast for each leaf whose dtype was promoted, none for the others
         out[key] = out[key].to(flat_params[key].dtype)
     return _tree.unflatten(out, params.batch_size)

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from .. import _lists
+from .. import _multi_tensor
 from .._validation import Scalar
 
 
@@ -45,7 +45,7 @@ def count_steps(steps: list[torch.Tensor], *, inplace: bool) -> StepCounts:
     if not steps:
         return StepCounts([], torch.zeros(0, dtype=torch.float64))
     if inplace or any(hasattr(s, "placements") for s in steps):
-        steps = _lists.apply_("add", steps, 1) if inplace else _lists.apply("add", steps, 1)
+        steps = _multi_tensor.apply_("add", steps, 1) if inplace else _multi_tensor.apply("add", steps, 1)
         # replicated DTensor counts, possibly on several meshes: their values are local
         local = [s.to_local() if hasattr(s, "placements") else s for s in steps]  # type: ignore[attr-defined]
         return StepCounts(steps, _padded_stack(local).to(torch.float64))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDictBase
 
-from .. import _lists, _tree
+from .. import _multi_tensor, _tree
 from .._keys import Key
 from .._tree import Leaves
 from .._validation import Scalar, flag, non_negative
@@ -26,7 +26,7 @@ def _on_cpu(weight_decay: Scalar, leaves: list[torch.Tensor]) -> bool:
     return all(u.device.type == "cpu" for u in leaves)
 
 
-def _wide(leaves: list[torch.Tensor]) -> bool:
+def _fp32_or_wider(leaves: list[torch.Tensor]) -> bool:
     """fp32/fp64 leaves only: a fused in-place op rounds a bf16/fp16 leaf's number operand
     otherwise than the out-of-place one, and donated updates equal undonated ones bitwise."""
     return all(u.dtype in (torch.float32, torch.float64) for u in leaves)
@@ -104,28 +104,28 @@ def add_decayed_weights(
         current, p = [grads[k] for k in keys], [params[k] for k in keys]
         # (a parameter that autograd records would make the update record it too, which the
         # Newton–Schulz results, views of one batch, do not allow in place)
-        overwrite = inplace and _lists.may_overwrite([*current, *p], weight_decay)
+        overwrite = inplace and _multi_tensor.may_overwrite([*current, *p], weight_decay)
         if not cautious and _on_cpu(weight_decay, current):
             # u + λp as one multiply-add per entry: no decay term written out. (Only on a CPU,
             # whose multi-tensor ops run tensor by tensor anyway: on a GPU a 0-d factor per
             # leaf would leave the fused kernels, and moving a host λ there would wait for it.)
-            add = _lists.apply_ if overwrite else _lists.apply
+            add = _multi_tensor.apply_ if overwrite else _multi_tensor.apply
             decayed = add("addcmul", current, p, decay_factors(weight_decay, current))
-        elif not cautious and isinstance(weight_decay, float | int) and _wide(current):
+        elif not cautious and isinstance(weight_decay, float | int) and _fp32_or_wider(current):
             # u + λp in one pass, λ a number: no decay term written out and read back
-            add = _lists.apply_ if overwrite else _lists.apply
+            add = _multi_tensor.apply_ if overwrite else _multi_tensor.apply
             decayed = add("add", current, p, alpha=weight_decay)
         else:
             # (a tensor λ would be read back to the host as alpha: its product is written out)
-            decay = _lists.scale(p, weight_decay)
+            decay = _multi_tensor.scale(p, weight_decay)
             if cautious:  # the mask is read before an in-place add changes the update
                 decay = [_agreeing(d, u, x) for d, u, x in zip(decay, current, p)]
             if overwrite:
-                decayed = _lists.apply_("add", current, decay)
+                decayed = _multi_tensor.apply_("add", current, decay)
             elif torch._C._are_functorch_transforms_active():  # (under vmap the decay term may be unbatched)
-                decayed = _lists.apply("add", current, decay)
+                decayed = _multi_tensor.apply("add", current, decay)
             else:  # the sum goes into the decay term, this update's own tensor: one fresh tensor less
-                decayed = _lists.apply_("add", decay, current)
+                decayed = _multi_tensor.apply_("add", decay, current)
         out = dict(grads)
         out.update(zip(keys, decayed))
         return out

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from .. import _lists
+from .. import _multi_tensor
 from .._keys import Key, dotted
 from .._tree import Leaves
 from .._validation import Scalar, ScalarOrSchedule, flag, non_negative, schedule_value
@@ -51,12 +51,12 @@ def _scaled(grads: Leaves, lr: Scalar, scope: Scope, *, inplace: bool, scheduled
     keys, values = list(grads), list(grads.values())
     if isinstance(lr, torch.Tensor):
         _check_tensor(lr, values, scope, scheduled=scheduled)
-    inplace = inplace and _lists.may_overwrite(values, lr)
+    inplace = inplace and _multi_tensor.may_overwrite(values, lr)
     if isinstance(lr, torch.Tensor) and lr.ndim:
         factors = per_member([lr.neg()] * len(values), values, scope.members)
-        out = _lists.apply_("mul", values, factors) if inplace else _lists.apply("mul", values, factors)
+        out = _multi_tensor.apply_("mul", values, factors) if inplace else _multi_tensor.apply("mul", values, factors)
     else:
-        out = _lists.scale(values, neg(lr), inplace=inplace)
+        out = _multi_tensor.scale(values, neg(lr), inplace=inplace)
     return dict(zip(keys, out))
 
 

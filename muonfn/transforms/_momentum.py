@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from .. import _lists
+from .. import _multi_tensor
 from .._tree import Leaves
 from .._validation import Scalar, check_params, flag, unit_interval
 from ._arithmetic import one_minus
@@ -78,16 +78,16 @@ def ema_momentum(
 
     def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
         keys, values = list(grads), list(grads.values())
-        buf = _lists.lerp(scope.read(MOMENTUM, keys), values, one_minus(momentum), inplace=donate_state)
+        buf = _multi_tensor.lerp(scope.read(MOMENTUM, keys), values, one_minus(momentum), inplace=donate_state)
         scope.write(MOMENTUM, keys, buf)
         if bias_correction:
             counts = count_steps(scope.read(STEP, keys), inplace=donate_state)
             scope.write(STEP, keys, counts.leaves)
             updates = _corrected(values, buf, counts, momentum, nesterov=bool(nesterov), members=scope.members)
         elif nesterov == "add":
-            updates = _lists.apply("add", values, buf)
+            updates = _multi_tensor.apply("add", values, buf)
         elif nesterov:
-            updates = _lists.lerp(values, buf, momentum)
+            updates = _multi_tensor.lerp(values, buf, momentum)
         else:
             updates = buf
         return dict(zip(keys, updates))
@@ -113,8 +113,8 @@ def _corrected(
         grad_weight = bias_corrections(
             step, log_mu, grads, members, then=lambda c: c.reciprocal().mul(mu.neg().add(1.0))
         )
-        weighted = _lists.apply("mul", buf, moment_weight)
-        updates = _lists.apply_("add", weighted, _lists.apply("mul", grads, grad_weight))
+        weighted = _multi_tensor.apply("mul", buf, moment_weight)
+        updates = _multi_tensor.apply_("add", weighted, _multi_tensor.apply("mul", grads, grad_weight))
     else:
-        updates = _lists.apply("div", buf, bias_corrections(step, log_mu, buf, members))
+        updates = _multi_tensor.apply("div", buf, bias_corrections(step, log_mu, buf, members))
     return cast_like(updates, grads)

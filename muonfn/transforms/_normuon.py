@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from .. import _lists, _tree
+from .. import _multi_tensor, _tree
 from .._keys import Key, dotted
 from .._tree import Leaves
 from .._validation import Scalar, check_params, flag, positive, unit_interval
@@ -113,7 +113,9 @@ def scale_by_neuron_norm(
         moments = []
         for key, p, view in zip(keys, values, resolve_views(views, keys, values, members=params.batch_dims)):
             view.check(key, p.shape)
-            moments.append(p.new_zeros(row_moment_shape(view, p.shape), dtype=_lists.second_moment_dtype(p.dtype)))
+            moments.append(
+                p.new_zeros(row_moment_shape(view, p.shape), dtype=_multi_tensor.second_moment_dtype(p.dtype))
+            )
         return TensorDict({ROW_SECOND_MOMENT: _tree.build(keys, moments, params)}, batch_size=params.batch_size)
 
     def plan(
@@ -130,17 +132,19 @@ def scale_by_neuron_norm(
         leaf_views, _ = plans.get(grads, scope.batch_size, lambda: plan(keys, values, scope.members))
         moments = scope.read(ROW_SECOND_MOMENT, keys)  # (checked by needs, with the gradients)
         # (an fp16 leaf normalised in fp32)
-        blocks = [view.to_matrices(o) for o, view in zip(_lists.widened(values), leaf_views)]
+        blocks = [view.to_matrices(o) for o, view in zip(_multi_tensor.widened(values), leaf_views)]
         means = [_row_means(view, b) for view, b in zip(leaf_views, blocks)]
         # (count, rows, column blocks) views of the state's tensors: a donated update writes into them
         current = [v.reshape(m.shape) for v, m in zip(moments, means)]
-        new = _lists.lerp(current, means, one_minus(beta), inplace=donate_state)
+        new = _multi_tensor.lerp(current, means, one_minus(beta), inplace=donate_state)
         scope.write(
             ROW_SECOND_MOMENT, keys, moments if donate_state else [n.reshape(v.shape) for n, v in zip(new, moments)]
         )
-        roots = _lists.apply("sqrt", new)
+        roots = _multi_tensor.apply("sqrt", new)
         # (in place only where nothing differentiates through it: sqrt's gradient reads its output)
-        denoms = (_lists.apply_ if _lists.may_overwrite(roots) else _lists.apply)("add", roots, eps)
+        denoms = (_multi_tensor.apply_ if _multi_tensor.may_overwrite(roots) else _multi_tensor.apply)(
+            "add", roots, eps
+        )
         out = []
         for o, view, matrices, denom in zip(values, leaf_views, blocks, denoms):
             adapted = [rescaled(b.div(d), b, rescale, eps) for b, d in zip(matrices, _per_block(view, denom))]

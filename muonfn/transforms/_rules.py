@@ -16,8 +16,8 @@ from typing import Any, NamedTuple
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from .. import _lists, _tree
-from .._collection import pause_collections, resume_collections
+from .. import _multi_tensor, _tree
+from .._gc_pause import pause_collections, resume_collections
 from .._keys import Key, dotted
 from .._tree import FlatState, Leaves
 from .._validation import check_batch, check_leaves
@@ -100,7 +100,7 @@ class Needs:
     ``entries``: top-level entries a scope must hold (``(where, scope prefix, names)``);
     ``like``: state leaves that must exist with their gradients' shapes and dtypes (``(where,
     state keys, gradient keys, squares)``, ``squares``: second moments, whose dtype is
-    :func:`~muonfn._lists.second_moment_dtype` of the gradient's); ``counts``: step counts that
+    :func:`~muonfn._multi_tensor.second_moment_dtype` of the gradient's); ``counts``: step counts that
     must exist as int64 tensors of the batch size, one count per ensemble member (``(where,
     state keys)``); ``shaped``: state leaves that must exist with a given shape (second-moment
     statistics of a leaf, such as one per row, in the gradient's second-moment dtype);
@@ -153,7 +153,7 @@ class Needs:
             if s is None:
                 raise ValueError(f"{where}: state has no entry {dotted(key)!r}; was it made by this transform's init?")
             g = grads[grad_key]
-            dtype = _lists.second_moment_dtype(g.dtype)
+            dtype = _multi_tensor.second_moment_dtype(g.dtype)
             if tuple(s.shape) != shape or s.dtype != dtype:
                 raise ValueError(
                     f"{where}: gradient {dotted(grad_key)!r} of shape {tuple(g.shape)} and dtype {g.dtype} does not "
@@ -179,10 +179,10 @@ def _check_like(
             raise ValueError(
                 f"{where}: gradient {dotted(grad_key)!r} has shape {tuple(g.shape)}, expected {tuple(s.shape)}"
             )
-        expected = _lists.second_moment_dtype(g.dtype) if squares else g.dtype
+        expected = _multi_tensor.second_moment_dtype(g.dtype) if squares else g.dtype
         if s.dtype == expected:
             continue
-        if not squares or (expected == g.dtype and _lists.second_moment_dtype(s.dtype) == s.dtype):
+        if not squares or (expected == g.dtype and _multi_tensor.second_moment_dtype(s.dtype) == s.dtype):
             raise ValueError(f"{where}: gradient {dotted(grad_key)!r} has dtype {g.dtype}, expected {s.dtype}")
         raise ValueError(
             f"{where}: gradient {dotted(grad_key)!r} of dtype {g.dtype} does not fit its state {dotted(key)!r} "
@@ -214,7 +214,7 @@ def per_leaf_needs(
     name: str, entries: Sequence[str], counts: Sequence[str] = (), *, squares: Sequence[str] = ()
 ) -> Callable[..., None]:
     """The :attr:`Rule.needs` of a rule keeping ``entries`` shaped like each leaf (those of
-    ``squares`` second moments, see :func:`~muonfn._lists.second_moment_dtype`) and ``counts``
+    ``squares`` second moments, see :func:`~muonfn._multi_tensor.second_moment_dtype`) and ``counts``
     (one int64 per leaf) in its state."""
 
     def needs(grads: Leaves, params: Leaves | None, prefix: Key, out: Needs) -> None:

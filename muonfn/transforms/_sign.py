@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .. import _lists
+from .. import _multi_tensor
 from .._tree import Leaves
 from ._contract import Transform, empty_state
 from ._rules import Rule, Scope, from_rule, no_needs
@@ -26,6 +26,6 @@ def scale_by_sign() -> Transform:
     """
 
     def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
-        return dict(zip(grads, _lists.apply("sign", list(grads.values()))))
+        return dict(zip(grads, _multi_tensor.apply("sign", list(grads.values()))))
 
     return from_rule(empty_state, Rule("scale_by_sign", update, no_needs))

@@ -8,7 +8,7 @@ from _bitwise import bits
 from hypothesis import given
 from hypothesis import strategies as st
 
-from muonfn import _lists
+from muonfn import _multi_tensor
 
 NUMBERS = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, allow_subnormal=False).filter(lambda v: v != 0)
 
@@ -31,9 +31,9 @@ def _same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
 def test_a_number_operand_gives_the_bits_of_one_op_per_tensor(dtype, op, value) -> None:
     leaves = _leaves(dtype)
     expected = [getattr(t, op)(value) for t in leaves]
-    _same_bits(_lists.apply(op, leaves, value), expected)
+    _same_bits(_multi_tensor.apply(op, leaves, value), expected)
     inplace = [t.clone() for t in leaves]
-    _same_bits(_lists.apply_(op, inplace, value), expected)
+    _same_bits(_multi_tensor.apply_(op, inplace, value), expected)
 
 
 @pytest.mark.parametrize("op", ["mul", "div", "add"])
@@ -44,8 +44,8 @@ def test_a_double_zero_dim_operand_meets_fp32_leaves_as_a_number(op, value) -> N
     leaves = _leaves(torch.float32, seed=1)
     factor = torch.tensor(value, dtype=torch.float64)
     expected = [getattr(t, op)(value) for t in leaves]
-    _same_bits(_lists.apply(op, leaves, factor), expected)
-    _same_bits(_lists.apply_(op, [t.clone() for t in leaves], factor), expected)
+    _same_bits(_multi_tensor.apply(op, leaves, factor), expected)
+    _same_bits(_multi_tensor.apply_(op, [t.clone() for t in leaves], factor), expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -53,15 +53,15 @@ def test_a_double_zero_dim_operand_meets_fp32_leaves_as_a_number(op, value) -> N
 def test_a_number_lerp_weight_gives_the_bits_of_one_lerp_per_tensor(dtype, weight) -> None:
     starts, ends = _leaves(dtype, seed=2), _leaves(dtype, seed=3)
     expected = [s.lerp(e, weight) for s, e in zip(starts, ends)]
-    _same_bits(_lists.apply("lerp", starts, ends, weight), expected)
-    _same_bits(_lists.apply_("lerp", [s.clone() for s in starts], ends, weight), expected)
+    _same_bits(_multi_tensor.apply("lerp", starts, ends, weight), expected)
+    _same_bits(_multi_tensor.apply_("lerp", [s.clone() for s in starts], ends, weight), expected)
 
 
 def test_mixed_dtypes_and_integer_counts_keep_their_own_arithmetic() -> None:
     mixed = [torch.ones(3), torch.ones(3, dtype=torch.float64)]
-    _same_bits(_lists.apply("mul", mixed, 0.1), [t.mul(0.1) for t in mixed])
+    _same_bits(_multi_tensor.apply("mul", mixed, 0.1), [t.mul(0.1) for t in mixed])
     steps = [torch.zeros((), dtype=torch.int64) for _ in range(3)]
-    out = _lists.apply("add", steps, 1)
+    out = _multi_tensor.apply("add", steps, 1)
     assert all(t.dtype == torch.int64 and int(t) == 1 for t in out)
 
 
@@ -75,9 +75,11 @@ def test_quotients_written_over_large_denominators_keep_their_bits(dtype) -> Non
     dens = [torch.rand(s, generator=g).add(0.5).to(dtype) for s in shapes]
     expected = [n / d for n, d in zip(nums, dens)]
     kept = [d.clone() for d in dens]
-    assert all(torch.equal(bits(q), bits(e)) for q, e in zip(_lists.quotients(nums, kept, overwrite=False), expected))
+    assert all(
+        torch.equal(bits(q), bits(e)) for q, e in zip(_multi_tensor.quotients(nums, kept, overwrite=False), expected)
+    )
     assert all(torch.equal(k, d) for k, d in zip(kept, dens))  # without overwrite the denominators stay
-    out = _lists.quotients(nums, dens, overwrite=True)
+    out = _multi_tensor.quotients(nums, dens, overwrite=True)
     assert all(torch.equal(bits(q), bits(e)) for q, e in zip(out, expected))
     shares = [q.data_ptr() == d.data_ptr() for q, d in zip(out, dens)]
     assert shares == [True, False, False, True]
