@@ -5,7 +5,7 @@ loop, schedule, checkpoints and timing (``examples/demo.py``). Protocol (``docs/
 how to read the results):
 
 1. Tuning, the same budget for every method: a learning-rate sweep of ``--sweep-steps`` steps
-   (default ``--steps // 3``) at the first seed, on a grid a factor 3 apart, extended past
+   (default ``--steps // 4``) at the first seed, on a grid a factor 3 apart, extended past
    whichever edge wins (at most twice), so that no method is judged at the edge of its grid.
 2. Each method's best rate is trained for ``--steps`` steps with each of ``--seeds`` seeds (a seed
    draws the initialisation, the training batches and the validation sample). For each seed the
@@ -474,7 +474,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/study", help="output folder")
     parser.add_argument("--steps", type=int, default=1000, help="training steps of the final runs")
-    parser.add_argument("--sweep-steps", type=int, help="steps of each sweep run (default: steps // 3)")
+    parser.add_argument("--sweep-steps", type=int, help="steps of each sweep run (default: steps // 4)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds of the final runs: --seed, --seed + 1, ...")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="adamw is required")
     for kind, grid in GRIDS.items():
@@ -492,6 +492,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.toy:
         args.steps, args.width, args.depth, args.ctx, args.batch = 9, 32, 1, 16, 8
         args.eval_every, args.eval_batches, args.max_chars, args.seeds = 3, 2, 200_000, 2
+        args.sweep_steps = 3
         for kind, grid in GRIDS.items():  # such a short run wants larger rates: start the grids 9x higher
             setattr(args, f"{kind}_lrs", [9 * lr for lr in grid])
     positive = {"--steps": args.steps, "--seeds": args.seeds, "--eval-every": args.eval_every}
@@ -505,6 +506,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         grid = getattr(args, f"{kind}_lrs")
         if min(grid) <= 0 or len(set(grid)) != len(grid):
             parser.error(f"--{kind}-lrs must be distinct positive rates, got {grid}")
+    if args.sweep_steps is None:  # a quarter, not the demo's third: the hour has room for 4 methods x 3 seeds
+        args.sweep_steps = max(1, args.steps // 4)
     return args
 
 
