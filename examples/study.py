@@ -36,6 +36,7 @@ import json
 import math
 import os
 import pathlib
+import secrets
 import statistics
 import tempfile
 import time
@@ -140,7 +141,9 @@ def _minutes(seconds: float | None) -> str:
 def write_atomically(path: pathlib.Path, text: str) -> None:
     """Writes ``text`` to a temporary file beside ``path``, flushed to disk, then renamed over ``path``:
     an interruption leaves either the old file or the new one, never half of one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+    # os.open rather than mkstemp: the file gets the permissions the umask gives any new file
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -148,7 +151,7 @@ def write_atomically(path: pathlib.Path, text: str) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        pathlib.Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     if os.name == "posix":  # the rename itself made durable
         directory = os.open(path.parent, os.O_RDONLY)
@@ -480,7 +483,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     for kind, grid in GRIDS.items():
         parser.add_argument(f"--{kind}-lrs", type=float, nargs="+", default=grid, help=f"{kind}'s lr grid")
     demo.add_setup_arguments(parser)
-    parser.set_defaults(eval_every=50, eval_batches=16)
+    # One thread unless told: while another process keeps a core busy, a second thread made each step
+    # about 7x slower on a 2-core machine (docs/study.md); on an idle machine try --threads 2 with --estimate.
+    parser.set_defaults(eval_every=50, eval_batches=16, threads=1)
     parser.add_argument("--resume", action="store_true", help="keep finished runs and continue the others")
     parser.add_argument("--stop-after", type=int, help="stop the study after this many training steps (then --resume)")
     parser.add_argument("--keep-checkpoints", action="store_true", help="keep the finished runs' checkpoints")
@@ -558,6 +563,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "grids": grids,
         "device": str(device),
         "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
         # on a CPU, Muon's Newton–Schulz runs in bf16 where the CPU has bf16 units (unless pinned)
         "cpu_bf16_units": muonfn.linalg.cpu_has_bf16_units(),
         "cpu_ns_dtype_rule": os.environ.get("MUONFN_CPU_NS_DTYPE", "auto"),
