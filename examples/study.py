@@ -484,7 +484,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.add_argument(f"--{kind}-lrs", type=float, nargs="+", default=grid, help=f"{kind}'s lr grid")
     demo.add_setup_arguments(parser)
     # One thread unless told: while another process keeps a core busy, a second thread made each step
-    # about 7x slower on a 2-core machine (docs/study.md); on an idle machine try --threads 2 with --estimate.
+    # 7-11x slower on a 2-core machine (docs/study.md); on an idle machine try --threads 2 with --estimate.
     parser.set_defaults(eval_every=50, eval_batches=16, threads=1)
     parser.add_argument("--resume", action="store_true", help="keep finished runs and continue the others")
     parser.add_argument("--stop-after", type=int, help="stop the study after this many training steps (then --resume)")

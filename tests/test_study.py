@@ -220,3 +220,32 @@ def test_study_names_a_bad_option(study, argv, culprit, capsys, tmp_path):
         study.main([*argv, "--out", str(tmp_path / "never")])
     assert culprit in capsys.readouterr().err
     assert not (tmp_path / "never").exists()  # refused before anything was written
+
+
+NAMES = {"AdamW": "adamw", "Muon": "muon", "NorMuon": "normuon", "AdaMuon": "adamuon"}
+
+
+def test_the_study_page_quotes_the_recorded_reduced_run():
+    """docs/study.md's table of the reduced run: every cell from the results.json it cites."""
+    recorded = json.loads((ROOT / "docs" / "data" / "study-reduced-300steps.json").read_text())
+    page = (ROOT / "docs" / "study.md").read_text()
+    table = page.split("<!-- study-reduced-table: start -->")[1].split("<!-- study-reduced-table: end -->")[0]
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in table.strip().splitlines()[2:]]
+    assert [row[0] for row in rows] == list(NAMES)
+    config = recorded["config"]
+    assert (config["steps"], config["sweep_steps"], recorded["seeds"]) == (300, 75, [0, 1])
+    assert f"--steps {config['steps']} --seeds {len(recorded['seeds'])}" in page
+    for name, *cells in rows:
+        kind = NAMES[name]
+        sens, final = recorded["sensitivity"][kind], recorded["final"][kind]
+        around = (sens["lr_over_3"]["val_loss"], sens["best_val_loss"], sens["lr_times_3"]["val_loss"])
+        sweep = " / ".join(f"{v:.3f}" for v in around)
+        expected = [
+            f"{final['lr']:.0e}".replace("e-0", "e-"),
+            sweep,
+            f"{final['val_loss']['mean']:.4f} ± {final['val_loss']['std']:.4f}",
+            f"{recorded['steps_to_target'][kind]:.0f} ({recorded['steps_ratio'][kind]:.2f}×)",
+            f"{recorded['seconds_ratio'][kind]:.2f}×",
+            f"{final['median_step_seconds'] * 1e3:.1f}",
+        ]
+        assert cells == expected, name
