@@ -56,6 +56,8 @@ GRIDS = {
     "normuon": [1e-2 / 3, 1e-2, 3e-2],
     "adamuon": [1e-2 / 3, 1e-2, 3e-2],
 }
+#: Without a progress bar, the longest silence between two lines (a seed's final runs take minutes).
+LINE_SECONDS = 60.0
 COLORS = {"adamw": "tab:blue", "muon": "tab:orange", "normuon": "tab:green", "adamuon": "tab:red"}
 
 # ---------------------------------------------------------------------------------------
@@ -69,7 +71,7 @@ class Progress:
     def __init__(self, *, enabled: bool) -> None:
         self.planned = self.done = self.trained = 0
         self.runs_planned = self.runs_done = 0
-        self.started = time.perf_counter()
+        self.started = self.last_line = time.perf_counter()
         self.bar = _study_bar(enabled)
 
     def plan(self, runs: int, steps_each: int) -> None:
@@ -92,6 +94,8 @@ class Progress:
             self.bar.update(1)
             if self.trained % 10 == 1:
                 self.bar.set_postfix_str(f"ETA {_minutes(self.eta_seconds())}", refresh=False)
+        elif time.perf_counter() - self.last_line > LINE_SECONDS:  # no bar: a line now and then
+            self.log(f"{self.done:,} of {self.planned:,} steps | ETA {_minutes(self.eta_seconds())}")
 
     def eta_seconds(self) -> float | None:
         if self.trained == 0:
@@ -108,6 +112,7 @@ class Progress:
         )
 
     def log(self, line: str) -> None:
+        self.last_line = time.perf_counter()
         if self.bar is None:
             print(line, flush=True)
         else:
