@@ -138,11 +138,21 @@ def schedule(lr: float, steps: int, warmup: int) -> Callable[[torch.Tensor], tor
     return at
 
 
+#: The Muon family: linear weights get the variant's update, embeddings, head and norms AdamW's;
+#: one lr serves both (the match_rms_adamw scale gives every update AdamW's RMS).
+MUON_FAMILY: dict[str, Callable[..., muonfn.Transform]] = {
+    "muon": muonfn.muon,
+    "normuon": muonfn.normuon,
+    "adamuon": muonfn.adamuon,
+}
+
+
 def make_optimizer(kind: str, lr: float, steps: int, warmup: int, model: nn.Module) -> muonfn.Transform:
     lr_at = schedule(lr, steps, warmup)
-    if kind == "muon":
-        # Linear weights: Muon; embeddings, head, norms: AdamW; one lr for both (match_rms_adamw scale).
-        return muonfn.muon(lr=lr_at, weight_decay=0.1, labels=muonfn.labels_from_module(model))
+    if kind in MUON_FAMILY:
+        return MUON_FAMILY[kind](lr=lr_at, weight_decay=0.1, labels=muonfn.labels_from_module(model))
+    if kind != "adamw":
+        raise ValueError(f"unknown optimizer {kind!r}: expected 'adamw' or one of {sorted(MUON_FAMILY)}")
     # muonfn.adamw computes exactly torch.optim.AdamW's update.
     return muonfn.adamw(lr=lr_at, betas=(0.9, 0.95), weight_decay=0.1)
 
@@ -307,6 +317,10 @@ class Training:
     def finished(self) -> bool:
         return self.next_step >= self.end
 
+    def stop(self) -> None:
+        """Ends the run at the current step; ``close()`` checkpoints it there, unfinished, for ``--resume``."""
+        self.end = self.next_step
+
     def step(self) -> None:
         run, step = self.run, self.next_step
         tick = time.perf_counter()
@@ -346,13 +360,16 @@ class Training:
         return self.run
 
 
-def train_round_robin(trainings: list[Training]) -> list[Run]:
+def train_round_robin(trainings: list[Training], after_step: Callable[[Training], None] | None = None) -> list[Run]:
     """Steps every unfinished run once per round until all are finished: a slow patch of the
-    machine falls on all of them alike, not on whichever happened to run then."""
+    machine falls on all of them alike, not on whichever happened to run then. ``after_step``
+    sees each run after each of its steps (progress, or ``stop()`` to interrupt)."""
     while not all(t.finished for t in trainings):
         for t in trainings:
             if not t.finished:
                 t.step()
+                if after_step is not None:
+                    after_step(t)
     return [t.close() for t in trainings]
 
 
@@ -412,16 +429,9 @@ def sweep(kind: str, grid: list[float], run_one: Callable[[str, float, int], Run
     return [runs[lr] for lr in sorted(runs)]
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_setup_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of the model, the data, the evaluation, the seed and the device (shared with study.py)."""
     parser.add_argument("--data", help="a text file to train on (default: the standard library's source)")
-    parser.add_argument("--out", default="runs/demo", help="output folder")
-    parser.add_argument("--steps", type=int, default=200, help="training steps of the final runs")
-    parser.add_argument("--sweep-steps", type=int, help="steps of each sweep run (default: steps // 3)")
-    # The first rate of each grid is the one the sweep picks for the default model and data.
-    parser.add_argument("--adamw-lrs", type=float, nargs="+", default=[1e-2, 3e-3, 1e-3])
-    parser.add_argument("--muon-lrs", type=float, nargs="+", default=[3e-2, 1e-2, 3e-3])
-    parser.add_argument("--no-sweep", action="store_true", help="train the first rate of each grid only")
     parser.add_argument("--ctx", type=int, default=64)
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--depth", type=int, default=4)
@@ -433,19 +443,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-chars", type=int, default=5_000_000)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, help="CPU threads (default: torch's; 1 is faster on a busy machine)")
-    parser.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
-    parser.add_argument("--stop-after", type=int, help="stop every run after this many steps (resume later)")
-    parser.add_argument("--quick", action="store_true", help="a tiny budget for a smoke test")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    args = parser.parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    if args.quick:
-        args.steps, args.width, args.depth, args.ctx, args.batch = 12, 32, 1, 16, 8
-        args.eval_every, args.eval_batches, args.max_chars = 4, 2, 200_000
-        args.adamw_lrs, args.muon_lrs = args.adamw_lrs[:1], args.muon_lrs[:1]
-        args.no_sweep = True
-    cfg = Config(
+
+
+def config_from(args: argparse.Namespace) -> Config:
+    """The Config of parsed options: ``add_setup_arguments``'s, ``--steps`` and ``--sweep-steps``."""
+    return Config(
         steps=args.steps,
         sweep_steps=args.sweep_steps or max(1, args.steps // 3),
         ctx=args.ctx,
@@ -460,19 +462,49 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         data=args.data,
         max_chars=args.max_chars,
     )
-    out = pathlib.Path(args.out)
-    ckpt_dir = out / "checkpoints"
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    device = torch.device(args.device)
 
+
+def prepare_data(cfg: Config, device: torch.device) -> tuple[tuple[torch.Tensor, torch.Tensor, int], int]:
+    """((train ids, validation ids, vocabulary size), the model's parameter count), announced in one line."""
     train_text, val_text = load_corpus(cfg.data, cfg.max_chars)
     train_ids, val_ids, vocab = encode(train_text, val_text)
-    data = (train_ids, val_ids, len(vocab))
     n_params = sum(p.numel() for p in GPT(len(vocab), cfg.ctx, cfg.width, cfg.depth, cfg.heads).parameters())
     print(
         f"corpus: {len(train_ids):,} train / {len(val_ids):,} val characters, vocabulary {len(vocab)}; "
         f"model: {n_params:,} parameters; device: {device}; threads: {torch.get_num_threads()}"
     )
+    return (train_ids, val_ids, len(vocab)), n_params
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="runs/demo", help="output folder")
+    parser.add_argument("--steps", type=int, default=200, help="training steps of the final runs")
+    parser.add_argument("--sweep-steps", type=int, help="steps of each sweep run (default: steps // 3)")
+    # The first rate of each grid is the one the sweep picks for the default model and data.
+    parser.add_argument("--adamw-lrs", type=float, nargs="+", default=[1e-2, 3e-3, 1e-3])
+    parser.add_argument("--muon-lrs", type=float, nargs="+", default=[3e-2, 1e-2, 3e-3])
+    parser.add_argument("--no-sweep", action="store_true", help="train the first rate of each grid only")
+    add_setup_arguments(parser)
+    parser.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
+    parser.add_argument("--stop-after", type=int, help="stop every run after this many steps (resume later)")
+    parser.add_argument("--quick", action="store_true", help="a tiny budget for a smoke test")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.quick:
+        args.steps, args.width, args.depth, args.ctx, args.batch = 12, 32, 1, 16, 8
+        args.eval_every, args.eval_batches, args.max_chars = 4, 2, 200_000
+        args.adamw_lrs, args.muon_lrs = args.adamw_lrs[:1], args.muon_lrs[:1]
+        args.no_sweep = True
+    cfg = config_from(args)
+    out = pathlib.Path(args.out)
+    ckpt_dir = out / "checkpoints"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
+
+    data, n_params = prepare_data(cfg, device)
 
     def training(kind: str, lr: float, steps: int, bar_position: int = 0) -> Training:
         name = f"{kind}-lr{lr:.0e}-{steps}"
