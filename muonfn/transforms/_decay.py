@@ -26,12 +26,6 @@ def _on_cpu(weight_decay: Scalar, leaves: list[torch.Tensor]) -> bool:
     return all(u.device.type == "cpu" for u in leaves)
 
 
-def _fp32_or_wider(leaves: list[torch.Tensor]) -> bool:
-    """fp32/fp64 leaves only: a fused in-place op rounds a bf16/fp16 leaf's number operand
-    otherwise than the out-of-place one, and donated updates equal undonated ones bitwise."""
-    return all(u.dtype in (torch.float32, torch.float64) for u in leaves)
-
-
 def decay_factors(weight_decay: Scalar, like: list[torch.Tensor]) -> list[torch.Tensor]:
     r""":math:`\lambda` as a 0-d tensor of each (CPU) leaf's dtype, one conversion per dtype.
 
@@ -59,9 +53,9 @@ def add_decayed_weights(
 
     Followed by :func:`scale_by_learning_rate` this is :math:`p \leftarrow p - \eta\lambda p`
     with the unadjusted learning rate (torch semantics). On a CPU the plain decay is one
-    multiply-add per entry, with :math:`\lambda` rounded to the leaf's dtype; elsewhere it is
-    ``torch.add(u, p, alpha=λ)`` for a number :math:`\lambda` and fp32/fp64 leaves, and
-    :math:`\lambda p` rounded before it is added otherwise.
+    multiply-add per entry, with :math:`\lambda` rounded to the leaf's dtype; elsewhere
+    :math:`\lambda p` is rounded before it is added, for a number as for a 0-d tensor holding it
+    (the same bits either way).
 
     Args:
         weight_decay: :math:`\lambda \ge 0`, a float or a 0-d tensor.
@@ -111,12 +105,11 @@ def add_decayed_weights(
             # leaf would leave the fused kernels, and moving a host λ there would wait for it.)
             add = _multi_tensor.apply_ if overwrite else _multi_tensor.apply
             decayed = add("addcmul", current, p, decay_factors(weight_decay, current))
-        elif not cautious and isinstance(weight_decay, float | int) and _fp32_or_wider(current):
-            # u + λp in one pass, λ a number: no decay term written out and read back
-            add = _multi_tensor.apply_ if overwrite else _multi_tensor.apply
-            decayed = add("add", current, p, alpha=weight_decay)
         else:
-            # (a tensor λ would be read back to the host as alpha: its product is written out)
+            # λp written out and added, for a number λ as for a 0-d tensor holding it, so that the
+            # shim (whose λ is a refilled tensor) gives the functional update's bits: a number's one
+            # add(alpha=λ) pass would round once where the tensor's product rounds twice, and a
+            # tensor as alpha would be read back to the host
             decay = _multi_tensor.scale(p, weight_decay)
             if cautious:  # the mask is read before an in-place add changes the update
                 decay = [_agreeing(d, u, x) for d, u, x in zip(decay, current, p)]
