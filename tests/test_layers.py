@@ -239,3 +239,20 @@ def test_optim_modules_touch_only_their_own_privates() -> None:
                 continue
             reached.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
     assert not reached, f"private attributes of other objects: {reached}"
+
+
+def test_no_module_imports_another_packages_private_module() -> None:
+    """A layer reaches another through its package (``muonfn.transforms``), never through a
+    private module of it (``muonfn.transforms._adam``); the top-level helpers (``muonfn._tree``,
+    ...) belong to every layer."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        here = module_name(path)
+        own = here if path.name == "__init__.py" else here.rpartition(".")[0]
+        for name in imports(path):
+            parts = name.split(".")
+            if parts[0] != "muonfn" or len(parts) < 3 or not parts[2].startswith("_"):
+                continue
+            if ".".join(parts[:2]) != own and not own.startswith(".".join(parts[:2]) + "."):
+                found.append(f"{here} imports {name}")
+    assert not found, found

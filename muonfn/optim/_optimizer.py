@@ -32,15 +32,16 @@ from ..transforms import (
     Rescale,
     Transform,
     ViewsLike,
+    as_rule,
     check_labels,
     check_mask,
+    check_rule,
     check_views,
     mask_table,
     newton_schulz_setting,
     resolve_labels,
     resolve_views,
 )
-from ..transforms._rules import as_rule, check_rule
 from . import _groups, _migration
 from ._layout import Layout
 from ._migration import NOT_GIVEN, NotGiven

@@ -12,7 +12,7 @@ import torch
 
 from .._keys import Key
 from .._tree import FlatState, Leaves
-from ..transforms._rules import Rule, run_checked
+from ..transforms import Rule, run_checked
 
 if TYPE_CHECKING:
     from ..distributed import Collectives

@@ -6,16 +6,16 @@ from typing import Any
 
 from .._validation import Scalar, ScalarOrSchedule, flag
 from ..transforms import (
+    AdamNesterov,
     MaskLike,
     Transform,
     add_decayed_weights,
     chain,
     check_mask,
+    fused_adamw,
     scale_by_adam,
     scale_by_learning_rate,
 )
-from ..transforms._adam import AdamNesterov
-from ..transforms._adamw import fused_adamw
 
 
 def adamw(

@@ -21,6 +21,7 @@ from ..linalg import MatrixFn, Orthogonalizer, ScaleMode
 from ..transforms import (
     CAUTIOUS_MODES,
     SECOND_MOMENT,
+    AdamNesterov,
     CautiousMode,
     LabelsLike,
     MaskLike,
@@ -45,7 +46,6 @@ from ..transforms import (
     scale_by_shape,
     scale_by_sign,
 )
-from ..transforms._adam import AdamNesterov
 from ._adamw import adamw
 from ._labels import ADAMW, MUON, label_params
 

@@ -9,8 +9,7 @@ import torch
 
 from .._validation import Scalar, ScalarOrSchedule
 from ..linalg import CoefficientsLike, EpsMode, MatrixFn, Orthogonalizer, ScaleMode
-from ..transforms import CautiousMode, LabelsLike, MaskLike, MethodLike, Transform, ViewsLike
-from ..transforms._adam import AdamNesterov
+from ..transforms import AdamNesterov, CautiousMode, LabelsLike, MaskLike, MethodLike, Transform, ViewsLike
 from ._branch import NesterovLike, assemble
 from ._labels import MUON
 

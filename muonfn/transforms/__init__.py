@@ -5,8 +5,9 @@ the combinators build transforms from transforms. Nothing here knows about ranks
 distributed strategies reach :func:`orthogonalize` as an injected ``orthogonalizer``.
 """
 
-from ._adam import scale_by_adam
+from ._adam import AdamNesterov, scale_by_adam
 from ._adamuon import scale_by_element_rms
+from ._adamw import fused_adamw
 from ._apply import apply_updates, apply_updates_
 from ._cautious import CAUTIOUS_MODES, CautiousMode, cautious
 from ._combine import LabelsLike, apply_if_finite, chain, check_labels, masked, named, partition, resolve_labels
@@ -28,7 +29,7 @@ from ._orthogonalize import (
     scale_by_shape,
 )
 from ._rescale import RESCALE_MODES, Rescale
-from ._rules import Needs, Rule, Scope, from_rule, no_needs, per_leaf_needs
+from ._rules import Needs, Rule, Scope, as_rule, check_rule, from_rule, no_needs, per_leaf_needs, run_checked
 from ._shards import SumShards
 from ._sign import scale_by_sign
 from ._state import COUNT, EXP_AVG, EXP_AVG_SQ, MOMENTUM, NOTFINITE_COUNT, ROW_SECOND_MOMENT, SECOND_MOMENT, STEP
@@ -44,6 +45,7 @@ __all__ = [
     "ROW_SECOND_MOMENT",
     "SECOND_MOMENT",
     "STEP",
+    "AdamNesterov",
     "CautiousMode",
     "InitFn",
     "LabelsLike",
@@ -61,14 +63,17 @@ __all__ = [
     "apply_if_finite",
     "apply_updates",
     "apply_updates_",
+    "as_rule",
     "cautious",
     "chain",
     "check_labels",
     "check_mask",
+    "check_rule",
     "check_views",
     "ema_momentum",
     "empty_state",
     "from_rule",
+    "fused_adamw",
     "mask_table",
     "masked",
     "matrix_map",
@@ -82,6 +87,7 @@ __all__ = [
     "resolve_mask",
     "resolve_views",
     "row_moment_shape",
+    "run_checked",
     "scale_by_adam",
     "scale_by_element_rms",
     "scale_by_learning_rate",
