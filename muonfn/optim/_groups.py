@@ -10,7 +10,7 @@ import torch
 from .._keys import Key, dotted
 from .._validation import flag, non_negative, positive, unit_interval
 from ..linalg import Coefficients, CoefficientsLike, MatrixFn, NewtonSchulz, ns_schedule, polar, qr_orthogonal
-from ..presets import ADAMW, MUON, VARIANT_DEFAULTS, VARIANT_OPTIONS, VARIANTS
+from ..presets import ADAMW, MUON, NEWTON_SCHULZ_SPELLINGS, VARIANT_DEFAULTS, VARIANT_OPTIONS, VARIANTS
 from ..transforms import (
     CAUTIOUS_MODES,
     EXP_AVG,
@@ -32,7 +32,7 @@ SCHEDULED = ("lr", "momentum", "weight_decay")
 #: The whole Newton–Schulz setting (taken by the constructor and group dicts), kept as NEWTON_SCHULZ.
 WHOLE_NEWTON_SCHULZ = "ns"
 #: The Newton–Schulz setting's flat spellings, per Muon group.
-NEWTON_SCHULZ = ("ns_coefficients", "ns_steps", "ns_dtype", "ns_eps", "ns_method", "ns_eps_mode", "ns_restarts")
+NEWTON_SCHULZ = NEWTON_SCHULZ_SPELLINGS
 #: Per Muon group, read when the transform is built (a change rebuilds it).
 MUON_SETTINGS = (
     "variant",

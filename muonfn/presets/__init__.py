@@ -6,7 +6,7 @@ hands it :func:`matrix_branch` and the checks the presets run (not re-exported b
 """
 
 from ._adamw import adamw
-from ._branch import VARIANTS, Variant, check_names, matrix_branch
+from ._branch import NEWTON_SCHULZ_SPELLINGS, VARIANTS, Variant, check_names, matrix_branch
 from ._labels import ADAMW, DEFAULT_EXCLUDE, MUON, label_params, labels_from_module, views_from_module
 from ._muon import muon, muon_orthogonalizer
 from ._params import split_buffers
@@ -17,6 +17,7 @@ __all__ = [
     "ADAMW",
     "DEFAULT_EXCLUDE",
     "MUON",
+    "NEWTON_SCHULZ_SPELLINGS",
     "VARIANTS",
     "VARIANT_DEFAULTS",
     "VARIANT_OPTIONS",

@@ -110,7 +110,11 @@ def newton_schulz_setting(
         "ns_eps_mode": ns_eps_mode,
         "ns_restarts": ns_restarts,
     }
-    given = [f"{name}={value!r}" for name, value in flat.items() if not _is_default(value, _FLAT_DEFAULTS[name])]
+    given = [
+        f"{name}={value!r}"
+        for name, value in flat.items()
+        if not _is_default(value, _NEWTON_SCHULZ_DEFAULTS[name.removeprefix("ns_")])
+    ]
     if given:
         raise ValueError(
             f"{where}: ns={ns!r} is the whole Newton–Schulz setting, so {', '.join(given)} would be ignored; "
@@ -124,25 +128,15 @@ def newton_schulz_setting(
     return ns
 
 
-#: The flat spellings of the Newton–Schulz setting and their defaults.
-_FLAT_DEFAULTS: dict[str, object] = {
-    "ns_coefficients": "keller",
-    "ns_steps": None,
-    "ns_eps": 1e-7,
-    "ns_dtype": None,
-    "ns_method": "standard",
-    "ns_eps_mode": "clamp",
-    "ns_restarts": None,
-}
-
-
-#: The Newton–Schulz settings and their defaults, which the other methods do not read.
+#: The Newton–Schulz settings and their defaults (the presets spell each with ``ns_`` in front).
 _NEWTON_SCHULZ_DEFAULTS: dict[str, object] = {
     "coefficients": "keller",
     "steps": None,
     "eps": 1e-7,
     "dtype": None,
     "eps_mode": "clamp",
+    "method": "standard",
+    "restarts": None,
 }
 
 
