@@ -42,7 +42,7 @@ test: lint test-portable
 # reference, half precision, the documented tables), so that `make test` stays well inside CI's limit on 2 cores.
 PORTABLE_TESTS := tests/test_newton_schulz.py tests/test_gram_newton_schulz.py tests/test_transforms.py \
 	tests/test_presets.py tests/test_variants.py tests/test_reference.py tests/test_half_precision.py \
-	tests/test_functional.py tests/test_docs.py muonfn
+	tests/test_functional.py tests/test_adamw.py tests/test_docs.py muonfn
 
 test-portable: $(STAMP)
 	cache=$$(mktemp -d) && trap 'rm -rf "$$cache"' EXIT && \

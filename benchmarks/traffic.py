@@ -18,6 +18,12 @@ Counting rules
   ``lift_fresh``; queries on dtypes and sizes, ``promote_types``; ``.item()``'s read of one
   number, ``_local_scalar_dense``), and allocations (``empty``, ``empty_like``,
   ``empty_strided``, ``new_empty``), which write nothing.
+- **per-tensor kernels** (``launches``, off the CPU): what a GPU launches for the step's kernel
+  ops. A ``_foreach_*`` op takes the fused multi-tensor kernels only when its tensors share one
+  device and one dtype, and the tensors of each index share their sizes and strides and are
+  dense without overlap (torch's fast-path restrictions); otherwise it runs op by op, one
+  kernel per tensor of its first list, which this column counts (the kernel ops column counts
+  it once). A fused kernel that streams a long list in several launches counts once.
 - **matmul flops**: ``2·m·n·k`` per matrix product for ``mm``, ``bmm``, ``addmm``, ``baddbmm``,
   ``addbmm``, ``mv``, ``addmv``, ``dot`` (the ``beta·C`` term of the ``add`` forms is not counted).
   A matmul's bytes are kept apart (``matmul_bytes``), out of the non-matmul traffic.
@@ -69,6 +75,7 @@ sys.path.insert(1, str(HERE.parent))
 import _contenders as C  # noqa: E402
 import _sets  # noqa: E402
 import torch  # noqa: E402
+from torch._prims_common import is_non_overlapping_and_dense_or_false  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
@@ -148,6 +155,29 @@ def only_written(name: str, arg: Any) -> bool:
     return arg.kwarg_only or name in OVERWRITES or name.startswith("_foreach_copy")
 
 
+def foreach_launches(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Kernels a GPU launches for a ``_foreach_*`` call: 1 on torch's fused fast path, else one per
+    tensor of its first list (see the module's rules)."""
+    lists = [
+        v for v in (*args, *kwargs.values()) if isinstance(v, list | tuple) and v and isinstance(v[0], torch.Tensor)
+    ]
+    if not lists:
+        return 1
+    first = lists[0][0]
+    fast = all(
+        t.device == first.device
+        and t.dtype == first.dtype
+        and t.shape == tensors[0].shape
+        and t.stride() == tensors[0].stride()
+        and is_non_overlapping_and_dense_or_false(t)
+        for tensors in zip(*lists)
+        for t in tensors
+    )
+    scalar = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+    fast = fast and all(t.ndim == 0 and t.device in (first.device, torch.device("cpu")) for t in scalar)
+    return 1 if fast else len(lists[0])
+
+
 @dataclass
 class Op:
     """One aten op of the step."""
@@ -157,6 +187,7 @@ class Op:
     flops: int = 0
     read: int = 0
     written: int = 0
+    launches: int = 0
 
 
 @dataclass
@@ -165,6 +196,7 @@ class Summary:
 
     aten_ops: int
     kernel_ops: int
+    launches: int
     matmul_flops: int
     matmul_bytes: int
     read_bytes: int
@@ -212,6 +244,8 @@ class TrafficCounter(TorchDispatchMode):
         op = Op(name, kind)
         if kind in ("view", "alloc"):
             return op
+        off_cpu = any(t.device.type != "cpu" for t in _tensors(value for _, value in bound))
+        op.launches = foreach_launches(args, kwargs) if name.startswith("_foreach_") and off_cpu else 1
         op.read = sum(
             addressed_bytes(t)
             for arg, value in bound
@@ -256,6 +290,7 @@ class TrafficCounter(TorchDispatchMode):
         return Summary(
             aten_ops=len(self.ops),
             kernel_ops=sum(op.kind in ("kernel", "matmul") for op in self.ops),
+            launches=sum(op.launches for op in self.ops),
             matmul_flops=sum(op.flops for op in self.ops),
             matmul_bytes=sum(op.read + op.written for op in self.ops if op.kind == "matmul"),
             read_bytes=sum(op.read for op in nonmatmul),
@@ -333,12 +368,12 @@ def count_contender(make: Callable[[], C.Step], warmup: int = 1) -> Summary:
 
 def table(results: dict[str, Summary]) -> str:
     lines = [
-        "| contender | aten ops | kernel ops | matmul GFLOP | non-matmul GB | temporaries MB |",
-        "|---|---|---|---|---|---|",
+        "| contender | aten ops | kernel ops | per-tensor kernels | matmul GFLOP | non-matmul GB | temporaries MB |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, s in results.items():
         lines.append(
-            f"| {name} | {s.aten_ops} | {s.kernel_ops} | {s.matmul_flops / 1e9:.0f} | "
+            f"| {name} | {s.aten_ops} | {s.kernel_ops} | {s.launches} | {s.matmul_flops / 1e9:.0f} | "
             f"{s.nonmatmul_bytes / GB:.2f} | {s.temporaries_peak_bytes / MB:.0f} |"
         )
     return "\n".join(lines)

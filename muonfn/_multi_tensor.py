@@ -125,6 +125,27 @@ def may_overwrite(tensors: Tensors, *operands: Any) -> bool:
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in recorded))
 
 
+def off_cpu(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives off the CPU, where torch's multi-tensor ops run fused kernels: one
+    launch for a whole list, if its operands allow it (one factor for all, not one per leaf)."""
+    return t.device.type != "cpu"
+
+
+def _host_number(weight: torch.Tensor, leaves: Tensors) -> bool:
+    """Whether a 0-d ``weight`` is better read as a number: it lives on the host and the leaves do
+    not, in an eager step. Off the CPU torch's fused lerp takes one weight as a number only (a
+    tensor weight per leaf runs the op tensor by tensor, a kernel each), and reading a host
+    tensor waits for no device; traced, the tensor is kept so that a new value does not recompile."""
+    return (
+        weight.device.type == "cpu"
+        and type(weight) is torch.Tensor
+        and bool(leaves)
+        and off_cpu(leaves[0])
+        and not torch.compiler.is_compiling()
+        and not torch._C._are_functorch_transforms_active()
+    )
+
+
 def lerp(starts: Tensors, ends: Tensors, weight: float | torch.Tensor, *, inplace: bool = False) -> list[torch.Tensor]:
     """``start + weight·(end - start)`` per pair, as ``torch.lerp`` computes it with a Python
     number ``weight``: in at least fp32.
@@ -134,6 +155,8 @@ def lerp(starts: Tensors, ends: Tensors, weight: float | torch.Tensor, *, inplac
     bf16/fp16 leaf's dtype, so those leaves are computed in fp32 and rounded once, as the
     scalar kernel does.
     """
+    if isinstance(weight, torch.Tensor) and _host_number(weight, starts):
+        weight = float(weight)  # the same rounding to the kernels' fp32 as the tensor's
     if not isinstance(weight, torch.Tensor):
         return apply_("lerp", starts, ends, weight) if inplace else apply("lerp", starts, ends, weight)
     weight = weight.to(torch.float32) if weight.dtype not in _WIDE else weight

@@ -83,3 +83,18 @@ def test_quotients_written_over_large_denominators_keep_their_bits(dtype) -> Non
     assert all(torch.equal(bits(q), bits(e)) for q, e in zip(out, expected))
     shares = [q.data_ptr() == d.data_ptr() for q, d in zip(out, dens)]
     assert shares == [True, False, False, True]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_host_lerp_weight_is_read_as_a_number_off_the_cpu_with_the_same_bits(monkeypatch, dtype) -> None:
+    """Off the CPU a 0-d host weight goes to torch's scalar lerp (one fused kernel for the list),
+    not one weight per leaf (a kernel per leaf); forced here on the CPU, where both run."""
+    starts, ends = _leaves(dtype)[1:], _leaves(dtype, seed=1)[1:]  # (a 0-d leaf meets a 0-d weight as an equal)
+    weight = torch.tensor(0.1, dtype=torch.float64)
+    expected = _multi_tensor.lerp(starts, ends, weight)
+    _same_bits(_multi_tensor.lerp(starts, ends, 0.1), expected)
+    assert not _multi_tensor._host_number(weight, starts)
+    monkeypatch.setattr(_multi_tensor, "off_cpu", lambda t: True)
+    assert _multi_tensor._host_number(weight, starts)
+    _same_bits(_multi_tensor.lerp(starts, ends, weight), expected)
+    _same_bits(_multi_tensor.lerp([s.clone() for s in starts], ends, weight, inplace=True), expected)

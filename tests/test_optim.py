@@ -14,6 +14,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 import muonfn
+from muonfn import _multi_tensor
 from muonfn.optim import Muon
 
 HP = {"lr": 0.02, "momentum": 0.9, "weight_decay": 0.05, "adamw_lr": 0.004, "adamw_betas": (0.85, 0.97)}
@@ -142,6 +143,23 @@ def test_matches_the_functional_loop_bit_for_bit(dtype, steps):
     assert_bitwise(opt.functional_state, state)  # the layout of muonfn.muon(...).init
     shim_steps(model, opt, data)
     params, state = functional_steps(ref, tx, params, state, data)
+    assert_bitwise(TensorDict.from_module(model), params)
+    assert_bitwise(opt.functional_state, state)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_the_functional_loop_bit_for_bit_in_the_gpus_form(monkeypatch, dtype):
+    """Off the CPU the shim's host momentum is read as a number and AdamW gathers its small
+    leaves and decays them by one factor (see ``tests/test_adamw.py``); forced here, where both
+    front ends then take those paths: still the same bits."""
+    monkeypatch.setattr(_multi_tensor, "off_cpu", lambda t: True)
+    data = batches(5, dtype=dtype)
+    model, ref = mlp(dtype=dtype), mlp(dtype=dtype)
+    opt = Muon(model.named_parameters(), **HP)
+    tx = muonfn.muon(**HP)
+    params = params_of(ref)
+    shim_steps(model, opt, data)
+    params, state = functional_steps(ref, tx, params, tx.init(params), data)
     assert_bitwise(TensorDict.from_module(model), params)
     assert_bitwise(opt.functional_state, state)
 

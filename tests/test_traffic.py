@@ -76,6 +76,28 @@ def test_a_broadcast_operand_is_read_once() -> None:
     assert counted(lambda: a + row.expand(5, 4)).read_bytes == (20 + 4) * F32
 
 
+def test_a_multi_tensor_op_off_its_fast_path_launches_a_kernel_per_tensor() -> None:
+    """torch's fused multi-tensor kernels need one device and dtype, and equal sizes and strides at
+    each index; a factor per leaf (0-d tensors against full ones) runs the op tensor by tensor."""
+    xs = [torch.ones(4, 3, device="meta"), torch.ones(5, device="meta"), torch.ones(2, 2, device="meta")]
+    ys = [torch.ones_like(x) for x in xs]
+    factors = [torch.tensor(2.0, device="meta") for _ in xs]
+    mats = [torch.ones(4, 3, device="meta"), torch.ones(2, 5, device="meta")]
+    turned = [torch.ones(3, 4, device="meta"), torch.ones(5, 2, device="meta")]
+    for step, launches in [
+        (lambda: torch._foreach_mul(xs, 2.0), 1),
+        (lambda: torch._foreach_mul(xs, torch.tensor(2.0)), 1),  # one host factor for all
+        (lambda: torch._foreach_add(xs, ys), 1),
+        (lambda: torch._foreach_mul(xs, factors), 3),
+        (lambda: torch._foreach_add(xs, [y.to(torch.bfloat16) for y in ys]), 3),
+        (lambda: torch._foreach_add(mats, [y.mT for y in turned]), 2),  # a transposed view's strides
+    ]:
+        s = counted(step)
+        assert s.launches - (s.kernel_ops - 1) == launches
+    cpu = [torch.ones(3), torch.ones(4)]
+    assert counted(lambda: torch._foreach_mul(cpu, [torch.tensor(2.0)] * 2)).launches == 1  # (counted per op there)
+
+
 def test_temporaries_peak_at_the_most_bytes_alive_at_once() -> None:
     x = torch.ones(1000)  # 4000 bytes, there before the step: not counted
 
@@ -111,6 +133,16 @@ def test_the_counter_sees_every_newton_schulz_flop_and_more_than_the_floor(gpt2_
         assert s.matmul_flops == pytest.approx(gpt2_small["ns_flops"], rel=1e-9), name
         assert s.nonmatmul_bytes > gpt2_small["floor"], name
         assert s.kernel_ops < s.aten_ops, name
+
+
+def test_muonfn_steps_keep_torchs_fused_multi_tensor_kernels(gpt2_small) -> None:
+    """Off the CPU no muonfn op runs tensor by tensor over many leaves: a factor per leaf (AdamW's
+    bias corrections, its decay, a refilled momentum) would launch a kernel per leaf. The few
+    launches above one per op are the per-leaf factors of the two leaves of at least 2**16
+    elements (the embeddings), which take one kernel each either way."""
+    for name in ("muonfn donated", "muonfn shim"):
+        s = gpt2_small[name]
+        assert s.launches <= s.kernel_ops + 4, name
 
 
 TARGET = "issue 26's target, not met yet (the hot path rewrite removes this mark)"

@@ -166,11 +166,14 @@ def _normalized(
     owned: bool = False,
 ) -> torch.Tensor:
     r""":math:`G / \max(c\|G\|_F, \varepsilon)` per matrix (``eps_mode="add"``:
-    :math:`G / (c\|G\|_F + \varepsilon)`), without overflow, cast to ``dtype``.
+    :math:`G / (c\|G\|_F + \varepsilon)`) in ``dtype``, without overflow.
 
     Each matrix is first multiplied by the power of two that brings its largest entry into
-    [1, 2): exact, so the result is bitwise that of the direct formula wherever the direct
-    formula is finite, and a norm of entries near the dtype's maximum cannot overflow.
+    [1, 2), exactly, and rounded to ``dtype``; the norm is taken of those rounded entries
+    (accumulated in at least fp32) and the division done in ``dtype``'s own buffer. So
+    ``f(2ᵏG) = f(G)`` bit for bit, a norm of entries near the dtype's maximum cannot overflow,
+    and after the one reduction that finds the largest entry the input is read once more,
+    to be scaled and narrowed in the same pass: the norm and the division read the narrow copy.
     ``owned``: ``g`` is this call's own copy, which it may overwrite.
     """
     largest = _largest_magnitude(g)
@@ -178,24 +181,32 @@ def _normalized(
         largest = reduction.max(largest)
     unit = _power_of_two_unit(largest, g.dtype)
     writable = may_write_into(g)
-    g = g.mul_(unit) if owned and writable else g * unit
+    X = _scaled(g, unit, dtype, in_place=owned and writable)
+    accumulate = torch.promote_types(dtype, torch.float32)
     if reduction is None:
-        norm = torch.linalg.matrix_norm(g, keepdim=True)
+        norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=accumulate)
     else:
-        norm = reduction.sum(g.square().sum(dim=(-2, -1), keepdim=True)).sqrt()
+        norm = reduction.sum(X.to(accumulate).square().sum(dim=(-2, -1), keepdim=True)).sqrt()
     if schedule.norm_factor != 1.0:
         norm = norm * schedule.norm_factor
     # G·2⁻ᵉ / (‖G·2⁻ᵉ‖ + 2⁻ᵉε): every term scaled by the same power of two, so the same bits
-    denominator = norm.add(unit * eps) if eps_mode == "add" else torch.maximum(norm, unit * eps)
-    if not writable:
-        return (g / denominator).to(dtype)
-    if not cpu_passes(g) and dtype != g.dtype:
-        # one pass: the fp32 quotient rounded to ``dtype`` as it is stored, the bits of a
-        # division followed by a cast without the fp32 quotient written and read again
-        return torch.div(g, denominator, out=torch.empty(g.shape, dtype=dtype, device=g.device))
-    # g·2⁻ᵉ is this call's own. Dividing in place and then casting is about 3x faster on a CPU
-    # than one division into a narrower ``out=`` (which casts element by element), same bits
-    return g.div_(denominator).to(dtype)
+    eps_term = (unit * eps).to(norm.dtype)
+    denominator = norm.add(eps_term) if eps_mode == "add" else torch.maximum(norm, eps_term)
+    # X is this call's own: the quotient, taken in the denominator's precision, rounded into it
+    return X.div_(denominator) if writable else (X / denominator).to(dtype)
+
+
+def _scaled(g: torch.Tensor, unit: torch.Tensor, dtype: torch.dtype, *, in_place: bool) -> torch.Tensor:
+    """``g·unit`` (exact: ``unit`` is a power of two that keeps every entry finite) rounded to
+    ``dtype``, in a tensor of its own; ``in_place``: ``g`` may hold it on the way."""
+    if dtype == g.dtype:
+        return g.mul_(unit) if in_place else g * unit
+    if not cpu_passes(g) and may_write_into(g):
+        # one pass: the exact product rounded to ``dtype`` as it is stored
+        return torch.mul(g, unit, out=torch.empty(g.shape, dtype=dtype, device=g.device))
+    # on a CPU, scaling in place and then casting is about 3x faster than one product into a
+    # narrower ``out=`` (which casts element by element); the product is exact, so the same bits
+    return (g.mul_(unit) if in_place else g * unit).to(dtype)
 
 
 def cpu_passes(g: torch.Tensor) -> bool:

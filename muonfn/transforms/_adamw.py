@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -60,6 +62,7 @@ def fused_adamw(
     log_b1, log_b2 = math.log(b1) if b1 > 0 else -math.inf, math.log(b2) if b2 > 0 else -math.inf
     decays = not (isinstance(weight_decay, float | int) and weight_decay == 0)
     masks = StructureCache()
+    flat_segments = StructureCache()
 
     def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
         keys, g = list(grads), list(grads.values())
@@ -73,10 +76,7 @@ def fused_adamw(
         rewrite = (
             _multi_tensor.apply_ if donate_state or _multi_tensor.may_overwrite(exp_avg_sq) else _multi_tensor.apply
         )
-        denom = rewrite(
-            "add", _multi_tensor.apply("sqrt", exp_avg_sq), leaf_factors(root_c2.mul(eps), exp_avg_sq, members)
-        )
-        denom = rewrite("mul", denom, leaf_factors(step_scale, exp_avg_sq, members))
+        denom = _denominators(exp_avg_sq, root_c2.mul(eps), step_scale, members, rewrite, segments_of(grads, scope))
         overwrite = _multi_tensor.may_overwrite(exp_avg) and _multi_tensor.may_overwrite(denom)
         updates = _multi_tensor.quotients(exp_avg, denom, overwrite=overwrite)  # (over the denominators: one buffer)
         if decays:
@@ -86,15 +86,20 @@ def fused_adamw(
             where = [index[k] for k in decayed]
             terms = [updates[i] for i in where]
             p = [params[k] for k in decayed]
-            factors = _decay_factors(lr * weight_decay, terms, members)
-            add = (
-                _multi_tensor.apply_
-                if _multi_tensor.may_overwrite([*terms, *p], lr, weight_decay)
-                else _multi_tensor.apply
-            )
-            for i, u in zip(where, add("addcmul", terms, p, factors, value=-1)):
+            for i, u in zip(where, _decayed(terms, p, lr * weight_decay, members)):
                 updates[i] = u
         return dict(zip(keys, cast_like(updates, g)))
+
+    def segments_of(grads: Leaves, scope: Scope) -> Callable[[list[int]], torch.Tensor]:
+        def segments(small: list[int]) -> torch.Tensor:
+            like = list(grads.values())
+            device = like[small[0]].device
+            cached = flat_segments.get(grads, scope.batch_size, lambda: {})
+            if device not in cached:  # (one structure may live on several devices in turn)
+                cached[device] = _segments(small, like)
+            return cached[device]
+
+        return segments
 
     def _decayed_keys(grads: Leaves, scope: Scope, params: Leaves | None) -> list[Key]:
         assert params is not None  # (checked by needs)
@@ -104,6 +109,102 @@ def fused_adamw(
         )
 
     return from_rule(reference.init, Rule("adamw", update, as_rule(reference).needs))
+
+
+#: Off the CPU, fp32 leaves below this many elements take their per-leaf factors in one flat
+#: tensor (see :func:`_denominators`).
+FLAT_NUMEL = 1 << 16
+
+
+def gathers_small_leaves(like: list[torch.Tensor], members: int) -> bool:
+    """Whether per-leaf factors go to the small leaves through one flat tensor: off the CPU, for
+    plain fp32 leaves, outside ``torch.func`` transforms (where every op runs leaf by leaf)."""
+    return (
+        not members
+        and bool(like)
+        and not torch._C._are_functorch_transforms_active()
+        and all(type(t) is torch.Tensor and t.dtype == torch.float32 and _multi_tensor.off_cpu(t) for t in like)
+    )
+
+
+def _denominators(
+    v: list[torch.Tensor],
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    members: int,
+    rewrite: Callable[..., Any],
+    segments: Callable[[list[int]], torch.Tensor],
+) -> list[torch.Tensor]:
+    r""":math:`(\sqrt{v} + a)\cdot b` per leaf, ``a`` and ``b`` one fp64 value per leaf, stacked.
+
+    A multi-tensor op with a factor per leaf runs tensor by tensor on a GPU (torch's fused
+    kernels take one factor for all), a kernel per leaf. So off the CPU the small leaves (a
+    model's norms and biases: most leaves, few elements) are gathered into one flat tensor and
+    meet their factors repeated over their elements (``segments(small)``: each element's leaf),
+    a kernel per op for all of them. Each entry's arithmetic is the same, and so are the bits.
+    """
+    factors = [leaf_factors(shift, v, members), leaf_factors(scale, v, members)]
+    small = [i for i, t in enumerate(v) if t.numel() < FLAT_NUMEL] if gathers_small_leaves(v, members) else []
+    if len(small) < 2:
+        d = rewrite("add", _multi_tensor.apply("sqrt", v), factors[0])
+        return rewrite("mul", d, factors[1])
+    gathered = set(small)
+    rest = [i for i in range(len(v)) if i not in gathered]
+    out: list[torch.Tensor] = [None] * len(v)  # type: ignore[list-item]
+    if rest:
+        d = rewrite("add", _multi_tensor.apply("sqrt", [v[i] for i in rest]), [factors[0][i] for i in rest])
+        for i, x in zip(rest, rewrite("mul", d, [factors[1][i] for i in rest])):
+            out[i] = x
+    flat = torch.cat([_flat(v[i]) for i in small]).sqrt_()  # (a fresh tensor of this call's own)
+    leaf_of = segments(small)
+    # (the fp32 rounding of each leaf's factor, as :func:`leaf_factors` gives it, then repeated)
+    shift_flat, scale_flat = (f.to(torch.float32)[leaf_of] for f in (shift, scale))
+    if rewrite is _multi_tensor.apply_:
+        flat = flat.add_(shift_flat).mul_(scale_flat)
+    else:
+        flat = flat.add(shift_flat).mul(scale_flat)
+    for i, x in zip(small, flat.split([v[i].numel() for i in small])):
+        out[i] = x if v[i].ndim == 1 else x.view(v[i].shape)
+    return out
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t if t.ndim == 1 else t.reshape(-1)
+
+
+def _segments(small: list[int], like: list[torch.Tensor]) -> torch.Tensor:
+    """The leaf index of every element of the small leaves ``small`` of ``like``, flat, on their device."""
+    device = like[small[0]].device
+    return torch.cat([torch.full((like[i].numel(),), i, dtype=torch.int64, device=device) for i in small])
+
+
+def _decayed(terms: list[torch.Tensor], p: list[torch.Tensor], factor: Scalar, members: int) -> list[torch.Tensor]:
+    """``u - ηλ·p`` for every update ``u`` of ``terms`` and its parameter (``factor``: ηλ).
+
+    One multiply-add per entry, ``ηλ`` a 0-d factor per leaf; but off the CPU, for the small
+    leaves, ``ηλ·p`` is written out and subtracted: one factor for all of them keeps torch's
+    fused multi-tensor kernels, where a factor per leaf would launch a kernel per leaf.
+    """
+    add = _multi_tensor.apply_ if _multi_tensor.may_overwrite([*terms, *p], factor) else _multi_tensor.apply
+    small = [
+        i
+        for i, u in enumerate(terms)
+        if not members and _multi_tensor.off_cpu(u) and u.numel() < FLAT_NUMEL and not hasattr(u, "placements")
+    ]
+    if not small:
+        return add("addcmul", terms, p, _decay_factors(factor, terms, members), value=-1)
+    out = list(terms)
+    gathered = set(small)
+    large = [i for i in range(len(terms)) if i not in gathered]
+    if large:
+        at = [terms[i] for i in large]
+        for i, u in zip(large, add("addcmul", at, [p[i] for i in large], _decay_factors(factor, at, 0), value=-1)):
+            out[i] = u
+    decay = _multi_tensor.scale([p[i] for i in small], factor)
+    subtract = _multi_tensor.apply if add is _multi_tensor.apply else _multi_tensor.apply_
+    for i, u in zip(small, subtract("sub", [terms[i] for i in small], decay)):
+        out[i] = u
+    return out
 
 
 def _decay_factors(factor: Scalar, like: list[torch.Tensor], members: int) -> list[torch.Tensor]:
