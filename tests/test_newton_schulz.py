@@ -412,20 +412,43 @@ def test_an_empty_matrix_maps_to_an_empty_result(shape: tuple[int, ...]) -> None
         assert out.shape == shape and out.dtype == x.dtype
 
 
+def _normalised_by_formula(x: torch.Tensor, f: muonfn.NewtonSchulz, dtype: torch.dtype) -> torch.Tensor:
+    """``X / max(c‖X‖, 2⁻ᵉε)`` with ``X = G·2⁻ᵉ`` rounded to ``dtype`` (2⁻ᵉ brings max |G| into [1, 2))."""
+    unit = _newton_schulz._power_of_two_unit(x.abs().amax(dim=(-2, -1), keepdim=True), x.dtype)
+    X = (x * unit).to(dtype).float()
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True) * f.schedule.norm_factor
+    eps = unit * f.eps
+    return (X / (norm + eps if f.eps_mode == "add" else torch.maximum(norm, eps))).to(dtype)
+
+
 @pytest.mark.parametrize("ns_dtype", [None, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("eps_mode", ["clamp", "add"])
-def test_the_gpus_fewest_passes_normalise_to_the_cpus_bits(monkeypatch, ns_dtype, eps_mode: str) -> None:
-    """A GPU takes max |G| in one reduction and divides straight into the iteration's dtype; the
-    same arithmetic as the CPU's two reductions and division then cast, so the same bits (both
-    run here on the CPU), for huge, tiny, zero and ordinary matrices, overwritten or not."""
+def test_off_the_cpu_the_scaled_entries_are_narrowed_before_their_norm(monkeypatch, ns_dtype, eps_mode: str) -> None:
+    """Off the CPU, into a narrower dtype, G·2⁻ᵉ is rounded to it in the pass that scales it, and
+    the norm and the division read and write that narrow copy: fewer bytes, for a second rounding
+    of each entry. Forced here on the CPU: the formula's bits, for huge, tiny, zero and ordinary
+    matrices, overwritten or not; the CPU's bits where nothing is narrowed; the same map within
+    bf16's rounding elsewhere; and still f(2ᵏG) = f(G) (``"clamp"``) and f(-G) = -f(G) bit for bit."""
     g = gaussian(3, 12, 20, seed=5)
-    cases = [g, g * 3e37, g * 1e-40, torch.zeros_like(g), g.mT]
+    cases = [g, g * 3e37, g * 1e-40, torch.zeros_like(g)]
     f = muonfn.NewtonSchulz("polar_express", dtype=ns_dtype, eps_mode=eps_mode)  # type: ignore[arg-type]
-    cpu = [f(x) for x in cases] + [f.orthogonalize(g.clone(), overwrite_input=True)]
+    dtype = f.dtype or torch.float32
+    cpu = [f(x) for x in cases]
     monkeypatch.setattr(_newton_schulz, "cpu_passes", lambda t: False)
-    fewest = [f(x) for x in cases] + [f.orthogonalize(g.clone(), overwrite_input=True)]
-    for a, b in zip(cpu, fewest):
-        assert torch.equal(a, b)
+    for x in cases:
+        got = _newton_schulz._normalized(x.clone(), f.schedule, f.eps, dtype, None, eps_mode)
+        assert torch.equal(got, _normalised_by_formula(x, f, dtype))
+    narrow = [f(x) for x in cases]
+    assert torch.equal(f.orthogonalize(g.clone(), overwrite_input=True), narrow[0])
+    assert torch.equal(f(g.mT), narrow[0].mT)
+    assert torch.equal(f(-g), -narrow[0]) and torch.equal(narrow[3], torch.zeros_like(g))
+    for k in (-10, 40) if eps_mode == "clamp" else ():  # (‖2ᵏG‖ above eps; "add" is not scale invariant)
+        assert torch.equal(f(g * 2.0**k), narrow[0])
+    for a, b in zip(cpu, narrow):
+        if ns_dtype is None:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(b, a, atol=0.05, rtol=0)
 
 
 @pytest.mark.parametrize("ns_dtype", [None, torch.bfloat16])
@@ -440,6 +463,7 @@ def test_a_scale_taken_as_the_result_is_restored_gives_the_bits_of_scaling_after
     assert torch.equal(f.orthogonalize(x, scale=s), expected)
     assert torch.equal(f.orthogonalize(x.mT, scale=s), expected.mT)
     monkeypatch.setattr(_newton_schulz, "cpu_passes", lambda t: False)
+    expected = f(x).mul(s)  # (the narrowed normalisation's own map)
     assert torch.equal(f.orthogonalize(x, scale=s), expected)
     assert torch.equal(f.orthogonalize(x.clone(), overwrite_input=True, scale=s), expected)
     assert torch.equal(f.orthogonalize(x.mT, scale=s), expected.mT)
