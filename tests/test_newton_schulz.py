@@ -467,3 +467,24 @@ def test_a_scale_taken_as_the_result_is_restored_gives_the_bits_of_scaling_after
     assert torch.equal(f.orthogonalize(x, scale=s), expected)
     assert torch.equal(f.orthogonalize(x.clone(), overwrite_input=True, scale=s), expected)
     assert torch.equal(f.orthogonalize(x.mT, scale=s), expected.mT)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.2 * 20**0.5])
+@pytest.mark.parametrize("ns_dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("gpu_form", [False, True])
+def test_tall_matrices_come_back_in_their_own_memory_order(monkeypatch, scale: float, ns_dtype, gpu_form) -> None:
+    """A batch of wide matrices and transposed tall ones: the tall results transposed back,
+    contiguous, with :meth:`orthogonalize`'s values; on a GPU (forced here) the restoring pass
+    writes them so, on a CPU a tiled copy does, over the batch's own memory or not."""
+    if gpu_form:
+        monkeypatch.setattr(_newton_schulz, "cpu_passes", lambda t: False)
+    f = muonfn.NewtonSchulz("keller", dtype=ns_dtype)
+    stack = torch.cat([gaussian(2, 12, 20, seed=7), gaussian(3, 20, 12, seed=8).mT])
+    expected = f.orthogonalize(stack, scale=scale)
+    for owned in (False, True):
+        kept, turned = f.orthogonalize_turning(stack.clone(), 3, overwrite_input=owned, scale=scale)
+        assert torch.equal(kept, expected[:2]) and torch.equal(turned, expected[2:].mT)
+        assert turned.shape == (3, 20, 12) and turned.is_contiguous() and kept.is_contiguous()
+    only_tall = stack[2:].contiguous()
+    kept, turned = f.orthogonalize_turning(only_tall, 3, scale=scale)
+    assert kept.shape == (0, 12, 20) and torch.equal(turned, f.orthogonalize(only_tall, scale=scale).mT)

@@ -406,6 +406,34 @@ def _restored(
     return in_memory_order(out.mT) if x.is_contiguous() else out.mT
 
 
+def _restored_turning(
+    X: torch.Tensor, x: torch.Tensor, turned: int, into: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_restored` of a wide ``(count, m, n)`` batch whose last ``turned`` matrices stand for
+    tall ones: the others as they are, and those transposed back, ``(turned, n, m)`` and
+    contiguous. Off the CPU the pass that restores them writes them so, into the memory of their
+    own orientation (no transposing copy after it); on a CPU they are copied in tiles after it."""
+    kept = X.size(0) - turned
+    if cpu_passes(X) or type(X) is not torch.Tensor or not may_write_into(X):
+        out = _restored(X, x, False, into=into, scale=scale)
+        return out[:kept], in_memory_order(out[kept:].mT)
+    buffer = torch.empty(X.shape, dtype=x.dtype, device=X.device) if into is None else into
+    m, n = X.shape[-2:]
+    parts = (buffer[:kept], buffer[kept:].view(turned, n, m))
+    widens = torch.promote_types(X.dtype, x.dtype) == x.dtype
+    factor = torch.full((1, 1, 1), scale, dtype=torch.promote_types(x.dtype, torch.float32), device=X.device)
+    for source, target in zip((X[:kept], X[kept:]), (parts[0], parts[1].mT)):
+        if not source.numel():
+            continue
+        if scale != 1.0 and widens:
+            torch.mul(source, factor, out=target)  # (one pass, as in :func:`_restored`)
+        else:
+            target.copy_(source)
+            if scale != 1.0:
+                target.mul_(scale)
+    return parts
+
+
 def newton_schulz(
     x: torch.Tensor,
     coefficients: CoefficientsLike = "keller",
@@ -565,13 +593,28 @@ def _orthogonalized(
 ) -> torch.Tensor:
     """``scale·iterate`` on ``x`` made wide and normalised, then restored; ``owned``: ``x`` is
     the caller's to overwrite."""
+    X, tall, spare = _iterated(x, schedule, eps, dtype, eps_mode, iterate, owned)
+    return _restored(X, x, tall, into=spare, scale=scale)
+
+
+def _iterated(
+    x: torch.Tensor,
+    schedule: Coefficients,
+    eps: float,
+    dtype: torch.dtype | None,
+    eps_mode: str,
+    iterate: Callable[[torch.Tensor], torch.Tensor],
+    owned: bool,
+) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
+    """``iterate`` on ``x`` made wide and normalised; whether ``x`` was tall, and a buffer of
+    ``x``'s dtype and the wide shape that the result may be restored into (or ``None``)."""
     g, tall, copied = _wide_batch(x)
     ns_dtype = default_ns_dtype(x.device, x.dtype, x.shape) if dtype is None else dtype
     X = _normalized(g, schedule, eps, ns_dtype, None, eps_mode, owned=owned or copied)
     # a normalised stack of our own, cast into X, is free to take the result: one fresh
     # buffer less, whose first touch on a CPU costs about as much as the pass itself
     spare = (owned or copied) and X.dtype != g.dtype == x.dtype and may_write_into(g)
-    return _restored(iterate(X), x, tall, into=g if spare else None, scale=scale)
+    return iterate(X), tall, g if spare else None
 
 
 def newton_schulz_flops(m: int, n: int, steps: int) -> float:
@@ -639,16 +682,29 @@ class NewtonSchulz:
         """``scale·self(x)``, the product taken as the result is restored to ``x``'s dtype (on a
         GPU in the same pass); with ``overwrite_input=True`` it may normalise ``x`` in place (a
         stack built for this call: one fresh buffer less, the same result)."""
-        schedule = self.schedule
+        iterate = self._iteration(x)
+        return _orthogonalized(
+            x, self.schedule, self.eps, self.dtype, self.eps_mode, iterate, owned=overwrite_input, scale=scale
+        )
+
+    def orthogonalize_turning(
+        self, x: torch.Tensor, turned: int, *, overwrite_input: bool = False, scale: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`orthogonalize` of a wide ``(count, m, n)`` batch whose last ``turned`` matrices
+        are the transposes of tall ones: the first ``count - turned`` results, and the last
+        ``turned`` transposed back, ``(turned, n, m)`` and contiguous (on a GPU written so by the
+        pass that restores them). The same values as :meth:`orthogonalize`."""
+        X, _, spare = _iterated(
+            x, self.schedule, self.eps, self.dtype, self.eps_mode, self._iteration(x), overwrite_input
+        )
+        return _restored_turning(X, x, turned, spare, scale)
+
+    def _iteration(self, x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         if self.method == "gram" and self._gram_is_cheaper(x):
             _check("gram_newton_schulz", x, self.eps, self.dtype, self.eps_mode)
-            iterate = _gram_iteration(schedule, self.restarts)
-        else:
-            _check("newton_schulz", x, self.eps, self.dtype, self.eps_mode)
-            iterate = _standard_iteration(schedule)
-        return _orthogonalized(
-            x, schedule, self.eps, self.dtype, self.eps_mode, iterate, owned=overwrite_input, scale=scale
-        )
+            return _gram_iteration(self.schedule, self.restarts)
+        _check("newton_schulz", x, self.eps, self.dtype, self.eps_mode)
+        return _standard_iteration(self.schedule)
 
     def _gram_is_cheaper(self, x: torch.Tensor) -> bool:
         m, n = x.shape[-2:]

@@ -102,6 +102,13 @@ def _call(matrices: list[torch.Tensor], ns: MatrixFn, scale: float) -> list[torc
         stack = pieces[0]
     else:
         stack = torch.cat([p.unsqueeze(0) if p.ndim == 2 else p for p in pieces])
+    if isinstance(ns, NewtonSchulz) and plain_tall and not batches:
+        # the tall ones come back in their own orientation and memory order
+        wide, tall = ns.orthogonalize_turning(stack, len(plain_tall), overwrite_input=own, scale=scale)
+        out: list[torch.Tensor] = [None] * len(matrices)  # type: ignore[list-item]
+        for k, piece in zip((*plain_wide, *plain_tall), (*wide.unbind(0), *tall.unbind(0))):
+            out[k] = piece
+        return out
     if isinstance(ns, NewtonSchulz):
         result = ns.orthogonalize(stack, overwrite_input=own, scale=scale)
     else:
@@ -114,7 +121,7 @@ def _call(matrices: list[torch.Tensor], ns: MatrixFn, scale: float) -> list[torc
         result = result.contiguous()  # a function of one's own may return another layout
     counts = [len(plain_wide), len(plain_tall), *(matrices[k].shape[0] for k in batches)]
     wide, tall, *rest = result.split(counts)
-    out: list[torch.Tensor] = [None] * len(matrices)  # type: ignore[list-item]
+    out = [None] * len(matrices)  # type: ignore[list-item]
     for k, piece in zip(plain_wide, wide.unbind(0)):
         out[k] = piece
     for k, piece in zip(plain_tall, in_memory_order(tall.mT).unbind(0) if plain_tall else ()):

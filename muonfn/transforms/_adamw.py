@@ -143,22 +143,22 @@ def _denominators(
     meet their factors repeated over their elements (``segments(small)``: each element's leaf),
     a kernel per op for all of them. Each entry's arithmetic is the same, and so are the bits.
     """
-    factors = [leaf_factors(shift, v, members), leaf_factors(scale, v, members)]
     small = [i for i, t in enumerate(v) if t.numel() < FLAT_NUMEL] if gathers_small_leaves(v, members) else []
     if len(small) < 2:
-        d = rewrite("add", _multi_tensor.apply("sqrt", v), factors[0])
-        return rewrite("mul", d, factors[1])
+        d = rewrite("add", _multi_tensor.apply("sqrt", v), leaf_factors(shift, v, members))
+        return rewrite("mul", d, leaf_factors(scale, v, members))
+    # each leaf's factors rounded to fp32 once, as :func:`leaf_factors` rounds them for fp32 leaves
+    factors = torch.stack([shift, scale]).to(torch.float32)
     gathered = set(small)
     rest = [i for i in range(len(v)) if i not in gathered]
     out: list[torch.Tensor] = [None] * len(v)  # type: ignore[list-item]
     if rest:
-        d = rewrite("add", _multi_tensor.apply("sqrt", [v[i] for i in rest]), [factors[0][i] for i in rest])
-        for i, x in zip(rest, rewrite("mul", d, [factors[1][i] for i in rest])):
+        shifts, scales = (row.unbind(0) for row in factors)
+        d = rewrite("add", _multi_tensor.apply("sqrt", [v[i] for i in rest]), [shifts[i] for i in rest])
+        for i, x in zip(rest, rewrite("mul", d, [scales[i] for i in rest])):
             out[i] = x
     flat = torch.cat([_flat(v[i]) for i in small]).sqrt_()  # (a fresh tensor of this call's own)
-    leaf_of = segments(small)
-    # (the fp32 rounding of each leaf's factor, as :func:`leaf_factors` gives it, then repeated)
-    shift_flat, scale_flat = (f.to(torch.float32)[leaf_of] for f in (shift, scale))
+    shift_flat, scale_flat = factors[:, segments(small)].unbind(0)
     if rewrite is _multi_tensor.apply_:
         flat = flat.add_(shift_flat).mul_(scale_flat)
     else:
