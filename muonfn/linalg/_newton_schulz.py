@@ -480,7 +480,8 @@ def newton_schulz(
     """
     schedule = ns_schedule(coefficients, steps)
     _check("newton_schulz", x, eps, dtype, eps_mode)
-    return _orthogonalized(x, schedule, eps, dtype, eps_mode, _standard_iteration(schedule))
+    X, tall, spare = _iterated(x, schedule, eps, dtype, eps_mode, _standard_iteration(schedule), owned=False)
+    return _restored(X, x, tall, into=spare)
 
 
 def newton_schulz_columns(
@@ -563,7 +564,8 @@ def gram_newton_schulz(
     """
     schedule = ns_schedule(coefficients, steps)
     _check("gram_newton_schulz", x, eps, dtype, eps_mode)
-    return _orthogonalized(x, schedule, eps, dtype, eps_mode, _gram_iteration(schedule, restarts))
+    X, tall, spare = _iterated(x, schedule, eps, dtype, eps_mode, _gram_iteration(schedule, restarts), owned=False)
+    return _restored(X, x, tall, into=spare)
 
 
 def _standard_iteration(schedule: Coefficients) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -580,23 +582,6 @@ def _gram_iteration(schedule: Coefficients, restarts: Sequence[int] | None) -> C
     return iterate
 
 
-def _orthogonalized(
-    x: torch.Tensor,
-    schedule: Coefficients,
-    eps: float,
-    dtype: torch.dtype | None,
-    eps_mode: str,
-    iterate: Callable[[torch.Tensor], torch.Tensor],
-    *,
-    owned: bool = False,
-    scale: float = 1.0,
-) -> torch.Tensor:
-    """``scale·iterate`` on ``x`` made wide and normalised, then restored; ``owned``: ``x`` is
-    the caller's to overwrite."""
-    X, tall, spare = _iterated(x, schedule, eps, dtype, eps_mode, iterate, owned)
-    return _restored(X, x, tall, into=spare, scale=scale)
-
-
 def _iterated(
     x: torch.Tensor,
     schedule: Coefficients,
@@ -606,8 +591,9 @@ def _iterated(
     iterate: Callable[[torch.Tensor], torch.Tensor],
     owned: bool,
 ) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
-    """``iterate`` on ``x`` made wide and normalised; whether ``x`` was tall, and a buffer of
-    ``x``'s dtype and the wide shape that the result may be restored into (or ``None``)."""
+    """``iterate`` on ``x`` made wide and normalised (``owned``: ``x`` is the caller's to
+    overwrite); whether ``x`` was tall, and a buffer of ``x``'s dtype and the wide shape that the
+    result may be restored into (or ``None``)."""
     g, tall, copied = _wide_batch(x)
     ns_dtype = default_ns_dtype(x.device, x.dtype, x.shape) if dtype is None else dtype
     X = _normalized(g, schedule, eps, ns_dtype, None, eps_mode, owned=owned or copied)
@@ -682,10 +668,8 @@ class NewtonSchulz:
         """``scale·self(x)``, the product taken as the result is restored to ``x``'s dtype (on a
         GPU in the same pass); with ``overwrite_input=True`` it may normalise ``x`` in place (a
         stack built for this call: one fresh buffer less, the same result)."""
-        iterate = self._iteration(x)
-        return _orthogonalized(
-            x, self.schedule, self.eps, self.dtype, self.eps_mode, iterate, owned=overwrite_input, scale=scale
-        )
+        X, tall, spare = self._iterated(x, overwrite_input)
+        return _restored(X, x, tall, into=spare, scale=scale)
 
     def orthogonalize_turning(
         self, x: torch.Tensor, turned: int, *, overwrite_input: bool = False, scale: float = 1.0
@@ -694,17 +678,17 @@ class NewtonSchulz:
         are the transposes of tall ones: the first ``count - turned`` results, and the last
         ``turned`` transposed back, ``(turned, n, m)`` and contiguous (on a GPU written so by the
         pass that restores them). The same values as :meth:`orthogonalize`."""
-        X, _, spare = _iterated(
-            x, self.schedule, self.eps, self.dtype, self.eps_mode, self._iteration(x), overwrite_input
-        )
+        X, _, spare = self._iterated(x, overwrite_input)
         return _restored_turning(X, x, turned, spare, scale)
 
-    def _iteration(self, x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    def _iterated(self, x: torch.Tensor, owned: bool) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
         if self.method == "gram" and self._gram_is_cheaper(x):
             _check("gram_newton_schulz", x, self.eps, self.dtype, self.eps_mode)
-            return _gram_iteration(self.schedule, self.restarts)
-        _check("newton_schulz", x, self.eps, self.dtype, self.eps_mode)
-        return _standard_iteration(self.schedule)
+            iterate = _gram_iteration(self.schedule, self.restarts)
+        else:
+            _check("newton_schulz", x, self.eps, self.dtype, self.eps_mode)
+            iterate = _standard_iteration(self.schedule)
+        return _iterated(x, self.schedule, self.eps, self.dtype, self.eps_mode, iterate, owned)
 
     def _gram_is_cheaper(self, x: torch.Tensor) -> bool:
         m, n = x.shape[-2:]
