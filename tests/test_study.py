@@ -225,16 +225,24 @@ def test_study_names_a_bad_option(study, argv, culprit, capsys, tmp_path):
 NAMES = {"AdamW": "adamw", "Muon": "muon", "NorMuon": "normuon", "AdaMuon": "adamuon"}
 
 
-def test_the_study_page_quotes_the_recorded_reduced_run():
-    """docs/study.md's table of the reduced run: every cell from the results.json it cites."""
-    recorded = json.loads((ROOT / "docs" / "data" / "study-reduced-300steps.json").read_text())
+@pytest.mark.parametrize(
+    ("run", "data", "steps", "sweep_steps", "seeds"),
+    [
+        ("reduced", "study-reduced-300steps.json", 300, 75, [0, 1]),
+        ("full", "study-full-1000steps.json", 1000, 250, [0, 1, 2]),
+    ],
+)
+def test_the_study_page_quotes_the_recorded_runs(run, data, steps, sweep_steps, seeds):
+    """docs/study.md's table of each recorded run: every cell from the results.json it cites."""
+    recorded = json.loads((ROOT / "docs" / "data" / data).read_text())
     page = (ROOT / "docs" / "study.md").read_text()
-    table = page.split("<!-- study-reduced-table: start -->")[1].split("<!-- study-reduced-table: end -->")[0]
+    table = page.split(f"<!-- study-{run}-table: start -->")[1].split(f"<!-- study-{run}-table: end -->")[0]
     rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in table.strip().splitlines()[2:]]
     assert [row[0] for row in rows] == list(NAMES)
     config = recorded["config"]
-    assert (config["steps"], config["sweep_steps"], recorded["seeds"]) == (300, 75, [0, 1])
-    assert f"--steps {config['steps']} --seeds {len(recorded['seeds'])}" in page
+    assert (config["steps"], config["sweep_steps"], recorded["seeds"]) == (steps, sweep_steps, seeds)
+    assert f"({sweep_steps} steps)" in table and f"({len(seeds)} seeds)" in table
+    assert f"data/{data}" in page
     for name, *cells in rows:
         kind = NAMES[name]
         sens, final = recorded["sensitivity"][kind], recorded["final"][kind]
