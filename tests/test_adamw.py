@@ -100,3 +100,20 @@ def test_the_gpu_form_is_the_same_under_vmap_and_for_a_tensor_learning_rate(off_
 
     vmapped = torch.vmap(one)(stacked, stacked_grads)
     assert_bitwise(vmapped[0], expected[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_stacked_ensemble_takes_the_gpu_form_of_the_vmapped_one(off_the_cpu, dtype) -> None:
+    """A leaf is small for the decay by its size for one member: a stacked ensemble (the members
+    a leading dimension) and a vmapped one decay each leaf by the same formula, the same bits."""
+    params, grads = params_and_grads(2)
+    params = params.apply(lambda t: t.to(dtype))
+    grads = [g.apply(lambda t: t.to(dtype)) for g in grads]
+    stacked = torch.stack([params, params.apply(lambda p: p * 0.5)])
+    stacked_grads = [torch.stack([g, g.apply(lambda x: -x)]) for g in grads]
+    tx = muonfn.adamw(LR, weight_decay=WD)
+    ensemble = run(tx, stacked, stacked_grads)[0]
+    vmapped = torch.vmap(lambda p, gs: run(tx, p, gs)[0])(stacked, stacked_grads)
+    assert_bitwise(ensemble, vmapped)
+    if dtype == torch.float32:  # (one model alone against a member: fp32, as the contract's tests hold it)
+        assert_bitwise(ensemble[0], run(tx, params, grads)[0])

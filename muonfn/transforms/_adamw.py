@@ -183,14 +183,12 @@ def _decayed(terms: list[torch.Tensor], p: list[torch.Tensor], factor: Scalar, m
 
     One multiply-add per entry, ``ηλ`` a 0-d factor per leaf; but off the CPU, for the small
     leaves, ``ηλ·p`` is written out and subtracted: one factor for all of them keeps torch's
-    fused multi-tensor kernels, where a factor per leaf would launch a kernel per leaf.
+    fused multi-tensor kernels, where a factor per leaf would launch a kernel per leaf. A leaf is
+    small by its size for one member (so a stacked ensemble, a vmapped one and one model agree),
+    a DTensor by its whole size.
     """
     add = _multi_tensor.apply_ if _multi_tensor.may_overwrite([*terms, *p], factor) else _multi_tensor.apply
-    small = [
-        i
-        for i, u in enumerate(terms)
-        if not members and _multi_tensor.off_cpu(u) and u.numel() < FLAT_NUMEL and not hasattr(u, "placements")
-    ]
+    small = [i for i, u in enumerate(terms) if _multi_tensor.off_cpu(u) and u.shape[members:].numel() < FLAT_NUMEL]
     if not small:
         return add("addcmul", terms, p, _decay_factors(factor, terms, members), value=-1)
     out = list(terms)
@@ -198,11 +196,16 @@ def _decayed(terms: list[torch.Tensor], p: list[torch.Tensor], factor: Scalar, m
     large = [i for i in range(len(terms)) if i not in gathered]
     if large:
         at = [terms[i] for i in large]
-        for i, u in zip(large, add("addcmul", at, [p[i] for i in large], _decay_factors(factor, at, 0), value=-1)):
+        decayed = add("addcmul", at, [p[i] for i in large], _decay_factors(factor, at, members), value=-1)
+        for i, u in zip(large, decayed):
             out[i] = u
-    decay = _multi_tensor.scale([p[i] for i in small], factor)
+    at, weights = [terms[i] for i in small], [p[i] for i in small]
+    if members:
+        decay = _multi_tensor.apply("mul", weights, _decay_factors(factor, at, members))
+    else:
+        decay = _multi_tensor.scale(weights, factor)
     subtract = _multi_tensor.apply if add is _multi_tensor.apply else _multi_tensor.apply_
-    for i, u in zip(small, subtract("sub", [terms[i] for i in small], decay)):
+    for i, u in zip(small, subtract("sub", at, decay)):
         out[i] = u
     return out
 
