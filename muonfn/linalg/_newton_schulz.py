@@ -232,7 +232,8 @@ def _denominator(
 
 def cpu_passes(g: torch.Tensor) -> bool:
     """Whether ``g`` takes the CPU's form of a pass (fastest there) rather than the fewest
-    passes over memory (a GPU's, and the meta device's); the two give the same bits."""
+    passes over memory (a GPU's, and the meta device's); the two give the same bits, but for the
+    normalisation into a narrower dtype (see :func:`_normalized`)."""
     return g.device.type == "cpu"
 
 
@@ -420,13 +421,14 @@ def _restored_turning(
     buffer = torch.empty(X.shape, dtype=x.dtype, device=X.device) if into is None else into
     m, n = X.shape[-2:]
     parts = (buffer[:kept], buffer[kept:].view(turned, n, m))
-    widens = torch.promote_types(X.dtype, x.dtype) == x.dtype
-    factor = torch.full((1, 1, 1), scale, dtype=torch.promote_types(x.dtype, torch.float32), device=X.device)
+    one_pass = scale != 1.0 and torch.promote_types(X.dtype, x.dtype) == x.dtype
+    if one_pass:  # (as in :func:`_restored`: the widened X times a dimensioned factor)
+        factor = torch.full((1, 1, 1), scale, dtype=torch.promote_types(x.dtype, torch.float32), device=X.device)
     for source, target in zip((X[:kept], X[kept:]), (parts[0], parts[1].mT)):
         if not source.numel():
             continue
-        if scale != 1.0 and widens:
-            torch.mul(source, factor, out=target)  # (one pass, as in :func:`_restored`)
+        if one_pass:
+            torch.mul(source, factor, out=target)
         else:
             target.copy_(source)
             if scale != 1.0:
