@@ -249,12 +249,21 @@ def _largest_magnitude(g: torch.Tensor) -> torch.Tensor:
     return torch.maximum(g.amax(dim=dims, keepdim=True), g.amin(dim=dims, keepdim=True).neg())
 
 
+#: Of each wide float dtype: the integers its bits are read as, its mantissa's bits, its exponent's bias.
+_FLOAT_BITS = {torch.float32: (torch.int32, 23, 127), torch.float64: (torch.int64, 52, 1023)}
+
+
 def _power_of_two_unit(largest: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    r""":math:`2^{-e}` that brings ``largest`` into [1, 2), ``e`` clamped so that both
-    :math:`2^{\pm e}` stay normal numbers of ``dtype``."""
-    limit = math.floor(math.log2(torch.finfo(dtype).max)) - 1
-    # (log2 of 0 is -inf and of a subnormal below the smallest normal exponent: both clamp to -limit)
-    return torch.exp2(largest.log2().floor().neg().clamp(-limit, limit))
+    r""":math:`2^{-e}` that brings ``largest`` (``>= 0``, of ``dtype``) into [1, 2), ``e``
+    clamped so that both :math:`2^{\pm e}` stay normal numbers of ``dtype``.
+
+    Read from the bits, three integer ops: the exponent field of ``largest`` (its sign bit is
+    clear), clamped to the normal range less its top, and subtracted from twice the bias. (0, a
+    subnormal and inf clamp to the ends: ``2^{126}`` and ``2^{-126}`` in fp32.)
+    """
+    ints, mantissa, bias = _FLOAT_BITS[dtype]
+    field = largest.view(ints).bitwise_and(-(1 << mantissa)).clamp(1 << mantissa, (2 * bias - 1) << mantissa)
+    return torch.rsub(field, 2 * bias << mantissa).view(dtype)
 
 
 def _standard_steps(X: torch.Tensor, schedule: Coefficients, reduction: Reduction | None) -> torch.Tensor:
