@@ -149,9 +149,9 @@ def test_matches_the_functional_loop_bit_for_bit(dtype, steps):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_the_functional_loop_bit_for_bit_in_the_gpus_form(monkeypatch, dtype):
-    """Off the CPU the shim's host momentum is read as a number and AdamW gathers its small
-    leaves and decays them by one factor (see ``tests/test_adamw.py``); forced here, where both
-    front ends then take those paths: still the same bits."""
+    """Off the CPU the shim's host momentum is read as a number, the Muon decay writes ``λp`` out,
+    and AdamW gathers its small leaves and decays them by one factor (see ``tests/test_adamw.py``);
+    forced here, where both front ends then take those paths: still the same bits."""
     monkeypatch.setattr(_multi_tensor, "off_cpu", lambda t: True)
     data = batches(5, dtype=dtype)
     model, ref = mlp(dtype=dtype), mlp(dtype=dtype)

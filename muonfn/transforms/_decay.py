@@ -21,9 +21,9 @@ def _agreeing(decay: torch.Tensor, u: torch.Tensor, p: torch.Tensor) -> torch.Te
 
 
 def _on_cpu(weight_decay: Scalar, leaves: list[torch.Tensor]) -> bool:
-    if isinstance(weight_decay, torch.Tensor) and weight_decay.device.type != "cpu":
+    if isinstance(weight_decay, torch.Tensor) and _multi_tensor.off_cpu(weight_decay):
         return False
-    return all(u.device.type == "cpu" for u in leaves)
+    return not any(_multi_tensor.off_cpu(u) for u in leaves)
 
 
 def decay_factors(weight_decay: Scalar, like: list[torch.Tensor]) -> list[torch.Tensor]:
