@@ -42,10 +42,14 @@ Counting rules
   (a finalizer on its Python object, which torch keeps for as long as the storage lives). An
   undonated step's new state counts until the step returns.
 
-Not seen: work below the dispatcher (a fused kernel's passes, a BLAS library's packing buffers,
-the caching allocator), and reads where a kernel's differ from its arguments' (a reduction in
-two passes, data reused from a cache). The bytes are those of a kernel that streams each
-argument once.
+Seen below the dispatcher: a reduction given a wider ``dtype=`` than its input (``sum``,
+``mean``, ``linalg_vector_norm``, ...) first copies the input into that dtype (TensorIterator
+reduces in one dtype), which counts as written and read again; a GPU's bf16/fp16 reduced into
+fp32 is the exception, read as it is. ``_foreach_norm(dtype=)`` widens as it loads: no copy.
+Not seen: other work below the dispatcher (a fused kernel's passes, a BLAS library's packing
+buffers, the caching allocator), and reads where a kernel's differ from its arguments' (a
+reduction in two passes, data reused from a cache). The bytes are those of a kernel that
+streams each argument once.
 
 Devices: ``meta`` takes the code paths of a non-CPU device, as CUDA does (muonfn's CPU-only
 branches, the 0-d operands for numbers and the tiled transposes, are not taken), and the
@@ -89,6 +93,9 @@ METADATA = {"_unsafe_view", "lift_fresh", "_reshape_alias", "resolve_conj", "res
 ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 #: torch.optim's fused steps, whose schemas mark the gradients written: only unscaled by a ``grad_scale``
 FUSED_OPTIMIZERS = {"_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"}
+#: reductions that accumulate in a ``dtype=`` of their own: TensorIterator reduces in one dtype,
+#: so torch first copies a narrower input into it (but a GPU reduces bf16/fp16 into fp32 as it loads)
+WIDENING_REDUCTIONS = {"sum", "nansum", "mean", "prod", "norm", "linalg_vector_norm"}
 #: in-place ops that overwrite their destination without reading it
 OVERWRITES = {"copy_", "fill_", "zero_", "uniform_", "normal_", "bernoulli_", "random_", "exponential_"}
 
@@ -153,6 +160,17 @@ def is_written(name: str, arg: Any, value: Any, kwargs: dict[str, Any]) -> bool:
 def only_written(name: str, arg: Any) -> bool:
     """Whether a written argument is written without being read (``out=``, a copy's destination)."""
     return arg.kwarg_only or name in OVERWRITES or name.startswith("_foreach_copy")
+
+
+def widening_copy_bytes(bound: list[tuple[Any, Any]], off_cpu: bool) -> int:
+    """The bytes of the copy a reduction makes of its input in a wider ``dtype=`` (written, then read)."""
+    values = {arg.name: value for arg, value in bound}
+    x, dtype = values.get("self"), values.get("dtype")
+    if not isinstance(x, torch.Tensor) or dtype is None or dtype == x.dtype:
+        return 0
+    if off_cpu and x.dtype in (torch.bfloat16, torch.float16) and dtype == torch.float32:
+        return 0
+    return x.numel() * torch.empty((), dtype=dtype).element_size()
 
 
 def foreach_launches(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
@@ -254,6 +272,9 @@ class TrafficCounter(TorchDispatchMode):
         )
         results = [value for _, value in written] if written else tree_flatten(out)[0]
         op.written = sum(addressed_bytes(t) for t in _tensors(results))
+        if name in WIDENING_REDUCTIONS:
+            copied = widening_copy_bytes(bound, off_cpu)
+            op.read, op.written = op.read + copied, op.written + copied
         if kind == "matmul":
             op.flops = matmul_flops(name, args)
         return op

@@ -104,7 +104,8 @@ def apply_(op: str, tensors: Tensors, *operands: Any, **kwargs: Any) -> list[tor
     round them differently from the out-of-place ones (``_foreach_mul_(x, 0.95)`` is not
     ``_foreach_mul(x, 0.95)`` in bf16), and donated updates must equal undonated ones bitwise.
     """
-    narrow = any(isinstance(v, int | float) for v in operands) and any(t.dtype in _NARROW for t in tensors)
+    numbers = [*operands, *kwargs.values()]
+    narrow = any(isinstance(v, int | float) for v in numbers) and any(t.dtype in _NARROW for t in tensors)
     if tensors and not narrow and _fused(tensors, operands):
         getattr(torch, f"_foreach_{op}_")(tensors, *_as_tensor_operands(op, tensors, operands), **kwargs)
         return list(tensors)
@@ -131,19 +132,23 @@ def off_cpu(t: torch.Tensor) -> bool:
     return t.device.type != "cpu"
 
 
-def _host_number(weight: torch.Tensor, leaves: Tensors) -> bool:
-    """Whether a 0-d ``weight`` is better read as a number: it lives on the host and the leaves do
-    not, in an eager step. Off the CPU torch's fused lerp takes one weight as a number only (a
-    tensor weight per leaf runs the op tensor by tensor, a kernel each), and reading a host
-    tensor waits for no device; traced, the tensor is kept so that a new value does not recompile."""
-    return (
-        weight.device.type == "cpu"
+def host_number(weight: Any, leaves: Tensors) -> Any:
+    """``weight``, but a 0-d tensor on the host as a number when the leaves are not on the CPU, in
+    an eager step. Off the CPU torch's fused kernels take one number for all leaves (a tensor
+    factor per leaf runs the op tensor by tensor, a kernel each), and reading a host tensor waits
+    for no device; traced, the tensor is kept so that a new value does not recompile."""
+    if (
+        isinstance(weight, torch.Tensor)
+        and weight.ndim == 0
+        and weight.device.type == "cpu"
         and type(weight) is torch.Tensor
         and bool(leaves)
         and off_cpu(leaves[0])
         and not torch.compiler.is_compiling()
         and not torch._C._are_functorch_transforms_active()
-    )
+    ):
+        return weight.item()
+    return weight
 
 
 def lerp(starts: Tensors, ends: Tensors, weight: float | torch.Tensor, *, inplace: bool = False) -> list[torch.Tensor]:
@@ -155,8 +160,7 @@ def lerp(starts: Tensors, ends: Tensors, weight: float | torch.Tensor, *, inplac
     bf16/fp16 leaf's dtype, so those leaves are computed in fp32 and rounded once, as the
     scalar kernel does.
     """
-    if isinstance(weight, torch.Tensor) and _host_number(weight, starts):
-        weight = float(weight)  # the same rounding to the kernels' fp32 as the tensor's
+    weight = host_number(weight, starts)  # (the same rounding to the kernels' fp32 as the tensor's)
     if not isinstance(weight, torch.Tensor):
         return apply_("lerp", starts, ends, weight) if inplace else apply("lerp", starts, ends, weight)
     weight = weight.to(torch.float32) if weight.dtype not in _WIDE else weight

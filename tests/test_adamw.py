@@ -65,14 +65,32 @@ def test_gathered_small_leaves_keep_the_bits_of_one_op_per_leaf(monkeypatch, don
     assert_bitwise(got[1], expected[1])
 
 
-def test_off_the_cpu_small_leaves_subtract_their_decay_term_large_ones_fuse_it(off_the_cpu) -> None:
+@pytest.mark.parametrize("as_tensors", [False, True])
+def test_off_the_cpu_a_number_decay_is_one_multiply_add_on_every_leaf(off_the_cpu, as_tensors: bool) -> None:
+    """ηλ a number (or, eager, 0-d tensors on the host, as the shim holds them): one fused
+    ``add(alpha=-ηλ)`` for all leaves, small and large."""
     params, grads = params_and_grads(1)
     g = grads[0]
     plain = muonfn.adamw(LR, weight_decay=0.0)
     undecayed, _ = plain.update(g, plain.init(params), params)
-    decaying = muonfn.adamw(LR, weight_decay=WD)
+    lr, wd = (torch.tensor(LR, dtype=torch.float64), torch.tensor(WD, dtype=torch.float64)) if as_tensors else (LR, WD)
+    decaying = muonfn.adamw(lr, weight_decay=wd)
     decayed, _ = decaying.update(g, decaying.init(params), params)
-    factor = torch.tensor(LR * WD, dtype=torch.float32)
+    for key, p in params.items():
+        assert torch.equal(decayed[key], torch.add(undecayed[key], p, alpha=-(LR * WD))), key
+
+
+def test_off_the_cpu_small_leaves_subtract_a_device_decay_term_large_ones_fuse_it(monkeypatch, off_the_cpu) -> None:
+    """ηλ a tensor on the device (forced here: no host tensor is read as a number): a factor per
+    leaf would run tensor by tensor, so the small leaves subtract ηλp written out."""
+    monkeypatch.setattr(_multi_tensor, "host_number", lambda weight, leaves: weight)
+    params, grads = params_and_grads(1)
+    g = grads[0]
+    plain = muonfn.adamw(LR, weight_decay=0.0)
+    undecayed, _ = plain.update(g, plain.init(params), params)
+    decaying = muonfn.adamw(torch.tensor(LR), weight_decay=WD)
+    decayed, _ = decaying.update(g, decaying.init(params), params)
+    factor = (torch.tensor(LR) * WD).to(torch.float32)
     for key, p in params.items():
         if p.numel() < _adamw.FLAT_NUMEL:
             expected = undecayed[key] - p * factor  # ηλp rounded, then subtracted

@@ -93,8 +93,9 @@ def test_a_host_lerp_weight_is_read_as_a_number_off_the_cpu_with_the_same_bits(m
     weight = torch.tensor(0.1, dtype=torch.float64)
     expected = _multi_tensor.lerp(starts, ends, weight)
     _same_bits(_multi_tensor.lerp(starts, ends, 0.1), expected)
-    assert not _multi_tensor._host_number(weight, starts)
+    assert _multi_tensor.host_number(weight, starts) is weight
     monkeypatch.setattr(_multi_tensor, "off_cpu", lambda t: True)
-    assert _multi_tensor._host_number(weight, starts)
+    assert _multi_tensor.host_number(weight, starts) == 0.1
+    assert _multi_tensor.host_number(weight.to("meta"), starts).device.type == "meta"  # (a device's is kept)
     _same_bits(_multi_tensor.lerp(starts, ends, weight), expected)
     _same_bits(_multi_tensor.lerp([s.clone() for s in starts], ends, weight, inplace=True), expected)

@@ -413,29 +413,28 @@ def test_an_empty_matrix_maps_to_an_empty_result(shape: tuple[int, ...]) -> None
 
 
 def _normalised_by_formula(x: torch.Tensor, f: muonfn.NewtonSchulz, dtype: torch.dtype) -> torch.Tensor:
-    """``X / max(c‖X‖, 2⁻ᵉε)`` with ``X = G·2⁻ᵉ`` rounded to ``dtype`` (2⁻ᵉ brings max |G| into [1, 2))."""
-    unit = _newton_schulz._power_of_two_unit(x.abs().amax(dim=(-2, -1), keepdim=True), x.dtype)
-    X = (x * unit).to(dtype).float()
-    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True) * f.schedule.norm_factor
-    eps = unit * f.eps
-    return (X / (norm + eps if f.eps_mode == "add" else torch.maximum(norm, eps))).to(dtype)
+    """``G · (1 / max(c‖G‖, ε))`` in fp64, rounded once to ``dtype``."""
+    G = x.double()
+    norm = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True) * f.schedule.norm_factor
+    denominator = norm + f.eps if f.eps_mode == "add" else norm.clamp_min(f.eps)
+    return (G * denominator.reciprocal()).to(dtype)
 
 
 @pytest.mark.parametrize("ns_dtype", [None, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("eps_mode", ["clamp", "add"])
-def test_off_the_cpu_the_scaled_entries_are_narrowed_before_their_norm(monkeypatch, ns_dtype, eps_mode: str) -> None:
-    """Off the CPU, into a narrower dtype, G·2⁻ᵉ is rounded to it in the pass that scales it, and
-    the norm and the division read and write that narrow copy: fewer bytes, for a second rounding
-    of each entry. Forced here on the CPU: the formula's bits, for huge, tiny, zero and ordinary
-    matrices, overwritten or not; the CPU's bits where nothing is narrowed; the same map within
-    bf16's rounding elsewhere; and still f(2ᵏG) = f(G) (``"clamp"``) and f(-G) = -f(G) bit for bit."""
+def test_off_the_cpu_an_fp32_input_is_normalised_in_two_passes(monkeypatch, ns_dtype, eps_mode: str) -> None:
+    """Off the CPU, into a narrower dtype, an fp32 G's norm is accumulated in fp64 and G times the
+    fp64 reciprocal of the denominator is rounded into the narrow dtype as it is stored. Forced
+    here on the CPU: the formula's bits, for huge, tiny, zero and ordinary matrices, overwritten
+    or not; the CPU's bits where nothing is narrowed; the same map within bf16's rounding
+    elsewhere; and still f(2ᵏG) = f(G) (``"clamp"``) and f(-G) = -f(G) bit for bit."""
     g = gaussian(3, 12, 20, seed=5)
     cases = [g, g * 3e37, g * 1e-40, torch.zeros_like(g)]
     f = muonfn.NewtonSchulz("polar_express", dtype=ns_dtype, eps_mode=eps_mode)  # type: ignore[arg-type]
     dtype = f.dtype or torch.float32
     cpu = [f(x) for x in cases]
     monkeypatch.setattr(_newton_schulz, "cpu_passes", lambda t: False)
-    for x in cases:
+    for x in cases if ns_dtype is not None else ():
         got = _newton_schulz._normalized(x.clone(), f.schedule, f.eps, dtype, None, eps_mode)
         assert torch.equal(got, _normalised_by_formula(x, f, dtype))
     narrow = [f(x) for x in cases]
@@ -451,22 +450,51 @@ def test_off_the_cpu_the_scaled_entries_are_narrowed_before_their_norm(monkeypat
             torch.testing.assert_close(b, a, atol=0.05, rtol=0)
 
 
+def test_the_fp64_norms_are_each_matrixs_own_batched_vmapped_or_alone() -> None:
+    """The GPU form's norms (one multi-tensor norm, squares added in fp64): a matrix's norm is
+    the same bits alone, in any batch, and under ``vmap`` whichever dimension it maps; they are
+    finite for entries near fp32's maximum and nonzero for subnormal ones."""
+    x = gaussian(3, 4, 12, 20, seed=9)
+    norms = _newton_schulz._fp64_norms(x)
+    assert norms.shape == (3, 4, 1, 1) and norms.dtype == torch.float64
+    alone = torch.stack([_newton_schulz._fp64_norms(m[None]).view(()) for m in x.reshape(12, 12, 20)])
+    assert torch.equal(norms.view(12), alone)
+    assert torch.equal(torch.vmap(_newton_schulz._fp64_norms)(x), norms)
+    turned = torch.vmap(_newton_schulz._fp64_norms, in_dims=1, out_dims=1)(
+        x.transpose(0, 1).contiguous().transpose(0, 1)
+    )
+    assert torch.equal(turned, norms)
+    torch.testing.assert_close(
+        norms, torch.linalg.vector_norm(x.double(), dim=(-2, -1), keepdim=True), atol=0, rtol=1e-14
+    )
+    huge = _newton_schulz._fp64_norms(torch.full((1, 8, 8), 3e38))
+    assert torch.isfinite(huge).all() and huge.item() == pytest.approx(8 * 3e38, rel=1e-6)
+    assert _newton_schulz._fp64_norms(torch.full((1, 8, 8), 1e-44)).item() > 0
+    assert _newton_schulz._fp64_norms(torch.zeros(0, 3, 4)).shape == (0, 1, 1)
+
+
+@pytest.mark.parametrize("method", ["standard", "gram"])
+@pytest.mark.parametrize("gpu_form", [False, True])
 @pytest.mark.parametrize("ns_dtype", [None, torch.bfloat16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_a_scale_taken_as_the_result_is_restored_gives_the_bits_of_scaling_after(monkeypatch, ns_dtype, dtype) -> None:
-    """``orthogonalize(x, scale=s)`` is ``s·f(x)``, the product computed in ``x``'s dtype (at least
-    fp32): on a GPU in the pass that widens the result (forced here), on a CPU after it."""
-    x = gaussian(3, 12, 20, seed=6).to(dtype)
-    f = muonfn.NewtonSchulz("keller", dtype=ns_dtype)
-    s = 0.2 * 20**0.5
-    expected = f(x).mul(s)
-    assert torch.equal(f.orthogonalize(x, scale=s), expected)
-    assert torch.equal(f.orthogonalize(x.mT, scale=s), expected.mT)
-    monkeypatch.setattr(_newton_schulz, "cpu_passes", lambda t: False)
-    expected = f(x).mul(s)  # (the narrowed normalisation's own map)
-    assert torch.equal(f.orthogonalize(x, scale=s), expected)
-    assert torch.equal(f.orthogonalize(x.clone(), overwrite_input=True, scale=s), expected)
-    assert torch.equal(f.orthogonalize(x.mT, scale=s), expected.mT)
+def test_a_scale_is_taken_by_the_last_steps_matmul(monkeypatch, dtype, ns_dtype, gpu_form, method) -> None:
+    """``orthogonalize(x, scale=s)`` multiplies the last step's product by ``s`` and rounds once
+    (no pass of its own): exactly ``s·f(x)`` for a power of two, within a rounding of it
+    otherwise; the same for a transposed input and an overwritten one, on either form."""
+    if gpu_form:
+        monkeypatch.setattr(_newton_schulz, "cpu_passes", lambda t: False)
+    x = gaussian(3, 12, 40, seed=6).to(dtype)
+    f = muonfn.NewtonSchulz("keller", dtype=ns_dtype, method=method)  # type: ignore[arg-type]
+    if method == "gram":
+        assert f._gram_is_cheaper(x)
+    assert torch.equal(f.orthogonalize(x, scale=4.0), f(x).mul(4.0))
+    s = 0.2 * 40**0.5
+    got = f.orthogonalize(x, scale=s)
+    assert got.dtype == dtype
+    narrowest = min(torch.finfo(dtype).eps, torch.finfo(ns_dtype or torch.float32).eps, key=lambda e: -e)
+    torch.testing.assert_close(got, f(x).mul(s), atol=2 * s * narrowest, rtol=0)
+    assert torch.equal(f.orthogonalize(x.mT, scale=s), got.mT)
+    assert torch.equal(f.orthogonalize(x.clone(), overwrite_input=True, scale=s), got)
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.2 * 20**0.5])

@@ -211,7 +211,8 @@ def test_tall_matrices_join_the_batch_of_their_transposed_shape(method: str):
 def test_plain_matrices_are_stacked_as_they_are():
     """2-D matrices go into the call of their shape as they are (tall ones transposed into
     their wide shape's call), with the blocks of tensors their views reshape; every result is
-    the bits of its own call, in order, contiguous, scaled by its own shape's factor."""
+    the bits of its own call, in order, contiguous, scaled by its own shape's factor (which the
+    last Newton–Schulz step takes)."""
     g = torch.Generator().manual_seed(4)
     tensors = [
         torch.randn(16, 48, generator=g),
@@ -229,7 +230,7 @@ def test_plain_matrices_are_stacked_as_they_are():
     assert sorted(counted.calls) == [(1, 8, 36), (1, 16, 16), (5, 16, 48)]
     for t, view, o in zip(tensors, views, out):
         rows, cols = view.matrix_shape(t.shape)
-        alone = view.from_matrices([ns(m) * scale(rows, cols) for m in view.to_matrices(t)], t.shape)
+        alone = view.from_matrices([ns.orthogonalize(m, scale=scale(rows, cols)) for m in view.to_matrices(t)], t.shape)
         assert torch.equal(o, alone) and o.is_contiguous() and o.shape == t.shape
     seen = []
     mine = orthogonalize_blocks(
@@ -361,13 +362,14 @@ def test_inplace_decay_and_learning_rate_overwrite_their_input_with_the_same_bit
     assert (expected[True] == expected[False]).all()
 
 
-def test_off_the_cpu_a_number_decay_and_a_tensor_holding_it_give_the_same_bits(monkeypatch):
-    """Off the CPU (forced here), ``u + λp`` rounds alike for a number λ (the functional presets')
-    and a 0-d tensor holding it (the shim's, refilled each step), in place or not: the shim gives
-    the functional update's bits on a GPU too."""
-    from muonfn.transforms import _decay
+def test_off_the_cpu_a_number_decay_and_a_host_tensor_holding_it_give_the_same_bits(monkeypatch):
+    """Off the CPU (forced here), ``u + λp`` is one ``add(alpha=λ)`` for a number λ (the
+    functional presets') and, eager, for a 0-d tensor on the host holding it (the shim's,
+    refilled each step, read as a number), in place or not: the shim gives the functional
+    update's bits on a GPU too."""
+    from muonfn import _multi_tensor
 
-    monkeypatch.setattr(_decay, "_on_cpu", lambda weight_decay, leaves: False)
+    monkeypatch.setattr(_multi_tensor, "off_cpu", lambda t: True)
     params, grads = make(8)
     params, grads = matrices_only(params), matrices_only(grads)
     results = {}
@@ -377,7 +379,7 @@ def test_off_the_cpu_a_number_decay_and_a_tensor_holding_it_give_the_same_bits(m
             results[type(weight_decay), inplace] = tx.update(grads.clone(), tx.init(params), params)[0]
     for key, g in grads.items(True, True):
         decayed = key != ("attn", "q")
-        expected = g + params[key] * 0.1 if decayed else g
+        expected = torch.add(g, params[key], alpha=0.1) if decayed else g
         for found in results.values():
             assert torch.equal(found[key], expected), key
 

@@ -335,10 +335,13 @@ def test_distributed_simulation_equals_reference_bitwise_with_the_same_newton_sc
 
 def test_default_newton_schulz_one_matrix_per_call_equals_reference_bitwise() -> None:
     """muonfn's own Newton–Schulz inside the reference, against the fast path with one matrix
-    per call (``bucket_numel=1``): the same products on the same matrices, whatever the BLAS."""
+    per call (``bucket_numel=1``): the same products on the same matrices, whatever the BLAS.
+    The fast path hands the shape scale to the last Newton–Schulz step, so the reference's
+    map takes it there too (and its own scale is ``"none"``, a product by 1)."""
     ns = muonfn.NewtonSchulz(dtype=torch.float32)
+    scale = reference.SCALES["match_rms_adamw"]
     params, _ = functional_run(muonfn.muon(lr=LR, ns_dtype=torch.float32, bucket_numel=1))
-    expected, _ = reference_run(ns=ns)
+    expected, _ = reference_run(ns=lambda M: ns.orthogonalize(M, scale=scale(*M.shape)), scale="none")
     assert_bitwise(params, expected, MATRICES)
 
 

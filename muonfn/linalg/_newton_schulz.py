@@ -168,22 +168,20 @@ def _normalized(
     r""":math:`G / \max(c\|G\|_F, \varepsilon)` per matrix (``eps_mode="add"``:
     :math:`G / (c\|G\|_F + \varepsilon)`) in ``dtype``, without overflow.
 
-    Each matrix is first multiplied by the power of two that brings its largest entry into
-    [1, 2): exact, so ``f(2ᵏG) = f(G)`` bit for bit, and a norm of entries near the dtype's
-    maximum cannot overflow. On a CPU the norm and the quotient are then taken in ``g``'s
-    precision and the quotient rounded to ``dtype`` once. Off the CPU, into a narrower ``dtype``,
-    the scaled entries are rounded to ``dtype`` in the pass that scales them, and the norm
-    (accumulated in at least fp32) and the division read and write the narrow copy: 16 bytes an
-    fp32 entry moved instead of 22, for a second rounding of each entry (see :func:`_narrowed`).
-    ``owned``: ``g`` is this call's own copy, which it may overwrite.
+    On a CPU, each matrix is first multiplied by the power of two that brings its largest entry
+    into [1, 2): exact, so ``f(2ᵏG) = f(G)`` bit for bit, and a norm of entries near the dtype's
+    maximum cannot overflow; the norm and the quotient are then taken in ``g``'s precision and
+    the quotient rounded to ``dtype`` once. Off the CPU, an fp32 ``g`` into a narrower ``dtype``
+    takes two passes instead (see :func:`_narrowed`). ``owned``: ``g`` is this call's own copy,
+    which it may overwrite.
     """
+    if dtype != g.dtype and g.dtype == torch.float32 and not cpu_passes(g):
+        return _narrowed(g, schedule, eps, dtype, reduction, eps_mode)
     largest = _largest_magnitude(g)
     if reduction is not None:
         largest = reduction.max(largest)
     unit = _power_of_two_unit(largest, g.dtype)
     writable = may_write_into(g)
-    if dtype != g.dtype and not cpu_passes(g):
-        return _narrowed(g, unit, schedule, eps, dtype, reduction, eps_mode)
     g = g.mul_(unit) if owned and writable else g * unit
     denominator = _denominator(g, unit, schedule, eps, reduction, eps_mode)
     if not writable:
@@ -194,24 +192,53 @@ def _normalized(
 
 
 def _narrowed(
-    g: torch.Tensor,
-    unit: torch.Tensor,
-    schedule: Coefficients,
-    eps: float,
-    dtype: torch.dtype,
-    reduction: Reduction | None,
-    eps_mode: str,
+    g: torch.Tensor, schedule: Coefficients, eps: float, dtype: torch.dtype, reduction: Reduction | None, eps_mode: str
 ) -> torch.Tensor:
-    """:func:`_normalized` off the CPU: ``X = round(G·2⁻ᵉ)`` in ``dtype``, then ``X / max(c‖X‖, 2⁻ᵉε)``
-    rounded into ``X`` (the quotient taken in at least fp32). A GPU reduces a bf16/fp16 tensor
-    into fp32 without a widened copy (a CPU makes one, and divides narrow tensors element by
-    element: this form is several times slower there)."""
-    if may_write_into(g):  # one pass: the exact product rounded to ``dtype`` as it is stored
-        X = torch.mul(g, unit, out=torch.empty(g.shape, dtype=dtype, device=g.device))
-    else:
-        X = (g * unit).to(dtype)
-    denominator = _denominator(X, unit, schedule, eps, reduction, eps_mode)
-    return X.div_(denominator) if may_write_into(g) else (X / denominator).to(dtype)
+    """:func:`_normalized` of an fp32 ``g`` off the CPU, in two passes over it: its norm
+    accumulated in fp64, where no sum of fp32 squares overflows or underflows (see
+    :func:`_fp64_norms`), and the product by the fp64 reciprocal of the denominator, rounded
+    into ``dtype`` as it is stored (6 bytes an entry moved, where the power of two's passes and
+    a division move 16). Scaling ``g`` by 2ᵏ scales the norm exactly, so ``f(2ᵏG) = f(G)`` bit
+    for bit here too. (A CPU reduces fp32 into fp64 through a widened copy, and multiplies into
+    a narrower ``out=`` element by element: its own form is faster there.)"""
+    norm = _fp64_norms(g)
+    if reduction is not None:
+        norm = reduction.sum(norm.square()).sqrt()
+    if schedule.norm_factor != 1.0:
+        norm = norm * schedule.norm_factor
+    reciprocal = (norm + eps if eps_mode == "add" else norm.clamp_min(eps)).reciprocal()
+    if may_write_into(g):  # one pass: the fp64 product rounded to ``dtype`` as it is stored
+        return torch.mul(g, reciprocal, out=torch.empty(g.shape, dtype=dtype, device=g.device))
+    return (g * reciprocal).to(dtype)
+
+
+def _fp64_norms(g: torch.Tensor) -> torch.Tensor:
+    """The Frobenius norm of every matrix of a ``(count, m, n)`` batch, accumulated in fp64,
+    shaped ``(count, 1, 1)``.
+
+    Eager, one multi-tensor norm over the matrices: a GPU reads fp32 and adds its squares in
+    fp64 as they are loaded (4 bytes an entry), where ``linalg.vector_norm(dtype=float64)``
+    first copies the batch into fp64 (20 bytes an entry). Each matrix's norm is summed from its
+    own entries in an order set by its own size, however many matrices share the call. Under
+    ``vmap`` (the multi-tensor norm has no batching rule) the batch underneath is normed the
+    same way, so a vmapped ensemble keeps a stacked one's bits; compiled, the compiler widens
+    the entries inside its own reduction.
+    """
+    functorch = torch._C._functorch
+    if functorch.is_batchedtensor(g):
+        inner = functorch.get_unwrapped(g)
+        if type(inner) is torch.Tensor and not functorch.is_batchedtensor(inner):
+            level, batch_dim = functorch.maybe_get_level(g), functorch.maybe_get_bdim(g)
+            return functorch._add_batch_dim(_fp64_norms(inner.movedim(batch_dim, 0)), 0, level)
+    if torch.compiler.is_compiling() or type(g) is not torch.Tensor or functorch.is_batchedtensor(g) or not g.numel():
+        return torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True, dtype=torch.float64)
+    norms = torch._foreach_norm(_matrices(g), 2, dtype=torch.float64)
+    return torch.stack(norms).view(*g.shape[:-2], 1, 1)
+
+
+def _matrices(x: torch.Tensor) -> list[torch.Tensor]:
+    """The ``(m, n)`` matrices of a ``(..., m, n)`` tensor, as views, in order."""
+    return list(x.unbind(0)) if x.ndim == 3 else [m for part in x.unbind(0) for m in _matrices(part)]
 
 
 def _denominator(
@@ -266,16 +293,22 @@ def _power_of_two_unit(largest: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     return torch.rsub(field, 2 * bias << mantissa).view(dtype)
 
 
-def _standard_steps(X: torch.Tensor, schedule: Coefficients, reduction: Reduction | None) -> torch.Tensor:
+def _standard_steps(
+    X: torch.Tensor, schedule: Coefficients, reduction: Reduction | None, scale: float = 1.0
+) -> torch.Tensor:
+    r"""The quintic steps :math:`X \leftarrow aX + (bA + cA^2)X`, :math:`A = XX^\top`, the last
+    one multiplied by ``scale`` (in the matmul's own epilogue, where it costs no pass)."""
     if reduction is None and may_write_into(X):
-        return _standard_steps_in_place(X, schedule)
-    for a, b, c in schedule.triples:
+        return _standard_steps_in_place(X, schedule, scale)
+    triples = schedule.triples
+    for k, (a, b, c) in enumerate(triples):
+        s = scale if k == len(triples) - 1 else 1.0
         A = torch.bmm(X, X.mT)
         if reduction is not None:
             A = reduction.sum(A)
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        X = torch.baddbmm(X, B, X, beta=a)
-    return X
+        X = torch.baddbmm(X, B, X, beta=a * s, alpha=s)
+    return X if triples or scale == 1.0 else X * scale
 
 
 def may_write_into(X: torch.Tensor) -> bool:
@@ -289,7 +322,7 @@ def may_write_into(X: torch.Tensor) -> bool:
     )
 
 
-def _standard_steps_in_place(X: torch.Tensor, schedule: Coefficients) -> torch.Tensor:
+def _standard_steps_in_place(X: torch.Tensor, schedule: Coefficients, scale: float = 1.0) -> torch.Tensor:
     """:func:`_standard_steps` in three buffers reused by every step (``X``, the normalised
     input, is this call's own and is one of them): a step allocates nothing, which on a CPU
     that returns freed blocks to the system saves the page faults of fresh memory."""
@@ -297,15 +330,17 @@ def _standard_steps_in_place(X: torch.Tensor, schedule: Coefficients) -> torch.T
     A = X.new_empty((count, m, m))
     B = torch.empty_like(A)
     Y = torch.empty_like(X)
-    for a, b, c in schedule.triples:
+    triples = schedule.triples
+    for k, (a, b, c) in enumerate(triples):
+        s = scale if k == len(triples) - 1 else 1.0
         torch.bmm(X, X.mT, out=A)
         torch.baddbmm(A, A, A, beta=b, alpha=c, out=B)
-        torch.baddbmm(X, B, X, beta=a, out=Y)
+        torch.baddbmm(X, B, X, beta=a * s, alpha=s, out=Y)
         X, Y = Y, X
-    return X
+    return X if triples or scale == 1.0 else X * scale
 
 
-def _gram_steps(X: torch.Tensor, schedule: Coefficients, restarts: tuple[int, ...]) -> torch.Tensor:
+def _gram_steps(X: torch.Tensor, schedule: Coefficients, restarts: tuple[int, ...], scale: float = 1.0) -> torch.Tensor:
     steps = len(schedule.triples)
     R = torch.bmm(X, X.mT)
     Q: torch.Tensor | None = None  # the identity
@@ -320,7 +355,9 @@ def _gram_steps(X: torch.Tensor, schedule: Coefficients, restarts: tuple[int, ..
         Q = P if Q is None else torch.bmm(P, Q)
         if k + 1 < steps and k + 1 not in restarts:
             R = torch.bmm(P, torch.bmm(R, P))
-    return X if Q is None else torch.bmm(Q, X)
+    if Q is None:
+        return X if scale == 1.0 else X * scale
+    return torch.bmm(Q, X) if scale == 1.0 else torch.baddbmm(X, Q, X, beta=0, alpha=scale)
 
 
 #: Slices at least this large are transposed by 2-D copies, which torch's CPU copy does in
@@ -394,22 +431,9 @@ def _(x: torch.Tensor) -> torch.Tensor:
 _copy_apart.register_autograd(lambda ctx, grad: grad)  # the values are unchanged: so is the gradient
 
 
-def _restored(
-    X: torch.Tensor, x: torch.Tensor, tall: bool, into: torch.Tensor | None = None, scale: float = 1.0
-) -> torch.Tensor:
-    """``scale·X`` in ``x``'s dtype, shape and orientation (``X`` rounded to ``x``'s dtype, then
-    the product taken in that dtype, at least fp32, and rounded); written into ``into`` when given."""
-    widens = torch.promote_types(X.dtype, x.dtype) == x.dtype  # X in x's dtype exactly: one rounding in all
-    if scale != 1.0 and widens and not cpu_passes(X) and type(X) is torch.Tensor and may_write_into(X):
-        # one pass: the widened X times the scale (a dimensioned tensor of the product's dtype,
-        # which a narrower X meets as its promotion, where a number would be taken in X's dtype)
-        factor = torch.full((1,) * X.ndim, scale, dtype=torch.promote_types(x.dtype, torch.float32), device=X.device)
-        buffer = torch.empty(X.shape, dtype=x.dtype, device=X.device) if into is None else into
-        restored = torch.mul(X, factor, out=buffer)
-    else:
-        restored = X.to(x.dtype) if into is None else into.copy_(X)
-        if scale != 1.0:
-            restored = restored.mul_(scale)  # this call's own: the copy, or ``into``
+def _restored(X: torch.Tensor, x: torch.Tensor, tall: bool, into: torch.Tensor | None = None) -> torch.Tensor:
+    """``X`` in ``x``'s dtype, shape and orientation; written into ``into`` when given."""
+    restored = X.to(x.dtype) if into is None else into.copy_(X)
     out = restored.reshape(*x.shape[:-2], *X.shape[-2:])
     if not tall:
         return out
@@ -417,7 +441,7 @@ def _restored(
 
 
 def _restored_turning(
-    X: torch.Tensor, x: torch.Tensor, turned: int, into: torch.Tensor | None, scale: float
+    X: torch.Tensor, x: torch.Tensor, turned: int, into: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_restored` of a wide ``(count, m, n)`` batch whose last ``turned`` matrices stand for
     tall ones: the others as they are, and those transposed back, ``(turned, n, m)`` and
@@ -425,23 +449,14 @@ def _restored_turning(
     own orientation (no transposing copy after it); on a CPU they are copied in tiles after it."""
     kept = X.size(0) - turned
     if cpu_passes(X) or type(X) is not torch.Tensor or not may_write_into(X):
-        out = _restored(X, x, False, into=into, scale=scale)
+        out = _restored(X, x, False, into=into)
         return out[:kept], in_memory_order(out[kept:].mT)
     buffer = torch.empty(X.shape, dtype=x.dtype, device=X.device) if into is None else into
     m, n = X.shape[-2:]
     parts = (buffer[:kept], buffer[kept:].view(turned, n, m))
-    one_pass = scale != 1.0 and torch.promote_types(X.dtype, x.dtype) == x.dtype
-    if one_pass:  # (as in :func:`_restored`: the widened X times a dimensioned factor)
-        factor = torch.full((1, 1, 1), scale, dtype=torch.promote_types(x.dtype, torch.float32), device=X.device)
     for source, target in zip((X[:kept], X[kept:]), (parts[0], parts[1].mT)):
-        if not source.numel():
-            continue
-        if one_pass:
-            torch.mul(source, factor, out=target)
-        else:
+        if source.numel():
             target.copy_(source)
-            if scale != 1.0:
-                target.mul_(scale)
     return parts
 
 
@@ -579,16 +594,18 @@ def gram_newton_schulz(
     return _restored(X, x, tall, into=spare)
 
 
-def _standard_iteration(schedule: Coefficients) -> Callable[[torch.Tensor], torch.Tensor]:
-    return functools.partial(_standard_steps, schedule=schedule, reduction=None)
+def _standard_iteration(schedule: Coefficients, scale: float = 1.0) -> Callable[[torch.Tensor], torch.Tensor]:
+    return functools.partial(_standard_steps, schedule=schedule, reduction=None, scale=scale)
 
 
-def _gram_iteration(schedule: Coefficients, restarts: Sequence[int] | None) -> Callable[[torch.Tensor], torch.Tensor]:
+def _gram_iteration(
+    schedule: Coefficients, restarts: Sequence[int] | None, scale: float = 1.0
+) -> Callable[[torch.Tensor], torch.Tensor]:
     steps = len(schedule.triples)
 
     def iterate(X: torch.Tensor) -> torch.Tensor:
         restart_at = _check_restarts(default_restarts(steps, X.dtype) if restarts is None else restarts, steps)
-        return _gram_steps(X, schedule, restart_at)
+        return _gram_steps(X, schedule, restart_at, scale)
 
     return iterate
 
@@ -676,11 +693,12 @@ class NewtonSchulz:
         return self.orthogonalize(x)
 
     def orthogonalize(self, x: torch.Tensor, *, overwrite_input: bool = False, scale: float = 1.0) -> torch.Tensor:
-        """``scale·self(x)``, the product taken as the result is restored to ``x``'s dtype (on a
-        GPU in the same pass); with ``overwrite_input=True`` it may normalise ``x`` in place (a
-        stack built for this call: one fresh buffer less, the same result)."""
-        X, tall, spare = self._iterated(x, overwrite_input)
-        return _restored(X, x, tall, into=spare, scale=scale)
+        """``scale·self(x)``, the scale taken by the last step's matmul (``s·(aX + BX)``, rounded
+        once: no pass of its own), so within a rounding of the product after it, and exactly
+        that product for a power of two; with ``overwrite_input=True`` it may normalise ``x`` in
+        place (a stack built for this call: one fresh buffer less, the same result)."""
+        X, tall, spare = self._iterated(x, overwrite_input, scale)
+        return _restored(X, x, tall, into=spare)
 
     def orthogonalize_turning(
         self, x: torch.Tensor, turned: int, *, overwrite_input: bool = False, scale: float = 1.0
@@ -689,16 +707,18 @@ class NewtonSchulz:
         are the transposes of tall ones: the first ``count - turned`` results, and the last
         ``turned`` transposed back, ``(turned, n, m)`` and contiguous (on a GPU written so by the
         pass that restores them). The same values as :meth:`orthogonalize`."""
-        X, _, spare = self._iterated(x, overwrite_input)
-        return _restored_turning(X, x, turned, spare, scale)
+        X, _, spare = self._iterated(x, overwrite_input, scale)
+        return _restored_turning(X, x, turned, spare)
 
-    def _iterated(self, x: torch.Tensor, owned: bool) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
+    def _iterated(
+        self, x: torch.Tensor, owned: bool, scale: float = 1.0
+    ) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
         if self.method == "gram" and self._gram_is_cheaper(x):
             _check("gram_newton_schulz", x, self.eps, self.dtype, self.eps_mode)
-            iterate = _gram_iteration(self.schedule, self.restarts)
+            iterate = _gram_iteration(self.schedule, self.restarts, scale)
         else:
             _check("newton_schulz", x, self.eps, self.dtype, self.eps_mode)
-            iterate = _standard_iteration(self.schedule)
+            iterate = _standard_iteration(self.schedule, scale)
         return _iterated(x, self.schedule, self.eps, self.dtype, self.eps_mode, iterate, owned)
 
     def _gram_is_cheaper(self, x: torch.Tensor) -> bool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Literal, TypeAlias
 
 import torch
@@ -74,7 +73,6 @@ def scale_by_adam(
     positive("eps", eps)
     flag("scale_by_adam: donate_state", donate_state)
     eps = float(eps)
-    log_b1, log_b2 = math.log(b1) if b1 > 0 else -math.inf, math.log(b2) if b2 > 0 else -math.inf
 
     def init(params: TensorDictBase) -> TensorDictBase:
         check_params("scale_by_adam", params)
@@ -107,22 +105,22 @@ def scale_by_adam(
             # one pass over the leaves less; the quotient is written over its denominator
             # where nothing records it. The factors take the dtype of the root they meet (fp32
             # for an fp16 leaf's).
-            first = counts.corrections(log_b1)
-            scale = leaf_factors(first.div(counts.corrections(log_b2).sqrt()), exp_avg_sq, members)
+            first = counts.corrections(b1)
+            scale = leaf_factors(first.div(counts.corrections(b2).sqrt()), exp_avg_sq, members)
             denom = _multi_tensor.apply_(
                 "add", divide("mul", root, scale), leaf_factors(first.mul(eps), exp_avg_sq, members)
             )
             overwrite = _multi_tensor.may_overwrite(exp_avg) and _multi_tensor.may_overwrite(denom)
             return dict(zip(keys, cast_like(_multi_tensor.quotients(exp_avg, denom, overwrite=overwrite), g)))
-        root_correction = bias_corrections(counts, log_b2, exp_avg_sq, members, then=torch.sqrt)
+        root_correction = bias_corrections(counts, b2, exp_avg_sq, members, then=torch.sqrt)
         denom = _multi_tensor.apply_("add", divide("div", root, root_correction), eps)
         if nesterov == "timm":
             look_ahead = _multi_tensor.lerp(exp_avg, g, 1.0 - b1)
-            updates = _multi_tensor.apply("div", look_ahead, bias_corrections(counts, log_b1, g, members))
+            updates = _multi_tensor.apply("div", look_ahead, bias_corrections(counts, b1, g, members))
         else:
             # beta1 / (1 - beta1**(t+1)) on the moment, (1 - beta1) / (1 - beta1**t) on the gradient
-            moment_weight = leaf_factors(counts.corrections(log_b1, shift=1.0).reciprocal().mul(b1), g, members)
-            grad_weight = leaf_factors(counts.corrections(log_b1).reciprocal().mul(1.0 - b1), g, members)
+            moment_weight = leaf_factors(counts.corrections(b1, shift=1.0).reciprocal().mul(b1), g, members)
+            grad_weight = leaf_factors(counts.corrections(b1).reciprocal().mul(1.0 - b1), g, members)
             updates = _multi_tensor.apply("mul", exp_avg, moment_weight)
             updates = _multi_tensor.apply_("add", updates, _multi_tensor.apply("mul", g, grad_weight))
         # (into the numerators, unless an fp16 leaf's quotient is to be taken in its fp32 denominator's dtype)

@@ -79,9 +79,9 @@ def scale_by_element_rms(
     check_views("scale_by_element_rms: views", views)
     flag("scale_by_element_rms: bias_correction", bias_correction)
     flag("scale_by_element_rms: donate_state", donate_state)
-    # log β as ema_momentum's bias correction takes it (-inf for β = 0: then β^t = 0), so that a
-    # float and a tensor holding it give the same bits
-    fixed_log_beta = None if isinstance(beta, torch.Tensor) else as64(beta).log()
+    # β in fp64, as ema_momentum's bias correction takes it, so that a float and a tensor holding it
+    # give the same bits
+    fixed_beta = None if isinstance(beta, torch.Tensor) else as64(beta)
 
     views_of = StructureCache()
 
@@ -116,8 +116,8 @@ def scale_by_element_rms(
         if bias_correction:
             counts = count_steps(scope.read(STEP, keys), inplace=donate_state)
             scope.write(STEP, keys, counts.leaves)
-            log_beta = as64(beta).log() if fixed_log_beta is None else fixed_log_beta
-            correction = bias_corrections(counts, log_beta, values, scope.members)
+            fp64_beta = as64(beta) if fixed_beta is None else fixed_beta
+            correction = bias_corrections(counts, fp64_beta, values, scope.members)
             root = _multi_tensor.apply("div", exp_avg_sq, correction)
         roots = _multi_tensor.apply("sqrt", root)
         # (in place only where nothing differentiates through it: sqrt's gradient reads its output)

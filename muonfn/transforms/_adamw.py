@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -59,7 +58,6 @@ def fused_adamw(
         scale_by_learning_rate(learning_rate, inplace=True),
     )  # (checks every option, and is the state layout and the input checks)
     b1, b2, eps = float(b1), float(b2), float(eps)
-    log_b1, log_b2 = math.log(b1) if b1 > 0 else -math.inf, math.log(b2) if b2 > 0 else -math.inf
     decays = not (isinstance(weight_decay, float | int) and weight_decay == 0)
     masks = StructureCache()
     flat_segments = StructureCache()
@@ -69,9 +67,9 @@ def fused_adamw(
         lr = current_rate(learning_rate, scope, g)
         counts, exp_avg, exp_avg_sq = adam_moments(keys, g, scope, b1, b2, donate_state=donate_state)
         members = scope.members
-        root_c2 = counts.corrections(log_b2).sqrt()
+        root_c2 = counts.corrections(b2).sqrt()
         # -c₁/(η√c₂): -inf at η = 0, which meets a denominator of at least ε√c₂ > 0
-        step_scale = counts.corrections(log_b1).div(root_c2.mul(neg(lr)))
+        step_scale = counts.corrections(b1).div(root_c2.mul(neg(lr)))
         # in place on this update's own root where nothing differentiates through it
         rewrite = (
             _multi_tensor.apply_ if donate_state or _multi_tensor.may_overwrite(exp_avg_sq) else _multi_tensor.apply
@@ -181,13 +179,17 @@ def _segments(small: list[int], like: list[torch.Tensor]) -> torch.Tensor:
 def _decayed(terms: list[torch.Tensor], p: list[torch.Tensor], factor: Scalar, members: int) -> list[torch.Tensor]:
     """``u - ηλ·p`` for every update ``u`` of ``terms`` and its parameter (``factor``: ηλ).
 
-    One multiply-add per entry, ``ηλ`` a 0-d factor per leaf; but off the CPU, for the small
-    leaves, ``ηλ·p`` is written out and subtracted: one factor for all of them keeps torch's
-    fused multi-tensor kernels, where a factor per leaf would launch a kernel per leaf. A leaf is
-    small by its size for one member (so a stacked ensemble, a vmapped one and one model agree),
-    a DTensor by its whole size.
+    One multiply-add per entry: off the CPU with ``ηλ`` a number (or, eager, a 0-d tensor on the
+    host), one fused kernel for all leaves; else ``ηλ`` a 0-d factor per leaf, but off the CPU,
+    for the small leaves, ``ηλ·p`` is written out and subtracted: one factor for all of them
+    keeps torch's fused multi-tensor kernels, where a factor per leaf would launch a kernel per
+    leaf. A leaf is small by its size for one member (so a stacked ensemble, a vmapped one and
+    one model agree), a DTensor by its whole size.
     """
     add = _multi_tensor.apply_ if _multi_tensor.may_overwrite([*terms, *p], factor) else _multi_tensor.apply
+    number = _multi_tensor.host_number(factor, terms)
+    if terms and not isinstance(number, torch.Tensor) and _multi_tensor.off_cpu(terms[0]):
+        return add("add", terms, p, alpha=-number)
     small = [i for i, u in enumerate(terms) if _multi_tensor.off_cpu(u) and u.shape[members:].numel() < FLAT_NUMEL]
     if not small:
         return add("addcmul", terms, p, _decay_factors(factor, terms, members), value=-1)

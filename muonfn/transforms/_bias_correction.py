@@ -31,11 +31,11 @@ class StepCounts(NamedTuple):
     leaves: list[torch.Tensor]
     stacked: torch.Tensor
 
-    def corrections(self, log_beta: torch.Tensor | float, shift: float = 0.0) -> torch.Tensor:
-        r""":math:`1-\beta^{t+\text{shift}}`, stacked as :attr:`stacked` (``beta**t`` as
-        ``exp(t·log beta)``, so that ``t`` stays a tensor)."""
+    def corrections(self, beta: torch.Tensor | float, shift: float = 0.0) -> torch.Tensor:
+        r""":math:`1-\beta^{t+\text{shift}}`, stacked as :attr:`stacked` (``t`` stays a tensor:
+        nothing is read back)."""
         t = self.stacked.add(shift) if shift else self.stacked
-        return t.mul(log_beta).exp().neg().add(1.0)
+        return torch.rsub(torch.pow(beta, t), 1.0)
 
 
 def count_steps(steps: list[torch.Tensor], *, inplace: bool) -> StepCounts:
@@ -54,12 +54,15 @@ def count_steps(steps: list[torch.Tensor], *, inplace: bool) -> StepCounts:
 
 
 def _padded_stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` stacked; on a CPU padded to whole SIMD vectors (a GPU computes every element alike)."""
+    if _multi_tensor.off_cpu(tensors[0]):
+        return torch.stack(tensors)
     return torch.stack([*tensors, *[tensors[0].new_zeros(tensors[0].shape)] * (-len(tensors) % _LANES)])
 
 
 def bias_corrections(
     counts: StepCounts,
-    log_beta: torch.Tensor | float,
+    beta: torch.Tensor | float,
     like: list[torch.Tensor],
     members: int,
     *,
@@ -68,7 +71,7 @@ def bias_corrections(
 ) -> list[torch.Tensor]:
     r""":math:`1-\beta^{t+\text{shift}}` for each leaf's step count :math:`t` (0-d, or one per
     ensemble member), mapped by ``then``, as factors for the leaves ``like`` (see :func:`leaf_factors`)."""
-    corrections = counts.corrections(log_beta, shift)
+    corrections = counts.corrections(beta, shift)
     return leaf_factors(corrections if then is None else then(corrections), like, members)
 
 

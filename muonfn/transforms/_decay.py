@@ -53,9 +53,9 @@ def add_decayed_weights(
 
     Followed by :func:`scale_by_learning_rate` this is :math:`p \leftarrow p - \eta\lambda p`
     with the unadjusted learning rate (torch semantics). On a CPU the plain decay is one
-    multiply-add per entry, with :math:`\lambda` rounded to the leaf's dtype; elsewhere
-    :math:`\lambda p` is rounded before it is added, for a number as for a 0-d tensor holding it
-    (the same bits either way).
+    multiply-add per entry, with :math:`\lambda` rounded to the leaf's dtype; elsewhere so for a
+    number (and, eager, a 0-d tensor on the host, read as one), while a tensor on the device, or
+    any traced tensor, has :math:`\lambda p` rounded before it is added.
 
     Args:
         weight_decay: :math:`\lambda \ge 0`, a float or a 0-d tensor.
@@ -99,17 +99,20 @@ def add_decayed_weights(
         # (a parameter that autograd records would make the update record it too, which the
         # Newton–Schulz results, views of one batch, do not allow in place)
         overwrite = inplace and _multi_tensor.may_overwrite([*current, *p], weight_decay)
+        add = _multi_tensor.apply_ if overwrite else _multi_tensor.apply
+        number = _multi_tensor.host_number(weight_decay, current)  # (the shim's host λ, eager)
         if not cautious and _on_cpu(weight_decay, current):
-            # u + λp as one multiply-add per entry: no decay term written out. (Only on a CPU,
-            # whose multi-tensor ops run tensor by tensor anyway: on a GPU a 0-d factor per
-            # leaf would leave the fused kernels, and moving a host λ there would wait for it.)
-            add = _multi_tensor.apply_ if overwrite else _multi_tensor.apply
+            # u + λp as one multiply-add per entry: no decay term written out. (On a CPU, whose
+            # multi-tensor ops run tensor by tensor anyway, with λ a 0-d tensor of the leaf's
+            # dtype: the CPU's kernels convert a number once per tensor.)
             decayed = add("addcmul", current, p, decay_factors(weight_decay, current))
+        elif not cautious and not isinstance(number, torch.Tensor):
+            # off the CPU one multiply-add per entry too, λ a number: one fused kernel for the list
+            decayed = add("add", current, p, alpha=number)
         else:
-            # λp written out and added, for a number λ as for a 0-d tensor holding it, so that the
-            # shim (whose λ is a refilled tensor) gives the functional update's bits: a number's one
-            # add(alpha=λ) pass would round once where the tensor's product rounds twice, and a
-            # tensor as alpha would be read back to the host
+            # λ a tensor on the device (or traced): λp written out and added, since a tensor as
+            # alpha would be read back to the host and a 0-d factor per leaf would run the op
+            # tensor by tensor
             decay = _multi_tensor.scale(p, weight_decay)
             if cautious:  # the mask is read before an in-place add changes the update
                 decay = [_agreeing(d, u, x) for d, u, x in zip(decay, current, p)]

@@ -56,7 +56,7 @@ def _scaled(grads: Leaves, lr: Scalar, scope: Scope, *, inplace: bool, scheduled
         factors = per_member([lr.neg()] * len(values), values, scope.members)
         out = _multi_tensor.apply_("mul", values, factors) if inplace else _multi_tensor.apply("mul", values, factors)
     else:
-        out = _multi_tensor.scale(values, neg(lr), inplace=inplace)
+        out = _multi_tensor.scale(values, neg(_multi_tensor.host_number(lr, values)), inplace=inplace)
     return dict(zip(keys, out))
 
 

@@ -107,14 +107,11 @@ def _corrected(
 ) -> list[torch.Tensor]:
     """optax's bias-corrected momentum (see :func:`ema_momentum`), in the leaves' dtypes."""
     mu = as64(momentum)
-    log_mu = mu.log()  # -inf for mu = 0: then mu**t = 0
     if nesterov:
-        moment_weight = bias_corrections(step, log_mu, buf, members, shift=1.0, then=lambda c: c.reciprocal().mul(mu))
-        grad_weight = bias_corrections(
-            step, log_mu, grads, members, then=lambda c: c.reciprocal().mul(mu.neg().add(1.0))
-        )
+        moment_weight = bias_corrections(step, mu, buf, members, shift=1.0, then=lambda c: c.reciprocal().mul(mu))
+        grad_weight = bias_corrections(step, mu, grads, members, then=lambda c: c.reciprocal().mul(mu.neg().add(1.0)))
         weighted = _multi_tensor.apply("mul", buf, moment_weight)
         updates = _multi_tensor.apply_("add", weighted, _multi_tensor.apply("mul", grads, grad_weight))
     else:
-        updates = _multi_tensor.apply("div", buf, bias_corrections(step, log_mu, buf, members))
+        updates = _multi_tensor.apply("div", buf, bias_corrections(step, mu, buf, members))
     return cast_like(updates, grads)

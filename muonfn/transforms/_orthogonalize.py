@@ -398,8 +398,9 @@ def scale_by_muon(
 ) -> Transform:
     r"""Muon's direction: :math:`s(A, B)\cdot\mathrm{NS}(u)` with :math:`u` the (Nesterov) EMA momentum.
 
-    Equal to ``chain(ema_momentum(...), orthogonalize(...), scale_by_shape(...))``; the
-    scale is applied inside the batched Newton–Schulz call to save a pass over memory.
+    ``chain(ema_momentum(...), orthogonalize(...), scale_by_shape(...))`` within a few
+    roundings: the scale is taken by the last Newton–Schulz step's matmul, which saves a pass
+    over memory.
     ``ns`` is the whole Newton–Schulz setting (a :class:`muonfn.NewtonSchulz` or a map of
     batches), and the ``ns_*`` arguments its flat spellings, :func:`orthogonalize`'s
     ``coefficients``, ``steps``, ``dtype``, ``eps``, ``ns_method``, ``eps_mode`` and
