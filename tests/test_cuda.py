@@ -123,6 +123,23 @@ def test_newton_schulz_and_muon_run_in_bf16_by_default_on_cuda() -> None:
         assert torch.equal(u_default[key], u_bf16[key]), key
 
 
+@requires_cuda
+def test_fp32_norms_accumulate_in_fp64_on_cuda_alike_batched_vmapped_or_alone() -> None:
+    """CUDA's multi-tensor norm adds fp32 squares in fp64 as it loads them: within fp64's
+    rounding of the exact norm, finite for entries near fp32's maximum, and each matrix's own
+    bits in any batch and under ``vmap``; the normalised bf16 input keeps ``f(2ᵏG) = f(G)``."""
+    x = torch.randn(3, 4, 48, 80, device=CUDA)
+    norms = _newton_schulz._fp64_norms(x)
+    exact = torch.linalg.vector_norm(x.double(), dim=(-2, -1), keepdim=True)
+    torch.testing.assert_close(norms, exact, atol=0, rtol=1e-13)
+    assert torch.equal(torch.vmap(_newton_schulz._fp64_norms)(x), norms)
+    alone = torch.cat([_newton_schulz._fp64_norms(m[None]) for m in x.reshape(12, 48, 80)])
+    assert torch.equal(alone.view(3, 4, 1, 1), norms)
+    assert torch.isfinite(_newton_schulz._fp64_norms(torch.full((1, 64, 64), 3e38, device=CUDA))).all()
+    f = muonfn.NewtonSchulz()
+    assert f.dtype is None and torch.equal(f(x * 2.0**40), f(x))
+
+
 # --- no host synchronisation ------------------------------------------------------------------------
 
 # Hyperparameters as the user may give them; a 0-d tensor momentum reaches lerp as a tensor weight.
