@@ -15,8 +15,9 @@ with momentum :math:`\mu`, learning rate :math:`\eta` and decay :math:`\lambda`:
 :math:`\mathrm{NS}(u) \approx UV^\top` for :math:`u = U\Sigma V^\top`. The scale :math:`s = 0.2\sqrt{\max(A, B)}`
 gives the update AdamW's RMS, so one ``lr`` and one ``weight_decay`` serve both groups.
 Not here (their docstrings give their math): other matrix views, labels by name, schedules,
-caution, bias corrections, Gram Newton–Schulz, and the power-of-two prescaling that keeps
-muonfn's normalisation from overflowing (the same bits wherever this one does not).
+caution, bias corrections, Gram Newton–Schulz, and how muonfn's normalisation avoids overflow
+(on a CPU a power-of-two prescaling, the same bits wherever this one does not overflow; on a GPU
+norms accumulated in fp64), and the shape scale muonfn's Newton–Schulz takes in its last step.
 """
 
 from __future__ import annotations
