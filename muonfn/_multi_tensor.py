@@ -134,14 +134,16 @@ def off_cpu(t: torch.Tensor) -> bool:
 
 def host_number(weight: Any, leaves: Tensors) -> Any:
     """``weight``, but a 0-d tensor on the host as a number when the leaves are not on the CPU, in
-    an eager step. Off the CPU torch's fused kernels take one number for all leaves (a tensor
-    factor per leaf runs the op tensor by tensor, a kernel each), and reading a host tensor waits
-    for no device; traced, the tensor is kept so that a new value does not recompile."""
+    an eager step, unless something differentiates it. Off the CPU torch's fused kernels take
+    one number for all leaves (a tensor factor per leaf runs the op tensor by tensor, a kernel
+    each), and reading a host tensor waits for no device; traced, the tensor is kept so that a
+    new value does not recompile."""
     if (
         isinstance(weight, torch.Tensor)
         and weight.ndim == 0
         and weight.device.type == "cpu"
         and type(weight) is torch.Tensor
+        and not (weight.requires_grad and torch.is_grad_enabled())
         and bool(leaves)
         and off_cpu(leaves[0])
         and not torch.compiler.is_compiling()

@@ -117,8 +117,9 @@ def step(
         elif variant == "adamuon":  # AdaMuon: each entry over the root of an EMA of its square
             v = state["exp_avg_sq"].setdefault(name, torch.zeros_like(M))
             ortho = adapted(ortho, v.lerp_(ortho * ortho, 1 - beta2), adaptive_eps)
-        update = (SCALES[scale](*M.shape) * ortho).add_(p.reshape(M.shape), alpha=weight_decay)  # s·O + λp: one fma
-        p.sub_(lr * update.reshape(p.shape))  # η·update rounded, then subtracted: as muonfn adds -η·update
+        # -η(s·O + λp), as muonfn rounds it: (-ηs)·O, then one multiply-add of (-ηλ)·p, then added to p
+        update = ortho.mul(-lr * SCALES[scale](*M.shape)).add_(p.reshape(M.shape), alpha=-lr * weight_decay)
+        p.add_(update.reshape(p.shape))
 
 
 def adapted(ortho: Tensor, v: Tensor, eps: float) -> Tensor:

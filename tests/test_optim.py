@@ -657,11 +657,24 @@ def compiled_graphs(counter) -> int:
     return sum(1 for g in counter.graphs if any(n.op == "call_function" for n in g.graph.nodes))
 
 
+def assert_eager_to_rounding(got: TensorDictBase, eager: TensorDictBase) -> None:
+    """The same leaves, shapes and dtypes, values within a few roundings: the eager step reads
+    the shim's host hyperparameters as numbers (``-η`` joins the shape scale in the Newton–Schulz
+    call, the decay is one multiply-add), the graph keeps them as tensors (a new value does not
+    recompile) and takes the chain's passes."""
+    assert sorted(got.keys(True, True), key=str) == sorted(eager.keys(True, True), key=str)
+    for key, want in eager.items(True, True):
+        have = got.get(key)
+        assert (have.dtype, have.shape) == (want.dtype, want.shape), key
+        torch.testing.assert_close(have, want, rtol=0, atol=1e-6, msg=str(key))
+
+
 @pytest.mark.parametrize("variant", ["muon", "normuon", "adamuon"])
 def test_compiled_step_matches_eager_and_compiles_once(variant):
     """compile=: the whole step (here in parts) is one graph, reused while a scheduler changes
-    lr; aot_eager keeps eager's rounding, so the results must agree bit for bit. A step where a
-    parameter has no gradient is another structure: compiled anew, still eager's bits."""
+    lr; aot_eager keeps eager's arithmetic but for the order of the matrices' tail, so the
+    results agree to rounding. A step where a parameter has no gradient is another structure:
+    compiled anew."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from muonfn.optim._groups import chunks
@@ -684,8 +697,8 @@ def test_compiled_step_matches_eager_and_compiles_once(variant):
     assert compiled_graphs(counter) == 2
     (eager, eager_opt), (model, opt) = runs
     assert len(chunks([p.numel() for p in model.parameters()], settings["chunk_numel"])) > 1  # (the premise)
-    assert_bitwise(TensorDict.from_module(model), TensorDict.from_module(eager))
-    assert_bitwise(opt.functional_state, eager_opt.functional_state)
+    assert_eager_to_rounding(TensorDict.from_module(model), TensorDict.from_module(eager))
+    assert_eager_to_rounding(opt.functional_state, eager_opt.functional_state)
 
 
 def test_compiled_step_with_inductor_is_eager_to_rounding():
@@ -732,7 +745,8 @@ def test_compiled_structures_do_not_share_recompilations(monkeypatch):
     """Each optimizer, and each structure of one, compiles a graph of its own: with a
     recompilation limit of 1 two optimizers of different settings and a step without a
     bias gradient all compile (fullgraph=True would raise at the limit). Past
-    MAX_COMPILED_STRUCTURES a new structure steps eagerly, with one warning, to the same bits."""
+    MAX_COMPILED_STRUCTURES a new structure steps eagerly, with one warning, to eager's results
+    (to the rounding of :func:`assert_eager_to_rounding`)."""
     import muonfn.optim._step_parts as parts
 
     monkeypatch.setattr(parts, "MAX_COMPILED_STRUCTURES", 2)
@@ -758,8 +772,8 @@ def test_compiled_structures_do_not_share_recompilations(monkeypatch):
                 assert len(opt._apply_parts.compiled) == 2
             runs.append((model, opt))
     for (eager, eager_opt), (model, opt) in zip(runs[:2], runs[2:]):
-        assert_bitwise(TensorDict.from_module(model), TensorDict.from_module(eager))
-        assert_bitwise(opt.functional_state, eager_opt.functional_state)
+        assert_eager_to_rounding(TensorDict.from_module(model), TensorDict.from_module(eager))
+        assert_eager_to_rounding(opt.functional_state, eager_opt.functional_state)
 
 
 def test_compile_option_is_checked():

@@ -167,7 +167,8 @@ def test_zero_gradient_gives_only_the_decay(device: torch.device) -> None:
         p = params.to(dtype)
         updates, state = tx.update(p.apply(torch.zeros_like), tx.init(p), p)
         for key in ("w", "e"):
-            assert torch.equal(updates[key], p[key].mul(0.5).mul(-0.1))
+            # Newton–Schulz of zero is zero; the decay is one multiply-add of -ηλ·p
+            assert torch.equal(updates[key], torch.add(torch.zeros_like(p[key]), p[key], alpha=-0.1 * 0.5))
             assert torch.equal(state["muon", "momentum", key], torch.zeros_like(p[key]))
 
 

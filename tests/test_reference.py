@@ -92,8 +92,9 @@ def reference_run(
 ) -> tuple[Params, dict[str, Any]]:
     params = {k: v.clone() for k, v in (model() if params is None else params).items()}
     state = reference.init()
+    options = {"lr": LR, **options}
     for g in gradients() if grads is None else grads:
-        reference.step(params, g, state, lr=LR, **options)
+        reference.step(params, g, state, **options)
     return params, state
 
 
@@ -336,12 +337,15 @@ def test_distributed_simulation_equals_reference_bitwise_with_the_same_newton_sc
 def test_default_newton_schulz_one_matrix_per_call_equals_reference_bitwise() -> None:
     """muonfn's own Newton–Schulz inside the reference, against the fast path with one matrix
     per call (``bucket_numel=1``): the same products on the same matrices, whatever the BLAS.
-    The fast path hands the shape scale to the last Newton–Schulz step, so the reference's
-    map takes it there too (and its own scale is ``"none"``, a product by 1)."""
+    The fast path hands ``-η·s`` to the last Newton–Schulz step, so the reference's map takes
+    ``η·s`` there, and the reference runs at a learning rate of 1 (its update is then that
+    result negated, exactly) and a decay of ``η·λ`` (the same ``-ηλ`` multiply-add)."""
     ns = muonfn.NewtonSchulz(dtype=torch.float32)
     scale = reference.SCALES["match_rms_adamw"]
     params, _ = functional_run(muonfn.muon(lr=LR, ns_dtype=torch.float32, bucket_numel=1))
-    expected, _ = reference_run(ns=lambda M: ns.orthogonalize(M, scale=scale(*M.shape)), scale="none")
+    expected, _ = reference_run(
+        ns=lambda M: ns.orthogonalize(M, scale=LR * scale(*M.shape)), scale="none", lr=1.0, weight_decay=LR * 0.1
+    )
     assert_bitwise(params, expected, MATRICES)
 
 

@@ -186,25 +186,35 @@ def test_a_row_moment_that_does_not_fit_fails_before_the_momentum_is_donated(bro
 
 def test_adamuon_with_both_bias_corrections_is_its_parts_chained():
     """Both corrections count steps under ``step``: the second moment's is kept under
-    ``second_moment``, and the update is that of the public transforms chained by hand."""
+    ``second_moment``, and the update is that of the building blocks chained by hand, the
+    preset's tail (shape scale, decay and learning rate in one rule) bit for bit, the public
+    transforms' to a few roundings (they round ``-η·(s·x + λp)``, the tail ``(-ηs)·x + (-ηλ)·p``)."""
+    from muonfn.transforms import shape_descent
+
     tx = muonfn.adamuon(lr=0.02, weight_decay=0.1, momentum_bias_correction=True, second_moment_bias_correction=True)
-    parts = muonfn.chain(
+    head = [
         muonfn.ema_momentum(0.9, nesterov=False, bias_correction=True),
         muonfn.scale_by_sign(),
         muonfn.orthogonalize(),
         muonfn.named("second_moment", muonfn.scale_by_element_rms(0.95, eps=1e-10, bias_correction=True)),
+    ]
+    parts = muonfn.chain(*head, shape_descent(0.02, 0.1, scale="match_rms_adamw"))
+    public = muonfn.chain(
+        *head,
         muonfn.scale_by_shape("match_rms_adamw"),
         muonfn.add_decayed_weights(0.1),
         muonfn.scale_by_learning_rate(0.02),
     )
     gen = torch.Generator().manual_seed(0)
     params = TensorDict({"w": torch.randn(16, 32, generator=gen)}, [])
-    state, reference = tx.init(params), parts.init(params)
+    state, reference, chained = tx.init(params), parts.init(params), public.init(params)
     for _ in range(3):
         grads = TensorDict({"w": torch.randn(16, 32, generator=gen)}, [])
         updates, state = tx.update(grads, state, params)
         expected, reference = parts.update(grads, reference, params)
         assert torch.equal(updates["w"], expected["w"])
+        by_hand, chained = public.update(grads, chained, params)
+        torch.testing.assert_close(updates["w"], by_hand["w"], atol=4e-9, rtol=0)
     assert int(state["muon", "step", "w"]) == int(state["muon", "second_moment", "step", "w"]) == 3
 
 

@@ -38,6 +38,7 @@ from ..transforms import (
     mask_table,
     named,
     newton_schulz_setting,
+    orthogonal_descent,
     orthogonalize,
     partition,
     scale_by_element_rms,
@@ -45,6 +46,7 @@ from ..transforms import (
     scale_by_neuron_norm,
     scale_by_shape,
     scale_by_sign,
+    shape_descent,
 )
 from ._adamw import adamw
 from ._labels import ADAMW, MUON, label_params
@@ -157,6 +159,24 @@ def matrix_branch(
     momentum_step = ema_momentum(
         momentum, nesterov=nesterov, bias_correction=momentum_bias_correction, donate_state=donate_state
     )
+    # without caution, the shape scale, the decay and the learning rate are one rule (one pass less
+    # for each of the last two); caution reads the direction before the decay, so it keeps the chain
+    fused_tail = cautious_mode is None and not cautious_weight_decay
+    if variant == MUON and fused_tail:
+        return chain(
+            momentum_step,
+            orthogonal_descent(
+                lr,
+                weight_decay,
+                ns=ns,
+                mask=weight_decay_mask,
+                views=views,
+                scale=scale,
+                extra_scale=extra_scale,
+                bucket_numel=None if orthogonalizer is not None else bucket_numel,
+                orthogonalizer=orthogonalizer,
+            ),
+        )
     if variant == MUON:
         if sign_momentum or second_moment_bias_correction:
             raise ValueError("muon: sign_momentum and second_moment_bias_correction are AdaMuon's options")
@@ -183,6 +203,11 @@ def matrix_branch(
         )
         signs = [scale_by_sign()] if sign_momentum else []
         ortho = orthogonalize(ns=ns, views=views, bucket_numel=bucket_numel)
+        if fused_tail:
+            tail = shape_descent(
+                lr, weight_decay, mask=weight_decay_mask, scale=scale, extra_scale=extra_scale, views=views
+            )
+            return chain(momentum_step, *signs, ortho, adapt, tail)
         shape = scale_by_shape(scale, extra_scale=extra_scale, views=views)
         direction = chain(momentum_step, *signs, ortho, adapt, shape)
     if cautious_mode is not None:

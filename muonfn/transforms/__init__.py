@@ -23,10 +23,12 @@ from ._orthogonalize import (
     check_views,
     matrix_map,
     newton_schulz_setting,
+    orthogonal_descent,
     orthogonalize,
     resolve_views,
     scale_by_muon,
     scale_by_shape,
+    shape_descent,
 )
 from ._rescale import RESCALE_MODES, Rescale
 from ._rules import Needs, Rule, Scope, as_rule, check_rule, from_rule, no_needs, per_leaf_needs, run_checked
@@ -80,6 +82,7 @@ __all__ = [
     "named",
     "newton_schulz_setting",
     "no_needs",
+    "orthogonal_descent",
     "orthogonalize",
     "partition",
     "per_leaf_needs",
@@ -95,4 +98,5 @@ __all__ = [
     "scale_by_neuron_norm",
     "scale_by_shape",
     "scale_by_sign",
+    "shape_descent",
 ]

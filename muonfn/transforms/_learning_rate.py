@@ -46,7 +46,7 @@ def _check_tensor(lr: torch.Tensor, values: list[torch.Tensor], scope: Scope, *,
         )
 
 
-def _scaled(grads: Leaves, lr: Scalar, scope: Scope, *, inplace: bool, scheduled: bool) -> Leaves:
+def scaled_by_rate(grads: Leaves, lr: Scalar, scope: Scope, *, inplace: bool, scheduled: bool) -> Leaves:
     """``grads * -lr`` for ``lr`` a number, a 0-d tensor, or one value per ensemble member."""
     keys, values = list(grads), list(grads.values())
     if isinstance(lr, torch.Tensor):
@@ -113,7 +113,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, inplace: bool = F
             )
 
         def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
-            return _scaled(grads, scheduled_rate(schedule, scope), scope, inplace=inplace, scheduled=True)
+            return scaled_by_rate(grads, scheduled_rate(schedule, scope), scope, inplace=inplace, scheduled=True)
 
         def needs(grads: Leaves, params: Leaves | None, prefix: Key, out: Needs) -> None:
             out.entries.append(("scale_by_learning_rate", prefix, (COUNT,)))
@@ -124,6 +124,6 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, inplace: bool = F
     lr = learning_rate
 
     def scale(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
-        return _scaled(grads, lr, scope, inplace=inplace, scheduled=False)
+        return scaled_by_rate(grads, lr, scope, inplace=inplace, scheduled=False)
 
     return from_rule(empty_state, Rule("scale_by_learning_rate", scale, no_needs))

@@ -12,7 +12,7 @@ from tensordict import TensorDictBase
 from .. import _tree
 from .._keys import Key, dotted, resolve_table
 from .._tree import Leaves
-from .._validation import Scalar, check_table
+from .._validation import Scalar, ScalarOrSchedule, check_table
 from ..linalg import (
     DEFAULT_VIEW,
     CoefficientsLike,
@@ -23,6 +23,7 @@ from ..linalg import (
     NewtonSchulz,
     NSMethod,
     Orthogonalizer,
+    ScaleFn,
     ScaleMode,
     block_scales,
     check_matrix_fn,
@@ -33,6 +34,8 @@ from ..linalg import (
 from ._caches import StructureCache
 from ._combine import chain
 from ._contract import InitFn, Transform, empty_state
+from ._descent import ScaledUpdate, descent
+from ._masks import MaskLike
 from ._momentum import ema_momentum
 from ._rules import Rule, Scope, from_rule, no_needs
 
@@ -304,6 +307,44 @@ def orthogonalize(
         ns_eps_mode=eps_mode,
         ns_restarts=restarts,
     )
+    init, scaled = _orthogonalizing(
+        ns, views=views, scale=scale, extra_scale=extra_scale, bucket_numel=bucket_numel, orthogonalizer=orthogonalizer
+    )
+    return from_rule(init, Rule("orthogonalize", lambda grads, scope, params: scaled(grads, scope, 1.0), no_needs))
+
+
+def orthogonal_descent(
+    learning_rate: ScalarOrSchedule,
+    weight_decay: Scalar,
+    *,
+    ns: MatrixFn,
+    mask: MaskLike = None,
+    views: ViewsLike = None,
+    scale: ScaleMode = "none",
+    extra_scale: float = 1.0,
+    bucket_numel: int | None = None,
+    orthogonalizer: Orthogonalizer | None = None,
+) -> Transform:
+    r"""``chain(orthogonalize(ns=ns, ...), add_decayed_weights(weight_decay, mask=mask, inplace=True),
+    scale_by_learning_rate(learning_rate, inplace=True))`` as one rule (see
+    :func:`~muonfn.transforms._descent.descent`): eager, with numbers, :math:`-\eta` goes with the
+    shape scale into each Newton–Schulz call, and the decay is one multiply-add."""
+    init, scaled = _orthogonalizing(
+        ns, views=views, scale=scale, extra_scale=extra_scale, bucket_numel=bucket_numel, orthogonalizer=orthogonalizer
+    )
+    return descent("orthogonalize", init, scaled, learning_rate, weight_decay, mask=mask)
+
+
+def _orthogonalizing(
+    ns: MatrixFn,
+    *,
+    views: ViewsLike,
+    scale: ScaleMode,
+    extra_scale: float,
+    bucket_numel: int | None,
+    orthogonalizer: Orthogonalizer | None,
+) -> tuple[InitFn, ScaledUpdate]:
+    """:func:`orthogonalize`'s ``init``, and its update with a factor on the shape scale."""
     scale_fn = shape_scale(scale, extra_scale)
     check_views("orthogonalize: views", views)
     if orthogonalizer is not None and not callable(orthogonalizer):
@@ -320,18 +361,23 @@ def orthogonalize(
     run = orthogonalizer
     resolved = StructureCache()
 
-    def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
+    def scaled(grads: Leaves, scope: Scope, factor: float) -> Leaves:
         keys, values = list(grads), list(grads.values())
         leaf_views = resolved.get(
             grads, scope.batch_size, lambda: resolve_views(views, keys, values, members=scope.members)
         )
-        return dict(zip(keys, run(keys, values, leaf_views, ns, scale_fn)))
+        return dict(zip(keys, run(keys, values, leaf_views, ns, _times(factor, scale_fn))))
 
     # sharded leaves may be local blocks: their views are checked against global shapes at update
     # (a map of one's own is tried at init on meta tensors, so that a wrong shape fails before a step)
     probe = None if isinstance(ns, NewtonSchulz) else ns
     init = _view_checker(views, probe) if isinstance(run, LocalOrthogonalizer) else empty_state
-    return from_rule(init, Rule("orthogonalize", update, no_needs))
+    return init, scaled
+
+
+def _times(factor: float, scale_fn: ScaleFn) -> ScaleFn:
+    """``scale_fn`` times ``factor`` (the product taken in Python floats, then used once)."""
+    return scale_fn if factor == 1.0 else lambda rows, cols: factor * scale_fn(rows, cols)
 
 
 def scale_by_shape(
@@ -348,6 +394,29 @@ def scale_by_shape(
     Returns:
         A stateless :class:`Transform`; ``init`` checks that every leaf's view can read it.
     """
+    init, scaled = _shape_scaling(scale, extra_scale=extra_scale, views=views)
+    return from_rule(init, Rule("scale_by_shape", lambda grads, scope, params: scaled(grads, scope, 1.0), no_needs))
+
+
+def shape_descent(
+    learning_rate: ScalarOrSchedule,
+    weight_decay: Scalar,
+    *,
+    mask: MaskLike = None,
+    scale: ScaleMode = "match_rms_adamw",
+    extra_scale: float = 1.0,
+    views: ViewsLike = None,
+) -> Transform:
+    r"""``chain(scale_by_shape(scale, ...), add_decayed_weights(weight_decay, mask=mask, inplace=True),
+    scale_by_learning_rate(learning_rate, inplace=True))`` as one rule (see
+    :func:`~muonfn.transforms._descent.descent`): eager, with numbers, :math:`-\eta` goes into the
+    shape scale's pass, and the decay is one multiply-add."""
+    init, scaled = _shape_scaling(scale, extra_scale=extra_scale, views=views)
+    return descent("scale_by_shape", init, scaled, learning_rate, weight_decay, mask=mask)
+
+
+def _shape_scaling(scale: ScaleMode, *, extra_scale: float, views: ViewsLike) -> tuple[InitFn, ScaledUpdate]:
+    """:func:`scale_by_shape`'s ``init``, and its update with a factor on the scale."""
     scale_fn = shape_scale(scale, extra_scale)
     check_views("scale_by_shape: views", views)
     plans = StructureCache()
@@ -360,20 +429,20 @@ def scale_by_shape(
             out.append((view, block_scales(view, g.shape, scale_fn)))
         return out
 
-    def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
+    def scaled(grads: Leaves, scope: Scope, factor: float) -> Leaves:
         keys, values = list(grads), list(grads.values())
         out = []
         for g, (view, scales) in zip(
             values, plans.get(grads, scope.batch_size, lambda: plan(keys, values, scope.members))
         ):
             if len(scales) == 1:
-                out.append(g.mul(scales[0]))
+                out.append(g.mul(factor * scales[0]))
             else:
-                blocks = [b.mul(f) for b, f in zip(view.to_matrices(g), scales)]
+                blocks = [b.mul(factor * f) for b, f in zip(view.to_matrices(g), scales)]
                 out.append(view.from_matrices(blocks, g.shape))
         return dict(zip(keys, out))
 
-    return from_rule(_view_checker(views), Rule("scale_by_shape", update, no_needs))
+    return _view_checker(views), scaled
 
 
 def scale_by_muon(

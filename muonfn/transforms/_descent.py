@@ -1,0 +1,92 @@
+"""The tail of a matrix branch: shape scale, decoupled decay and learning rate in one rule."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .. import _multi_tensor
+from .._tree import Leaves
+from .._validation import Scalar, ScalarOrSchedule
+from ._caches import StructureCache
+from ._combine import chain
+from ._contract import InitFn, Transform
+from ._decay import add_decayed_weights
+from ._learning_rate import current_rate, scale_by_learning_rate, scaled_by_rate
+from ._masks import MaskLike, resolve_mask_flat
+from ._rules import Rule, Scope, as_rule, from_rule, no_needs
+
+#: ``update(grads, scope, factor)``: ``factor·s·x`` for every leaf ``x``, ``s`` its shape scale,
+#: in fresh tensors of the leaves' dtypes (the factor is a Python number)
+ScaledUpdate = Callable[[Leaves, Scope, float], Leaves]
+
+
+def descent(
+    name: str,
+    init: InitFn,
+    scaled: ScaledUpdate,
+    learning_rate: ScalarOrSchedule,
+    weight_decay: Scalar,
+    *,
+    mask: MaskLike = None,
+) -> Transform:
+    r"""``chain(step, add_decayed_weights(weight_decay, mask=mask, inplace=True),
+    scale_by_learning_rate(learning_rate, inplace=True))`` as one rule, with its state and checks,
+    where ``step`` is ``scaled`` with a factor of 1 (``init`` its own):
+
+    .. math::  u = -\eta\,\bigl(s\,x + \lambda p\bigr) \quad\text{computed as}\quad
+               u = (-\eta s)\,x + (-\eta\lambda)\,p
+
+    Eager, with :math:`\eta` and :math:`\lambda` numbers (or 0-d tensors on the host, read as
+    numbers: no device waits), :math:`-\eta` goes into ``scaled``'s own pass with the shape scale
+    (for Newton–Schulz, its last matmul), and the decay is one multiply-add: two passes over the
+    leaves fewer than the chain, and two roundings fewer. A tensor on a device, one per
+    ensemble member, or any traced tensor takes the chain's passes.
+    """
+    decay = add_decayed_weights(weight_decay, mask=mask, inplace=True)
+    rate = scale_by_learning_rate(learning_rate, inplace=True)
+    step = from_rule(init, Rule(name, lambda grads, scope, params: scaled(grads, scope, 1.0), no_needs))
+    reference = chain(step, decay, rate)  # (the state, the checks and what is read)
+    decay_rule = as_rule(decay)
+    scheduled = callable(learning_rate) and not isinstance(learning_rate, torch.Tensor)
+    masks = StructureCache()
+    where = "add_decayed_weights: mask"
+
+    def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
+        lr = current_rate(learning_rate, scope, list(grads.values()))
+        eta, lam = eager_number(lr), eager_number(weight_decay)
+        if eta is None or lam is None:
+            out = decay_rule.update(scaled(grads, scope, 1.0), scope, params)
+            return scaled_by_rate(out, lr, scope, inplace=True, scheduled=scheduled)
+        out = scaled(grads, scope, -eta)
+        if lam == 0:
+            return out
+        assert params is not None  # (checked by needs)
+        keys = masks.get(
+            grads, scope.batch_size, lambda: resolve_mask_flat(mask, grads, params, scope.batch_size, where=where)
+        )
+        current, p = [out[k] for k in keys], [params[k] for k in keys]
+        add = _multi_tensor.apply_ if _multi_tensor.may_overwrite([*current, *p]) else _multi_tensor.apply
+        out.update(zip(keys, add("add", current, p, alpha=-eta * lam)))
+        return out
+
+    return from_rule(reference.init, Rule(name, update, as_rule(reference).needs))
+
+
+def eager_number(value: Scalar) -> float | None:
+    """``value`` as a number: a number, or in an eager step a 0-d tensor on the host that nothing
+    differentiates (read without waiting for a device: the value it holds, so an fp32 tensor of
+    0.1 reads as fp32's nearest number); ``None`` for any other tensor."""
+    if not isinstance(value, torch.Tensor):
+        return float(value)
+    if (
+        value.ndim == 0
+        and value.device.type == "cpu"
+        and type(value) is torch.Tensor
+        and not (value.requires_grad and torch.is_grad_enabled())
+        and not torch.compiler.is_compiling()
+        and not torch._C._are_functorch_transforms_active()
+    ):
+        return value.item()
+    return None
