@@ -10,7 +10,7 @@ from _strategies import assert_td_equal, gaussian
 from tensordict import TensorDict
 
 import muonfn
-from muonfn.transforms import _descent, orthogonal_descent, shape_descent
+from muonfn.transforms import _descent, descent
 
 LR, WD = 0.02, 0.1
 SHAPES = {"wide": (12, 20), "tall": (20, 12), "square": (8, 8)}
@@ -46,7 +46,7 @@ def test_numbers_give_minus_lr_times_the_scale_to_newton_schulz_and_decay_in_one
     params, grads = params_and_grads()
     ns = muonfn.NewtonSchulz(dtype=torch.float32)
     lr, wd = (torch.tensor(LR, dtype=torch.float64), torch.tensor(WD, dtype=torch.float64)) if as_tensors else (LR, WD)
-    tx = orthogonal_descent(lr, wd, ns=ns, scale="match_rms_adamw", mask={"square": False})
+    tx = descent(muonfn.orthogonalize(ns=ns, scale="match_rms_adamw"), lr, wd, mask={"square": False})
     updates, _ = step(tx, params, grads)
     for key, g in grads.items():
         expected = ns.orthogonalize(g, scale=-LR * match_rms(*g.shape))
@@ -58,7 +58,7 @@ def test_numbers_give_minus_lr_times_the_scale_to_newton_schulz_and_decay_in_one
 def test_a_map_of_ones_own_is_scaled_after_it() -> None:
     """A map that is not Newton–Schulz is multiplied by ``-ηs`` once, after it."""
     params, grads = params_and_grads()
-    tx = orthogonal_descent(LR, WD, ns=muonfn.polar, scale="spectral")
+    tx = descent(muonfn.orthogonalize(ns=muonfn.polar, scale="spectral"), LR, WD)
     updates, _ = step(tx, params, grads)
     for key, g in grads.items():
         expected = muonfn.polar(g[None])[0].mul(-LR * math.sqrt(max(g.shape)))
@@ -72,17 +72,17 @@ def test_a_tensor_that_stays_a_tensor_takes_the_chains_passes(monkeypatch) -> No
     params, grads = params_and_grads()
     lr = torch.tensor(LR)
     ns = muonfn.NewtonSchulz(dtype=torch.float32)
-    got, _ = step(orthogonal_descent(lr, WD, ns=ns, scale="original"), params, grads)
+    got, _ = step(descent(muonfn.orthogonalize(ns=ns, scale="original"), lr, WD), params, grads)
     expected, _ = step(chained(muonfn.orthogonalize(ns=ns, scale="original"), lr, WD), params, grads)
     assert_td_equal(got, expected)
-    got, _ = step(shape_descent(lr, WD, scale="original"), params, grads)
+    got, _ = step(descent(muonfn.scale_by_shape("original"), lr, WD), params, grads)
     expected, _ = step(chained(muonfn.scale_by_shape("original"), lr, WD), params, grads)
     assert_td_equal(got, expected)
 
 
 def test_the_shape_scales_pass_takes_minus_lr_too() -> None:
     params, grads = params_and_grads()
-    updates, _ = step(shape_descent(LR, WD, scale="match_rms_adamw", extra_scale=0.5), params, grads)
+    updates, _ = step(descent(muonfn.scale_by_shape("match_rms_adamw", extra_scale=0.5), LR, WD), params, grads)
     for key, g in grads.items():
         expected = g.mul(-LR * (match_rms(*g.shape) * 0.5))
         assert torch.equal(updates[key], torch.add(expected, params[key], alpha=-LR * WD)), key
@@ -98,7 +98,7 @@ def test_the_state_is_the_chains_and_a_schedule_counts_once_per_update() -> None
         seen.append(int(count))
         return LR * 0.5**count
 
-    tx = shape_descent(schedule, WD)
+    tx = descent(muonfn.scale_by_shape("match_rms_adamw"), schedule, WD)
     reference = chained(muonfn.scale_by_shape("match_rms_adamw"), schedule, WD)
     state = tx.init(params)
     assert_td_equal(state, reference.init(params))
@@ -113,7 +113,7 @@ def test_the_state_is_the_chains_and_a_schedule_counts_once_per_update() -> None
 
 def test_zero_decay_adds_nothing_and_needs_no_params() -> None:
     params, grads = params_and_grads()
-    tx = shape_descent(LR, 0.0, scale="none")
+    tx = descent(muonfn.scale_by_shape("none"), LR, 0.0)
     updates, _ = tx.update(grads, tx.init(params))
     assert_td_equal(updates, grads.apply(lambda g: g.mul(-LR)))
 
@@ -136,3 +136,8 @@ def test_the_presets_take_the_fused_tail_without_caution_and_the_chain_with_it()
         agree = direction.signbit() == params[key].signbit()
         expected = (direction + params[key] * WD * agree) * -LR
         torch.testing.assert_close(updates[key], expected, atol=1e-7, rtol=0, msg=key)
+
+
+def test_a_step_without_a_shape_scale_is_refused() -> None:
+    with pytest.raises(TypeError, match="must end in a shape scale"):
+        descent(muonfn.ema_momentum(0.9), LR, WD)

@@ -189,7 +189,7 @@ def test_adamuon_with_both_bias_corrections_is_its_parts_chained():
     ``second_moment``, and the update is that of the building blocks chained by hand, the
     preset's tail (shape scale, decay and learning rate in one rule) bit for bit, the public
     transforms' to a few roundings (they round ``-η·(s·x + λp)``, the tail ``(-ηs)·x + (-ηλ)·p``)."""
-    from muonfn.transforms import shape_descent
+    from muonfn.transforms import descent
 
     tx = muonfn.adamuon(lr=0.02, weight_decay=0.1, momentum_bias_correction=True, second_moment_bias_correction=True)
     head = [
@@ -198,7 +198,7 @@ def test_adamuon_with_both_bias_corrections_is_its_parts_chained():
         muonfn.orthogonalize(),
         muonfn.named("second_moment", muonfn.scale_by_element_rms(0.95, eps=1e-10, bias_correction=True)),
     ]
-    parts = muonfn.chain(*head, shape_descent(0.02, 0.1, scale="match_rms_adamw"))
+    parts = muonfn.chain(*head, descent(muonfn.scale_by_shape("match_rms_adamw"), 0.02, 0.1))
     public = muonfn.chain(
         *head,
         muonfn.scale_by_shape("match_rms_adamw"),

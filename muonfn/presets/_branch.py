@@ -34,11 +34,11 @@ from ..transforms import (
     check_labels,
     check_mask,
     check_views,
+    descent,
     ema_momentum,
     mask_table,
     named,
     newton_schulz_setting,
-    orthogonal_descent,
     orthogonalize,
     partition,
     scale_by_element_rms,
@@ -46,7 +46,6 @@ from ..transforms import (
     scale_by_neuron_norm,
     scale_by_shape,
     scale_by_sign,
-    shape_descent,
 )
 from ._adamw import adamw
 from ._labels import ADAMW, MUON, label_params
@@ -141,9 +140,12 @@ def matrix_branch(
     ``"adamuon"`` :func:`scale_by_element_rms`, with ``beta2``, ``adaptive_eps``, ``rescale``
     (and AdaMuon's ``second_moment_bias_correction``). ``sign_momentum`` orthogonalizes the
     sign of the momentum. ``cautious_mode`` wraps :math:`d_t` in :func:`cautious`, counting
-    over whole leaves when ``orthogonalizer`` holds shards. ``ns`` is the Newton–Schulz
-    setting, resolved (see :func:`newton_schulz_setting`); the other keywords are the
-    presets' (see :func:`muonfn.muon`).
+    over whole leaves when ``orthogonalizer`` holds shards. Without caution the shape scale, the
+    decay and the learning rate are one rule (:func:`~muonfn.transforms.descent` of the
+    orthogonalization or of the shape scale), which rounds
+    :math:`(-\eta s)\,x + (-\eta\lambda)\,p`. ``ns`` is the Newton–Schulz setting, resolved
+    (see :func:`newton_schulz_setting`); the other keywords are the presets' (see
+    :func:`muonfn.muon`).
     """
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; choose one of {list(VARIANTS)}")
@@ -162,33 +164,20 @@ def matrix_branch(
     # without caution, the shape scale, the decay and the learning rate are one rule (one pass less
     # for each of the last two); caution reads the direction before the decay, so it keeps the chain
     fused_tail = cautious_mode is None and not cautious_weight_decay
-    if variant == MUON and fused_tail:
-        return chain(
-            momentum_step,
-            orthogonal_descent(
-                lr,
-                weight_decay,
-                ns=ns,
-                mask=weight_decay_mask,
-                views=views,
-                scale=scale,
-                extra_scale=extra_scale,
-                bucket_numel=None if orthogonalizer is not None else bucket_numel,
-                orthogonalizer=orthogonalizer,
-            ),
-        )
     if variant == MUON:
         if sign_momentum or second_moment_bias_correction:
             raise ValueError("muon: sign_momentum and second_moment_bias_correction are AdaMuon's options")
-        ortho = orthogonalize(
-            ns=ns,
-            views=views,
-            scale=scale,
-            extra_scale=extra_scale,
-            bucket_numel=None if orthogonalizer is not None else bucket_numel,
-            orthogonalizer=orthogonalizer,
-        )
-        direction = chain(momentum_step, ortho)
+        batched: dict[str, Any] = {
+            "ns": ns,
+            "views": views,
+            "scale": scale,
+            "extra_scale": extra_scale,
+            "bucket_numel": None if orthogonalizer is not None else bucket_numel,
+            "orthogonalizer": orthogonalizer,
+        }
+        if fused_tail:
+            return chain(momentum_step, descent(orthogonalize(**batched), lr, weight_decay, mask=weight_decay_mask))
+        direction = chain(momentum_step, orthogonalize(**batched))
     else:
         adapt = _adaptation(
             variant,
@@ -203,12 +192,9 @@ def matrix_branch(
         )
         signs = [scale_by_sign()] if sign_momentum else []
         ortho = orthogonalize(ns=ns, views=views, bucket_numel=bucket_numel)
-        if fused_tail:
-            tail = shape_descent(
-                lr, weight_decay, mask=weight_decay_mask, scale=scale, extra_scale=extra_scale, views=views
-            )
-            return chain(momentum_step, *signs, ortho, adapt, tail)
         shape = scale_by_shape(scale, extra_scale=extra_scale, views=views)
+        if fused_tail:
+            return chain(momentum_step, *signs, ortho, adapt, descent(shape, lr, weight_decay, mask=weight_decay_mask))
         direction = chain(momentum_step, *signs, ortho, adapt, shape)
     if cautious_mode is not None:
         # a sharded orthogonalizer's leaves are shards: caution counts over the whole leaf

@@ -13,6 +13,7 @@ from ._cautious import CAUTIOUS_MODES, CautiousMode, cautious
 from ._combine import LabelsLike, apply_if_finite, chain, check_labels, masked, named, partition, resolve_labels
 from ._contract import InitFn, Transform, UpdateFn, empty_state
 from ._decay import add_decayed_weights
+from ._descent import descent
 from ._learning_rate import scale_by_learning_rate
 from ._masks import MaskLike, check_mask, mask_table, resolve_mask
 from ._momentum import ema_momentum
@@ -23,12 +24,10 @@ from ._orthogonalize import (
     check_views,
     matrix_map,
     newton_schulz_setting,
-    orthogonal_descent,
     orthogonalize,
     resolve_views,
     scale_by_muon,
     scale_by_shape,
-    shape_descent,
 )
 from ._rescale import RESCALE_MODES, Rescale
 from ._rules import Needs, Rule, Scope, as_rule, check_rule, from_rule, no_needs, per_leaf_needs, run_checked
@@ -72,6 +71,7 @@ __all__ = [
     "check_mask",
     "check_rule",
     "check_views",
+    "descent",
     "ema_momentum",
     "empty_state",
     "from_rule",
@@ -82,7 +82,6 @@ __all__ = [
     "named",
     "newton_schulz_setting",
     "no_needs",
-    "orthogonal_descent",
     "orthogonalize",
     "partition",
     "per_leaf_needs",
@@ -98,5 +97,4 @@ __all__ = [
     "scale_by_neuron_norm",
     "scale_by_shape",
     "scale_by_sign",
-    "shape_descent",
 ]

@@ -11,42 +11,52 @@ from .._tree import Leaves
 from .._validation import Scalar, ScalarOrSchedule
 from ._caches import StructureCache
 from ._combine import chain
-from ._contract import InitFn, Transform
+from ._contract import Transform
 from ._decay import add_decayed_weights
 from ._learning_rate import current_rate, scale_by_learning_rate, scaled_by_rate
 from ._masks import MaskLike, resolve_mask_flat
-from ._rules import Rule, Scope, as_rule, from_rule, no_needs
+from ._rules import Rule, Scope, as_rule, from_rule
 
 #: ``update(grads, scope, factor)``: ``factor·s·x`` for every leaf ``x``, ``s`` its shape scale,
 #: in fresh tensors of the leaves' dtypes (the factor is a Python number)
 ScaledUpdate = Callable[[Leaves, Scope, float], Leaves]
 
 
+class Scaled:
+    """The update of a rule whose last act is a shape scale (:func:`orthogonalize`,
+    :func:`scale_by_shape`), which can take a factor on that scale: :func:`descent` reads it."""
+
+    __slots__ = ("scaled",)
+
+    def __init__(self, scaled: ScaledUpdate) -> None:
+        self.scaled = scaled
+
+    def __call__(self, grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
+        return self.scaled(grads, scope, 1.0)
+
+
 def descent(
-    name: str,
-    init: InitFn,
-    scaled: ScaledUpdate,
-    learning_rate: ScalarOrSchedule,
-    weight_decay: Scalar,
-    *,
-    mask: MaskLike = None,
+    step: Transform, learning_rate: ScalarOrSchedule, weight_decay: Scalar = 0.0, *, mask: MaskLike = None
 ) -> Transform:
     r"""``chain(step, add_decayed_weights(weight_decay, mask=mask, inplace=True),
-    scale_by_learning_rate(learning_rate, inplace=True))`` as one rule, with its state and checks,
-    where ``step`` is ``scaled`` with a factor of 1 (``init`` its own):
+    scale_by_learning_rate(learning_rate, inplace=True))`` as one rule, with the chain's state and
+    checks, for a ``step`` that ends in a shape scale (:func:`orthogonalize`, :func:`scale_by_shape`):
 
     .. math::  u = -\eta\,\bigl(s\,x + \lambda p\bigr) \quad\text{computed as}\quad
                u = (-\eta s)\,x + (-\eta\lambda)\,p
 
     Eager, with :math:`\eta` and :math:`\lambda` numbers (or 0-d tensors on the host, read as
-    numbers: no device waits), :math:`-\eta` goes into ``scaled``'s own pass with the shape scale
+    numbers: no device waits), :math:`-\eta` goes into the step's own pass with the shape scale
     (for Newton–Schulz, its last matmul), and the decay is one multiply-add: two passes over the
     leaves fewer than the chain, and two roundings fewer. A tensor on a device, one per
     ensemble member, or any traced tensor takes the chain's passes.
     """
+    rule = as_rule(step)
+    if not isinstance(rule.update, Scaled):
+        raise TypeError(f"descent: step must end in a shape scale (orthogonalize or scale_by_shape), got {rule.name!r}")
+    scaled = rule.update.scaled
     decay = add_decayed_weights(weight_decay, mask=mask, inplace=True)
     rate = scale_by_learning_rate(learning_rate, inplace=True)
-    step = from_rule(init, Rule(name, lambda grads, scope, params: scaled(grads, scope, 1.0), no_needs))
     reference = chain(step, decay, rate)  # (the state, the checks and what is read)
     decay_rule = as_rule(decay)
     scheduled = callable(learning_rate) and not isinstance(learning_rate, torch.Tensor)
@@ -71,7 +81,7 @@ def descent(
         out.update(zip(keys, add("add", current, p, alpha=-eta * lam)))
         return out
 
-    return from_rule(reference.init, Rule(name, update, as_rule(reference).needs))
+    return from_rule(reference.init, Rule(rule.name, update, as_rule(reference).needs))
 
 
 def eager_number(value: Scalar) -> float | None:

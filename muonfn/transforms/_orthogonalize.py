@@ -12,7 +12,7 @@ from tensordict import TensorDictBase
 from .. import _tree
 from .._keys import Key, dotted, resolve_table
 from .._tree import Leaves
-from .._validation import Scalar, ScalarOrSchedule, check_table
+from .._validation import Scalar, check_table
 from ..linalg import (
     DEFAULT_VIEW,
     CoefficientsLike,
@@ -34,8 +34,7 @@ from ..linalg import (
 from ._caches import StructureCache
 from ._combine import chain
 from ._contract import InitFn, Transform, empty_state
-from ._descent import ScaledUpdate, descent
-from ._masks import MaskLike
+from ._descent import Scaled, ScaledUpdate
 from ._momentum import ema_momentum
 from ._rules import Rule, Scope, from_rule, no_needs
 
@@ -310,29 +309,7 @@ def orthogonalize(
     init, scaled = _orthogonalizing(
         ns, views=views, scale=scale, extra_scale=extra_scale, bucket_numel=bucket_numel, orthogonalizer=orthogonalizer
     )
-    return from_rule(init, Rule("orthogonalize", lambda grads, scope, params: scaled(grads, scope, 1.0), no_needs))
-
-
-def orthogonal_descent(
-    learning_rate: ScalarOrSchedule,
-    weight_decay: Scalar,
-    *,
-    ns: MatrixFn,
-    mask: MaskLike = None,
-    views: ViewsLike = None,
-    scale: ScaleMode = "none",
-    extra_scale: float = 1.0,
-    bucket_numel: int | None = None,
-    orthogonalizer: Orthogonalizer | None = None,
-) -> Transform:
-    r"""``chain(orthogonalize(ns=ns, ...), add_decayed_weights(weight_decay, mask=mask, inplace=True),
-    scale_by_learning_rate(learning_rate, inplace=True))`` as one rule (see
-    :func:`~muonfn.transforms._descent.descent`): eager, with numbers, :math:`-\eta` goes with the
-    shape scale into each Newton–Schulz call, and the decay is one multiply-add."""
-    init, scaled = _orthogonalizing(
-        ns, views=views, scale=scale, extra_scale=extra_scale, bucket_numel=bucket_numel, orthogonalizer=orthogonalizer
-    )
-    return descent("orthogonalize", init, scaled, learning_rate, weight_decay, mask=mask)
+    return from_rule(init, Rule("orthogonalize", Scaled(scaled), no_needs))
 
 
 def _orthogonalizing(
@@ -395,24 +372,7 @@ def scale_by_shape(
         A stateless :class:`Transform`; ``init`` checks that every leaf's view can read it.
     """
     init, scaled = _shape_scaling(scale, extra_scale=extra_scale, views=views)
-    return from_rule(init, Rule("scale_by_shape", lambda grads, scope, params: scaled(grads, scope, 1.0), no_needs))
-
-
-def shape_descent(
-    learning_rate: ScalarOrSchedule,
-    weight_decay: Scalar,
-    *,
-    mask: MaskLike = None,
-    scale: ScaleMode = "match_rms_adamw",
-    extra_scale: float = 1.0,
-    views: ViewsLike = None,
-) -> Transform:
-    r"""``chain(scale_by_shape(scale, ...), add_decayed_weights(weight_decay, mask=mask, inplace=True),
-    scale_by_learning_rate(learning_rate, inplace=True))`` as one rule (see
-    :func:`~muonfn.transforms._descent.descent`): eager, with numbers, :math:`-\eta` goes into the
-    shape scale's pass, and the decay is one multiply-add."""
-    init, scaled = _shape_scaling(scale, extra_scale=extra_scale, views=views)
-    return descent("scale_by_shape", init, scaled, learning_rate, weight_decay, mask=mask)
+    return from_rule(init, Rule("scale_by_shape", Scaled(scaled), no_needs))
 
 
 def _shape_scaling(scale: ScaleMode, *, extra_scale: float, views: ViewsLike) -> tuple[InitFn, ScaledUpdate]:
