@@ -34,7 +34,7 @@ from ..linalg import (
 from ._caches import StructureCache
 from ._combine import chain
 from ._contract import InitFn, Transform, empty_state
-from ._descent import Scaled, ScaledUpdate
+from ._descent import Scaled
 from ._momentum import ema_momentum
 from ._rules import Rule, Scope, from_rule, no_needs
 
@@ -306,22 +306,6 @@ def orthogonalize(
         ns_eps_mode=eps_mode,
         ns_restarts=restarts,
     )
-    init, scaled = _orthogonalizing(
-        ns, views=views, scale=scale, extra_scale=extra_scale, bucket_numel=bucket_numel, orthogonalizer=orthogonalizer
-    )
-    return from_rule(init, Rule("orthogonalize", Scaled(scaled), no_needs))
-
-
-def _orthogonalizing(
-    ns: MatrixFn,
-    *,
-    views: ViewsLike,
-    scale: ScaleMode,
-    extra_scale: float,
-    bucket_numel: int | None,
-    orthogonalizer: Orthogonalizer | None,
-) -> tuple[InitFn, ScaledUpdate]:
-    """:func:`orthogonalize`'s ``init``, and its update with a factor on the shape scale."""
     scale_fn = shape_scale(scale, extra_scale)
     check_views("orthogonalize: views", views)
     if orthogonalizer is not None and not callable(orthogonalizer):
@@ -338,7 +322,7 @@ def _orthogonalizing(
     run = orthogonalizer
     resolved = StructureCache()
 
-    def scaled(grads: Leaves, scope: Scope, factor: float) -> Leaves:
+    def scaled(grads: Leaves, scope: Scope, factor: float) -> Leaves:  # (descent passes -η as factor)
         keys, values = list(grads), list(grads.values())
         leaf_views = resolved.get(
             grads, scope.batch_size, lambda: resolve_views(views, keys, values, members=scope.members)
@@ -349,7 +333,7 @@ def _orthogonalizing(
     # (a map of one's own is tried at init on meta tensors, so that a wrong shape fails before a step)
     probe = None if isinstance(ns, NewtonSchulz) else ns
     init = _view_checker(views, probe) if isinstance(run, LocalOrthogonalizer) else empty_state
-    return init, scaled
+    return from_rule(init, Rule("orthogonalize", Scaled(scaled), no_needs))
 
 
 def _times(factor: float, scale_fn: ScaleFn) -> ScaleFn:
@@ -371,12 +355,6 @@ def scale_by_shape(
     Returns:
         A stateless :class:`Transform`; ``init`` checks that every leaf's view can read it.
     """
-    init, scaled = _shape_scaling(scale, extra_scale=extra_scale, views=views)
-    return from_rule(init, Rule("scale_by_shape", Scaled(scaled), no_needs))
-
-
-def _shape_scaling(scale: ScaleMode, *, extra_scale: float, views: ViewsLike) -> tuple[InitFn, ScaledUpdate]:
-    """:func:`scale_by_shape`'s ``init``, and its update with a factor on the scale."""
     scale_fn = shape_scale(scale, extra_scale)
     check_views("scale_by_shape: views", views)
     plans = StructureCache()
@@ -389,7 +367,7 @@ def _shape_scaling(scale: ScaleMode, *, extra_scale: float, views: ViewsLike) ->
             out.append((view, block_scales(view, g.shape, scale_fn)))
         return out
 
-    def scaled(grads: Leaves, scope: Scope, factor: float) -> Leaves:
+    def scaled(grads: Leaves, scope: Scope, factor: float) -> Leaves:  # (descent passes -η as factor)
         keys, values = list(grads), list(grads.values())
         out = []
         for g, (view, scales) in zip(
@@ -402,7 +380,7 @@ def _shape_scaling(scale: ScaleMode, *, extra_scale: float, views: ViewsLike) ->
                 out.append(view.from_matrices(blocks, g.shape))
         return dict(zip(keys, out))
 
-    return _view_checker(views), scaled
+    return from_rule(_view_checker(views), Rule("scale_by_shape", Scaled(scaled), no_needs))
 
 
 def scale_by_muon(
