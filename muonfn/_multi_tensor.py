@@ -138,19 +138,25 @@ def host_number(weight: Any, leaves: Tensors) -> Any:
     one number for all leaves (a tensor factor per leaf runs the op tensor by tensor, a kernel
     each), and reading a host tensor waits for no device; traced, the tensor is kept so that a
     new value does not recompile."""
-    if (
-        isinstance(weight, torch.Tensor)
-        and weight.ndim == 0
-        and weight.device.type == "cpu"
-        and type(weight) is torch.Tensor
-        and not (weight.requires_grad and torch.is_grad_enabled())
-        and bool(leaves)
-        and off_cpu(leaves[0])
-        and not torch.compiler.is_compiling()
-        and not torch._C._are_functorch_transforms_active()
-    ):
+    if isinstance(weight, torch.Tensor) and bool(leaves) and off_cpu(leaves[0]) and readable_on_host(weight):
         return weight.item()
     return weight
+
+
+def readable_on_host(value: torch.Tensor) -> bool:
+    """Whether reading the 0-d ``value`` as a number is free and loses nothing: a plain tensor on
+    the host, in an eager step, that no transform maps over (``vmap``) and nothing differentiates."""
+    if torch.compiler.is_compiling():  # (and the functorch queries below do not trace)
+        return False
+    functorch = torch._C._functorch
+    return (
+        value.ndim == 0
+        and value.device.type == "cpu"
+        and type(value) is torch.Tensor
+        and not (value.requires_grad and torch.is_grad_enabled())
+        and not functorch.is_batchedtensor(value)
+        and not functorch.is_gradtrackingtensor(value)
+    )
 
 
 def lerp(starts: Tensors, ends: Tensors, weight: float | torch.Tensor, *, inplace: bool = False) -> list[torch.Tensor]:

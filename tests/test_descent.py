@@ -141,3 +141,23 @@ def test_the_presets_take_the_fused_tail_without_caution_and_the_chain_with_it()
 def test_a_step_without_a_shape_scale_is_refused() -> None:
     with pytest.raises(TypeError, match="must end in a shape scale"):
         descent(muonfn.ema_momentum(0.9), LR, WD)
+
+
+def test_under_vmap_a_host_tensor_is_read_as_the_number_it_holds() -> None:
+    """A vmapped ensemble reads an unmapped host tensor as a number, as a stacked one does: the
+    same path, so a tensor and the number it holds give the same bits either way."""
+    params, grads = params_and_grads()
+    members = 3
+    stacked_params = torch.stack([params.apply(lambda p, i=i: p * (i + 1)) for i in range(members)])
+    stacked_grads = torch.stack([grads.apply(lambda g, i=i: g * (1 - i / 4)) for i in range(members)])
+    ns = muonfn.NewtonSchulz(dtype=torch.float32)
+
+    def run(lr, wd, vmapped: bool) -> TensorDict:
+        tx = descent(muonfn.orthogonalize(ns=ns, scale="original"), lr, wd)
+        if vmapped:
+            return torch.vmap(lambda g, p: tx.update(g, tx.init(p), p)[0])(stacked_grads, stacked_params)
+        return tx.update(stacked_grads, tx.init(stacked_params), stacked_params)[0]
+
+    host = torch.tensor(LR, dtype=torch.float64), torch.tensor(WD, dtype=torch.float64)
+    for vmapped in (False, True):
+        assert_td_equal(run(*host, vmapped), run(LR, WD, vmapped))

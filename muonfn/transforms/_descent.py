@@ -85,18 +85,9 @@ def descent(
 
 
 def eager_number(value: Scalar) -> float | None:
-    """``value`` as a number: a number, or in an eager step a 0-d tensor on the host that nothing
-    differentiates (read without waiting for a device: the value it holds, so an fp32 tensor of
-    0.1 reads as fp32's nearest number); ``None`` for any other tensor."""
+    """``value`` as a number: a number, or a 0-d tensor on the host that
+    :func:`~muonfn._multi_tensor.readable_on_host` allows (the value it holds, so an fp32 tensor
+    of 0.1 reads as fp32's nearest number); ``None`` for any other tensor."""
     if not isinstance(value, torch.Tensor):
         return float(value)
-    if (
-        value.ndim == 0
-        and value.device.type == "cpu"
-        and type(value) is torch.Tensor
-        and not (value.requires_grad and torch.is_grad_enabled())
-        and not torch.compiler.is_compiling()
-        and not torch._C._are_functorch_transforms_active()
-    ):
-        return value.item()
-    return None
+    return value.item() if _multi_tensor.readable_on_host(value) else None
