@@ -161,8 +161,8 @@ def matrix_branch(
     momentum_step = ema_momentum(
         momentum, nesterov=nesterov, bias_correction=momentum_bias_correction, donate_state=donate_state
     )
-    # without caution, the shape scale, the decay and the learning rate are one rule (one pass less
-    # for each of the last two); caution reads the direction before the decay, so it keeps the chain
+    # without caution, the shape scale, the decay and the learning rate are one rule (the learning
+    # rate takes no pass of its own); caution reads the direction before the decay, so keeps the chain
     fused_tail = cautious_mode is None and not cautious_weight_decay
     if variant == MUON:
         if sign_momentum or second_moment_bias_correction:
