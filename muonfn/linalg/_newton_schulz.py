@@ -224,18 +224,16 @@ def _fp64_norms(g: torch.Tensor) -> torch.Tensor:
     same way, so a vmapped ensemble keeps a stacked one's bits; compiled, the compiler widens
     the entries inside its own reduction.
     """
-    if torch.compiler.is_compiling():
-        return torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True, dtype=torch.float64)
     functorch = torch._C._functorch
-    if functorch.is_batchedtensor(g):
+    if not torch.compiler.is_compiling() and type(g) is torch.Tensor and g.numel():
+        if not functorch.is_batchedtensor(g):
+            norms = torch._foreach_norm(_matrices(g), 2, dtype=torch.float64)
+            return torch.stack(norms).view(*g.shape[:-2], 1, 1)
         inner = functorch.get_unwrapped(g)
-        if type(inner) is torch.Tensor and not functorch.is_batchedtensor(inner):
+        if type(inner) is torch.Tensor and not functorch.is_batchedtensor(inner):  # (one vmap level)
             level, batch_dim = functorch.maybe_get_level(g), functorch.maybe_get_bdim(g)
             return functorch._add_batch_dim(_fp64_norms(inner.movedim(batch_dim, 0)), 0, level)
-    if type(g) is not torch.Tensor or functorch.is_batchedtensor(g) or not g.numel():
-        return torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True, dtype=torch.float64)
-    norms = torch._foreach_norm(_matrices(g), 2, dtype=torch.float64)
-    return torch.stack(norms).view(*g.shape[:-2], 1, 1)
+    return torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True, dtype=torch.float64)
 
 
 def _matrices(x: torch.Tensor) -> list[torch.Tensor]:
