@@ -84,6 +84,23 @@ def test_the_table_holds_exactly_the_presets_keywords():
     assert variants == set(VARIANT_OPTIONS)
 
 
+def test_the_presets_spell_their_shared_keywords_alike():
+    """A keyword two presets share has one annotation and one default in both, so that the copies of
+    the public signatures cannot drift; only the momentum defaults differ, by design (AdaMuon's are
+    its paper's)."""
+    deliberate = {"momentum", "nesterov"}
+    for name in sorted(preset_keywords()):
+        spellings = {
+            preset_name: keywords(preset)[name] for preset_name, preset in PRESETS.items() if name in keywords(preset)
+        }
+        annotations = {preset_name: str(p.annotation) for preset_name, p in spellings.items()}
+        assert len(set(annotations.values())) == 1, f"{name}: {annotations}"
+        defaults = {preset_name: p.default for preset_name, p in spellings.items()}
+        if name not in deliberate:
+            assert len(set(map(repr, defaults.values()))) == 1, f"{name}: {defaults}"
+    assert keywords(muonfn.adamuon)["momentum"].default != keywords(muonfn.muon)["momentum"].default
+
+
 def test_the_shim_takes_the_presets_keywords_and_its_own():
     """The day a preset gains an option the shim lacks (or the shim one no preset takes, beyond
     its own: ``variant``, ``chunk_numel``, ``compile`` and torch.optim.Muon's ``adjust_lr_fn`` and

@@ -13,7 +13,7 @@ import torch
 
 from .._validation import Scalar, ScalarOrSchedule
 from ..linalg import CoefficientsLike, EpsMode, MatrixFn, ScaleMode
-from ..transforms import CautiousMode, LabelsLike, MaskLike, MethodLike, Rescale, Transform, ViewsLike
+from ..transforms import AdamNesterov, CautiousMode, LabelsLike, MaskLike, MethodLike, Rescale, Transform, ViewsLike
 from ._branch import NesterovLike, assemble
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ def normuon(
     adamw_betas: tuple[float, float] = (0.9, 0.95),
     adamw_eps: float = 1e-8,
     adamw_weight_decay: Scalar | None = None,
-    adamw_nesterov: bool = False,
+    adamw_nesterov: AdamNesterov = False,
     labels: LabelsLike | None = None,
     views: ViewsLike = None,
     weight_decay_mask: MaskLike = None,
@@ -157,7 +157,7 @@ def adamuon(
     adamw_betas: tuple[float, float] = (0.9, 0.95),
     adamw_eps: float = 1e-8,
     adamw_weight_decay: Scalar | None = None,
-    adamw_nesterov: bool = False,
+    adamw_nesterov: AdamNesterov = False,
     labels: LabelsLike | None = None,
     views: ViewsLike = None,
     weight_decay_mask: MaskLike = None,
