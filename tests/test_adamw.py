@@ -135,3 +135,157 @@ def test_a_stacked_ensemble_takes_the_gpu_form_of_the_vmapped_one(off_the_cpu, d
     assert_bitwise(ensemble, vmapped)
     if dtype == torch.float32:  # (one model alone against a member: fp32, as the contract's tests hold it)
         assert_bitwise(ensemble[0], run(tx, params, grads)[0])
+
+
+# ---------------------------------------------------------------------------- torch's fused kernel
+
+
+@pytest.fixture
+def torch_kernel_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA route through ``torch._fused_adamw_``, taken here by the CPU's kernel of the same op."""
+    monkeypatch.setattr(_adamw, "TORCH_KERNEL_DEVICES", frozenset({"cpu"}))
+
+
+def torch_adamw(params: TensorDict, grads: list[TensorDict], weight_decay: float, skew: bool = False) -> TensorDict:
+    """``torch.optim.AdamW(fused=True)`` over ``params`` for ``grads`` (``skew``: from the step
+    counts :func:`run` starts from)."""
+    leaves = {k: torch.nn.Parameter(p.clone()) for k, p in params.items()}
+    opt = torch.optim.AdamW(leaves.values(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay, fused=True)
+    for k, p in leaves.items():
+        start = {"bias": 3.0, "embed": 7.0}.get(k, 0.0) if skew else 0.0
+        opt.state[p] = {"step": torch.tensor(start), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    for g in grads:
+        for k, p in leaves.items():
+            p.grad = g[k].clone()
+        opt.step()
+    return TensorDict({k: p.detach() for k, p in leaves.items()}, batch_size=[])
+
+
+@pytest.mark.parametrize("donate_state", [False, True])
+def test_the_torch_kernel_route_is_torch_fused_adamw_bit_for_bit_without_decay(
+    torch_kernel_on_the_cpu, donate_state: bool
+) -> None:
+    """Without decay the update is torch.optim.AdamW(fused=True)'s parameter change: the same
+    parameters after four steps, bit for bit, for leaves whose step counts differ."""
+    params, grads = params_and_grads(4)
+    ours, state, _ = run(muonfn.adamw(LR, weight_decay=0.0, donate_state=donate_state), params, grads, skew=True)
+    assert_bitwise(ours, torch_adamw(params, grads, weight_decay=0.0, skew=True))
+    assert state["step", "embed"].dtype == torch.int64 and int(state["step", "embed"]) == 11
+
+
+def test_the_torch_kernel_route_starts_the_update_from_the_decay(torch_kernel_on_the_cpu) -> None:
+    """With decay the update starts as -ηλp (0 where the mask exempts a leaf) and the kernel
+    subtracts torch's step from it: against the rule's own passes, the same to fp32 rounding; on
+    an exempt leaf, torch's undecayed step bit for bit."""
+    params, grads = params_and_grads(3)
+    mask = dict.fromkeys(params.keys(), True) | {"bias": False}
+    tx = muonfn.adamw(LR, weight_decay=WD, weight_decay_mask=mask)
+    got = run(tx, params, grads)
+    undecayed = torch_adamw(params, grads, weight_decay=0.0)
+    assert torch.equal(got[0]["bias"], undecayed["bias"])
+    taken: list[str] = []
+    real = torch._fused_adamw_
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_adamw, "TORCH_KERNEL_DEVICES", frozenset())
+        patch.setattr(torch, "_fused_adamw_", lambda *a, **k: taken.append("kernel") or real(*a, **k))
+        own = run(tx, params, grads)
+    assert not taken
+    torch.testing.assert_close(got[0], own[0], rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(got[1], own[1])  # (the kernel's moments round as its own arithmetic does)
+    decayed_first = got[2][0]["embed"] - undecayed_first_update(params, grads[0])["embed"]
+    torch.testing.assert_close(decayed_first, -LR * WD * params["embed"], rtol=1e-5, atol=1e-9)
+
+
+def undecayed_first_update(params: TensorDict, g: TensorDict) -> TensorDict:
+    tx = muonfn.adamw(LR, weight_decay=0.0)
+    return tx.update(g, tx.init(params), params)[0]
+
+
+def test_the_torch_kernel_route_keeps_an_undonated_state(torch_kernel_on_the_cpu) -> None:
+    """The kernel writes the moments in place: an undonated update writes them into copies, so the
+    state it was given is unchanged, and it returns what the donated update returns."""
+    params, grads = params_and_grads(2)
+    plain, donating = muonfn.adamw(LR, weight_decay=WD), muonfn.adamw(LR, weight_decay=WD, donate_state=True)
+    state = plain.init(params)
+    state, _ = plain.update(grads[0], state, params)[1], None
+    before = state.clone()
+    updates, new = plain.update(grads[1], state, params)
+    assert_bitwise(state, before)
+    donated_updates, donated = donating.update(grads[1], before.clone(), params)
+    assert_bitwise(updates, donated_updates)
+    assert_bitwise(new, donated)
+
+
+@pytest.mark.parametrize("as_tensor", ["host", "device"])
+def test_the_torch_kernel_route_takes_a_tensor_learning_rate(torch_kernel_on_the_cpu, as_tensor: str) -> None:
+    """A 0-d learning rate on the leaves' device goes to the kernel as a tensor (the CPU's own
+    tensors stand for a GPU's here), with the bits of the same rate as a number."""
+    params, grads = params_and_grads(2)
+    expected = run(muonfn.adamw(LR, weight_decay=WD), params, grads)
+    lr = torch.tensor(LR, dtype=torch.float64)
+    got = run(muonfn.adamw(lr, weight_decay=torch.tensor(WD, dtype=torch.float64)), params, grads)
+    assert_bitwise(got[0], expected[0])
+
+
+def test_the_torch_kernel_route_with_a_zero_learning_rate_leaves_the_parameters(torch_kernel_on_the_cpu) -> None:
+    params, grads = params_and_grads(1)
+    got = run(muonfn.adamw(0.0, weight_decay=WD), params, grads)
+    assert torch.equal(got[0]["embed"], params["embed"]) and bool(got[1]["exp_avg", "embed"].abs().sum() > 0)
+    assert all(bool(torch.isfinite(u).all()) for u in got[2][0].values())
+
+
+def kernel_calls(step) -> int:  # type: ignore[no-untyped-def]
+    """How many times ``step()`` calls ``torch._fused_adamw_`` (seen below the dispatcher)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func.overloadpacket is torch.ops.aten._fused_adamw_:
+                Calls.count += 1
+            return func(*args, **(kwargs or {}))
+
+    with Calls():
+        step()
+    return Calls.count
+
+
+def meta_step(tx: muonfn.Transform, params: TensorDict, grad: TensorDict):  # type: ignore[no-untyped-def]
+    state = tx.init(params)
+    return lambda: tx.update(grad, state, params)
+
+
+@pytest.mark.parametrize("preset", [muonfn.adamw, muonfn.muon])
+def test_on_a_gpus_path_one_model_of_fp32_leaves_takes_the_kernel_once(preset) -> None:
+    """On the meta device (CUDA's paths, no data) one step of one model calls the kernel once for
+    all its AdamW leaves, the shim's too."""
+    params, _ = params_and_grads(1)
+    params = params.apply(lambda t: torch.empty_like(t, device="meta"))
+    assert kernel_calls(meta_step(preset(lr=LR, weight_decay=WD), params, params.clone())) == 1
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)).to("meta")
+    for p in model.parameters():
+        p.grad = torch.empty_like(p)
+    opt = muonfn.optim.Muon(model.named_parameters(), lr=LR)
+    assert kernel_calls(opt.step) == 1
+
+
+@pytest.mark.parametrize("case", ["cpu", "ensemble", "vmap", "bf16", "fp16", "recorded"])
+def test_elsewhere_the_rule_runs_its_own_passes(case: str) -> None:
+    """The CPU, a stacked or vmapped ensemble (whose members keep one formula), a leaf that is not
+    fp32, and a step that autograd records take the rule's own passes."""
+    params, _ = params_and_grads(1)
+    device = "cpu" if case == "cpu" else "meta"
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(case, torch.float32)
+    params = params.apply(lambda t: torch.zeros(t.shape, device=device, dtype=dtype))
+    tx = muonfn.adamw(LR, weight_decay=WD)
+    if case == "ensemble":
+        params = torch.stack([params, params])
+    if case == "vmap":
+        stacked = torch.stack([params, params])
+        state = torch.vmap(tx.init)(stacked)
+        assert kernel_calls(lambda: torch.vmap(tx.update)(stacked, state, stacked)) == 0
+        return
+    if case == "recorded":
+        params = params.apply(lambda t: t.requires_grad_())
+    assert kernel_calls(meta_step(tx, params, params.detach().clone())) == 0

@@ -110,7 +110,8 @@ def scale_by_element_rms(
         _refuse_sharded(keys, given)
         values = _multi_tensor.widened(given)  # an fp16 leaf adapted in fp32
         squares = _multi_tensor.apply("mul", values, values)
-        exp_avg_sq = _multi_tensor.lerp(scope.read(EXP_AVG_SQ, keys), squares, one_minus(beta), inplace=donate_state)
+        weight = one_minus(_multi_tensor.host_number(beta, values))
+        exp_avg_sq = _multi_tensor.lerp(scope.read(EXP_AVG_SQ, keys), squares, weight, inplace=donate_state)
         scope.write(EXP_AVG_SQ, keys, exp_avg_sq)
         root = exp_avg_sq
         if bias_correction:

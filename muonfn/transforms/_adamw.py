@@ -13,7 +13,7 @@ from .._tree import Leaves
 from .._validation import Scalar, ScalarOrSchedule
 from ._adam import adam_moments, scale_by_adam
 from ._arithmetic import neg
-from ._bias_correction import cast_like, leaf_factors, per_member
+from ._bias_correction import cast_like, count_steps, leaf_factors, per_member
 from ._caches import StructureCache
 from ._combine import chain
 from ._contract import Transform
@@ -21,6 +21,7 @@ from ._decay import add_decayed_weights, decay_factors
 from ._learning_rate import current_rate, scale_by_learning_rate
 from ._masks import MaskLike, resolve_mask_flat
 from ._rules import Rule, Scope, as_rule, from_rule
+from ._state import EXP_AVG, EXP_AVG_SQ, STEP
 
 
 def fused_adamw(
@@ -64,7 +65,14 @@ def fused_adamw(
 
     def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
         keys, g = list(grads), list(grads.values())
-        lr = current_rate(learning_rate, scope, g)
+        lr = _multi_tensor.host_number(current_rate(learning_rate, scope, g), g)  # (off the CPU: no host ops)
+        wd = _multi_tensor.host_number(weight_decay, g)
+        decayed = _decayed_keys(grads, scope, params) if decays else []
+        operands = [*g, *scope.read(EXP_AVG, keys), *scope.read(EXP_AVG_SQ, keys)]
+        if params is not None:
+            operands += [params[k] for k in decayed]
+        if takes_torch_kernel(operands, scope, lr, wd):
+            return _through_torch_kernel(keys, g, scope, params, decayed, lr, wd, b1, b2, eps, donate_state)
         counts, exp_avg, exp_avg_sq = adam_moments(keys, g, scope, b1, b2, donate_state=donate_state)
         members = scope.members
         root_c2 = counts.corrections(b2).sqrt()
@@ -79,12 +87,11 @@ def fused_adamw(
         updates = _multi_tensor.quotients(exp_avg, denom, overwrite=overwrite)  # (over the denominators: one buffer)
         if decays:
             assert params is not None  # (checked by needs)
-            decayed = _decayed_keys(grads, scope, params)
             index = {k: i for i, k in enumerate(keys)}
             where = [index[k] for k in decayed]
             terms = [updates[i] for i in where]
             p = [params[k] for k in decayed]
-            for i, u in zip(where, _decayed(terms, p, lr * weight_decay, members)):
+            for i, u in zip(where, _decayed(terms, p, lr * wd, members)):
                 updates[i] = u
         return dict(zip(keys, cast_like(updates, g)))
 
@@ -107,6 +114,84 @@ def fused_adamw(
         )
 
     return from_rule(reference.init, Rule("adamw", update, as_rule(reference).needs))
+
+
+#: The devices whose AdamW leaves take torch's fused kernel (see :func:`takes_torch_kernel`);
+#: ``meta`` takes CUDA's paths, for shape checks and for counting what a step moves
+TORCH_KERNEL_DEVICES = frozenset({"cuda", "meta"})
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # (no subclass that dispatches on its own, such as a DTensor)
+
+
+def takes_torch_kernel(operands: list[torch.Tensor], scope: Scope, lr: Scalar, weight_decay: Scalar) -> bool:
+    """Whether an AdamW update goes through ``torch._fused_adamw_``, the kernel behind
+    ``torch.optim.AdamW(fused=True)``: for one model (no ensemble) whose ``operands`` (gradients,
+    moments, decayed parameters) are plain fp32 tensors on one CUDA device, eager, outside
+    ``torch.func`` transforms, with nothing that autograd records (the kernel writes in place and
+    has no derivative). Elsewhere, and on the CPU, the rule's own passes run: the same arithmetic
+    but for rounding (see :func:`fused_adamw`)."""
+    if scope.members or not operands or torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+        return False
+    device = operands[0].device
+    if device.type not in TORCH_KERNEL_DEVICES:
+        return False
+    if not all(type(t) in _PLAIN and t.dtype == torch.float32 and t.device == device for t in operands):
+        return False
+    factors = [v for v in (lr, weight_decay) if isinstance(v, torch.Tensor)]
+    if not all(f.device == device and f.ndim == 0 for f in factors):
+        return False
+    return _multi_tensor.may_overwrite(operands, *factors)
+
+
+def _through_torch_kernel(
+    keys: list[Key],
+    g: list[torch.Tensor],
+    scope: Scope,
+    params: Leaves | None,
+    decayed: list[Key],
+    lr: Scalar,
+    weight_decay: Scalar,
+    b1: float,
+    b2: float,
+    eps: float,
+    donate_state: bool,
+) -> Leaves:
+    r"""The update by ``torch._fused_adamw_``, one pass over each leaf's gradient, moments and
+    update: the update starts as :math:`-\eta\lambda p` (0 on a leaf the mask exempts), and
+    the kernel, given it as its parameter with no decay of its own, subtracts torch's step
+    :math:`\frac{\eta}{c_1}\,\frac{m_t}{\sqrt{v_t}/\sqrt{c_2} + \epsilon}`. Without decay
+    that is ``torch.optim.AdamW(fused=True)``'s parameter change, bit for bit."""
+    exp_avg, exp_avg_sq = scope.read(EXP_AVG, keys), scope.read(EXP_AVG_SQ, keys)
+    counts = count_steps(scope.read(STEP, keys), inplace=donate_state)
+    if not donate_state:  # the kernel writes the moments in place: a new state has its own
+        exp_avg, exp_avg_sq = _copies(exp_avg), _copies(exp_avg_sq)
+    updates: list[torch.Tensor] = [None] * len(keys)  # type: ignore[list-item]
+    index = {k: i for i, k in enumerate(keys)}
+    if decayed:
+        assert params is not None  # (checked by needs)
+        for k, u in zip(decayed, _multi_tensor.apply("mul", [params[k] for k in decayed], neg(lr * weight_decay))):
+            updates[index[k]] = u
+    exempt = [i for i, u in enumerate(updates) if u is None]
+    if exempt:
+        zeros = [torch.empty_like(g[i]) for i in exempt]
+        torch._foreach_zero_(zeros)
+        for i, u in zip(exempt, zeros):
+            updates[i] = u
+    steps = list(counts.stacked.to(torch.float32).unbind(0))[: len(keys)]  # (the kernel reads fp32 counts)
+    torch._fused_adamw_(
+        updates, g, exp_avg, exp_avg_sq, [], steps,
+        lr=lr, beta1=b1, beta2=b2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
+    )  # fmt: skip
+    for entry, values in ((STEP, counts.leaves), (EXP_AVG, exp_avg), (EXP_AVG_SQ, exp_avg_sq)):
+        scope.write(entry, keys, values)
+    return dict(zip(keys, updates))
+
+
+def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for t in tensors]
+    torch._foreach_copy_(out, tensors)
+    return out
 
 
 #: Off the CPU, fp32 leaves below this many elements take their per-leaf factors in one flat

@@ -78,7 +78,8 @@ def ema_momentum(
 
     def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
         keys, values = list(grads), list(grads.values())
-        buf = _multi_tensor.lerp(scope.read(MOMENTUM, keys), values, one_minus(momentum), inplace=donate_state)
+        weight = one_minus(_multi_tensor.host_number(momentum, values))  # (off the CPU: no host ops)
+        buf = _multi_tensor.lerp(scope.read(MOMENTUM, keys), values, weight, inplace=donate_state)
         scope.write(MOMENTUM, keys, buf)
         if bias_correction:
             counts = count_steps(scope.read(STEP, keys), inplace=donate_state)

@@ -136,7 +136,8 @@ def scale_by_neuron_norm(
         means = [_row_means(view, b) for view, b in zip(leaf_views, blocks)]
         # (count, rows, column blocks) views of the state's tensors: a donated update writes into them
         current = [v.reshape(m.shape) for v, m in zip(moments, means)]
-        new = _multi_tensor.lerp(current, means, one_minus(beta), inplace=donate_state)
+        weight = one_minus(_multi_tensor.host_number(beta, values))
+        new = _multi_tensor.lerp(current, means, weight, inplace=donate_state)
         scope.write(
             ROW_SECOND_MOMENT, keys, moments if donate_state else [n.reshape(v.shape) for n, v in zip(new, moments)]
         )
