@@ -52,6 +52,9 @@ def fused_adamw(
     scale, so that a learning rate of 0 makes :math:`D = -\infty` and the update
     :math:`-\eta\lambda p` exactly, never ``nan``. An fp16 leaf's update is computed in fp32 (its
     second moment's dtype) and rounded once.
+
+    On a CUDA GPU, one model's fp32 leaves go through torch's fused AdamW kernel instead, in one
+    pass (see :func:`takes_torch_kernel`): the same formula, torch's rounding.
     """
     reference = chain(
         scale_by_adam(b1, b2, eps=eps, donate_state=donate_state),
