@@ -418,3 +418,27 @@ def dcp_segment(
             dcp.save({"model": model.state_dict(), "optim": state.to_dict()}, checkpoint_id=save[0])
         state = train_step(model, tx, state, step, reference, slice(None))
     check_params(model, reference.params[-1], f"DCP resumed on {world} ranks")
+
+
+def torch_kernel_run(rank: int, world: int, reference: Reference) -> None:
+    """FSDP2 with the AdamW leaves through torch's fused kernel (taken here on the CPU, as a GPU
+    takes it), donated or not, against the single-process run through the same kernel: to
+    rounding, as the CPU's kernel rounds an element by where it falls in its tensor (vector body
+    or scalar tail), which a shard moves; CUDA's computes every element alike."""
+    from muonfn.transforms import _adamw
+
+    _adamw.TORCH_KERNEL_DEVICES = frozenset({"cpu"})
+    calls = []
+    kernel = torch._fused_adamw_
+    torch._fused_adamw_ = lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs)
+    mesh = init_device_mesh("cpu", (world,))
+    collectives = torch_collectives(mesh)
+    for donate in (False, True):
+        model = fsdp(make_net(), mesh)
+        tx = make_tx(collectives=collectives, donate_state=donate)
+        state = tx.init(TensorDict.from_module(model).detach())
+        for step in range(STEPS):
+            state = train_step(model, tx, state, step, reference, slice(None), in_place=donate)
+        check_params(model, reference.params[-1], f"FSDP2, AdamW by torch's kernel, donate={donate}", exact=False)
+        check_state_mirrors_params(model, state)
+    assert len(calls) == 2 * STEPS, calls

@@ -15,6 +15,7 @@ from _dist_harness import run, run_interpreters
 from _dist_models import Reference, reference_run, shim_reference_run
 
 import muonfn
+from muonfn.transforms import _adamw
 
 pytestmark = [
     pytest.mark.timeout(600),
@@ -54,6 +55,18 @@ def test_replicated_parameters_split_their_work(reference: Reference) -> None:
 
 def test_fsdp2_donated_state(reference: Reference) -> None:
     run(workers.donated_state_run, 2, reference)
+
+
+def test_fsdp2_adamw_through_torchs_kernel_matches_single_process(
+    reference: Reference, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GPU's AdamW route (torch's fused kernel, forced on the CPU) takes DTensor shards: the run
+    is the single-process run through it (which rounds otherwise than the rule's own passes), to
+    the CPU kernel's rounding (see ``_dist_workers.torch_kernel_run``)."""
+    monkeypatch.setattr(_adamw, "TORCH_KERNEL_DEVICES", frozenset({"cpu"}))
+    through_kernel = reference_run()
+    assert not torch.equal(through_kernel.params[-1]["embed", "weight"], reference.params[-1]["embed", "weight"])
+    run(workers.torch_kernel_run, 2, through_kernel)
 
 
 def test_fsdp2_apply_if_finite_skips_a_step_on_every_rank(reference: Reference) -> None:

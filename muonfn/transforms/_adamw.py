@@ -124,13 +124,14 @@ def fused_adamw(
 TORCH_KERNEL_DEVICES = frozenset({"cuda", "meta"})
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # (no subclass that dispatches on its own, such as a DTensor)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def takes_torch_kernel(operands: list[torch.Tensor], scope: Scope, lr: Scalar, weight_decay: Scalar) -> bool:
     """Whether an AdamW update goes through ``torch._fused_adamw_``, the kernel behind
     ``torch.optim.AdamW(fused=True)``: for one model (no ensemble) whose ``operands`` (gradients,
-    moments, decayed parameters) are plain fp32 tensors on one CUDA device, eager, outside
+    moments, decayed parameters) are fp32 tensors on one CUDA device, plain or all DTensors (whose
+    shards the kernel steps as it steps whole tensors; their rates numbers), eager, outside
     ``torch.func`` transforms, with nothing that autograd records (the kernel writes in place and
     has no derivative). Elsewhere, and on the CPU, the rule's own passes run: the same arithmetic
     but for rounding (see :func:`fused_adamw`)."""
@@ -139,12 +140,20 @@ def takes_torch_kernel(operands: list[torch.Tensor], scope: Scope, lr: Scalar, w
     device = operands[0].device
     if device.type not in TORCH_KERNEL_DEVICES:
         return False
-    if not all(type(t) in _PLAIN and t.dtype == torch.float32 and t.device == device for t in operands):
+    if not all(t.dtype == torch.float32 and t.device == device for t in operands):
         return False
     factors = [v for v in (lr, weight_decay) if isinstance(v, torch.Tensor)]
-    if not all(f.device == device and f.ndim == 0 for f in factors):
+    if all(type(t) in _PLAIN for t in operands):
+        if not all(f.device == device and f.ndim == 0 for f in factors):
+            return False
+    elif factors or not all(_mesh(t) is not None for t in operands):
         return False
     return _multi_tensor.may_overwrite(operands, *factors)
+
+
+def _mesh(t: torch.Tensor) -> Any:
+    """A DTensor's device mesh (``None`` for a plain tensor)."""
+    return getattr(t, "device_mesh", None) if hasattr(t, "placements") else None
 
 
 def _through_torch_kernel(
@@ -182,16 +191,23 @@ def _through_torch_kernel(
         for i, u in zip(exempt, zeros):
             updates[i] = u
     steps = list(counts.stacked.to(torch.float32).unbind(0))[: len(keys)]  # (the kernel reads fp32 counts)
-    torch._fused_adamw_(
-        updates, g, exp_avg, exp_avg_sq, [], steps,
-        lr=lr, beta1=b1, beta2=b2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
-    )  # fmt: skip
+    meshes: dict[int, list[int]] = {}  # (one call per device mesh: a DTensor op takes one)
+    for i, t in enumerate(g):
+        meshes.setdefault(id(_mesh(t)), []).append(i)
+    for at in meshes.values():
+        operands = ([x[i] for i in at] for x in (updates, g, exp_avg, exp_avg_sq))
+        torch._fused_adamw_(  # type: ignore[call-overload]  # (lr a number or a 0-d tensor: an overload each)
+            *operands, [], [steps[i] for i in at],
+            lr=lr, beta1=b1, beta2=b2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
+        )  # fmt: skip
     for entry, values in ((STEP, counts.leaves), (EXP_AVG, exp_avg), (EXP_AVG_SQ, exp_avg_sq)):
         scope.write(entry, keys, values)
     return dict(zip(keys, updates))
 
 
 def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    if any(_mesh(t) is not None for t in tensors):  # (DTensor has no multi-tensor copy)
+        return [t.clone() for t in tensors]
     out = [torch.empty_like(t) for t in tensors]
     torch._foreach_copy_(out, tensors)
     return out
