@@ -71,11 +71,12 @@ def fused_adamw(
         lr = _multi_tensor.host_number(current_rate(learning_rate, scope, g), g)  # (off the CPU: no host ops)
         wd = _multi_tensor.host_number(weight_decay, g)
         decayed = _decayed_keys(grads, scope, params) if decays else []
-        operands = [*g, *scope.read(EXP_AVG, keys), *scope.read(EXP_AVG_SQ, keys)]
-        if params is not None:
-            operands += [params[k] for k in decayed]
-        if takes_torch_kernel(operands, scope, lr, wd):
-            return _through_torch_kernel(keys, g, scope, params, decayed, lr, wd, b1, b2, eps, donate_state)
+        if g and g[0].device.type in TORCH_KERNEL_DEVICES:
+            operands = [*g, *scope.read(EXP_AVG, keys), *scope.read(EXP_AVG_SQ, keys)]
+            if params is not None:
+                operands += [params[k] for k in decayed]
+            if takes_torch_kernel(operands, scope, lr, wd):
+                return _through_torch_kernel(keys, g, scope, params, decayed, lr, wd, b1, b2, eps, donate_state)
         counts, exp_avg, exp_avg_sq = adam_moments(keys, g, scope, b1, b2, donate_state=donate_state)
         members = scope.members
         root_c2 = counts.corrections(b2).sqrt()
