@@ -261,6 +261,51 @@ def test_shim_step_does_not_synchronize(donate_state: bool) -> None:
     assert_no_sync(shim_step(CUDA, donate_state=donate_state))
 
 
+# --- AdamW through torch's fused kernel ------------------------------------------------------------
+
+
+def adamw_run(tx: muonfn.Transform, params: TensorDict, grads: list[TensorDict]) -> TensorDict:
+    state = tx.init(params)
+    for g in grads:
+        updates, state = tx.update(g, state, params)
+        params = muonfn.apply_updates(params, updates)
+    return params
+
+
+@requires_cuda
+@pytest.mark.parametrize("donate_state", [False, True])
+def test_adamw_on_cuda_is_torch_fused_adamw_bit_for_bit_without_decay(donate_state: bool) -> None:
+    """On CUDA, one model's fp32 AdamW leaves go through torch's fused kernel: without decay, the
+    parameters after three steps are ``torch.optim.AdamW(fused=True)``'s, bit for bit."""
+    params = make_params(CUDA)
+    grads = [randn_like(params, seed) for seed in (1, 2, 3)]
+    ours = adamw_run(muonfn.adamw(3e-3, weight_decay=0.0, donate_state=donate_state), params, grads)
+    leaves = {k: torch.nn.Parameter(p.clone()) for k, p in params.items(True, True)}
+    opt = torch.optim.AdamW(leaves.values(), lr=3e-3, weight_decay=0.0, fused=True)
+    for g in grads:
+        for k, p in leaves.items():
+            p.grad = g[k].clone()
+        opt.step()
+    for k, p in leaves.items():
+        assert torch.equal(ours[k], p.detach()), k
+
+
+@requires_cuda
+def test_adamw_on_cuda_steps_a_piece_of_a_tensor_as_the_whole_steps_it() -> None:
+    """CUDA's kernel applies one formula to every element, wherever it falls in its tensor (the
+    CPU's rounds a tensor's scalar tail otherwise): so FSDP2's shards step as the whole tensor
+    does, bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    whole = TensorDict({"w": torch.randn(1000, generator=g).to(CUDA)}, [])
+    grads = [TensorDict({"w": torch.randn(1000, generator=g).to(CUDA)}, []) for _ in range(3)]
+    tx = muonfn.adamw(3e-3, weight_decay=0.1)
+    expected = adamw_run(tx, whole, grads)["w"]
+    for start, stop in ((0, 7), (7, 500), (3, 1000), (500, 1000)):
+        piece = TensorDict({"w": whole["w"][start:stop].clone()}, [])
+        pieces = [TensorDict({"w": grad["w"][start:stop].clone()}, []) for grad in grads]
+        assert torch.equal(adamw_run(tx, piece, pieces)["w"], expected[start:stop]), (start, stop)
+
+
 # --- torch.compile -----------------------------------------------------------------------------------
 
 
