@@ -131,11 +131,12 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 def takes_torch_kernel(operands: list[torch.Tensor], scope: Scope, lr: Scalar, weight_decay: Scalar) -> bool:
     """Whether an AdamW update goes through ``torch._fused_adamw_``, the kernel behind
     ``torch.optim.AdamW(fused=True)``: for one model (no ensemble) whose ``operands`` (gradients,
-    moments, decayed parameters) are fp32 tensors on one CUDA device, plain or all DTensors (whose
-    shards the kernel steps as it steps whole tensors; their rates numbers), eager, outside
-    ``torch.func`` transforms, with nothing that autograd records (the kernel writes in place and
-    has no derivative). Elsewhere, and on the CPU, the rule's own passes run: the same arithmetic
-    but for rounding (see :func:`fused_adamw`)."""
+    moments, decayed parameters) are fp32 tensors on one CUDA device, eager, outside ``torch.func``
+    transforms, with nothing that autograd records (the kernel writes in place and has no
+    derivative). The operands are plain tensors, with the learning rate and decay numbers or 0-d
+    tensors on that device; or all DTensors (the kernel steps a shard as it steps a whole tensor),
+    with both rates numbers. Elsewhere, and on the CPU, the rule's own passes run: the same
+    arithmetic but for rounding (see :func:`fused_adamw`)."""
     if scope.members or not operands or torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
         return False
     device = operands[0].device
