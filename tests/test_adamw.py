@@ -270,10 +270,11 @@ def test_on_a_gpus_path_one_model_of_fp32_leaves_takes_the_kernel_once(preset) -
     assert kernel_calls(opt.step) == 1
 
 
-@pytest.mark.parametrize("case", ["cpu", "ensemble", "vmap", "bf16", "fp16", "recorded"])
+@pytest.mark.parametrize("case", ["cpu", "ensemble", "vmap", "bf16", "fp16", "recorded", "transposed"])
 def test_elsewhere_the_rule_runs_its_own_passes(case: str) -> None:
     """The CPU, a stacked or vmapped ensemble (whose members keep one formula), a leaf that is not
-    fp32, and a step that autograd records take the rule's own passes."""
+    fp32, a step that autograd records, and a leaf that is not contiguous (CUDA's kernel refuses
+    tensors of one leaf whose strides differ) take the rule's own passes."""
     params, _ = params_and_grads(1)
     device = "cpu" if case == "cpu" else "meta"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(case, torch.float32)
@@ -288,4 +289,6 @@ def test_elsewhere_the_rule_runs_its_own_passes(case: str) -> None:
         return
     if case == "recorded":
         params = params.apply(lambda t: t.requires_grad_())
+    if case == "transposed":
+        params["embed"] = torch.zeros(256, 300, device=device).mT
     assert kernel_calls(meta_step(tx, params, params.detach().clone())) == 0

@@ -131,7 +131,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 def takes_torch_kernel(operands: list[torch.Tensor], scope: Scope, lr: Scalar, weight_decay: Scalar) -> bool:
     """Whether an AdamW update goes through ``torch._fused_adamw_``, the kernel behind
     ``torch.optim.AdamW(fused=True)``: for one model (no ensemble) whose ``operands`` (gradients,
-    moments, decayed parameters) are fp32 tensors on one CUDA device, eager, outside ``torch.func``
+    moments, decayed parameters) are contiguous fp32 tensors on one CUDA device, eager, outside ``torch.func``
     transforms, with nothing that autograd records (the kernel writes in place and has no
     derivative). The operands are plain tensors, with the learning rate and decay numbers or 0-d
     tensors on that device; or all DTensors (the kernel steps a shard as it steps a whole tensor),
@@ -142,7 +142,8 @@ def takes_torch_kernel(operands: list[torch.Tensor], scope: Scope, lr: Scalar, w
     device = operands[0].device
     if device.type not in TORCH_KERNEL_DEVICES:
         return False
-    if not all(t.dtype == torch.float32 and t.device == device for t in operands):
+    # (CUDA's kernel takes each leaf's tensors with one layout, dense: contiguous ones have it)
+    if not all(t.dtype == torch.float32 and t.device == device and t.is_contiguous() for t in operands):
         return False
     factors = [v for v in (lr, weight_decay) if isinstance(v, torch.Tensor)]
     if all(type(t) in _PLAIN for t in operands):
