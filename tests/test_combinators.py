@@ -287,3 +287,24 @@ def test_a_users_rule_runs_under_vmap_as_member_by_member() -> None:
     for i in range(3):
         alone, _ = tx.update(grads[i], tx.init(params[i]), params[i])
         torch.testing.assert_close(vmapped["w"][i], alone["w"])
+
+
+def test_a_rule_says_whether_it_writes_its_state_in_place() -> None:
+    """``Rule.donated``: set by the donating transforms, carried through every combinator, and
+    false for a user's rule that does not say otherwise (what apply_if_finite reads)."""
+    from muonfn.transforms import as_rule
+
+    for donate in (False, True):
+        for tx in (
+            muonfn.muon(donate_state=donate),
+            muonfn.normuon(donate_state=donate),
+            muonfn.adamuon(donate_state=donate),
+            muonfn.adamw(donate_state=donate),
+            muonfn.adamw(donate_state=donate, nesterov=True),
+            muonfn.cautious(muonfn.scale_by_muon(donate_state=donate)),
+            muonfn.apply_if_finite(muonfn.named("m", muonfn.ema_momentum(donate_state=donate))),
+            muonfn.masked(muonfn.scale_by_adam(donate_state=donate), lambda k, p: True),
+        ):
+            assert as_rule(tx).donated is donate
+    assert as_rule(muonfn.chain(muonfn.scale_by_sign(), muonfn.ema_momentum(donate_state=True))).donated
+    assert not as_rule(muonfn.chain(_scale_by_rms(), muonfn.scale_by_learning_rate(0.1))).donated

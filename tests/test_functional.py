@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _bitwise import assert_bitwise
 from _strategies import TiedLM, assert_td_close, assert_td_equal, mlp, random_like
 from tensordict import TensorDict
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -211,6 +212,47 @@ def test_apply_if_finite_skips_bad_steps_and_counts_them(bad: float) -> None:
         assert_td_equal(updates, expected)
         assert_td_equal(state.exclude("notfinite_count"), plain)
     assert int(state["notfinite_count"]) == 1
+
+
+@pytest.mark.parametrize("preset", ["muon", "normuon", "adamuon", "adamw"])
+def test_apply_if_finite_keeps_a_donated_state_on_a_skipped_step(preset: str) -> None:
+    """A donating transform writes its state in place: on a skipped step the guard writes the old
+    values back into those tensors (same addresses), so the run goes on bitwise as the undonated
+    guarded run, the step after the bad one included; a stacked ensemble skips per member."""
+    params = conv_and_experts()
+    options = {} if preset == "adamw" else {"views": VIEWS}
+    make = getattr(muonfn, preset)
+    plain = muonfn.apply_if_finite(make(lr=0.1, **options))
+    donating = muonfn.apply_if_finite(make(lr=0.1, **options, donate_state=True))
+    state, donated = plain.init(params), donating.init(params)
+    addresses = [t.data_ptr() for t in donated.values(True, True)]
+    for t in range(3):
+        grads = random_like(params, seed=40 + t)
+        if t == 1:
+            grads["conv"][0, 0, 0, 0] = float("nan")
+        before = donated.clone()
+        updates, state = plain.update(grads, state, params)
+        donated_updates, donated = donating.update(grads, donated, params)
+        assert_bitwise(donated_updates, updates)
+        assert_bitwise(donated, state)
+        if t == 1:
+            assert_bitwise(donated.exclude("notfinite_count"), before.exclude("notfinite_count"))
+        params = muonfn.apply_updates(params, updates)
+    assert int(donated["notfinite_count"]) == 1
+    assert [t.data_ptr() for t in donated.exclude("notfinite_count").values(True, True)] == [
+        a for a, k in zip(addresses, donating.init(params).keys(True, True)) if k != "notfinite_count"
+    ]
+
+    stacked = torch.stack([params, params.apply(lambda x: x * 0.5)])
+    ensemble = donating.init(stacked)
+    grads = torch.stack([random_like(params, seed=50), random_like(params, seed=51)])
+    grads["conv"][1, 0, 0, 0, 0] = float("inf")
+    before = ensemble.clone()
+    _, ensemble = donating.update(grads, ensemble, stacked)
+    assert ensemble["notfinite_count"].tolist() == [0, 1]
+    kept = before.exclude("notfinite_count")[1]
+    assert_bitwise(ensemble.exclude("notfinite_count")[1], kept)
+    assert not all(torch.equal(a, b) for a, b in zip(ensemble[0].values(True, True), before[0].values(True, True)))
 
 
 def test_every_dtype_is_kept_0d_leaves_included() -> None:

@@ -130,7 +130,7 @@ def scale_by_adam(
         )
 
     needs = per_leaf_needs("scale_by_adam", (EXP_AVG, EXP_AVG_SQ), (STEP,), squares=(EXP_AVG_SQ,))
-    return from_rule(init, Rule("scale_by_adam", update, needs))
+    return from_rule(init, Rule("scale_by_adam", update, needs, donate_state))
 
 
 def adam_moments(

@@ -136,4 +136,4 @@ def scale_by_element_rms(
     needs = per_leaf_needs(
         "scale_by_element_rms", (EXP_AVG_SQ,), (STEP,) if bias_correction else (), squares=(EXP_AVG_SQ,)
     )
-    return from_rule(init, Rule("scale_by_element_rms", update, needs))
+    return from_rule(init, Rule("scale_by_element_rms", update, needs, donate_state))

@@ -117,7 +117,7 @@ def fused_adamw(
             grads, scope.batch_size, lambda: resolve_mask_flat(mask, grads, params, scope.batch_size, where=where)
         )
 
-    return from_rule(reference.init, Rule("adamw", update, as_rule(reference).needs))
+    return from_rule(reference.init, Rule("adamw", update, as_rule(reference).needs, donate_state))
 
 
 #: The devices whose AdamW leaves take torch's fused kernel (see :func:`takes_torch_kernel`);

@@ -81,4 +81,4 @@ def cautious(tx: Transform, *, mode: CautiousMode = "heavyball", sum_shards: Sum
             for k, u, keep, s, d in zip(keys, values, keeps, summed[:n], summed[n:])
         }
 
-    return from_rule(tx.init, Rule("cautious", update, rule.needs))
+    return from_rule(tx.init, Rule("cautious", update, rule.needs, rule.donated))

@@ -10,7 +10,7 @@ from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor
 
 from .. import _tree
 from .._keys import Key, dotted, resolve_table
-from .._tree import Leaves
+from .._tree import FlatState, Leaves
 from .._validation import check_params
 from ._caches import StructureCache
 from ._contract import Transform
@@ -64,7 +64,7 @@ def chain(*transforms: Transform) -> Transform:
             out.entries.append((f"chain (member {i}, {rule.name})", prefix, keys))
             rule.needs(grads, params, prefix, out)
 
-    return from_rule(init, Rule("chain", update, needs))
+    return from_rule(init, Rule("chain", update, needs, any(r.donated for r in rules)))
 
 
 def named(name: str, tx: Transform) -> Transform:
@@ -84,7 +84,7 @@ def named(name: str, tx: Transform) -> Transform:
         out.entries.append((f"named({name!r})", prefix, (name,)))
         rule.needs(grads, params, (*prefix, name), out)
 
-    return from_rule(init, Rule(f"named({name!r})", update, needs))
+    return from_rule(init, Rule(f"named({name!r})", update, needs, rule.donated))
 
 
 def check_labels(where: str, labels: object) -> None:
@@ -185,7 +185,7 @@ def partition(transforms: Mapping[str, Transform], labels: LabelsLike) -> Transf
                 sub_params = None if params is None else {k: params[k] for k in keys}
                 rules[name].needs({k: grads[k] for k in keys}, sub_params, (*prefix, name), out)
 
-    return from_rule(init, Rule(where, update, needs))
+    return from_rule(init, Rule(where, update, needs, any(r.donated for r in rules.values())))
 
 
 def masked(tx: Transform, mask: MaskLike) -> Transform:
@@ -226,13 +226,15 @@ def masked(tx: Transform, mask: MaskLike) -> Transform:
         sub_params = None if params is None else {k: params[k] for k in mine}
         rule.needs({k: grads[k] for k in mine}, sub_params, prefix, out)
 
-    return from_rule(init, Rule("masked", update, needs))
+    return from_rule(init, Rule("masked", update, needs, rule.donated))
 
 
 def apply_if_finite(tx: Transform, *, sum_shards: SumShards | None = None) -> Transform:
     """Skips a step whose gradients hold NaN or Inf: zero updates, state unchanged.
 
-    Skipped steps are counted in ``state["notfinite_count"]``. The test is a tensor
+    Skipped steps are counted in ``state["notfinite_count"]``. A ``tx`` that updates its state
+    in place (``donate_state=True``, :attr:`Rule.donated`) gets a copy of it kept each step,
+    which a skipped step writes back into the same tensors. The test is a tensor
     (no ``.item()``), so the guarded update stays traceable. For a stacked ensemble
     (params of batch size ``[N]``) each member is tested, skipped and counted on its own.
 
@@ -272,10 +274,17 @@ def apply_if_finite(tx: Transform, *, sum_shards: SumShards | None = None) -> Tr
         # the wrapped transform sees its own state only, and writes a trial state
         inner_given = {k: v for k, v in scope.given.items() if k != count_key}
         trial = Scope(inner_given, {}, scope.prefix, scope.batch_size)
+        # a donated update writes its state in place: a skipped step restores it from copies
+        kept = _copies(inner_given) if rule.donated else {}
         updates = rule.update(grads, trial, params)
         for key, new in trial.returned.items():
             old = scope.given.get(key)
-            scope.returned[key] = new if old is None or old is new else _where(finite, new, old, members)
+            if key in kept:  # (written back into a tensor updated in place: it keeps its address)
+                chosen = _where(finite, new, kept[key], members)
+                in_place = new is old
+                scope.returned[key] = new.copy_(chosen) if in_place else chosen
+            else:
+                scope.returned[key] = new if old is None or old is new else _where(finite, new, old, members)
         scope.set(NOTFINITE_COUNT, scope.get(NOTFINITE_COUNT) + (~finite).to(torch.int64))
         return {k: _where(finite, u, torch.zeros_like(u), members) for k, u in updates.items()}
 
@@ -283,7 +292,19 @@ def apply_if_finite(tx: Transform, *, sum_shards: SumShards | None = None) -> Tr
         out.entries.append(("apply_if_finite", prefix, (NOTFINITE_COUNT,)))
         rule.needs(grads, params, prefix, out)
 
-    return from_rule(init, Rule("apply_if_finite", update, needs))
+    return from_rule(init, Rule("apply_if_finite", update, needs, rule.donated))
+
+
+def _copies(state: FlatState) -> dict[Key, torch.Tensor]:
+    """A copy of every tensor of ``state``: one multi-tensor copy for the plain ones (DTensor has none)."""
+    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    plain = [k for k, v in tensors.items() if not hasattr(v, "placements")]
+    out = {k: v.clone() for k, v in tensors.items() if hasattr(v, "placements")}
+    if plain:
+        copies = [torch.empty_like(tensors[k]) for k in plain]
+        torch._foreach_copy_(copies, [tensors[k] for k in plain])
+        out.update(zip(plain, copies))
+    return out
 
 
 def _all_finite(g: torch.Tensor, members: int) -> torch.Tensor:

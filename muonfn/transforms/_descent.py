@@ -81,7 +81,8 @@ def descent(
         out.update(zip(keys, add("add", current, p, alpha=-eta * lam)))
         return out
 
-    return from_rule(reference.init, Rule(rule.name, update, as_rule(reference).needs))
+    chained = as_rule(reference)
+    return from_rule(reference.init, Rule(rule.name, update, chained.needs, chained.donated))
 
 
 def eager_number(value: Scalar) -> float | None:

@@ -94,7 +94,7 @@ def ema_momentum(
         return dict(zip(keys, updates))
 
     needs = per_leaf_needs("ema_momentum", (MOMENTUM,), (STEP,) if bias_correction else ())
-    return from_rule(init, Rule("ema_momentum", update, needs))
+    return from_rule(init, Rule("ema_momentum", update, needs, donate_state))
 
 
 def _corrected(

@@ -162,7 +162,7 @@ def scale_by_neuron_norm(
             ("scale_by_neuron_norm", (*prefix, ROW_SECOND_MOMENT, *k), k, shape) for k, shape in zip(keys, shapes)
         ]
 
-    return from_rule(init, Rule("scale_by_neuron_norm", update, needs))
+    return from_rule(init, Rule("scale_by_neuron_norm", update, needs, donate_state))
 
 
 def _refuse_sharded(keys: Sequence[Key], values: Sequence[torch.Tensor]) -> None:

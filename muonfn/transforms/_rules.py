@@ -199,11 +199,14 @@ class Rule(NamedTuple):
     is refused before any member of a composition runs: :func:`per_leaf_needs` for state
     entries shaped like each leaf, :func:`no_needs` for none. The update must not change its
     inputs unless told the state is donated, and must stay traceable (no ``.item()``).
+    ``donated``: the update may write the state it is given in place (``donate_state=True``),
+    which a wrapper that may keep the old state (:func:`apply_if_finite`) must know.
     """
 
     name: str
     update: Callable[[Leaves, Scope, Leaves | None], Leaves]
     needs: Callable[[Leaves, Leaves | None, Key, Needs], None]
+    donated: bool = False
 
 
 def no_needs(grads: Leaves, params: Leaves | None, prefix: Key, needs: Needs) -> None:
