@@ -10,7 +10,8 @@ without elements, a scalar leaf) and checks the properties that must hold for ev
 - ``donate_state=True`` gives the same bits, and ``apply_updates_`` the parameters
   ``apply_updates`` gives;
 - Parameters that autograd records give the update taken under ``no_grad``;
-- every update keeps its leaf's shape and dtype, and updates and state are finite;
+- every update keeps its leaf's shape and dtype, and updates and state are finite (under
+  ``apply_if_finite``, through a step with a NaN gradient, which it skips);
 - the ``torch.optim`` shim steps a module exactly as the functional preset steps its params, its
   switches (bias correction, caution, Newton–Schulz eps mode, NAdamW) drawn too.
 """
@@ -141,6 +142,9 @@ def test_every_combination_is_pure_donatable_and_differentiable(drawn, narrow, g
         grads = random_td(10 + t, dtypes)
         if t == 1:
             grads = grads.exclude(MISSING)
+        if t == 2 and guarded:  # a step the guard skips: the state stays as it was, donated or not
+            first = next(k for k in grads.keys(True, True) if grads[k].numel())
+            grads[first].view(-1)[0] = float("nan")
         inputs = (grads.clone(), state.clone(), params.clone())
         updates, new_state = plain.update(grads, state, params)
         for given_td, copy in zip((grads, state, params), inputs):

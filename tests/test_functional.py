@@ -255,6 +255,23 @@ def test_apply_if_finite_keeps_a_donated_state_on_a_skipped_step(preset: str) ->
     assert not all(torch.equal(a, b) for a, b in zip(ensemble[0].values(True, True), before[0].values(True, True)))
 
 
+@pytest.mark.parametrize("ns_method", ["svd", "qr"])
+def test_apply_if_finite_skips_a_nan_step_of_an_exact_orthogonalizer(ns_method: str) -> None:
+    """The SVD raises on a matrix that is not finite: the exact maps give it NaN instead, so the
+    guard skips the step (the state kept, donated) where it used to stop the run."""
+    params = conv_and_experts()
+    tx = muonfn.apply_if_finite(muonfn.muon(lr=0.1, views=VIEWS, ns_method=ns_method, donate_state=True))
+    state = tx.init(params)
+    _, state = tx.update(random_like(params, seed=60), state, params)
+    before = state.clone()
+    grads = random_like(params, seed=61)
+    grads["conv"][0, 0, 0, 0] = float("nan")
+    updates, state = tx.update(grads, state, params)
+    assert all(torch.equal(u, torch.zeros_like(u)) for u in updates.values(True, True))
+    assert_bitwise(state.exclude("notfinite_count"), before.exclude("notfinite_count"))
+    assert int(state["notfinite_count"]) == 1
+
+
 def test_every_dtype_is_kept_0d_leaves_included() -> None:
     params = TensorDict({"w": torch.ones(4, 4), "s": torch.ones((), dtype=torch.bfloat16), "t": torch.ones(())}, [])
     tx = muonfn.apply_if_finite(muonfn.muon())

@@ -408,8 +408,20 @@ def test_rectangular_and_degenerate_shapes() -> None:
 @pytest.mark.parametrize("shape", [(0, 5), (5, 0), (3, 0, 5), (0, 4, 4)])
 def test_an_empty_matrix_maps_to_an_empty_result(shape: tuple[int, ...]) -> None:
     x = torch.zeros(shape)
-    for out in (newton_schulz(x), gram_newton_schulz(x)):
+    for out in (newton_schulz(x), gram_newton_schulz(x), muonfn.polar(x), muonfn.qr_orthogonal(x)):
         assert out.shape == shape and out.dtype == x.dtype
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_the_exact_maps_give_nan_for_a_matrix_that_is_not_finite(bad: float) -> None:
+    """The SVD would raise on it; as Newton–Schulz does, polar and QR give that matrix NaN and
+    the others their own results, so that apply_if_finite can skip the step."""
+    x = gaussian(3, 6, 4, seed=2)
+    x[1, 2, 3] = bad
+    for f in (muonfn.polar, muonfn.qr_orthogonal):
+        out = f(x)
+        assert out[1].isnan().all() if f is muonfn.polar else out[1].isnan().any()
+        assert torch.equal(out[0::2], f(x[0::2]))
 
 
 def _normalised_by_formula(x: torch.Tensor, f: muonfn.NewtonSchulz, dtype: torch.dtype) -> torch.Tensor:

@@ -746,15 +746,21 @@ def polar(x: torch.Tensor) -> torch.Tensor:
     r"""The exact polar factor :math:`U_r V_r^\top` of every matrix in ``x`` (via SVD, in fp64).
 
     Singular directions with :math:`\sigma \le \max(m, n)\,\epsilon_{64}\,\sigma_{max}` count
-    as the null space and map to zero, so rank-deficient inputs give a partial isometry.
-    The reference for tests and diagnostics; returns ``x.dtype``.
+    as the null space and map to zero, so rank-deficient inputs give a partial isometry. A
+    matrix holding NaN or Inf maps to NaN, as Newton–Schulz's does (the SVD would raise, and
+    :func:`~muonfn.apply_if_finite` could not skip the step). The reference for tests and
+    diagnostics; returns ``x.dtype``.
     """
     if x.ndim < 2:
         raise ValueError(f"polar needs a (..., m, n) tensor, got shape {tuple(x.shape)}")
-    u, s, vh = torch.linalg.svd(x.to(torch.float64), full_matrices=False)
+    if not x.numel():
+        return torch.zeros_like(x)
+    wide = x.to(torch.float64)
+    finite = wide.isfinite().flatten(-2).all(-1)[..., None, None]
+    u, s, vh = torch.linalg.svd(torch.where(finite, wide, 0.0), full_matrices=False)
     tol = max(x.shape[-2:]) * torch.finfo(torch.float64).eps * s.amax(dim=-1, keepdim=True)
     keep = (s > tol).to(torch.float64)
-    return ((u * keep.unsqueeze(-2)) @ vh).to(x.dtype)
+    return torch.where(finite, (u * keep.unsqueeze(-2)) @ vh, torch.nan).to(x.dtype)
 
 
 def qr_orthogonal(x: torch.Tensor) -> torch.Tensor:
