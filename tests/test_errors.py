@@ -463,17 +463,37 @@ SCHEDULED = {
     ],
     ids=["nan", "negative", "inf", "str", "1-element tensor", "bool tensor", "complex tensor", "meta tensor"],
 )
+@pytest.mark.parametrize("donate_state", [False, True])
 def test_a_bad_schedule_value_is_rejected_when_called(
-    value: object, error: type[Exception], match: str, scheduled: str
+    value: object, error: type[Exception], match: str, scheduled: str, donate_state: bool
 ) -> None:
+    """Refused before any member of the preset writes its state: a donated state, which the
+    members update in place (the momentum before the Muon branch's rate), is left as it was."""
     preset, option, name = SCHEDULED[scheduled]
     p = params()
-    tx = preset(**{option: lambda count: value})  # type: ignore[operator]
+    tx = preset(**{option: lambda count: value}, donate_state=donate_state)  # type: ignore[operator]
     state = tx.init(p)
     before = state.clone()
     with pytest.raises(error, match=match.format(schedule=re.escape(name))):
         tx.update(p.apply(torch.ones_like), state, p)
     assert_td_equal(state, before)
+
+
+def test_a_schedule_is_called_once_an_update_though_checked_before_it() -> None:
+    """The checks call the schedule and keep its value for the update: one call per branch and
+    update, each with the count before it."""
+    calls: list[int] = []
+
+    def schedule(count: torch.Tensor) -> float:
+        calls.append(int(count))
+        return 0.01
+
+    tx = muonfn.muon(lr=schedule, adamw_lr=0.001, donate_state=True)
+    p = params()
+    state = tx.init(p)
+    for _ in range(3):
+        _, state = tx.update(p.apply(torch.ones_like), state, p)
+    assert calls == [0, 1, 2]
 
 
 def test_decay_without_params() -> None:

@@ -273,7 +273,7 @@ def apply_if_finite(tx: Transform, *, sum_shards: SumShards | None = None) -> Tr
         count_key = (*scope.prefix, NOTFINITE_COUNT)
         # the wrapped transform sees its own state only, and writes a trial state
         inner_given = {k: v for k, v in scope.given.items() if k != count_key}
-        trial = Scope(inner_given, {}, scope.prefix, scope.batch_size)
+        trial = Scope(inner_given, {}, scope.prefix, scope.batch_size, scope.checked)
         # a donated update writes its state in place: a skipped step restores it from copies
         kept = _copies(inner_given) if rule.donated else {}
         updates = rule.update(grads, trial, params)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 
 from .. import _multi_tensor
 from .._keys import Key, dotted
-from .._tree import Leaves
+from .._tree import FlatState, Leaves
 from .._validation import Scalar, ScalarOrSchedule, flag, non_negative, schedule_value
 from ._arithmetic import neg
 from ._bias_correction import per_member
@@ -28,10 +29,16 @@ def _check_tensor(lr: torch.Tensor, values: list[torch.Tensor], scope: Scope, *,
     """A tensor learning rate must be 0-d (or one value per ensemble member) and where the
     leaves are: on their device, or a 0-d tensor on the CPU, which meets any device's tensors
     as a number does. Only metadata is read: no wait for the device."""
-    members, batch_size = scope.members, scope.batch_size
+    _check_tensor_at(lr, values, scope.prefix, scope.batch_size, scheduled=scheduled)
+
+
+def _check_tensor_at(
+    lr: torch.Tensor, values: list[torch.Tensor], prefix: Key, batch_size: torch.Size, *, scheduled: bool
+) -> None:
+    members = len(batch_size)
     if lr.ndim and (not members or lr.shape != batch_size):
         raise ValueError(
-            f"{_named(scope.prefix, scheduled=scheduled)} returned a tensor of shape {tuple(lr.shape)}; it must be 0-d"
+            f"{_named(prefix, scheduled=scheduled)} returned a tensor of shape {tuple(lr.shape)}; it must be 0-d"
             + (f" or of the ensemble's batch size {tuple(batch_size)}" if members else "")
         )
     if lr.ndim == 0 and lr.device.type == "cpu":
@@ -41,9 +48,37 @@ def _check_tensor(lr: torch.Tensor, values: list[torch.Tensor], scope: Scope, *,
     if stray is not None:
         verb = "returned" if scheduled else "is"
         raise ValueError(
-            f"{_named(scope.prefix, scheduled=scheduled)} {verb} a tensor on {device}, the parameters are on "
+            f"{_named(prefix, scheduled=scheduled)} {verb} a tensor on {device}, the parameters are on "
             f"{stray}; it must be on their device, or a 0-d tensor on the CPU"
         )
+
+
+def rate_check(learning_rate: ScalarOrSchedule, grads: Leaves, prefix: Key, out: Needs) -> None:
+    """Adds to ``out`` the check of this update's learning rate, so that a bad one is refused
+    before any member of a composition writes its state (in place, if donated): a schedule is
+    called here, once, and its checked value kept for the update (:attr:`Scope.checked`)."""
+    keys = list(grads)
+    batch_size = out.batch_size
+    if callable(learning_rate) and not isinstance(learning_rate, torch.Tensor):
+        schedule, count_key = learning_rate, (*prefix, COUNT)
+
+        def check(state: FlatState, all_grads: Leaves, checked: dict[Key, Any]) -> None:
+            count = state.get(count_key)
+            if not isinstance(count, torch.Tensor):
+                return  # (a missing count is refused by the entries' check, or by the update)
+            lr = schedule_value(_named(prefix, scheduled=True), schedule(count))
+            if isinstance(lr, torch.Tensor):
+                _check_tensor_at(lr, [all_grads[k] for k in keys], prefix, batch_size, scheduled=True)
+            checked[count_key] = lr
+
+        out.values.append(check)
+    elif isinstance(learning_rate, torch.Tensor):
+        lr = learning_rate
+
+        def check_tensor(state: FlatState, all_grads: Leaves, checked: dict[Key, Any]) -> None:
+            _check_tensor_at(lr, [all_grads[k] for k in keys], prefix, batch_size, scheduled=False)
+
+        out.values.append(check_tensor)
 
 
 def scaled_by_rate(grads: Leaves, lr: Scalar, scope: Scope, *, inplace: bool, scheduled: bool) -> Leaves:
@@ -61,9 +96,12 @@ def scaled_by_rate(grads: Leaves, lr: Scalar, scope: Scope, *, inplace: bool, sc
 
 
 def scheduled_rate(schedule: Callable[[torch.Tensor], Scalar], scope: Scope) -> Scalar:
-    """The schedule's learning rate for this update, its count (state ``"count"``) advanced in ``scope``."""
+    """The schedule's learning rate for this update, its count (state ``"count"``) advanced in
+    ``scope``: the value :func:`rate_check` took before the update, or the schedule's now."""
     count = scope.get(COUNT)
-    lr = schedule_value(_named(scope.prefix, scheduled=True), schedule(count))
+    lr = scope.checked.get((*scope.prefix, COUNT))
+    if lr is None:
+        lr = schedule_value(_named(scope.prefix, scheduled=True), schedule(count))
     scope.set(COUNT, count + 1)
     return lr
 
@@ -117,6 +155,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, inplace: bool = F
 
         def needs(grads: Leaves, params: Leaves | None, prefix: Key, out: Needs) -> None:
             out.entries.append(("scale_by_learning_rate", prefix, (COUNT,)))
+            rate_check(schedule, grads, prefix, out)
 
         return from_rule(init, Rule("scale_by_learning_rate", update, needs))
 
@@ -126,4 +165,8 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, inplace: bool = F
     def scale(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
         return scaled_by_rate(grads, lr, scope, inplace=inplace, scheduled=False)
 
-    return from_rule(empty_state, Rule("scale_by_learning_rate", scale, no_needs))
+    def tensor_needs(grads: Leaves, params: Leaves | None, prefix: Key, out: Needs) -> None:
+        rate_check(lr, grads, prefix, out)
+
+    checks = tensor_needs if isinstance(lr, torch.Tensor) else no_needs
+    return from_rule(empty_state, Rule("scale_by_learning_rate", scale, checks))

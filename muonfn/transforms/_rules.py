@@ -32,10 +32,19 @@ class Scope:
     another branch's) are carried over without a copy of their own.
     """
 
-    __slots__ = ("batch_size", "given", "prefix", "returned")
+    __slots__ = ("batch_size", "checked", "given", "prefix", "returned")
 
-    def __init__(self, given: FlatState, returned: FlatState, prefix: Key, batch_size: torch.Size) -> None:
+    def __init__(
+        self,
+        given: FlatState,
+        returned: FlatState,
+        prefix: Key,
+        batch_size: torch.Size,
+        checked: dict[Key, Any] | None = None,
+    ) -> None:
         self.given, self.returned, self.prefix, self.batch_size = given, returned, prefix, batch_size
+        #: values the checks computed before the update (a schedule's learning rate, by its count's key)
+        self.checked: dict[Key, Any] = {} if checked is None else checked
 
     @property
     def members(self) -> int:
@@ -44,7 +53,7 @@ class Scope:
 
     def child(self, name: str) -> Scope:
         """The scope of the state kept under ``name`` (:func:`named`, a partition's branch)."""
-        return Scope(self.given, self.returned, (*self.prefix, name), self.batch_size)
+        return Scope(self.given, self.returned, (*self.prefix, name), self.batch_size, self.checked)
 
     def read(self, entry: str, keys: Iterable[Key]) -> list[torch.Tensor]:
         """The state ``entry`` of every leaf of ``keys`` (checked present by :class:`Needs`)."""
@@ -104,11 +113,14 @@ class Needs:
     must exist as int64 tensors of the batch size, one count per ensemble member (``(where,
     state keys)``); ``shaped``: state leaves that must exist with a given shape (second-moment
     statistics of a leaf, such as one per row, in the gradient's second-moment dtype);
-    ``params``: whether ``params`` are required. State keys are full (prefixed) keys;
-    ``where`` names the transform that reads them.
+    ``params``: whether ``params`` are required; ``values``: checks of what the update will
+    compute from the state before it writes anything (a schedule's learning rate), each
+    ``check(state, grads, checked)``, which may keep its result in ``checked`` for the update
+    (:attr:`Scope.checked`). State keys are full (prefixed) keys; ``where`` names the
+    transform that reads them.
     """
 
-    __slots__ = ("batch_size", "counts", "entries", "like", "params", "shaped")
+    __slots__ = ("batch_size", "checked", "counts", "entries", "like", "params", "shaped", "values")
 
     def __init__(self, batch_size: torch.Size) -> None:
         self.batch_size = batch_size
@@ -117,6 +129,8 @@ class Needs:
         self.counts: list[tuple[str, Sequence[Key]]] = []
         self.shaped: list[tuple[str, Key, Key, tuple[int, ...]]] = []
         self.params: list[str] = []
+        self.values: list[Callable[[FlatState, Leaves, dict[Key, Any]], None]] = []
+        self.checked: dict[Key, Any] = {}
 
     def check(
         self, tree: TensorDictBase | Mapping[str, Any] | None, state: FlatState, grads: Leaves, params: Leaves | None
@@ -160,6 +174,8 @@ class Needs:
                     f"fit its state {dotted(key)!r} of shape {tuple(s.shape)} and dtype {s.dtype} "
                     f"(expected {shape} and {dtype})"
                 )
+        for check in self.values:
+            check(state, grads, self.checked)
 
 
 def _check_like(
@@ -252,8 +268,8 @@ class RuleUpdate:
         check_batch(self.rule.name, grads, state)
         flat_state = _tree.flatten(state, keep_empty=True) if isinstance(state, TensorDictBase) else {}
         flat_grads, flat_params = _tree.flatten(grads), None if params is None else _tree.flatten(params)
-        check_rule(self.rule, flat_grads, flat_state, flat_params, grads.batch_size, state)
-        updates, returned = run_checked(self.rule, flat_grads, flat_state, flat_params, grads.batch_size)
+        checked = check_rule(self.rule, flat_grads, flat_state, flat_params, grads.batch_size, state)
+        updates, returned = run_checked(self.rule, flat_grads, flat_state, flat_params, grads.batch_size, checked)
         if not isinstance(state, TensorDictBase) and not returned:
             return _tree.unflatten(updates, grads.batch_size), state  # a stateless transform given a plain {}
         if _same_entries(returned, flat_state):
@@ -273,26 +289,33 @@ def check_rule(
     params: Leaves | None,
     batch_size: torch.Size,
     tree: TensorDictBase | Mapping[str, Any] | None = None,
-) -> None:
+) -> dict[Key, Any]:
     """Checks one update's input, every member's needs at once, before anything is computed:
     a ``ValueError`` names the first thing missing or mismatched.
 
     ``tree``: the state as given, for the check of its top-level entries; ``None`` skips it
     (a caller whose state always has its transform's layout, as the ``torch.optim`` shim's).
+    Returns what the checks computed for the update (see :attr:`Scope.checked`).
     """
     check_leaves(rule.name, grads, params, batch_size)
     needs = Needs(batch_size)
     rule.needs(grads, params, (), needs)
     needs.check(tree, state, grads, params)
+    return needs.checked
 
 
 def run_checked(
-    rule: Rule, grads: Leaves, state: FlatState, params: Leaves | None, batch_size: torch.Size
+    rule: Rule,
+    grads: Leaves,
+    state: FlatState,
+    params: Leaves | None,
+    batch_size: torch.Size,
+    checked: dict[Key, Any] | None = None,
 ) -> tuple[Leaves, FlatState]:
     """One update over flat dicts, ``(updates, new state)``, after :func:`check_rule` passed for
     these leaves, or for a superset of ``grads`` with the same state and params (a step taken
-    in parts)."""
-    scope = Scope(state, dict(state), (), batch_size)
+    in parts); ``checked``: what it returned."""
+    scope = Scope(state, dict(state), (), batch_size, checked)
     return rule.update(grads, scope, params), scope.returned
 
 
