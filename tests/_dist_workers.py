@@ -327,12 +327,12 @@ def skipped_step_run(rank: int, world: int, reference: Reference) -> None:
     """FSDP2 under ``muonfn.apply_if_finite``: a step whose gradient shard on one rank holds a NaN is
     skipped on every rank (params and DTensor state unchanged, counted once); the run then goes on
     bitwise as the single-process one without that step. The same with ``sum_shards``, which DTensor
-    leaves do not need but must not mind."""
-    for sums in (False, True):
+    leaves do not need but must not mind; and over a donated state, which the guard writes back."""
+    for sums, donate in ((False, False), (True, False), (False, True)):
         mesh = init_device_mesh("cpu", (world,))
         collectives = torch_collectives(mesh)
         tx = muonfn.apply_if_finite(
-            make_tx(collectives=collectives), sum_shards=shard_sums(collectives) if sums else None
+            make_tx(collectives=collectives, donate_state=donate), sum_shards=shard_sums(collectives) if sums else None
         )
         skipped_step(rank, world, reference, fsdp(make_net(), mesh), tx)
 
