@@ -296,8 +296,11 @@ def apply_if_finite(tx: Transform, *, sum_shards: SumShards | None = None) -> Tr
 
 
 def _copies(state: FlatState) -> dict[Key, torch.Tensor]:
-    """A copy of every tensor of ``state``: one multi-tensor copy for the plain ones (DTensor has none)."""
+    """A copy of every tensor of ``state``: one multi-tensor copy for the plain ones (DTensor has
+    none, nor has ``torch.func``: there each is cloned)."""
     tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    if torch._C._are_functorch_transforms_active():
+        return {k: v.clone() for k, v in tensors.items()}
     plain = [k for k, v in tensors.items() if not hasattr(v, "placements")]
     out = {k: v.clone() for k, v in tensors.items() if hasattr(v, "placements")}
     if plain:
