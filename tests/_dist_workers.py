@@ -283,6 +283,23 @@ def plain_shards_and_guards(rank: int, world: int, shim_reference: Reference) ->
     else:
         raise AssertionError("a sharded DTensor without collectives must be refused")
 
+    # the adapted variants need whole matrices: refused before the donated momentum moves
+    for variant in ("normuon", "adamuon"):
+        model = fsdp(make_net(), mesh)
+        tx = getattr(muonfn, variant)(donate_state=True)
+        params = TensorDict.from_module(model).detach()
+        state = tx.init(params)
+        before = {k: v.to_local().clone() for k, v in state.items(True, True)}
+        grads = params.apply(torch.ones_like)
+        try:
+            tx.update(grads, state, params)
+        except ValueError as e:
+            assert "need whole matrices" in str(e) or "needs whole matrices" in str(e), e
+        else:
+            raise AssertionError(f"{variant} over sharded DTensors must be refused")
+        for k, v in state.items(True, True):
+            assert torch.equal(v.to_local(), before[k]), (variant, k)
+
 
 def replicated_run(rank: int, world: int, reference: Reference) -> None:
     """Data parallelism over plain tensors: every rank holds the whole model and the same gradients.

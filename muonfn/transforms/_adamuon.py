@@ -17,7 +17,7 @@ from ._contract import Transform
 from ._normuon import _refuse_sharded
 from ._orthogonalize import ViewsLike, check_views, resolve_views
 from ._rescale import Rescale, check_rescale, rescaled
-from ._rules import Rule, Scope, from_rule, per_leaf_needs
+from ._rules import Needs, Rule, Scope, from_rule, per_leaf_needs
 from ._state import EXP_AVG_SQ, STEP
 
 
@@ -107,7 +107,6 @@ def scale_by_element_rms(
     def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
         keys, given = list(grads), list(grads.values())
         leaf_views = views_of.get(grads, scope.batch_size, lambda: checked_views(keys, given, scope.members))
-        _refuse_sharded(keys, given)
         values = _multi_tensor.widened(given)  # an fp16 leaf adapted in fp32
         squares = _multi_tensor.apply("mul", values, values)
         weight = one_minus(_multi_tensor.host_number(beta, values))
@@ -133,7 +132,15 @@ def scale_by_element_rms(
             out.append(view.from_matrices([rescaled(b, a, rescale, eps) for b, a in zip(blocks, befores)], o.shape))
         return dict(zip(keys, cast_like(out, given)))
 
-    needs = per_leaf_needs(
+    state_needs = per_leaf_needs(
         "scale_by_element_rms", (EXP_AVG_SQ,), (STEP,) if bias_correction else (), squares=(EXP_AVG_SQ,)
     )
+
+    def needs(grads: Leaves, params: Leaves | None, prefix: Key, out: Needs) -> None:
+        # (refused before any member of a composition runs: a donated momentum must not have moved)
+        keys, given = list(grads), list(grads.values())
+        _refuse_sharded(keys, given)
+        views_of.get(grads, out.batch_size, lambda: checked_views(keys, given, len(out.batch_size)))
+        state_needs(grads, params, prefix, out)
+
     return from_rule(init, Rule("scale_by_element_rms", update, needs, donate_state))
