@@ -263,6 +263,12 @@ class LocalOrthogonalizer:
         ns: MatrixFn,
         scale: ScaleFn,
     ) -> list[torch.Tensor]:
+        self.check(keys, tensors, views)
+        return orthogonalize_blocks(tensors, views, ns, scale, bucket_numel=self.bucket_numel)
+
+    @staticmethod
+    def check(keys: Sequence[Key], tensors: Sequence[torch.Tensor], views: Sequence[MatrixView]) -> None:
+        """Each tensor fits its view and is whole (not a sharded DTensor), or a ``ValueError`` names it."""
         for key, t, view in zip(keys, tensors, views):
             view.check(key, t.shape)
             placements = tuple(getattr(t, "placements", ()))
@@ -271,7 +277,6 @@ class LocalOrthogonalizer:
                     f"{dotted(key)!r} is a DTensor sharded as {placements}: Newton–Schulz needs whole "
                     "matrices; pass collectives=muonfn.distributed.torch_collectives(mesh)"
                 )
-        return orthogonalize_blocks(tensors, views, ns, scale, bucket_numel=self.bucket_numel)
 
     def __repr__(self) -> str:
         return f"LocalOrthogonalizer(bucket_numel={self.bucket_numel})"

@@ -36,7 +36,7 @@ from ._combine import chain
 from ._contract import InitFn, Transform, empty_state
 from ._descent import Scaled
 from ._momentum import ema_momentum
-from ._rules import Rule, Scope, from_rule, no_needs
+from ._rules import Needs, Rule, Scope, from_rule, no_needs
 
 MethodLike: TypeAlias = NSMethod | Literal["svd", "qr"] | MatrixFn
 
@@ -329,11 +329,22 @@ def orthogonalize(
         )
         return dict(zip(keys, run(keys, values, leaf_views, ns, _times(factor, scale_fn))))
 
+    def needs(grads: Leaves, params: Leaves | None, prefix: Key, out: Needs) -> None:
+        # the local orthogonalizer's refusals (a leaf that does not fit its view, a sharded DTensor)
+        # come before any member of a composition runs: a donated momentum must not have moved
+        if isinstance(run, LocalOrthogonalizer):
+            keys, values = list(grads), list(grads.values())
+            members = len(out.batch_size)
+            leaf_views = resolved.get(
+                grads, out.batch_size, lambda: resolve_views(views, keys, values, members=members)
+            )
+            run.check(keys, values, leaf_views)
+
     # sharded leaves may be local blocks: their views are checked against global shapes at update
     # (a map of one's own is tried at init on meta tensors, so that a wrong shape fails before a step)
     probe = None if isinstance(ns, NewtonSchulz) else ns
     init = _view_checker(views, probe) if isinstance(run, LocalOrthogonalizer) else empty_state
-    return from_rule(init, Rule("orthogonalize", Scaled(scaled), no_needs))
+    return from_rule(init, Rule("orthogonalize", Scaled(scaled), needs))
 
 
 def _times(factor: float, scale_fn: ScaleFn) -> ScaleFn:
