@@ -35,7 +35,7 @@ from tensordict import TensorDict
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import muonfn
@@ -282,6 +282,25 @@ def plain_shards_and_guards(rank: int, world: int, shim_reference: Reference) ->
         assert "sharded" in str(e) and "collectives=" in str(e)
     else:
         raise AssertionError("a sharded DTensor without collectives must be refused")
+
+    # a gradient still pending its reduction (Partial), with collectives: refused before the
+    # donated momentum moves
+    model = fsdp(make_net(), mesh)
+    tx = muonfn.muon(collectives=torch_collectives(mesh), donate_state=True)
+    params = TensorDict.from_module(model).detach()
+    state = tx.init(params)
+    before = {k: v.to_local().clone() for k, v in state.items(True, True)}
+    grads = params.apply(torch.ones_like)
+    whole = torch.ones(grads["fc1", "weight"].shape)  # every rank's partial sum of the whole gradient
+    grads["fc1", "weight"] = DTensor.from_local(whole, mesh, [Partial()], run_check=False)
+    try:
+        tx.update(grads, state, params)
+    except ValueError as e:
+        assert "'fc1.weight'" in str(e) and "pending reduction" in str(e), e
+    else:
+        raise AssertionError("a pending reduction must be refused")
+    for k, v in state.items(True, True):
+        assert torch.equal(v.to_local(), before[k]), ("pending reduction", k)
 
     # Newton–Schulz without collectives, and the adapted variants, need whole matrices: refused
     # before the donated momentum moves

@@ -28,7 +28,7 @@ from ._gather import GatherRound
 from ._layout import ShardSpec
 from ._owner import OwnerRound
 from ._pipeline import Round, run_rounds
-from ._plan import Leaf, Plan, describe, make_plan
+from ._plan import Leaf, Plan, check_dtensor_leaf, describe, make_plan
 from ._sums import ShardSums
 from ._tp_gram import run_tp_gram
 
@@ -84,6 +84,15 @@ class ShardedOrthogonalizer:
             )
             self._plans[key] = plan.with_leaves([])  # the cache keeps no tensors alive
         return plan.with_leaves(members)
+
+    def check(self, keys: Sequence[Key], tensors: Sequence[torch.Tensor], views: Sequence[MatrixView]) -> None:
+        """The refusals of a step's DTensor leaves that need no collective (a ShardSpec of their
+        own, collectives that cannot map their mesh, a pending reduction), so that
+        :func:`~muonfn.orthogonalize` makes them before any member of a composition runs."""
+        declared = resolve_table(self.shard_specs, keys)
+        for key, value in zip(keys, tensors):
+            if hasattr(value, "placements"):
+                check_dtensor_leaf(key, value, declared.get(key), self.collectives)
 
     def __call__(
         self,

@@ -44,6 +44,7 @@ from ._layout import (
     ShardSpec,
     length,
     placement_global_shape,
+    placement_kind,
     placement_layout,
     replicated_layout,
     sizes_layout,
@@ -87,6 +88,21 @@ def _dtensor_type() -> Any:
     return DTensor
 
 
+def check_dtensor_leaf(key: Key, value: Any, spec: ShardSpec | None, collectives: Any) -> None:
+    """A DTensor leaf's refusals, from its metadata alone (no collective): a ShardSpec of its own,
+    collectives that cannot map its mesh, a placement that is no sharding (a pending reduction)."""
+    name = dotted(key)
+    if spec is not None:
+        raise ValueError(f"{name!r} is a DTensor, which describes its own sharding; drop its ShardSpec")
+    if getattr(collectives, "for_mesh", None) is None:
+        raise TypeError(f"{name!r} is a DTensor; its collectives must come from torch_collectives(mesh)")
+    for p in value.placements:
+        try:
+            placement_kind(p)
+        except ValueError as e:
+            raise ValueError(f"{name!r}: {e}") from None
+
+
 def describe(
     index: int,
     key: Key,
@@ -102,11 +118,8 @@ def describe(
     dtensor = _dtensor_type()
     name = dotted(key)
     if dtensor is not None and isinstance(value, dtensor):
-        if spec is not None:
-            raise ValueError(f"{name!r} is a DTensor, which describes its own sharding; drop its ShardSpec")
-        for_mesh = getattr(collectives, "for_mesh", None)
-        if for_mesh is None:
-            raise TypeError(f"{name!r} is a DTensor; its collectives must come from torch_collectives(mesh)")
+        check_dtensor_leaf(key, value, spec, collectives)
+        for_mesh = collectives.for_mesh
         dt: Any = value
         mesh, placements = dt.device_mesh, tuple(dt.placements)
         group, coords = for_mesh(mesh)

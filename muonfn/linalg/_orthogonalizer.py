@@ -28,7 +28,10 @@ class Orthogonalizer(Protocol):
     ``keys`` name the tensors (for errors, and for settings given by name), ``views`` say
     how each is read as matrices, ``ns`` maps a ``(count, m, n)`` batch of matrices.
     Returns one tensor per input, of its type, shape and dtype, each a tensor of this call's
-    own (never an input, nor a view of one): the steps after it may write into it.
+    own (never an input, nor a view of one): the steps after it may write into it. An
+    orthogonalizer may also have ``check(keys, tensors, views)``, which raises for leaves it
+    would refuse, from their metadata alone: :func:`~muonfn.orthogonalize` calls it with the
+    other checks of a step, before any transform of a composition writes its state.
     """
 
     def __call__(

@@ -330,15 +330,17 @@ def orthogonalize(
         return dict(zip(keys, run(keys, values, leaf_views, ns, _times(factor, scale_fn))))
 
     def needs(grads: Leaves, params: Leaves | None, prefix: Key, out: Needs) -> None:
-        # the local orthogonalizer's refusals (a leaf that does not fit its view, a sharded DTensor)
-        # come before any member of a composition runs: a donated momentum must not have moved
-        if isinstance(run, LocalOrthogonalizer):
+        # an orthogonalizer's refusals (a leaf off its view, a sharded DTensor without collectives,
+        # a pending reduction) come before any member of a composition runs: a donated momentum
+        # must not have moved
+        check = getattr(run, "check", None)
+        if callable(check):
             keys, values = list(grads), list(grads.values())
             members = len(out.batch_size)
             leaf_views = resolved.get(
                 grads, out.batch_size, lambda: resolve_views(views, keys, values, members=members)
             )
-            run.check(keys, values, leaf_views)
+            check(keys, values, leaf_views)
 
     # sharded leaves may be local blocks: their views are checked against global shapes at update
     # (a map of one's own is tried at init on meta tensors, so that a wrong shape fails before a step)
