@@ -207,7 +207,7 @@ def test_the_torch_kernel_route_keeps_an_undonated_state(torch_kernel_on_the_cpu
     params, grads = params_and_grads(2)
     plain, donating = muonfn.adamw(LR, weight_decay=WD), muonfn.adamw(LR, weight_decay=WD, donate_state=True)
     state = plain.init(params)
-    state, _ = plain.update(grads[0], state, params)[1], None
+    state = plain.update(grads[0], state, params)[1]
     before = state.clone()
     updates, new = plain.update(grads[1], state, params)
     assert_bitwise(state, before)
