@@ -115,6 +115,17 @@ def apply_(op: str, tensors: Tensors, *operands: Any, **kwargs: Any) -> list[tor
     return list(tensors)
 
 
+def copies(tensors: Tensors) -> list[torch.Tensor]:
+    """A copy of every tensor: one multi-tensor copy, or one copy each for DTensors and under
+    ``torch.func`` transforms (neither has a multi-tensor copy)."""
+    if torch._C._are_functorch_transforms_active() or any(_is_dtensor(t) for t in tensors):
+        return [t.clone() for t in tensors]
+    out = [torch.empty_like(t) for t in tensors]
+    if out:
+        torch._foreach_copy_(out, list(tensors))
+    return out
+
+
 def may_overwrite(tensors: Tensors, *operands: Any) -> bool:
     """Whether an update may write into the temporaries it computed from ``tensors`` (and
     ``operands``, numbers or 0-d tensors such as a learning rate): not under a ``torch.func``

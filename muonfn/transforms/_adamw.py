@@ -180,7 +180,7 @@ def _through_torch_kernel(
     exp_avg, exp_avg_sq = scope.read(EXP_AVG, keys), scope.read(EXP_AVG_SQ, keys)
     counts = count_steps(scope.read(STEP, keys), inplace=donate_state)
     if not donate_state:  # the kernel writes the moments in place: a new state has its own
-        exp_avg, exp_avg_sq = _copies(exp_avg), _copies(exp_avg_sq)
+        exp_avg, exp_avg_sq = _multi_tensor.copies(exp_avg), _multi_tensor.copies(exp_avg_sq)
     updates: list[torch.Tensor] = [None] * len(keys)  # type: ignore[list-item]
     index = {k: i for i, k in enumerate(keys)}
     if decayed:
@@ -206,14 +206,6 @@ def _through_torch_kernel(
     for entry, values in ((STEP, counts.leaves), (EXP_AVG, exp_avg), (EXP_AVG_SQ, exp_avg_sq)):
         scope.write(entry, keys, values)
     return dict(zip(keys, updates))
-
-
-def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    if any(_mesh(t) is not None for t in tensors):  # (DTensor has no multi-tensor copy)
-        return [t.clone() for t in tensors]
-    out = [torch.empty_like(t) for t in tensors]
-    torch._foreach_copy_(out, tensors)
-    return out
 
 
 #: Off the CPU, fp32 leaves below this many elements take their per-leaf factors in one flat

@@ -8,9 +8,9 @@ from typing import Any, TypeAlias
 import torch
 from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor
 
-from .. import _tree
+from .. import _multi_tensor, _tree
 from .._keys import Key, dotted, resolve_table
-from .._tree import FlatState, Leaves
+from .._tree import Leaves
 from .._validation import check_params
 from ._caches import StructureCache
 from ._contract import Transform
@@ -275,7 +275,10 @@ def apply_if_finite(tx: Transform, *, sum_shards: SumShards | None = None) -> Tr
         inner_given = {k: v for k, v in scope.given.items() if k != count_key}
         trial = Scope(inner_given, {}, scope.prefix, scope.batch_size, scope.checked)
         # a donated update writes its state in place: a skipped step restores it from copies
-        kept = _copies(inner_given) if rule.donated else {}
+        kept: dict[Key, torch.Tensor] = {}
+        if rule.donated:
+            tensors = {k: v for k, v in inner_given.items() if isinstance(v, torch.Tensor)}
+            kept = dict(zip(tensors, _multi_tensor.copies(list(tensors.values()))))
         updates = rule.update(grads, trial, params)
         for key, new in trial.returned.items():
             old = scope.given.get(key)
@@ -293,21 +296,6 @@ def apply_if_finite(tx: Transform, *, sum_shards: SumShards | None = None) -> Tr
         rule.needs(grads, params, prefix, out)
 
     return from_rule(init, Rule("apply_if_finite", update, needs, rule.donated))
-
-
-def _copies(state: FlatState) -> dict[Key, torch.Tensor]:
-    """A copy of every tensor of ``state``: one multi-tensor copy for the plain ones (DTensor has
-    none, nor has ``torch.func``: there each is cloned)."""
-    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-    if torch._C._are_functorch_transforms_active():
-        return {k: v.clone() for k, v in tensors.items()}
-    plain = [k for k, v in tensors.items() if not hasattr(v, "placements")]
-    out = {k: v.clone() for k, v in tensors.items() if hasattr(v, "placements")}
-    if plain:
-        copies = [torch.empty_like(tensors[k]) for k in plain]
-        torch._foreach_copy_(copies, [tensors[k] for k in plain])
-        out.update(zip(plain, copies))
-    return out
 
 
 def _all_finite(g: torch.Tensor, members: int) -> torch.Tensor:

@@ -25,16 +25,12 @@ def _named(prefix: Key, *, scheduled: bool) -> str:
     return f"{name} of branch {dotted(prefix)!r}" if prefix else name
 
 
-def _check_tensor(lr: torch.Tensor, values: list[torch.Tensor], scope: Scope, *, scheduled: bool) -> None:
+def _check_tensor(
+    lr: torch.Tensor, values: list[torch.Tensor], prefix: Key, batch_size: torch.Size, *, scheduled: bool
+) -> None:
     """A tensor learning rate must be 0-d (or one value per ensemble member) and where the
     leaves are: on their device, or a 0-d tensor on the CPU, which meets any device's tensors
     as a number does. Only metadata is read: no wait for the device."""
-    _check_tensor_at(lr, values, scope.prefix, scope.batch_size, scheduled=scheduled)
-
-
-def _check_tensor_at(
-    lr: torch.Tensor, values: list[torch.Tensor], prefix: Key, batch_size: torch.Size, *, scheduled: bool
-) -> None:
     members = len(batch_size)
     if lr.ndim and (not members or lr.shape != batch_size):
         raise ValueError(
@@ -68,7 +64,7 @@ def rate_check(learning_rate: ScalarOrSchedule, grads: Leaves, prefix: Key, out:
                 return  # (a missing count is refused by the entries' check, or by the update)
             lr = schedule_value(_named(prefix, scheduled=True), schedule(count))
             if isinstance(lr, torch.Tensor):
-                _check_tensor_at(lr, [all_grads[k] for k in keys], prefix, batch_size, scheduled=True)
+                _check_tensor(lr, [all_grads[k] for k in keys], prefix, batch_size, scheduled=True)
             checked[count_key] = lr
 
         out.values.append(check)
@@ -76,7 +72,7 @@ def rate_check(learning_rate: ScalarOrSchedule, grads: Leaves, prefix: Key, out:
         lr = learning_rate
 
         def check_tensor(state: FlatState, all_grads: Leaves, checked: dict[Key, Any]) -> None:
-            _check_tensor_at(lr, [all_grads[k] for k in keys], prefix, batch_size, scheduled=False)
+            _check_tensor(lr, [all_grads[k] for k in keys], prefix, batch_size, scheduled=False)
 
         out.values.append(check_tensor)
 
@@ -85,7 +81,7 @@ def scaled_by_rate(grads: Leaves, lr: Scalar, scope: Scope, *, inplace: bool, sc
     """``grads * -lr`` for ``lr`` a number, a 0-d tensor, or one value per ensemble member."""
     keys, values = list(grads), list(grads.values())
     if isinstance(lr, torch.Tensor):
-        _check_tensor(lr, values, scope, scheduled=scheduled)
+        _check_tensor(lr, values, scope.prefix, scope.batch_size, scheduled=scheduled)
     inplace = inplace and _multi_tensor.may_overwrite(values, lr)
     if isinstance(lr, torch.Tensor) and lr.ndim:
         factors = per_member([lr.neg()] * len(values), values, scope.members)
@@ -115,7 +111,7 @@ def current_rate(learning_rate: ScalarOrSchedule, scope: Scope, values: list[tor
     else:
         lr = learning_rate
     if isinstance(lr, torch.Tensor):
-        _check_tensor(lr, values, scope, scheduled=scheduled)
+        _check_tensor(lr, values, scope.prefix, scope.batch_size, scheduled=scheduled)
     return lr
 
 
