@@ -69,6 +69,9 @@ class Entry:
     make: Callable[[], Callable[[], Any]]
     repeats: int
     warmup: int = 2
+    #: steps per timed sample (a sample's time is divided by it): on a GPU, steps between two
+    #: synchronisations overlap the host's issue of one with the device's work of another
+    steps: int = 1
     times: list[float] = field(default_factory=list)
     peak_bytes: float = float("nan")
     step: Callable[[], Any] | None = None
@@ -99,16 +102,17 @@ def run_interleaved(entries: list[Entry], device: torch.device, log: Callable[[s
             if r >= e.repeats:
                 continue
             assert e.step is not None
-            e.times.append(timed(e.step, device))
+            e.times.append(timed(e.step, device, e.steps))
 
 
-def timed(step: Callable[[], Any], device: torch.device) -> float:
-    """Seconds one call of ``step`` takes, bracketed by device synchronisations."""
+def timed(step: Callable[[], Any], device: torch.device, steps: int = 1) -> float:
+    """Seconds one call of ``step`` takes: ``steps`` calls bracketed by device synchronisations, averaged."""
     synchronize(device)
     t0 = time.perf_counter()
-    step()
+    for _ in range(steps):
+        step()
     synchronize(device)
-    return time.perf_counter() - t0
+    return (time.perf_counter() - t0) / steps
 
 
 def time_in_a_row(entries: list[Entry], steps: int, device: torch.device) -> None:

@@ -158,6 +158,7 @@ def entry_record(e: Entry) -> dict[str, Any]:
         "times_ms": [t * 1e3 for t in e.times],
         "repeats": len(e.times),
         "warmup": e.warmup,
+        "steps_per_sample": e.steps,
         "peak_mb": e.peak_bytes / MB,
         **e.info,
     }
@@ -223,11 +224,15 @@ def section_step(args: argparse.Namespace, prof: dict[str, Any], device: torch.d
         if has_shim():
             entries.append(Entry("muonfn shim", lambda: C.make_shim(ps), args.repeats))
             entries.append(Entry("muonfn shim donated", lambda: C.make_shim(ps, donate_state=True), args.repeats))
+            if device.type == "cuda":  # host-bound in parts there: the one-part shim beside it
+                entries.append(Entry("muonfn shim one part", lambda: C.make_shim(ps, chunk_numel=None), args.repeats))
         entries += [
             Entry(TORCH_MUON, lambda: C.make_torch_muon(ps), slow, warmup=1 if slow_bf16 else 2),
             Entry("plain fp32 loop", lambda: C.make_plain_loop(ps), args.repeats),
             *peer_entries(ps, peers, slow, slow_bf16),
         ]
+        for e in entries:
+            e.steps = args.steps_per_sample or (5 if device.type == "cuda" else 1)
         run_interleaved(entries, device, log)
         mm, contenders = entries[0], entries[1:]
         rate = matmul_flops(prof["matmul"]) / mm.median
@@ -702,6 +707,12 @@ def configure(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[s
     p.add_argument("--depth", type=int, help="GPT depth")
     p.add_argument("--repeats", type=int, help="timed repetitions per contender")
     p.add_argument("--slow-repeats", type=int, help="repetitions of torch.optim.Muon on CPU (bf16 there)")
+    p.add_argument(
+        "--steps-per-sample",
+        type=int,
+        help="step section: steps between two synchronisations, a sample's time divided by them (default 5 on CUDA, "
+        "where they overlap the host's issue with the device's work, else 1)",
+    )
     p.add_argument("--threads", type=int, help="torch.set_num_threads")
     p.add_argument(
         "--compile-peers",

@@ -149,7 +149,7 @@ def host_number(weight: Any, leaves: Tensors) -> Any:
     one number for all leaves (a tensor factor per leaf runs the op tensor by tensor, a kernel
     each), and reading a host tensor waits for no device; traced, the tensor is kept so that a
     new value does not recompile."""
-    if isinstance(weight, torch.Tensor) and bool(leaves) and off_cpu(leaves[0]) and readable_on_host(weight):
+    if isinstance(weight, torch.Tensor) and len(leaves) > 0 and off_cpu(leaves[0]) and readable_on_host(weight):
         return weight.item()
     return weight
 

@@ -181,15 +181,18 @@ def model_like() -> TensorDict:
     )
 
 
+@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scale", ["match_rms_adamw", "original", "unit_rms_norm"])
-def test_scale_by_muon_is_momentum_then_newton_schulz_then_shape_scale(scale: str, device: torch.device) -> None:
+def test_scale_by_muon_is_momentum_then_newton_schulz_then_shape_scale(
+    scale: str, ns_dtype: torch.dtype, device: torch.device
+) -> None:
     params = model_like().to(device)
     fused = muonfn.scale_by_muon(
-        0.9, nesterov=True, ns_coefficients="cesista", scale=scale, extra_scale=0.7, views=VIEWS
+        0.9, nesterov=True, ns_coefficients="cesista", scale=scale, extra_scale=0.7, views=VIEWS, ns_dtype=ns_dtype
     )
     parts = muonfn.chain(
         muonfn.ema_momentum(0.9, nesterov=True),
-        muonfn.orthogonalize("cesista", views=VIEWS),
+        muonfn.orthogonalize("cesista", views=VIEWS, dtype=ns_dtype),
         muonfn.scale_by_shape(scale, extra_scale=0.7, views=VIEWS),
     )
     s1, s2 = fused.init(params), parts.init(params)
@@ -201,8 +204,9 @@ def test_scale_by_muon_is_momentum_then_newton_schulz_then_shape_scale(scale: st
         assert_td_equal(s1, s2)
         for key, expected in u2.items(True, True):
             # the scale taken by the last Newton–Schulz step (its coefficients times the scale,
-            # rounded, and one rounding of the sum): within a few roundings of the product after it
-            bound = 8 * torch.finfo(expected.dtype).eps * expected.abs().max().item()
+            # rounded, and one rounding of the sum, in the Newton–Schulz dtype): within a few
+            # roundings of that dtype of the product after it
+            bound = 8 * torch.finfo(ns_dtype).eps * expected.abs().max().item()
             torch.testing.assert_close(u1[key], expected, atol=bound, rtol=0, msg=str(key))
 
 
