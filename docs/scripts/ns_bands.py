@@ -57,9 +57,10 @@ def iterate(g: torch.Tensor, name: str, matmul: Matmul) -> torch.Tensor:
     """The fp32 iteration of ``muonfn.newton_schulz`` on a wide ``g``, with its matmuls done by ``matmul``."""
     schedule = muonfn.COEFFICIENTS[name]
     x = g / (schedule.norm_factor * torch.linalg.matrix_norm(g))
+    eye = torch.eye(x.shape[0])
     for a, b, c in schedule.triples:
         gram = matmul(x, x.mT)
-        x = a * x + matmul(b * gram + c * matmul(gram, gram), x)
+        x = matmul(a * eye + b * gram + c * matmul(gram, gram), x)
     return x
 
 

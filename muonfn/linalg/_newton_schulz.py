@@ -297,18 +297,42 @@ def _standard_steps(
     X: torch.Tensor, schedule: Coefficients, reduction: Reduction | None, scale: float = 1.0
 ) -> torch.Tensor:
     r"""The quintic steps :math:`X \leftarrow aX + (bA + cA^2)X`, :math:`A = XX^\top`, the last
-    one multiplied by ``scale`` (in the matmul's own epilogue, where it costs no pass)."""
+    one multiplied by ``scale`` (inside the step's matmuls, where it costs no pass)."""
     if reduction is None and may_write_into(X):
         return _standard_steps_in_place(X, schedule, scale)
     triples = schedule.triples
     for k, (a, b, c) in enumerate(triples):
-        s = scale if k == len(triples) - 1 else 1.0
         A = torch.bmm(X, X.mT)
         if reduction is not None:
             A = reduction.sum(A)
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        X = torch.baddbmm(X, B, X, beta=a * s, alpha=s)
+        X = _step(X, A, a, b, c, scale if k == len(triples) - 1 else 1.0)
     return X if triples or scale == 1.0 else X * scale
+
+
+def _step(
+    X: torch.Tensor,
+    A: torch.Tensor,
+    a: float,
+    b: float,
+    c: float,
+    s: float = 1.0,
+    factor: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    r""":math:`s\,(aX + (bA + cA^2)X)` (the small ``m×m`` factor into ``factor``, the result into
+    ``out``, where given).
+
+    In fp32 and wider, as :math:`(saI + sbA + scA^2)X`: the factor formed on the small side and
+    one plain matmul, more accurate there and no pass over ``X`` beside the matmuls
+    (``baddbmm``'s :math:`aX + BX` copies ``X`` into its output and reads it again). In a 16-bit
+    dtype, as :math:`saX + sBX` in the matmul's fp32 epilogue: the factor's diagonal
+    :math:`a + B_{ii}`, rounded to 8 bits, would scale whole rows of the result by its error."""
+    if X.dtype.itemsize >= 4:
+        P = torch.baddbmm(A, A, A, beta=b * s, alpha=c * s, out=factor)
+        P.diagonal(dim1=-2, dim2=-1).add_(a * s)
+        return torch.bmm(P, X, out=out)
+    B = torch.baddbmm(A, A, A, beta=b, alpha=c, out=factor)
+    return torch.baddbmm(X, B, X, beta=a * s, alpha=s, out=out)
 
 
 def may_write_into(X: torch.Tensor) -> bool:
@@ -328,14 +352,12 @@ def _standard_steps_in_place(X: torch.Tensor, schedule: Coefficients, scale: flo
     that returns freed blocks to the system saves the page faults of fresh memory."""
     count, m, _ = X.shape
     A = X.new_empty((count, m, m))
-    B = torch.empty_like(A)
+    factor = torch.empty_like(A)
     Y = torch.empty_like(X)
     triples = schedule.triples
     for k, (a, b, c) in enumerate(triples):
-        s = scale if k == len(triples) - 1 else 1.0
         torch.bmm(X, X.mT, out=A)
-        torch.baddbmm(A, A, A, beta=b, alpha=c, out=B)
-        torch.baddbmm(X, B, X, beta=a * s, alpha=s, out=Y)
+        _step(X, A, a, b, c, scale if k == len(triples) - 1 else 1.0, factor=factor, out=Y)
         X, Y = Y, X
     return X if triples or scale == 1.0 else X * scale
 
@@ -693,9 +715,9 @@ class NewtonSchulz:
         return self.orthogonalize(x)
 
     def orthogonalize(self, x: torch.Tensor, *, overwrite_input: bool = False, scale: float = 1.0) -> torch.Tensor:
-        """``scale·self(x)``, the scale taken by the last step's matmul (``s·(aX + BX)``, rounded
-        once: no pass of its own), so within a rounding of the product after it, and exactly
-        that product for a power of two; with ``overwrite_input=True`` it may normalise ``x`` in
+        """``scale·self(x)``, the scale taken by the last step's matmuls (no pass of its
+        own), so within a few roundings of the product after it, and exactly that product
+        for a power of two; with ``overwrite_input=True`` it may normalise ``x`` in
         place (a stack built for this call: one fresh buffer less, the same result)."""
         X, tall, spare = self._iterated(x, overwrite_input, scale)
         return _restored(X, x, tall, into=spare)

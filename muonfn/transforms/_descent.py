@@ -47,7 +47,7 @@ def descent(
 
     Eager, with :math:`\eta` and :math:`\lambda` numbers (or 0-d tensors on the host, read as
     numbers: no device waits), :math:`-\eta` goes into the step's own pass with the shape scale
-    (for Newton–Schulz, its last matmul), and the decay is one multiply-add: the learning rate
+    (for Newton–Schulz, its last step's matmuls), and the decay is one multiply-add: the learning rate
     takes no pass over the leaves of its own, and no rounding. A tensor on a device, one per
     ensemble member, or any traced tensor takes the chain's passes.
     """

@@ -419,7 +419,7 @@ def scale_by_muon(
     r"""Muon's direction: :math:`s(A, B)\cdot\mathrm{NS}(u)` with :math:`u` the (Nesterov) EMA momentum.
 
     ``chain(ema_momentum(...), orthogonalize(...), scale_by_shape(...))`` within a few
-    roundings: the scale is taken by the last Newton–Schulz step's matmul, which saves a pass
+    roundings: the scale is taken by the last Newton–Schulz step's matmuls, which saves a pass
     over memory.
     ``ns`` is the whole Newton–Schulz setting (a :class:`muonfn.NewtonSchulz` or a map of
     batches), and the ``ns_*`` arguments its flat spellings, :func:`orthogonalize`'s
