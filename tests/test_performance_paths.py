@@ -4,6 +4,7 @@ in benchmarks/."""
 
 import collections
 import operator
+from typing import Any
 
 import pytest
 import torch
@@ -402,6 +403,27 @@ def test_compiled_update_fullgraph_matches_eager():
     for key in params.keys(True, True):
         torch.testing.assert_close(params_c[key], params_e[key], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(state_c["adamw", "step", "norm"], state_e["adamw", "step", "norm"])
+
+
+def test_update_traces_whole_off_the_cpu():
+    """The branches a GPU takes (rates read as host numbers, small leaves' factors gathered
+    flat, the AdamW kernel route declined while tracing) trace with ``fullgraph=True`` too: on
+    the meta device, which takes them and holds no values (so ``aot_eager``, and a float rate).
+    tests/test_cuda.py compiles the same step on a GPU."""
+    torch._dynamo.reset()
+    params, grads = (td.select("attn", "mlp", "experts", "fused", "norm").to("meta") for td in make(4))
+    labels = {"norm": "adamw", "attn.k": "adamw", "attn.q": "muon", "attn.qkv": "muon"}
+    labels.update({k: "muon" for k in ("mlp.up", "mlp.down", "experts", "fused")})
+    tx = muonfn.muon(lr=0.02, views=VIEWS, weight_decay=0.1, labels=labels, donate_state=True)
+
+    def step(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase) -> Any:
+        updates, state = tx.update(grads, state, params)
+        return muonfn.apply_updates(params, updates), state
+
+    new_params, state = torch.compile(step, fullgraph=True, backend="aot_eager")(grads, tx.init(params), params)
+    for key, p in params.items(True, True):
+        assert new_params[key].shape == p.shape and new_params[key].dtype == p.dtype and new_params[key].is_meta, key
+    assert set(state.keys(True, True)) == set(tx.init(params).keys(True, True))
 
 
 # --- no multi-tensor kernel next to a transposed read ------------------------------------------------

@@ -218,7 +218,7 @@ def gathers_small_leaves(like: list[torch.Tensor], members: int) -> bool:
     plain fp32 leaves, outside ``torch.func`` transforms (where every op runs leaf by leaf)."""
     return (
         not members
-        and bool(like)
+        and len(like) > 0
         and not torch._C._are_functorch_transforms_active()
         and all(type(t) is torch.Tensor and t.dtype == torch.float32 and _multi_tensor.off_cpu(t) for t in like)
     )
