@@ -170,13 +170,16 @@ def quoted(figure: float | None, digits: int) -> str:
 
 #: the performance page's row names -> the contenders' names in the recorded JSON
 GPU_ROWS = {
-    "pytorch-optimizer Muon": "pytorch_optimizer",
-    "muonfn donated (`donate_state=True` + `apply_updates_`)": "muonfn_donated",
-    "muonfn functional (`update` + `apply_updates`)": "muonfn_functional",
-    "muonfn shim (`muonfn.optim.Muon`, defaults)": "muonfn_shim",
-    "torch Muon + fused AdamW": "torch_fused",
-    "torch Muon + foreach AdamW": "torch_foreach",
-    "timm Muon": "timm",
+    "pytorch-optimizer Muon": "pytorch-optimizer Muon",
+    "muonfn shim, one part (`chunk_numel=None`)": "muonfn shim one part",
+    "muonfn donated (`donate_state=True` + `apply_updates_`)": "muonfn donated",
+    'muonfn gram (`ns_method="gram"`, functional)': "muonfn gram",
+    "muonfn functional (`update` + `apply_updates`)": "muonfn",
+    "muonfn shim (`muonfn.optim.Muon`, defaults)": "muonfn shim",
+    "torch Muon + foreach AdamW": "torch Muon+AdamW",
+    "timm Muon": "timm Muon",
+    "plain fp32 loop (hand-written, + AdamW foreach)": "plain fp32 loop",
+    "heavyball Muon (eager)": "heavyball Muon",
 }
 CPU_ROWS = {
     "pytorch-optimizer Muon": "pytorch-optimizer Muon",
@@ -192,17 +195,17 @@ CPU_ROWS = {
 
 
 def test_performance_gpu_table_quotes_the_recorded_run():
-    run = json.loads((ROOT / "benchmarks" / "results" / "cuda-h200-step-gpt2.json").read_text())
-    assert run["device"] == "NVIDIA H200" and run["torch"].startswith("2.11")
-    small, medium = run["sizes"]["small"], run["sizes"]["medium"]
+    run = json.loads((ROOT / "benchmarks" / "results" / "cuda-h200-step-gpt2-795db15.json").read_text())
+    assert run["machine"]["gpu"] == "NVIDIA H200" and run["machine"]["torch"].startswith("2.11")
+    small, medium = (run["step"][name]["contenders"] for name in ("gpt2-small", "gpt2-medium"))
     table = marked_table("performance.md", "gpu-table")
     assert set(table) == set(GPU_ROWS)
     for row, key in GPU_ROWS.items():
         recorded = [
-            quoted(small["step_ms"][key], 2),
-            quoted(medium["step_ms"][key], 2),
-            quoted(small["memory"][key]["peak_mb"], 0),
-            quoted(medium["memory"][key]["peak_mb"], 0),
+            quoted(small[key]["median_ms"], 2),
+            quoted(medium[key]["median_ms"], 2),
+            quoted(small[key]["peak_mb"], 0),
+            quoted(medium[key]["peak_mb"], 0),
         ]
         assert table[row] == recorded, row
 
