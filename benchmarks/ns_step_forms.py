@@ -19,7 +19,6 @@ import time
 import torch
 
 import muonfn
-from muonfn.linalg._coefficients import ns_schedule
 
 SHAPES = {"cuda": [(12, 768, 2304), (24, 768, 3072), (12, 768, 768), (48, 1024, 4096), (24, 1024, 3072)]}
 SHAPES["cpu"] = [(4, 128, 384), (8, 128, 512)]
@@ -61,10 +60,10 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     device = torch.device(args.device)
-    steps = list(ns_schedule("keller", None).triples)
+    steps = list(muonfn.COEFFICIENTS["keller"].triples)
     rows = []
     for count, m, n in SHAPES[device.type]:
-        g = torch.randn(count, m, n, device=device, generator=None)
+        g = torch.randn(count, m, n, generator=torch.Generator().manual_seed(0)).to(device)
         X = (g / torch.linalg.matrix_norm(g, keepdim=True)).bfloat16()
         exact = epilogue_form(X.double(), steps)
         row = {"shape": [count, m, n]}
@@ -85,7 +84,7 @@ def main() -> None:
             json.dump(
                 {
                     "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                    "muonfn": muonfn.__version__ if hasattr(muonfn, "__version__") else None,
+                    "torch": torch.__version__,
                     "rows": rows,
                 },
                 f,

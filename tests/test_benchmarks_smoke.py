@@ -218,3 +218,17 @@ def test_timm_muon_is_loaded_without_a_stand_in_timm():
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_ns_step_forms_times_and_measures_both_forms(tmp_path):
+    """``ns_step_forms.py`` times both forms of a bf16 Newton–Schulz step on every shape of its
+    device and measures each one's distance from the fp64 iteration: a few bf16 roundings."""
+    out = tmp_path / "forms.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "ns_step_forms.py"), "--repeats", "1", "--out", str(out)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [tuple(r["shape"]) for r in rows] == [(4, 128, 384), (8, 128, 512)]
+    for r in rows:
+        assert positive(r["epilogue_ms"]) and positive(r["factor_ms"])
+        assert 0 < r["epilogue_error"] < 0.05 and 0 < r["factor_error"] < 0.05
