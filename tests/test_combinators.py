@@ -212,9 +212,10 @@ def test_schedule_learning_rate_in_the_presets() -> None:
             u2, s2 = fixed.update(grads, s2, params)
             for key in u1.keys(True, True):
                 # the scheduled rate, an fp32 tensor, scales the coefficients of Newton–Schulz's
-                # last step: the two agree to a few roundings of the update's largest entry
+                # last step: the two agree to a few roundings of the update's largest entry (seen:
+                # up to 6.2 eps)
                 expected = u2[key] * 0.5**t
-                bound = 8 * torch.finfo(expected.dtype).eps * expected.abs().max().item()
+                bound = 16 * torch.finfo(expected.dtype).eps * expected.abs().max().item()
                 torch.testing.assert_close(u1[key], expected, rtol=0, atol=bound)
 
 

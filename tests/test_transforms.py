@@ -204,9 +204,10 @@ def test_scale_by_muon_is_momentum_then_newton_schulz_then_shape_scale(
         assert_td_equal(s1, s2)
         for key, expected in u2.items(True, True):
             # the scale taken by the last Newton–Schulz step (its coefficients times the scale,
-            # rounded, and one rounding of the sum, in the Newton–Schulz dtype): within a few
-            # roundings of that dtype of the product after it
-            bound = 8 * torch.finfo(ns_dtype).eps * expected.abs().max().item()
+            # rounded, and the step's sums over them, in the Newton–Schulz dtype): within a few
+            # roundings of that dtype of the product after it (seen: 8.5 fp32 eps without ATen's
+            # AVX kernels, 0.9 bf16 eps)
+            bound = 16 * torch.finfo(ns_dtype).eps * expected.abs().max().item()
             torch.testing.assert_close(u1[key], expected, atol=bound, rtol=0, msg=str(key))
 
 
