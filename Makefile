@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	# the CPU build of torch (a bare `torch` requirement would pull a multi-GB CUDA build)
 	$(PY) -m pip install -q torch==2.13.0
 	# the constraint keeps that torch: no package may replace it with another build
-	$(PY) -m pip install -q -c .ci/torch-cpu.txt -e ".[dev,demo,docs,hf,peers]"
+	$(PY) -m pip install -q -c .ci/torch-cpu.txt -e ".[dev,demo,docs,hf,peers,kernels]"
 	# timm.optim.muon imports no torchvision, whose wheel expects a CUDA torch: timm without its requirements
 	# (its others, pyyaml, huggingface_hub and safetensors, come with the peers extra)
 	$(PY) -m pip install -q -c .ci/torch-cpu.txt --no-deps timm

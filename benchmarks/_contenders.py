@@ -103,6 +103,33 @@ def _donated_step(tx: muonfn.Transform, ps: ParamSet) -> Step:
     return step
 
 
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def with_triton_kernels(make: Callable[[], Step]) -> Callable[[], Step]:
+    """``make``'s step run with muonfn's Triton kernels on (``MUONFN_TRITON=1`` around each step;
+    a GPU's, counted on meta)."""
+
+    def made() -> Step:
+        step = make()
+
+        def with_kernels() -> Any:
+            before = os.environ.get("MUONFN_TRITON")
+            os.environ["MUONFN_TRITON"] = "1"
+            try:
+                return step()
+            finally:
+                if before is None:
+                    del os.environ["MUONFN_TRITON"]
+                else:
+                    os.environ["MUONFN_TRITON"] = before
+
+        return with_kernels
+
+    return made
+
+
 def make_shim(ps: ParamSet, **options: Any) -> Step:
     """The torch.optim shim over the module's parameters (``options``: e.g. ``donate_state=True``)."""
     import muonfn.optim

@@ -370,6 +370,8 @@ def contenders(ps: _sets.ParamSet, muonfn_options: dict[str, Any]) -> dict[str, 
         "muonfn functional": lambda: C.make_functional(ps, **muonfn_options),
         "muonfn shim": lambda: C.make_shim(ps, **muonfn_options),
         "muonfn shim, one part": lambda: C.make_shim(ps, chunk_numel=None, **muonfn_options),
+        "muonfn donated, Triton kernels": C.with_triton_kernels(lambda: C.make_donated(ps, **muonfn_options)),
+        "muonfn shim, Triton kernels": C.with_triton_kernels(lambda: C.make_shim(ps, **muonfn_options)),
         "torch Muon + AdamW foreach": lambda: C.make_torch_muon(ps),
         "torch Muon + AdamW fused": lambda: C.make_torch_muon(with_cpu_adamw_params(ps) if on_meta else ps, fused=True),
     }

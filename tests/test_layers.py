@@ -18,8 +18,10 @@ ALLOWED = {
     "_validation": {"_keys"},
     "_multi_tensor": set(),
     "_gc_pause": set(),
+    # Triton kernels as custom ops on plain tensors, for the linear algebra's passes
+    "_kernels": set(),
     "_checkpoint": {"_keys", "_tree"},
-    "linalg": {"_keys"},
+    "linalg": {"_keys", "_kernels"},
     "transforms": {"linalg"} | FOUNDATION,
     # presets build the sharded orthogonalizer that `collectives=` asks for
     "presets": {"transforms", "linalg", "distributed"} | FOUNDATION,

@@ -184,6 +184,10 @@ class CountedNewtonSchulz(muonfn.NewtonSchulz):
         self.calls.append(tuple(x.shape))
         return super().orthogonalize(x, **options)
 
+    def orthogonalize_matrices(self, matrices, turned, **options):
+        self.calls.append((len(matrices), *matrices[0].shape))
+        return super().orthogonalize_matrices(matrices, turned, **options)
+
 
 @pytest.mark.parametrize("method", ["standard", "gram"])
 def test_tall_matrices_join_the_batch_of_their_transposed_shape(method: str):

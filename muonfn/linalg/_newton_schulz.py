@@ -36,6 +36,7 @@ from typing import Literal, Protocol, TypeAlias, get_args
 
 import torch
 
+from .. import _kernels
 from ._coefficients import Coefficients, CoefficientsLike, ns_schedule
 
 NSMethod: TypeAlias = Literal["standard", "gram"]
@@ -204,12 +205,34 @@ def _narrowed(
     norm = _fp64_norms(g)
     if reduction is not None:
         norm = reduction.sum(norm.square()).sqrt()
-    if schedule.norm_factor != 1.0:
-        norm = norm * schedule.norm_factor
-    reciprocal = (norm + eps if eps_mode == "add" else norm.clamp_min(eps)).reciprocal()
+    reciprocal = _reciprocal_denominator(norm, schedule, eps, eps_mode)
     if may_write_into(g):  # one pass: the fp64 product rounded to ``dtype`` as it is stored
         return torch.mul(g, reciprocal, out=torch.empty(g.shape, dtype=dtype, device=g.device))
     return (g * reciprocal).to(dtype)
+
+
+def _reciprocal_denominator(norm: torch.Tensor, schedule: Coefficients, eps: float, eps_mode: str) -> torch.Tensor:
+    """``1 / max(c·norm, ε)`` (``"add"``: ``1 / (c·norm + ε)``) of fp64 norms."""
+    if schedule.norm_factor != 1.0:
+        norm = norm * schedule.norm_factor
+    return (norm + eps if eps_mode == "add" else norm.clamp_min(eps)).reciprocal()
+
+
+def _narrowed_matrices(
+    matrices: Sequence[torch.Tensor], schedule: Coefficients, eps: float, dtype: torch.dtype, eps_mode: str
+) -> torch.Tensor:
+    """:func:`_narrowed` of the batch of ``matrices`` (fp32, of one shape), built here: each
+    matrix's norm read from its own memory (:func:`_fp64_norms_of`), then the batch of their
+    products by the reciprocals, rounded into ``dtype``. With muonfn's Triton kernels on
+    (:mod:`muonfn._kernels`), the products are written from the matrices in one pass (no fp32
+    stack, 8 bytes an entry less), the same bits; else the matrices are stacked first."""
+    reciprocal = _reciprocal_denominator(_fp64_norms_of(matrices), schedule, eps, eps_mode)
+    if _kernels.takes_kernels(matrices):
+        return _kernels.scaled_stack(list(matrices), reciprocal.view(-1), dtype)
+    stack = torch.stack(list(matrices))
+    if may_write_into(stack):
+        return torch.mul(stack, reciprocal, out=torch.empty(stack.shape, dtype=dtype, device=stack.device))
+    return (stack * reciprocal).to(dtype)
 
 
 def _fp64_norms(g: torch.Tensor) -> torch.Tensor:
@@ -234,6 +257,27 @@ def _fp64_norms(g: torch.Tensor) -> torch.Tensor:
             level, batch_dim = functorch.maybe_get_level(g), functorch.maybe_get_bdim(g)
             return functorch._add_batch_dim(_fp64_norms(inner.movedim(batch_dim, 0)), 0, level)
     return torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True, dtype=torch.float64)
+
+
+def _fp64_norms_of(matrices: Sequence[torch.Tensor]) -> torch.Tensor:
+    """:func:`_fp64_norms` of ``torch.stack(matrices)``, each matrix's norm read from its own
+    memory, shaped ``(count, 1, 1)``: a contiguous matrix's the same bits as in the stack, a
+    transposed view's (a tall matrix read as its wide transpose) summed in the order of its own
+    rows. Under ``vmap`` the members' matrices underneath are normed the same way, so that a
+    vmapped ensemble keeps the bits of its members stepped alone; compiled, the stack's norm."""
+    functorch = torch._C._functorch
+    if not torch.compiler.is_compiling() and all(type(m) is torch.Tensor and m.numel() for m in matrices):
+        if not any(functorch.is_batchedtensor(m) for m in matrices):
+            return torch.stack(torch._foreach_norm(list(matrices), 2, dtype=torch.float64)).view(-1, 1, 1)
+        inner = [functorch.get_unwrapped(m) for m in matrices]
+        levels = {functorch.maybe_get_level(m) for m in matrices}
+        if len(levels) == 1 and all(type(t) is torch.Tensor and not functorch.is_batchedtensor(t) for t in inner):
+            members = [t.movedim(functorch.maybe_get_bdim(m), 0) for t, m in zip(inner, matrices)]
+            if len({t.shape[0] for t in members}) == 1:  # (one batch size: no matrix broadcast over the members)
+                norms = torch._foreach_norm([x for t in members for x in t.unbind(0)], 2, dtype=torch.float64)
+                per_member = torch.stack(norms).view(len(matrices), -1).mT.reshape(-1, len(matrices), 1, 1)
+                return functorch._add_batch_dim(per_member, 0, levels.pop())
+    return _fp64_norms(torch.stack(list(matrices)))
 
 
 def _matrices(x: torch.Tensor) -> list[torch.Tensor]:
@@ -463,7 +507,7 @@ def _restored(X: torch.Tensor, x: torch.Tensor, tall: bool, into: torch.Tensor |
 
 
 def _restored_turning(
-    X: torch.Tensor, x: torch.Tensor, turned: int, into: torch.Tensor | None
+    X: torch.Tensor, dtype: torch.dtype, turned: int, into: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_restored` of a wide ``(count, m, n)`` batch whose last ``turned`` matrices stand for
     tall ones: the others as they are, and those transposed back, ``(turned, n, m)`` and
@@ -471,9 +515,9 @@ def _restored_turning(
     own orientation (no transposing copy after it); on a CPU they are copied in tiles after it."""
     kept = X.size(0) - turned
     if cpu_passes(X) or type(X) is not torch.Tensor or not may_write_into(X):
-        out = _restored(X, x, False, into=into)
+        out = X.to(dtype) if into is None else into.copy_(X)
         return out[:kept], in_memory_order(out[kept:].mT)
-    buffer = torch.empty(X.shape, dtype=x.dtype, device=X.device) if into is None else into
+    buffer = torch.empty(X.shape, dtype=dtype, device=X.device) if into is None else into
     m, n = X.shape[-2:]
     parts = (buffer[:kept], buffer[kept:].view(turned, n, m))
     for source, target in zip((X[:kept], X[kept:]), (parts[0], parts[1].mT)):
@@ -730,18 +774,41 @@ class NewtonSchulz:
         ``turned`` transposed back, ``(turned, n, m)`` and contiguous (on a GPU written so by the
         pass that restores them). The same values as :meth:`orthogonalize`."""
         X, _, spare = self._iterated(x, overwrite_input, scale)
-        return _restored_turning(X, x, turned, spare)
+        return _restored_turning(X, x.dtype, turned, spare)
+
+    def orthogonalize_matrices(
+        self, matrices: Sequence[torch.Tensor], turned: int, *, scale: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`orthogonalize_turning` of ``torch.stack(matrices)`` (wide matrices of one shape
+        and dtype, the last ``turned`` of them the transposes of tall ones), the batch built here.
+
+        Off the CPU an fp32 batch going into a narrower dtype is normalised as it is built
+        (:func:`_narrowed_matrices`): each matrix's norm is read from its own memory, so a tall
+        matrix's in the order of its own rows (its bits may differ from the stack's norm by a
+        rounding), and no fp32 stack outlives the product into ``dtype``. Elsewhere the stack is
+        built and given to :meth:`orthogonalize_turning`.
+        """
+        first = matrices[0]
+        dtype = default_ns_dtype(first.device, first.dtype, first.shape) if self.dtype is None else self.dtype
+        if first.dtype != torch.float32 or dtype == first.dtype or cpu_passes(first):
+            return self.orthogonalize_turning(torch.stack(list(matrices)), turned, overwrite_input=True, scale=scale)
+        iterate = self._iteration(first, scale)
+        X = _narrowed_matrices(matrices, self.schedule, self.eps, dtype, self.eps_mode)
+        return _restored_turning(iterate(X), first.dtype, turned, None)
 
     def _iterated(
         self, x: torch.Tensor, owned: bool, scale: float = 1.0
     ) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
+        iterate = self._iteration(x, scale)
+        return _iterated(x, self.schedule, self.eps, self.dtype, self.eps_mode, iterate, owned)
+
+    def _iteration(self, x: torch.Tensor, scale: float) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The steps ``x`` takes (Gram's where they are cheaper), ``x`` checked."""
         if self.method == "gram" and self._gram_is_cheaper(x):
             _check("gram_newton_schulz", x, self.eps, self.dtype, self.eps_mode)
-            iterate = _gram_iteration(self.schedule, self.restarts, scale)
-        else:
-            _check("newton_schulz", x, self.eps, self.dtype, self.eps_mode)
-            iterate = _standard_iteration(self.schedule, scale)
-        return _iterated(x, self.schedule, self.eps, self.dtype, self.eps_mode, iterate, owned)
+            return _gram_iteration(self.schedule, self.restarts, scale)
+        _check("newton_schulz", x, self.eps, self.dtype, self.eps_mode)
+        return _standard_iteration(self.schedule, scale)
 
     def _gram_is_cheaper(self, x: torch.Tensor) -> bool:
         m, n = x.shape[-2:]

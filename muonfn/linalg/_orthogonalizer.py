@@ -98,6 +98,13 @@ def _call(matrices: list[torch.Tensor], ns: MatrixFn, scale: float) -> list[torc
     plain_tall = [k for k in range(len(matrices)) if flat[k] and flips[k]]
     batches = [k for k in range(len(matrices)) if not flat[k]]
     pieces = [apart(matrices[k].mT if flips[k] else matrices[k]) for k in (*plain_wide, *plain_tall, *batches)]
+    if isinstance(ns, NewtonSchulz) and not batches:
+        # the batch built by Newton–Schulz; the tall ones come back in their own orientation and memory order
+        wide, tall = ns.orthogonalize_matrices(pieces, len(plain_tall), scale=scale)
+        out: list[torch.Tensor] = [None] * len(matrices)  # type: ignore[list-item]
+        for k, piece in zip((*plain_wide, *plain_tall), (*wide.unbind(0), *tall.unbind(0))):
+            out[k] = piece
+        return out
     own = len(pieces) > 1 or not batches  # a stack built here: the call may normalise it in place
     if not batches:
         stack = torch.stack(pieces)
@@ -105,13 +112,6 @@ def _call(matrices: list[torch.Tensor], ns: MatrixFn, scale: float) -> list[torc
         stack = pieces[0]
     else:
         stack = torch.cat([p.unsqueeze(0) if p.ndim == 2 else p for p in pieces])
-    if isinstance(ns, NewtonSchulz) and plain_tall and not batches:
-        # the tall ones come back in their own orientation and memory order
-        wide, tall = ns.orthogonalize_turning(stack, len(plain_tall), overwrite_input=own, scale=scale)
-        out: list[torch.Tensor] = [None] * len(matrices)  # type: ignore[list-item]
-        for k, piece in zip((*plain_wide, *plain_tall), (*wide.unbind(0), *tall.unbind(0))):
-            out[k] = piece
-        return out
     if isinstance(ns, NewtonSchulz):
         result = ns.orthogonalize(stack, overwrite_input=own, scale=scale)
     else:

@@ -1,0 +1,144 @@
+"""Triton kernels for a GPU: passes over memory that eager ops take in two, in one (opt-in).
+
+``MUONFN_TRITON=1`` in the environment turns them on for CUDA tensors where Triton is installed;
+they are off by default. Each kernel computes what the eager ops it replaces compute, element by
+element and rounding for rounding, so that turning them on changes how many bytes a step moves,
+not its results. Each is a custom op (``torch.library``): the meta device runs its shape function
+(so that ``benchmarks/traffic.py`` counts what the kernel reads and writes: meta stands for a GPU),
+and under Triton's interpreter (``TRITON_INTERPRET=1``) it runs on CPU tensors, which is how the
+tests check it. They are not taken under ``torch.compile`` (the compiler fuses the eager ops
+itself), under ``torch.func`` transforms, or where autograd records.
+
+- :func:`scaled_stack`: ``torch.stack(matrices)`` times one factor per matrix, rounded to a 16-bit
+  dtype as it is stored: the Newton–Schulz batch written straight from the momentum's matrices
+  (tall ones read transposed), without the fp32 stack that the eager ops write and read again.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+#: ``1`` turns the kernels on, ``0`` (the default) leaves the eager ops
+TRITON_VARIABLE = "MUONFN_TRITON"
+
+#: rows and columns of the tile one program of :func:`scaled_stack` writes
+_TILE = 64
+
+
+def enabled() -> bool:
+    """Whether ``MUONFN_TRITON`` asks for the kernels (read at every call; ``0`` or ``1``)."""
+    value = os.environ.get(TRITON_VARIABLE, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{TRITON_VARIABLE}={value!r}; set it to 1 (the Triton kernels) or 0 (the eager ops)")
+    return value == "1"
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``), on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def triton_installed() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def takes_kernels(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether ``tensors`` go through the kernels: turned on, plain tensors of one eager step
+    (not compiled, not under a ``torch.func`` transform, not recorded by autograd), on CUDA
+    with Triton installed, on the CPU under Triton's interpreter, or on meta (counted, not run)."""
+    if not tensors or not enabled():
+        return False
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return False
+    if any(type(t) is not torch.Tensor for t in tensors):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    device = tensors[0].device.type
+    if device == "meta":
+        return True
+    if device == "cuda":
+        return triton_installed() and not interpreting()
+    return device == "cpu" and interpreting() and triton_installed()
+
+
+def _table(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``, copied without making the host wait."""
+    table = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return table.to(device)
+    return table.pin_memory().to(device, non_blocking=True)
+
+
+@functools.cache
+def _compiled(interpret: bool) -> Any:
+    """The kernels, built on first use (``interpret``: Triton's interpreter, which is chosen when
+    a kernel is defined)."""
+    assert interpret == interpreting()
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def scaled_stack_kernel(addresses, strides, factors, out, rows, cols, TILE: tl.constexpr, BF16: tl.constexpr):  # type: ignore[no-untyped-def]
+        # one TILE×TILE tile of matrix i: read from its own memory (strides), scaled in fp64,
+        # rounded to fp32 and then to the 16-bit dtype, as torch's fp32·fp64 product into an
+        # ``out=`` of that dtype is rounded
+        i = tl.program_id(0)
+        source = tl.load(addresses + i).to(tl.pointer_type(tl.float32))
+        row_stride = tl.load(strides + 2 * i)
+        col_stride = tl.load(strides + 2 * i + 1)
+        r = (tl.program_id(1) * TILE + tl.arange(0, TILE))[:, None].to(tl.int64)
+        c = (tl.program_id(2) * TILE + tl.arange(0, TILE))[None, :].to(tl.int64)
+        inside = (r < rows) & (c < cols)
+        x = tl.load(source + r * row_stride + c * col_stride, mask=inside, other=0.0)
+        y = (x.to(tl.float64) * tl.load(factors + i)).to(tl.float32)
+        at = out + i.to(tl.int64) * rows * cols + r * cols + c
+        if BF16:
+            # rounded to nearest even on the bits, as torch rounds to bf16 (NaN to its quiet NaN),
+            # and stored as bits (``out`` is the batch viewed as int16): the interpreter's casts to
+            # bf16 truncate, and flush subnormals
+            bits = y.to(tl.int32, bitcast=True)
+            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            tl.store(at, tl.where(y != y, 0x7FC0, rounded).to(tl.int16), mask=inside)
+        else:
+            tl.store(at, y.to(out.dtype.element_ty), mask=inside)
+
+    return {"scaled_stack": scaled_stack_kernel}
+
+
+@torch.library.custom_op("muonfn::scaled_stack", mutates_args=())
+def scaled_stack(matrices: list[torch.Tensor], factors: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.mul(torch.stack(matrices), factors.view(-1, 1, 1), out=<dtype>)``, bit for bit, in
+    one pass: each fp32 matrix read once from its own memory (any strides: a tall matrix's
+    transpose reads it across rows), the product taken in fp64 (``factors``: one fp64 number per
+    matrix) and rounded to fp32 and then to ``dtype`` (bf16 or fp16), written into a new
+    ``(count, m, n)`` batch. 6 bytes an entry, where the stack and the product move 14."""
+    first = matrices[0]
+    count, (rows, cols) = len(matrices), first.shape
+    out = torch.empty((count, rows, cols), dtype=dtype, device=first.device)
+    if not out.numel():
+        return out
+    addresses = _table([m.data_ptr() for m in matrices], first.device)
+    strides = _table([s for m in matrices for s in m.stride()], first.device)
+    grid = (count, -(-rows // _TILE), -(-cols // _TILE))
+    kernel = _compiled(interpreting())["scaled_stack"]
+    bf16 = dtype == torch.bfloat16
+    target = out.view(torch.int16) if bf16 else out
+    kernel[grid](addresses, strides, factors, target, rows, cols, TILE=_TILE, BF16=bf16)
+    return out
+
+
+@scaled_stack.register_fake
+def _(matrices: list[torch.Tensor], factors: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    first = matrices[0]
+    return torch.empty((len(matrices), *first.shape), dtype=dtype, device=first.device)

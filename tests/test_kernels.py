@@ -1,0 +1,180 @@
+"""muonfn's Triton kernels (``muonfn/_kernels.py``, opt-in with ``MUONFN_TRITON=1``): each is the
+eager ops it replaces, bit for bit. On a CPU they run under Triton's interpreter; ``--device cuda``
+runs them compiled on the GPU. The GPU's paths are forced on the CPU where a test needs them
+(``cpu_passes``), as ``tests/test_newton_schulz.py`` does."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import muonfn
+from muonfn import _kernels
+from muonfn.linalg import MatrixView, _newton_schulz, orthogonalize_blocks
+
+pytest.importorskip("triton")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import traffic
+
+
+@pytest.fixture
+def kernels(monkeypatch, device: torch.device) -> torch.device:
+    """The kernels on, on ``device`` (the CPU under Triton's interpreter); the device."""
+    monkeypatch.setenv(_kernels.TRITON_VARIABLE, "1")
+    if device.type == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return device
+
+
+def special_values(device: torch.device) -> torch.Tensor:
+    """fp32 values at bf16's and fp16's edges: ties to even, subnormals, the largest finite
+    numbers, infinities and NaN, in a 2×8 matrix."""
+    tie = 1.0 + 2.0**-8  # halfway between two bf16 neighbours of 1
+    return torch.tensor(
+        [
+            [tie, 1.0 + 3 * 2.0**-8, -tie, 1e-40, -1e-40, 6e-8, 1e-45, 0.0],
+            [3.3961e38, -3.3961e38, 65520.0, 65504.0, float("inf"), float("-inf"), float("nan"), -0.0],
+        ],
+        device=device,
+    )
+
+
+def eager_product(matrices: list[torch.Tensor], factors: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    stack = torch.stack(matrices)
+    return torch.mul(stack, factors.view(-1, 1, 1), out=torch.empty(stack.shape, dtype=dtype, device=stack.device))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1), (12, 20), (64, 64), (65, 130)])
+def test_scaled_stack_is_torchs_product_into_a_narrow_dtype_bit_for_bit(kernels, dtype, shape) -> None:
+    """``scaled_stack`` writes ``torch.mul(torch.stack(m), f, out=<dtype>)``'s bits: matrices read
+    from their own memory (contiguous, or a tall matrix's transpose), products in fp64 rounded
+    to fp32 and then to ``dtype``, across tile edges, for ordinary and extreme values."""
+    g = torch.Generator().manual_seed(sum(shape))
+    rows, cols = shape
+    matrices = [torch.randn(rows, cols, generator=g) * 10.0**k for k in (-30, 0, 3)]
+    matrices.append(torch.randn(cols, rows, generator=g).mT)  # read across its rows
+    matrices = [m.to(kernels) for m in matrices]
+    factors = torch.tensor([1e30, 1 / 3, 7e-4, 2.0**-20], dtype=torch.float64, device=kernels)
+    got = _kernels.scaled_stack(matrices, factors, dtype)
+    assert got.shape == (4, rows, cols) and got.dtype == dtype and got.is_contiguous()
+    assert torch.equal(got.view(torch.int16), eager_product(matrices, factors, dtype).view(torch.int16))
+    edges = special_values(kernels)
+    ones = torch.ones(2, dtype=torch.float64, device=kernels)
+    got = _kernels.scaled_stack([edges, edges * 3], ones, dtype)
+    expected = eager_product([edges, edges * 3], ones, dtype)
+    assert torch.equal(got.isnan(), expected.isnan())
+    finite = ~expected.isnan()
+    assert torch.equal(got.view(torch.int16)[finite], expected.view(torch.int16)[finite])  # (-0.0 and subnormals too)
+
+
+def test_the_kernels_are_off_unless_asked_for(monkeypatch) -> None:
+    """Off by default; ``MUONFN_TRITON`` must be 0 or 1; on, they take plain tensors of an eager
+    step on meta (counted), on CUDA, or on a CPU under the interpreter, and nothing that autograd
+    records or a ``torch.func`` transform maps."""
+    cpu, meta = torch.ones(2, 3), torch.ones(2, 3, device="meta")
+    monkeypatch.delenv(_kernels.TRITON_VARIABLE, raising=False)
+    assert not _kernels.takes_kernels([meta])
+    monkeypatch.setenv(_kernels.TRITON_VARIABLE, "yes")
+    with pytest.raises(ValueError, match="MUONFN_TRITON='yes'"):
+        _kernels.takes_kernels([meta])
+    monkeypatch.setenv(_kernels.TRITON_VARIABLE, "1")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert _kernels.takes_kernels([meta]) and not _kernels.takes_kernels([cpu]) and not _kernels.takes_kernels([])
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert _kernels.takes_kernels([cpu])
+    assert not _kernels.takes_kernels([cpu.requires_grad_()])
+    seen = []
+    torch.vmap(lambda x: seen.append(_kernels.takes_kernels([x])) or x)(torch.ones(2, 3))
+    assert seen == [False]
+
+
+def mixed_matrices(device: torch.device) -> list[torch.Tensor]:
+    """An MLP's wide and tall matrices, a square one, and huge and zero ones, on ``device``."""
+    g = torch.Generator().manual_seed(11)
+    return [
+        t.to(device)
+        for t in (
+            torch.randn(16, 48, generator=g),
+            torch.randn(48, 16, generator=g),
+            torch.randn(16, 48, generator=g) * 3e37,
+            torch.randn(48, 16, generator=g),
+            torch.randn(24, 24, generator=g),
+            torch.zeros(24, 24),
+        )
+    ]
+
+
+@pytest.mark.parametrize("method", ["standard", "gram"])
+@pytest.mark.parametrize("ns_dtype", [torch.bfloat16, torch.float16])
+def test_newton_schulz_batches_are_the_same_bits_with_the_kernel(monkeypatch, kernels, method, ns_dtype) -> None:
+    """With the GPU's paths, every batch of an orthogonalizer call is normalised into ``ns_dtype``
+    by the kernel (counted here), and each result is the eager path's bits."""
+    if kernels.type == "cpu":
+        monkeypatch.setattr(_newton_schulz, "cpu_passes", lambda t: False)
+    matrices = mixed_matrices(kernels)
+    views = [MatrixView()] * len(matrices)
+    ns = muonfn.NewtonSchulz("polar_express", dtype=ns_dtype, method=method)
+    scale = muonfn.linalg.shape_scale("match_rms_adamw")
+    counter = traffic.TrafficCounter()
+    with counter:
+        fused = orthogonalize_blocks(matrices, views, ns, scale)
+    assert sum(op.name == "scaled_stack" for op in counter.ops) == 2  # the 16×48 call and the 24×24 one
+    monkeypatch.setenv(_kernels.TRITON_VARIABLE, "0")
+    eager = orthogonalize_blocks(matrices, views, ns, scale)
+    for a, b, m in zip(fused, eager, matrices):
+        assert torch.equal(a, b) and a.shape == m.shape and a.is_contiguous()
+
+
+def test_a_muon_step_is_the_same_bits_with_the_kernels(monkeypatch, kernels) -> None:
+    """``muon``'s update and state, functional and through the shim, are the same bits with the
+    kernels on and off (the GPU's paths, bf16 Newton–Schulz)."""
+    if kernels.type == "cpu":
+        monkeypatch.setattr(_newton_schulz, "cpu_passes", lambda t: False)
+    matrices = mixed_matrices(kernels)
+    params = TensorDict({f"w{i}": m.clone() / 1e37 for i, m in enumerate(matrices)} | {"b": torch.ones(5)}, [])
+    params = params.to(kernels)
+    grads = params.apply(lambda p: torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())).to(p))
+
+    def steps(on: str) -> tuple[TensorDict, TensorDict]:
+        monkeypatch.setenv(_kernels.TRITON_VARIABLE, on)
+        tx = muonfn.muon(lr=0.02, ns_dtype=torch.bfloat16)
+        state, p = tx.init(params), params.clone()
+        for _ in range(2):
+            updates, state = tx.update(grads, state, p)
+            p = muonfn.apply_updates(p, updates)
+        return p, state
+
+    (p_on, s_on), (p_off, s_off) = steps("1"), steps("0")
+    assert (p_on == p_off).all() and (s_on == s_off).all()
+    shims = []
+    for on in ("1", "0"):
+        monkeypatch.setenv(_kernels.TRITON_VARIABLE, on)
+        model = torch.nn.ParameterDict({k: torch.nn.Parameter(v.clone()) for k, v in params.items()})
+        opt = muonfn.optim.Muon(model.named_parameters(), lr=0.02, ns_dtype=torch.bfloat16)
+        for _ in range(2):
+            for k, p in model.items():
+                p.grad = grads[k].clone()
+            opt.step()
+        shims.append({k: p.detach().clone() for k, p in model.items()})
+    assert all(torch.equal(shims[0][k], shims[1][k]) for k in shims[0])
+
+
+def test_the_counter_sees_the_kernel_move_8_bytes_an_entry_less(monkeypatch) -> None:
+    """On meta (a GPU's paths, counted), the kernel replaces the fp32 stack and the product into
+    bf16: it reads each matrix once and writes the bf16 batch, 8 bytes a matrix entry less."""
+    wide, tall = torch.empty(16, 48, device="meta"), torch.empty(48, 16, device="meta")
+    matrices = [wide, wide.clone(), tall.mT]
+    ns = muonfn.NewtonSchulz(dtype=torch.bfloat16)
+    counts = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv(_kernels.TRITON_VARIABLE, on)
+        counts[on] = traffic.count_step(lambda: ns.orthogonalize_matrices(matrices, 1))
+    entries = 3 * 16 * 48
+    assert counts["0"].nonmatmul_bytes - counts["1"].nonmatmul_bytes == 8 * entries
+    assert counts["1"].kernel_ops == counts["0"].kernel_ops - 1
