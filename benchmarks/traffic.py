@@ -33,9 +33,10 @@ Counting rules
   not read: ``out=`` arguments, and the destination of ``copy_``, ``fill_``, ``zero_`` and of
   the random fills.
 - **bytes written**: in-place and ``out=`` ops count the arguments they write, functional ops
-  the tensors they return (torch's fused optimizer steps write their gradients only to unscale
-  them by a ``grad_scale``: without one the gradients are read, not written). Views, metadata
-  ops and allocations count 0 bytes.
+  the tensors they return, an op that does both (muonfn's momentum kernel) both; a returned view
+  of a written argument counts once (torch's fused optimizer steps write their gradients only to
+  unscale them by a ``grad_scale``: without one the gradients are read, not written). Views,
+  metadata ops and allocations count 0 bytes.
 - **temporaries**: the peak, during the step, of the bytes held by the storages that the step's
   ops created and that are still alive: what the step allocates above the parameters,
   gradients and state that existed before it. A storage is freed when its last tensor dies
@@ -270,8 +271,12 @@ class TrafficCounter(TorchDispatchMode):
             if not (is_written(name, arg, value, kwargs) and only_written(name, arg))
             for t in _tensors([value])
         )
-        results = [value for _, value in written] if written else tree_flatten(out)[0]
-        op.written = sum(addressed_bytes(t) for t in _tensors(results))
+        # what it writes in place, and what it returns that is no view of that (an op of muonfn's own
+        # may do both: update its momentum argument and return the look-ahead)
+        in_place = list(_tensors(value for _, value in written))
+        held = {id(t.untyped_storage()) for t in in_place}
+        returned = [t for t in _tensors(tree_flatten(out)[0]) if id(t.untyped_storage()) not in held]
+        op.written = sum(addressed_bytes(t) for t in (*in_place, *returned))
         if name in WIDENING_REDUCTIONS:
             copied = widening_copy_bytes(bound, off_cpu)
             op.read, op.written = op.read + copied, op.written + copied

@@ -12,6 +12,8 @@ itself), under ``torch.func`` transforms, or where autograd records.
 - :func:`scaled_stack`: ``torch.stack(matrices)`` times one factor per matrix, rounded to a 16-bit
   dtype as it is stored: the Newton–Schulz batch written straight from the momentum's matrices
   (tall ones read transposed), without the fp32 stack that the eager ops write and read again.
+- :func:`ema_nesterov_` and :func:`ema_nesterov`: the momentum's EMA and the Nesterov look-ahead,
+  two ``torch.lerp`` passes, in one pass over the gradients and the momentum.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ TRITON_VARIABLE = "MUONFN_TRITON"
 
 #: rows and columns of the tile one program of :func:`scaled_stack` writes
 _TILE = 64
+#: entries one program of an element-wise kernel takes; the tensors of a call are at most 65535 blocks
+_BLOCK = 4096
+_MAX_BLOCKS = 65535
 
 
 def enabled() -> bool:
@@ -113,7 +118,31 @@ def _compiled(interpret: bool) -> Any:
         else:
             tl.store(at, y.to(out.dtype.element_ty), mask=inside)
 
-    return {"scaled_stack": scaled_stack_kernel}
+    @triton.jit
+    def ema_nesterov_kernel(  # type: ignore[no-untyped-def]
+        momentum, grads, new_momentum, nesterov, numels, grad_weight, momentum_weight, BLOCK: tl.constexpr
+    ):
+        # block b of tensor j: b_t = lerp(b, g, 1 - mu), u_t = lerp(g, b_t, mu), element by element
+        j = tl.program_id(1)
+        numel = tl.load(numels + j)
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        if tl.program_id(0).to(tl.int64) * BLOCK < numel:
+            inside = offsets < numel
+            b = tl.load(tl.load(momentum + j).to(tl.pointer_type(tl.float32)) + offsets, mask=inside)
+            g = tl.load(tl.load(grads + j).to(tl.pointer_type(tl.float32)) + offsets, mask=inside)
+            # torch.lerp's formula (ATen's Lerp.h) in fp32, its multiply-adds fused as a GPU's
+            # compiler fuses them (Triton's interpreter rounds them twice); the weights as fp32
+            # numbers (the interpreter would keep a Python float's double)
+            w = tl.full([BLOCK], grad_weight, tl.float32)
+            diff = g - b
+            b = tl.where(tl.abs(w) < 0.5, tl.fma(w, diff, b), tl.fma(-diff, 1.0 - w, g))
+            tl.store(tl.load(new_momentum + j).to(tl.pointer_type(tl.float32)) + offsets, b, mask=inside)
+            w = tl.full([BLOCK], momentum_weight, tl.float32)
+            diff = b - g
+            u = tl.where(tl.abs(w) < 0.5, tl.fma(w, diff, g), tl.fma(-diff, 1.0 - w, b))
+            tl.store(tl.load(nesterov + j).to(tl.pointer_type(tl.float32)) + offsets, u, mask=inside)
+
+    return {"scaled_stack": scaled_stack_kernel, "ema_nesterov": ema_nesterov_kernel}
 
 
 @torch.library.custom_op("muonfn::scaled_stack", mutates_args=())
@@ -142,3 +171,67 @@ def scaled_stack(matrices: list[torch.Tensor], factors: torch.Tensor, dtype: tor
 def _(matrices: list[torch.Tensor], factors: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     first = matrices[0]
     return torch.empty((len(matrices), *first.shape), dtype=dtype, device=first.device)
+
+
+def takes_ema_nesterov(momentum: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], *weights: object) -> bool:
+    """Whether :func:`ema_nesterov_` takes these leaves: :func:`takes_kernels`, fp32 and contiguous
+    leaves of at most 65535 blocks each, of the same shapes, and the weights numbers."""
+    tensors = [*momentum, *grads]
+    return (
+        all(isinstance(w, float) for w in weights)
+        and takes_kernels(tensors)
+        and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+        and all(b.shape == g.shape for b, g in zip(momentum, grads))
+        and max(t.numel() for t in tensors) <= _MAX_BLOCKS * _BLOCK
+    )
+
+
+def _ema_nesterov_launch(
+    momentum: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    new_momentum: list[torch.Tensor],
+    nesterov: list[torch.Tensor],
+    mu: float,
+) -> None:
+    device = grads[0].device
+    blocks = max(-(-g.numel() // _BLOCK) for g in grads)
+    if blocks == 0:
+        return
+    table = _table(
+        [t.data_ptr() for t in (*momentum, *grads, *new_momentum, *nesterov)] + [g.numel() for g in grads], device
+    )
+    count = len(grads)
+    parts = [table[i * count : (i + 1) * count] for i in range(5)]
+    kernel = _compiled(interpreting())["ema_nesterov"]
+    kernel[(blocks, count)](*parts, 1.0 - mu, mu, BLOCK=_BLOCK)
+
+
+@torch.library.custom_op("muonfn::ema_nesterov_", mutates_args=("momentum",))
+def ema_nesterov_(momentum: list[torch.Tensor], grads: list[torch.Tensor], mu: float) -> list[torch.Tensor]:
+    """``torch._foreach_lerp_(momentum, grads, 1 - mu)`` and then ``torch._foreach_lerp(grads,
+    momentum, mu)`` (the Nesterov look-ahead, returned), in one pass: each momentum and gradient
+    entry read once, the new momentum and the look-ahead written. 16 bytes an fp32 entry, where
+    the two passes move 24. The same bits as torch's lerp on a GPU, which fuses its multiply-adds
+    (``1 - mu`` is taken in fp64 and both weights rounded to fp32, as torch rounds a number)."""
+    nesterov = [torch.empty_like(g) for g in grads]
+    _ema_nesterov_launch(momentum, grads, momentum, nesterov, mu)
+    return nesterov
+
+
+@ema_nesterov_.register_fake
+def _(momentum: list[torch.Tensor], grads: list[torch.Tensor], mu: float) -> list[torch.Tensor]:
+    return [torch.empty_like(g) for g in grads]
+
+
+@torch.library.custom_op("muonfn::ema_nesterov", mutates_args=())
+def ema_nesterov(momentum: list[torch.Tensor], grads: list[torch.Tensor], mu: float) -> list[torch.Tensor]:
+    """:func:`ema_nesterov_` into new tensors: the new momentum, then the look-ahead, in one list."""
+    new_momentum = [torch.empty_like(b) for b in momentum]
+    nesterov = [torch.empty_like(g) for g in grads]
+    _ema_nesterov_launch(momentum, grads, new_momentum, nesterov, mu)
+    return [*new_momentum, *nesterov]
+
+
+@ema_nesterov.register_fake
+def _(momentum: list[torch.Tensor], grads: list[torch.Tensor], mu: float) -> list[torch.Tensor]:
+    return [*(torch.empty_like(b) for b in momentum), *(torch.empty_like(g) for g in grads)]

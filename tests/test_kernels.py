@@ -133,9 +133,11 @@ def test_newton_schulz_batches_are_the_same_bits_with_the_kernel(monkeypatch, ke
 
 def test_a_muon_step_is_the_same_bits_with_the_kernels(monkeypatch, kernels) -> None:
     """``muon``'s update and state, functional and through the shim, are the same bits with the
-    kernels on and off (the GPU's paths, bf16 Newton–Schulz)."""
+    kernels on and off (the GPU's paths, bf16 Newton–Schulz). On a CPU the momentum's kernel is
+    left out: the interpreter rounds its fused multiply-adds twice (its own test below)."""
     if kernels.type == "cpu":
         monkeypatch.setattr(_newton_schulz, "cpu_passes", lambda t: False)
+        monkeypatch.setattr(_kernels, "takes_ema_nesterov", lambda *args: False)
     matrices = mixed_matrices(kernels)
     params = TensorDict({f"w{i}": m.clone() / 1e37 for i, m in enumerate(matrices)} | {"b": torch.ones(5)}, [])
     params = params.to(kernels)
@@ -178,3 +180,91 @@ def test_the_counter_sees_the_kernel_move_8_bytes_an_entry_less(monkeypatch) -> 
     entries = 3 * 16 * 48
     assert counts["0"].nonmatmul_bytes - counts["1"].nonmatmul_bytes == 8 * entries
     assert counts["1"].kernel_ops == counts["0"].kernel_ops - 1
+
+
+def test_the_counter_sees_the_donated_step_move_16_bytes_a_muon_entry_less(monkeypatch) -> None:
+    """On GPT-2 small's shapes (meta), the kernels take the donated step's fp32 stack (8 bytes a
+    Muon entry) and the momentum's second pass (8): exactly 16 bytes a Muon entry less."""
+    import _contenders as C
+    import _sets
+
+    ps = _sets.gpt2("gpt2-small", device="meta")
+    muon_entries = sum(p.numel() for _, p in ps.matrix_params())
+    monkeypatch.delenv(_kernels.TRITON_VARIABLE, raising=False)
+    eager = traffic.count_contender(lambda: C.make_donated(ps, ns_dtype=torch.bfloat16))
+    fused = traffic.count_contender(C.with_triton_kernels(lambda: C.make_donated(ps, ns_dtype=torch.bfloat16)))
+    assert eager.nonmatmul_bytes - fused.nonmatmul_bytes == 16 * muon_entries
+
+
+def within_a_rounding(
+    x: torch.Tensor, y: torch.Tensor, start: torch.Tensor, end: torch.Tensor, roundings: int = 1
+) -> bool:
+    """``|x - y|`` at most ``roundings`` fp32 roundings of the larger operand of a lerp, entry by entry."""
+    bound = roundings * torch.finfo(torch.float32).eps * torch.maximum(start.abs(), end.abs())
+    return bool(((x - y).abs() <= bound).all())
+
+
+def lerp_rounded_twice(start: torch.Tensor, end: torch.Tensor, weight: float) -> torch.Tensor:
+    """torch.lerp's formula in fp32 with its multiply-adds rounded twice, as Triton's interpreter
+    computes ``tl.fma``."""
+    w = torch.tensor(weight, dtype=torch.float32)
+    diff = end - start
+    return start + w * diff if w.abs() < 0.5 else end - diff * (1 - w)
+
+
+@pytest.mark.parametrize("mu", [0.95, 0.3])
+@pytest.mark.parametrize("donated", [True, False])
+def test_ema_nesterov_is_the_two_lerps(kernels, mu: float, donated: bool) -> None:
+    """``ema_nesterov_``/``ema_nesterov`` give the new momentum ``lerp(b, g, 1 - mu)`` and the
+    look-ahead ``lerp(g, b_t, mu)`` for leaves of many sizes (block edges, one entry, none):
+    torch's bits on a GPU; on a CPU, the interpreter's (two roundings per fused multiply-add),
+    within a rounding of torch's lerp."""
+    g = torch.Generator().manual_seed(2)
+    shapes = [(3, 5), (4096,), (4097,), (1,), (0, 3), (64, 130)]
+    grads = [torch.randn(s, generator=g).to(kernels) for s in shapes]
+    momentum = [torch.randn(s, generator=g).to(kernels) * 3 for s in shapes]
+    given = [b.clone() for b in momentum]
+    if donated:
+        new, look = momentum, _kernels.ema_nesterov_(momentum, grads, mu)
+    else:
+        both = _kernels.ema_nesterov(momentum, grads, mu)
+        new, look = both[: len(shapes)], both[len(shapes) :]
+        assert all(torch.equal(a, b) for a, b in zip(momentum, given))  # not written
+    torch_new = torch._foreach_lerp(given, grads, 1.0 - mu)
+    torch_look = torch._foreach_lerp(grads, torch_new, mu)
+    for b, u, tb, tu, b0, g0 in zip(new, look, torch_new, torch_look, given, grads):
+        assert b.shape == u.shape == g0.shape
+        if kernels.type == "cuda":
+            assert torch.equal(b, tb) and torch.equal(u, tu)
+            continue
+        assert torch.equal(b, lerp_rounded_twice(b0, g0, 1.0 - mu))
+        assert torch.equal(u, lerp_rounded_twice(g0, b, mu))
+        # (torch's look-ahead blends torch's momentum, itself a rounding apart)
+        assert within_a_rounding(b, tb, b0, g0) and within_a_rounding(u, tu, g0, b, roundings=2)
+
+
+def test_the_momentum_takes_its_kernel_in_a_step(monkeypatch, kernels) -> None:
+    """``ema_momentum``'s Nesterov form runs as one kernel call per update (counted), donated or
+    not, and gives the eager update within the kernel's rounding (its bits on a GPU)."""
+    g = torch.Generator().manual_seed(5)
+    params = TensorDict({"a": torch.randn(6, 9, generator=g), "b": torch.randn(9, 6, generator=g)}, []).to(kernels)
+    grads = params.apply(lambda p: torch.randn(p.shape, generator=g).to(p))
+    results = {}
+    for on in ("1", "0"):
+        monkeypatch.setenv(_kernels.TRITON_VARIABLE, on)
+        for donate in (True, False):
+            tx = muonfn.ema_momentum(0.9, donate_state=donate)
+            state = tx.init(params)
+            counter = traffic.TrafficCounter()
+            with counter:
+                updates, state = tx.update(grads, state, params)
+            names = [op.name for op in counter.ops if op.kind == "kernel"]
+            assert names.count("ema_nesterov_" if donate else "ema_nesterov") == (on == "1")
+            results[on, donate] = (updates, state)
+    for donate in (True, False):
+        (u1, s1), (u0, s0) = results["1", donate], results["0", donate]
+        for k in ("a", "b"):
+            pairs = [(u1[k], u0[k]), (s1["momentum", k], s0["momentum", k])]
+            scale = torch.maximum(grads[k].abs(), s0["momentum", k].abs() / 0.1)  # (a bound on both operands)
+            for x, y in pairs:
+                assert torch.equal(x, y) if kernels.type == "cuda" else within_a_rounding(x, y, scale, scale, 2)

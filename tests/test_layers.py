@@ -10,7 +10,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "muonfn"
 
-FOUNDATION = {"_keys", "_tree", "_validation", "_multi_tensor", "_gc_pause"}
+FOUNDATION = {"_keys", "_tree", "_validation", "_multi_tensor", "_gc_pause", "_kernels"}
 #: what each layer may import from muonfn (besides itself)
 ALLOWED = {
     "_keys": set(),
@@ -18,7 +18,7 @@ ALLOWED = {
     "_validation": {"_keys"},
     "_multi_tensor": set(),
     "_gc_pause": set(),
-    # Triton kernels as custom ops on plain tensors, for the linear algebra's passes
+    # Triton kernels as custom ops on plain tensors: passes of the linear algebra and of the transforms
     "_kernels": set(),
     "_checkpoint": {"_keys", "_tree"},
     "linalg": {"_keys", "_kernels"},

@@ -60,6 +60,19 @@ def test_in_place_out_and_copy_ops_count_what_they_write() -> None:
     assert (s.aten_ops, s.read_bytes, s.written_bytes) == (1, 16 * F32, 16 * F32)
 
 
+def test_an_op_that_writes_an_argument_and_returns_a_tensor_counts_both() -> None:
+    """muonfn's momentum kernel updates its momentum argument and returns the look-ahead: it reads
+    the momentum and the gradient and writes both results (16 bytes an fp32 entry); an in-place
+    aten op's returned self is not counted again."""
+    from muonfn import _kernels
+
+    m, g = torch.empty(6, 5, device="meta"), torch.empty(6, 5, device="meta")
+    s = counted(lambda: _kernels.ema_nesterov_([m], [g], 0.9))
+    assert (s.kernel_ops, s.read_bytes, s.written_bytes) == (1, 2 * 30 * F32, 2 * 30 * F32)
+    s = counted(lambda: m.mul_(2.0))
+    assert (s.read_bytes, s.written_bytes) == (30 * F32, 30 * F32)
+
+
 def test_views_and_allocations_move_nothing_and_launch_nothing() -> None:
     a = torch.ones(6, 4)
     views = lambda: (a.t(), a.view(4, 6), a[1:3], a.detach())  # noqa: E731

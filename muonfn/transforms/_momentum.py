@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from .. import _multi_tensor
+from .. import _kernels, _multi_tensor
 from .._tree import Leaves
 from .._validation import Scalar, check_params, flag, unit_interval
 from ._arithmetic import one_minus
@@ -78,8 +78,19 @@ def ema_momentum(
 
     def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
         keys, values = list(grads), list(grads.values())
-        weight = one_minus(_multi_tensor.host_number(momentum, values))  # (off the CPU: no host ops)
-        buf = _multi_tensor.lerp(scope.read(MOMENTUM, keys), values, weight, inplace=donate_state)
+        mu = _multi_tensor.host_number(momentum, values)  # (off the CPU: no host ops)
+        state = scope.read(MOMENTUM, keys)
+        if nesterov is True and not bias_correction and _kernels.takes_ema_nesterov(state, values, mu):
+            # both passes in one (a GPU's, opt-in): the same bits
+            if donate_state:
+                buf, updates = state, _kernels.ema_nesterov_(state, values, mu)
+            else:
+                both = _kernels.ema_nesterov(state, values, mu)
+                buf, updates = both[: len(keys)], both[len(keys) :]
+            scope.write(MOMENTUM, keys, buf)
+            return dict(zip(keys, updates))
+        weight = one_minus(mu)
+        buf = _multi_tensor.lerp(state, values, weight, inplace=donate_state)
         scope.write(MOMENTUM, keys, buf)
         if bias_correction:
             counts = count_steps(scope.read(STEP, keys), inplace=donate_state)
