@@ -14,6 +14,9 @@ itself), under ``torch.func`` transforms, or where autograd records.
   (tall ones read transposed), without the fp32 stack that the eager ops write and read again.
 - :func:`ema_nesterov_` and :func:`ema_nesterov`: the momentum's EMA and the Nesterov look-ahead,
   two ``torch.lerp`` passes, in one pass over the gradients and the momentum.
+- :func:`widened_decayed`: Newton–Schulz's bf16 results widened into their fp32 matrices (the
+  tall ones in their own orientation) with the decay ``α·p`` added as they are stored, where the
+  eager ops copy them and then add the decay in a second pass.
 """
 
 from __future__ import annotations
@@ -57,6 +60,10 @@ def triton_installed() -> bool:
     return True
 
 
+#: tensor types whose data a kernel may address directly (a parameter is a plain tensor underneath)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def takes_kernels(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether ``tensors`` go through the kernels: turned on, plain tensors of one eager step
     (not compiled, not under a ``torch.func`` transform, not recorded by autograd), on CUDA
@@ -65,7 +72,7 @@ def takes_kernels(tensors: Sequence[torch.Tensor]) -> bool:
         return False
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return False
-    if any(type(t) is not torch.Tensor for t in tensors):
+    if any(type(t) not in _PLAIN for t in tensors):
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
@@ -142,7 +149,38 @@ def _compiled(interpret: bool) -> Any:
             u = tl.where(tl.abs(w) < 0.5, tl.fma(w, diff, g), tl.fma(-diff, 1.0 - w, b))
             tl.store(tl.load(nesterov + j).to(tl.pointer_type(tl.float32)) + offsets, u, mask=inside)
 
-    return {"scaled_stack": scaled_stack_kernel, "ema_nesterov": ema_nesterov_kernel}
+    @triton.jit
+    def widened_decayed_kernel(  # type: ignore[no-untyped-def]
+        results, out, params, strides, alpha, rows, cols, kept, TILE: tl.constexpr
+    ):
+        # one TILE×TILE tile of result i: widened exactly, plus alpha·p where matrix i has a p
+        # (one multiply-add, fused as a GPU's compiler fuses torch's add(alpha=)); written wide,
+        # or for i >= kept (a tall matrix's transpose) into the tall matrix's own rows
+        i = tl.program_id(0)
+        r = (tl.program_id(1) * TILE + tl.arange(0, TILE))[:, None].to(tl.int64)
+        c = (tl.program_id(2) * TILE + tl.arange(0, TILE))[None, :].to(tl.int64)
+        inside = (r < rows) & (c < cols)
+        base = i.to(tl.int64) * rows * cols
+        u = tl.load(results + base + r * cols + c, mask=inside).to(tl.float32)
+        address = tl.load(params + i)
+        if address != 0:
+            p = tl.load(
+                address.to(tl.pointer_type(tl.float32))
+                + r * tl.load(strides + 2 * i)
+                + c * tl.load(strides + 2 * i + 1),
+                mask=inside,
+            )
+            u = tl.fma(tl.full([TILE, TILE], alpha, tl.float32), p, u)
+        if i < kept:
+            tl.store(out + base + r * cols + c, u, mask=inside)
+        else:
+            tl.store(out + base + c * rows + r, u, mask=inside)
+
+    return {
+        "scaled_stack": scaled_stack_kernel,
+        "ema_nesterov": ema_nesterov_kernel,
+        "widened_decayed": widened_decayed_kernel,
+    }
 
 
 @torch.library.custom_op("muonfn::scaled_stack", mutates_args=())
@@ -235,3 +273,42 @@ def ema_nesterov(momentum: list[torch.Tensor], grads: list[torch.Tensor], mu: fl
 @ema_nesterov.register_fake
 def _(momentum: list[torch.Tensor], grads: list[torch.Tensor], mu: float) -> list[torch.Tensor]:
     return [*(torch.empty_like(b) for b in momentum), *(torch.empty_like(g) for g in grads)]
+
+
+@torch.library.custom_op("muonfn::widened_decayed", mutates_args=())
+def widened_decayed(
+    results: torch.Tensor, turned: int, params: list[torch.Tensor | None], alpha: float
+) -> torch.Tensor:
+    """A ``(count, m, n)`` bf16/fp16 batch of results, widened into a new fp32 batch with
+    ``alpha·p`` added to each result whose ``p`` is given (fp32, of the result's wide shape: a
+    tall parameter as its transpose, any strides), in one pass. The last ``turned`` results are
+    written in the orientation of their own rows: ``out[count - turned:].view(turned, n, m)`` holds
+    them transposed back. The bits of ``out.copy_(results)`` and then
+    ``torch._foreach_add_(out, params, alpha=alpha)`` on a GPU (its multiply-add fused); 10 bytes
+    an entry of a decayed result, where the copy and the add move 18."""
+    count, rows, cols = results.shape
+    out = torch.empty(results.shape, dtype=torch.float32, device=results.device)
+    if not out.numel():
+        return out
+    addresses = _table([0 if p is None else p.data_ptr() for p in params], results.device)
+    strides = _table([s for p in params for s in ((0, 0) if p is None else p.stride())], results.device)
+    grid = (count, -(-rows // _TILE), -(-cols // _TILE))
+    kernel = _compiled(interpreting())["widened_decayed"]
+    kernel[grid](results.contiguous(), out, addresses, strides, alpha, rows, cols, count - turned, TILE=_TILE)
+    return out
+
+
+@widened_decayed.register_fake
+def _(results: torch.Tensor, turned: int, params: list[torch.Tensor | None], alpha: float) -> torch.Tensor:
+    return torch.empty(results.shape, dtype=torch.float32, device=results.device)
+
+
+def takes_widened_decayed(results: torch.Tensor, params: Sequence[torch.Tensor | None]) -> bool:
+    """Whether :func:`widened_decayed` takes these: :func:`takes_kernels` of the results and the
+    parameters, a 16-bit batch and fp32 parameters."""
+    given = [p for p in params if p is not None]
+    return (
+        results.dtype in (torch.bfloat16, torch.float16)
+        and all(p.dtype == torch.float32 for p in given)
+        and takes_kernels([results, *given])
+    )

@@ -133,11 +133,13 @@ def test_newton_schulz_batches_are_the_same_bits_with_the_kernel(monkeypatch, ke
 
 def test_a_muon_step_is_the_same_bits_with_the_kernels(monkeypatch, kernels) -> None:
     """``muon``'s update and state, functional and through the shim, are the same bits with the
-    kernels on and off (the GPU's paths, bf16 Newton–Schulz). On a CPU the momentum's kernel is
-    left out: the interpreter rounds its fused multiply-adds twice (its own test below)."""
+    kernels on and off (the GPU's paths, bf16 Newton–Schulz). On a CPU the kernels with a fused
+    multiply-add (the momentum's, the decay's) are left out: the interpreter rounds those twice,
+    and a CPU's torch fuses them or not by its instruction set (their own tests below)."""
     if kernels.type == "cpu":
         monkeypatch.setattr(_newton_schulz, "cpu_passes", lambda t: False)
         monkeypatch.setattr(_kernels, "takes_ema_nesterov", lambda *args: False)
+        monkeypatch.setattr(_kernels, "takes_widened_decayed", lambda *args: False)
     matrices = mixed_matrices(kernels)
     params = TensorDict({f"w{i}": m.clone() / 1e37 for i, m in enumerate(matrices)} | {"b": torch.ones(5)}, [])
     params = params.to(kernels)
@@ -182,18 +184,21 @@ def test_the_counter_sees_the_kernel_move_8_bytes_an_entry_less(monkeypatch) -> 
     assert counts["1"].kernel_ops == counts["0"].kernel_ops - 1
 
 
-def test_the_counter_sees_the_donated_step_move_16_bytes_a_muon_entry_less(monkeypatch) -> None:
-    """On GPT-2 small's shapes (meta), the kernels take the donated step's fp32 stack (8 bytes a
-    Muon entry) and the momentum's second pass (8): exactly 16 bytes a Muon entry less."""
+@pytest.mark.parametrize("contender", ["donated", "shim"])
+def test_the_counter_sees_a_step_move_24_bytes_a_muon_entry_less(monkeypatch, contender: str) -> None:
+    """On GPT-2 small's shapes (meta), the kernels take the fp32 stack (8 bytes a Muon entry), the
+    momentum's second pass (8) and the decay's own pass over the results (8): exactly 24 bytes a
+    Muon entry less, donated and through the shim."""
     import _contenders as C
     import _sets
 
     ps = _sets.gpt2("gpt2-small", device="meta")
     muon_entries = sum(p.numel() for _, p in ps.matrix_params())
     monkeypatch.delenv(_kernels.TRITON_VARIABLE, raising=False)
-    eager = traffic.count_contender(lambda: C.make_donated(ps, ns_dtype=torch.bfloat16))
-    fused = traffic.count_contender(C.with_triton_kernels(lambda: C.make_donated(ps, ns_dtype=torch.bfloat16)))
-    assert eager.nonmatmul_bytes - fused.nonmatmul_bytes == 16 * muon_entries
+    make = C.make_donated if contender == "donated" else C.make_shim
+    eager = traffic.count_contender(lambda: make(ps, ns_dtype=torch.bfloat16))
+    fused = traffic.count_contender(C.with_triton_kernels(lambda: make(ps, ns_dtype=torch.bfloat16)))
+    assert eager.nonmatmul_bytes - fused.nonmatmul_bytes == 24 * muon_entries
 
 
 def within_a_rounding(
@@ -268,3 +273,68 @@ def test_the_momentum_takes_its_kernel_in_a_step(monkeypatch, kernels) -> None:
             scale = torch.maximum(grads[k].abs(), s0["momentum", k].abs() / 0.1)  # (a bound on both operands)
             for x, y in pairs:
                 assert torch.equal(x, y) if kernels.type == "cuda" else within_a_rounding(x, y, scale, scale, 2)
+
+
+def add_rounded_twice(u: torch.Tensor, p: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``u + alpha·p`` in fp32 with the product rounded first, as the interpreter takes ``tl.fma``."""
+    return u + torch.tensor(alpha, dtype=torch.float32) * p
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_widened_decayed_is_the_copy_and_the_decay(kernels, dtype) -> None:
+    """``widened_decayed`` widens each result exactly, the tall ones (the last ``turned``) into the
+    memory of their own rows, and adds ``alpha·p`` where a parameter is given (a tall one read
+    across its rows): the copy and ``_foreach_add_(alpha=)``'s bits on a GPU; on a CPU the
+    interpreter's (its multiply-add rounded twice), within a rounding of torch's."""
+    g = torch.Generator().manual_seed(8)
+    rows, cols, alpha = 20, 70, -0.02 * 0.1
+    results = torch.randn(4, rows, cols, generator=g).to(kernels, dtype)
+    wide_p = torch.randn(rows, cols, generator=g).to(kernels)
+    tall_p = torch.randn(cols, rows, generator=g).to(kernels)
+    params = [wide_p, None, tall_p.mT, None]  # results 2 and 3 stand for tall matrices
+    out = _kernels.widened_decayed(results, 2, params, alpha)
+    wide, tall = out[:2], out[2:].view(2, cols, rows)
+    widened = results.float()
+    assert torch.equal(wide[1], widened[1]) and torch.equal(tall[1], widened[3].mT)  # no decay: a copy
+    expected = [(wide[0], widened[0], wide_p), (tall[0], widened[2].mT, tall_p)]
+    for got, u, p in expected:
+        if kernels.type == "cuda":
+            reference = [u.clone()]
+            torch._foreach_add_(reference, [p], alpha=alpha)
+            assert torch.equal(got, reference[0])
+        else:
+            assert torch.equal(got, add_rounded_twice(u, p, alpha))
+            bound = torch.finfo(torch.float32).eps * (u.abs() + abs(alpha) * p.abs())
+            assert ((got - u.add(p, alpha=alpha)).abs() <= bound).all()
+    assert torch.equal(_kernels.widened_decayed(results, 0, [None] * 4, alpha), widened)
+
+
+def test_the_decay_is_added_as_newton_schulzs_results_are_stored(monkeypatch, kernels) -> None:
+    """With the kernels, ``muon``'s matrix branch hands its decay to the orthogonalizer, which adds
+    it in the kernel that widens the results (counted): no decay pass of its own, the exempt
+    leaves (``weight_decay_mask``) undecayed, and the update within a rounding of the eager one
+    (its bits on a GPU)."""
+    if kernels.type == "cpu":
+        monkeypatch.setattr(_newton_schulz, "cpu_passes", lambda t: False)
+    matrices = mixed_matrices(kernels)[:4]
+    params = TensorDict({f"w{i}": m.clone() / 1e37 for i, m in enumerate(matrices)}, []).to(kernels)
+    grads = params.apply(lambda p: torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())).to(p))
+    mask = {"w1": False}
+    results = {}
+    for on in ("1", "0"):
+        monkeypatch.setenv(_kernels.TRITON_VARIABLE, on)
+        tx = muonfn.muon(lr=0.02, weight_decay=0.5, ns_dtype=torch.bfloat16, weight_decay_mask=mask)
+        state = tx.init(params)
+        counter = traffic.TrafficCounter()
+        with counter:
+            updates, _ = tx.update(grads, state, params)
+        names = [op.name for op in counter.ops]
+        assert names.count("widened_decayed") == (1 if on == "1" else 0)
+        results[on] = updates
+    for key in sorted(params.keys()):
+        on, off = results["1"][key], results["0"][key]
+        if kernels.type == "cuda":
+            assert torch.equal(on, off), key
+        else:
+            bound = 2 * torch.finfo(torch.float32).eps * (off.abs() + 0.01 * params[key].abs())
+            assert ((on - off).abs() <= bound).all(), key

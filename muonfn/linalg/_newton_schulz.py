@@ -32,7 +32,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, TypeAlias, get_args
+from typing import Literal, NamedTuple, Protocol, TypeAlias, get_args
 
 import torch
 
@@ -43,6 +43,14 @@ NSMethod: TypeAlias = Literal["standard", "gram"]
 NS_METHODS: tuple[str, ...] = get_args(NSMethod)
 EpsMode: TypeAlias = Literal["clamp", "add"]
 EPS_MODES: tuple[str, ...] = get_args(EpsMode)
+
+
+class Decay(NamedTuple):
+    """The decay an orthogonalizer adds to its results as it stores them: ``alpha·p`` for every
+    result whose ``p`` is given (``params`` align with the results; ``None``: not decayed)."""
+
+    params: Sequence[torch.Tensor | None]
+    alpha: float
 
 
 class Reduction(Protocol):
@@ -506,6 +514,19 @@ def _restored(X: torch.Tensor, x: torch.Tensor, tall: bool, into: torch.Tensor |
     return in_memory_order(out.mT) if x.is_contiguous() else out.mT
 
 
+def _decayed(wide: torch.Tensor, tall: torch.Tensor, decay: Decay | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``wide`` and ``tall`` (the results of :meth:`NewtonSchulz.orthogonalize_matrices`) with
+    ``decay`` added in place, as one multi-tensor add (the decay's eager pass)."""
+    if decay is None:
+        return wide, tall
+    kept = wide.size(0)
+    results = [*wide.unbind(0), *tall.unbind(0)]
+    pairs = [(r, p if k < kept else p.mT) for k, (r, p) in enumerate(zip(results, decay.params)) if p is not None]
+    if pairs:
+        torch._foreach_add_([r for r, _ in pairs], [p for _, p in pairs], alpha=decay.alpha)
+    return wide, tall
+
+
 def _restored_turning(
     X: torch.Tensor, dtype: torch.dtype, turned: int, into: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -777,24 +798,32 @@ class NewtonSchulz:
         return _restored_turning(X, x.dtype, turned, spare)
 
     def orthogonalize_matrices(
-        self, matrices: Sequence[torch.Tensor], turned: int, *, scale: float = 1.0
+        self, matrices: Sequence[torch.Tensor], turned: int, *, scale: float = 1.0, decay: Decay | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`orthogonalize_turning` of ``torch.stack(matrices)`` (wide matrices of one shape
-        and dtype, the last ``turned`` of them the transposes of tall ones), the batch built here.
+        and dtype, the last ``turned`` of them the transposes of tall ones), the batch built here;
+        with ``decay`` (parameters aligned with ``matrices``, in their orientation), ``alpha·p``
+        added to each result that has one (in place: a step of plain tensors, no autograd).
 
         Off the CPU an fp32 batch going into a narrower dtype is normalised as it is built
         (:func:`_narrowed_matrices`): each matrix's norm is read from its own memory, so a tall
         matrix's in the order of its own rows (its bits may differ from the stack's norm by a
-        rounding), and no fp32 stack outlives the product into ``dtype``. Elsewhere the stack is
+        rounding), and no fp32 stack outlives the product into ``dtype``. With muonfn's Triton
+        kernels the results are widened with the decay added in one pass. Elsewhere the stack is
         built and given to :meth:`orthogonalize_turning`.
         """
         first = matrices[0]
         dtype = default_ns_dtype(first.device, first.dtype, first.shape) if self.dtype is None else self.dtype
         if first.dtype != torch.float32 or dtype == first.dtype or cpu_passes(first):
-            return self.orthogonalize_turning(torch.stack(list(matrices)), turned, overwrite_input=True, scale=scale)
+            stack = torch.stack(list(matrices))
+            return _decayed(*self.orthogonalize_turning(stack, turned, overwrite_input=True, scale=scale), decay)
         iterate = self._iteration(first, scale)
-        X = _narrowed_matrices(matrices, self.schedule, self.eps, dtype, self.eps_mode)
-        return _restored_turning(iterate(X), first.dtype, turned, None)
+        result = iterate(_narrowed_matrices(matrices, self.schedule, self.eps, dtype, self.eps_mode))
+        if decay is not None and _kernels.takes_widened_decayed(result, decay.params):
+            out = _kernels.widened_decayed(result, turned, list(decay.params), decay.alpha)
+            kept, (rows, cols) = len(matrices) - turned, first.shape
+            return out[:kept], out[kept:].view(turned, cols, rows)
+        return _decayed(*_restored_turning(result, first.dtype, turned, None), decay)
 
     def _iterated(
         self, x: torch.Tensor, owned: bool, scale: float = 1.0

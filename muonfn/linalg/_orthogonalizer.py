@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from .._keys import Key, dotted
-from ._newton_schulz import NewtonSchulz, apart, in_memory_order, may_write_into
+from ._newton_schulz import Decay, NewtonSchulz, apart, in_memory_order, may_write_into
 from ._views import MatrixView, ScaleFn, block_scales
 
 MatrixFn = Callable[[torch.Tensor], torch.Tensor]
@@ -31,7 +31,10 @@ class Orthogonalizer(Protocol):
     own (never an input, nor a view of one): the steps after it may write into it. An
     orthogonalizer may also have ``check(keys, tensors, views)``, which raises for leaves it
     would refuse, from their metadata alone: :func:`~muonfn.orthogonalize` calls it with the
-    other checks of a step, before any transform of a composition writes its state.
+    other checks of a step, before any transform of a composition writes its state. One whose
+    ``adds_decay`` is ``True`` also takes ``decay=`` (a :class:`Decay` aligned with
+    ``tensors``) and adds it to its results; :func:`~muonfn.transforms.descent` then hands it
+    the decay of a plain fp32 step with muonfn's Triton kernels on.
     """
 
     def __call__(
@@ -64,7 +67,9 @@ def _chunks(members: list[int], sizes: list[int], cap: int) -> list[list[int]]:
     return chunks
 
 
-def _batched(matrices: list[torch.Tensor], scales: list[float], ns: MatrixFn, cap: int) -> list[torch.Tensor]:
+def _batched(
+    matrices: list[torch.Tensor], scales: list[float], ns: MatrixFn, cap: int, decay: Decay | None = None
+) -> list[torch.Tensor]:
     """``scale * ns(m)`` for every matrix, equal shapes stacked into calls of at most ``cap`` elements.
 
     A matrix is a ``(count, rows, cols)`` batch, or a contiguous 2-D matrix, which is stacked
@@ -83,14 +88,16 @@ def _batched(matrices: list[torch.Tensor], scales: list[float], ns: MatrixFn, ca
     out: list[torch.Tensor] = list(matrices)
     for (_, _, _, scale), members in buckets.items():
         for chunk in _chunks(members, sizes, cap):
-            for j, result in zip(chunk, _call([matrices[j] for j in chunk], ns, scale)):
+            given = None if decay is None else Decay([decay.params[j] for j in chunk], decay.alpha)
+            for j, result in zip(chunk, _call([matrices[j] for j in chunk], ns, scale, given)):
                 out[j] = result
     return out
 
 
-def _call(matrices: list[torch.Tensor], ns: MatrixFn, scale: float) -> list[torch.Tensor]:
+def _call(matrices: list[torch.Tensor], ns: MatrixFn, scale: float, decay: Decay | None = None) -> list[torch.Tensor]:
     """``scale * ns`` of matrices of one (wide) shape in one call: the 2-D ones stacked as they
-    are, wide then tall, and handed back as contiguous slices; the batches after them."""
+    are, wide then tall, and handed back as contiguous slices; the batches after them. ``decay``
+    (2-D matrices only) is added to the results whose parameter it gives."""
     turns = isinstance(ns, NewtonSchulz)
     flips = [turns and m.size(-2) > m.size(-1) for m in matrices]
     flat = [m.ndim == 2 for m in matrices]
@@ -100,7 +107,12 @@ def _call(matrices: list[torch.Tensor], ns: MatrixFn, scale: float) -> list[torc
     pieces = [apart(matrices[k].mT if flips[k] else matrices[k]) for k in (*plain_wide, *plain_tall, *batches)]
     if isinstance(ns, NewtonSchulz) and not batches:
         # the batch built by Newton–Schulz; the tall ones come back in their own orientation and memory order
-        wide, tall = ns.orthogonalize_matrices(pieces, len(plain_tall), scale=scale)
+        order = (*plain_wide, *plain_tall)
+        given = None
+        if decay is not None:
+            params = [decay.params[k] for k in order]
+            given = Decay([None if p is None else p.mT if flips[k] else p for k, p in zip(order, params)], decay.alpha)
+        wide, tall = ns.orthogonalize_matrices(pieces, len(plain_tall), scale=scale, decay=given)
         out: list[torch.Tensor] = [None] * len(matrices)  # type: ignore[list-item]
         for k, piece in zip((*plain_wide, *plain_tall), (*wide.unbind(0), *tall.unbind(0))):
             out[k] = piece
@@ -131,7 +143,16 @@ def _call(matrices: list[torch.Tensor], ns: MatrixFn, scale: float) -> list[torc
         out[k] = piece
     for k, piece in zip(batches, rest):
         out[k] = piece.mT if flips[k] else piece
+    if decay is not None:
+        _add_decay(out, decay)
     return out
+
+
+def _add_decay(results: Sequence[torch.Tensor], decay: Decay) -> None:
+    """``decay`` added in place to the results whose parameter it gives, as one multi-tensor add."""
+    pairs = [(r, p) for r, p in zip(results, decay.params) if p is not None]
+    if pairs:
+        torch._foreach_add_([r for r, _ in pairs], [p for _, p in pairs], alpha=decay.alpha)
 
 
 def _map_name(ns: MatrixFn) -> str:
@@ -193,26 +214,34 @@ def orthogonalize_blocks(
     *,
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
     shapes: Sequence[Sequence[int]] | None = None,
+    decay: Decay | None = None,
 ) -> list[torch.Tensor]:
     """``scale(A, B)·ns(M)`` for every block ``M`` of every tensor as its view reads it.
 
     Same-shape blocks are stacked into one ``ns`` call of at most ``bucket_numel``
     elements. ``shapes``: the shapes the scale is read from, when they differ from the
     tensors' (an expert shard of a larger tensor). A tensor without elements maps to an
-    empty tensor; a contiguous tensor to a contiguous one.
+    empty tensor; a contiguous tensor to a contiguous one. ``decay`` (parameters aligned with
+    ``tensors``): ``alpha·p`` added to the results that have one, for a plain matrix as its
+    result is stored (a step of plain tensors, no autograd: the results are written in place).
     """
     plain = _plain_matrices(tensors, views, shapes)
     shapes = [t.shape for t in tensors] if shapes is None else shapes
+    params = [None] * len(tensors) if decay is None else list(decay.params)
     matrices: list[torch.Tensor] = []
     scales: list[float] = []
-    for t, view, shape, whole in zip(tensors, views, shapes, plain):
+    matrix_params: list[torch.Tensor | None] = []
+    for t, view, shape, whole, p in zip(tensors, views, shapes, plain, params):
         if whole:
             matrices.append(t)
             scales.append(scale(*t.shape))
+            matrix_params.append(p)
         elif t.numel():
-            matrices += view.to_matrices(t)
+            blocks = view.to_matrices(t)
+            matrices += blocks
             scales += block_scales(view, shape, scale)
-    done = _batched(matrices, scales, ns, bucket_numel)
+            matrix_params += [None] * len(blocks)
+    done = _batched(matrices, scales, ns, bucket_numel, None if decay is None else Decay(matrix_params, decay.alpha))
     out, pos = [], 0
     for t, view, whole in zip(tensors, views, plain):
         if whole:
@@ -225,6 +254,8 @@ def orthogonalize_blocks(
             pos += n
         else:
             out.append(torch.empty_like(t))
+    if decay is not None:  # the tensors of views, reassembled
+        _add_decay(out, Decay([None if whole else p for whole, p in zip(plain, params)], decay.alpha))
     return out
 
 
@@ -255,6 +286,9 @@ class LocalOrthogonalizer:
     shard is no whole matrix).
     """
 
+    #: takes ``decay=`` (see :func:`orthogonalize_blocks`), which :func:`muonfn.transforms.descent` gives it
+    adds_decay = True
+
     def __init__(self, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> None:
         self.bucket_numel = check_bucket_numel(bucket_numel)
 
@@ -265,9 +299,11 @@ class LocalOrthogonalizer:
         views: Sequence[MatrixView],
         ns: MatrixFn,
         scale: ScaleFn,
+        *,
+        decay: Decay | None = None,
     ) -> list[torch.Tensor]:
         self.check(keys, tensors, views)
-        return orthogonalize_blocks(tensors, views, ns, scale, bucket_numel=self.bucket_numel)
+        return orthogonalize_blocks(tensors, views, ns, scale, bucket_numel=self.bucket_numel, decay=decay)
 
     @staticmethod
     def check(keys: Sequence[Key], tensors: Sequence[torch.Tensor], views: Sequence[MatrixView]) -> None:

@@ -6,9 +6,10 @@ from collections.abc import Callable
 
 import torch
 
-from .. import _multi_tensor
+from .. import _kernels, _multi_tensor
 from .._tree import Leaves
 from .._validation import Scalar, ScalarOrSchedule
+from ..linalg import Decay
 from ._caches import StructureCache
 from ._combine import chain
 from ._contract import Transform
@@ -17,22 +18,26 @@ from ._learning_rate import current_rate, scale_by_learning_rate, scaled_by_rate
 from ._masks import MaskLike, resolve_mask_flat
 from ._rules import Rule, Scope, as_rule, from_rule
 
-#: ``update(grads, scope, factor)``: ``factor·s·x`` for every leaf ``x``, ``s`` its shape scale,
-#: in fresh tensors of the leaves' dtypes (the factor is a Python number)
-ScaledUpdate = Callable[[Leaves, Scope, float], Leaves]
+#: ``update(grads, scope, factor, decay)``: ``factor·s·x`` for every leaf ``x``, ``s`` its shape
+#: scale, in fresh tensors of the leaves' dtypes (the factor is a Python number), plus ``decay``
+#: where it is given (see :class:`Scaled`)
+ScaledUpdate = Callable[[Leaves, Scope, float, Decay | None], Leaves]
 
 
 class Scaled:
     """The update of a rule whose last act is a shape scale (:func:`orthogonalize`,
-    :func:`scale_by_shape`), which can take a factor on that scale: :func:`descent` reads it."""
+    :func:`scale_by_shape`), which can take a factor on that scale: :func:`descent` reads it.
+    ``adds_decay``: it can also add a decay ``alpha·p`` (:class:`muonfn.linalg.Decay`, aligned
+    with the leaves) as it stores its results; ``None`` otherwise."""
 
-    __slots__ = ("scaled",)
+    __slots__ = ("adds_decay", "scaled")
 
-    def __init__(self, scaled: ScaledUpdate) -> None:
+    def __init__(self, scaled: ScaledUpdate, *, adds_decay: bool = False) -> None:
         self.scaled = scaled
+        self.adds_decay = adds_decay
 
     def __call__(self, grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
-        return self.scaled(grads, scope, 1.0)
+        return self.scaled(grads, scope, 1.0, None)
 
 
 def descent(
@@ -54,7 +59,7 @@ def descent(
     rule = as_rule(step)
     if not isinstance(rule.update, Scaled):
         raise TypeError(f"descent: step must end in a shape scale (orthogonalize or scale_by_shape), got {rule.name!r}")
-    scaled = rule.update.scaled
+    scaled, adds_decay = rule.update.scaled, rule.update.adds_decay
     decay = add_decayed_weights(weight_decay, mask=mask, inplace=True)
     rate = scale_by_learning_rate(learning_rate, inplace=True)
     reference = chain(step, decay, rate)  # (the state, the checks and what is read)
@@ -67,15 +72,19 @@ def descent(
         lr = current_rate(learning_rate, scope, list(grads.values()))
         eta, lam = eager_number(lr), eager_number(weight_decay)
         if eta is None or lam is None:
-            out = decay_rule.update(scaled(grads, scope, 1.0), scope, params)
+            out = decay_rule.update(scaled(grads, scope, 1.0, None), scope, params)
             return scaled_by_rate(out, lr, scope, inplace=True, scheduled=scheduled)
-        out = scaled(grads, scope, -eta)
         if lam == 0:
-            return out
+            return scaled(grads, scope, -eta, None)
         assert params is not None  # (checked by needs)
         keys = masks.get(
             grads, scope.batch_size, lambda: resolve_mask_flat(mask, grads, params, scope.batch_size, where=where)
         )
+        if adds_decay and _fused_decay(grads, [params[k] for k in keys]):
+            decayed = set(keys)
+            given = [params[k] if k in decayed else None for k in grads]
+            return scaled(grads, scope, -eta, Decay(given, -eta * lam))  # added as the results are stored
+        out = scaled(grads, scope, -eta, None)
         current, p = [out[k] for k in keys], [params[k] for k in keys]
         add = _multi_tensor.apply_ if _multi_tensor.may_overwrite([*current, *p]) else _multi_tensor.apply
         out.update(zip(keys, add("add", current, p, alpha=-eta * lam)))
@@ -83,6 +92,13 @@ def descent(
 
     chained = as_rule(reference)
     return from_rule(reference.init, Rule(rule.name, update, chained.needs, chained.donated))
+
+
+def _fused_decay(grads: Leaves, params: list[torch.Tensor]) -> bool:
+    """Whether the step takes the decay into its own store (muonfn's Triton kernels, for fp32
+    leaves: one pass, where the decay's own reads and writes the results once more)."""
+    tensors = [*grads.values(), *params]
+    return all(t.dtype == torch.float32 for t in tensors) and _kernels.takes_kernels(tensors)
 
 
 def eager_number(value: Scalar) -> float | None:

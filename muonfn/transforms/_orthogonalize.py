@@ -16,6 +16,7 @@ from .._validation import Scalar, check_table
 from ..linalg import (
     DEFAULT_VIEW,
     CoefficientsLike,
+    Decay,
     EpsMode,
     LocalOrthogonalizer,
     MatrixFn,
@@ -322,12 +323,14 @@ def orthogonalize(
     run = orthogonalizer
     resolved = StructureCache()
 
-    def scaled(grads: Leaves, scope: Scope, factor: float) -> Leaves:  # (descent passes -η as factor)
+    def scaled(grads: Leaves, scope: Scope, factor: float, decay: Decay | None) -> Leaves:  # (descent: -η, -ηλ)
         keys, values = list(grads), list(grads.values())
         leaf_views = resolved.get(
             grads, scope.batch_size, lambda: resolve_views(views, keys, values, members=scope.members)
         )
-        return dict(zip(keys, run(keys, values, leaf_views, ns, _times(factor, scale_fn))))
+        if decay is None:
+            return dict(zip(keys, run(keys, values, leaf_views, ns, _times(factor, scale_fn))))
+        return dict(zip(keys, run(keys, values, leaf_views, ns, _times(factor, scale_fn), decay=decay)))  # type: ignore[call-arg]
 
     def needs(grads: Leaves, params: Leaves | None, prefix: Key, out: Needs) -> None:
         # an orthogonalizer's refusals (a leaf off its view, a sharded DTensor without collectives,
@@ -346,7 +349,8 @@ def orthogonalize(
     # (a map of one's own is tried at init on meta tensors, so that a wrong shape fails before a step)
     probe = None if isinstance(ns, NewtonSchulz) else ns
     init = _view_checker(views, probe) if isinstance(run, LocalOrthogonalizer) else empty_state
-    return from_rule(init, Rule("orthogonalize", Scaled(scaled), needs))
+    adds_decay = getattr(run, "adds_decay", False) is True
+    return from_rule(init, Rule("orthogonalize", Scaled(scaled, adds_decay=adds_decay), needs))
 
 
 def _times(factor: float, scale_fn: ScaleFn) -> ScaleFn:
@@ -380,7 +384,7 @@ def scale_by_shape(
             out.append((view, block_scales(view, g.shape, scale_fn)))
         return out
 
-    def scaled(grads: Leaves, scope: Scope, factor: float) -> Leaves:  # (descent passes -η as factor)
+    def scaled(grads: Leaves, scope: Scope, factor: float, decay: Decay | None) -> Leaves:  # (descent: -η; no decay)
         keys, values = list(grads), list(grads.values())
         out = []
         for g, (view, scales) in zip(
