@@ -68,9 +68,9 @@ def takes_kernels(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether ``tensors`` go through the kernels: turned on, plain tensors of one eager step
     (not compiled, not under a ``torch.func`` transform, not recorded by autograd), on CUDA
     with Triton installed, on the CPU under Triton's interpreter, or on meta (counted, not run)."""
-    if not tensors or not enabled():
+    if not tensors or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return False
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    if not enabled():
         return False
     if any(type(t) not in _PLAIN for t in tensors):
         return False
@@ -79,17 +79,31 @@ def takes_kernels(tensors: Sequence[torch.Tensor]) -> bool:
     device = tensors[0].device.type
     if device == "meta":
         return True
-    if device == "cuda":
-        return triton_installed() and not interpreting()
+    if device == "cuda":  # (not while a CUDA graph is captured: the launch tables come from the host)
+        return triton_installed() and not interpreting() and not torch.cuda.is_current_stream_capturing()
     return device == "cpu" and interpreting() and triton_installed()
 
 
+#: the launch tables (addresses, strides, sizes) already on a device, by device and contents: a step
+#: whose tensors sit where they sat the step before (state, parameters, and what the caching allocator
+#: hands back) copies no table
+_TABLES: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+_TABLES_KEPT = 256
+
+
 def _table(values: list[int], device: torch.device) -> torch.Tensor:
-    """``values`` as an int64 tensor on ``device``, copied without making the host wait."""
+    """``values`` as an int64 tensor on ``device`` (never written: one may serve many launches),
+    copied without making the host wait."""
+    key = (device, tuple(values))
+    table = _TABLES.get(key)
+    if table is not None:
+        return table
     table = torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
-        return table.to(device)
-    return table.pin_memory().to(device, non_blocking=True)
+    table = table.to(device) if device.type != "cuda" else table.pin_memory().to(device, non_blocking=True)
+    if len(_TABLES) >= _TABLES_KEPT:
+        del _TABLES[next(iter(_TABLES))]
+    _TABLES[key] = table
+    return table
 
 
 @functools.cache
