@@ -338,3 +338,20 @@ def test_the_decay_is_added_as_newton_schulzs_results_are_stored(monkeypatch, ke
         else:
             bound = 2 * torch.finfo(torch.float32).eps * (off.abs() + 0.01 * params[key].abs())
             assert ((on - off).abs() <= bound).all(), key
+
+
+def test_a_launch_table_is_copied_once_for_the_same_tensors(kernels) -> None:
+    """The addresses and strides a launch reads are kept on the device by their values: stepping
+    the same tensors again reads the table already there; other tensors get a table of their own."""
+    matrices = [torch.randn(5, 7).to(kernels) for _ in range(2)]
+    factors = torch.ones(2, dtype=torch.float64, device=kernels)
+    _kernels.scaled_stack(matrices, factors, torch.bfloat16)
+    key = (matrices[0].device, tuple(m.data_ptr() for m in matrices))
+    table = _kernels._TABLES[key]
+    _kernels.scaled_stack(matrices, factors, torch.bfloat16)
+    assert _kernels._TABLES[key] is table and table.tolist() == list(key[1])
+    others = [m.clone() for m in matrices]
+    _kernels.scaled_stack(others, factors, torch.bfloat16)
+    assert _kernels._TABLES[others[0].device, tuple(m.data_ptr() for m in others)].tolist() == [
+        m.data_ptr() for m in others
+    ]
