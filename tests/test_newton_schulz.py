@@ -528,3 +528,24 @@ def test_tall_matrices_come_back_in_their_own_memory_order(monkeypatch, scale: f
     only_tall = stack[2:].contiguous()
     kept, turned = f.orthogonalize_turning(only_tall, 3, scale=scale)
     assert kept.shape == (0, 12, 20) and torch.equal(turned, f.orthogonalize(only_tall, scale=scale).mT)
+
+
+def test_a_batch_built_from_matrices_norms_each_in_its_own_memory() -> None:
+    """Off the CPU, an orthogonalizer's batch is normed matrix by matrix from the matrices' own
+    memory: a contiguous one as in the stack, bit for bit; a tall one read as its transpose as the
+    tall matrix itself; under ``vmap`` (an ensemble's members, mapped on any dimension) each
+    member as when it is alone."""
+    wide, tall = gaussian(12, 20, seed=21), gaussian(20, 12, seed=22)
+    matrices = [wide, tall.mT]
+    norms = _newton_schulz._fp64_norms_of(matrices)
+    assert norms.shape == (2, 1, 1) and norms.dtype == torch.float64
+    assert torch.equal(norms[0], _newton_schulz._fp64_norms(wide[None])[0])
+    assert torch.equal(norms[1], _newton_schulz._fp64_norms(tall[None])[0])
+    members_wide, members_tall = gaussian(3, 12, 20, seed=23), gaussian(3, 20, 12, seed=24)
+    alone = torch.stack([_newton_schulz._fp64_norms_of([w, t.mT]) for w, t in zip(members_wide, members_tall)])
+    mapped = torch.vmap(lambda w, t: _newton_schulz._fp64_norms_of([w, t.mT]))(members_wide, members_tall)
+    assert torch.equal(mapped, alone)
+    turned = torch.vmap(lambda w, t: _newton_schulz._fp64_norms_of([w, t.mT]), in_dims=(1, 0))(
+        members_wide.transpose(0, 1).contiguous(), members_tall
+    )
+    assert torch.equal(turned, alone)
