@@ -227,7 +227,8 @@ def _(matrices: list[torch.Tensor], factors: torch.Tensor, dtype: torch.dtype) -
 
 def takes_ema_nesterov(momentum: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], *weights: object) -> bool:
     """Whether :func:`ema_nesterov_` takes these leaves: :func:`takes_kernels`, fp32 and contiguous
-    leaves of at most 65535 blocks each, of the same shapes, and the weights numbers."""
+    leaves of at most 65535 blocks each, at most 65535 of them, of the same shapes, and the weights
+    numbers."""
     tensors = [*momentum, *grads]
     return (
         all(isinstance(w, float) for w in weights)
@@ -235,6 +236,7 @@ def takes_ema_nesterov(momentum: Sequence[torch.Tensor], grads: Sequence[torch.T
         and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
         and all(b.shape == g.shape for b, g in zip(momentum, grads))
         and max(t.numel() for t in tensors) <= _MAX_BLOCKS * _BLOCK
+        and len(grads) <= _MAX_BLOCKS  # (a grid's second axis)
     )
 
 

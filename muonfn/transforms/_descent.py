@@ -28,7 +28,7 @@ class Scaled:
     """The update of a rule whose last act is a shape scale (:func:`orthogonalize`,
     :func:`scale_by_shape`), which can take a factor on that scale: :func:`descent` reads it.
     ``adds_decay``: it can also add a decay ``alpha·p`` (:class:`muonfn.linalg.Decay`, aligned
-    with the leaves) as it stores its results; ``None`` otherwise."""
+    with the leaves) as it stores its results."""
 
     __slots__ = ("adds_decay", "scaled")
 
