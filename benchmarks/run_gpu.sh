@@ -3,7 +3,8 @@
 #
 #   bash benchmarks/run_gpu.sh tests   # the whole suite with --device cuda (tests/test_cuda.py included)
 #   bash benchmarks/run_gpu.sh cuda    # tests/test_cuda.py alone
-#   bash benchmarks/run_gpu.sh kernels # muonfn's Triton kernels: their tests and the CUDA checks with MUONFN_TRITON=1
+#   bash benchmarks/run_gpu.sh kernels # muonfn's Triton kernels: their tests, the CUDA checks with MUONFN_TRITON=1,
+#                                      # and benchmarks/kernels.py (each kernel against its eager ops)
 #   bash benchmarks/run_gpu.sh bench   # benchmarks/run.py --device cuda -> benchmarks/results/cuda-*.json
 #   bash benchmarks/run_gpu.sh         # tests, then bench
 #
@@ -48,6 +49,9 @@ fi
 if [[ $stage == all || $stage == kernels ]]; then
     run kernels-cuda env MUONFN_TRITON=1 "$PY" -m pytest -q -rs -p no:cacheprovider --device cuda \
         tests/test_kernels.py tests/test_cuda.py
+    json="benchmarks/results/cuda-kernels-$(date +%Y%m%d-%H%M%S).json"
+    run kernels-bench "$PY" benchmarks/kernels.py --device cuda --out "$json"
+    [[ -f $json && -n ${OUT:-} ]] && cp "$json" "$OUT/"
 fi
 if [[ $stage == all || $stage == bench ]]; then
     json="benchmarks/results/cuda-$(date +%Y%m%d-%H%M%S).json"
