@@ -51,13 +51,19 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+#: the oldest Triton whose compiler reads a kernel's enclosing scope (the kernels are defined on first use)
+_OLDEST_TRITON = (3, 6)
+
+
 @functools.cache
 def triton_installed() -> bool:
+    """Whether a Triton the kernels compile with (3.6 or newer) is installed."""
     try:
-        import triton  # noqa: F401
+        import triton
     except ImportError:
         return False
-    return True
+    version = tuple(int(part) for part in triton.__version__.split(".")[:2] if part.isdigit())
+    return version >= _OLDEST_TRITON
 
 
 #: tensor types whose data a kernel may address directly (a parameter is a plain tensor underneath)
