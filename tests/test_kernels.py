@@ -1,7 +1,9 @@
-"""muonfn's Triton kernels (``muonfn/_kernels.py``, opt-in with ``MUONFN_TRITON=1``): each is the
-eager ops it replaces, bit for bit. On a CPU they run under Triton's interpreter; ``--device cuda``
-runs them compiled on the GPU. The GPU's paths are forced on the CPU where a test needs them
-(``cpu_passes``), as ``tests/test_newton_schulz.py`` does."""
+"""muonfn's Triton kernels (``muonfn/_kernels.py``, opt-in with ``MUONFN_TRITON=1``): each computes
+the eager ops it replaces. ``--device cuda`` runs them compiled on the GPU, where each must give
+those ops' bits. On a CPU they run under Triton's interpreter: the batch's kernel gives the bits,
+and the two with a fused multiply-add give their formula's bits with the multiply-add rounded
+twice, as the interpreter rounds it, within a rounding of torch's. The GPU's paths are forced on
+the CPU where a test needs them (``cpu_passes``), as ``tests/test_newton_schulz.py`` does."""
 
 from __future__ import annotations
 
