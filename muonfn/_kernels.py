@@ -2,12 +2,14 @@
 
 ``MUONFN_TRITON=1`` in the environment turns them on for CUDA tensors where Triton is installed;
 they are off by default. Each kernel computes what the eager ops it replaces compute, element by
-element and rounding for rounding, so that turning them on changes how many bytes a step moves,
-not its results. Each is a custom op (``torch.library``): the meta device runs its shape function
-(so that ``benchmarks/traffic.py`` counts what the kernel reads and writes: meta stands for a GPU),
-and under Triton's interpreter (``TRITON_INTERPRET=1``) it runs on CPU tensors, which is how the
-tests check it. They are not taken under ``torch.compile`` (the compiler fuses the eager ops
-itself), under ``torch.func`` transforms, or where autograd records.
+element and rounding for rounding (a multiply-add fused, as a GPU's compiler fuses those of
+torch's kernels), so that turning them on changes how many bytes a step moves, not its results.
+Each is a custom op (``torch.library``): the meta device runs its shape function (so that
+``benchmarks/traffic.py`` counts what the kernel reads and writes: meta stands for a GPU), and
+under Triton's interpreter (``TRITON_INTERPRET=1``) it runs on CPU tensors, which is how the
+tests check it (the interpreter rounds a fused multiply-add twice). They are not taken under
+``torch.compile`` (the compiler fuses the eager ops itself), under ``torch.func`` transforms,
+where autograd records, or while a CUDA graph is captured.
 
 - :func:`scaled_stack`: ``torch.stack(matrices)`` times one factor per matrix, rounded to a 16-bit
   dtype as it is stored: the Newton–Schulz batch written straight from the momentum's matrices
