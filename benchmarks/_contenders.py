@@ -104,7 +104,10 @@ def _donated_step(tx: muonfn.Transform, ps: ParamSet) -> Step:
 
 
 def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    """Whether muonfn's Triton kernels can run here (a Triton they compile with is installed)."""
+    from muonfn import _kernels
+
+    return _kernels.triton_installed()
 
 
 def with_triton_kernels(make: Callable[[], Step]) -> Callable[[], Step]:
