@@ -11,9 +11,10 @@ tests check it (the interpreter rounds a fused multiply-add twice). They are not
 ``torch.compile`` (the compiler fuses the eager ops itself), under ``torch.func`` transforms,
 where autograd records, or while a CUDA graph is captured.
 
-- :func:`scaled_stack`: ``torch.stack(matrices)`` times one factor per matrix, rounded to a 16-bit
-  dtype as it is stored: the Newton–Schulz batch written straight from the momentum's matrices
-  (tall ones read transposed), without the fp32 stack that the eager ops write and read again.
+- :func:`scaled_stack`: ``torch.stack(matrices)`` divided by their norms (clamped below by ε, or
+  plus ε), rounded to a 16-bit dtype as it is stored: the Newton–Schulz batch written straight
+  from the momentum's matrices (tall ones read transposed), without the fp32 stack that the eager
+  ops write and read again, nor their passes over the norms.
 - :func:`ema_nesterov_` and :func:`ema_nesterov`: the momentum's EMA and the Nesterov look-ahead,
   two ``torch.lerp`` passes, in one pass over the gradients and the momentum.
 - :func:`widened_decayed`: Newton–Schulz's bf16 results widened into their fp32 matrices (the
@@ -95,18 +96,18 @@ def takes_kernels(tensors: Sequence[torch.Tensor]) -> bool:
 #: the launch tables (addresses, strides, sizes) already on a device, by device and contents: a step
 #: whose tensors sit where they sat the step before (state, parameters, and what the caching allocator
 #: hands back) copies no table
-_TABLES: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+_TABLES: dict[tuple[torch.device, torch.dtype, tuple[float, ...]], torch.Tensor] = {}
 _TABLES_KEPT = 256
 
 
-def _table(values: list[int], device: torch.device) -> torch.Tensor:
-    """``values`` as an int64 tensor on ``device`` (never written: one may serve many launches),
-    copied without making the host wait."""
-    key = (device, tuple(values))
+def _table(values: Sequence[float], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """``values`` as a tensor of ``dtype`` on ``device`` (never written: one may serve many
+    launches), copied without making the host wait."""
+    key = (device, dtype, tuple(values))
     table = _TABLES.get(key)
     if table is not None:
         return table
-    table = torch.tensor(values, dtype=torch.int64)
+    table = torch.tensor(values, dtype=dtype)
     table = table.to(device) if device.type != "cuda" else table.pin_memory().to(device, non_blocking=True)
     if len(_TABLES) >= _TABLES_KEPT:
         del _TABLES[next(iter(_TABLES))]
@@ -123,19 +124,35 @@ def _compiled(interpret: bool) -> Any:
     import triton.language as tl
 
     @triton.jit
-    def scaled_stack_kernel(addresses, strides, factors, out, rows, cols, TILE: tl.constexpr, BF16: tl.constexpr):  # type: ignore[no-untyped-def]
-        # one TILE×TILE tile of matrix i: read from its own memory (strides), scaled in fp64,
-        # rounded to fp32 and then to the 16-bit dtype, as torch's fp32·fp64 product into an
-        # ``out=`` of that dtype is rounded
+    def scaled_stack_kernel(  # type: ignore[no-untyped-def]
+        addresses,
+        strides,
+        norms,
+        settings,
+        out,
+        rows,
+        cols,
+        ADD_EPS: tl.constexpr,
+        TILE: tl.constexpr,
+        BF16: tl.constexpr,
+    ):
+        # one TILE×TILE tile of matrix i: read from its own memory (strides), times the fp64
+        # reciprocal of its denominator (as the eager ops compute it: c·norm, clamped below by eps
+        # or plus eps, one division), rounded to fp32 and then to the 16-bit dtype, as torch's
+        # fp32·fp64 product into an ``out=`` of that dtype is rounded
         i = tl.program_id(0)
         source = tl.load(addresses + i).to(tl.pointer_type(tl.float32))
         row_stride = tl.load(strides + 2 * i)
         col_stride = tl.load(strides + 2 * i + 1)
+        eps = tl.load(settings)  # (fp64 numbers come in a tensor: a scalar argument would be fp32)
+        denominator = tl.load(norms + i) * tl.load(settings + 1)
+        denominator = denominator + eps if ADD_EPS else tl.where(denominator < eps, eps, denominator)
+        factor = 1.0 / denominator
         r = (tl.program_id(1) * TILE + tl.arange(0, TILE))[:, None].to(tl.int64)
         c = (tl.program_id(2) * TILE + tl.arange(0, TILE))[None, :].to(tl.int64)
         inside = (r < rows) & (c < cols)
         x = tl.load(source + r * row_stride + c * col_stride, mask=inside, other=0.0)
-        y = (x.to(tl.float64) * tl.load(factors + i)).to(tl.float32)
+        y = (x.to(tl.float64) * factor).to(tl.float32)
         at = out + i.to(tl.int64) * rows * cols + r * cols + c
         if BF16:
             # rounded to nearest even on the bits, as torch rounds to bf16 (NaN to its quiet NaN),
@@ -206,12 +223,16 @@ def _compiled(interpret: bool) -> Any:
 
 
 @torch.library.custom_op("muonfn::scaled_stack", mutates_args=())
-def scaled_stack(matrices: list[torch.Tensor], factors: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.mul(torch.stack(matrices), factors.view(-1, 1, 1), out=<dtype>)``, bit for bit, in
-    one pass: each fp32 matrix read once from its own memory (any strides: a tall matrix's
-    transpose reads it across rows), the product taken in fp64 (``factors``: one fp64 number per
-    matrix) and rounded to fp32 and then to ``dtype`` (bf16 or fp16), written into a new
-    ``(count, m, n)`` batch. 6 bytes an entry, where the stack and the product move 14."""
+def scaled_stack(
+    matrices: list[torch.Tensor], norms: torch.Tensor, dtype: torch.dtype, eps: float, norm_factor: float, add_eps: bool
+) -> torch.Tensor:
+    """``torch.mul(torch.stack(matrices), r, out=<dtype>)`` with ``r = (c·norms).clamp_min(eps)
+    .reciprocal()`` (``add_eps``: ``(c·norms + eps).reciprocal()``; ``c``: ``norm_factor``), bit for
+    bit, in one pass: each fp32 matrix read once from its own memory (any strides: a tall matrix's
+    transpose reads it across rows), its reciprocal taken in fp64 from its norm (``norms``: one
+    fp64 number per matrix), the product taken in fp64 and rounded to fp32 and then to ``dtype``
+    (bf16 or fp16), written into a new ``(count, m, n)`` batch. 6 bytes an entry, where the stack
+    and the product move 14, and no ops over the norms."""
     first = matrices[0]
     count, (rows, cols) = len(matrices), first.shape
     out = torch.empty((count, rows, cols), dtype=dtype, device=first.device)
@@ -223,12 +244,15 @@ def scaled_stack(matrices: list[torch.Tensor], factors: torch.Tensor, dtype: tor
     kernel = _compiled(interpreting())["scaled_stack"]
     bf16 = dtype == torch.bfloat16
     target = out.view(torch.int16) if bf16 else out
-    kernel[grid](addresses, strides, factors, target, rows, cols, TILE=_TILE, BF16=bf16)
+    settings = _table([eps, norm_factor], first.device, torch.float64)
+    kernel[grid](addresses, strides, norms, settings, target, rows, cols, ADD_EPS=add_eps, TILE=_TILE, BF16=bf16)
     return out
 
 
 @scaled_stack.register_fake
-def _(matrices: list[torch.Tensor], factors: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _(
+    matrices: list[torch.Tensor], norms: torch.Tensor, dtype: torch.dtype, eps: float, norm_factor: float, add_eps: bool
+) -> torch.Tensor:
     first = matrices[0]
     return torch.empty((len(matrices), *first.shape), dtype=dtype, device=first.device)
 

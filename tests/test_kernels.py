@@ -46,30 +46,39 @@ def special_values(device: torch.device) -> torch.Tensor:
     )
 
 
-def eager_product(matrices: list[torch.Tensor], factors: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def eager_product(
+    matrices: list[torch.Tensor], norms: torch.Tensor, dtype: torch.dtype, eps: float, factor: float, add: bool
+) -> torch.Tensor:
+    """Newton–Schulz's eager normalisation into ``dtype`` of the stack, given its fp64 norms."""
+    denominator = norms.view(-1, 1, 1) * factor
+    reciprocal = (denominator + eps if add else denominator.clamp_min(eps)).reciprocal()
     stack = torch.stack(matrices)
-    return torch.mul(stack, factors.view(-1, 1, 1), out=torch.empty(stack.shape, dtype=dtype, device=stack.device))
+    return torch.mul(stack, reciprocal, out=torch.empty(stack.shape, dtype=dtype, device=stack.device))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 1), (12, 20), (64, 64), (65, 130)])
 def test_scaled_stack_is_torchs_product_into_a_narrow_dtype_bit_for_bit(kernels, dtype, shape) -> None:
-    """``scaled_stack`` writes ``torch.mul(torch.stack(m), f, out=<dtype>)``'s bits: matrices read
-    from their own memory (contiguous, or a tall matrix's transpose), products in fp64 rounded
-    to fp32 and then to ``dtype``, across tile edges, for ordinary and extreme values."""
+    """``scaled_stack`` writes the eager normalisation's bits, ``torch.mul(torch.stack(m), r,
+    out=<dtype>)`` with ``r`` the fp64 reciprocal of ``max(c·norm, ε)`` (or ``c·norm + ε``):
+    matrices read from their own memory (contiguous, or a tall matrix's transpose), products in
+    fp64 rounded to fp32 and then to ``dtype``, across tile edges, for ordinary and extreme values
+    and norms below ε."""
     g = torch.Generator().manual_seed(sum(shape))
     rows, cols = shape
     matrices = [torch.randn(rows, cols, generator=g) * 10.0**k for k in (-30, 0, 3)]
     matrices.append(torch.randn(cols, rows, generator=g).mT)  # read across its rows
     matrices = [m.to(kernels) for m in matrices]
-    factors = torch.tensor([1e30, 1 / 3, 7e-4, 2.0**-20], dtype=torch.float64, device=kernels)
-    got = _kernels.scaled_stack(matrices, factors, dtype)
-    assert got.shape == (4, rows, cols) and got.dtype == dtype and got.is_contiguous()
-    assert torch.equal(got.view(torch.int16), eager_product(matrices, factors, dtype).view(torch.int16))
+    norms = torch.tensor([1e-30, 3.0, 1.4e3, 1e-9], dtype=torch.float64, device=kernels)  # (the last below ε)
+    for eps, factor, add in ((1e-7, 1.0, False), (1e-7, 1.01, False), (1e-3, 1.0, True)):
+        got = _kernels.scaled_stack(matrices, norms, dtype, eps, factor, add)
+        assert got.shape == (4, rows, cols) and got.dtype == dtype and got.is_contiguous()
+        expected = eager_product(matrices, norms, dtype, eps, factor, add)
+        assert torch.equal(got.view(torch.int16), expected.view(torch.int16)), (eps, factor, add)
     edges = special_values(kernels)
     ones = torch.ones(2, dtype=torch.float64, device=kernels)
-    got = _kernels.scaled_stack([edges, edges * 3], ones, dtype)
-    expected = eager_product([edges, edges * 3], ones, dtype)
+    got = _kernels.scaled_stack([edges, edges * 3], ones, dtype, 1e-7, 1.0, False)
+    expected = eager_product([edges, edges * 3], ones, dtype, 1e-7, 1.0, False)
     assert torch.equal(got.isnan(), expected.isnan())
     finite = ~expected.isnan()
     assert torch.equal(got.view(torch.int16)[finite], expected.view(torch.int16)[finite])  # (-0.0 and subnormals too)
@@ -172,8 +181,9 @@ def test_a_muon_step_is_the_same_bits_with_the_kernels(monkeypatch, kernels) -> 
 
 
 def test_the_counter_sees_the_kernel_move_8_bytes_an_entry_less(monkeypatch) -> None:
-    """On meta (a GPU's paths, counted), the kernel replaces the fp32 stack and the product into
-    bf16: it reads each matrix once and writes the bf16 batch, 8 bytes a matrix entry less."""
+    """On meta (a GPU's paths, counted), the kernel replaces the fp32 stack, the ops over the norms
+    and the product into bf16: it reads each matrix once and writes the bf16 batch, 8 bytes a
+    matrix entry less, and three ops fewer."""
     wide, tall = torch.empty(16, 48, device="meta"), torch.empty(48, 16, device="meta")
     matrices = [wide, wide.clone(), tall.mT]
     ns = muonfn.NewtonSchulz(dtype=torch.bfloat16)
@@ -182,15 +192,18 @@ def test_the_counter_sees_the_kernel_move_8_bytes_an_entry_less(monkeypatch) -> 
         monkeypatch.setenv(_kernels.TRITON_VARIABLE, on)
         counts[on] = traffic.count_step(lambda: ns.orthogonalize_matrices(matrices, 1))
     entries = 3 * 16 * 48
-    assert counts["0"].nonmatmul_bytes - counts["1"].nonmatmul_bytes == 8 * entries
-    assert counts["1"].kernel_ops == counts["0"].kernel_ops - 1
+    # the stack (8 bytes an entry), and the clamp and the reciprocal of the fp64 norms (32 a matrix)
+    assert counts["0"].nonmatmul_bytes - counts["1"].nonmatmul_bytes == 8 * entries + 32 * 3
+    assert (
+        counts["1"].kernel_ops == counts["0"].kernel_ops - 3
+    )  # (the stack, and the clamp and reciprocal of the norms)
 
 
 @pytest.mark.parametrize("contender", ["donated", "shim"])
 def test_the_counter_sees_a_step_move_24_bytes_a_muon_entry_less(monkeypatch, contender: str) -> None:
     """On GPT-2 small's shapes (meta), the kernels take the fp32 stack (8 bytes a Muon entry), the
     momentum's second pass (8) and the decay's own pass over the results (8): exactly 24 bytes a
-    Muon entry less, donated and through the shim."""
+    Muon entry less, donated and through the shim, and the ops over each matrix's norm."""
     import _contenders as C
     import _sets
 
@@ -200,7 +213,8 @@ def test_the_counter_sees_a_step_move_24_bytes_a_muon_entry_less(monkeypatch, co
     make = C.make_donated if contender == "donated" else C.make_shim
     eager = traffic.count_contender(lambda: make(ps, ns_dtype=torch.bfloat16))
     fused = traffic.count_contender(C.with_triton_kernels(lambda: make(ps, ns_dtype=torch.bfloat16)))
-    assert eager.nonmatmul_bytes - fused.nonmatmul_bytes == 24 * muon_entries
+    matrices = len(ps.matrix_shapes())  # (each one's norm is clamped and inverted in the kernel: 32 bytes)
+    assert eager.nonmatmul_bytes - fused.nonmatmul_bytes == 24 * muon_entries + 32 * matrices
 
 
 def within_a_rounding(
@@ -346,14 +360,14 @@ def test_a_launch_table_is_copied_once_for_the_same_tensors(kernels) -> None:
     """The addresses and strides a launch reads are kept on the device by their values: stepping
     the same tensors again reads the table already there; other tensors get a table of their own."""
     matrices = [torch.randn(5, 7).to(kernels) for _ in range(2)]
-    factors = torch.ones(2, dtype=torch.float64, device=kernels)
-    _kernels.scaled_stack(matrices, factors, torch.bfloat16)
-    key = (matrices[0].device, tuple(m.data_ptr() for m in matrices))
+    norms = torch.ones(2, dtype=torch.float64, device=kernels)
+    _kernels.scaled_stack(matrices, norms, torch.bfloat16, 1e-7, 1.0, False)
+    key = (matrices[0].device, torch.int64, tuple(m.data_ptr() for m in matrices))
     table = _kernels._TABLES[key]
-    _kernels.scaled_stack(matrices, factors, torch.bfloat16)
-    assert _kernels._TABLES[key] is table and table.tolist() == list(key[1])
+    _kernels.scaled_stack(matrices, norms, torch.bfloat16, 1e-7, 1.0, False)
+    assert _kernels._TABLES[key] is table and table.tolist() == list(key[2])
     others = [m.clone() for m in matrices]
-    _kernels.scaled_stack(others, factors, torch.bfloat16)
-    assert _kernels._TABLES[others[0].device, tuple(m.data_ptr() for m in others)].tolist() == [
+    _kernels.scaled_stack(others, norms, torch.bfloat16, 1e-7, 1.0, False)
+    assert _kernels._TABLES[others[0].device, torch.int64, tuple(m.data_ptr() for m in others)].tolist() == [
         m.data_ptr() for m in others
     ]
