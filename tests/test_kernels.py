@@ -371,3 +371,52 @@ def test_a_launch_table_is_copied_once_for_the_same_tensors(kernels) -> None:
     assert _kernels._TABLES[others[0].device, torch.int64, tuple(m.data_ptr() for m in others)].tolist() == [
         m.data_ptr() for m in others
     ]
+
+
+@pytest.mark.parametrize("experts", [(2, 24, 40), (2, 16, 48)])
+def test_the_decay_reaches_every_kind_of_leaf_with_the_kernels(monkeypatch, kernels, experts) -> None:
+    """With the kernels on, the decay handed to the orthogonalizer reaches every leaf it should and
+    no other: plain matrices (in the widening kernel; with experts of their shape in their call,
+    after it, as one multi-tensor add), a conv kernel, experts and a fused QKV (their views'
+    results, one multi-tensor add: the eager bits), and not a masked one. Each update matches the
+    eager one: bit for bit where no kernel's multiply-add is involved, else within a rounding (the
+    interpreter's) or bit for bit on a GPU."""
+    if kernels.type == "cpu":
+        monkeypatch.setattr(_newton_schulz, "cpu_passes", lambda t: False)
+    g = torch.Generator().manual_seed(31)
+    leaves = {
+        "w": torch.randn(16, 48, generator=g),
+        "up": torch.randn(48, 16, generator=g),
+        "conv": torch.randn(8, 4, 3, 3, generator=g),
+        "experts": torch.randn(*experts, generator=g),
+        "qkv": torch.randn(48, 16, generator=g),
+        "frozen": torch.randn(16, 48, generator=g),
+    }
+    params = TensorDict({k: v.to(kernels) for k, v in leaves.items()}, [])
+    grads = params.apply(lambda p: torch.randn(p.shape, generator=g).to(p))
+    views = {"experts": MatrixView(batch_dims=1), "qkv": MatrixView(split=(16, 16, 16))}
+    results = {}
+    for on in ("1", "0"):
+        monkeypatch.setenv(_kernels.TRITON_VARIABLE, on)
+        tx = muonfn.muon(
+            lr=0.02, weight_decay=0.5, ns_dtype=torch.bfloat16, views=views, weight_decay_mask={"frozen": False}
+        )
+        state = tx.init(params)
+        counter = traffic.TrafficCounter()
+        with counter:
+            results[on], _ = tx.update(grads, state, params)
+        widened = on == "1" and experts != (2, 16, 48)  # (a call with batches in it restores them eagerly)
+        assert sum(op.name == "widened_decayed" for op in counter.ops) == widened
+    fused_decay = {"w", "up"} if experts != (2, 16, 48) else set()  # (decayed by the kernel's multiply-add)
+    for key in leaves:
+        on, off = results["1"][key], results["0"][key]
+        if kernels.type == "cuda" or key not in fused_decay:
+            assert torch.equal(on, off), key
+        else:
+            bound = 2 * torch.finfo(torch.float32).eps * (off.abs() + 0.01 * params[key].abs())
+            assert ((on - off).abs() <= bound).all(), key
+    undecayed = muonfn.muon(lr=0.02, weight_decay=0.0, ns_dtype=torch.bfloat16, views=views)
+    plain, _ = undecayed.update(grads, undecayed.init(params), params)
+    assert torch.equal(results["1"]["frozen"], plain["frozen"])  # (exempt: no decay at all)
+    for key in ("conv", "experts", "qkv"):
+        assert not torch.equal(results["1"][key], plain[key]), key  # (decayed)
