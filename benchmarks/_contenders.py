@@ -21,6 +21,7 @@ import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+from unittest import mock
 
 import torch
 from _sets import ParamSet
@@ -118,15 +119,8 @@ def with_triton_kernels(make: Callable[[], Step]) -> Callable[[], Step]:
         step = make()
 
         def with_kernels() -> Any:
-            before = os.environ.get("MUONFN_TRITON")
-            os.environ["MUONFN_TRITON"] = "1"
-            try:
+            with mock.patch.dict(os.environ, {"MUONFN_TRITON": "1"}):
                 return step()
-            finally:
-                if before is None:
-                    del os.environ["MUONFN_TRITON"]
-                else:
-                    os.environ["MUONFN_TRITON"] = before
 
         return with_kernels
 

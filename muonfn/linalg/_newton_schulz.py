@@ -259,21 +259,14 @@ def _fp64_norms(g: torch.Tensor) -> torch.Tensor:
     same way, so a vmapped ensemble keeps a stacked one's bits; compiled, the compiler widens
     the entries inside its own reduction.
     """
-    functorch = torch._C._functorch
-    if not torch.compiler.is_compiling() and type(g) is torch.Tensor and g.numel():
-        if not functorch.is_batchedtensor(g):
-            norms = torch._foreach_norm(_matrices(g), 2, dtype=torch.float64)
-            return torch.stack(norms).view(*g.shape[:-2], 1, 1)
-        inner = functorch.get_unwrapped(g)
-        if type(inner) is torch.Tensor and not functorch.is_batchedtensor(inner):  # (one vmap level)
-            level, batch_dim = functorch.maybe_get_level(g), functorch.maybe_get_bdim(g)
-            return functorch._add_batch_dim(_fp64_norms(inner.movedim(batch_dim, 0)), 0, level)
+    if type(g) is torch.Tensor and g.numel() and not torch.compiler.is_compiling():
+        return _fp64_norms_of(_matrices(g)).view(*g.shape[:-2], 1, 1)
     return torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True, dtype=torch.float64)
 
 
 def _fp64_norms_of(matrices: Sequence[torch.Tensor]) -> torch.Tensor:
-    """:func:`_fp64_norms` of ``torch.stack(matrices)``, each matrix's norm read from its own
-    memory, shaped ``(count, 1, 1)``: a contiguous matrix's the same bits as in the stack, a
+    """The Frobenius norm of each of ``matrices`` as :func:`_fp64_norms` takes it, read from the
+    matrix's own memory, shaped ``(count, 1, 1)``: a contiguous matrix's the same bits as in the stack, a
     transposed view's (a tall matrix read as its wide transpose) summed in the order of its own
     rows. Under ``vmap`` the members' matrices underneath are normed the same way, so that a
     vmapped ensemble keeps the bits of its members stepped alone; compiled, the stack's norm."""
@@ -289,7 +282,7 @@ def _fp64_norms_of(matrices: Sequence[torch.Tensor]) -> torch.Tensor:
                 norms = torch._foreach_norm([x for t in members for x in t.unbind(0)], 2, dtype=torch.float64)
                 per_member = torch.stack(norms).view(len(matrices), -1).mT.reshape(-1, len(matrices), 1, 1)
                 return functorch._add_batch_dim(per_member, 0, levels.pop())
-    return _fp64_norms(torch.stack(list(matrices)))
+    return torch.linalg.vector_norm(torch.stack(list(matrices)), dim=(-2, -1), keepdim=True, dtype=torch.float64)
 
 
 def _matrices(x: torch.Tensor) -> list[torch.Tensor]:
@@ -518,16 +511,21 @@ def _restored(X: torch.Tensor, x: torch.Tensor, tall: bool, into: torch.Tensor |
     return in_memory_order(out.mT) if x.is_contiguous() else out.mT
 
 
-def _decayed(wide: torch.Tensor, tall: torch.Tensor, decay: Decay | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``wide`` and ``tall`` (the results of :meth:`NewtonSchulz.orthogonalize_matrices`) with
-    ``decay`` added in place, as one multi-tensor add (the decay's eager pass)."""
-    if decay is None:
-        return wide, tall
-    kept = wide.size(0)
-    results = [*wide.unbind(0), *tall.unbind(0)]
-    pairs = [(r, p if k < kept else p.mT) for k, (r, p) in enumerate(zip(results, decay.params)) if p is not None]
+def add_decay(results: Sequence[torch.Tensor], decay: Decay) -> None:
+    """``decay`` added in place to the results whose parameter it gives, as one multi-tensor add
+    (the decay's eager pass)."""
+    pairs = [(r, p) for r, p in zip(results, decay.params) if p is not None]
     if pairs:
         torch._foreach_add_([r for r, _ in pairs], [p for _, p in pairs], alpha=decay.alpha)
+
+
+def _decayed(wide: torch.Tensor, tall: torch.Tensor, decay: Decay | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``wide`` and ``tall`` (the results of :meth:`NewtonSchulz.orthogonalize_matrices`) with
+    ``decay`` (its tall parameters given as their transposes) added in place."""
+    if decay is not None:
+        kept = wide.size(0)
+        params = [p if p is None or k < kept else p.mT for k, p in enumerate(decay.params)]
+        add_decay([*wide.unbind(0), *tall.unbind(0)], Decay(params, decay.alpha))
     return wide, tall
 
 

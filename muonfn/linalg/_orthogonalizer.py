@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from .._keys import Key, dotted
-from ._newton_schulz import Decay, NewtonSchulz, apart, in_memory_order, may_write_into
+from ._newton_schulz import Decay, NewtonSchulz, add_decay, apart, in_memory_order, may_write_into
 from ._views import MatrixView, ScaleFn, block_scales
 
 MatrixFn = Callable[[torch.Tensor], torch.Tensor]
@@ -144,15 +144,8 @@ def _call(matrices: list[torch.Tensor], ns: MatrixFn, scale: float, decay: Decay
     for k, piece in zip(batches, rest):
         out[k] = piece.mT if flips[k] else piece
     if decay is not None:
-        _add_decay(out, decay)
+        add_decay(out, decay)
     return out
-
-
-def _add_decay(results: Sequence[torch.Tensor], decay: Decay) -> None:
-    """``decay`` added in place to the results whose parameter it gives, as one multi-tensor add."""
-    pairs = [(r, p) for r, p in zip(results, decay.params) if p is not None]
-    if pairs:
-        torch._foreach_add_([r for r, _ in pairs], [p for _, p in pairs], alpha=decay.alpha)
 
 
 def _map_name(ns: MatrixFn) -> str:
@@ -255,7 +248,7 @@ def orthogonalize_blocks(
         else:
             out.append(torch.empty_like(t))
     if decay is not None:  # the tensors of views, reassembled
-        _add_decay(out, Decay([None if whole else p for whole, p in zip(plain, params)], decay.alpha))
+        add_decay(out, Decay([None if whole else p for whole, p in zip(plain, params)], decay.alpha))
     return out
 
 
