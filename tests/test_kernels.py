@@ -7,6 +7,7 @@ the CPU where a test needs them (``cpu_passes``), as ``tests/test_newton_schulz.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -420,3 +421,55 @@ def test_the_decay_reaches_every_kind_of_leaf_with_the_kernels(monkeypatch, kern
     assert torch.equal(results["1"]["frozen"], plain["frozen"])  # (exempt: no decay at all)
     for key in ("conv", "experts", "qkv"):
         assert not torch.equal(results["1"][key], plain[key]), key  # (decayed)
+
+
+def launch_signatures(dtype: torch.dtype) -> dict[str, tuple[dict[str, str], dict[str, object]]]:
+    """Each kernel's arguments, typed as its launch passes them for a Newton–Schulz batch of
+    ``dtype`` (a bf16 batch is stored as its int16 bits), and its compile-time constants."""
+    narrow = "bf16" if dtype == torch.bfloat16 else "fp16"
+    return {
+        "scaled_stack": (
+            {"addresses": "*i64", "strides": "*i64", "norms": "*fp64", "settings": "*fp64",
+             "out": "*i16" if narrow == "bf16" else "*fp16", "rows": "i32", "cols": "i32",
+             "ADD_EPS": "constexpr", "TILE": "constexpr", "BF16": "constexpr"},
+            {"ADD_EPS": False, "TILE": _kernels._TILE, "BF16": narrow == "bf16"},
+        ),
+        "ema_nesterov": (
+            {"momentum": "*i64", "grads": "*i64", "new_momentum": "*i64", "nesterov": "*i64", "numels": "*i64",
+             "grad_weight": "fp32", "momentum_weight": "fp32", "BLOCK": "constexpr"},
+            {"BLOCK": _kernels._BLOCK},
+        ),
+        "widened_decayed": (
+            {"results": f"*{narrow}", "out": "*fp32", "params": "*i64", "strides": "*i64", "alpha": "fp32",
+             "rows": "i32", "cols": "i32", "kept": "i32", "TILE": "constexpr"},
+            {"TILE": _kernels._TILE},
+        ),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("capability", [80, 90, 100])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_kernels_compile_for_a_gpu_with_torchs_roundings(monkeypatch, capability: int, dtype) -> None:
+    """Each kernel compiles, ahead of time and without a GPU, to a binary for NVIDIA's A100, H100
+    and B200 (compute capability 8.0, 9.0, 10.0), with the roundings that give torch's bits there:
+    the batch's reciprocal an IEEE fp64 division (``div.rn.f64``, as torch's fp64 reciprocal, not
+    an approximation) and its product rounded to fp32 to nearest (``cvt.rn.f32.f64``); the lerps'
+    and the decay's multiply-adds fused, rounded once (``fma.rn``), and no multiply rounded on its
+    own."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernels = _kernels._compiled(False)
+    for name, (signature, constants) in launch_signatures(dtype).items():
+        compiled = triton.compile(ASTSource(kernels[name], signature, constants), GPUTarget("cuda", capability, 32))
+        assert compiled.asm["cubin"], name
+        ptx = compiled.asm["ptx"]
+        assert not re.search(r"\b(rcp|div)\.(approx|full)", ptx), name
+        assert not re.search(r"\bmul(\.rn)?\.f32", ptx), name
+        if name == "scaled_stack":
+            assert "div.rn.f64" in ptx and "cvt.rn.f32.f64" in ptx
+            assert dtype == torch.bfloat16 or "cvt.rn.f16.f32" in ptx  # (bf16's rounding is on the bits)
+        else:
+            assert re.search(r"\bfma\.rn\.f32", ptx), name
