@@ -10,7 +10,7 @@ whether their results are the same bits:
   Nesterov look-ahead), 24 → 16 bytes an fp32 entry;
 - ``scaled_stack``: ``torch.stack``, the reciprocals of the norms and the product into bf16,
   14 → 6 bytes an entry (and two ops over the norms fewer);
-- ``widened_decayed``: the widening copy of the bf16 results and ``torch._foreach_add_`` of
+- ``widened_decayed_``: the widening copy of the bf16 results and ``torch._foreach_add_`` of
   the decay, 18 → 10.
 
 The bytes are the counter's (``benchmarks/traffic.py``); GB/s is them over the median time.
@@ -173,9 +173,15 @@ def rows_for(
         def kernel_widen(
             results: torch.Tensor = results, params: list[torch.Tensor] = params, turned: int = turned
         ) -> list[torch.Tensor]:
-            return [_kernels.widened_decayed(results, turned, list(params), ALPHA)]
+            rows, cols = results.shape[-2:]
+            kept = results.size(0) - turned
+            buffer = torch.empty(results.shape, dtype=torch.float32, device=device)
+            tall = buffer[kept:].view(turned, cols, rows)
+            outputs = [*buffer[:kept].unbind(0), *(t.mT for t in tall.unbind(0))]
+            _kernels.widened_decayed_(outputs, results, turned, list(params), ALPHA)
+            return [buffer]
 
-        label = f"widened_decayed {count}×{rows}×{cols} ({turned} tall)"
+        label = f"widened_decayed_ {count}×{rows}×{cols} ({turned} tall)"
         makers.append(compare(label, eager_widen, kernel_widen, entries, eager_bytes=18, kernel_bytes=10))
     return makers
 

@@ -98,7 +98,10 @@ FUSED_OPTIMIZERS = {"_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adag
 #: so torch first copies a narrower input into it (but a GPU reduces bf16/fp16 into fp32 as it loads)
 WIDENING_REDUCTIONS = {"sum", "nansum", "mean", "prod", "norm", "linalg_vector_norm"}
 #: in-place ops that overwrite their destination without reading it
-OVERWRITES = {"copy_", "fill_", "zero_", "uniform_", "normal_", "bernoulli_", "random_", "exponential_"}
+OVERWRITES = {
+    "copy_", "fill_", "zero_", "uniform_", "normal_", "bernoulli_", "random_", "exponential_",
+    "widened_decayed_",  # (muonfn's Triton kernel: its outputs)
+}  # fmt: skip
 
 
 def addressed_bytes(t: torch.Tensor) -> int:
@@ -174,18 +177,20 @@ def widening_copy_bytes(bound: list[tuple[Any, Any]], off_cpu: bool) -> int:
     return x.numel() * torch.empty((), dtype=dtype).element_size()
 
 
-def foreach_launches(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+def foreach_launches(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     """Kernels a GPU launches for a ``_foreach_*`` call: 1 on torch's fused fast path, else one per
-    tensor of its first list (see the module's rules)."""
+    tensor of its first list (see the module's rules). ``_foreach_copy_`` casts on its fast path:
+    its lists need one dtype each, not one between them."""
     lists = [
         v for v in (*args, *kwargs.values()) if isinstance(v, list | tuple) and v and isinstance(v[0], torch.Tensor)
     ]
     if not lists:
         return 1
     first = lists[0][0]
+    casts = name == "_foreach_copy_"
     fast = all(
         t.device == first.device
-        and t.dtype == first.dtype
+        and (casts or t.dtype == first.dtype)
         and t.shape == tensors[0].shape
         and t.stride() == tensors[0].stride()
         and is_non_overlapping_and_dense_or_false(t)
@@ -193,6 +198,7 @@ def foreach_launches(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
         for t in tensors
     )
     scalar = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+    fast = fast and all(t.dtype == each[0].dtype for each in lists for t in each)  # (one dtype a list)
     fast = fast and all(t.ndim == 0 and t.device in (first.device, torch.device("cpu")) for t in scalar)
     return 1 if fast else len(lists[0])
 
@@ -264,7 +270,7 @@ class TrafficCounter(TorchDispatchMode):
         if kind in ("view", "alloc"):
             return op
         off_cpu = any(t.device.type != "cpu" for t in _tensors(value for _, value in bound))
-        op.launches = foreach_launches(args, kwargs) if name.startswith("_foreach_") and off_cpu else 1
+        op.launches = foreach_launches(name, args, kwargs) if name.startswith("_foreach_") and off_cpu else 1
         op.read = sum(
             addressed_bytes(t)
             for arg, value in bound

@@ -17,9 +17,10 @@ where autograd records, or while a CUDA graph is captured.
   ops write and read again, nor their passes over the norms.
 - :func:`ema_nesterov_` and :func:`ema_nesterov`: the momentum's EMA and the Nesterov look-ahead,
   two ``torch.lerp`` passes, in one pass over the gradients and the momentum.
-- :func:`widened_decayed`: Newton–Schulz's bf16 results widened into their fp32 matrices (the
-  tall ones in their own orientation) with the decay ``α·p`` added as they are stored, where the
-  eager ops copy them and then add the decay in a second pass.
+- :func:`widened_decayed_`: Newton–Schulz's bf16 results widened into their fp32 matrices (the
+  tall ones in their own orientation, wherever they are: a new batch or the inputs' own memory)
+  with the decay ``α·p`` added as they are stored, where the eager ops copy them and then add the
+  decay in a second pass.
 """
 
 from __future__ import annotations
@@ -190,30 +191,32 @@ def _compiled(interpret: bool) -> Any:
 
     @triton.jit
     def widened_decayed_kernel(  # type: ignore[no-untyped-def]
-        results, out, params, strides, alpha, rows, cols, kept, TILE: tl.constexpr
+        results, outputs, params, strides, alpha, rows, cols, kept, TILE: tl.constexpr
     ):
         # one TILE×TILE tile of result i: widened exactly, plus alpha·p where matrix i has a p
-        # (one multiply-add, fused as a GPU's compiler fuses torch's add(alpha=)); written wide,
-        # or for i >= kept (a tall matrix's transpose) into the tall matrix's own rows
+        # (one multiply-add, fused as a GPU's compiler fuses torch's add(alpha=)), stored through
+        # matrix i's own address and strides: along its rows for i < kept, down its columns for a
+        # tall matrix's transpose (each store's unit stride known to the compiler)
         i = tl.program_id(0)
         r = (tl.program_id(1) * TILE + tl.arange(0, TILE))[:, None].to(tl.int64)
         c = (tl.program_id(2) * TILE + tl.arange(0, TILE))[None, :].to(tl.int64)
         inside = (r < rows) & (c < cols)
-        base = i.to(tl.int64) * rows * cols
-        u = tl.load(results + base + r * cols + c, mask=inside).to(tl.float32)
+        u = tl.load(results + i.to(tl.int64) * rows * cols + r * cols + c, mask=inside).to(tl.float32)
         address = tl.load(params + i)
         if address != 0:
             p = tl.load(
                 address.to(tl.pointer_type(tl.float32))
-                + r * tl.load(strides + 2 * i)
-                + c * tl.load(strides + 2 * i + 1),
+                + r * tl.load(strides + 3 * i + 1)
+                + c * tl.load(strides + 3 * i + 2),
                 mask=inside,
             )
             u = tl.fma(tl.full([TILE, TILE], alpha, tl.float32), p, u)
+        target = tl.load(outputs + i).to(tl.pointer_type(tl.float32))
+        stride = tl.load(strides + 3 * i)
         if i < kept:
-            tl.store(out + base + r * cols + c, u, mask=inside)
+            tl.store(target + r * stride + c, u, mask=inside)
         else:
-            tl.store(out + base + c * rows + r, u, mask=inside)
+            tl.store(target + r + c * stride, u, mask=inside)
 
     return {
         "scaled_stack": scaled_stack_kernel,
@@ -323,40 +326,59 @@ def _(momentum: list[torch.Tensor], grads: list[torch.Tensor], mu: float) -> lis
     return [*(torch.empty_like(b) for b in momentum), *(torch.empty_like(g) for g in grads)]
 
 
-@torch.library.custom_op("muonfn::widened_decayed", mutates_args=())
-def widened_decayed(
-    results: torch.Tensor, turned: int, params: list[torch.Tensor | None], alpha: float
-) -> torch.Tensor:
-    """A ``(count, m, n)`` bf16/fp16 batch of results, widened into a new fp32 batch with
-    ``alpha·p`` added to each result whose ``p`` is given (fp32, of the result's wide shape: a
-    tall parameter as its transpose, any strides), in one pass. The last ``turned`` results are
-    written in the orientation of their own rows: ``out[count - turned:].view(turned, n, m)`` holds
-    them transposed back. The bits of ``out.copy_(results)`` and then
-    ``torch._foreach_add_(out, params, alpha=alpha)`` on a GPU (its multiply-add fused); 10 bytes
-    an entry of a decayed result, where the copy and the add move 18."""
+@torch.library.custom_op("muonfn::widened_decayed_", mutates_args=("outputs",))
+def widened_decayed_(
+    outputs: list[torch.Tensor], results: torch.Tensor, turned: int, params: list[torch.Tensor | None], alpha: float
+) -> None:
+    """A ``(count, m, n)`` bf16/fp16 batch of results widened into ``outputs`` (fp32 ``(m, n)``
+    matrices, one per result: the first ``count - turned`` with unit column stride, the last
+    ``turned``, tall matrices' transposes, with unit row stride), with ``alpha·p`` added to each
+    result whose ``p`` is given (fp32, of the result's shape, any strides), in one pass. The bits
+    of ``torch._foreach_copy_(outputs, results.unbind(0))`` and then ``torch._foreach_add_(outputs,
+    params, alpha=alpha)`` on a GPU (its multiply-add fused); 10 bytes an entry of a decayed
+    result, where the copy and the add move 18."""
     count, rows, cols = results.shape
-    out = torch.empty(results.shape, dtype=torch.float32, device=results.device)
-    if not out.numel():
-        return out
-    addresses = _table([0 if p is None else p.data_ptr() for p in params], results.device)
-    strides = _table([s for p in params for s in ((0, 0) if p is None else p.stride())], results.device)
+    if not results.numel():
+        return
+    device, kept = results.device, count - turned
+    addresses = _table([o.data_ptr() for o in outputs], device)
+    param_addresses = _table([0 if p is None else p.data_ptr() for p in params], device)
+    strides = _table(
+        [
+            s
+            for k, (o, p) in enumerate(zip(outputs, params))
+            for s in (o.stride(0) if k < kept else o.stride(1), *((0, 0) if p is None else p.stride()))
+        ],
+        device,
+    )
     grid = (count, -(-rows // _TILE), -(-cols // _TILE))
     kernel = _compiled(interpreting())["widened_decayed"]
-    kernel[grid](results.contiguous(), out, addresses, strides, alpha, rows, cols, count - turned, TILE=_TILE)
-    return out
+    kernel[grid](results.contiguous(), addresses, param_addresses, strides, alpha, rows, cols, kept, TILE=_TILE)
 
 
-@widened_decayed.register_fake
-def _(results: torch.Tensor, turned: int, params: list[torch.Tensor | None], alpha: float) -> torch.Tensor:
-    return torch.empty(results.shape, dtype=torch.float32, device=results.device)
+@widened_decayed_.register_fake
+def _(
+    outputs: list[torch.Tensor], results: torch.Tensor, turned: int, params: list[torch.Tensor | None], alpha: float
+) -> None:
+    return None
 
 
-def takes_widened_decayed(results: torch.Tensor, params: Sequence[torch.Tensor | None]) -> bool:
-    """Whether :func:`widened_decayed` takes these: :func:`takes_kernels` of the results and the
-    parameters, a 16-bit batch and fp32 parameters."""
+def takes_widened_decayed(
+    outputs: Sequence[torch.Tensor] | None,
+    results: torch.Tensor,
+    turned: int,
+    params: Sequence[torch.Tensor | None],
+) -> bool:
+    """Whether :func:`widened_decayed_` takes these: :func:`takes_kernels` of the results, the
+    outputs and the parameters, a 16-bit batch, fp32 outputs and parameters, and each output laid
+    out as the kernel stores it (unit column stride, a tall matrix's transpose unit row stride).
+    ``outputs=None`` stands for a new fp32 batch, which is laid out so."""
     given = [p for p in params if p is not None]
+    kept = results.size(0) - turned
+    outs = [] if outputs is None else list(outputs)
     return (
         results.dtype in (torch.bfloat16, torch.float16)
-        and all(p.dtype == torch.float32 for p in given)
-        and takes_kernels([results, *given])
+        and all(t.dtype == torch.float32 for t in (*outs, *given))
+        and all(o.stride(1) == 1 if k < kept else o.stride(0) == 1 for k, o in enumerate(outs))
+        and takes_kernels([results, *outs, *given])
     )

@@ -297,20 +297,27 @@ def add_rounded_twice(u: torch.Tensor, p: torch.Tensor, alpha: float) -> torch.T
     return u + torch.tensor(alpha, dtype=torch.float32) * p
 
 
+@pytest.mark.parametrize("into", ["a batch", "matrices of their own"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_widened_decayed_is_the_copy_and_the_decay(kernels, dtype) -> None:
-    """``widened_decayed`` widens each result exactly, the tall ones (the last ``turned``) into the
-    memory of their own rows, and adds ``alpha·p`` where a parameter is given (a tall one read
-    across its rows): the copy and ``_foreach_add_(alpha=)``'s bits on a GPU; on a CPU the
-    interpreter's (its multiply-add rounded twice), within a rounding of torch's."""
+def test_widened_decayed_is_the_copy_and_the_decay(kernels, dtype, into: str) -> None:
+    """``widened_decayed_`` widens each result exactly into its output, the tall ones (the last
+    ``turned``) into the memory of their own rows, whether the outputs are slices of one batch or
+    matrices of their own, and adds ``alpha·p`` where a parameter is given (a tall one read across
+    its rows): the copy and ``_foreach_add_(alpha=)``'s bits on a GPU; on a CPU the interpreter's
+    (its multiply-add rounded twice), within a rounding of torch's."""
     g = torch.Generator().manual_seed(8)
     rows, cols, alpha = 20, 70, -0.02 * 0.1
     results = torch.randn(4, rows, cols, generator=g).to(kernels, dtype)
     wide_p = torch.randn(rows, cols, generator=g).to(kernels)
     tall_p = torch.randn(cols, rows, generator=g).to(kernels)
     params = [wide_p, None, tall_p.mT, None]  # results 2 and 3 stand for tall matrices
-    out = _kernels.widened_decayed(results, 2, params, alpha)
-    wide, tall = out[:2], out[2:].view(2, cols, rows)
+    if into == "a batch":
+        batch = torch.full((4, rows, cols), float("nan"), device=kernels)
+        wide, tall = list(batch[:2].unbind(0)), list(batch[2:].view(2, cols, rows).unbind(0))
+    else:
+        wide = [torch.full((rows, cols), float("nan"), device=kernels) for _ in range(2)]
+        tall = [torch.full((cols, rows), float("nan"), device=kernels) for _ in range(2)]
+    _kernels.widened_decayed_([*wide, *(t.mT for t in tall)], results, 2, params, alpha)
     widened = results.float()
     assert torch.equal(wide[1], widened[1]) and torch.equal(tall[1], widened[3].mT)  # no decay: a copy
     expected = [(wide[0], widened[0], wide_p), (tall[0], widened[2].mT, tall_p)]
@@ -323,7 +330,31 @@ def test_widened_decayed_is_the_copy_and_the_decay(kernels, dtype) -> None:
             assert torch.equal(got, add_rounded_twice(u, p, alpha))
             bound = torch.finfo(torch.float32).eps * (u.abs() + abs(alpha) * p.abs())
             assert ((got - u.add(p, alpha=alpha)).abs() <= bound).all()
-    assert torch.equal(_kernels.widened_decayed(results, 0, [None] * 4, alpha), widened)
+    outputs = [torch.empty(rows, cols, device=kernels) for _ in range(4)]
+    _kernels.widened_decayed_(outputs, results, 0, [None] * 4, alpha)
+    assert torch.equal(torch.stack(outputs), widened)
+
+
+def test_with_the_kernels_every_matrix_given_to_overwrite_holds_its_result(monkeypatch, kernels) -> None:
+    """With a decay, the kernel that widens Newton–Schulz's results stores each, the tall ones
+    too, into the memory of the matrix it came from when the matrices may be overwritten: the
+    bits it stores into a new batch otherwise."""
+    if kernels.type == "cpu":
+        monkeypatch.setattr(_newton_schulz, "cpu_passes", lambda t: False)
+    g = torch.Generator().manual_seed(12)
+    shapes = [(12, 20), (12, 20), (20, 12), (20, 12)]
+    originals = [torch.randn(*shape, generator=g).to(kernels) for shape in shapes]
+    params = [torch.randn(*shape, generator=g).to(kernels) for shape in shapes]
+    decay = _newton_schulz.Decay([params[0], None, params[2].mT, params[3].mT], -0.002)
+    f = muonfn.NewtonSchulz("keller", dtype=torch.bfloat16)
+    expected = f.orthogonalize_matrices([*originals[:2], *(m.mT for m in originals[2:])], 2, decay=decay)
+    inputs = [m.clone() for m in originals]
+    counter = traffic.TrafficCounter()
+    with counter:
+        got = f.orthogonalize_matrices([*inputs[:2], *(m.mT for m in inputs[2:])], 2, decay=decay, overwrite_input=True)
+    assert [op.name for op in counter.ops].count("widened_decayed_") == 1
+    for result, wanted, m in zip(got, expected, inputs):
+        assert torch.equal(result, wanted) and result.data_ptr() == m.data_ptr() and result.is_contiguous()
 
 
 def test_the_decay_is_added_as_newton_schulzs_results_are_stored(monkeypatch, kernels) -> None:
@@ -346,7 +377,7 @@ def test_the_decay_is_added_as_newton_schulzs_results_are_stored(monkeypatch, ke
         with counter:
             updates, _ = tx.update(grads, state, params)
         names = [op.name for op in counter.ops]
-        assert names.count("widened_decayed") == (1 if on == "1" else 0)
+        assert names.count("widened_decayed_") == (1 if on == "1" else 0)
         results[on] = updates
     for key in sorted(params.keys()):
         on, off = results["1"][key], results["0"][key]
@@ -407,7 +438,7 @@ def test_the_decay_reaches_every_kind_of_leaf_with_the_kernels(monkeypatch, kern
         with counter:
             results[on], _ = tx.update(grads, state, params)
         widened = on == "1" and experts != (2, 16, 48)  # (a call with batches in it restores them eagerly)
-        assert sum(op.name == "widened_decayed" for op in counter.ops) == widened
+        assert sum(op.name == "widened_decayed_" for op in counter.ops) == widened
     fused_decay = {"w", "up"} if experts != (2, 16, 48) else set()  # (decayed by the kernel's multiply-add)
     for key in leaves:
         on, off = results["1"][key], results["0"][key]
@@ -440,7 +471,7 @@ def launch_signatures(dtype: torch.dtype) -> dict[str, tuple[dict[str, str], dic
             {"BLOCK": _kernels._BLOCK},
         ),
         "widened_decayed": (
-            {"results": f"*{narrow}", "out": "*fp32", "params": "*i64", "strides": "*i64", "alpha": "fp32",
+            {"results": f"*{narrow}", "outputs": "*i64", "params": "*i64", "strides": "*i64", "alpha": "fp32",
              "rows": "i32", "cols": "i32", "kept": "i32", "TILE": "constexpr"},
             {"TILE": _kernels._TILE},
         ),

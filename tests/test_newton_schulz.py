@@ -530,6 +530,45 @@ def test_tall_matrices_come_back_in_their_own_memory_order(monkeypatch, scale: f
     assert kept.shape == (0, 12, 20) and torch.equal(turned, f.orthogonalize(only_tall, scale=scale).mT)
 
 
+@pytest.mark.parametrize("decayed", [False, True])
+@pytest.mark.parametrize("gpu_form", [False, True])
+def test_matrices_given_to_overwrite_may_hold_their_own_results(monkeypatch, gpu_form: bool, decayed: bool) -> None:
+    """``orthogonalize_matrices(..., overwrite_input=True)`` gives the results it gives into a new
+    batch, bit for bit, in the order of the matrices (the tall ones in their own orientation,
+    contiguous), with or without a decay. Off the CPU (forced here) the wide matrices' memory
+    holds their results and the tall ones get a batch of their own (their transposing copy into
+    each matrix would take a kernel per matrix); on a CPU, where the batch's own memory holds the
+    results, no matrix is written."""
+    if gpu_form:
+        monkeypatch.setattr(_newton_schulz, "cpu_passes", lambda t: False)
+    f = muonfn.NewtonSchulz("keller", dtype=torch.bfloat16)
+    originals = [
+        gaussian(12, 20, seed=31),
+        gaussian(12, 20, seed=32),
+        gaussian(20, 12, seed=33),
+        gaussian(20, 12, seed=34),
+    ]
+    params = [gaussian(*m.shape, seed=40 + k) for k, m in enumerate(originals)]
+    decay = _newton_schulz.Decay([params[0], None, params[2].mT, None], -0.002) if decayed else None
+
+    def pieces(matrices: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [
+            *matrices[:2],
+            *(m.mT for m in matrices[2:]),
+        ]  # (the tall ones turned wide, as an orthogonalizer turns them)
+
+    expected = f.orthogonalize_matrices(pieces(originals), 2, scale=0.5, decay=decay)
+    inputs = [m.clone() for m in originals]
+    got = f.orthogonalize_matrices(pieces(inputs), 2, scale=0.5, decay=decay, overwrite_input=True)
+    assert [tuple(r.shape) for r in got] == [(12, 20), (12, 20), (20, 12), (20, 12)]
+    for result, wanted in zip(got, expected):
+        assert torch.equal(result, wanted) and result.is_contiguous()
+    held = [result.data_ptr() == m.data_ptr() for result, m in zip(got, inputs)]
+    assert held == ([True, True, False, False] if gpu_form else [False] * 4)
+    if not gpu_form:
+        assert all(torch.equal(m, o) for m, o in zip(inputs, originals))
+
+
 def test_a_batch_built_from_matrices_norms_each_in_its_own_memory() -> None:
     """Off the CPU, an orthogonalizer's batch is normed matrix by matrix from the matrices' own
     memory: a contiguous one as in the stack, bit for bit; a tall one read as its transpose as the

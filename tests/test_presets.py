@@ -160,6 +160,44 @@ def test_muon_matrix_update_formula() -> None:
     assert state["adamw", "step", "b"] == 2
 
 
+@pytest.mark.parametrize("preset", [muonfn.muon, muonfn.normuon])
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize(("nesterov", "corrected"), [(True, False), (False, False), ("add", False), (False, True)])
+def test_newton_schulz_writes_its_results_only_over_the_momentums_own_look_ahead(
+    monkeypatch, nesterov: object, corrected: bool, donate: bool, preset
+) -> None:
+    """Off the CPU (forced here) ``muon`` and NorMuon let Newton–Schulz store a wide matrix's
+    result in the memory of the update the momentum hands it when that update is the step's own
+    (the look-ahead, its sum, the corrected momentum), never in the momentum itself
+    (``nesterov=False``): the state and the gradients hold what they held, and the update is the
+    same bits with the stores forbidden."""
+    from muonfn.linalg import LocalOrthogonalizer, _newton_schulz
+
+    monkeypatch.setattr(_newton_schulz, "cpu_passes", lambda t: False)
+    params = TensorDict({"w": gaussian(12, 20, seed=71), "t": gaussian(20, 12, seed=72)}, batch_size=[])
+    grads = random_like(params, 73)
+    options = {"nesterov": nesterov, "momentum_bias_correction": corrected, "ns_dtype": torch.bfloat16}
+    stored = []
+    original = _newton_schulz._stored
+    monkeypatch.setattr(_newton_schulz, "_stored", lambda *args: stored.append(args[-1]) or original(*args))
+    results = {}
+    for overwrites in (True, False):
+        monkeypatch.setattr(LocalOrthogonalizer, "overwrites_input", overwrites)
+        tx = preset(lr=0.02, weight_decay=0.1, donate_state=donate, **options)
+        state = tx.init(params)
+        _, state = tx.update(grads, state, params)  # (a momentum to keep)
+        before, given = state.clone(), grads.clone()
+        updates, state = tx.update(given, state, params)
+        for key in ("w", "t"):
+            expected = before["muon", "momentum", key].lerp(grads[key], 1 - 0.95)
+            assert torch.equal(state["muon", "momentum", key], expected)
+        assert torch.equal(given["w"], grads["w"]) and torch.equal(given["t"], grads["t"])
+        results[overwrites] = updates
+    assert stored[:2] == [nesterov is not False or corrected] * 2 and not any(stored[2:])
+    for key in ("w", "t"):
+        assert torch.equal(results[True][key], results[False][key])
+
+
 def test_zero_gradient_gives_only_the_decay(device: torch.device) -> None:
     params = TensorDict({"w": gaussian(6, 9, seed=1), "e": gaussian(2, 6, 9, seed=2)}, batch_size=[]).to(device)
     tx = muonfn.muon(lr=0.1, weight_decay=0.5, views={"e": MatrixView(batch_dims=1)})

@@ -106,8 +106,9 @@ def test_a_reduction_into_a_wider_dtype_counts_the_copy_torch_makes_first() -> N
 
 
 def test_a_multi_tensor_op_off_its_fast_path_launches_a_kernel_per_tensor() -> None:
-    """torch's fused multi-tensor kernels need one device and dtype, and equal sizes and strides at
-    each index; a factor per leaf (0-d tensors against full ones) runs the op tensor by tensor."""
+    """torch's fused multi-tensor kernels need one device and dtype (a copy: one dtype a list), and
+    equal sizes and strides at each index; a factor per leaf (0-d tensors against full ones) runs
+    the op tensor by tensor."""
     xs = [torch.ones(4, 3, device="meta"), torch.ones(5, device="meta"), torch.ones(2, 2, device="meta")]
     ys = [torch.ones_like(x) for x in xs]
     factors = [torch.tensor(2.0, device="meta") for _ in xs]
@@ -120,6 +121,9 @@ def test_a_multi_tensor_op_off_its_fast_path_launches_a_kernel_per_tensor() -> N
         (lambda: torch._foreach_mul(xs, factors), 3),
         (lambda: torch._foreach_add(xs, [y.to(torch.bfloat16) for y in ys]), 3),
         (lambda: torch._foreach_add(mats, [y.mT for y in turned]), 2),  # a transposed view's strides
+        (lambda: torch._foreach_copy_(xs, [y.to(torch.bfloat16) for y in ys]), 1),  # (a copy casts on its fast path)
+        (lambda: torch._foreach_copy_(xs, [ys[0].to(torch.bfloat16), *ys[1:]]), 3),  # (but one dtype a list)
+        (lambda: torch._foreach_copy_(mats, [y.mT for y in turned]), 2),
     ]:
         s = counted(step)
         assert s.launches - (s.kernel_ops - 1) == launches

@@ -79,6 +79,33 @@ def test_orthogonalize_buckets_do_not_change_the_result() -> None:
             assert_batched_as_alone(chunked[key], value, bitwise=bitwise)
 
 
+def test_orthogonalize_may_store_its_results_in_the_updates_it_is_given(monkeypatch) -> None:
+    """``overwrite_input=True``: off the CPU (forced here) a wide matrix's result is written into
+    the update it came from and returned as it, with the bits of a new tensor; not under ``vmap``,
+    not where autograd records the updates, and not without the option. Any other value than a
+    bool is refused."""
+    from muonfn.linalg import _newton_schulz
+
+    monkeypatch.setattr(_newton_schulz, "cpu_passes", lambda t: False)
+    grads = td(w=gaussian(12, 20, seed=61), t=gaussian(20, 12, seed=62), conv=gaussian(8, 4, 3, 3, seed=63))
+    expected, _ = step(muonfn.orthogonalize(dtype=torch.bfloat16), grads, TensorDict())
+    given = grads.clone()
+    tx = muonfn.orthogonalize(dtype=torch.bfloat16, overwrite_input=True)
+    out, _ = step(tx, given, TensorDict())
+    assert_td_equal(out, expected)
+    assert out["w"].data_ptr() == given["w"].data_ptr()  # (the tall one's copy back would take a kernel per matrix)
+    given = grads.clone().requires_grad_()
+    with torch.enable_grad():
+        out, _ = step(tx, given, TensorDict())
+    assert out["w"].data_ptr() != given["w"].data_ptr() and torch.equal(given["w"], grads["w"])
+    members = torch.stack([grads, grads.apply(lambda x: -x)])
+    mapped = members.clone()
+    out = torch.vmap(lambda g: tx.update(g, TensorDict(), None)[0])(mapped)
+    assert_td_equal(mapped, members)
+    with pytest.raises(TypeError, match="orthogonalize: overwrite_input must be True or False"):
+        muonfn.orthogonalize(overwrite_input=1)  # type: ignore[arg-type]
+
+
 def test_conv_weights_are_flattened_and_scaled_by_the_flattened_shape() -> None:
     g = gaussian(8, 4, 3, 3, seed=4)
     tx = muonfn.orthogonalize(scale="original")

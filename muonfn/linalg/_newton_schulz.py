@@ -519,14 +519,46 @@ def add_decay(results: Sequence[torch.Tensor], decay: Decay) -> None:
         torch._foreach_add_([r for r, _ in pairs], [p for _, p in pairs], alpha=decay.alpha)
 
 
-def _decayed(wide: torch.Tensor, tall: torch.Tensor, decay: Decay | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``wide`` and ``tall`` (the results of :meth:`NewtonSchulz.orthogonalize_matrices`) with
-    ``decay`` (its tall parameters given as their transposes) added in place."""
+def _decayed(results: list[torch.Tensor], turned: int, decay: Decay | None) -> list[torch.Tensor]:
+    """``results`` (those of :meth:`NewtonSchulz.orthogonalize_matrices`, the last ``turned`` in
+    the orientation of their tall matrices) with ``decay`` (its tall parameters given as their
+    transposes) added in place."""
     if decay is not None:
-        kept = wide.size(0)
+        kept = len(results) - turned
         params = [p if p is None or k < kept else p.mT for k, p in enumerate(decay.params)]
-        add_decay([*wide.unbind(0), *tall.unbind(0)], Decay(params, decay.alpha))
-    return wide, tall
+        add_decay(results, Decay(params, decay.alpha))
+    return results
+
+
+def _stored(
+    result: torch.Tensor, matrices: Sequence[torch.Tensor], turned: int, decay: Decay | None, overwrite: bool
+) -> list[torch.Tensor]:
+    """The fp32 results of ``matrices`` from ``result``, their Newton–Schulz batch in a narrower
+    dtype (its last ``turned`` matrices the transposes of tall ones, whose results come back in
+    their own orientation), with ``decay`` added. ``overwrite``: written into the memory of the
+    matrices (the caller's temporaries), where a new fp32 batch would hold them: with muonfn's
+    Triton kernels all of them, eager the wide ones, each contiguous (one multi-tensor copy on
+    torch's fused path; a tall one's transposed copy would take a kernel per matrix there)."""
+    kept = len(matrices) - turned
+    if decay is not None and _kernels.takes_widened_decayed(
+        matrices if overwrite else None, result, turned, decay.params
+    ):
+        if overwrite:
+            outputs = list(matrices)
+        else:
+            rows, cols = result.shape[-2:]
+            batch = torch.empty(result.shape, dtype=torch.float32, device=result.device)
+            outputs = [*batch[:kept].unbind(0), *(t.mT for t in batch[kept:].view(turned, cols, rows).unbind(0))]
+        _kernels.widened_decayed_(outputs, result, turned, list(decay.params), decay.alpha)
+        return [*outputs[:kept], *(o.mT for o in outputs[kept:])]
+    if overwrite and kept and all(type(m) is torch.Tensor and m.is_contiguous() for m in matrices[:kept]):
+        wide = list(matrices[:kept])
+        torch._foreach_copy_(wide, list(result[:kept].unbind(0)))
+        tall = _restored_turning(result[kept:], torch.float32, turned, None)[1] if turned else result[:0]
+    else:
+        wide_batch, tall = _restored_turning(result, torch.float32, turned, None)
+        wide = list(wide_batch.unbind(0))
+    return _decayed([*wide, *tall.unbind(0)], turned, decay)
 
 
 def _restored_turning(
@@ -800,32 +832,40 @@ class NewtonSchulz:
         return _restored_turning(X, x.dtype, turned, spare)
 
     def orthogonalize_matrices(
-        self, matrices: Sequence[torch.Tensor], turned: int, *, scale: float = 1.0, decay: Decay | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        matrices: Sequence[torch.Tensor],
+        turned: int,
+        *,
+        scale: float = 1.0,
+        decay: Decay | None = None,
+        overwrite_input: bool = False,
+    ) -> list[torch.Tensor]:
         """:meth:`orthogonalize_turning` of ``torch.stack(matrices)`` (wide matrices of one shape
-        and dtype, the last ``turned`` of them the transposes of tall ones), the batch built here;
-        with ``decay`` (parameters aligned with ``matrices``, in their orientation), ``alpha·p``
-        added to each result that has one (in place: a step of plain tensors, no autograd).
+        and dtype, the last ``turned`` of them the transposes of tall ones), the batch built here:
+        the results in the order of ``matrices``, the last ``turned`` transposed back (each in the
+        orientation of its tall matrix). With ``decay`` (parameters aligned with ``matrices``, in
+        their orientation), ``alpha·p`` added to each result that has one (in place: a step of
+        plain tensors, no autograd).
 
         Off the CPU an fp32 batch going into a narrower dtype is normalised as it is built
         (:func:`_narrowed_matrices`): each matrix's norm is read from its own memory, so a tall
         matrix's in the order of its own rows (its bits may differ from the stack's norm by a
-        rounding), and no fp32 stack outlives the product into ``dtype``. With muonfn's Triton
-        kernels the results are widened with the decay added in one pass. Elsewhere the stack is
-        built and given to :meth:`orthogonalize_turning`.
+        rounding), and no fp32 stack outlives the product into ``dtype``. There
+        ``overwrite_input=True`` (``matrices`` are temporaries of the caller's that nothing reads
+        after) writes the results into the matrices' own memory instead of a new fp32 batch (see
+        :func:`_stored`), and with muonfn's Triton kernels the results are widened with the decay
+        added in one pass. Elsewhere the stack is built and given to :meth:`orthogonalize_turning`.
+        The same values either way.
         """
         first = matrices[0]
         dtype = default_ns_dtype(first.device, first.dtype, first.shape) if self.dtype is None else self.dtype
         if first.dtype != torch.float32 or dtype == first.dtype or cpu_passes(first):
             stack = torch.stack(list(matrices))
-            return _decayed(*self.orthogonalize_turning(stack, turned, overwrite_input=True, scale=scale), decay)
+            wide, tall = self.orthogonalize_turning(stack, turned, overwrite_input=True, scale=scale)
+            return _decayed([*wide.unbind(0), *tall.unbind(0)], turned, decay)
         iterate = self._iteration(first, scale)
         result = iterate(_narrowed_matrices(matrices, self.schedule, self.eps, dtype, self.eps_mode))
-        if decay is not None and _kernels.takes_widened_decayed(result, decay.params):
-            out = _kernels.widened_decayed(result, turned, list(decay.params), decay.alpha)
-            kept, (rows, cols) = len(matrices) - turned, first.shape
-            return out[:kept], out[kept:].view(turned, cols, rows)
-        return _decayed(*_restored_turning(result, first.dtype, turned, None), decay)
+        return _stored(result, matrices, turned, decay, overwrite_input)
 
     def _iterated(
         self, x: torch.Tensor, owned: bool, scale: float = 1.0

@@ -34,7 +34,11 @@ class Orthogonalizer(Protocol):
     other checks of a step, before any transform of a composition writes its state. One whose
     ``adds_decay`` is ``True`` also takes ``decay=`` (a :class:`Decay` aligned with
     ``tensors``) and adds it to its results; :func:`~muonfn.transforms.descent` then hands it
-    the decay of a plain fp32 step with muonfn's Triton kernels on.
+    the decay of a plain fp32 step with muonfn's Triton kernels on. One whose
+    ``overwrites_input`` is ``True`` also takes ``overwrite_input=``: ``True`` says the tensors
+    are temporaries of the step that nothing reads after (:func:`~muonfn.orthogonalize` with
+    ``overwrite_input=True`` says so), and it may then return results written into their
+    memory, a result being its input itself.
     """
 
     def __call__(
@@ -68,7 +72,12 @@ def _chunks(members: list[int], sizes: list[int], cap: int) -> list[list[int]]:
 
 
 def _batched(
-    matrices: list[torch.Tensor], scales: list[float], ns: MatrixFn, cap: int, decay: Decay | None = None
+    matrices: list[torch.Tensor],
+    scales: list[float],
+    ns: MatrixFn,
+    cap: int,
+    decay: Decay | None = None,
+    overwrite_input: bool = False,
 ) -> list[torch.Tensor]:
     """``scale * ns(m)`` for every matrix, equal shapes stacked into calls of at most ``cap`` elements.
 
@@ -89,15 +98,23 @@ def _batched(
     for (_, _, _, scale), members in buckets.items():
         for chunk in _chunks(members, sizes, cap):
             given = None if decay is None else Decay([decay.params[j] for j in chunk], decay.alpha)
-            for j, result in zip(chunk, _call([matrices[j] for j in chunk], ns, scale, given)):
+            for j, result in zip(chunk, _call([matrices[j] for j in chunk], ns, scale, given, overwrite_input)):
                 out[j] = result
     return out
 
 
-def _call(matrices: list[torch.Tensor], ns: MatrixFn, scale: float, decay: Decay | None = None) -> list[torch.Tensor]:
+def _call(
+    matrices: list[torch.Tensor],
+    ns: MatrixFn,
+    scale: float,
+    decay: Decay | None = None,
+    overwrite_input: bool = False,
+) -> list[torch.Tensor]:
     """``scale * ns`` of matrices of one (wide) shape in one call: the 2-D ones stacked as they
     are, wide then tall, and handed back as contiguous slices; the batches after them. ``decay``
-    (2-D matrices only) is added to the results whose parameter it gives."""
+    (2-D matrices only) is added to the results whose parameter it gives. ``overwrite_input``:
+    the matrices are temporaries of the caller's, into whose memory Newton–Schulz may write the
+    results of a call of 2-D matrices (see :meth:`NewtonSchulz.orthogonalize_matrices`)."""
     turns = isinstance(ns, NewtonSchulz)
     flips = [turns and m.size(-2) > m.size(-1) for m in matrices]
     flat = [m.ndim == 2 for m in matrices]
@@ -112,10 +129,12 @@ def _call(matrices: list[torch.Tensor], ns: MatrixFn, scale: float, decay: Decay
         if decay is not None:
             params = [decay.params[k] for k in order]
             given = Decay([None if p is None else p.mT if flips[k] else p for k, p in zip(order, params)], decay.alpha)
-        wide, tall = ns.orthogonalize_matrices(pieces, len(plain_tall), scale=scale, decay=given)
+        results = ns.orthogonalize_matrices(
+            pieces, len(plain_tall), scale=scale, decay=given, overwrite_input=overwrite_input
+        )
         out: list[torch.Tensor] = [None] * len(matrices)  # type: ignore[list-item]
-        for k, piece in zip((*plain_wide, *plain_tall), (*wide.unbind(0), *tall.unbind(0))):
-            out[k] = piece
+        for k, result in zip(order, results):
+            out[k] = result
         return out
     own = len(pieces) > 1 or not batches  # a stack built here: the call may normalise it in place
     if not batches:
@@ -208,6 +227,7 @@ def orthogonalize_blocks(
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
     shapes: Sequence[Sequence[int]] | None = None,
     decay: Decay | None = None,
+    overwrite_input: bool = False,
 ) -> list[torch.Tensor]:
     """``scale(A, B)·ns(M)`` for every block ``M`` of every tensor as its view reads it.
 
@@ -217,6 +237,9 @@ def orthogonalize_blocks(
     empty tensor; a contiguous tensor to a contiguous one. ``decay`` (parameters aligned with
     ``tensors``): ``alpha·p`` added to the results that have one, for a plain matrix as its
     result is stored (a step of plain tensors, no autograd: the results are written in place).
+    ``overwrite_input``: the tensors are temporaries of the caller's that nothing reads after
+    (a step of plain tensors, no autograd), and Newton–Schulz may write the results into their
+    memory rather than a new batch: a result may then be its own tensor.
     """
     plain = _plain_matrices(tensors, views, shapes)
     shapes = [t.shape for t in tensors] if shapes is None else shapes
@@ -234,7 +257,8 @@ def orthogonalize_blocks(
             matrices += blocks
             scales += block_scales(view, shape, scale)
             matrix_params += [None] * len(blocks)
-    done = _batched(matrices, scales, ns, bucket_numel, None if decay is None else Decay(matrix_params, decay.alpha))
+    given = None if decay is None else Decay(matrix_params, decay.alpha)
+    done = _batched(matrices, scales, ns, bucket_numel, given, overwrite_input)
     out, pos = [], 0
     for t, view, whole in zip(tensors, views, plain):
         if whole:
@@ -281,6 +305,8 @@ class LocalOrthogonalizer:
 
     #: takes ``decay=`` (see :func:`orthogonalize_blocks`), which :func:`muonfn.transforms.descent` gives it
     adds_decay = True
+    #: takes ``overwrite_input=`` (see :func:`orthogonalize_blocks`), which :func:`muonfn.orthogonalize` gives it
+    overwrites_input = True
 
     def __init__(self, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> None:
         self.bucket_numel = check_bucket_numel(bucket_numel)
@@ -294,9 +320,12 @@ class LocalOrthogonalizer:
         scale: ScaleFn,
         *,
         decay: Decay | None = None,
+        overwrite_input: bool = False,
     ) -> list[torch.Tensor]:
         self.check(keys, tensors, views)
-        return orthogonalize_blocks(tensors, views, ns, scale, bucket_numel=self.bucket_numel, decay=decay)
+        return orthogonalize_blocks(
+            tensors, views, ns, scale, bucket_numel=self.bucket_numel, decay=decay, overwrite_input=overwrite_input
+        )
 
     @staticmethod
     def check(keys: Sequence[Key], tensors: Sequence[torch.Tensor], views: Sequence[MatrixView]) -> None:

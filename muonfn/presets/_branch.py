@@ -36,6 +36,7 @@ from ..transforms import (
     check_views,
     descent,
     ema_momentum,
+    fresh_updates,
     mask_table,
     named,
     newton_schulz_setting,
@@ -174,6 +175,8 @@ def matrix_branch(
             "extra_scale": extra_scale,
             "bucket_numel": None if orthogonalizer is not None else bucket_numel,
             "orthogonalizer": orthogonalizer,
+            # the momentum's look-ahead is this step's own: Newton–Schulz may store its results there
+            "overwrite_input": fresh_updates(nesterov, momentum_bias_correction),
         }
         if fused_tail:
             return chain(momentum_step, descent(orthogonalize(**batched), lr, weight_decay, mask=weight_decay_mask))
@@ -191,7 +194,9 @@ def matrix_branch(
             donate_state=donate_state,
         )
         signs = [scale_by_sign()] if sign_momentum else []
-        ortho = orthogonalize(ns=ns, views=views, bucket_numel=bucket_numel)
+        # (the sign, like the look-ahead, is this step's own)
+        fresh = sign_momentum or fresh_updates(nesterov, momentum_bias_correction)
+        ortho = orthogonalize(ns=ns, views=views, bucket_numel=bucket_numel, overwrite_input=fresh)
         shape = scale_by_shape(scale, extra_scale=extra_scale, views=views)
         if fused_tail:
             return chain(momentum_step, *signs, ortho, adapt, descent(shape, lr, weight_decay, mask=weight_decay_mask))

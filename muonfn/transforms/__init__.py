@@ -16,7 +16,7 @@ from ._decay import add_decayed_weights
 from ._descent import descent
 from ._learning_rate import scale_by_learning_rate
 from ._masks import MaskLike, check_mask, mask_table, resolve_mask
-from ._momentum import ema_momentum
+from ._momentum import ema_momentum, fresh_updates
 from ._normuon import row_moment_shape, scale_by_neuron_norm
 from ._orthogonalize import (
     MethodLike,
@@ -74,6 +74,7 @@ __all__ = [
     "descent",
     "ema_momentum",
     "empty_state",
+    "fresh_updates",
     "from_rule",
     "fused_adamw",
     "mask_table",

@@ -108,6 +108,13 @@ def ema_momentum(
     return from_rule(init, Rule("ema_momentum", update, needs, donate_state))
 
 
+def fresh_updates(nesterov: object, bias_correction: bool) -> bool:
+    """Whether :func:`ema_momentum`'s updates are tensors of the step's own, which nothing reads
+    after the transform that takes them (the look-ahead, its sum or the corrected momentum), not
+    its state's momentum (``nesterov=False`` uncorrected): the next may write into them."""
+    return nesterov is True or nesterov == "add" or bias_correction
+
+
 def _corrected(
     grads: list[torch.Tensor],
     buf: list[torch.Tensor],

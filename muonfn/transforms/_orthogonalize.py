@@ -9,10 +9,10 @@ from typing import Any, Literal, TypeAlias
 import torch
 from tensordict import TensorDictBase
 
-from .. import _tree
+from .. import _multi_tensor, _tree
 from .._keys import Key, dotted, resolve_table
 from .._tree import Leaves
-from .._validation import Scalar, check_table
+from .._validation import Scalar, check_table, flag
 from ..linalg import (
     DEFAULT_VIEW,
     CoefficientsLike,
@@ -36,7 +36,7 @@ from ._caches import StructureCache
 from ._combine import chain
 from ._contract import InitFn, Transform, empty_state
 from ._descent import Scaled
-from ._momentum import ema_momentum
+from ._momentum import ema_momentum, fresh_updates
 from ._rules import Needs, Rule, Scope, from_rule, no_needs
 
 MethodLike: TypeAlias = NSMethod | Literal["svd", "qr"] | MatrixFn
@@ -247,6 +247,7 @@ def orthogonalize(
     extra_scale: float = 1.0,
     bucket_numel: int | None = None,
     orthogonalizer: Orthogonalizer | None = None,
+    overwrite_input: bool = False,
 ) -> Transform:
     r"""Replaces every matrix :math:`G` by :math:`s(A, B)\cdot\mathrm{NS}(G)`.
 
@@ -290,6 +291,13 @@ def orthogonalize(
         orthogonalizer: who runs the batched calls; default
             :class:`muonfn.linalg.LocalOrthogonalizer`. Sharded parameters take
             :func:`muonfn.distributed.sharded_orthogonalizer`.
+        overwrite_input: the updates it is given are temporaries of this step that nothing
+            reads after it, such as :func:`ema_momentum`'s Nesterov look-ahead (the presets
+            say so for it): their memory may then hold the results, where a new batch would
+            (off the CPU, for Newton–Schulz in a narrower dtype than the updates'). The same
+            values; what it returns may be the tensors it was given. Ignored under
+            ``torch.func`` transforms, where autograd records, and by an orthogonalizer whose
+            ``overwrites_input`` is not ``True``.
 
     Returns:
         A stateless :class:`Transform`. With the local orthogonalizer ``init`` checks that
@@ -309,6 +317,7 @@ def orthogonalize(
     )
     scale_fn = shape_scale(scale, extra_scale)
     check_views("orthogonalize: views", views)
+    flag("orthogonalize: overwrite_input", overwrite_input)
     if orthogonalizer is not None and not callable(orthogonalizer):
         raise TypeError(
             "orthogonalize: orthogonalizer must be a muonfn.linalg.Orthogonalizer (such as "
@@ -328,9 +337,10 @@ def orthogonalize(
         leaf_views = resolved.get(
             grads, scope.batch_size, lambda: resolve_views(views, keys, values, members=scope.members)
         )
-        if decay is None:
-            return dict(zip(keys, run(keys, values, leaf_views, ns, _times(factor, scale_fn))))
-        return dict(zip(keys, run(keys, values, leaf_views, ns, _times(factor, scale_fn), decay=decay)))  # type: ignore[call-arg]
+        options: dict[str, Any] = {} if decay is None else {"decay": decay}
+        if overwrites and _multi_tensor.may_overwrite(values):
+            options["overwrite_input"] = True
+        return dict(zip(keys, run(keys, values, leaf_views, ns, _times(factor, scale_fn), **options)))
 
     def needs(grads: Leaves, params: Leaves | None, prefix: Key, out: Needs) -> None:
         # an orthogonalizer's refusals (a leaf off its view, a sharded DTensor without collectives,
@@ -350,6 +360,7 @@ def orthogonalize(
     probe = None if isinstance(ns, NewtonSchulz) else ns
     init = _view_checker(views, probe) if isinstance(run, LocalOrthogonalizer) else empty_state
     adds_decay = getattr(run, "adds_decay", False) is True
+    overwrites = overwrite_input and getattr(run, "overwrites_input", False) is True
     return from_rule(init, Rule("orthogonalize", Scaled(scaled, adds_decay=adds_decay), needs))
 
 
@@ -454,5 +465,6 @@ def scale_by_muon(
             extra_scale=extra_scale,
             bucket_numel=bucket_numel,
             orthogonalizer=orthogonalizer,
+            overwrite_input=fresh_updates(nesterov, momentum_bias_correction),
         ),
     )
