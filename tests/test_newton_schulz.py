@@ -552,10 +552,8 @@ def test_matrices_given_to_overwrite_may_hold_their_own_results(monkeypatch, gpu
     decay = _newton_schulz.Decay([params[0], None, params[2].mT, None], -0.002) if decayed else None
 
     def pieces(matrices: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [
-            *matrices[:2],
-            *(m.mT for m in matrices[2:]),
-        ]  # (the tall ones turned wide, as an orthogonalizer turns them)
+        """The matrices as an orthogonalizer hands them over: the tall ones turned wide."""
+        return [*matrices[:2], *(m.mT for m in matrices[2:])]
 
     expected = f.orthogonalize_matrices(pieces(originals), 2, scale=0.5, decay=decay)
     inputs = [m.clone() for m in originals]
