@@ -554,11 +554,11 @@ def _stored(
     if overwrite and kept and all(type(m) is torch.Tensor and m.is_contiguous() for m in matrices[:kept]):
         wide = list(matrices[:kept])
         torch._foreach_copy_(wide, list(result[:kept].unbind(0)))
-        tall = _restored_turning(result[kept:], torch.float32, turned, None)[1] if turned else result[:0]
+        tall = list(_restored_turning(result[kept:], torch.float32, turned, None)[1].unbind(0)) if turned else []
     else:
-        wide_batch, tall = _restored_turning(result, torch.float32, turned, None)
-        wide = list(wide_batch.unbind(0))
-    return _decayed([*wide, *tall.unbind(0)], turned, decay)
+        wide_batch, tall_batch = _restored_turning(result, torch.float32, turned, None)
+        wide, tall = list(wide_batch.unbind(0)), list(tall_batch.unbind(0))
+    return _decayed([*wide, *tall], turned, decay)
 
 
 def _restored_turning(
