@@ -11,7 +11,9 @@ whether their results are the same bits:
 - ``scaled_stack``: ``torch.stack``, the reciprocals of the norms and the product into bf16,
   14 → 6 bytes an entry (and two ops over the norms fewer);
 - ``widened_decayed_``: the widening copy of the bf16 results and ``torch._foreach_add_`` of
-  the decay, 18 → 10.
+  the decay, 18 → 10, into a new batch and into the matrices themselves (the look-ahead's
+  memory, where the presets store them: the eager ops copy the wide ones there, the tall ones
+  into a batch).
 
 The bytes are the counter's (``benchmarks/traffic.py``); GB/s is them over the median time.
 On a CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set here), slowly:
@@ -183,6 +185,40 @@ def rows_for(
 
         label = f"widened_decayed_ {count}×{rows}×{cols} ({turned} tall)"
         makers.append(compare(label, eager_widen, kernel_widen, entries, eager_bytes=18, kernel_bytes=10))
+        looks = [randn(rows, cols) if k < count - turned else randn(cols, rows) for k in range(count)]
+        targets = ([m.clone() for m in looks], [m.clone() for m in looks])  # (each side writes its own)
+
+        def eager_into(
+            results: torch.Tensor = results,
+            params: list[torch.Tensor] = params,
+            turned: int = turned,
+            mine: list[torch.Tensor] = targets[0],
+        ) -> list[torch.Tensor]:
+            rows, cols = results.shape[-2:]
+            kept = results.size(0) - turned
+            wide = mine[:kept]
+            if kept:
+                torch._foreach_copy_(wide, list(results[:kept].unbind(0)))
+            tall = torch.empty((turned, cols, rows), dtype=torch.float32, device=device)
+            tall.mT.copy_(results[kept:])
+            out = [*wide, *tall.unbind(0)]
+            torch._foreach_add_(out, [p if k < kept else p.mT for k, p in enumerate(params)], alpha=ALPHA)
+            return out
+
+        def kernel_into(
+            results: torch.Tensor = results,
+            params: list[torch.Tensor] = params,
+            turned: int = turned,
+            mine: list[torch.Tensor] = targets[1],
+        ) -> list[torch.Tensor]:
+            kept = results.size(0) - turned
+            outputs = [*mine[:kept], *(m.mT for m in mine[kept:])]
+            _kernels.widened_decayed_(outputs, results, turned, list(params), ALPHA)
+            return list(mine)
+
+        # (the look-ahead's memory holding the results, as the presets store them: each tall one too)
+        label = f"widened_decayed_ into the matrices {count}×{rows}×{cols} ({turned} tall)"
+        makers.append(compare(label, eager_into, kernel_into, entries, eager_bytes=18, kernel_bytes=10))
     return makers
 
 
