@@ -23,6 +23,7 @@ On a CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -40,6 +41,7 @@ import _sets  # noqa: E402
 import torch  # noqa: E402
 
 from muonfn import _kernels  # noqa: E402
+from muonfn.linalg._newton_schulz import Decay, _stored  # noqa: E402
 
 MU, ALPHA, EPS = 0.95, -0.02 * 0.1, 1e-7
 
@@ -188,36 +190,26 @@ def rows_for(
         looks = [randn(rows, cols) if k < count - turned else randn(cols, rows) for k in range(count)]
         targets = ([m.clone() for m in looks], [m.clone() for m in looks])  # (each side writes its own)
 
-        def eager_into(
-            results: torch.Tensor = results,
-            params: list[torch.Tensor] = params,
-            turned: int = turned,
-            mine: list[torch.Tensor] = targets[0],
+        def into(
+            mine: list[torch.Tensor], kernel: bool, results: torch.Tensor = results, params: list[torch.Tensor] = params
         ) -> list[torch.Tensor]:
-            rows, cols = results.shape[-2:]
-            kept = results.size(0) - turned
-            wide = mine[:kept]
-            if kept:
-                torch._foreach_copy_(wide, list(results[:kept].unbind(0)))
-            tall = torch.empty((turned, cols, rows), dtype=torch.float32, device=device)
-            tall.mT.copy_(results[kept:])
-            out = [*wide, *tall.unbind(0)]
-            torch._foreach_add_(out, [p if k < kept else p.mT for k, p in enumerate(params)], alpha=ALPHA)
-            return out
-
-        def kernel_into(
-            results: torch.Tensor = results,
-            params: list[torch.Tensor] = params,
-            turned: int = turned,
-            mine: list[torch.Tensor] = targets[1],
-        ) -> list[torch.Tensor]:
-            kept = results.size(0) - turned
-            outputs = [*mine[:kept], *(m.mT for m in mine[kept:])]
-            _kernels.widened_decayed_(outputs, results, turned, list(params), ALPHA)
-            return list(mine)
+            """Newton–Schulz's own store into the matrices (``_stored``), with the kernel or eagerly."""
+            kept = len(mine) - sum(m.size(0) > m.size(1) for m in mine)
+            pieces = [*mine[:kept], *(m.mT for m in mine[kept:])]
+            before = os.environ.get(_kernels.TRITON_VARIABLE)
+            os.environ[_kernels.TRITON_VARIABLE] = "1" if kernel else "0"  # (read at the call; a patch costs 80 µs)
+            try:
+                return _stored(results, pieces, len(mine) - kept, Decay(params, ALPHA), True)
+            finally:
+                if before is None:
+                    del os.environ[_kernels.TRITON_VARIABLE]
+                else:
+                    os.environ[_kernels.TRITON_VARIABLE] = before
 
         # (the look-ahead's memory holding the results, as the presets store them: each tall one too)
         label = f"widened_decayed_ into the matrices {count}×{rows}×{cols} ({turned} tall)"
+        eager_into = functools.partial(into, targets[0], False)
+        kernel_into = functools.partial(into, targets[1], True)
         makers.append(compare(label, eager_into, kernel_into, entries, eager_bytes=18, kernel_bytes=10))
     return makers
 
