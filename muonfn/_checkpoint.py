@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from . import _tree
+from ._tree import dotted
 
 PathLike = str | os.PathLike[str]
 
 
-def _plain(td: TensorDictBase, prefix: _tree.Key = ()) -> dict[str, Any]:
+def _plain(td: TensorDictBase, prefix: tuple[str, ...] = ()) -> dict[str, Any]:
     """Nested dicts of plain tensors (no subclasses such as memory-mapped tensors or parameters)."""
     out: dict[str, Any] = {}
     for key, value in td.items():
@@ -31,7 +31,7 @@ def _plain(td: TensorDictBase, prefix: _tree.Key = ()) -> dict[str, Any]:
         elif isinstance(value, torch.Tensor):
             out[key] = value.detach().as_subclass(torch.Tensor)
         else:
-            name = _tree.dotted((*prefix, key))
+            name = dotted((*prefix, key))
             raise TypeError(f"save: {name!r} is a {type(value).__name__}; a checkpoint holds tensors only")
     return out
 
@@ -77,9 +77,9 @@ def save(tree: TensorDictBase | Mapping[str, Any], path: PathLike) -> None:
     _fsync_directory(directory)
 
 
-def _nested(data: Any, path: PathLike, prefix: _tree.Key = ()) -> dict[str, Any]:
+def _nested(data: Any, path: PathLike, prefix: tuple[str, ...] = ()) -> dict[str, Any]:
     if not isinstance(data, dict):
-        where = f" at {_tree.dotted(prefix)!r}" if prefix else ""
+        where = f" at {dotted(prefix)!r}" if prefix else ""
         raise TypeError(f"load: {os.fspath(path)!r} holds a {type(data).__name__}{where}, not a TensorDict checkpoint")
     for key, value in data.items():
         if not isinstance(key, str):
@@ -121,4 +121,24 @@ def load(
         raise ValueError(f"load: {os.fspath(path)!r} is not a muonfn checkpoint ({reason})") from e
     data = _nested(raw, path)
     loaded = TensorDict(data, batch_size=[])
-    return loaded if like is None else _tree.laid_out_like(loaded, like, f"load({os.fspath(path)!r})")
+    return loaded if like is None else _laid_out_like(loaded, like, f"load({os.fspath(path)!r})")
+
+
+def _laid_out_like(td: TensorDictBase, like: TensorDictBase, where: str) -> TensorDict:
+    """``td``'s leaves in ``like``'s key order, batch size and devices, after checking that they match:
+    a ``ValueError`` names the first key missing, unexpected, or of another shape or dtype."""
+    given = {dotted(k): v for k, v in td.items(True, True)}
+    out = like.empty(recurse=True)
+    for key, ref in like.items(True, True):
+        name = dotted(key)
+        value = given.pop(name, None)
+        if value is None:
+            raise ValueError(f"{where}: missing {name!r}")
+        if value.shape != ref.shape:
+            raise ValueError(f"{where}: {name!r} has shape {tuple(value.shape)}, expected {tuple(ref.shape)}")
+        if value.dtype != ref.dtype:
+            raise ValueError(f"{where}: {name!r} has dtype {value.dtype}, expected {ref.dtype}")
+        out.set(key, value.to(ref.device))
+    if given:
+        raise ValueError(f"{where}: unexpected {next(iter(given))!r}")
+    return out

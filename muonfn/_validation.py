@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any, TypeAlias
 
 import torch
 from tensordict import TensorDictBase
 
-from ._keys import Key, dotted, resolve_table
 
 Scalar: TypeAlias = float | torch.Tensor
 Schedule: TypeAlias = Callable[[torch.Tensor], Scalar]
@@ -81,40 +80,6 @@ def flag(name: str, v: object) -> bool:
     return v
 
 
-def check_table(
-    where: str, table: object, *, holds: str, called: str, check: Callable[[Mapping[Any, Any]], object]
-) -> None:
-    """A per-name table as written: ``None``, a mapping (``check`` runs on it now) or a callable
-    ``called`` (checked where it is called); anything else is a ``TypeError`` naming ``where``.
-    ``holds`` says what a mapping maps names to."""
-    if table is None or (callable(table) and not isinstance(table, Mapping)):
-        return
-    if not isinstance(table, Mapping):
-        raise TypeError(
-            f"{where} must be a mapping of names to {holds}, a callable {called}, or None; got {type(table).__name__}"
-        )
-    check(table)
-
-
-def known_names(where: str, names: Iterable[Any], keys: Sequence[Key]) -> None:
-    """Every user-written name must be a leaf of ``keys``: a typo is an error, never ignored."""
-    resolve_table(dict.fromkeys(names), keys, where=where)
-
-
-def check_batch(where: str, grads: TensorDictBase, state: TensorDictBase | Mapping[str, Any]) -> None:
-    """``grads`` must have the batch size of the params ``state`` was made from.
-
-    A stacked ensemble (batch size ``[N]``) and one member's gradients would otherwise
-    broadcast against each other, or be read as other shapes. A stateless transform may
-    be given a plain ``{}`` for its state: there is no batch size to compare then.
-    """
-    if isinstance(state, TensorDictBase) and grads.batch_size != state.batch_size:
-        raise ValueError(
-            f"{where}: gradients have batch size {tuple(grads.batch_size)}, the state "
-            f"{tuple(state.batch_size)}; pass gradients shaped like the params given to init"
-        )
-
-
 def _storage_identity(t: torch.Tensor) -> tuple[Any, ...] | None:
     """What makes two tensors one: storage, offset, shape, strides and dtype; ``None`` if it cannot be told.
 
@@ -133,16 +98,12 @@ def _storage_identity(t: torch.Tensor) -> tuple[Any, ...] | None:
 
 
 def check_params(where: str, params: TensorDictBase) -> None:
-    """Every leaf must be a floating-point tensor of its own: no buffer of integers, no tied alias.
-
-    ``TensorDict.from_module(model)`` holds buffers too (BatchNorm's int64
-    ``num_batches_tracked``), and both names of a tied weight; an optimizer stepping either
-    would corrupt the model. Structural only: storage addresses, never values.
-    """
-    seen: dict[tuple[Any, ...], Key] = {}
-    for key, p in zip(params.keys(True, True), params.values(True, True)):
-        key = (key,) if isinstance(key, str) else tuple(key)
-        name = dotted(key)
+    """Every leaf (of a flat TensorDict) must be a floating-point tensor of its own: no buffer of
+    integers, no tied alias. ``TensorDict.from_module(model)`` holds buffers too (BatchNorm's int64
+    ``num_batches_tracked``), and both names of a tied weight; an optimizer stepping either would
+    corrupt the model. Structural only: storage addresses, never values."""
+    seen: dict[tuple[Any, ...], str] = {}
+    for name, p in params.items():
         if not p.is_floating_point():
             raise TypeError(
                 f"{where}: {name!r} is a {p.dtype} tensor; only floating-point parameters can be optimized. "
@@ -152,38 +113,11 @@ def check_params(where: str, params: TensorDictBase) -> None:
         identity = _storage_identity(p)
         if identity is None:
             continue
-        first = seen.setdefault(identity, key)
-        if first != key:
+        first = seen.setdefault(identity, name)
+        if first != name:
             raise ValueError(
-                f"{where}: {dotted(first)!r} and {name!r} are one tensor (tied weights); updated apart, they "
-                f"would untie. Keep one name, params = params.exclude({key!r}), and run the model with "
-                "torch.func.functional_call(model, params.flatten_keys('.').to_dict(), args), "
-                f"which ties {name!r} back to it; or untie them in the model"
+                f"{where}: {first!r} and {name!r} are one tensor (tied weights); updated apart, they would untie. "
+                f"Keep one name, params = params.exclude({tuple(name.split('.'))!r}), and run the model with "
+                "torch.func.functional_call(model, params.flatten_keys('.').to_dict(), args), which ties "
+                f"{name!r} back to it; or untie them in the model"
             )
-
-
-def check_leaves(
-    where: str, grads: Mapping[Key, torch.Tensor], params: Mapping[Key, torch.Tensor] | None, batch_size: Any
-) -> None:
-    """Every gradient leaf must be a dense real tensor with its parameter's shape and dtype, over flat
-    ``{key: tensor}`` dicts (``params`` may be ``None``: then only the gradients' own kind is checked).
-
-    ``grads`` may hold fewer leaves than ``params`` (a leaf without a gradient is skipped), never
-    other ones."""
-    strided = torch.strided
-    for key, g in grads.items():
-        if g.layout is not strided:
-            raise TypeError(f"{where}: gradient {dotted(key)!r} is {g.layout}; only dense gradients are supported")
-        if g.is_complex():
-            raise TypeError(
-                f"{where}: gradient {dotted(key)!r} is complex ({g.dtype}); only real gradients are supported"
-            )
-        if params is None:
-            continue
-        p = params.get(key)
-        if p is None:
-            raise ValueError(f"{where}: gradient {dotted(key)!r} has no matching parameter or state")
-        if g.shape != p.shape:
-            raise ValueError(f"{where}: gradient {dotted(key)!r} has shape {tuple(g.shape)}, expected {tuple(p.shape)}")
-        if g.dtype != p.dtype:
-            raise ValueError(f"{where}: gradient {dotted(key)!r} has dtype {g.dtype}, expected {p.dtype}")

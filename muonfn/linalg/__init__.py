@@ -1,40 +1,47 @@
-"""Linear algebra: Newton–Schulz, the polar factor, matrix views and batching.
+"""Linear algebra on plain tensors: Newton–Schulz, the polar factor, matrix views and batching.
 
-Plain tensors only: no TensorDicts, no ranks. Everything above (transforms, presets,
-the shim, the distributed strategies) builds on this layer.
+No TensorDicts, no ranks: the transforms, the presets, the shim and the distributed strategies
+build on this layer.
 """
 
-from ._coefficients import COEFFICIENTS, Coefficients, CoefficientsLike, Triple, ns_schedule
+from .._devices import CPU_BF16_MIN_WORK, cpu_has_bf16_units, default_ns_dtype
+from ._matrices import (
+    DEFAULT_BUCKET_NUMEL,
+    DEFAULT_VIEW,
+    SCALE_MODES,
+    LocalOrthogonalizer,
+    MatrixFn,
+    MatrixView,
+    Orthogonalizer,
+    ScaleFn,
+    ScaleMode,
+    check_bucket_numel,
+    check_matrix_fn,
+    checked_map_result,
+    orthogonalize_blocks,
+    shape_scale,
+)
 from ._newton_schulz import (
-    CPU_BF16_MIN_WORK,
+    COEFFICIENTS,
     EPS_MODES,
     NS_METHODS,
-    Decay,
+    Coefficients,
+    CoefficientsLike,
     EpsMode,
     NewtonSchulz,
     NSMethod,
     Reduction,
-    cpu_has_bf16_units,
-    default_ns_dtype,
+    Triple,
     default_restarts,
     gram_newton_schulz,
     gram_newton_schulz_flops,
     newton_schulz,
     newton_schulz_columns,
     newton_schulz_flops,
+    ns_schedule,
     polar,
     qr_orthogonal,
 )
-from ._orthogonalizer import (
-    DEFAULT_BUCKET_NUMEL,
-    LocalOrthogonalizer,
-    MatrixFn,
-    Orthogonalizer,
-    check_bucket_numel,
-    check_matrix_fn,
-    orthogonalize_blocks,
-)
-from ._views import DEFAULT_VIEW, SCALE_MODES, MatrixView, ScaleFn, ScaleMode, block_scales, shape_scale
 
 __all__ = [
     "COEFFICIENTS",
@@ -46,7 +53,6 @@ __all__ = [
     "SCALE_MODES",
     "Coefficients",
     "CoefficientsLike",
-    "Decay",
     "EpsMode",
     "LocalOrthogonalizer",
     "MatrixFn",
@@ -58,9 +64,9 @@ __all__ = [
     "ScaleFn",
     "ScaleMode",
     "Triple",
-    "block_scales",
     "check_bucket_numel",
     "check_matrix_fn",
+    "checked_map_result",
     "cpu_has_bf16_units",
     "default_ns_dtype",
     "default_restarts",

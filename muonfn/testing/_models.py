@@ -10,8 +10,7 @@ import torch
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from .._keys import Key
-from .._tree import build
+Key = tuple[str, ...]
 
 ModelKind: TypeAlias = Literal["mlp", "gpt", "cnn"]
 MODEL_KINDS: tuple[ModelKind, ...] = get_args(ModelKind)
@@ -133,6 +132,6 @@ def model_params(
         for shape in shapes.values():
             fan_in = math.prod(shape[1:]) if len(shape) > 1 else 1
             values.append((torch.randn(shape, generator=generator, dtype=torch.float64) / fan_in**0.5).to(dtype))
-        return build(list(shapes), values, TensorDict())
+        return TensorDict(dict(zip(shapes, values)), batch_size=[])
 
     return draw_params()

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDictBase
 
-from .. import _tree
-from .._keys import Key, as_key, dotted
-from ..linalg import DEFAULT_VIEW, MatrixView
+from ._tree import dotted, flat, nested_like
+from .linalg import DEFAULT_VIEW, MatrixView
+
+Key = tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -45,10 +46,10 @@ class QKHeads:
     kv_heads: int | None = None
     alpha: float | None = None
 
-    def leaves(self) -> list[tuple[Key, str]]:
-        """``(leaf key, "query" | "key" | "fused")`` for every tensor this attention names."""
+    def leaves(self) -> list[tuple[str, str]]:
+        """``(dotted name, "query" | "key" | "fused")`` for every tensor this attention names."""
         named = [(self.fused, "fused"), (self.query, "query"), (self.key, "key")]
-        return [(as_key(name) if isinstance(name, str | tuple) else name, role) for name, role in named if name]
+        return [(dotted(name), role) for name, role in named if name]
 
 
 def _member_view(layout: QKHeads, params: TensorDictBase) -> MatrixView:
@@ -81,18 +82,17 @@ def _check_layout(name: str, layout: QKHeads, params: TensorDictBase) -> None:
             )
     elif view.split is not None:
         raise ValueError(f"{where}: a split view describes a fused tensor; pass it as fused=")
-    known = set(_tree.leaf_keys(params))
     view = _member_view(layout, params)
     for key, role in layout.leaves():
-        if key not in known:
-            raise ValueError(f"{where}: no parameter named {dotted(key)!r}")
-        p = params.get(key)
+        if key not in params.keys():
+            raise ValueError(f"{where}: no parameter named {key!r}")
+        p = params[key]
         view.check(key, p.shape)
         rows = [r for r, _ in view.blocks(p.shape)]
         counts = {"query": [layout.heads], "key": [kv], "fused": [layout.heads, kv]}[role]
         for r, h in zip(rows, counts):
             if r % h:
-                raise ValueError(f"{where}: {dotted(key)!r} has {r} {role} rows, which {h} heads do not divide")
+                raise ValueError(f"{where}: {key!r} has {r} {role} rows, which {h} heads do not divide")
 
 
 def _check_alpha(where: str, alpha: float) -> None:
@@ -162,6 +162,7 @@ def qk_clip(
     ):
         raise ValueError(f"qk_clip: threshold must be a finite number > 0, got {threshold!r}")
     _check_alpha("qk_clip", alpha)
+    given, params = params, flat(params)
     groups = {name: [v] if isinstance(v, QKHeads) else list(v) for name, v in layouts.items()}
     for name, logits in max_logits.items():
         if name not in groups:
@@ -172,7 +173,7 @@ def qk_clip(
             if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != expected:
                 shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
                 raise ValueError(f"qk_clip: max_logits[{name!r}] must have shape {expected}, got {shape}")
-    replaced: dict[Key, torch.Tensor] = {}
+    replaced: dict[str, torch.Tensor] = {}
     members = math.prod(params.batch_size)  # one matrix per member of a stacked ensemble
     for name, logits in max_logits.items():
         for layout in groups[name]:
@@ -180,7 +181,7 @@ def qk_clip(
             kv = layout.heads if layout.kv_heads is None else layout.kv_heads
             view = _member_view(layout, params)
             for key, role in layout.leaves():
-                p = replaced.get(key, params.get(key))
+                p = replaced.get(key, params[key])
                 dtype = torch.promote_types(torch.promote_types(logits.dtype, p.dtype), torch.float32)
                 gamma = (
                     logits.detach()
@@ -199,8 +200,5 @@ def qk_clip(
                     blocks = [_scaled_rows(blocks[0], q_factor if role == "query" else k_factor)]
                 replaced[key] = view.from_matrices(blocks, p.shape)
     if not replaced:
-        return params
-    out = params.clone(recurse=False)
-    for key, value in replaced.items():
-        out.set(key, value)
-    return out
+        return given
+    return nested_like(params.clone(recurse=False).update(replaced), given)

@@ -1,0 +1,375 @@
+r"""From parameter tensors to batched Newton–Schulz calls and back.
+
+A :class:`MatrixView` declares which matrices a tensor holds:
+
+- 2-D ``(out, in)``: one matrix; conv ``(out, in, *k)``: one ``(out, in·∏k)`` matrix (the default
+  for ≥3-D leaves);
+- experts ``(E, out, in)``: ``batch_dims=1``, a batch of ``E`` matrices;
+- fused QKV ``(q + k + v, in)``: ``split=(q, k, v)``, each block its own matrix;
+- stored as ``(in, out)`` (Hugging Face ``Conv1D``): ``transposed=True``.
+
+Each block is orthogonalized and scaled by :math:`s(A, B)` for its ``A`` rows (fan-out) and ``B``
+columns (fan-in):
+
+=================== ====================== ==========================================
+mode                :math:`s(A, B)`        used by
+=================== ====================== ==========================================
+``original``        √max(1, A/B)           Keller Jordan; torch.optim.Muon's default
+``match_rms_adamw`` 0.2·√max(A, B)         Moonlight; torch's ``match_rms_adamw``
+``spectral``        √max(A, B)             Megatron ``spectral``
+``unit_rms_norm``   √(A/B)                 Megatron ``unit_rms_norm``
+``none``            1
+=================== ====================== ==========================================
+
+An :class:`Orthogonalizer` maps tensors to ``s·NS`` of their blocks: the local one stacks
+same-shape blocks into one batched call (a tall block joins the calls of its transpose's shape);
+the sharded ones of :mod:`muonfn.distributed` first assemble whole matrices across ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, TypeAlias, get_args
+
+import torch
+
+from .. import _devices
+from ._newton_schulz import NewtonSchulz, may_write_into
+
+ScaleMode: TypeAlias = Literal["original", "match_rms_adamw", "spectral", "unit_rms_norm", "none"]
+ScaleFn: TypeAlias = Callable[[int, int], float]
+MatrixFn = Callable[[torch.Tensor], torch.Tensor]
+
+SCALE_MODES: dict[str, ScaleFn] = {
+    "original": lambda a, b: math.sqrt(max(1.0, a / b)),
+    "match_rms_adamw": lambda a, b: 0.2 * math.sqrt(max(a, b)),
+    "spectral": lambda a, b: math.sqrt(max(a, b)),
+    "unit_rms_norm": lambda a, b: math.sqrt(a / b),
+    "none": lambda a, b: 1.0,
+}
+assert tuple(SCALE_MODES) == get_args(ScaleMode)
+
+
+def shape_scale(scale: ScaleMode, extra_scale: float = 1.0) -> ScaleFn:
+    """The scale of an ``A × B`` block: ``SCALE_MODES[scale](A, B) * extra_scale``, checked."""
+    if not isinstance(scale, str) or scale not in SCALE_MODES:
+        raise ValueError(f"unknown scale mode {scale!r}; choose one of {sorted(SCALE_MODES)}")
+    if isinstance(extra_scale, bool) or not isinstance(extra_scale, int | float):
+        raise TypeError(f"extra_scale must be a float, got {type(extra_scale).__name__}")
+    if not (math.isfinite(extra_scale) and extra_scale >= 0):
+        raise ValueError(f"extra_scale must be finite and >= 0, got {extra_scale!r}")
+    mode = SCALE_MODES[scale]
+    return mode if extra_scale == 1.0 else lambda a, b: mode(a, b) * extra_scale
+
+
+@dataclass(frozen=True)
+class MatrixView:
+    """How one parameter tensor is read as matrices (see the module).
+
+    Args:
+        batch_dims: leading dimensions indexing independent matrices (experts); dimensions after
+            the first non-batch one are flattened into the columns (conv kernels).
+        transposed: the tensor stores the matrix as ``(in, out)``.
+        split: sizes of the blocks a fused matrix is cut into along ``split_dim``.
+        split_dim: 0 to split the logical rows (fan-out), 1 the columns (fan-in).
+    """
+
+    batch_dims: int = 0
+    transposed: bool = False
+    split: tuple[int, ...] | None = None
+    split_dim: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("batch_dims", "split_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"MatrixView: {name} must be an integer, got {value!r}")
+        if not isinstance(self.transposed, bool):
+            raise TypeError(f"MatrixView: transposed must be True or False, got {self.transposed!r}")
+        if self.split is not None:
+            split = self.split
+            if isinstance(split, str | bytes) or not isinstance(split, Sequence) or not all(
+                isinstance(s, int) and not isinstance(s, bool) for s in split
+            ):
+                raise TypeError(f"MatrixView: split must be a tuple of block sizes (integers), got {split!r}")
+            object.__setattr__(self, "split", tuple(split))
+
+    def matrix_shape(self, shape: Sequence[int]) -> tuple[int, int]:
+        """The logical ``(out, in)`` shape of the (unsplit) matrix inside ``shape``."""
+        rest = list(shape[self.batch_dims :])
+        if self.transposed:
+            rest[-2], rest[-1] = rest[-1], rest[-2]
+        return rest[0], math.prod(rest[1:])
+
+    def blocks(self, shape: Sequence[int]) -> list[tuple[int, int]]:
+        """The ``(rows, cols)`` of every matrix block, in order."""
+        rows, cols = self.matrix_shape(shape)
+        if self.split is None:
+            return [(rows, cols)]
+        return [(s, cols) for s in self.split] if self.split_dim == 0 else [(rows, s) for s in self.split]
+
+    def check(self, name: str, shape: Sequence[int]) -> None:
+        """Raises a ValueError naming ``name`` when this view cannot read ``shape``."""
+        if self.batch_dims < 0 or len(shape) - self.batch_dims < 2:
+            raise ValueError(
+                f"{name!r}: shape {tuple(shape)} with batch_dims={self.batch_dims} holds no matrix "
+                "(Newton–Schulz needs at least 2 dimensions after the batch dimensions; label it for AdamW)"
+            )
+        if self.transposed and len(shape) - self.batch_dims != 2:
+            raise ValueError(
+                f"{name!r}: transposed=True needs a 2-D matrix after the batch dimensions, got {tuple(shape)}"
+            )
+        if self.split_dim not in (0, 1):
+            raise ValueError(f"{name!r}: split_dim must be 0 (rows) or 1 (columns), got {self.split_dim}")
+        if self.split is not None:
+            length = self.matrix_shape(shape)[self.split_dim]
+            if sum(self.split) != length or any(s < 1 for s in self.split):
+                raise ValueError(
+                    f"{name!r}: split {self.split} does not partition the {length} "
+                    f"{'rows' if self.split_dim == 0 else 'columns'} of shape {tuple(shape)}"
+                )
+
+    def to_matrices(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """The blocks of ``t``, each as a ``(count, rows, cols)`` batch."""
+        rows, cols = self.matrix_shape(t.shape)
+        count = math.prod(t.shape[: self.batch_dims])  # not -1: a tensor may hold no element
+        m = (t.mT if self.transposed else t).reshape(count, rows, cols)
+        return [m] if self.split is None else list(m.split(list(self.split), dim=1 + self.split_dim))
+
+    def from_matrices(self, blocks: Sequence[torch.Tensor], shape: Sequence[int]) -> torch.Tensor:
+        """Inverse of :meth:`to_matrices` for a tensor of ``shape``."""
+        m = blocks[0] if len(blocks) == 1 else torch.cat(list(blocks), dim=1 + self.split_dim)
+        if self.transposed:
+            stored = [*shape[:-2], shape[-1], shape[-2]]
+            return m.reshape(stored).mT
+        return m.reshape(shape)
+
+    def scales(self, shape: Sequence[int], scale: ScaleFn) -> list[float]:
+        """The scale of every block (1 for a block without elements, whose scale may divide by zero)."""
+        return [scale(rows, cols) if rows and cols else 1.0 for rows, cols in self.blocks(shape)]
+
+
+DEFAULT_VIEW = MatrixView()
+
+
+class Orthogonalizer(Protocol):
+    """Tensors in, tensors out: ``scale(A, B)·ns(M)`` for every matrix block ``M`` of every tensor.
+
+    ``names`` name the tensors (for errors and settings given by name), ``views`` say how each is
+    read as matrices, ``ns`` maps a ``(count, m, n)`` batch. Returns one tensor per input, of its
+    type, shape and dtype, each of this call's own (the steps after it may write into it).
+    ``overwrite_input=True`` says the tensors are temporaries of the step that nothing reads after:
+    their memory may hold the results. ``check(names, tensors, views)``, where an orthogonalizer
+    has one, raises for leaves it would refuse, from their metadata alone, before a step changes
+    anything.
+    """
+
+    def __call__(
+        self,
+        names: Sequence[str],
+        tensors: Sequence[torch.Tensor],
+        views: Sequence[MatrixView],
+        ns: MatrixFn,
+        scale: ScaleFn,
+        *,
+        overwrite_input: bool = False,
+    ) -> list[torch.Tensor]: ...
+
+
+DEFAULT_BUCKET_NUMEL = 1 << 26
+
+
+def check_bucket_numel(bucket_numel: int) -> int:
+    if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel < 1:
+        raise ValueError(f"bucket_numel must be an integer >= 1, got {bucket_numel!r}")
+    return bucket_numel
+
+
+class LocalOrthogonalizer:
+    """The :class:`Orthogonalizer` of whole matrices in one process: :func:`orthogonalize_blocks`.
+
+    Refuses a tensor its view cannot read, and a DTensor sharded across ranks (no whole matrix).
+    ``bucket_numel``: at most this many elements per batched Newton–Schulz call.
+    """
+
+    def __init__(self, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> None:
+        self.bucket_numel = check_bucket_numel(bucket_numel)
+
+    def __call__(
+        self,
+        names: Sequence[str],
+        tensors: Sequence[torch.Tensor],
+        views: Sequence[MatrixView],
+        ns: MatrixFn,
+        scale: ScaleFn,
+        *,
+        overwrite_input: bool = False,
+    ) -> list[torch.Tensor]:
+        return orthogonalize_blocks(tensors, views, ns, scale, bucket_numel=self.bucket_numel, overwrite_input=overwrite_input)
+
+    @staticmethod
+    def check(names: Sequence[str], tensors: Sequence[torch.Tensor], views: Sequence[MatrixView]) -> None:
+        for name, t, view in zip(names, tensors, views):
+            view.check(name, t.shape)
+            placements = tuple(getattr(t, "placements", ()))
+            if any(not p.is_replicate() for p in placements):
+                raise ValueError(
+                    f"{name!r} is a DTensor sharded as {placements}: Newton–Schulz needs whole matrices; "
+                    "pass orthogonalizer=muonfn.distributed.sharded_orthogonalizer(collectives)"
+                )
+
+    def __repr__(self) -> str:
+        return f"LocalOrthogonalizer(bucket_numel={self.bucket_numel})"
+
+
+def orthogonalize_blocks(
+    tensors: Sequence[torch.Tensor],
+    views: Sequence[MatrixView],
+    ns: MatrixFn,
+    scale: ScaleFn,
+    *,
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+    shapes: Sequence[Sequence[int]] | None = None,
+    overwrite_input: bool = False,
+) -> list[torch.Tensor]:
+    """``scale(A, B)·ns(M)`` for every block ``M`` of every tensor as its view reads it.
+
+    Same-shape blocks are stacked into ``ns`` calls of at most ``bucket_numel`` elements; under
+    :class:`~muonfn.NewtonSchulz` a tall block joins the calls of its transpose's shape (an MLP's up
+    and down projections make one call). ``shapes``: the shapes the scale is read from, where they
+    differ from the tensors' (an expert shard of a larger tensor). A contiguous tensor maps to a
+    contiguous one, an empty tensor to an empty one.
+    """
+    shapes = [t.shape for t in tensors] if shapes is None else shapes
+    matrices: list[torch.Tensor] = []
+    scales: list[float] = []
+    counts: list[int] = []
+    for t, view, shape in zip(tensors, views, shapes):
+        blocks = view.to_matrices(t) if t.numel() else []
+        plain = t.ndim == 2 and view == DEFAULT_VIEW and not hasattr(t, "placements")
+        matrices += [t] if plain and blocks else blocks  # a plain matrix goes in as it is: no reshape
+        scales += view.scales(shape, scale)[: len(blocks)]
+        counts.append(len(blocks))
+    done = _batched(matrices, scales, ns, bucket_numel, overwrite_input)
+    out, at = [], 0
+    for t, view, n in zip(tensors, views, counts):
+        if not n:
+            out.append(torch.empty_like(t))
+        elif done[at].ndim == 2 and t.ndim == 2 and view == DEFAULT_VIEW:
+            out.append(done[at])
+        else:
+            result = view.from_matrices(done[at : at + n], t.shape)
+            out.append(result.contiguous() if t.is_contiguous() else result)
+        at += n
+    return out
+
+
+def _batched(
+    matrices: list[torch.Tensor], scales: list[float], ns: MatrixFn, cap: int, overwrite: bool
+) -> list[torch.Tensor]:
+    """``scale·ns(m)`` for every matrix (a 2-D matrix, or a ``(count, rows, cols)`` batch), equal
+    (wide) shapes stacked into calls of at most ``cap`` elements."""
+    turns = isinstance(ns, NewtonSchulz)
+    buckets: dict[tuple[Any, ...], list[int]] = {}
+    for i, m in enumerate(matrices):
+        rows, cols = m.shape[-2:]
+        shape = (cols, rows) if turns and rows > cols else (rows, cols)
+        buckets.setdefault((shape, m.dtype, m.device, scales[i]), []).append(i)
+    out = list(matrices)
+    for (_, _, _, scale), members in buckets.items():
+        chunk: list[int] = []
+        for i in [*members, None]:
+            if chunk and (i is None or sum(matrices[j].numel() for j in chunk) + matrices[i].numel() > cap):
+                for j, result in zip(chunk, _call([matrices[j] for j in chunk], ns, scale, overwrite)):
+                    out[j] = result
+                chunk = []
+            if i is not None:
+                chunk.append(i)
+    return out
+
+
+def _call(matrices: list[torch.Tensor], ns: MatrixFn, scale: float, overwrite: bool) -> list[torch.Tensor]:
+    """``scale·ns`` of matrices of one (wide) shape in one call: 2-D ones stacked (wide, then tall
+    ones transposed), batches after them; each result back in its matrix's orientation."""
+    turns = isinstance(ns, NewtonSchulz)
+    tall = [turns and m.size(-2) > m.size(-1) for m in matrices]
+    order = sorted(range(len(matrices)), key=lambda k: (matrices[k].ndim != 2, tall[k]))
+    pieces = [matrices[k].mT if tall[k] else matrices[k] for k in order]
+    turned = sum(1 for k in order if tall[k] and matrices[k].ndim == 2)
+    flat = all(m.ndim == 2 for m in matrices)
+    if isinstance(ns, NewtonSchulz) and flat:
+        dtype = ns.iteration_dtype(pieces[0])
+        if _devices.takes_gpu_orthogonalized(pieces[0], dtype):
+            results = _devices.gpu_orthogonalized(ns, pieces, turned, scale, dtype, overwrite)
+        else:
+            stack = torch.stack(pieces)
+            wide = ns.orthogonalize(stack, scale=scale, overwrite_input=True)
+            kept = len(pieces) - turned
+            results = [*wide[:kept].unbind(0), *(w.mT.contiguous() for w in wide[kept:].unbind(0))]
+    else:
+        stack = torch.cat([p.unsqueeze(0) if p.ndim == 2 else p for p in pieces])
+        own = len(pieces) > 1 or pieces[0].ndim == 2  # (a stack built here)
+        if isinstance(ns, NewtonSchulz):
+            result = ns.orthogonalize(stack, scale=scale, overwrite_input=own)
+        else:
+            result = checked_map_result(ns, stack, ns(stack))
+            if not own and _shares_memory(result, stack):  # a map of one's own may hand its input back
+                result = result.clone()
+            result = result if scale == 1.0 else result.mul(scale)
+        sizes = [1 if p.ndim == 2 else p.size(0) for p in pieces]
+        results = [r.squeeze(0) if p.ndim == 2 else r for r, p in zip(result.split(sizes), pieces)]
+        results = [r.mT.contiguous() if r.ndim == 2 and tall[k] else r.mT if tall[k] else r for r, k in zip(results, order)]
+    out: list[torch.Tensor] = [torch.empty(0)] * len(matrices)
+    for k, result in zip(order, results):
+        out[k] = result
+    return out
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if type(a) is type(b) is torch.Tensor and may_write_into(a):
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    return True  # traced, or a subclass: no storage to compare
+
+
+def _result_problem(batch: torch.Tensor, result: object, *, device: bool) -> str | None:
+    if not isinstance(result, torch.Tensor):
+        return f"returned {type(result).__name__}"
+    if result.shape != batch.shape or result.dtype != batch.dtype or (device and result.device != batch.device):
+        where = f" on {result.device}" if device else ""
+        return f"returned a {result.dtype} tensor of shape {tuple(result.shape)}{where}"
+    return None
+
+
+def _map_name(ns: MatrixFn) -> str:
+    name = getattr(ns, "__qualname__", None)
+    return name if isinstance(name, str) else repr(ns)
+
+
+def checked_map_result(ns: MatrixFn, batch: torch.Tensor, result: object) -> torch.Tensor:
+    """``result`` of ``ns(batch)`` if it is a tensor of ``batch``'s shape, dtype and device; else an
+    error naming ``ns`` (metadata only: no sync, and it traces)."""
+    problem = _result_problem(batch, result, device=True)
+    if problem is None and isinstance(result, torch.Tensor):
+        return result
+    raise TypeError(
+        f"ns={_map_name(ns)} {problem} for a {batch.dtype} batch of shape {tuple(batch.shape)} on {batch.device}; "
+        "it must return a tensor of its input's shape, dtype and device"
+    )
+
+
+def check_matrix_fn(ns: MatrixFn, shape: Sequence[int], dtype: torch.dtype) -> None:
+    """Runs ``ns`` on a meta tensor of ``shape``: a map that returns no tensor, or one of another shape
+    or dtype, fails here, naming itself, before a step. One that cannot run on meta is checked at its calls."""
+    batch = torch.empty(shape, dtype=dtype, device="meta")
+    try:
+        result = ns(batch)
+    except Exception:
+        return
+    problem = _result_problem(batch, result, device=False)
+    if problem is not None:
+        raise TypeError(
+            f"ns={_map_name(ns)} {problem} for a {dtype} batch of shape {tuple(shape)}; "
+            "it must return a tensor of its input's shape and dtype"
+        )

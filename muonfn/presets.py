@@ -1,0 +1,444 @@
+r"""The presets: Muon (NorMuon, AdaMuon) for hidden-layer matrices beside AdamW for the rest, and how
+leaves are routed between them.
+
+Each preset is optax's shape, a :func:`~muonfn.partition` of two branches:
+
+.. math::  \text{matrices:}\quad b \leftarrow \mu b + (1-\mu) g,\quad u = \mu b + (1-\mu) g,\quad
+           p \leftarrow p - \eta\,\bigl(s(A, B)\,\mathrm{adapt}(\mathrm{NS}(u)) + \lambda p\bigr)
+           \qquad \text{the rest:}\quad \text{AdamW}
+
+``chain(ema_momentum, descent)`` for Muon (the shape scale, decay and learning rate taken by
+Newton–Schulz's own passes), ``chain(ema_momentum, orthogonalize, adapt, descent)`` for the adapted
+variants, :func:`~muonfn.adamw` beside them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal, TypeAlias
+
+from tensordict import TensorDict, TensorDictBase
+from torch import nn
+
+from ._tree import dotted, flat, named_table
+from ._validation import Scalar, ScalarOrSchedule, flag, positive, unit_interval
+from .linalg import MatrixView, Orthogonalizer, ScaleMode
+from .steps import (
+    AdamNesterov,
+    NesterovLike,
+    Rescale,
+    ViewsLike,
+    adamw,
+    add_decayed_weights,
+    check_views,
+    descent,
+    ema_momentum,
+    fresh_updates,
+    orthogonalize,
+    scale_by_element_rms,
+    scale_by_learning_rate,
+    scale_by_neuron_norm,
+    scale_by_shape,
+    scale_by_sign,
+)
+from .transforms import (
+    CAUTIOUS_MODES,
+    CautiousMode,
+    LabelsLike,
+    MaskLike,
+    Transform,
+    cautious,
+    chain,
+    check_mask,
+    check_table,
+    named,
+    partition,
+    table_of,
+)
+
+MUON = "muon"
+ADAMW = "adamw"
+Variant: TypeAlias = Literal["muon", "normuon", "adamuon"]
+VARIANTS: tuple[str, ...] = ("muon", "normuon", "adamuon")
+
+
+# ---------------------------------------------------------------------------------------------- routing
+
+#: Name fragments (matched case-insensitively anywhere in the dotted name) of leaves that are not
+#: hidden-layer matrices: token and position embeddings, output heads and classifiers, LoRA adapters,
+#: class/mask/distillation tokens and relative-position tables. ``"head."`` keeps its dot so that
+#: ``multihead_attn`` stays a hidden layer.
+DEFAULT_EXCLUDE: tuple[str, ...] = (
+    "embed",
+    "wte",
+    "wpe",
+    "lm_head",
+    "lora_",
+    "head.",
+    "classifier",
+    "cls_token",
+    "mask_token",
+    "dist_token",
+    "relative_position",
+    "relative_attention_bias",
+)
+
+
+def _excluded(name: str, exclude: Sequence[str]) -> bool:
+    lowered = name.lower()
+    return any(fragment.lower() in lowered for fragment in exclude)
+
+
+def label_params(
+    params: TensorDictBase, exclude: Sequence[str] = DEFAULT_EXCLUDE, *, shards: Iterable[Any] = ()
+) -> dict[str, str]:
+    """Labels by shape and name: ``"muon"`` for matrices, ``"adamw"`` for everything else.
+
+    A leaf is a matrix when its shape (a member's, for a stacked ensemble) has at least two
+    dimensions of size other than 1 (a ``(1, 1, D)`` ``cls_token`` is not) and its dotted name holds
+    none of the ``exclude`` fragments (:data:`DEFAULT_EXCLUDE`). Names cannot tell every output head
+    (a ResNet's ``fc``): :func:`labels_from_module` also sends the model's last ``nn.Linear`` to
+    AdamW. ``shards``: names of leaves that are one rank's block of a larger tensor (a block of one
+    row says nothing of the whole): matrices when they have two dimensions or more.
+    """
+    sharded = set(named_table(dict.fromkeys(shards), params.keys()))
+    members = params.batch_dims
+    labels = {}
+    for name, value in params.items(True, True):
+        name = dotted(name)
+        shape = value.shape[members:]
+        matrix = len(shape) >= 2 if name in sharded else sum(1 for s in shape if s != 1) >= 2
+        labels[name] = MUON if matrix and not _excluded(name, exclude) else ADAMW
+    return labels
+
+
+_MATRIX_MODULES = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd)
+
+
+def labels_from_module(
+    model: nn.Module, exclude: Sequence[str] = DEFAULT_EXCLUDE, *, last_linear_is_head: bool = True
+) -> dict[str, str]:
+    """Labels by module type: weights of Linear and Conv layers (and Hugging Face ``Conv1D``) and the
+    query, key and value projections of ``nn.MultiheadAttention`` go to Muon; embeddings, norms, biases
+    and token parameters to AdamW, and so does the model's output head, its last ``nn.Linear`` in
+    registration order (``last_linear_is_head=False`` for a trunk), and anything whose dotted name holds
+    a fragment of ``exclude``. A tied weight is listed once, under its first name."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    head = linears[-1] if linears and last_linear_is_head else None
+    label_of: dict[int, str] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        matrices: tuple[str, ...] = ()
+        if isinstance(module, _MATRIX_MODULES) or type(module).__name__ == "Conv1D":
+            matrices = ("weight",)
+        elif isinstance(module, nn.MultiheadAttention):  # (its out_proj is an nn.Linear of its own)
+            matrices = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
+        for param_name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            name = f"{module_name}.{param_name}" if module_name else param_name
+            wants = param_name in matrices and module is not head and param.ndim >= 2 and not _excluded(name, exclude)
+            label_of.setdefault(id(param), MUON if wants else ADAMW)
+    return {name: label_of[id(param)] for name, param in model.named_parameters()}
+
+
+def views_from_module(model: nn.Module) -> dict[str, MatrixView]:
+    """Views a module tree declares by its types: Hugging Face ``Conv1D`` stores ``(in, out)``;
+    ``nn.MultiheadAttention``'s fused ``in_proj_weight`` stacks the query, key and value projections."""
+    views: dict[str, MatrixView] = {}
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        if type(module).__name__ == "Conv1D":
+            views[f"{prefix}weight"] = MatrixView(transposed=True)
+        elif isinstance(module, nn.MultiheadAttention) and module.in_proj_weight is not None:
+            views[f"{prefix}in_proj_weight"] = MatrixView(split=(module.embed_dim,) * 3)
+    return views
+
+
+def split_buffers(model: nn.Module) -> tuple[TensorDict, TensorDict]:
+    """``(params, buffers)``: the model's parameters and its buffers, as two detached TensorDicts
+    sharing its storage. Buffers (BatchNorm's statistics, its int64 ``num_batches_tracked``) are no
+    parameters: give ``init``, ``torch.func.grad`` and ``update`` the parameters only::
+
+        params, buffers = muonfn.split_buffers(model)
+        def loss_fn(params, buffers, x, y):
+            with params.to_module(model), buffers.to_module(model):
+                return F.cross_entropy(model(x), y)
+    """
+    everything = TensorDict.from_module(model).detach()
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    keys = [key for key in everything.keys(True, True) if dotted(key) in names]
+    return everything.select(*keys), everything.exclude(*keys)
+
+
+# ---------------------------------------------------------------------------------------------- the presets
+
+
+def muon(
+    lr: ScalarOrSchedule = 1e-3,
+    *,
+    momentum: Scalar = 0.95,
+    nesterov: NesterovLike = True,
+    momentum_bias_correction: bool = False,
+    weight_decay: Scalar = 0.1,
+    cautious_weight_decay: bool = False,
+    cautious_mode: CautiousMode | None = None,
+    ns: Any = None,
+    scale: ScaleMode = "match_rms_adamw",
+    extra_scale: float = 1.0,
+    adamw_lr: ScalarOrSchedule | None = None,
+    adamw_betas: tuple[float, float] = (0.9, 0.95),
+    adamw_eps: float = 1e-8,
+    adamw_weight_decay: Scalar | None = None,
+    adamw_nesterov: AdamNesterov = False,
+    labels: LabelsLike | None = None,
+    views: ViewsLike = None,
+    weight_decay_mask: MaskLike = None,
+    orthogonalizer: Orthogonalizer | None = None,
+    donate_state: bool = False,
+) -> Transform:
+    r"""Muon for matrices, AdamW for everything else.
+
+    Matrix leaves (label ``"muon"``) get :math:`p \leftarrow p - \eta\,(s(A, B)\,\mathrm{NS}(u_t) + \lambda p)`
+    with :math:`u_t` the Nesterov EMA momentum (:func:`ema_momentum`) and :math:`s` the ``scale`` mode
+    times ``extra_scale``; the default ``"match_rms_adamw"`` (0.2·√max(A, B)) gives the update AdamW's
+    RMS, so start from the learning rate and weight decay you would give AdamW. Other leaves (label
+    ``"adamw"``) get :func:`adamw` with the ``adamw_*`` settings, each ``None`` meaning "the Muon value".
+
+    Args:
+        lr: :math:`\eta`: a float, a 0-d tensor or a schedule ``count -> lr``.
+        momentum: :math:`\mu` of the EMA momentum, in [0, 1).
+        nesterov: the Nesterov look-ahead; ``"add"`` for heavyball's :math:`g_t + b_t`.
+        momentum_bias_correction: optax's bias-corrected momentum (see :func:`ema_momentum`).
+        weight_decay: decoupled :math:`\lambda`, applied with the unadjusted ``lr``.
+        cautious_weight_decay: decay only where the update and the parameter agree in sign, in both
+            branches.
+        cautious_mode: ``"heavyball"`` or ``"pytorch_optimizer"`` wraps the Muon direction in
+            :func:`cautious` (``None``: not cautious).
+        ns: the orthogonalization: a :class:`NewtonSchulz` (``None``: the default, Keller Jordan's
+            five steps), ``"gram"``, ``"svd"``, ``"qr"`` or a map of ``(count, m, n)`` batches.
+        scale, extra_scale: the shape scale :math:`s` (see :func:`scale_by_shape`).
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, adamw_nesterov: the AdamW branch.
+        labels: routes leaves to ``"muon"`` or ``"adamw"``; default :func:`label_params`;
+            :func:`labels_from_module` labels by module type instead.
+        views: conv, expert, fused and transposed matrices (:class:`MatrixView` by name).
+        weight_decay_mask: exempts the leaves it maps to ``False``; ``"matrices"`` decays only the
+            leaves of two or more dimensions (biases and norm gains undecayed).
+        orthogonalizer: who runs Newton–Schulz: ``LocalOrthogonalizer(bucket_numel=...)``, or for
+            sharded and replicated parameters :func:`muonfn.distributed.sharded_orthogonalizer`.
+        donate_state: update the state in place (the state given to ``update`` is consumed).
+
+    ``init`` checks every name in ``labels``, ``views`` and ``weight_decay_mask`` against the
+    parameters (a typo is an error) and every Muon leaf against its view.
+
+    Returns:
+        A :class:`Transform` with state ``{"muon": {"momentum"}, "adamw": {"step", "exp_avg", "exp_avg_sq"}}``.
+
+    Example:
+        >>> params = TensorDict({"w": torch.randn(4, 8), "b": torch.zeros(4)}, [])
+        >>> state = muonfn.muon(lr=0.02).init(params)
+        >>> sorted(state.keys(True, True))
+        [('adamw', 'exp_avg', 'b'), ('adamw', 'exp_avg_sq', 'b'), ('adamw', 'step', 'b'), ('muon', 'momentum', 'w')]
+    """
+    options = dict(
+        momentum_bias_correction=momentum_bias_correction, weight_decay=weight_decay,
+        cautious_weight_decay=cautious_weight_decay, cautious_mode=cautious_mode, ns=ns, scale=scale,
+        extra_scale=extra_scale, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
+        adamw_weight_decay=adamw_weight_decay, adamw_nesterov=adamw_nesterov, labels=labels, views=views,
+        weight_decay_mask=weight_decay_mask, orthogonalizer=orthogonalizer, donate_state=donate_state,
+    )  # fmt: skip
+    return _preset(None, lr, momentum, nesterov, **options)
+
+
+def normuon(
+    lr: ScalarOrSchedule = 1e-3,
+    *,
+    momentum: Scalar = 0.95,
+    nesterov: NesterovLike = True,
+    beta2: Scalar = 0.95,
+    adaptive_eps: float = 1e-10,
+    rescale: Rescale = "orthogonal",
+    **options: Any,
+) -> Transform:
+    r"""NorMuon (Li et al., 2025) for matrices, AdamW for everything else: Muon's orthogonalized
+    momentum normalised row by row by an EMA of each row's mean square (:func:`scale_by_neuron_norm`
+    with ``beta2``, ``adaptive_eps``, ``rescale``). The defaults are the paper's Algorithm 1: with
+    ``rescale="orthogonal"`` and the ``"match_rms_adamw"`` scale the update has an RMS of 0.2, as
+    AdamW's. The other keywords are :func:`muon`'s; sharded orthogonalizers are refused (the row
+    statistics need whole matrices).
+
+    Example:
+        >>> params = TensorDict({"w": torch.randn(4, 8), "b": torch.zeros(4)}, [])
+        >>> state = muonfn.normuon(lr=0.02).init(params)
+        >>> state["muon", "row_second_moment", "w"].shape  # one entry per row
+        torch.Size([4, 1])
+    """
+    unit_interval("normuon: beta2", beta2)
+    positive("normuon: adaptive_eps", adaptive_eps)
+
+    def adapt(views: ViewsLike, donate_state: bool) -> tuple[bool, Transform]:
+        rows = scale_by_neuron_norm(beta2, eps=adaptive_eps, rescale=rescale, views=views, donate_state=donate_state)
+        return False, rows
+
+    return _preset(adapt, lr, momentum, nesterov, **options)
+
+
+def adamuon(
+    lr: ScalarOrSchedule = 1e-3,
+    *,
+    momentum: Scalar = 0.9,
+    nesterov: NesterovLike = False,
+    beta2: Scalar = 0.95,
+    adaptive_eps: float = 1e-10,
+    sign_momentum: bool = True,
+    second_moment_bias_correction: bool = False,
+    rescale: Rescale = "orthogonal",
+    **options: Any,
+) -> Transform:
+    r"""AdaMuon (Si et al., 2025) for matrices, AdamW for everything else: the sign of the EMA momentum
+    (``sign_momentum``) orthogonalized, adapted element-wise by an EMA of its square
+    (:func:`scale_by_element_rms` with ``beta2``, ``adaptive_eps``, ``second_moment_bias_correction``,
+    ``rescale``) and rescaled to AdamW's RMS. The other keywords are :func:`muon`'s; sharded
+    orthogonalizers are refused.
+
+    Example:
+        >>> params = TensorDict({"w": torch.randn(4, 8), "b": torch.zeros(4)}, [])
+        >>> state = muonfn.adamuon(lr=0.02).init(params)
+        >>> sorted(state["muon"].keys())
+        ['exp_avg_sq', 'momentum']
+    """
+    unit_interval("adamuon: beta2", beta2)
+    positive("adamuon: adaptive_eps", adaptive_eps)
+    flag("adamuon: sign_momentum", sign_momentum)
+    flag("adamuon: second_moment_bias_correction", second_moment_bias_correction)
+    both = options.get("momentum_bias_correction", False) and second_moment_bias_correction
+
+    def adapt(views: ViewsLike, donate_state: bool) -> tuple[bool, Transform]:
+        rms = scale_by_element_rms(
+            beta2, eps=adaptive_eps, bias_correction=second_moment_bias_correction, rescale=rescale, views=views,
+            donate_state=donate_state,
+        )  # fmt: skip
+        # with both corrections each keeps its count: the momentum's under "step", this one's nested
+        return sign_momentum, named("second_moment", rms) if both else rms
+
+    return _preset(adapt, lr, momentum, nesterov, **options)
+
+
+#: NorMuon's or AdaMuon's adaptation, made for a preset's views and donation: whether the momentum's
+#: sign goes into Newton–Schulz, and the transform that adapts its result
+Adaptation: TypeAlias = Callable[[ViewsLike, bool], tuple[bool, Transform]]
+
+
+def _preset(
+    adaptation: Adaptation | None,
+    lr: ScalarOrSchedule,
+    momentum: Scalar,
+    nesterov: NesterovLike,
+    *,
+    momentum_bias_correction: bool = False,
+    weight_decay: Scalar = 0.1,
+    cautious_weight_decay: bool = False,
+    cautious_mode: CautiousMode | None = None,
+    ns: Any = None,
+    scale: ScaleMode = "match_rms_adamw",
+    extra_scale: float = 1.0,
+    adamw_lr: ScalarOrSchedule | None = None,
+    adamw_betas: tuple[float, float] = (0.9, 0.95),
+    adamw_eps: float = 1e-8,
+    adamw_weight_decay: Scalar | None = None,
+    adamw_nesterov: AdamNesterov = False,
+    labels: LabelsLike | None = None,
+    views: ViewsLike = None,
+    weight_decay_mask: MaskLike = None,
+    orthogonalizer: Orthogonalizer | None = None,
+    donate_state: bool = False,
+) -> Transform:
+    """A preset: its matrix branch beside :func:`adamw`; names in ``views``, ``weight_decay_mask`` and
+    an orthogonalizer's ``shard_specs`` checked against the parameters at ``init`` (a typo is an error)."""
+    branch = matrix_branch(
+        adaptation, lr, momentum, nesterov, momentum_bias_correction, weight_decay, cautious_weight_decay,
+        cautious_mode, ns, scale, extra_scale, views, weight_decay_mask, orthogonalizer, donate_state,
+    )  # fmt: skip
+    other = adamw(
+        lr if adamw_lr is None else adamw_lr,
+        betas=adamw_betas,
+        eps=adamw_eps,
+        weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay,
+        weight_decay_mask=weight_decay_mask,
+        nesterov=adamw_nesterov,
+        cautious_weight_decay=cautious_weight_decay,
+        donate_state=donate_state,
+    )
+    if labels is not None:
+        check_table("labels", labels)
+    shards = getattr(orthogonalizer, "shard_specs", None)
+    routes = labels or (functools.partial(label_params, shards=tuple(shards)) if shards else label_params)
+    tx = partition({MUON: branch, ADAMW: other}, routes)
+    tables = {"views": views, "weight_decay_mask": weight_decay_mask, "shard_specs": shards}
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        leaves = flat(params)
+        for where, table in tables.items():
+            if table is None or isinstance(table, str) or callable(table) and not isinstance(table, Mapping):
+                continue
+            named_table(table, leaves.keys(), where)
+        return tx.init(params)
+
+    return Transform(init, tx.update)
+
+
+def matrix_branch(
+    adaptation: Adaptation | None,
+    lr: ScalarOrSchedule,
+    momentum: Scalar,
+    nesterov: NesterovLike,
+    momentum_bias_correction: bool,
+    weight_decay: Scalar,
+    cautious_weight_decay: bool,
+    cautious_mode: CautiousMode | None,
+    ns: Any,
+    scale: ScaleMode,
+    extra_scale: float,
+    views: ViewsLike,
+    weight_decay_mask: MaskLike,
+    orthogonalizer: Orthogonalizer | None,
+    donate_state: bool,
+) -> Transform:
+    r"""The matrix branch of a preset: the momentum, Newton–Schulz (and ``adaptation`` after it), then
+    :func:`descent`. With caution, the chain of building blocks: caution reads the direction before
+    the decay and the learning rate."""
+    flag("cautious_weight_decay", cautious_weight_decay)
+    if cautious_mode is not None and cautious_mode not in CAUTIOUS_MODES:
+        raise ValueError(f"unknown cautious mode {cautious_mode!r}; choose None or one of {list(CAUTIOUS_MODES)}")
+    check_mask("weight_decay_mask", weight_decay_mask)
+    check_views("views", views)
+    steps = [ema_momentum(momentum, nesterov=nesterov, bias_correction=momentum_bias_correction, donate_state=donate_state)]
+    fresh = fresh_updates(nesterov, momentum_bias_correction)  # (the look-ahead: this step's own tensors)
+    adapted: list[Transform] = []
+    if adaptation is not None:
+        if orthogonalizer is not None and not hasattr(orthogonalizer, "bucket_numel"):
+            raise ValueError(
+                "the adapted variants need each whole orthogonalized matrix on the rank that holds its state, "
+                "and sharded orthogonalizers return shards: use muonfn.muon for sharded parameters"
+            )
+        sign, adapt = adaptation(views, donate_state)
+        steps += [scale_by_sign()] if sign else []
+        fresh = fresh or sign
+        adapted = [adapt]
+    plain = cautious_mode is None and not cautious_weight_decay
+    if plain and not adapted:
+        last = descent(
+            lr, weight_decay, ns=ns, scale=scale, extra_scale=extra_scale, views=views, mask=weight_decay_mask,
+            orthogonalizer=orthogonalizer, overwrite_input=fresh,
+        )  # fmt: skip
+        return chain(*steps, last)
+    ortho_scale: ScaleMode = "none" if adapted else scale
+    steps.append(orthogonalize(ns, views=views, scale=ortho_scale, extra_scale=1.0 if adapted else extra_scale,
+                               orthogonalizer=orthogonalizer, overwrite_input=fresh))  # fmt: skip
+    if plain:
+        tail = descent(lr, weight_decay, scale=scale, extra_scale=extra_scale, views=views, mask=weight_decay_mask)
+        return chain(*steps, *adapted, tail)
+    shaped = [scale_by_shape(scale, extra_scale=extra_scale, views=views)] if adapted else []
+    direction = chain(*steps, *adapted, *shaped)
+    if cautious_mode is not None:  # a sharded orthogonalizer's leaves are shards: caution counts whole leaves
+        direction = cautious(direction, mode=cautious_mode, sum_shards=getattr(orthogonalizer, "sum_shards", None))
+    decay = add_decayed_weights(weight_decay, mask=weight_decay_mask, cautious=cautious_weight_decay)
+    return chain(direction, decay, scale_by_learning_rate(lr))

@@ -1,0 +1,967 @@
+r"""The building blocks, in the order a step meets them: momentum, Newton–Schulz, then the shape
+scale, the decay and the learning rate (:func:`descent`, a matrix branch's last stage), with Adam
+and AdamW beside them, then NorMuon's and AdaMuon's adaptations.
+
+Each is a :class:`~muonfn.Transform` over flat TensorDicts (see :mod:`muonfn.transforms`) computing
+with torch's multi-tensor ops, one call for a whole list of leaves. Hyperparameters are numbers,
+0-d tensors (read as the number they hold in an eager step, so a scheduler's refill does not
+recompile a traced one), or, for the learning rate, a schedule ``count -> lr``. ``donate_state=True``
+writes the state in place (peak memory holds one copy of it, as with ``torch.optim``): the state
+given to ``update`` is then consumed, and the results are the same bits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, TypeAlias
+
+import torch
+from tensordict import TensorDictBase
+
+from . import _devices
+from ._tree import build, named_table
+from ._validation import Scalar, ScalarOrSchedule, flag, non_negative, positive, schedule_value, unit_interval
+from .linalg import (
+    DEFAULT_VIEW,
+    LocalOrthogonalizer,
+    MatrixFn,
+    MatrixView,
+    NewtonSchulz,
+    Orthogonalizer,
+    ScaleMode,
+    check_matrix_fn,
+    shape_scale,
+)
+from .transforms import MaskLike, Transform, check_mask, selected, transform
+
+ViewsLike: TypeAlias = Mapping[Any, MatrixView] | Callable[[str, torch.Tensor], MatrixView | None] | None
+NesterovLike: TypeAlias = bool | Literal["add"]
+AdamNesterov: TypeAlias = bool | Literal["timm"]
+Rescale: TypeAlias = Literal["preserve_norm", "orthogonal", "none"]
+RESCALE_MODES: tuple[str, ...] = ("preserve_norm", "orthogonal", "none")
+
+# ---------------------------------------------------------------------------------------------- arithmetic
+
+
+def _number(value: Any) -> Any:
+    """``value``, but a plain 0-d tensor on the host read as the number it holds in an eager step
+    (free: no device waits), so that a number and a tensor holding it round alike."""
+    if (
+        type(value) is torch.Tensor
+        and value.ndim == 0
+        and value.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and not torch._C._are_functorch_transforms_active()
+        and not (value.requires_grad and torch.is_grad_enabled())
+    ):
+        return value.item()
+    return value
+
+
+def _foreach(op: str, tensors: Sequence[torch.Tensor], *operands: Any, inplace: bool = False, **kw: Any) -> list[Any]:
+    """``t.<op>(*operands)`` (``op_`` with ``inplace``) for every tensor, a list operand one value
+    per tensor: one multi-tensor call, or one op a tensor where torch has none (under ``torch.func``
+    transforms; DTensors meeting plain tensors; bf16/fp16 written in place with a number, whose
+    fused kernels round otherwise than the out-of-place ones)."""
+    if not tensors:
+        return []
+    numbers = any(isinstance(v, int | float) for v in (*operands, *kw.values()))
+    narrow = inplace and numbers and any(t.dtype.itemsize < 4 for t in tensors)
+    mixed = hasattr(tensors[0], "placements") and any(isinstance(v, torch.Tensor) for v in operands)
+    if narrow or mixed or torch._C._are_functorch_transforms_active():
+        lists = [v if isinstance(v, list | tuple) else [v] * len(tensors) for v in operands]
+        name = f"{op}_" if inplace else op
+        return [getattr(t, name)(*args, **kw) for t, *args in zip(tensors, *lists)]
+    result = getattr(torch, f"_foreach_{op}_" if inplace else f"_foreach_{op}")(list(tensors), *operands, **kw)
+    return list(tensors) if inplace else list(result)
+
+
+def _may_overwrite(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether the step may write into temporaries computed from ``tensors``: not under ``torch.func``
+    transforms, nor while autograd records them."""
+    if torch._C._are_functorch_transforms_active():
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+def _lerp(starts: Sequence[torch.Tensor], ends: Sequence[torch.Tensor], weight: Any, inplace: bool) -> list[Any]:
+    """``start + weight·(end - start)`` per pair, as ``torch.lerp`` computes it (a tensor ``weight``
+    taken in each leaf's dtype, at least fp32)."""
+    weight = _number(weight)
+    if not isinstance(weight, torch.Tensor):
+        return _foreach("lerp", starts, ends, weight, inplace=inplace)
+    out = []
+    for s, e in zip(starts, ends):
+        wide = torch.promote_types(s.dtype, torch.float32)
+        w = weight.to(wide)
+        result = s.to(wide).lerp(e.to(wide), w).to(s.dtype) if s.dtype != wide else s.lerp(e, w)
+        out.append(s.copy_(result) if inplace else result)
+    return out
+
+
+def second_moment_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype squares of a leaf are kept in: its own, but fp32 for fp16 (whose range stops at 6e-8,
+    so the square of an entry below 2.4e-4, and an epsilon such as 1e-8, round to zero)."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
+def _per_leaf(factors: torch.Tensor, like: Sequence[torch.Tensor], members: int) -> list[torch.Tensor]:
+    """Row ``i`` of ``factors`` (fp64, one value per leaf or per leaf and ensemble member) as a tensor
+    of leaf ``i``'s dtype (at least fp32) shaped to broadcast against it: rounded once."""
+    out = []
+    for f, t in zip(factors.unbind(0), like):
+        f = f.to(torch.promote_types(t.dtype, torch.float32))
+        out.append(f.reshape(*f.shape, *[1] * (t.ndim - members)) if members else f)
+    return out
+
+
+def _counted(counts: Sequence[torch.Tensor], inplace: bool) -> tuple[list[Any], torch.Tensor]:
+    """Each leaf's update count plus one, for the state, and the same counts stacked in fp64."""
+    new = _foreach("add", counts, 1, inplace=inplace)
+    local = [c.to_local() if hasattr(c, "placements") else c for c in new]  # (replicated DTensor counts)
+    return new, torch.stack(local).to(torch.float64) if local else torch.zeros(0, dtype=torch.float64)
+
+
+def _corrections(t: torch.Tensor, beta: Any, shift: float = 0.0) -> torch.Tensor:
+    r""":math:`1 - \beta^{t + \text{shift}}` in fp64 (``t`` stays a tensor: nothing is read back)."""
+    beta = beta.detach().to(torch.float64) if isinstance(beta, torch.Tensor) else float(beta)
+    return torch.rsub(torch.pow(beta, t + shift if shift else t), 1.0)
+
+
+def _replaced(held: TensorDictBase, names: Sequence[str], values: Sequence[torch.Tensor]) -> TensorDictBase:
+    """``held`` (a flat state entry) with the leaves ``names`` replaced by ``values``."""
+    return build({**held, **dict(zip(names, values))}, held.batch_size)
+
+
+def _zeros(params: TensorDictBase, dtype: Callable[[torch.dtype], torch.dtype] = lambda d: d) -> TensorDictBase:
+    return build({n: torch.zeros_like(p, dtype=dtype(p.dtype)) for n, p in params.items()}, params.batch_size)
+
+
+def _counts(params: TensorDictBase) -> TensorDictBase:
+    """A step count of zero per leaf (per ensemble member), a DTensor param's replicated on its mesh."""
+    size = params.batch_size
+    return build({n: p.new_zeros(size, dtype=torch.int64) for n, p in params.items()}, size)
+
+
+def _cast(updates: Sequence[torch.Tensor], like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [u if u.dtype == g.dtype else u.to(g.dtype) for u, g in zip(updates, like)]
+
+
+# ---------------------------------------------------------------------------------------------- momentum
+
+
+def ema_momentum(
+    momentum: Scalar = 0.95,
+    *,
+    nesterov: NesterovLike = True,
+    bias_correction: bool = False,
+    donate_state: bool = False,
+) -> Transform:
+    r"""Exponential moving average of the gradients (torch.optim.Muon's form by default).
+
+    .. math::  b_t = \mu\, b_{t-1} + (1-\mu)\, g_t, \qquad
+               u_t = \begin{cases} (1-\mu)\, g_t + \mu\, b_t & \text{Nesterov (torch, Keller)} \\
+                                   g_t + b_t & \texttt{nesterov="add"} \text{ (heavyball's)} \\
+                                   b_t & \text{otherwise} \end{cases}
+
+    With ``bias_correction=True`` (optax's ``contrib.muon``) the moment and the gradient are each
+    corrected, :math:`t` counting this leaf's updates from 1:
+    :math:`u_t = \frac{\mu b_t}{1-\mu^{t+1}} + \frac{(1-\mu) g_t}{1-\mu^t}` (Nesterov),
+    :math:`u_t = b_t / (1-\mu^t)` (otherwise).
+
+    Returns:
+        A :class:`Transform` with state ``{"momentum": b}`` (the params' shapes and dtypes); with
+        ``bias_correction`` also ``{"step": int64 per leaf}``.
+    """
+    unit_interval("momentum", momentum)
+    flag("ema_momentum: bias_correction", bias_correction)
+    flag("ema_momentum: donate_state", donate_state)
+    if nesterov not in (True, False, "add"):
+        raise ValueError(f"ema_momentum: nesterov must be True, False or 'add', got {nesterov!r}")
+    if bias_correction and nesterov == "add":
+        raise ValueError("ema_momentum: bias_correction applies to nesterov=True or False, not 'add'")
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        state = {"momentum": _zeros(params)}
+        return build({**state, "step": _counts(params)} if bias_correction else state, params.batch_size)
+
+    def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
+        names, g = list(grads.keys()), list(grads.values())
+        held = state["momentum"]
+        if donate_state:
+            _refuse_memory_mapped("ema_momentum", held)
+        mu = _number(momentum)
+        buf = _lerp([held[n] for n in names], g, 1 - mu, inplace=donate_state)  # b ← μ b + (1 − μ) g
+        new = {"momentum": _replaced(held, names, buf)}
+        if bias_correction:
+            counts, t = _counted([state["step"][n] for n in names], donate_state)
+            new["step"] = _replaced(state["step"], names, counts)
+            members = grads.batch_dims
+            if nesterov:
+                moment = _per_leaf(_corrections(t, mu, 1.0).reciprocal().mul(mu), buf, members)
+                gradient = _per_leaf(_corrections(t, mu).reciprocal().mul(1 - mu), g, members)
+                u = _foreach("add", _foreach("mul", buf, moment), _foreach("mul", g, gradient), inplace=True)
+            else:
+                u = _foreach("div", buf, _per_leaf(_corrections(t, mu), buf, members))
+            u = _cast(u, g)
+        elif nesterov == "add":
+            u = _foreach("add", g, buf)
+        elif nesterov:
+            u = _lerp(g, buf, mu, inplace=False)  # μ b + (1 − μ) g
+        else:
+            u = buf
+        return build(dict(zip(names, u)), grads.batch_size), build(new, state.batch_size)
+
+    return transform(init, update, donates_state=donate_state)
+
+
+def _refuse_memory_mapped(where: str, held: TensorDictBase) -> None:
+    """A donated update writes the state in place: a memory-mapped one would rewrite its checkpoint."""
+    if held.is_memmap():
+        raise ValueError(
+            f"{where}: donate_state=True would write the state in place, and this one is memory-mapped: the "
+            "checkpoint it was loaded from would change. Load it into memory first (state.to_tensordict())"
+        )
+
+
+def fresh_updates(nesterov: object, bias_correction: bool) -> bool:
+    """Whether :func:`ema_momentum`'s updates are the step's own tensors (the look-ahead, the sum,
+    the corrected momentum), not its state (``nesterov=False`` uncorrected), which nothing reads later."""
+    return nesterov is True or nesterov == "add" or bias_correction
+
+
+# ---------------------------------------------------------------------------------------------- Newton–Schulz
+
+MethodLike: TypeAlias = Literal["standard", "gram", "svd", "qr"]
+
+
+def matrix_map(ns: Any) -> MatrixFn:
+    """The map of ``(count, m, n)`` batches ``ns`` names: a :class:`~muonfn.NewtonSchulz` (``None``:
+    the default one), ``"svd"`` (:func:`muonfn.polar`), ``"qr"`` (:func:`muonfn.linalg.qr_orthogonal`),
+    ``"gram"`` (``NewtonSchulz(method="gram")``) or any callable map of one's own."""
+    from .linalg import polar, qr_orthogonal
+
+    maps: dict[str, MatrixFn] = {"svd": polar, "qr": qr_orthogonal, "gram": NewtonSchulz(method="gram")}
+    if ns is None or ns == "standard":
+        return NewtonSchulz()
+    if isinstance(ns, str) and ns in maps:
+        return maps[ns]
+    if isinstance(ns, str) or not callable(ns):
+        raise TypeError(
+            "ns must be a muonfn.NewtonSchulz, 'svd', 'qr', 'gram' or a map of (count, m, n) batches, got "
+            f"{ns!r}"
+        )
+    return ns
+
+
+def resolve_views(views: ViewsLike, names: Sequence[str], tensors: Sequence[torch.Tensor], members: int) -> list[MatrixView]:
+    """One view per leaf: the declared one, else the default (2-D as is, ≥3-D as conv); for a stacked
+    ensemble every view takes the batch dimensions too (views describe one member's leaf)."""
+    if views is None:
+        found = [DEFAULT_VIEW] * len(names)
+    elif isinstance(views, Mapping):
+        table = named_table(views, names)
+        found = [table.get(n, DEFAULT_VIEW) for n in names]
+    else:
+        found = []
+        for n, t in zip(names, tensors):
+            view = views(n, t)
+            if view is not None and not isinstance(view, MatrixView):
+                raise TypeError(f"views returned {view!r} for {n!r}; it must return a muonfn.MatrixView or None")
+            found.append(view or DEFAULT_VIEW)
+    if members:
+        return [MatrixView(v.batch_dims + members, v.transposed, v.split, v.split_dim) for v in found]
+    return found
+
+
+def check_views(where: str, views: object) -> None:
+    if views is None or callable(views) and not isinstance(views, Mapping):
+        return
+    if not isinstance(views, Mapping):
+        raise TypeError(f"{where} must be a mapping of names to MatrixView, a callable (name, tensor) -> view, or None")
+    for name, view in views.items():
+        if not isinstance(view, MatrixView):
+            raise TypeError(f"{where}: {name!r} maps to {view!r}; a view must be a muonfn.MatrixView")
+
+
+def _orthogonalizing(
+    ns: Any, views: ViewsLike, orthogonalizer: Orthogonalizer | None, where: str
+) -> tuple[MatrixFn, Orthogonalizer, Callable[[TensorDictBase], None]]:
+    """The map, the orthogonalizer and an ``init`` check of the leaves (each view reads its leaf; a
+    map of one's own is tried on meta tensors, so that a wrong result fails before a step)."""
+    ns = matrix_map(ns)
+    check_views(f"{where}: views", views)
+    if orthogonalizer is None:
+        orthogonalizer = LocalOrthogonalizer()
+    elif not callable(orthogonalizer):
+        raise TypeError(f"{where}: orthogonalizer must be a muonfn.linalg.Orthogonalizer, got {orthogonalizer!r}")
+    local = isinstance(orthogonalizer, LocalOrthogonalizer)
+
+    def check(params: TensorDictBase) -> None:
+        names, values = list(params.keys()), list(params.values())
+        for name, p, view in zip(names, values, resolve_views(views, names, values, params.batch_dims)):
+            if local:  # (a sharded leaf may be a local block: checked against its global shape at update)
+                view.check(name, p.shape)
+            if local and not isinstance(ns, NewtonSchulz):
+                for rows, cols in view.blocks(p.shape):
+                    if rows and cols:
+                        check_matrix_fn(ns, (1, rows, cols), p.dtype)
+
+    return ns, orthogonalizer, check
+
+
+def _orthogonalized(
+    grads: TensorDictBase, ns: MatrixFn, views: ViewsLike, orthogonalizer: Orthogonalizer, scale: Any, fresh: bool
+) -> list[torch.Tensor]:
+    names, values = list(grads.keys()), list(grads.values())
+    leaf_views = resolve_views(views, names, values, grads.batch_dims)
+    check = getattr(orthogonalizer, "check", None)
+    if callable(check):
+        check(names, values, leaf_views)
+    options = {"overwrite_input": True} if fresh and _may_overwrite(values) else {}
+    return orthogonalizer(names, values, leaf_views, ns, scale, **options)
+
+
+def orthogonalize(
+    ns: Any = None,
+    *,
+    views: ViewsLike = None,
+    scale: ScaleMode = "none",
+    extra_scale: float = 1.0,
+    orthogonalizer: Orthogonalizer | None = None,
+    overwrite_input: bool = False,
+) -> Transform:
+    r"""Replaces every matrix block :math:`G` by :math:`s(A, B)\cdot\mathrm{NS}(G)`.
+
+    Args:
+        ns: the map: a :class:`~muonfn.NewtonSchulz` (``None``: the default one), ``"gram"``,
+            ``"svd"`` (the exact polar factor, :func:`muonfn.polar`), ``"qr"`` (QR's :math:`Q`,
+            heavyball's ``"qr"`` mode) or a callable mapping a ``(count, m, n)`` tensor to one of the
+            same shape, dtype and device (tried once per shape at ``init`` on meta tensors, and
+            checked at every call).
+        views: how leaves are read as matrices (:class:`~muonfn.MatrixView` by name, or a callable
+            ``(name, tensor) -> view``); conv kernels are flattened by default.
+        scale, extra_scale: the shape scale :math:`s` (see :func:`scale_by_shape`).
+        orthogonalizer: who runs the batched calls; default
+            :class:`~muonfn.linalg.LocalOrthogonalizer`; sharded parameters take
+            :func:`muonfn.distributed.sharded_orthogonalizer`.
+        overwrite_input: the updates given are temporaries of this step that nothing reads later
+            (:func:`ema_momentum`'s look-ahead): their memory may hold the results.
+
+    Returns:
+        A stateless :class:`Transform`; ``init`` checks that every leaf's view can read it.
+    """
+    ns, orthogonalizer, check = _orthogonalizing(ns, views, orthogonalizer, "orthogonalize")
+    scale_fn = shape_scale(scale, extra_scale)
+    flag("orthogonalize: overwrite_input", overwrite_input)
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        check(params)
+        return build({}, params.batch_size)
+
+    def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
+        out = _orthogonalized(grads, ns, views, orthogonalizer, scale_fn, overwrite_input)
+        return build(dict(zip(grads.keys(), out)), grads.batch_size), state
+
+    return transform(init, update)
+
+
+def scale_by_shape(scale: ScaleMode = "match_rms_adamw", *, extra_scale: float = 1.0, views: ViewsLike = None) -> Transform:
+    r"""Multiplies every matrix block by :math:`s(A, B)\cdot` ``extra_scale``, ``A``/``B`` the rows and
+    columns of the logical block (after the view; an ensemble's batch dimensions excluded): ``"original"``
+    √max(1, A/B), ``"match_rms_adamw"`` 0.2·√max(A, B), ``"spectral"`` √max(A, B), ``"unit_rms_norm"``
+    √(A/B), ``"none"`` 1."""
+    scale_fn = shape_scale(scale, extra_scale)
+    check_views("scale_by_shape: views", views)
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        names, values = list(params.keys()), list(params.values())
+        for name, p, view in zip(names, values, resolve_views(views, names, values, params.batch_dims)):
+            view.check(name, p.shape)
+        return build({}, params.batch_size)
+
+    def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
+        return build(dict(zip(grads.keys(), _shape_scaled(grads, views, scale_fn, 1.0))), grads.batch_size), state
+
+    return transform(init, update)
+
+
+def _shape_scaled(grads: TensorDictBase, views: ViewsLike, scale_fn: Callable[[int, int], float], factor: Any) -> list[Any]:
+    """``factor·s·x`` of every leaf ``x``, block by block (``factor`` a number or a tensor)."""
+    names, values = list(grads.keys()), list(grads.values())
+    out = []
+    for name, g, view in zip(names, values, resolve_views(views, names, values, grads.batch_dims)):
+        view.check(name, g.shape)
+        scales = view.scales(g.shape, scale_fn)
+        if len(scales) == 1:
+            out.append(g.mul(factor * scales[0]))
+        else:
+            out.append(view.from_matrices([b.mul(factor * s) for b, s in zip(view.to_matrices(g), scales)], g.shape))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- decay and rate
+
+
+def _decayed(
+    updates: list[Any], grads: TensorDictBase, params: TensorDictBase | None, factor: Any, mask: MaskLike, where: str,
+    *, inplace: bool,
+) -> list[Any]:
+    r"""``u + factor·p`` on the leaves ``mask`` selects (``factor`` a number, a 0-d tensor or one value
+    per ensemble member): one multiply-add per entry for a number; ``inplace``: into the updates, the
+    step's own tensors, where nothing records them."""
+    if isinstance(factor, int | float) and factor == 0:
+        return updates
+    if params is None:
+        raise ValueError(f"{where} needs params: call update(grads, state, params)")
+    names = list(grads.keys())
+    chosen = set(selected(mask, params.select(*names), f"{where}: mask"))
+    at = [i for i, n in enumerate(names) if n in chosen]
+    if not at:
+        return updates
+    u, p = [updates[i] for i in at], [params[names[i]] for i in at]
+    inplace = inplace and _may_overwrite([*u, *p])
+    if isinstance(factor, torch.Tensor):  # (alpha takes numbers: λp written out, then added)
+        added = _foreach("add", u, _foreach("mul", p, _times(factor, p, grads.batch_dims)), inplace=inplace)
+    else:
+        added = _foreach("add", u, p, alpha=factor, inplace=inplace)
+    out = list(updates)
+    for i, a in zip(at, added):
+        out[i] = a
+    return out
+
+
+def add_decayed_weights(weight_decay: Scalar = 0.0, *, mask: MaskLike = None, cautious: bool = False) -> Transform:
+    r"""Decoupled weight decay: :math:`u \leftarrow u + \lambda\,p` on the leaves ``mask`` selects.
+
+    With ``cautious=True`` (cautious weight decay, heavyball's) only entries where the update and the
+    parameter agree in sign are decayed: :math:`u + \lambda p \odot [\operatorname{signbit}(u) =
+    \operatorname{signbit}(p)]`. Followed by :func:`scale_by_learning_rate` this is
+    :math:`p \leftarrow p - \eta\lambda p` with the unadjusted learning rate (torch's semantics).
+
+    Args:
+        weight_decay: :math:`\lambda \ge 0`, a float or a 0-d tensor.
+        mask: names to ``True``/``False`` (leaves it does not name are decayed), a callable
+            ``params -> mapping``, or ``"matrices"`` (the leaves of two or more dimensions: the
+            usual convention, biases and norm gains undecayed); ``None`` decays every leaf.
+        cautious: decay only where the incoming update and the parameter agree in sign.
+
+    Returns:
+        A stateless :class:`Transform`; its ``update`` needs ``params``.
+    """
+    non_negative("weight_decay", weight_decay)
+    check_mask("add_decayed_weights: mask", mask)
+    flag("add_decayed_weights: cautious", cautious)
+
+    def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
+        names, values = list(grads.keys()), list(grads.values())
+        if cautious and params is not None:  # the parameter where it agrees in sign with the update
+            agreeing = {n: params[n].mul(u.signbit() == params[n].signbit()) for n, u in zip(names, values)}
+            params = build(agreeing, grads.batch_size)
+        out = _decayed(values, grads, params, _number(weight_decay), mask, "add_decayed_weights", inplace=False)
+        return build(dict(zip(names, out)), grads.batch_size), state
+
+    return transform(lambda params: build({}, params.batch_size), update)
+
+
+def _schedule_init(learning_rate: ScalarOrSchedule) -> Callable[[TensorDictBase], dict[str, torch.Tensor]]:
+    """A schedule's state: ``{"count": 0}`` (per ensemble member), on the first leaf's device."""
+    if not _is_schedule(learning_rate):
+        return lambda params: {}
+
+    def init(params: TensorDictBase) -> dict[str, torch.Tensor]:
+        device = next(iter(params.values()), torch.empty(0)).device
+        return {"count": torch.zeros(params.batch_size, dtype=torch.int64, device=device)}
+
+    return init
+
+
+def _is_schedule(learning_rate: object) -> bool:
+    return callable(learning_rate) and not isinstance(learning_rate, torch.Tensor)
+
+
+def _check_rate(learning_rate: ScalarOrSchedule) -> None:
+    if not _is_schedule(learning_rate):
+        non_negative("learning rate", learning_rate)  # type: ignore[arg-type]
+
+
+def _rate(learning_rate: ScalarOrSchedule, state: TensorDictBase, grads: TensorDictBase) -> tuple[Any, dict[str, Any]]:
+    """This update's learning rate, and a schedule's advanced count for the new state. A tensor must
+    be 0-d (or one value per ensemble member), on the leaves' device or a 0-d tensor on the CPU."""
+    new: dict[str, Any] = {}
+    lr = learning_rate
+    if _is_schedule(learning_rate):
+        count = state["count"]
+        lr = schedule_value("the learning rate schedule", learning_rate(count))  # type: ignore[operator]
+        new["count"] = count + 1
+    if isinstance(lr, torch.Tensor):
+        size, first = grads.batch_size, next(iter(grads.values()), None)
+        if lr.ndim and lr.shape != size:
+            raise ValueError(f"the learning rate is a tensor of shape {tuple(lr.shape)}; it must be 0-d")
+        if first is not None and not (lr.ndim == 0 and lr.device.type == "cpu") and lr.device != first.device:
+            raise ValueError(
+                f"the learning rate is a tensor on {lr.device}, the parameters are on {first.device}; it must be on "
+                "their device, or a 0-d tensor on the CPU"
+            )
+    return _number(lr), new
+
+
+def _times(factor: Any, like: Sequence[torch.Tensor], members: int) -> Any:
+    """A factor for the leaves: a number, a 0-d tensor, or one value per ensemble member as one tensor
+    per leaf, shaped to broadcast."""
+    if isinstance(factor, torch.Tensor) and factor.ndim:
+        return [factor.reshape(*factor.shape, *[1] * (t.ndim - members)).to(t.dtype) for t in like]
+    return factor
+
+
+def scale_by_learning_rate(learning_rate: ScalarOrSchedule) -> Transform:
+    r""":math:`u \leftarrow -\eta\, u`, so that ``apply_updates`` descends.
+
+    ``learning_rate``: a float, a 0-d tensor (changed in place between steps: no recompilation), or
+    a schedule ``count -> lr`` called with the 0-d int64 count of previous updates (state
+    ``{"count": ...}`` then); a number it returns is checked (finite, ``>= 0``), a tensor by its
+    metadata only (no read-back).
+    """
+    _check_rate(learning_rate)
+    schedule_init = _schedule_init(learning_rate)
+
+    def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
+        lr, new = _rate(learning_rate, state, grads)
+        values = list(grads.values())
+        out = _foreach("mul", values, _times(-lr if not isinstance(lr, torch.Tensor) else lr.neg(), values, grads.batch_dims))
+        return build(dict(zip(grads.keys(), _cast(out, values))), grads.batch_size), build(new, state.batch_size)
+
+    return transform(lambda params: build(schedule_init(params), params.batch_size), update)
+
+
+def descent(
+    learning_rate: ScalarOrSchedule,
+    weight_decay: Scalar = 0.0,
+    *,
+    ns: Any = "none",
+    scale: ScaleMode = "match_rms_adamw",
+    extra_scale: float = 1.0,
+    views: ViewsLike = None,
+    mask: MaskLike = None,
+    orthogonalizer: Orthogonalizer | None = None,
+    overwrite_input: bool = False,
+) -> Transform:
+    r"""The last stage of a matrix branch: :math:`u \leftarrow -\eta\,\bigl(s\,O + \lambda p\bigr)` with
+    :math:`O = \mathrm{NS}(u)` (``ns``, see :func:`orthogonalize`; ``"none"``: :math:`O = u`), computed
+    as :math:`(-\eta s)\,O + (-\eta\lambda)\,p`: :math:`-\eta s` taken by the last Newton–Schulz step's
+    matmuls (no pass of its own), the decay one multiply-add, as :mod:`muonfn.reference` rounds it.
+    ``mask`` selects the decayed leaves (see :func:`add_decayed_weights`); ``learning_rate`` may be a
+    schedule (state ``{"count"}``). The other arguments are :func:`orthogonalize`'s.
+    """
+    _check_rate(learning_rate)
+    non_negative("weight_decay", weight_decay)
+    check_mask("descent: mask", mask)
+    scale_fn = shape_scale(scale, extra_scale)
+    orthogonalizes = not (isinstance(ns, str) and ns == "none")
+    if orthogonalizes:
+        ns, orthogonalizer, check = _orthogonalizing(ns, views, orthogonalizer, "descent")
+    schedule_init = _schedule_init(learning_rate)
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        if orthogonalizes:
+            check(params)
+        else:
+            names, values = list(params.keys()), list(params.values())
+            for name, p, view in zip(names, values, resolve_views(views, names, values, params.batch_dims)):
+                view.check(name, p.shape)
+        return build(schedule_init(params), params.batch_size)
+
+    def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
+        lr, new = _rate(learning_rate, state, grads)
+        lam, values = _number(weight_decay), list(grads.values())
+        # -ηs into the matrices' own pass; a tensor rate (traced, or one per member) takes a pass of its own
+        factor = 1.0 if isinstance(lr, torch.Tensor) else -lr
+        if orthogonalizes:
+            times = scale_fn if factor == 1.0 else (lambda a, b: factor * scale_fn(a, b))
+            out = _orthogonalized(grads, ns, views, orthogonalizer, times, overwrite_input)  # type: ignore[arg-type]
+        else:
+            out = _shape_scaled(grads, views, scale_fn, factor)
+        if isinstance(lr, torch.Tensor):
+            out = _foreach("mul", out, _times(lr.neg(), out, grads.batch_dims), inplace=_may_overwrite(out))
+        out = _decayed(out, grads, params, -lr * lam, mask, "descent", inplace=True)
+        updates = build(dict(zip(grads.keys(), _cast(out, values))), grads.batch_size)
+        return updates, build(new, state.batch_size)
+
+    return transform(init, update)
+
+
+# ---------------------------------------------------------------------------------------------- Adam and AdamW
+
+
+def _adam_moments(
+    grads: TensorDictBase, state: TensorDictBase, b1: float, b2: float, donate: bool
+) -> tuple[list[Any], list[Any], torch.Tensor, dict[str, TensorDictBase]]:
+    """Adam's moments after this update with torch.optim.AdamW's ops (so its bits):
+    ``m.lerp_(g, 1-β₁)``, ``v.mul_(β₂).addcmul_(g, g, value=1-β₂)``; the stacked fp64 counts, and the new
+    state entries."""
+    names, g = list(grads.keys()), list(grads.values())
+    held_m, held_v = state["exp_avg"], state["exp_avg_sq"]
+    if donate:
+        _refuse_memory_mapped("adam", held_m)
+    counts, t = _counted([state["step"][n] for n in names], donate)
+    m = _lerp([held_m[n] for n in names], g, 1.0 - b1, inplace=donate)
+    v = _foreach("mul", [held_v[n] for n in names], b2, inplace=donate)
+    v = _foreach("addcmul", v, g, g, value=1.0 - b2, inplace=donate or _may_overwrite(g))
+    new = {"step": _replaced(state["step"], names, counts), "exp_avg": _replaced(held_m, names, m)}
+    new["exp_avg_sq"] = _replaced(held_v, names, v)
+    return m, v, t, new
+
+
+def _adam_direction(
+    g: list[torch.Tensor], m: list[Any], v: list[Any], t: torch.Tensor, b1: float, b2: float, eps: float, factor: Any,
+    nesterov: AdamNesterov, members: int,
+) -> list[torch.Tensor]:
+    r"""``factor`` times Adam's bias-corrected direction. Without Nesterov, one division of ``m`` by
+    :math:`D = (\sqrt{v} + \epsilon\sqrt{c_2})\cdot c_1/(\text{factor}\sqrt{c_2})` (:math:`c_k = 1-\beta_k^t`,
+    per leaf in fp64): a factor of 0 makes :math:`D = \pm\infty` and the direction 0, never ``nan``."""
+    c1, root_c2 = _corrections(t, b1), _corrections(t, b2).sqrt()
+    roots = _foreach("sqrt", v)
+    if not nesterov:
+        scale = c1.div(root_c2.mul(factor))
+        denominators = _foreach("add", roots, _per_leaf(root_c2.mul(eps), v, members), inplace=_may_overwrite(roots))
+        denominators = _foreach("mul", denominators, _per_leaf(scale, v, members), inplace=_may_overwrite(roots))
+        return _foreach("div", m, denominators)
+    denominators = _foreach("add", _foreach("div", roots, _per_leaf(root_c2, v, members)), eps)
+    if nesterov == "timm":  # timm's NAdamW: one correction of the look-ahead
+        numerators = _foreach("div", _lerp(m, g, 1.0 - b1, inplace=False), _per_leaf(c1, g, members))
+    else:  # optax's: the moment and the gradient corrected each on its own
+        moment = _per_leaf(_corrections(t, b1, 1.0).reciprocal().mul(b1), g, members)
+        gradient = _per_leaf(c1.reciprocal().mul(1.0 - b1), g, members)
+        numerators = _foreach("add", _foreach("mul", m, moment), _foreach("mul", g, gradient), inplace=True)
+    direction = _foreach("div", numerators, denominators)
+    return direction if isinstance(factor, float) and factor == 1.0 else _foreach("mul", direction, _times(factor, g, members))
+
+
+def _betas(b1: Scalar, b2: Scalar, eps: float) -> tuple[float, float, float]:
+    positive("eps", eps)
+    return unit_interval("b1", b1), unit_interval("b2", b2), float(eps)
+
+
+def _adam_init(params: TensorDictBase) -> dict[str, TensorDictBase]:
+    return {"step": _counts(params), "exp_avg": _zeros(params), "exp_avg_sq": _zeros(params, second_moment_dtype)}
+
+
+def scale_by_adam(
+    b1: Scalar = 0.9, b2: Scalar = 0.999, *, eps: float = 1e-8, nesterov: AdamNesterov = False, donate_state: bool = False
+) -> Transform:
+    r"""Adam's direction with bias correction, torch.optim.AdamW's (``eps`` added to the corrected root):
+
+    .. math::  m_t = \beta_1 m_{t-1} + (1-\beta_1) g_t, \quad v_t = \beta_2 v_{t-1} + (1-\beta_2) g_t^2, \quad
+               u_t = \frac{m_t/(1-\beta_1^t)}{\sqrt{v_t}/\sqrt{1-\beta_2^t} + \epsilon};
+
+    ``nesterov=True`` is optax's Nesterov-Adam (the moment and the gradient corrected each on its own),
+    ``"timm"`` timm's NAdamW. ``t`` counts per leaf (per ensemble member). The second moment of an fp16
+    leaf is kept in fp32 (see :func:`second_moment_dtype`).
+
+    Returns:
+        A :class:`Transform` with state ``{"step": int64 per leaf, "exp_avg": m, "exp_avg_sq": v}``.
+    """
+    b1, b2, eps = _betas(b1, b2, eps)
+    if not (isinstance(nesterov, bool) or nesterov == "timm"):
+        raise ValueError(f"scale_by_adam: nesterov must be True, False or 'timm', got {nesterov!r}")
+    flag("scale_by_adam: donate_state", donate_state)
+
+    def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
+        g = list(grads.values())
+        m, v, t, new = _adam_moments(grads, state, b1, b2, donate_state)
+        u = _adam_direction(g, m, v, t, b1, b2, eps, 1.0, nesterov, grads.batch_dims)
+        return build(dict(zip(grads.keys(), _cast(u, g))), grads.batch_size), build(new, state.batch_size)
+
+    return transform(lambda params: build(_adam_init(params), params.batch_size), update, donates_state=donate_state)
+
+
+def adamw(
+    lr: ScalarOrSchedule = 1e-3,
+    *,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: Scalar = 0.01,
+    weight_decay_mask: MaskLike = None,
+    nesterov: AdamNesterov = False,
+    cautious_weight_decay: bool = False,
+    donate_state: bool = False,
+) -> Transform:
+    r"""AdamW as ``torch.optim.AdamW`` computes it:
+
+    .. math::  u = -\eta\lambda p - \eta\,\frac{m_t/(1-\beta_1^t)}{\sqrt{v_t/(1-\beta_2^t)} + \epsilon}
+
+    the moments with torch's ops (its bits), the update within a few ulps of torch's parameter change
+    (the step size folded into the denominator, see :func:`scale_by_adam`). On a CUDA GPU one model's
+    fp32 leaves go through torch's fused kernel (``torch.optim.AdamW(fused=True)``'s), one pass.
+
+    Args:
+        lr: :math:`\eta`: a float, a 0-d tensor or a schedule (see :func:`scale_by_learning_rate`).
+        betas: :math:`(\beta_1, \beta_2)`.
+        eps: :math:`\epsilon`.
+        weight_decay: :math:`\lambda`.
+        weight_decay_mask: see :func:`add_decayed_weights` (``"matrices"``: decay only the leaves of
+            two or more dimensions).
+        nesterov: Nesterov-Adam as optax's (``True``) or timm's (``"timm"``) NAdamW.
+        cautious_weight_decay: decay only where the update and the parameter agree in sign.
+        donate_state: update the state in place (see :mod:`muonfn.steps`).
+
+    Returns:
+        A :class:`Transform` with state ``{"step", "exp_avg", "exp_avg_sq"}`` (and a schedule's ``"count"``).
+
+    Example:
+        >>> params = TensorDict({"w": torch.ones(3)}, [])
+        >>> tx = muonfn.adamw(lr=0.1)
+        >>> updates, state = tx.update(TensorDict({"w": torch.ones(3)}, []), tx.init(params), params)
+        >>> updates["w"]  # -lr·sign(g) at step 1, minus lr·wd·p
+        tensor([-0.1010, -0.1010, -0.1010])
+    """
+    if not (isinstance(betas, tuple | list) and len(betas) == 2):
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    b1, b2, eps = _betas(betas[0], betas[1], eps)
+    _check_rate(lr)
+    non_negative("weight_decay", weight_decay)
+    check_mask("adamw: weight_decay_mask", weight_decay_mask)
+    flag("adamw: donate_state", donate_state)
+    flag("adamw: cautious_weight_decay", cautious_weight_decay)
+    if not (isinstance(nesterov, bool) or nesterov == "timm"):
+        raise ValueError(f"adamw: nesterov must be True, False or 'timm', got {nesterov!r}")
+    if cautious_weight_decay:  # (caution reads the direction before the decay: the chain of blocks)
+        from .transforms import chain
+
+        return chain(
+            scale_by_adam(b1, b2, eps=eps, nesterov=nesterov, donate_state=donate_state),
+            add_decayed_weights(weight_decay, mask=weight_decay_mask, cautious=True),
+            scale_by_learning_rate(lr),
+        )
+    schedule_init = _schedule_init(lr)
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        return build({**_adam_init(params), **schedule_init(params)}, params.batch_size)
+
+    def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
+        rate, new = _rate(lr, state, grads)
+        lam, g, members = _number(weight_decay), list(grads.values()), grads.batch_dims
+        decayed = [] if params is None else selected(weight_decay_mask, params.select(*grads.keys()), "adamw: mask")
+        operands = [*g, *(params[n] for n in decayed)] if params is not None else g
+        factors = [f for f in (rate, lam) if isinstance(f, torch.Tensor)]
+        if not nesterov and _devices.adamw_kernel_takes(operands, members, factors):
+            updates, moments = _devices.adamw_kernel(grads, state, params, decayed, rate, lam, b1, b2, eps, donate_state)
+            return updates, build({**moments, **new}, state.batch_size)
+        m, v, t, moments = _adam_moments(grads, state, b1, b2, donate_state)
+        u = _adam_direction(g, m, v, t, b1, b2, eps, -rate, nesterov, members)
+        u = _decayed(u, grads, params, -rate * lam, weight_decay_mask, "adamw", inplace=True)
+        return build(dict(zip(grads.keys(), _cast(u, g))), grads.batch_size), build({**moments, **new}, state.batch_size)
+
+    return transform(init, update, donates_state=donate_state)
+
+
+# ---------------------------------------------------------------------------------------------- adaptations
+
+
+def _rescaled(adapted: torch.Tensor, before: torch.Tensor, rescale: str, eps: float) -> torch.Tensor:
+    r"""A ``(count, m, n)`` batch with each matrix's Frobenius norm set: ``"preserve_norm"`` that of
+    ``before``, ``"orthogonal"`` :math:`\sqrt{\min(m, n)}` (a semi-orthogonal matrix's), ``"none"``
+    unchanged; ``eps`` added to the adapted norm keeps a zero update zero."""
+    if rescale == "none":
+        return adapted
+    norm = torch.linalg.matrix_norm(adapted, keepdim=True).add(eps)
+    if rescale == "preserve_norm":
+        return adapted.mul(torch.linalg.matrix_norm(before, keepdim=True).div(norm))
+    return adapted.mul(norm.reciprocal().mul(math.sqrt(min(adapted.shape[-2:]))))
+
+
+def _check_adaptation(where: str, beta: Scalar, eps: float, rescale: str, views: ViewsLike, donate_state: bool) -> float:
+    unit_interval("beta", beta)
+    positive("eps", eps)
+    if rescale not in RESCALE_MODES:
+        raise ValueError(f"{where}: unknown rescale {rescale!r}; choose one of {list(RESCALE_MODES)}")
+    check_views(f"{where}: views", views)
+    flag(f"{where}: donate_state", donate_state)
+    return float(eps)
+
+
+def _refuse_sharded(names: Sequence[str], values: Sequence[torch.Tensor]) -> None:
+    for name, t in zip(names, values):
+        placements = tuple(getattr(t, "placements", ()))
+        if any(not p.is_replicate() for p in placements):
+            raise ValueError(
+                f"{name!r} is a DTensor sharded as {placements}: the adaptation's statistics and norms need "
+                "whole matrices; gather it, or use muonfn.muon for sharded parameters"
+            )
+
+
+def row_moment_shape(view: MatrixView, shape: Sequence[int]) -> tuple[int, ...]:
+    """A leaf's row statistics: its batch dimensions, the logical rows, one column per column block."""
+    rows = view.matrix_shape(shape)[0]
+    blocks = len(view.split) if view.split is not None and view.split_dim == 1 else 1
+    return (*shape[: view.batch_dims], rows, blocks)
+
+
+def scale_by_neuron_norm(
+    beta: Scalar = 0.95, *, eps: float = 1e-10, rescale: Rescale = "preserve_norm", views: ViewsLike = None,
+    donate_state: bool = False,
+) -> Transform:
+    r"""NorMuon's neuron-wise normalisation of an orthogonalized update :math:`O` (Li et al., 2025):
+    each row :math:`i` of the logical matrix keeps an EMA of its mean square and is divided by its root,
+
+    .. math::  v_t = \beta v_{t-1} + (1-\beta)\, \tfrac1n \textstyle\sum_j O_{ij}^2, \qquad
+               \hat O_{ij} = \frac{O_{ij}}{\sqrt{v_{t,i}} + \epsilon}, \qquad
+               u = \hat O\, \rho / (\|\hat O\|_F + \epsilon)
+
+    with :math:`\rho = \|O\|_F` (``"preserve_norm"``), :math:`\sqrt{\min(m, n)}` (``"orthogonal"``: with
+    the ``"match_rms_adamw"`` scale, the paper's RMS of 0.2) or no rescaling (``"none"``). Every block
+    of a fused view and matrix of a batched one on its own; fp16 leaves in fp32. Place it after
+    :func:`orthogonalize` (``scale="none"``) and before the shape scale; sharded leaves are refused.
+
+    Returns:
+        A :class:`Transform` with state ``{"row_second_moment": v}`` (see :func:`row_moment_shape`).
+
+    Example:
+        >>> params = TensorDict({"w": torch.zeros(2, 3)}, [])
+        >>> tx = muonfn.scale_by_neuron_norm(0.5, rescale="none")
+        >>> g = TensorDict({"w": torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]])}, [])
+        >>> tx.update(g, tx.init(params))[0]["w"]  # each row over the root of its EMA
+        tensor([[1.4142, 1.4142, 1.4142],
+                [1.4142, 1.4142, 1.4142]])
+    """
+    eps = _check_adaptation("scale_by_neuron_norm", beta, eps, rescale, views, donate_state)
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        names, values = list(params.keys()), list(params.values())
+        moments = {}
+        for name, p, view in zip(names, values, resolve_views(views, names, values, params.batch_dims)):
+            view.check(name, p.shape)
+            moments[name] = p.new_zeros(row_moment_shape(view, p.shape), dtype=second_moment_dtype(p.dtype))
+        return build({"row_second_moment": build(moments, params.batch_size)}, params.batch_size)
+
+    def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
+        names, given = list(grads.keys()), list(grads.values())
+        _refuse_sharded(names, given)
+        held = state["row_second_moment"]
+        leaf_views = resolve_views(views, names, given, grads.batch_dims)
+        blocks = [v.to_matrices(o.float() if o.dtype == torch.float16 else o) for o, v in zip(given, leaf_views)]
+        means = [_row_means(v, b) for v, b in zip(leaf_views, blocks)]
+        current = [held[n].reshape(m.shape) for n, m in zip(names, means)]
+        new = _lerp(current, means, 1 - _number(beta), inplace=donate_state)
+        denominators = _foreach("add", _foreach("sqrt", new), eps)
+        out = []
+        for o, view, matrices, d in zip(given, leaf_views, blocks, denominators):
+            parts = [d] if view.split is None else list(d.split(list(view.split), dim=1) if view.split_dim == 0 else d.split(1, dim=2))
+            out.append(view.from_matrices([_rescaled(b / p, b, rescale, eps) for b, p in zip(matrices, parts)], o.shape))
+        kept = [n.reshape(held[k].shape) for k, n in zip(names, new)]
+        entry = build({"row_second_moment": _replaced(held, names, kept)}, state.batch_size)
+        return build(dict(zip(names, _cast(out, given))), grads.batch_size), entry
+
+    return transform(init, update, donates_state=donate_state)
+
+
+def _row_means(view: MatrixView, blocks: list[torch.Tensor]) -> torch.Tensor:
+    """The mean square of every row of every block, ``(count, rows, column blocks)`` (0 for no columns)."""
+    means = [b.square().mean(dim=-1, keepdim=True) if b.size(-1) else b.new_zeros((*b.shape[:-1], 1)) for b in blocks]
+    return means[0] if len(means) == 1 else torch.cat(means, dim=1 if view.split_dim == 0 else 2)
+
+
+def scale_by_element_rms(
+    beta: Scalar = 0.95, *, eps: float = 1e-10, bias_correction: bool = False, rescale: Rescale = "orthogonal",
+    views: ViewsLike = None, donate_state: bool = False,
+) -> Transform:
+    r"""AdaMuon's element-wise adaptation of an orthogonalized update :math:`O` (Si et al., 2025):
+
+    .. math::  V_t = \beta V_{t-1} + (1-\beta)\, O \odot O, \qquad
+               \hat O = \frac{O}{\sqrt{V_t / c_t} + \epsilon}, \qquad u = \hat O\, \rho / (\|\hat O\|_F + \epsilon)
+
+    with :math:`c_t = 1 - \beta^t` under ``bias_correction`` (pytorch-optimizer's; else 1) and
+    :math:`\rho` as in :func:`scale_by_neuron_norm` (default ``"orthogonal"``). fp16 leaves in fp32;
+    sharded leaves are refused.
+
+    Returns:
+        A :class:`Transform` with state ``{"exp_avg_sq": V}`` (and ``"step"`` with ``bias_correction``).
+
+    Example:
+        >>> params = TensorDict({"w": torch.zeros(2, 2)}, [])
+        >>> tx = muonfn.scale_by_element_rms(0.0, rescale="none")
+        >>> g = TensorDict({"w": torch.tensor([[0.5, -2.0], [4.0, 1.0]])}, [])
+        >>> tx.update(g, tx.init(params))[0]["w"]  # with beta = 0: the signs
+        tensor([[ 1., -1.],
+                [ 1.,  1.]])
+    """
+    eps = _check_adaptation("scale_by_element_rms", beta, eps, rescale, views, donate_state)
+    flag("scale_by_element_rms: bias_correction", bias_correction)
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        names, values = list(params.keys()), list(params.values())
+        for name, p, view in zip(names, values, resolve_views(views, names, values, params.batch_dims)):
+            view.check(name, p.shape)
+        state = {"exp_avg_sq": _zeros(params, second_moment_dtype)}
+        return build({**state, "step": _counts(params)} if bias_correction else state, params.batch_size)
+
+    def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
+        names, given = list(grads.keys()), list(grads.values())
+        _refuse_sharded(names, given)
+        values = [o.float() if o.dtype == torch.float16 else o for o in given]
+        held = state["exp_avg_sq"]
+        v = _lerp([held[n] for n in names], _foreach("mul", values, values), 1 - _number(beta), inplace=donate_state)
+        new = {"exp_avg_sq": _replaced(held, names, v)}
+        root = v
+        if bias_correction:
+            counts, t = _counted([state["step"][n] for n in names], donate_state)
+            new["step"] = _replaced(state["step"], names, counts)
+            root = _foreach("div", v, _per_leaf(_corrections(t, _number(beta)), v, grads.batch_dims))
+        adapted = _foreach("div", values, _foreach("add", _foreach("sqrt", root), eps))
+        out = []
+        for name, o, a, view in zip(names, values, adapted, resolve_views(views, names, given, grads.batch_dims)):
+            if rescale == "none":
+                out.append(a)
+                continue
+            pairs = zip(view.to_matrices(a), view.to_matrices(o))
+            out.append(view.from_matrices([_rescaled(b, before, rescale, eps) for b, before in pairs], o.shape))
+        return build(dict(zip(names, _cast(out, given))), grads.batch_size), build(new, state.batch_size)
+
+    return transform(init, update, donates_state=donate_state)
+
+
+def scale_by_sign() -> Transform:
+    r""":math:`u \leftarrow \operatorname{sign}(u)` element-wise; before :func:`orthogonalize`, AdaMuon's
+    sign-stabilised momentum :math:`O = \mathrm{NS}(\operatorname{sign}(M_t))`.
+
+    Example:
+        >>> tx = muonfn.scale_by_sign()
+        >>> g = TensorDict({"w": torch.tensor([-0.3, 0.0, 2.0])}, [])
+        >>> tx.update(g, tx.init(g))[0]["w"]
+        tensor([-1.,  0.,  1.])
+    """
+
+    def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
+        return build(dict(zip(grads.keys(), _foreach("sign", list(grads.values())))), grads.batch_size), state
+
+    return transform(lambda params: build({}, params.batch_size), update)
+
+
+def scale_by_muon(
+    momentum: Scalar = 0.95,
+    *,
+    nesterov: NesterovLike = True,
+    ns: Any = None,
+    momentum_bias_correction: bool = False,
+    scale: ScaleMode = "match_rms_adamw",
+    extra_scale: float = 1.0,
+    views: ViewsLike = None,
+    orthogonalizer: Orthogonalizer | None = None,
+    donate_state: bool = False,
+) -> Transform:
+    r"""Muon's direction: :math:`s(A, B)\cdot\mathrm{NS}(u)` with :math:`u` the (Nesterov) EMA momentum:
+    ``chain(ema_momentum(...), orthogonalize(...))``, the scale taken by the last Newton–Schulz step."""
+    from .transforms import chain
+
+    return chain(
+        ema_momentum(momentum, nesterov=nesterov, bias_correction=momentum_bias_correction, donate_state=donate_state),
+        orthogonalize(
+            ns,
+            views=views,
+            scale=scale,
+            extra_scale=extra_scale,
+            orthogonalizer=orthogonalizer,
+            overwrite_input=fresh_updates(nesterov, momentum_bias_correction),
+        ),
+    )

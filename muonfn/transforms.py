@@ -1,0 +1,525 @@
+r"""The Transform contract, its entry check, the combinators, and applying updates.
+
+A :class:`Transform` is a pair of pure functions over TensorDicts, as in optax:
+``init(params) -> state`` and ``update(grads, state, params=None) -> (updates, state)``.
+``grads`` may omit leaves (parameters without a gradient): no update is emitted for them and
+their state is carried over unchanged, as ``torch.optim`` does for ``p.grad is None``.
+
+Every transform of muonfn is made by :func:`transform` from an ``init`` and an ``update`` over
+*flat* TensorDicts, keyed by dotted names (``"h.0.attn.weight"``); its state keeps per-leaf
+entries under the same names (``state["momentum"]["h.0.attn.weight"]``). The outermost update
+of a composition is its entry: it flattens nested input once, checks it once, before any member
+runs, and rebuilds its updates in the input's nesting. The check compares
+
+- every gradient with its parameter (a key of the parameters, their shape, dtype and device);
+- the state with what ``init`` makes of the parameters: its entries, their shapes and dtypes,
+  each on its parameter's device (``init`` runs once on meta tensors per structure);
+
+so that bad input is refused, naming the leaf, before any member writes a state it was given.
+Members of a composition are handed flat TensorDicts and run unchecked.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, NamedTuple, Protocol, TypeAlias
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from ._tree import build, dotted, flat, named_table, nested_like
+from ._validation import check_params
+
+__all__ = [
+    "CautiousMode",
+    "LabelsLike",
+    "MaskLike",
+    "Transform",
+    "apply_if_finite",
+    "apply_updates",
+    "apply_updates_",
+    "cautious",
+    "chain",
+    "masked",
+    "named",
+    "partition",
+    "transform",
+]
+
+
+class InitFn(Protocol):
+    def __call__(self, params: TensorDictBase) -> TensorDictBase: ...
+
+
+class UpdateFn(Protocol):
+    def __call__(
+        self, grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
+    ) -> tuple[TensorDictBase, TensorDictBase]: ...
+
+
+class Transform(NamedTuple):
+    """A gradient transformation: ``init(params) -> state`` and
+    ``update(grads, state, params=None) -> (updates, state)``; both pure."""
+
+    init: InitFn
+    update: UpdateFn
+
+
+#: ``checked`` is true while an entry's update runs: the members it calls were checked with it
+_entry = threading.local()
+_EMPTY = TensorDict({}, batch_size=[])
+
+
+def transform(init: InitFn, update: UpdateFn, *, donates_state: bool = False) -> Transform:
+    """A :class:`Transform` from ``init`` and ``update`` over flat TensorDicts (see the module).
+
+    ``donates_state``: ``update`` writes the state it is given in place (``donate_state=True``
+    of the building blocks); :func:`apply_if_finite` then keeps a copy to fall back on.
+    """
+
+    def entry_init(params: TensorDictBase) -> TensorDictBase:
+        params = flat(params)
+        check_params("init", params)
+        return init(params)
+
+    def entry_update(
+        grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
+    ) -> tuple[TensorDictBase, TensorDictBase]:
+        flat_grads, flat_params = flat(grads), None if params is None else flat(params)
+        if isinstance(state, Mapping) and not isinstance(state, TensorDictBase) and not state:
+            state = build({}, grads.batch_size)  # a stateless transform may be given {}
+        if getattr(_entry, "checked", False) or torch.compiler.is_compiling():
+            updates, new_state = update(flat_grads, state, flat_params)
+        else:
+            check_input(entry_init, flat_grads, state, flat_params)
+            _entry.checked = True
+            try:
+                updates, new_state = update(flat_grads, state, flat_params)
+            finally:
+                _entry.checked = False
+        return nested_like(updates, grads), new_state
+
+    entry_update.donates_state = donates_state  # type: ignore[attr-defined]
+    return Transform(entry_init, entry_update)
+
+
+def donates_state(tx: Transform) -> bool:
+    return getattr(tx.update, "donates_state", False) is True
+
+
+# ---------------------------------------------------------------------------------------------- the check
+
+#: per ``init`` and structure of the parameters, the state ``init`` makes: entry -> (shape, dtype, leaf)
+_EXPECTED: dict[tuple[Any, ...], dict[tuple[str, ...], tuple[torch.Size, torch.dtype, str | None]] | None] = {}
+
+
+def check_input(init: InitFn, grads: TensorDictBase, state: Any, params: TensorDictBase | None) -> None:
+    """Raises naming the first gradient, parameter or state entry that does not fit (see the module)."""
+    if not isinstance(state, TensorDictBase):
+        raise TypeError(f"update: state must be a TensorDict made by init, got {type(state).__name__}")
+    if grads.batch_size != state.batch_size:
+        raise ValueError(
+            f"update: gradients have batch size {tuple(grads.batch_size)}, the state {tuple(state.batch_size)}; "
+            "pass gradients shaped like the params given to init"
+        )
+    for name, g in grads.items():
+        if g.layout is not torch.strided or g.is_complex():
+            raise TypeError(f"update: gradient {name!r} is {g.layout} {g.dtype}; only dense real gradients are supported")
+        p = g if params is None else params.get(name)
+        if p is None:
+            raise ValueError(f"update: gradient {name!r} has no matching parameter")
+        if (g.shape, g.dtype, g.device) != (p.shape, p.dtype, p.device):
+            raise ValueError(
+                f"update: gradient {name!r} is a {g.dtype} tensor of shape {tuple(g.shape)} on {g.device}, its "
+                f"parameter a {p.dtype} tensor of shape {tuple(p.shape)} on {p.device}"
+            )
+    leaves = grads if params is None else params
+    expected = _expected_state(init, leaves)
+    if expected is None:  # an init that cannot run on meta tensors
+        return
+    given = dict(_state_leaves(state, ()))
+    first = next(iter(leaves.values()), None)
+    for path, (shape, dtype, leaf) in expected.items():
+        t = given.pop(path, None)
+        entry = ".".join(path)
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"update: state has no entry {entry!r}; was it made by this transform's init?")
+        owner = leaves[leaf] if leaf is not None else first
+        if (t.shape, t.dtype) != (shape, dtype):
+            raise ValueError(
+                f"update: state entry {entry!r} is a {t.dtype} tensor of shape {tuple(t.shape)}, expected "
+                f"{dtype} of shape {tuple(shape)}" + (f" for parameter {leaf!r}" if leaf else "")
+            )
+        if owner is not None and t.device != owner.device and not t.is_meta == owner.is_meta == False:  # noqa: E712
+            raise ValueError(
+                f"update: state entry {entry!r} is on {t.device}, its parameter {leaf or '(first)'!r} on "
+                f"{owner.device}; move the state (state.to(device)), or make it with init after moving the parameters"
+            )
+    if params is not None and given:
+        raise ValueError(f"update: state entry {'.'.join(next(iter(given)))!r} belongs to no parameter of this update")
+
+
+def _state_leaves(td: TensorDictBase, prefix: tuple[str, ...]) -> Any:
+    for name, value in td.items():
+        if isinstance(value, TensorDictBase):
+            yield from _state_leaves(value, (*prefix, name))
+        else:
+            yield (*prefix, name), value
+
+
+def _expected_state(
+    init: InitFn, leaves: TensorDictBase
+) -> dict[tuple[str, ...], tuple[torch.Size, torch.dtype, str | None]] | None:
+    signature = (init, leaves.batch_size, tuple((k, v.shape, v.dtype) for k, v in leaves.items()))
+    if signature not in _EXPECTED:
+        meta = build({k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in leaves.items()}, leaves.batch_size)
+        try:
+            made = init(meta)
+        except Exception:
+            made = None
+        expected = None
+        if made is not None:
+            expected = {p: (t.shape, t.dtype, p[-1] if p[-1] in leaves.keys() else None) for p, t in _state_leaves(made, ())}
+        if len(_EXPECTED) > 64:
+            _EXPECTED.clear()
+        _EXPECTED[signature] = expected
+    return _EXPECTED[signature]
+
+
+# ---------------------------------------------------------------------------------------------- combinators
+
+
+def _owned(tx: Transform) -> list[str]:
+    """The top-level state entries ``tx`` keeps (its state for no parameters)."""
+    if not (isinstance(tx, tuple) and len(tx) == 2 and callable(tx[0]) and callable(tx[1])):
+        raise TypeError(f"expected a muonfn.Transform (init, update), got {type(tx).__name__}")
+    return list(tx.init(_EMPTY).keys())
+
+
+def chain(*transforms: Transform) -> Transform:
+    r"""Applies ``transforms`` in order: the updates of one are the gradients of the next.
+
+    The state is the union of the members' states (``{"momentum": ..., "exp_avg": ...}``); two
+    members keeping the same entry is an error (wrap one in :func:`named`).
+    """
+    owned = [_owned(t) for t in transforms]
+    seen: dict[str, int] = {}
+    for i, keys in enumerate(owned):
+        for key in keys:
+            if key in seen:
+                raise ValueError(f"chain: members {seen[key]} and {i} both keep state {key!r}; wrap one in muonfn.named")
+            seen[key] = i
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        return build({k: v for t in transforms for k, v in t.init(params).items()}, params.batch_size)
+
+    def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
+        new: dict[str, Any] = {}
+        for t, keys in zip(transforms, owned):
+            grads, member_state = t.update(grads, build({k: state[k] for k in keys}, state.batch_size), params)
+            new.update(member_state.items())
+        return grads, build(new, state.batch_size)
+
+    return transform(init, update, donates_state=any(map(donates_state, transforms)))
+
+
+def named(name: str, tx: Transform) -> Transform:
+    """Keeps ``tx``'s state under ``state[name]``."""
+    if not (isinstance(name, str) and name):
+        raise TypeError(f"named: name must be a non-empty string, got {name!r}")
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        return build({name: tx.init(params)}, params.batch_size)
+
+    def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
+        updates, inner = tx.update(grads, state[name], params)
+        return updates, build({name: inner}, state.batch_size)
+
+    return transform(init, update, donates_state=donates_state(tx))
+
+
+LabelsLike: TypeAlias = Mapping[Any, str] | Callable[[TensorDictBase], Mapping[Any, str]]
+MaskLike: TypeAlias = Mapping[Any, bool] | Callable[[TensorDictBase], Mapping[Any, bool]] | Literal["matrices"] | None
+
+
+def check_table(where: str, table: object) -> None:
+    """A per-name table as written: a mapping, or a callable ``params -> mapping`` (read where it is called)."""
+    if not (isinstance(table, Mapping) or callable(table)):
+        raise TypeError(
+            f"{where} must be a mapping of names or a callable params -> mapping, got {type(table).__name__}"
+        )
+
+
+def table_of(table: Any, params: TensorDictBase, where: str) -> Mapping[Any, Any]:
+    """The names-to-values table ``table`` gives for ``params`` (a callable is called on them)."""
+    if isinstance(table, Mapping):
+        return table
+    made = table(params)
+    if not isinstance(made, Mapping):
+        raise TypeError(f"{where} returned {type(made).__name__}; it must return a mapping of names")
+    return made
+
+
+def route(labels: LabelsLike, params: TensorDictBase, known: Any, *, strict: bool = False) -> dict[str, str]:
+    """Each leaf's label; an error names a leaf without one, or (``strict``) a name that is no leaf."""
+    where = "partition: labels" if strict else None
+    assigned = named_table(table_of(labels, params, "partition: labels"), params.keys(), where)
+    for name in params.keys():
+        label = assigned.get(name)
+        if label is None:
+            raise ValueError(f"partition: parameter {name!r} has no label")
+        if label not in known:
+            raise ValueError(f"partition: {name!r} has label {label!r}; known labels: {sorted(known)}")
+    return assigned
+
+
+def partition(transforms: Mapping[str, Transform], labels: LabelsLike) -> Transform:
+    """Routes each leaf to the transform of its label; the state is ``{label: state}``.
+
+    ``labels``: a mapping from name (dotted or tuple) to label, or a callable ``params -> mapping``
+    given the parameters as a flat TensorDict (see :func:`muonfn.label_params`). Every parameter
+    needs a label, and ``init`` refuses labels for names that are not parameters.
+    """
+    if not isinstance(transforms, Mapping):
+        raise TypeError(f"partition: transforms must map labels to transforms, got {type(transforms).__name__}")
+    transforms = dict(transforms)
+    check_table("partition: labels", labels)
+    routes: dict[tuple[str, ...], dict[str, list[str]]] = {}
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        assigned = route(labels, params, transforms, strict=True)
+        return build(
+            {label: t.init(params.select(*[n for n, a in assigned.items() if a == label])) for label, t in transforms.items()},
+            params.batch_size,
+        )
+
+    def branches(grads: TensorDictBase, params: TensorDictBase | None) -> dict[str, list[str]]:
+        names = tuple(grads.keys())
+        if names not in routes:
+            assigned = route(labels, grads if params is None else params, transforms)
+            routes.clear() if len(routes) > 16 else None
+            routes[names] = {label: [n for n in names if assigned[n] == label] for label in transforms}
+        return routes[names]
+
+    def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
+        size, out, new = grads.batch_size, {}, dict(state.items())
+        for label, names in branches(grads, params).items():
+            if names:
+                sub_params = None if params is None else params.select(*names)
+                updates, new[label] = transforms[label].update(grads.select(*names), state[label], sub_params)
+                out.update(updates.items())
+        return build({n: out[n] for n in grads.keys()}, size), build(new, state.batch_size)
+
+    return transform(init, update, donates_state=any(map(donates_state, transforms.values())))
+
+
+def selected(mask: MaskLike, params: TensorDictBase, where: str, default: bool = True) -> list[str]:
+    """The names ``mask`` selects (``None``: all; ``"matrices"``: leaves of two or more dimensions)."""
+    if mask is None:
+        return list(params.keys()) if default else []
+    if mask == "matrices":
+        members = params.batch_dims
+        return [n for n, p in params.items() if p.ndim - members >= 2]
+    table = named_table(table_of(mask, params, where), params.keys())
+    for name, value in table.items():
+        if not isinstance(value, bool | torch.Tensor) or (isinstance(value, torch.Tensor) and value.numel() != 1):
+            raise TypeError(f"{where}: {name!r} maps to {value!r}; a mask's values must be True or False")
+    return [n for n in params.keys() if bool(table.get(n, default))]
+
+
+def check_mask(where: str, mask: object) -> None:
+    if mask is None or mask == "matrices":
+        return
+    check_table(where, mask)
+    if isinstance(mask, Mapping):
+        selected(mask, _EMPTY, where)  # (the values' type)
+        for name, value in mask.items():
+            if not isinstance(value, bool) and not (isinstance(value, torch.Tensor) and value.numel() == 1):
+                raise TypeError(f"{where}: {dotted(name)!r} maps to {value!r}; a mask's values must be True or False")
+
+
+def masked(tx: Transform, mask: MaskLike) -> Transform:
+    """Applies ``tx`` to the leaves ``mask`` selects (a mapping of names to ``True``/``False``, a
+    callable ``params -> mapping``, or ``"matrices"``); the others pass through unchanged."""
+    where = "masked: mask"
+    check_mask(where, mask)
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        return tx.init(params.select(*selected(mask, params, where, default=False)))
+
+    def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
+        mine = selected(mask, grads if params is None else params.select(*grads.keys()), where, default=False)
+        if not mine:
+            return grads, state
+        updates, state = tx.update(grads.select(*mine), state, None if params is None else params.select(*mine))
+        return build({**grads, **updates}, grads.batch_size), state
+
+    return transform(init, update, donates_state=donates_state(tx))
+
+
+NOTFINITE_COUNT = "notfinite_count"
+
+
+def apply_if_finite(tx: Transform, *, sum_shards: Any = None) -> Transform:
+    """Skips a step whose gradients hold NaN or Inf: zero updates, the state unchanged.
+
+    Skipped steps are counted in ``state["notfinite_count"]``. A ``tx`` that writes its state in
+    place (``donate_state=True``) gets a copy of it kept each step, restored on a skipped one. The
+    test is a tensor (no ``.item()``), so the update stays traceable; for a stacked ensemble each
+    member is tested, skipped and counted on its own. ``sum_shards``: for leaves that are one rank's
+    shard of a larger tensor, the sums over every rank's shard (:func:`muonfn.distributed.shard_sums`),
+    so that every rank skips the same steps (DTensor leaves need none).
+    """
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        state = tx.init(params)
+        if NOTFINITE_COUNT in state.keys():
+            raise ValueError(f"apply_if_finite: the wrapped transform already keeps {NOTFINITE_COUNT!r}")
+        device = next(iter(params.values()), torch.empty(0)).device
+        count = torch.zeros(params.batch_size, dtype=torch.int64, device=device)
+        return build({**state, NOTFINITE_COUNT: count}, params.batch_size)
+
+    def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
+        members = grads.batch_dims
+        finite = _all_finite(list(grads.keys()), list(grads.values()), members, sum_shards, grads.batch_size)
+        inner = state.exclude(NOTFINITE_COUNT)
+        kept = inner.clone() if donates_state(tx) else inner
+        updates, new = tx.update(grads, inner, params)
+        chosen = new.apply(lambda n, o: _where(finite, n, o, members), kept)
+        if donates_state(tx):  # written back into the donated tensors, which keep their addresses
+            chosen = new.apply(lambda n, c: n.copy_(c), chosen)
+        count = state[NOTFINITE_COUNT] + finite.logical_not().to(torch.int64)
+        zeroed = updates.apply(lambda u: _where(finite, u, torch.zeros_like(u), members))
+        return zeroed, build({**chosen, NOTFINITE_COUNT: count}, state.batch_size)
+
+    return transform(init, update, donates_state=donates_state(tx))
+
+
+def count_per_member(mask: torch.Tensor, members: int) -> torch.Tensor:
+    """The number of true entries of ``mask``: one count, or one per ensemble member."""
+    return mask.sum(dtype=torch.int64) if not members else mask.flatten(members).sum(-1, dtype=torch.int64)
+
+
+def _all_finite(
+    names: list[str], values: list[torch.Tensor], members: int, sum_shards: Any, batch_size: torch.Size
+) -> torch.Tensor:
+    if not values:
+        return torch.ones(batch_size, dtype=torch.bool)
+    if sum_shards is None:
+        flags = [g.isfinite().all() if not members else g.isfinite().flatten(members).all(-1) for g in values]
+    else:
+        bad = [count_per_member(g.isfinite().logical_not(), members) for g in values]
+        flags = [b.eq(0).reshape(batch_size) for b in sum_shards(names, values, bad, batch_dims=members)]
+    return torch.stack([f.full_tensor() if hasattr(f, "full_tensor") else f for f in flags]).all(0)
+
+
+def _where(condition: torch.Tensor, a: torch.Tensor, b: torch.Tensor, members: int) -> torch.Tensor:
+    """``a`` where ``condition`` (one flag, or one per ensemble member), else ``b``."""
+    if a is b:
+        return a
+    if members:
+        condition = condition.reshape(*condition.shape, *[1] * (a.ndim - members))
+    if hasattr(a, "device_mesh"):  # a DTensor leaf takes the flag replicated on its own mesh
+        from torch.distributed.tensor import DTensor, Replicate
+
+        condition = DTensor.from_local(condition, a.device_mesh, [Replicate()] * a.device_mesh.ndim, run_check=False)
+    return torch.where(condition, a, b)
+
+
+CautiousMode: TypeAlias = Literal["heavyball", "pytorch_optimizer"]
+CAUTIOUS_MODES: tuple[str, ...] = ("heavyball", "pytorch_optimizer")
+
+
+def cautious(tx: Transform, *, mode: CautiousMode = "heavyball", sum_shards: Any = None) -> Transform:
+    r"""``tx`` whose update components that disagree in sign with the gradient are zeroed and the
+    rest rescaled (Cautious Optimizers, Liang et al. 2024), leaf by leaf (per member of a stacked
+    ensemble), :math:`N` the leaf's number of elements:
+
+    - ``"heavyball"``: :math:`k = [\operatorname{signbit}(u) = \operatorname{signbit}(g)]`,
+      :math:`u \leftarrow u \odot k \cdot N / \max(\sum k, 1)`;
+    - ``"pytorch_optimizer"``: :math:`k = [u g > 0]`, :math:`u \leftarrow u \odot k \cdot N / (\sum k + 1)`.
+
+    Place it around the direction (before the learning rate and weight decay) to match the peers.
+    ``sum_shards``: the sums over every rank's shard of a leaf that is one rank's part of a larger
+    tensor (:func:`muonfn.distributed.shard_sums`), so that :math:`\sum k` and :math:`N` are the
+    whole leaf's (DTensor leaves need none).
+    """
+    if mode not in CAUTIOUS_MODES:
+        raise ValueError(f"cautious: unknown mode {mode!r}; choose one of {list(CAUTIOUS_MODES)}")
+
+    def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
+        updates, state = tx.update(grads, state, params)
+        members, names, values = grads.batch_dims, list(updates.keys()), list(updates.values())
+        keeps = [u.signbit() == g.signbit() if mode == "heavyball" else (u * g) > 0 for u, g in zip(values, grads.values())]
+        kept = [count_per_member(k, members) for k in keeps]
+        if sum_shards is None:
+            totals: list[Any] = [math.prod(u.shape[members:]) for u in values]
+        else:  # the whole leaf's counts of kept and dropped entries, summed over its shards at once
+            dropped = [count_per_member(k.logical_not(), members) for k in keeps]
+            sums = sum_shards([*names, *names], [*values, *values], [*kept, *dropped], batch_dims=members)
+            kept, totals = sums[: len(names)], [s + d for s, d in zip(sums[: len(names)], sums[len(names) :])]
+        out = {n: _rescaled(u, k, s, t, mode, members) for n, u, k, s, t in zip(names, values, keeps, kept, totals)}
+        return build(out, grads.batch_size), state
+
+    return transform(tx.init, update, donates_state=donates_state(tx))
+
+
+def _rescaled(u: torch.Tensor, keep: torch.Tensor, kept: torch.Tensor, total: Any, mode: str, members: int) -> Any:
+    kept = kept.clamp_min(1) if mode == "heavyball" else kept.add(1)
+    scale = kept.to(torch.promote_types(u.dtype, torch.float32)).reciprocal().mul(total)
+    if members:
+        scale = scale.reshape(*scale.shape, *[1] * (u.ndim - members))
+    return u.mul(keep).mul(scale).to(u.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- applying
+
+
+def _matched(where: str, params: TensorDictBase, updates: TensorDictBase) -> list[torch.Tensor]:
+    targets = []
+    for name, u in updates.items():
+        p = params.get(name)
+        if p is None:
+            raise ValueError(f"{where}: update {name!r} has no matching parameter")
+        if u.shape != p.shape:
+            raise ValueError(f"{where}: update {name!r} has shape {tuple(u.shape)}, the parameter {tuple(p.shape)}")
+        targets.append(p)
+    return targets
+
+
+def apply_updates(params: TensorDictBase, updates: TensorDictBase) -> TensorDictBase:
+    """``params + updates`` leaf by leaf; leaves without an update are returned as they are.
+
+    Every update must name a parameter and have its shape (else a ``ValueError`` names it, before
+    anything is computed). Each result keeps its parameter's dtype: a sum of another dtype is taken
+    in the promoted dtype and cast back, as optax does.
+    """
+    flat_params, flat_updates = flat(params), flat(updates)
+    targets = _matched("apply_updates", flat_params, flat_updates)
+    sums = torch._foreach_add(targets, list(flat_updates.values())) if targets else []
+    new = {n: s.to(p.dtype) for n, s, p in zip(flat_updates.keys(), sums, targets)}
+    return nested_like(build({**flat_params, **new}, params.batch_size), params)
+
+
+def apply_updates_(params: TensorDictBase, updates: TensorDictBase) -> TensorDictBase:
+    """``params += updates`` in place, in one multi-tensor add; returns ``params``.
+
+    The step of a loop that owns its parameters, as a ``torch.optim`` step is (with
+    ``donate_state=True`` for the state). The same checks as :func:`apply_updates`, all before any
+    parameter is written, and the same bits. Runs without recording gradients.
+    """
+    flat_params, flat_updates = flat(params), flat(updates)
+    targets = _matched("apply_updates_", flat_params, flat_updates)
+    for (name, u), p in zip(flat_updates.items(), targets):
+        if not torch.can_cast(torch.promote_types(p.dtype, u.dtype), p.dtype):
+            raise ValueError(
+                f"apply_updates_: update {name!r} of dtype {u.dtype} cannot be added in place to its parameter "
+                f"of dtype {p.dtype}"
+            )
+    with torch.no_grad():
+        if targets:
+            torch._foreach_add_(targets, list(flat_updates.values()))
+    return params
+
