@@ -271,13 +271,7 @@ def normuon(
         >>> state["muon", "row_second_moment", "w"].shape  # one entry per row
         torch.Size([4, 1])
     """
-    unit_interval("normuon: beta2", beta2)
-    positive("normuon: adaptive_eps", adaptive_eps)
-
-    def adapt(views: ViewsLike, donate_state: bool) -> tuple[bool, Transform]:
-        rows = scale_by_neuron_norm(beta2, eps=adaptive_eps, rescale=rescale, views=views, donate_state=donate_state)
-        return False, rows
-
+    adapt = adaptation("normuon", beta2=beta2, adaptive_eps=adaptive_eps, rescale=rescale)
     return _preset(adapt, lr, momentum, nesterov, **options)
 
 
@@ -305,26 +299,69 @@ def adamuon(
         >>> sorted(state["muon"].keys())
         ['exp_avg_sq', 'momentum']
     """
-    unit_interval("adamuon: beta2", beta2)
-    positive("adamuon: adaptive_eps", adaptive_eps)
-    flag("adamuon: sign_momentum", sign_momentum)
-    flag("adamuon: second_moment_bias_correction", second_moment_bias_correction)
-    both = options.get("momentum_bias_correction", False) and second_moment_bias_correction
-
-    def adapt(views: ViewsLike, donate_state: bool) -> tuple[bool, Transform]:
-        rms = scale_by_element_rms(
-            beta2, eps=adaptive_eps, bias_correction=second_moment_bias_correction, rescale=rescale, views=views,
-            donate_state=donate_state,
-        )  # fmt: skip
-        # with both corrections each keeps its count: the momentum's under "step", this one's nested
-        return sign_momentum, named("second_moment", rms) if both else rms
-
+    adapt = adaptation(
+        "adamuon", beta2=beta2, adaptive_eps=adaptive_eps, rescale=rescale, sign_momentum=sign_momentum,
+        second_moment_bias_correction=second_moment_bias_correction,
+        momentum_bias_correction=options.get("momentum_bias_correction", False),
+    )  # fmt: skip
     return _preset(adapt, lr, momentum, nesterov, **options)
 
 
 #: NorMuon's or AdaMuon's adaptation, made for a preset's views and donation: whether the momentum's
 #: sign goes into Newton–Schulz, and the transform that adapts its result
 Adaptation: TypeAlias = Callable[[ViewsLike, bool], tuple[bool, Transform]]
+
+
+#: Each variant's defaults for the settings whose defaults differ between variants; an option the
+#: variant does not list does not apply to it.
+VARIANT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "muon": {"momentum": 0.95, "nesterov": True},
+    "normuon": {"momentum": 0.95, "nesterov": True, "beta2": 0.95, "adaptive_eps": 1e-10, "rescale": "orthogonal"},
+    "adamuon": {
+        "momentum": 0.9, "nesterov": False, "beta2": 0.95, "adaptive_eps": 1e-10, "rescale": "orthogonal",
+        "sign_momentum": True, "second_moment_bias_correction": False,
+    },
+}  # fmt: skip
+#: The options only the adapted variants take.
+VARIANT_OPTIONS: tuple[str, ...] = ("beta2", "adaptive_eps", "rescale", "sign_momentum", "second_moment_bias_correction")
+
+
+def adaptation(
+    variant: str,
+    *,
+    beta2: Scalar = 0.95,
+    adaptive_eps: float = 1e-10,
+    rescale: Rescale = "orthogonal",
+    sign_momentum: bool = False,
+    second_moment_bias_correction: bool = False,
+    momentum_bias_correction: bool = False,
+) -> Adaptation | None:
+    """What ``variant`` does between Newton–Schulz and the shape scale (``None`` for Muon): NorMuon's
+    row normalisation, or AdaMuon's element-wise one fed the momentum's sign; checked here."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; choose one of {list(VARIANTS)}")
+    if variant == MUON:
+        return None
+    unit_interval(f"{variant}: beta2", beta2)
+    positive(f"{variant}: adaptive_eps", adaptive_eps)
+    flag(f"{variant}: sign_momentum", sign_momentum)
+    flag(f"{variant}: second_moment_bias_correction", second_moment_bias_correction)
+    if variant == "normuon" and (sign_momentum or second_moment_bias_correction):
+        raise ValueError("normuon: sign_momentum and second_moment_bias_correction are AdaMuon's options")
+
+    def adapt(views: ViewsLike, donate_state: bool) -> tuple[bool, Transform]:
+        if variant == "normuon":
+            rows = scale_by_neuron_norm(beta2, eps=adaptive_eps, rescale=rescale, views=views, donate_state=donate_state)
+            return False, rows
+        rms = scale_by_element_rms(
+            beta2, eps=adaptive_eps, bias_correction=second_moment_bias_correction, rescale=rescale, views=views,
+            donate_state=donate_state,
+        )  # fmt: skip
+        # with both corrections each keeps its count: the momentum's under "step", this one's nested
+        both = momentum_bias_correction and second_moment_bias_correction
+        return sign_momentum, named("second_moment", rms) if both else rms
+
+    return adapt
 
 
 def _preset(

@@ -105,6 +105,18 @@ def transform(init: InitFn, update: UpdateFn, *, donates_state: bool = False) ->
     return Transform(entry_init, entry_update)
 
 
+class entered:  # noqa: N801  (a context manager, named for the state it sets)
+    """Runs updates as the members of an entry that checked their input (their own entries skip it):
+    for a caller that checks several updates' input before running any of them (the shim)."""
+
+    def __enter__(self) -> None:
+        self.before = getattr(_entry, "checked", False)
+        _entry.checked = True
+
+    def __exit__(self, *exc: object) -> None:
+        _entry.checked = self.before
+
+
 def donates_state(tx: Transform) -> bool:
     return getattr(tx.update, "donates_state", False) is True
 

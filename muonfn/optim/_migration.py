@@ -1,80 +1,41 @@
-"""torch.optim.Muon (with torch.optim.AdamW) and the shim: torch's spellings, and state_dicts both ways.
+"""Migration between the shim and ``torch.optim.Muon`` + ``torch.optim.AdamW``, both ways.
 
-A run moves over mid-training through the optimizers' state_dicts: torch's Muon groups
-become the shim's Muon groups in order and torch's AdamW groups its AdamW groups, parameter
-by parameter as ``torch.optim.Optimizer.load_state_dict`` pairs them (by position, checked
-by shape, and by name where both sides have names). State tensors move unchanged; only
-torch's float ``step`` becomes the shim's exact int64 count and back.
+torch's Muon groups become the shim's Muon groups in order, torch's AdamW groups its AdamW groups,
+parameter by parameter as ``torch.optim.Optimizer.load_state_dict`` pairs them (by position, checked
+by shape, and by name where both sides have names). Every group key travels (a scheduler's
+``initial_lr`` too); state tensors move unchanged, but torch's float ``step``, which becomes the
+shim's exact int64 count, and back.
 """
 
 from __future__ import annotations
 
-import enum
+import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._keys import dotted
-from ..linalg import DEFAULT_VIEW, CoefficientsLike, MatrixView, ScaleMode, ns_schedule
-from ..transforms import MaskLike, ViewsLike, resolve_mask, resolve_views
-from . import _groups
-from ._layout import Layout
+from .._tree import build
+from ..linalg import ns_schedule
 
-Groups = Sequence[Mapping[str, Any]]
+if TYPE_CHECKING:
+    from ._optimizer import Muon
 
-#: torch.optim.Muon's ``ns_steps`` when not given.
-TORCH_NS_STEPS = 5
-#: torch.optim.Muon's ``adjust_lr_fn`` -> muonfn's ``scale`` (``None`` is torch's default, Keller's scale).
-SCALE_OF_ADJUST_LR_FN: dict[str | None, ScaleMode] = {
-    None: "original",
-    "original": "original",
-    "match_rms_adamw": "match_rms_adamw",
-}
-ROUTE_NAMES = {True: "torch.optim.Muon", False: "torch.optim.AdamW"}
-
-
-class NotGiven(enum.Enum):
-    """A keyword left out, where ``None`` is one of the values it may be given."""
-
-    NOT_GIVEN = "not given"
-
-
-NOT_GIVEN = NotGiven.NOT_GIVEN
-
-
-# ---------------------------------------------------------------------------- constructor spellings
-
-
-def scale_of(adjust_lr_fn: Any, where: str) -> ScaleMode:
-    if isinstance(adjust_lr_fn, str | None) and adjust_lr_fn in SCALE_OF_ADJUST_LR_FN:
-        return SCALE_OF_ADJUST_LR_FN[adjust_lr_fn]
-    raise ValueError(f"{where}adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {adjust_lr_fn!r}")
-
-
-def resolve_spellings(
-    *, scale: ScaleMode | None, adjust_lr_fn: str | NotGiven | None, ns_eps: float | None, eps: float | None
-) -> tuple[ScaleMode, float]:
-    """``scale`` and ``ns_eps`` from muonfn's keywords or torch.optim.Muon's; both given must agree."""
-    if adjust_lr_fn is not NOT_GIVEN:
-        torch_scale = scale_of(adjust_lr_fn, "Muon(...): ")
-        if scale is not None and scale != torch_scale:
-            raise ValueError(
-                f"Muon(scale={scale!r}, adjust_lr_fn={adjust_lr_fn!r}): adjust_lr_fn is torch's spelling of "
-                f"scale={torch_scale!r}; pass one of them"
-            )
-        scale = torch_scale
-    if eps is not None:
-        if ns_eps is not None and ns_eps != eps:
-            raise ValueError(
-                f"Muon(ns_eps={ns_eps!r}, eps={eps!r}): eps is torch.optim.Muon's spelling of ns_eps; pass one of them"
-            )
-        ns_eps = eps
-    return ("match_rms_adamw" if scale is None else scale), (1e-7 if ns_eps is None else ns_eps)
+KINDS = {True: "torch.optim.Muon", False: "torch.optim.AdamW"}
+#: The settings torch's optimizers run at these values only (the shim's key -> values torch runs).
+TORCH_RUNS = {
+    True: {"variant": ("muon",), "momentum_bias_correction": (False,), "cautious_weight_decay": (False,),
+           "cautious_mode": (None,), "ns_method": ("standard", "gram"), "ns_eps_mode": ("clamp",),
+           "adjust_lr_fn": ("original", "match_rms_adamw", None), "extra_scale": (1.0,), "nesterov": (True, False)},
+    False: {"cautious_weight_decay": (False,), "nesterov": (False,)},
+}  # fmt: skip
+#: The shim's group keys with no counterpart in torch's (left out of its groups).
+SHIM_ONLY = {"use_muon", "variant", "momentum_bias_correction", "cautious_weight_decay", "cautious_mode", "ns_dtype",
+             "ns_method", "ns_eps_mode", "ns_restarts", "extra_scale", "nesterov_adamw"}  # fmt: skip
 
 
 def is_torch_triple(coefficients: Any) -> bool:
-    """torch.optim.Muon's ``ns_coefficients``: one ``(a, b, c)`` of numbers, for every step."""
+    """torch.optim.Muon's ``ns_coefficients``: one ``(a, b, c)``."""
     return (
         isinstance(coefficients, Sequence)
         and not isinstance(coefficients, str)
@@ -83,288 +44,127 @@ def is_torch_triple(coefficients: Any) -> bool:
     )
 
 
-def schedule_of(coefficients: Any, steps: int | None) -> CoefficientsLike:
-    """muonfn's schedule for torch's one triple (repeated ``steps`` times, torch's 5 by default); others as given."""
-    if not is_torch_triple(coefficients):
-        return coefficients
-    count = TORCH_NS_STEPS if steps is None else steps
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"Newton–Schulz steps must be an integer >= 1, got {steps!r}")
-    return (tuple(float(v) for v in coefficients),) * count
-
-
-# ---------------------------------------------------------------------------- torch -> shim
-
-
 def shim_state_dict(
-    param_groups: Groups, layout: Layout, muon_state_dict: Mapping[str, Any], adamw_state_dict: Mapping[str, Any] | None
-) -> dict:
-    """The shim state_dict holding what the torch state_dicts hold, for the shim's ``param_groups``
-    laid out by ``layout``; changes nothing.
-
-    Raises naming the group or parameter that does not correspond.
-    """
-    for i, group in enumerate(param_groups):
-        if group["use_muon"] and group["variant"] != "muon":
-            raise ValueError(
-                f"load_torch_state_dicts: param group {i} has variant={group['variant']!r}; torch.optim.Muon's "
-                "state continues variant='muon' groups only (it keeps no second moment)"
-            )
-        if group["use_muon"] and group["momentum_bias_correction"] is True:
-            raise ValueError(
-                f"load_torch_state_dicts: param group {i} has momentum_bias_correction=True; torch.optim.Muon's "
-                "momentum is not bias-corrected and has no step count to continue it with"
-            )
+    opt: Muon, muon_state_dict: Mapping[str, Any], adamw_state_dict: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """torch's two state_dicts as one of the shim's, for ``opt``'s groups; changes nothing."""
     sources = {True: muon_state_dict, False: adamw_state_dict}
-    torch_groups: dict[bool, list[Mapping[str, Any]]] = {}
-    for route, sd in sources.items():
-        ours = [g for g in param_groups if g["use_muon"] == route]
+    saved_groups = {kind: list(sd["param_groups"]) if sd is not None else [] for kind, sd in sources.items()}
+    groups, state, taken = [], {}, {True: 0, False: 0}
+    position = 0
+    names_of = opt._names()
+    for i, (group, names) in enumerate(zip(opt.param_groups, names_of)):
+        kind = bool(group["use_muon"])
+        where = f"load_torch_state_dicts: param group {i}"
+        for key, values in TORCH_RUNS[kind].items():
+            if kind and key in ("variant", "momentum_bias_correction") and group.get(key) not in values:
+                raise ValueError(f"{where} has {key}={group.get(key)!r}; torch.optim.Muon's state continues Muon groups without bias correction only")
+        indices = list(range(position, position + len(group["params"])))
+        position += len(group["params"])
+        mine = {k: v for k, v in group.items() if k != "params"}
+        mine["params"] = indices
+        nth, taken[kind] = taken[kind], taken[kind] + 1
+        sd = sources[kind]
         if sd is None:
-            given = [name for g in ours for name in _names(layout, g)]
-            if given:
-                raise ValueError(
-                    f"load_torch_state_dicts: this optimizer has {'Muon' if route else 'AdamW'} parameters "
-                    f"{given}; pass the {ROUTE_NAMES[route]} state_dict that trained them"
-                )
-            torch_groups[route] = [{} for _ in ours]
+            if group["params"]:
+                raise ValueError(f"{where}: this optimizer has {KINDS[kind]} parameters {names}; pass that state_dict")
+            groups.append(mine)
             continue
-        saved = list(sd["param_groups"])
-        if len(saved) != len(ours):
-            raise ValueError(
-                f"load_torch_state_dicts: the {ROUTE_NAMES[route]} state_dict has {len(saved)} parameter groups, "
-                f"this optimizer {len(ours)} {'Muon' if route else 'AdamW'} group{'' if len(ours) == 1 else 's'}; "
-                f"build it with one group (use_muon={route}) per torch group, in order"
-            )
-        torch_groups[route] = saved
-
-    position = {p: i for i, p in enumerate(p for g in param_groups for p in g["params"])}
-    state: dict[int, dict[str, Any]] = {}
-    groups: list[dict[str, Any]] = []
-    taken = {True: 0, False: 0}
-    claimed: dict[bool, set[Any]] = {True: set(), False: set()}
-    for i, group in enumerate(param_groups):
-        route = group["use_muon"]
-        nth = taken[route]
-        saved_group = torch_groups[route][nth]
-        taken[route] += 1
-        sd = sources[route]
-        new_group = {k: v for k, v in group.items() if k != "params"}
-        new_group["params"] = [position[p] for p in group["params"]]
-        if sd is None:
-            groups.append(new_group)
-            continue
-        where = f"load_torch_state_dicts: param group {i} (group {nth} of the {ROUTE_NAMES[route]} state_dict)"
-        saved_params = list(saved_group["params"])
-        if len(saved_params) != len(group["params"]):
-            raise ValueError(f"{where}: {len(group['params'])} parameters here, {len(saved_params)} there")
-        names = _names(layout, group)
-        if "param_names" in group and "param_names" in saved_group:
-            for name, saved_name in zip(group["param_names"], saved_group["param_names"]):
-                if name != saved_name:
-                    raise ValueError(f"{where}: parameter {name!r} here is {saved_name!r} there")
-        new_group.update(_muon_settings(saved_group, where) if route else _adamw_settings(saved_group, where))
-        expected = _groups.state_names(group)
-        for index, p, name in zip(saved_params, group["params"], names):
-            claimed[route].add(index)
-            entry = sd["state"].get(index)
-            if not entry:  # torch makes a parameter's state at its first gradient
-                entry = layout.initial_entries(param_groups, p)
-            elif set(entry) != set(expected):
-                amsgrad = " (amsgrad, which muonfn's AdamW does not run)" if "max_exp_avg_sq" in entry else ""
-                raise ValueError(
-                    f"{where}: parameter {name!r} has state {sorted(entry)}, expected {sorted(expected)}{amsgrad}"
-                )
-            # torch's step updates its tensors in place: the shim's must not be the same ones
-            state[position[p]] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
-        groups.append(new_group)
-
-    for route, sd in sources.items():
-        stray = [] if sd is None else [k for k in sd["state"] if k not in claimed[route]]
-        if stray:
-            raise ValueError(
-                f"load_torch_state_dicts: the {ROUTE_NAMES[route]} state_dict has state under {stray}, "
-                "which are none of its groups' parameters"
-            )
+        if nth >= len(saved_groups[kind]):
+            raise ValueError(f"{where}: the {KINDS[kind]} state_dict has {len(saved_groups[kind])} groups, fewer than this optimizer's")
+        saved = saved_groups[kind][nth]
+        if len(saved["params"]) != len(indices):
+            raise ValueError(f"{where}: {len(indices)} parameters here, {len(saved['params'])} in the {KINDS[kind]} group")
+        for name, theirs in zip(names, saved.get("param_names", names)):
+            if group.get("param_names") and name != theirs:
+                raise ValueError(f"{where}: parameter {name!r} here is {theirs!r} there")
+        mine.update(_settings(saved, kind, where))
+        for index, theirs, p, name in zip(indices, saved["params"], group["params"], names):
+            entry = sd["state"].get(theirs)
+            if entry:
+                if "max_exp_avg_sq" in entry:
+                    raise ValueError(f"{where}: parameter {name!r} has amsgrad's state, which muonfn's AdamW does not run")
+                state[index] = {k: _shim_value(k, v, p) for k, v in entry.items()}
+        groups.append(mine)
+    for kind, saved in saved_groups.items():
+        if len(saved) > taken[kind]:
+            raise ValueError(f"load_torch_state_dicts: the {KINDS[kind]} state_dict has {len(saved)} groups, this optimizer {taken[kind]}")
     return {"state": state, "param_groups": groups}
 
 
-def _names(layout: Layout, group: Mapping[str, Any]) -> list[str]:
-    return [dotted(layout.slots[p].key) for p in group["params"]]
+def _settings(saved: Mapping[str, Any], kind: bool, where: str) -> dict[str, Any]:
+    """torch's group settings under the shim's keys; every key carried (``initial_lr`` too)."""
+    out = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
+    if not kind:
+        for key in ("amsgrad", "maximize"):
+            if out.pop(key, False):
+                raise ValueError(f"{where} has {key}=True, which muonfn's AdamW does not run")
+        if not out.pop("decoupled_weight_decay", True) and float(out["weight_decay"]) != 0:
+            raise ValueError(f"{where} is Adam's (weight decay added to the gradient), not AdamW's")
+        for key in ("foreach", "capturable", "differentiable", "fused"):
+            out.pop(key, None)
+        out["betas"] = tuple(float(b) for b in out["betas"])
+        return out
+    coefficients, steps = out.pop("ns_coefficients"), out.pop("ns_steps")
+    if is_torch_triple(coefficients):
+        coefficients = (tuple(float(v) for v in coefficients),) * steps
+    ns_schedule(coefficients)
+    out.update(ns_coefficients=coefficients if isinstance(coefficients, str) else tuple(coefficients), ns_steps=None)
+    out["adjust_lr_fn"] = out.get("adjust_lr_fn") or "original"
+    return out
 
 
-def _setting(saved: Mapping[str, Any], name: str, where: str) -> Any:
-    if name not in saved:
-        raise ValueError(f"{where} has no {name!r}")
-    return saved[name]
-
-
-def _muon_settings(saved: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """torch.optim.Muon's group hyperparameters under the shim's names."""
-    steps = _setting(saved, "ns_steps", where)
-    return {
-        "lr": _setting(saved, "lr", where),
-        "momentum": _setting(saved, "momentum", where),
-        "weight_decay": _setting(saved, "weight_decay", where),
-        "nesterov": _setting(saved, "nesterov", where),
-        "ns_coefficients": _groups.plain_coefficients(schedule_of(_setting(saved, "ns_coefficients", where), steps)),
-        "ns_steps": steps,
-        "ns_eps": _setting(saved, "eps", where),
-        "scale": scale_of(_setting(saved, "adjust_lr_fn", where), f"{where}: "),
-        "extra_scale": 1.0,
-    }
-
-
-def _adamw_settings(saved: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """torch.optim.AdamW's group hyperparameters under the shim's names; what muonfn's AdamW does not run is refused."""
-    for flag in ("amsgrad", "maximize"):
-        if saved.get(flag, False):
-            raise ValueError(f"{where} has {flag}=True, which muonfn's AdamW does not run")
-    weight_decay = _setting(saved, "weight_decay", where)
-    if not saved.get("decoupled_weight_decay", True) and float(weight_decay) != 0.0:
-        raise ValueError(
-            f"{where} is Adam's (weight decay added to the gradient), not AdamW's; muonfn decouples weight decay"
-        )
-    betas = _setting(saved, "betas", where)
-    _groups.check_betas(f"{where}: betas", betas)
-    return {
-        "lr": _setting(saved, "lr", where),
-        "weight_decay": weight_decay,
-        "adamw_betas": tuple(float(b) for b in betas),
-        "adamw_eps": _setting(saved, "eps", where),
-    }
-
-
-# ---------------------------------------------------------------------------- shim -> torch
-
-
-def torch_state_dicts(
-    param_groups: Groups, layout: Layout, *, views: ViewsLike, weight_decay_mask: MaskLike
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The state_dicts of a torch.optim.Muon and a torch.optim.AdamW built with the shim's Muon and AdamW
-    groups, laid out by ``layout``, read with the shim's ``views`` and ``weight_decay_mask``.
-
-    Raises naming the group or parameter whose settings torch's optimizers cannot run.
-    """
-    out: dict[bool, dict[str, Any]] = {route: {"state": {}, "param_groups": []} for route in (True, False)}
-    count = {True: 0, False: 0}
-    decayed = set(resolve_mask(weight_decay_mask, layout.params(), True))
-    for i, group in enumerate(param_groups):
-        route = group["use_muon"]
-        where = f"torch_state_dicts: param group {i}"
-        keys = [layout.slots[p].key for p in group["params"]]
-        if float(group["weight_decay"]) != 0.0:
-            exempt = [dotted(k) for k in keys if k not in decayed]
-            if exempt:
-                raise ValueError(
-                    f"{where}: weight_decay_mask exempts {exempt} from its weight decay, which torch applies to "
-                    "the whole group; put them in a group of their own with weight_decay=0"
-                )
-        _refuse_what_torch_does_not_run(where, group)
-        if route:
-            torch_group = _torch_muon_group(where, group, keys, resolve_views(views, keys, group["params"]))
-        else:
-            torch_group = _torch_adamw_group(group)
-        indices = list(range(count[route], count[route] + len(keys)))
-        count[route] += len(keys)
-        torch_group["params"] = indices
-        if "param_names" in group:
-            torch_group["param_names"] = list(group["param_names"])
-        out[route]["param_groups"].append(torch_group)
-        for index, p in zip(indices, group["params"]):
-            out[route]["state"][index] = {
-                name: _torch_value(name, t) for name, t in layout.entries(param_groups, p).items()
-            }
-    return out[True], out[False]
-
-
-#: The settings torch.optim.Muon (True) and torch.optim.AdamW (False) run, at the value they run
-#: (``ns_method="gram"`` runs the same iteration as torch's, rounded another way).
-TORCH_RUNS: dict[bool, dict[str, tuple[Any, ...]]] = {
-    True: {
-        "momentum_bias_correction": (False,),
-        "cautious_weight_decay": (False,),
-        "cautious_mode": (None,),
-        "ns_method": ("standard", "gram"),
-        "ns_eps_mode": ("clamp",),
-    },
-    False: {"cautious_weight_decay": (False,), "adamw_nesterov": (False,)},
-}
-
-
-def _refuse_what_torch_does_not_run(where: str, group: Mapping[str, Any]) -> None:
-    runner = ROUTE_NAMES[group["use_muon"]]
-    for name, values in TORCH_RUNS[group["use_muon"]].items():
-        value = group[name]
-        if not any(value is v or (isinstance(value, str) and value == v) for v in values):
-            shown = getattr(value, "__qualname__", None) if callable(value) else None
-            raise ValueError(
-                f"{where}: {runner} does not run {name}={shown or repr(value)} "
-                f"(it runs {' or '.join(repr(v) for v in values)})"
-            )
-
-
-def _torch_muon_group(
-    where: str, group: Mapping[str, Any], keys: Sequence[tuple[str, ...]], views: Sequence[MatrixView]
-) -> dict[str, Any]:
-    if group["variant"] != "muon":
-        raise ValueError(
-            f"{where}: torch.optim.Muon runs variant='muon'; this group has variant={group['variant']!r} "
-            f"(state {sorted(_groups.state_names(group))})"
-        )
-    schedule = ns_schedule(_groups.coefficients_of(group["ns_coefficients"]), group["ns_steps"])
-    if schedule.norm_factor != 1.0 or len(set(schedule.triples)) != 1:
-        raise ValueError(
-            f"{where}: torch.optim.Muon runs one (a, b, c) for every Newton–Schulz step without a norm factor; "
-            f"this group's schedule is {schedule}"
-        )
-    scale = group["scale"]
-    torch_names = {v: k for k, v in SCALE_OF_ADJUST_LR_FN.items() if k is not None}
-    if scale not in torch_names or group["extra_scale"] != 1.0:
-        raise ValueError(
-            f"{where}: torch.optim.Muon scales by adjust_lr_fn 'original' or 'match_rms_adamw'; this group has "
-            f"scale={scale!r}, extra_scale={group['extra_scale']!r}"
-        )
-    for key, p, view in zip(keys, group["params"], views):
-        if p.ndim != 2:
-            raise ValueError(
-                f"{where}: torch.optim.Muon takes 2-D parameters only; {dotted(key)!r} has shape {tuple(p.shape)}"
-            )
-        if view != DEFAULT_VIEW:
-            raise ValueError(f"{where}: torch.optim.Muon reads {dotted(key)!r} as it is stored, not as {view}")
-    return {
-        "lr": _copied(group["lr"]),
-        "weight_decay": _copied(group["weight_decay"]),
-        "momentum": _copied(group["momentum"]),
-        "nesterov": group["nesterov"],
-        "ns_coefficients": schedule.triples[0],
-        "eps": group["ns_eps"],
-        "ns_steps": len(schedule.triples),
-        "adjust_lr_fn": torch_names[scale],
-    }
-
-
-def _torch_adamw_group(group: Mapping[str, Any]) -> dict[str, Any]:
-    return {
-        "lr": _copied(group["lr"]),
-        "betas": tuple(group["adamw_betas"]),
-        "eps": group["adamw_eps"],
-        "weight_decay": _copied(group["weight_decay"]),
-        "amsgrad": False,
-        "maximize": False,
-        "foreach": None,
-        "capturable": False,
-        "differentiable": False,
-        "fused": None,
-        "decoupled_weight_decay": True,
-    }
-
-
-def _copied(value: Any) -> Any:
-    # the torch optimizer must not share a scheduled tensor with this one
+def _shim_value(name: str, value: Any, p: torch.Tensor) -> Any:
+    if name == "step":  # torch's float count, the shim's exact int64
+        count = float(value)
+        if not (count >= 0 and count == math.floor(count)):
+            raise ValueError(f"step {count!r} is no count")
+        return torch.tensor(int(count), dtype=torch.int64, device=p.device)
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 
-def _torch_value(name: str, t: torch.Tensor) -> torch.Tensor:
-    if name == "step":  # torch.optim.AdamW counts in the default scalar dtype
-        return t.to(torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32)
-    return t.clone()
+def torch_state_dicts(opt: Muon) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The shim's state as ``torch.optim.Muon``'s and ``torch.optim.AdamW``'s state_dicts."""
+    out: dict[bool, dict[str, Any]] = {kind: {"state": {}, "param_groups": []} for kind in (True, False)}
+    count = {True: 0, False: 0}
+    for i, (group, names) in enumerate(zip(opt.param_groups, opt._names())):
+        kind = bool(group["use_muon"])
+        where = f"torch_state_dicts: param group {i}"
+        for key, values in TORCH_RUNS[kind].items():
+            if key in group and group[key] not in values:
+                raise ValueError(f"{where} has {key}={group[key]!r}, which {KINDS[kind]} does not run")
+        if opt._views is not None:
+            raise ValueError(f"{where}: views= read parameters as other matrices than torch.optim.Muon does")
+        if opt._mask is not None and float(group["weight_decay"]) != 0:
+            decayed = set(_decayed(opt, names, group["params"]))
+            exempt = [n for n in names if n not in decayed]
+            if exempt:
+                raise ValueError(f"{where}: weight_decay_mask exempts {exempt}, which torch decays with the whole group")
+        theirs = {k: v for k, v in group.items() if k not in SHIM_ONLY and k != "params"}
+        if kind:
+            schedule = ns_schedule(group["ns_coefficients"], group["ns_steps"])
+            if len(set(schedule.triples)) != 1 or schedule.norm_factor != 1.0:
+                raise ValueError(f"{where}: torch.optim.Muon runs one (a, b, c) for every step, not {group['ns_coefficients']!r}")
+            for name, p in zip(names, group["params"]):
+                if p.ndim != 2:
+                    raise ValueError(f"{where}: parameter {name!r} is {p.ndim}-D; torch.optim.Muon takes 2-D parameters only")
+            theirs.update(ns_coefficients=schedule.triples[0], ns_steps=len(schedule.triples))
+        else:
+            theirs.update(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None)
+        indices = list(range(count[kind], count[kind] + len(names)))
+        count[kind] += len(names)
+        theirs["params"] = indices
+        out[kind]["param_groups"].append(theirs)
+        for index, p in zip(indices, group["params"]):
+            entry = opt.state.get(p)
+            if entry:
+                out[kind]["state"][index] = {
+                    k: v.to(torch.float32) if k == "step" else v.clone() for k, v in entry.items() if isinstance(v, torch.Tensor)
+                }
+    return out[True], out[False]
+
+
+def _decayed(opt: Muon, names: list[str], params: list[torch.Tensor]) -> list[str]:
+    from ..transforms import selected
+
+    return selected(opt._mask, build({n: p.detach() for n, p in zip(names, params)}, torch.Size([])), "weight_decay_mask")

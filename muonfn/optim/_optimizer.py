@@ -1,631 +1,594 @@
-"""The ``torch.optim.Optimizer`` subclass: translates param groups into the presets' branches."""
+"""The ``torch.optim.Optimizer`` shim: param groups translated into the presets' branches, the state
+kept as torch keeps it (``opt.state[p]``, under torch's names) and handed to ``Transform.update``
+as a TensorDict."""
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 
-from .. import _tree
-from .._gc_pause import pause_collections, resume_collections
-from .._validation import Scalar, flag, positive
-from ..linalg import CoefficientsLike, EpsMode, MatrixFn, Orthogonalizer, ScaleMode
-from ..presets import (
-    ADAMW,
-    MUON,
-    Variant,
-    adamw,
-    check_names,
-    label_params,
-    matrix_branch,
-    muon_orthogonalizer,
-    refuse_collectives,
-)
-from ..transforms import (
-    CautiousMode,
-    LabelsLike,
-    MaskLike,
-    MethodLike,
-    Rescale,
-    Transform,
-    ViewsLike,
-    as_rule,
-    check_labels,
-    check_mask,
-    check_rule,
-    check_views,
-    mask_table,
-    newton_schulz_setting,
-    resolve_labels,
-    resolve_views,
-)
-from . import _groups, _migration
-from ._layout import Layout
-from ._migration import NOT_GIVEN, NotGiven
-from ._param_state import ParamState
-from ._state_dict import packed_state_dict, translate_state_dict
-from ._step_parts import StepInputs, parts_applier
+from .. import transforms
+from .._tree import build, named_table
+from .._validation import flag, non_negative, positive, unit_interval
+from ..linalg import SCALE_MODES, NewtonSchulz, Orthogonalizer, ns_schedule, polar, qr_orthogonal
+from ..presets import MUON, VARIANT_DEFAULTS, VARIANT_OPTIONS, VARIANTS, adaptation, label_params, matrix_branch
+from ..steps import adamw
+from ..transforms import LabelsLike, MaskLike, Transform, check_input
+from . import _migration
 
-if TYPE_CHECKING:
-    from ..distributed import Collectives, Replicated, ShardSpecs, Strategy
+#: A Muon group's settings besides the scheduled ones, and what a change of them rebuilds.
+MUON_SETTINGS = (
+    "nesterov", "variant", "momentum_bias_correction", "cautious_weight_decay", "cautious_mode", "ns_coefficients",
+    "ns_steps", "eps", "ns_dtype", "ns_method", "ns_eps_mode", "ns_restarts", "adjust_lr_fn", "extra_scale",
+)  # fmt: skip
+#: An AdamW group's settings besides the scheduled ones (torch.optim.AdamW's spellings).
+ADAMW_SETTINGS = ("betas", "eps", "nesterov", "cautious_weight_decay")
+#: The settings a scheduler may change every step: refilled into the transform's 0-d tensors.
+SCHEDULED = {True: ("lr", "momentum", "weight_decay"), False: ("lr", "weight_decay")}
+#: The state entries under torch's names, by their place in a group's functional state.
+TORCH_NAMES = {
+    ("momentum",): "momentum_buffer",
+    ("second_moment", "exp_avg_sq"): "exp_avg_sq",
+    ("second_moment", "step"): "second_moment_step",
+}
+#: ``chunk_numel="auto"``: about this many parts, each of at least ``AUTO_MIN_CHUNK`` elements
+AUTO_PARTS, AUTO_MIN_CHUNK = 10, 2**18
 
 
 class Muon(torch.optim.Optimizer):
     r"""Muon (or NorMuon, AdaMuon) for matrices and AdamW for the rest, as a ``torch.optim.Optimizer``.
 
-    Takes exactly the keywords of :func:`muonfn.muon`, :func:`muonfn.normuon` and
-    :func:`muonfn.adamuon` (see there for the math), with their defaults but those below, and
-    its own (``variant``, ``chunk_numel``, ``compile``, torch's ``adjust_lr_fn`` and ``eps``);
-    it steps with the ``update`` of the same branches. See :mod:`muonfn.optim` for how groups
-    and state are laid out.
+    It takes torch.optim.Muon's keywords with their meaning (``ns_coefficients`` one ``(a, b, c)`` for
+    each of ``ns_steps``, or a schedule's name; ``eps``; ``adjust_lr_fn``: ``None`` or ``"original"``,
+    ``"match_rms_adamw"``, and muonfn's other scale modes), and :func:`muonfn.muon`'s others. See
+    :mod:`muonfn.optim` for how groups and state are laid out.
 
     Args:
-        params: ``model.named_parameters()`` (names drive ``labels``), an iterable of
-            tensors, or param-group dicts. A dict may set ``lr``, ``momentum``,
-            ``weight_decay``, ``variant`` and the other defaults, ``"use_muon": True/False``
-            to route the whole group, or, when it leaves routing to ``labels``, ``adamw_lr``
-            and ``adamw_weight_decay`` for its AdamW half.
-        lr: a number (or a one-element tensor); schedule it with ``torch.optim.lr_scheduler``.
-        variant: the Muon groups' rule: ``"muon"``; ``"normuon"`` or ``"adamuon"``, the
-            matrix branch of :func:`muonfn.normuon` or :func:`muonfn.adamuon`. A group dict
-            may set its own.
-        momentum, nesterov: ``None`` means the variant's default: 0.95 and ``True`` for Muon
-            and NorMuon, 0.9 and ``False`` for AdaMuon.
-        beta2, adaptive_eps, rescale: NorMuon's and AdaMuon's options (``None``: the preset's
-            default); an error with ``variant="muon"``.
-        sign_momentum, second_moment_bias_correction: AdaMuon's options (``None``: the
-            preset's default); an error with another variant.
-
-    The other keywords are those of :func:`muonfn.muon` (``scale=None`` and ``ns_eps=None``
-    mean its defaults, ``"match_rms_adamw"`` and ``1e-7``). They are kept in every group, which
-    a group dict may set, but ``labels``, ``views``, ``weight_decay_mask``, ``bucket_numel``,
-    the distributed ones and ``donate_state``, given once. ``adamw_lr`` and
-    ``adamw_weight_decay`` (``None``: the Muon value) set the AdamW groups' ``lr`` and
-    ``weight_decay``; ``cautious_weight_decay`` applies to both kinds of group, ``adamw_nesterov``
-    to the AdamW groups. ``ns=`` (the whole Newton–Schulz setting, in the constructor or a group
-    dict) is kept in a group as its plain ``ns_*`` entries (:func:`muonfn.polar` as
-    ``ns_method="svd"``, :func:`muonfn.linalg.qr_orthogonal` as ``"qr"``); a map of one's own as
-    ``ns_method``, which :meth:`state_dict` leaves out (``torch.load(weights_only=True)`` reads
-    no functions) and :meth:`load_state_dict` keeps as the loading optimizer has it, as it keeps
-    ``views`` and ``labels``. ``labels``, ``views``, ``weight_decay_mask`` and ``shard_specs`` are
-    checked against the parameters' names at construction: a typo is an error.
-    ``donate_state`` is ``True`` here: the state is updated in place, as torch.optim's is
-    (``donate_state=False`` allocates a new state each step). ``chunk_numel`` steps the
-    parameters in parts of at most that many elements (a larger parameter is a part of its
-    own; the matrices of a group's Newton–Schulz call go together when they fit in a part),
-    each part's update added before the next is computed: the step's temporaries then hold
-    one part instead of all parameters (peak memory near torch.optim's), for a little more
-    host work per part. Everything is checked before the first part runs, and the results
-    are the same bits, but for the matrices of a call split across parts: a batched matrix
-    product may round by the batch's size, so their updates may differ as two roundings of
-    the iteration in ``ns_dtype`` do (see the shim's page). ``"auto"``: parts of a tenth of
-    the parameters' elements, at least 2**18 (a model of up to 2**18 elements is one part);
-    ``None``: one part, the functional update's bits.
-
-    ``compile=True`` runs the step's arithmetic (every part's update and its addition to the
-    parameters) as one ``torch.compile(fullgraph=True)`` graph. It is compiled at the first
-    step and again only when its structure changes (other parameters have gradients, a
-    setting that rebuilds the transform): up to 8 structures per optimizer, steps of further
-    ones run eagerly (with a warning). ``lr``, ``momentum`` and ``weight_decay`` are
-    tensors refilled before each step, so a scheduler does not recompile. A mapping gives
-    ``torch.compile``'s keywords instead (``{"mode": "max-autotune-no-cudagraphs"}``,
-    ``{"backend": "aot_eager"}``), ``fullgraph=True`` unless it says otherwise. The checks
-    run eagerly before the compiled graph: bad input raises as without it, changing nothing.
-    Refused with ``collectives``, whose exchanges run in Python.
-
-    ``collectives`` is refused with a variant, as :func:`muonfn.normuon` and
-    :func:`muonfn.adamuon` refuse it.
-
-    A group's variant options are resolved when it is added: ``None`` becomes its variant's
-    default, an option inherited from the defaults that its variant does not take becomes
-    ``None``. A setting changed in ``param_groups`` takes effect at the next step. A changed
-    variant keeps the momentum, starts the new variant's second moment from zero, and drops
-    the old one. A bias correction (``momentum_bias_correction``, AdaMuon's
-    ``second_moment_bias_correction``) turned on starts what it corrects from zero with its
-    ``step`` count (a trained moment divided by :math:`1 - \beta^t` for a small :math:`t`
-    would be several times too large); turned off, it keeps the moment and drops the count.
-
-    torch.optim.Muon's spellings are taken too: ``adjust_lr_fn`` (``None`` or
-    ``"original"``: ``scale="original"``; ``"match_rms_adamw"``), ``eps`` (``ns_eps``) and
-    one ``ns_coefficients=(a, b, c)`` for every one of ``ns_steps`` steps (5 when not
-    given). Given with muonfn's own keyword, they must agree.
+        params: ``model.named_parameters()`` (names drive ``labels``), tensors, or param-group dicts.
+            A dict may set any group setting, ``"use_muon": True/False`` to route the whole group, or,
+            leaving routing to ``labels``, ``adamw_lr`` and ``adamw_weight_decay`` for its AdamW half.
+        lr, weight_decay, momentum, nesterov: as torch.optim.Muon's (``None``: the variant's default:
+            0.95 and ``True`` for Muon and NorMuon, 0.9 and ``False`` for AdaMuon).
+        variant: the Muon groups' rule: ``"muon"``, ``"normuon"`` or ``"adamuon"`` (:func:`muonfn.normuon`,
+            :func:`muonfn.adamuon`); ``beta2``, ``adaptive_eps``, ``rescale``, ``sign_momentum`` and
+            ``second_moment_bias_correction`` are their options (``None``: the variant's default).
+        ns: Newton–Schulz settings beyond torch's spellings, a :class:`~muonfn.NewtonSchulz` (its
+            ``dtype``, ``method``, ``eps_mode``, ``restarts``), or ``"svd"``, ``"qr"``, a map of one's own.
+        adjust_lr_fn: the shape scale (``"match_rms_adamw"`` by default: start from AdamW's learning rate).
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, adamw_nesterov: the AdamW groups'
+            ``lr``, ``betas``, ``eps``, ``weight_decay``, ``nesterov`` (``None``: the Muon value).
+        labels, views, weight_decay_mask, orthogonalizer: as :func:`muonfn.muon`'s, given once.
+        donate_state: the state is updated in place (``True``), as torch.optim's is.
+        chunk_numel: step the parameters in parts of at most this many elements, each part's update
+            added before the next is computed (the step's temporaries hold one part: peak memory near
+            torch.optim's); ``"auto"``: a tenth of the parameters, at least 2**18; ``None``: one part.
+        compile: run the step's arithmetic as one ``torch.compile(fullgraph=True)`` graph (a mapping:
+            ``torch.compile``'s keywords), recompiled only when its structure changes; the checks run
+            eagerly before it.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-        >>> opt = muonfn.optim.Muon(model.named_parameters(), lr=0.02)
+        >>> opt = muonfn.optim.Muon(model.named_parameters(), lr=1e-3)
         >>> [(g["use_muon"], g["param_names"]) for g in opt.param_groups]
         [(True, ['0.weight', '1.weight']), (False, ['0.bias', '1.bias'])]
-        >>> opt = muonfn.optim.Muon(model.named_parameters(), lr=0.02, variant="normuon")
-        >>> sorted(opt.state[model[0].weight])
-        ['momentum_buffer', 'row_second_moment']
-        >>> opt = muonfn.optim.Muon(model.named_parameters(), lr=0.02, momentum_bias_correction=True)
-        >>> sorted(opt.state[model[0].weight])
-        ['momentum_buffer', 'step']
     """
 
     def __init__(
         self,
-        params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[dict[str, Any]],
-        lr: Scalar = 1e-3,
+        params: Iterable[Any],
+        lr: float = 1e-3,
         *,
-        variant: Variant = "muon",
-        momentum: Scalar | None = None,
+        weight_decay: float = 0.1,
+        momentum: float | None = None,
         nesterov: bool | Literal["add"] | None = None,
-        momentum_bias_correction: bool = False,
-        beta2: Scalar | None = None,
+        ns_coefficients: Any = "keller",
+        eps: float = 1e-7,
+        ns_steps: int | None = None,
+        adjust_lr_fn: str | None = "match_rms_adamw",
+        variant: str = "muon",
+        beta2: float | None = None,
         adaptive_eps: float | None = None,
-        rescale: Rescale | None = None,
+        rescale: str | None = None,
         sign_momentum: bool | None = None,
         second_moment_bias_correction: bool | None = None,
-        weight_decay: Scalar = 0.1,
+        momentum_bias_correction: bool = False,
         cautious_weight_decay: bool = False,
-        cautious_mode: CautiousMode | None = None,
-        ns_coefficients: CoefficientsLike = "keller",
-        ns_steps: int | None = None,
-        ns_dtype: torch.dtype | None = None,
-        ns_eps: float | None = None,
-        ns_method: MethodLike = "standard",
-        ns_eps_mode: EpsMode = "clamp",
-        ns_restarts: Sequence[int] | None = None,
-        ns: MatrixFn | None = None,
-        scale: ScaleMode | None = None,
+        cautious_mode: str | None = None,
+        ns: Any = None,
         extra_scale: float = 1.0,
-        adamw_lr: Scalar | None = None,
+        adamw_lr: float | None = None,
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
-        adamw_weight_decay: Scalar | None = None,
-        adamw_nesterov: bool | Literal["timm"] = False,
+        adamw_weight_decay: float | None = None,
+        adamw_nesterov: bool | str = False,
         labels: LabelsLike | None = None,
-        views: ViewsLike = None,
+        views: Any = None,
         weight_decay_mask: MaskLike = None,
-        bucket_numel: int | None = None,
-        collectives: Collectives | None = None,
-        strategy: Strategy = "owner",
-        shard_specs: ShardSpecs | None = None,
-        replicated: Replicated = "split",
-        overlap: bool = True,
+        orthogonalizer: Orthogonalizer | None = None,
         donate_state: bool = True,
         chunk_numel: int | Literal["auto"] | None = "auto",
         compile: bool | Mapping[str, Any] = False,
-        adjust_lr_fn: str | NotGiven | None = NOT_GIVEN,
-        eps: float | None = None,
     ) -> None:
-        arguments = dict(locals())  # first: the keywords as given, read by the table of group settings
         for name, value in (("lr", lr), ("adamw_lr", adamw_lr)):
             if callable(value) and not isinstance(value, torch.Tensor):
-                raise TypeError(
-                    f"Muon({name}=...) takes a number; schedule it with torch.optim.lr_scheduler "
-                    "(schedule functions are for muonfn.muon)"
-                )
-        _groups.check_betas("adamw_betas", adamw_betas)
-        positive("adamw_eps", adamw_eps)
-        check_mask("Muon(...): weight_decay_mask", weight_decay_mask)
-        check_views("Muon(...): views", views)
-        if labels is not None:
-            check_labels("Muon(...): labels", labels)
+                raise TypeError(f"Muon({name}=...) takes a number; schedule it with torch.optim.lr_scheduler")
         flag("Muon(...): donate_state", donate_state)
-        where = f"Muon(variant={variant!r})"
-        _groups.check_variant("Muon(...)", variant)
-        _groups.refuse_inapplicable(where, variant, arguments)
-        if variant != MUON:
-            refuse_collectives(where, collectives)
-        self._compile = compile
-        self._apply_parts = parts_applier(compile, collectives)
-        scale, ns_eps = _migration.resolve_spellings(scale=scale, adjust_lr_fn=adjust_lr_fn, ns_eps=ns_eps, eps=eps)
-        # every group setting the table lists, as given (None: each group's variant's default, filled
-        # in as groups are added); a setting the table lists and this signature lacks fails here
-        given = {**arguments, "scale": scale, "ns_eps": ns_eps}
-        defaults: dict[str, Any] = {name: given[name] for name in _groups.GROUP_SETTINGS}
-        if ns is not None:
-            newton_schulz_setting("Muon(...)", ns, **{name: defaults[name] for name in _groups.NEWTON_SCHULZ})
-            defaults.update(_groups.newton_schulz_fields(ns))
-        schedule = _migration.schedule_of(defaults["ns_coefficients"], defaults["ns_steps"])
-        defaults["ns_coefficients"] = _groups.plain_coefficients(schedule)
-        defaults["adamw_betas"] = tuple(adamw_betas)
-        self._adamw_lr = adamw_lr
-        self._adamw_weight_decay = adamw_weight_decay
-        self._orthogonalizer: Orthogonalizer | None = muon_orthogonalizer(
-            collectives, strategy, shard_specs, bucket_numel, replicated=replicated, overlap=overlap
-        )
-        if labels is None:
-            # a shard's own shape can look like a vector (one row per rank): shards go by their names
-            labels = functools.partial(label_params, shards=tuple(shard_specs)) if shard_specs else label_params
-        self._labels: LabelsLike = labels
-        self._views = views
-        self._weight_decay_mask = weight_decay_mask
-        self._bucket_numel = bucket_numel
-        self._donate_state = donate_state
-        self._chunk_numel = _groups.check_chunk_numel(chunk_numel)
-        self._collectives = collectives
-        self._layout = Layout(self._branch)
-        self._scalars: list[dict[str, torch.Tensor]] = []
-        # the transform, and what it was built from: the layout's version and the group settings
-        self._cache: tuple[int, list[Any], Transform] | None = None
-        super().__init__(params, defaults)  # routes every group through add_param_group
-        check_names(
-            self._layout.params(),
-            labels=labels,
-            views=views,
-            weight_decay_mask=weight_decay_mask,
-            shard_specs=shard_specs,
-        )
-        self.state = ParamState(self._layout, self)  # type: ignore[assignment]
-
-    # ------------------------------------------------------------------ layout
-
-    def _branch(self, group: Mapping[str, Any], scalars: Mapping[str, torch.Tensor]) -> Transform:
-        """The transform of one group: a branch of :func:`muonfn.muon` (:func:`muonfn.normuon`,
-        :func:`muonfn.adamuon` by its ``variant``), built by the presets' own builders."""
-        # the core skips a zero decay given as a number (as muon(weight_decay=0.0) does)
-        weight_decay: Scalar = 0.0 if _is_zero(group["weight_decay"]) else scalars["weight_decay"]
-        if group["use_muon"]:
-            coefficients = _groups.coefficients_of(group["ns_coefficients"])
-            settings: dict[str, Any] = {
-                "lr": scalars["lr"],
-                "momentum": scalars["momentum"],
-                "nesterov": _groups.setting(group, "nesterov"),
-                "weight_decay": weight_decay,
-                "ns": newton_schulz_setting(
-                    "Muon", **{**{name: group[name] for name in _groups.NEWTON_SCHULZ}, "ns_coefficients": coefficients}
-                ),
-                **{name: group[name] for name in _groups.AS_GIVEN},
-                "views": self._views,
-                "weight_decay_mask": self._weight_decay_mask,
-                "bucket_numel": self._bucket_numel,
-                "donate_state": self._donate_state,
-            }
-            if group["variant"] == MUON:
-                return matrix_branch(MUON, **settings, orthogonalizer=self._orthogonalizer)
-            refuse_collectives(f"variant={group['variant']!r}", self._collectives)
-            return matrix_branch(group["variant"], **settings, **_groups.adapted_settings(group))
-        return adamw(
-            scalars["lr"],
-            betas=group["adamw_betas"],
-            eps=group["adamw_eps"],
-            weight_decay=weight_decay,
-            weight_decay_mask=self._weight_decay_mask,
-            nesterov=group["adamw_nesterov"],
-            cautious_weight_decay=group["cautious_weight_decay"],
-            donate_state=self._donate_state,
-        )
-
-    def _signature(self) -> list[Any]:
-        """What the transform is built from besides the scheduled scalars (and the layout, which resets the cache)."""
-        signature: list[Any] = []
-        for group in self.param_groups:
-            settings = _groups.MUON_SETTINGS if group["use_muon"] else _groups.ADAMW_SETTINGS
-            values = [_comparable(group[k]) for k in settings]
-            signature.append((group["use_muon"], values, _is_zero(group["weight_decay"])))
-        return signature
-
-    @torch.compiler.disable
-    def _synced_transform(self) -> Transform:
-        """Copies the scheduled hyperparameters into their tensors; rebuilds the transform if settings changed."""
-        self._layout.check_groups(self.param_groups)
+        if labels is not None:
+            transforms.check_table("Muon(...): labels", labels)
+        transforms.check_mask("Muon(...): weight_decay_mask", weight_decay_mask)
+        if chunk_numel not in (None, "auto") and (isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel < 1):
+            raise ValueError(f"chunk_numel must be a positive int, 'auto' or None, got {chunk_numel!r}")
+        if not isinstance(compile, bool | Mapping):
+            raise TypeError(f"compile must be True, False or a mapping of torch.compile's keywords, got {compile!r}")
+        self._labels, self._views, self._mask = labels, views, weight_decay_mask
+        self._orthogonalizer, self._donate = orthogonalizer, donate_state
+        self._chunk_numel, self._compile = chunk_numel, compile
+        self._muon_defaults = {
+            "lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov, "variant": variant,
+            "momentum_bias_correction": momentum_bias_correction, "cautious_weight_decay": cautious_weight_decay,
+            "cautious_mode": cautious_mode, **_ns_entries(ns, ns_coefficients, ns_steps, eps),
+            "adjust_lr_fn": adjust_lr_fn, "extra_scale": extra_scale, "beta2": beta2, "adaptive_eps": adaptive_eps,
+            "rescale": rescale, "sign_momentum": sign_momentum,
+            "second_moment_bias_correction": second_moment_bias_correction,
+        }  # fmt: skip
+        self._adamw_defaults = {
+            "lr": lr if adamw_lr is None else adamw_lr,
+            "weight_decay": weight_decay if adamw_weight_decay is None else adamw_weight_decay,
+            "betas": tuple(adamw_betas), "eps": adamw_eps, "nesterov": adamw_nesterov,
+            "cautious_weight_decay": cautious_weight_decay,
+        }  # fmt: skip
+        self._split_halves = {"adamw_lr": adamw_lr, "adamw_weight_decay": adamw_weight_decay}
+        self._given_variant_options = {k: v for k, v in self._muon_defaults.items() if k in VARIANT_OPTIONS and v is not None}
+        self._transforms: dict[int, tuple[Any, Transform, dict[str, torch.Tensor]]] = {}
+        self._compiled: dict[Any, Callable[..., Any]] = {}
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
         for i, group in enumerate(self.param_groups):
-            _groups.check_scheduled(i, group)
-            _groups.refuse_whole_setting(i, group)
-        for group, scalars in zip(self.param_groups, self._scalars):
-            for name, tensor in scalars.items():
-                tensor.fill_(float(group[name]))
-        signature = self._signature()
-        if self._cache is None or self._cache[:2] != (self._layout.version, signature):
-            for i, group in enumerate(self.param_groups):
-                self._check_settings(i, group)
-            self._layout.sync(self.param_groups)
-            self._cache = (self._layout.version, signature, self._layout.transform(self.param_groups, self._scalars))
-        return self._cache[2]
+            self._transform(i, group)  # every group's settings checked now
 
-    def _check_settings(self, group_index: int, group: Mapping[str, Any]) -> None:
-        """A group's switches, and a Muon group's variant and its options, checked naming the group
-        (they may have been changed in ``param_groups``); the variants run on whole matrices only."""
-        _groups.check_switches(group_index, group)
-        if group["use_muon"]:
-            _groups.check_variant_settings(group_index, group)
-            if group["variant"] != MUON:
-                refuse_collectives(f"param group {group_index}: variant={group['variant']!r}", self._collectives)
+    # ------------------------------------------------------------------------------------------ groups
 
-    def _checked_branch(self, group_index: int, group: Mapping[str, Any]) -> tuple[Transform, dict[str, torch.Tensor]]:
-        """A group's branch and its scalars, its settings checked naming the group (the core checks the others)."""
-        _groups.check_scheduled(group_index, group)
-        self._check_settings(group_index, group)
-        scalars = _groups.new_scalars(group)
-        return self._branch(group, scalars), scalars
-
-    @property
-    def transform(self) -> Transform:
-        """The :class:`~muonfn.Transform` this optimizer steps with.
-
-        Its ``lr``, ``momentum`` and ``weight_decay`` are 0-d tensors this optimizer refills
-        from ``param_groups`` before each of its steps.
-        """
-        return self._synced_transform()
-
-    # ------------------------------------------------------------------ groups
-
-    @torch.compiler.disable
+    @torch._disable_dynamo
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Adds parameters; a group without ``"use_muon"`` is split by ``labels`` into a Muon and an AdamW group.
-
-        Everything is checked before anything changes: on an error the optimizer is as it was.
-        """
+        """Adds parameters; a group without ``"use_muon"`` is split by ``labels`` into a Muon group and an
+        AdamW group (both kept, even when empty). Checked before anything changes."""
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
-        tensors, names = _groups.read_params(param_group, self.param_groups)
-        if names is not None:
-            keys = [tuple(name.split(".")) for name in names]
-        else:  # by position in the order the optimizer was given them
-            keys = [(str(i),) for i in range(len(self._layout.slots), len(self._layout.slots) + len(tensors))]
-        _groups.check_new_params(tensors, keys, self._layout.slots, named=names is not None)
-
-        detached = TensorDict(dict(zip(keys, [p.detach() for p in tensors])), batch_size=[])
-        if callable(self._weight_decay_mask):  # named as given here, before the branches read it
-            mask_table(self._weight_decay_mask, detached, where="Muon(...): weight_decay_mask")
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else params
+        if isinstance(params, set):
+            raise TypeError("optimizer parameters need a deterministic order: pass a list, not a set")
+        params = list(params)
+        named = [isinstance(p, tuple) for p in params]
+        if any(named) and not all(named):
+            raise ValueError("all optimizer params should be with or without names; some names are missing")
+        names = [n for n, _ in params] if params and all(named) else None
+        tensors = [p for _, p in params] if names is not None else params
+        for p in tensors:
+            if isinstance(p, torch.Tensor) and not p.is_floating_point():
+                raise TypeError(f"parameter of dtype {p.dtype}: only floating-point tensors train")
         use_muon = param_group.get("use_muon")
         if use_muon is None:
-            try:
-                table = resolve_labels(self._labels, detached, dict.fromkeys((MUON, ADAMW)))
-            except ValueError as error:
-                if names is None:
-                    raise ValueError(f"{error} (parameters given without names are keyed by position)") from error
-                raise
-            parts = [(route, [i for i, k in enumerate(keys) if table[k] == label]) for route, label in _groups.ROUTES]
+            positions = len([p for g in self.param_groups for p in g["params"]])
+            keys = names or [str(positions + i) for i in range(len(tensors))]
+            detached = build({k: p.detach() for k, p in zip(keys, tensors)}, torch.Size([]))
+            routes = transforms.route(self._labels or label_params, detached, (MUON, "adamw"))
+            parts = [(True, [i for i, k in enumerate(keys) if routes[k] == MUON])]
+            parts.append((False, [i for i, k in enumerate(keys) if routes[k] != MUON]))
         elif isinstance(use_muon, bool):
-            for split_only in _groups.SPLIT_ONLY:
-                if split_only in param_group:
-                    raise ValueError(
-                        f"{split_only!r} sets the AdamW half of a group split by labels; this group has "
-                        f"use_muon={use_muon}: set its {split_only.removeprefix('adamw_')!r} instead"
-                    )
+            for half in self._split_halves:
+                if half in param_group:
+                    raise ValueError(f"{half!r} sets the AdamW half of a group split by labels; this group has use_muon={use_muon}")
             parts = [(use_muon, list(range(len(tensors))))]
         else:
             raise TypeError(f"use_muon must be True or False, got {use_muon!r}")
+        new = [self._group(param_group, route, [tensors[i] for i in members], names and [names[i] for i in members])
+               for route, members in parts]  # fmt: skip
+        count = len(self.param_groups)
+        try:
+            for group in new:
+                super().add_param_group(group)
+                self._transform(len(self.param_groups) - 1, group)
+        except Exception:
+            del self.param_groups[count:]
+            raise
 
-        whole = _groups.ns_entries(f"param group {len(self.param_groups)}", param_group)
-        read_here = ("params", "param_names", _groups.WHOLE_NEWTON_SCHULZ, *_groups.SPLIT_ONLY)
-        new_groups: list[dict[str, Any]] = []
-        for route, members in parts:
-            group = {k: v for k, v in param_group.items() if k not in read_here}
-            group.update(whole)
-            group["params"] = [tensors[i] for i in members]
-            if names is not None:
-                group["param_names"] = [names[i] for i in members]
-            if not route:
-                # the AdamW half: adamw_lr / adamw_weight_decay of the group, else of the optimizer, else
-                # the group's lr / weight_decay ("None means the Muon value", as in muonfn.muon)
-                for name, fallback in (("lr", self._adamw_lr), ("weight_decay", self._adamw_weight_decay)):
-                    value = param_group.get(f"adamw_{name}", fallback)
-                    if value is not None:
-                        group[name] = value
-            for name, default in self.defaults.items():
-                group.setdefault(name, default)
-            group["use_muon"] = route
-            # an AdamW group ignores the variant; the options a Muon group was given must apply to it
-            given = set(param_group) if route else set()
-            _groups.resolve_variant(f"param group {len(self.param_groups) + len(new_groups)}", group, given)
-            schedule = _migration.schedule_of(_groups.coefficients_of(group["ns_coefficients"]), group["ns_steps"])
-            group["ns_coefficients"] = _groups.plain_coefficients(schedule)
-            if new_groups:
-                # the halves of one dict are two groups to a scheduler: a tensor they shared would couple them
-                first = new_groups[0]
-                for name in [k for k, v in group.items() if isinstance(v, torch.Tensor) and v is first.get(k)]:
-                    group[name] = group[name].clone()
-            new_groups.append(group)
+    def _group(self, given: Mapping[str, Any], use_muon: bool, tensors: list[Any], names: list[str] | None) -> dict[str, Any]:
+        """A group of one kind from a group dict: the settings that act on it, the others refused."""
+        defaults = self._muon_defaults if use_muon else self._adamw_defaults
+        own = {k: v for k, v in given.items() if k not in ("params", "param_names", "use_muon", *self._split_halves)}
+        if not use_muon and "use_muon" not in given:  # the AdamW half of a split group
+            own = {k: v for k, v in own.items() if k in ("lr", "weight_decay", "cautious_weight_decay")}
+            for half, key in (("adamw_lr", "lr"), ("adamw_weight_decay", "weight_decay")):
+                value = given.get(half, self._split_halves[half])
+                if value is not None:
+                    own[key] = value
+        if use_muon and "ns" in own:
+            own.update(_ns_entries(own.pop("ns"), own.pop("ns_coefficients", "keller"), own.pop("ns_steps", None), own.pop("eps", 1e-7)))
+        unknown = set(own) - set(defaults) - {"initial_lr"}
+        if unknown and (use_muon or "use_muon" in given):
+            raise ValueError(f"param group: {sorted(unknown)} set nothing in a {'Muon' if use_muon else 'AdamW'} group")
+        group: dict[str, Any] = {**defaults, **own, "params": tensors, "use_muon": use_muon}
+        if names is not None:
+            group["param_names"] = names
+        if use_muon:
+            _resolve_variant(group, set(own) | set(self._given_variant_options))
+        return group
 
-        scalars = list(self._scalars)
+    def _transform(self, index: int, group: dict[str, Any]) -> Transform:
+        """The group's branch, rebuilt when a setting that shapes it changed; its scheduled values refilled."""
+        where = f"param group {index}"
+        kind = bool(group.get("use_muon"))
+        if set(group).isdisjoint(("momentum", "betas")) or kind != ("momentum" in group or "variant" in group):
+            raise ValueError(f"{where}: use_muon={group.get('use_muon')!r} does not match its settings")
+        settings = MUON_SETTINGS if kind else ADAMW_SETTINGS
+        signature = (kind, *(_comparable(group.get(k)) for k in settings), *(_comparable(group.get(k)) for k in VARIANT_OPTIONS))
+        cached = self._transforms.get(index)
+        for name in SCHEDULED[kind]:
+            value = _number(where, name, group[name])
+            (unit_interval if name == "momentum" else non_negative)(f"{where}: {name}", value)
+        if cached is None or cached[0] != signature:
+            scalars = {name: torch.tensor(_number(where, name, group[name]), dtype=torch.float64) for name in SCHEDULED[kind]}
+            try:
+                tx = self._branch(group, scalars)
+            except (ValueError, TypeError) as error:
+                raise type(error)(f"{where}: {error}") from error
+            cached = self._transforms[index] = (signature, tx, scalars)
+        for name, tensor in cached[2].items():
+            tensor.fill_(_number(where, name, group[name]))
+        return cached[1]
 
-        def new_branch(i: int, group: Mapping[str, Any], group_keys: Sequence[tuple[str, ...]]) -> Transform:
-            branch, group_scalars = self._checked_branch(i, group)
-            scalars.append(group_scalars)
-            if group["use_muon"]:  # against global shapes, also where the branch's init cannot (sharded)
-                views = resolve_views(self._views, group_keys, group["params"])
-                for leaf_key, p, view in zip(group_keys, group["params"], views):
-                    view.check(leaf_key, p.shape)
-            return branch
+    def _branch(self, group: Mapping[str, Any], scalars: Mapping[str, torch.Tensor]) -> Transform:
+        lr, wd = scalars["lr"], scalars["weight_decay"]
+        if not group["use_muon"]:
+            betas = group["betas"]
+            if not (isinstance(betas, tuple | list) and len(betas) == 2):
+                raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+            positive("eps", group["eps"])
+            return adamw(lr, betas=tuple(betas), eps=group["eps"], weight_decay=wd, weight_decay_mask=self._mask,
+                         nesterov=group["nesterov"], cautious_weight_decay=group["cautious_weight_decay"],
+                         donate_state=self._donate)  # fmt: skip
+        variant = group["variant"]
+        options = {k: group[k] for k in VARIANT_OPTIONS if k in group}
+        adapt = adaptation(variant, momentum_bias_correction=group["momentum_bias_correction"], **options)
+        return matrix_branch(
+            adapt, lr, scalars["momentum"], group["nesterov"], group["momentum_bias_correction"], wd,
+            group["cautious_weight_decay"], group["cautious_mode"], _ns_of(group), _scale_of(group["adjust_lr_fn"]),
+            group["extra_scale"], self._views, self._mask, self._orthogonalizer, self._donate,
+        )  # fmt: skip
 
-        self._layout.add(self.param_groups, new_groups, dict(zip(tensors, keys)), new_branch)
-        self.param_groups.extend(new_groups)
-        self._scalars = scalars
-        self._cache = None
+    @property
+    def transform(self) -> Transform:
+        """The one-group optimizer's branch (:func:`muonfn.transforms.partition` of the groups' otherwise)."""
+        branches = {label: self._transform(i, g) for i, (label, g) in enumerate(zip(self._labels_of(), self.param_groups))}
+        names = {n: label for label, g, ns in zip(self._labels_of(), self.param_groups, self._names()) for n in ns}
+        return transforms.partition(branches, names)
 
-    # ------------------------------------------------------------------ step
+    # ------------------------------------------------------------------------------------------ state
 
-    @torch.compiler.disable
+    def _labels_of(self) -> list[str]:
+        """``"muon"``, ``"adamw"``, ``"muon_1"``, ...: the k-th group of a kind is labelled with suffix k."""
+        seen = {True: 0, False: 0}
+        out = []
+        for group in self.param_groups:
+            kind = group["use_muon"]
+            out.append(("muon" if kind else "adamw") + (f"_{seen[kind]}" if seen[kind] else ""))
+            seen[kind] += 1
+        return out
+
+    def _names(self) -> list[list[str]]:
+        """Every group's parameter names: ``param_names``, or positions across groups."""
+        out, position = [], 0
+        for group in self.param_groups:
+            names = group.get("param_names") or [str(position + i) for i in range(len(group["params"]))]
+            out.append(list(names))
+            position += len(group["params"])
+        return out
+
+    def _layout(self, tx: Transform, p: torch.Tensor) -> dict[tuple[str, ...], str]:
+        """Where a parameter's entries sit in its group's functional state -> their torch names."""
+        probe = build({"p": torch.empty(p.shape, dtype=p.dtype, device="meta")}, torch.Size([]))
+        paths = [path[:-1] for path, _ in transforms._state_leaves(tx.init(probe), ()) if path[-1] == "p"]
+        return {path: TORCH_NAMES.get(path, "_".join(path)) for path in paths}
+
+    def _group_state(self, tx: Transform, names: list[str], params: list[torch.Tensor], fresh: bool) -> TensorDictBase:
+        """The functional state of ``params`` (named ``names``) from ``opt.state``; a parameter without
+        state (or with another layout's) gets what ``init`` makes (``fresh``: all of them do)."""
+        layout = self._layout(tx, params[0]) if params else {}
+        missing = [i for i, p in enumerate(params) if fresh or not set(layout.values()) <= set(self.state[p])]
+        made = tx.init(build({names[i]: params[i].detach() for i in missing}, torch.Size([]))) if missing else None
+        made_at = set(missing)
+        entries: dict[str, Any] = {}
+        for path, torch_name in layout.items():
+            leaves = {}
+            for i, (name, p) in enumerate(zip(names, params)):
+                leaves[name] = made.get((*path, name)) if i in made_at else self.state[p][torch_name]  # type: ignore[union-attr]
+            node = entries
+            for part in path[:-1]:
+                node = node.setdefault(part, {})
+            node[path[-1]] = build(leaves, torch.Size([]))
+        return _nested(entries)
+
+    def _write_state(self, tx: Transform, names: list[str], params: list[torch.Tensor], state: TensorDictBase) -> None:
+        for path, torch_name in (self._layout(tx, params[0]) if params else {}).items():
+            held = state.get(path)
+            for name, p in zip(names, params):
+                self.state[p][torch_name] = held[name]
+
+    @property
+    def functional_state(self) -> TensorDictBase:
+        """The state as ``Transform.update`` takes it: ``{label: group state}``, per-leaf entries keyed by
+        parameter name (parameters that have not stepped yet at their initial values). Assigning one
+        (from this optimizer, or ``muonfn.muon(...).init``/``update`` for the same parameters) replaces
+        the state after checking its entries, shapes, dtypes and devices; on a mismatch nothing changes."""
+        out = {}
+        for i, (label, group, names) in enumerate(zip(self._labels_of(), self.param_groups, self._names())):
+            out[label] = self._group_state(self._transform(i, group), names, group["params"], fresh=False)
+        return build(out, torch.Size([]))
+
+    @functional_state.setter
+    def functional_state(self, state: TensorDictBase) -> None:
+        pending = []
+        for i, (label, group, names) in enumerate(zip(self._labels_of(), self.param_groups, self._names())):
+            tx, params = self._transform(i, group), group["params"]
+            held = state.get(label) if isinstance(state, TensorDictBase) else None
+            if held is None:
+                raise ValueError(f"functional_state: missing {label!r}")
+            check_input(tx.init, build({n: p.detach() for n, p in zip(names, params)}, torch.Size([])), held,
+                        build({n: p.detach() for n, p in zip(names, params)}, torch.Size([])))  # fmt: skip
+            pending.append((tx, names, params, held))
+        for tx, names, params, held in pending:
+            self._write_state(tx, names, params, held)
+
+    # ------------------------------------------------------------------------------------------ step
+
+    @torch._disable_dynamo
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update of every parameter that has a gradient; the others and their state are left alone.
-
-        ``closure`` (optional) re-evaluates the model and returns the loss; it runs with
-        gradients enabled. Inside ``torch.compile`` the step runs eagerly (a graph break),
-        so its results are those of an eager step.
-        """
+        A parameter's state is made at its first gradient, on its device and in its dtype, as torch.optim
+        makes it. Everything is checked before anything changes."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # settings changed in param_groups may lay the state out anew: undone if the step's checks fail
-        snapshot, cache = self._layout.snapshot(), self._cache
-        paused = pause_collections()  # the step's temporaries hold no cycles (see muonfn._gc_pause)
-        try:
-            with torch.no_grad():
-                try:
-                    checked = self._checked_step()
-                except Exception:
-                    self._layout.restore(snapshot)
-                    self._cache = cache
-                    raise
-                if checked is not None:
-                    self._layout.stepped(self._apply_parts(*checked))
-        finally:
-            resume_collections(paused)
+        with torch.no_grad():
+            work = self._checked_work()
+            if work:
+                run = self._compiled_run(work) if self._compile else _run
+                for tx, names, params, new_state in run(work):
+                    self._write_state(tx, names, params, new_state)
         return loss
 
-    def _checked_step(self) -> tuple[StepInputs, _tree.FlatState] | None:
-        """The step's inputs and the flat state, every input checked before any part runs;
-        ``None`` when no parameter has a gradient."""
-        rule = as_rule(self._synced_transform())
-        slots = self._layout.slots
-        keys, targets, grads = [], [], []
-        for p, slot in slots.items():
-            if p.grad is not None:
-                keys.append(slot.key)
-                targets.append(p)
-                grads.append(p.grad)
-        if not grads:
-            return None
-        state = self._layout.leaves()
-        params = {slot.key: p for p, slot in slots.items()}
-        check_rule(rule, dict(zip(keys, grads)), state, params, torch.Size([]))
-        kinds = [_groups.part_kind(slots[p].group, p) for p in targets]
-        parts = _groups.chunks([g.numel() for g in grads], self._chunk_numel, kinds)
-        return StepInputs(rule, parts, keys, targets, grads, params), state
+    def _checked_work(self) -> list[tuple[Transform, list[str], list[torch.Tensor], TensorDictBase, TensorDictBase]]:
+        """Every part's transform, names, parameters, gradients and state, all checked."""
+        seen: dict[torch.Tensor, int] = {}
+        work = []
+        for i, (group, names) in enumerate(zip(self.param_groups, self._names())):
+            for p in group["params"]:
+                if seen.setdefault(p, i) != i:
+                    raise ValueError(f"param group {i} holds a parameter of param group {seen[p]}; a parameter steps in one group")
+            tx = self._transform(i, group)
+            stepped = [(n, p) for n, p in zip(names, group["params"]) if p.grad is not None]
+            for part in self._parts(stepped):
+                part_names, params = [n for n, _ in part], [p for _, p in part]
+                grads = build({n: p.grad for n, p in part}, torch.Size([]))
+                leaves = build({n: p.detach() for n, p in part}, torch.Size([]))
+                state = self._group_state(tx, part_names, params, fresh=False)
+                try:
+                    check_input(tx.init, grads, state, leaves)
+                except ValueError as error:
+                    raise ValueError(f"param group {i}: {error}") from None
+                work.append((tx, part_names, params, grads, state, leaves))
+        return work  # type: ignore[return-value]
 
-    # ------------------------------------------------------------------ state
+    def _parts(self, stepped: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
+        """``stepped`` in parts of at most ``chunk_numel`` elements, same shapes kept together (a
+        Newton–Schulz call that fits a part keeps its bits)."""
+        if not stepped or self._chunk_numel is None:
+            return [stepped] if stepped else []
+        total = sum(p.numel() for _, p in stepped)
+        cap = max(AUTO_MIN_CHUNK, math.ceil(total / AUTO_PARTS)) if self._chunk_numel == "auto" else self._chunk_numel
+        kinds: dict[Any, list[tuple[str, torch.Tensor]]] = {}
+        for n, p in stepped:
+            kinds.setdefault((p.dtype, tuple(sorted(p.shape)) if p.ndim == 2 else tuple(p.shape)), []).append((n, p))
+        parts: list[list[tuple[str, torch.Tensor]]] = [[]]
+        size = 0
+        for members in kinds.values():
+            for n, p in members:
+                if parts[-1] and size + p.numel() > cap:
+                    parts.append([])
+                    size = 0
+                parts[-1].append((n, p))
+                size += p.numel()
+        return parts
 
-    @property
-    def functional_state(self) -> TensorDictBase:
-        """The state TensorDict ``Transform.update`` takes and returns (see :mod:`muonfn.optim`).
+    def _compiled_run(self, work: list[Any]) -> Callable[..., Any]:
+        signature = tuple((id(w[0]), tuple(w[1]), tuple((p.shape, p.dtype) for p in w[2])) for w in work)
+        if signature not in self._compiled:
+            if len(self._compiled) >= 8:
+                return _run
+            options = {"fullgraph": True, **(self._compile if isinstance(self._compile, Mapping) else {})}
+            self._compiled[signature] = torch.compile(_run, **options)
+        return self._compiled[signature]
 
-        Assigning one (taken from this optimizer, or from ``muonfn.muon(...)``'s ``init``
-        and ``update`` for the same parameters) replaces the state after checking that its
-        keys, shapes, dtypes and devices are those expected; on a mismatch nothing changes.
-        """
-        self._layout.sync(self.param_groups)
-        return self._layout.state
+    # ------------------------------------------------------------------------------------------ checkpoints
 
-    @functional_state.setter
-    def functional_state(self, state: TensorDictBase | Mapping[str, Any]) -> None:
-        self._layout.check_groups(self.param_groups)
-        checked = self._layout.checked_state(self.param_groups, state, "functional_state")
-        self._layout.load(self.param_groups, checked)  # laid out as it was checked
-
-    @torch.compiler.disable
     def state_dict(self) -> dict[str, Any]:
-        """The state in torch's format, ``{"state": {index: {name: tensor}}, "param_groups": [...]}``.
+        """torch's format, ``{"state": {index: {name: tensor}}, "param_groups": [...]}``; loads with
+        ``torch.load(weights_only=True)`` (a map of one's own as ``ns_method`` is left out)."""
+        packed = super().state_dict()
+        for group in packed["param_groups"]:
+            if callable(group.get("ns_method")):
+                group["ns_method"] = "standard"
+        return packed
 
-        It loads with ``torch.load(weights_only=True)``. Parameters are numbered across
-        groups in order; entries of :attr:`state` under other keys (a hook's, say) are kept
-        under those keys, as torch keeps them. An entry under a tensor that is not a
-        parameter cannot be numbered: it is an error, unless empty.
-        """
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-            pre_hook(self)
-        self._layout.sync(self.param_groups)  # its groups and its state saved as one layout
-        state_dict = packed_state_dict(self.param_groups, self._layout, self._param_state.others)
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            result = post_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        return state_dict
-
-    @torch.compiler.disable
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a :meth:`state_dict` (torch's format); on any mismatch raises naming the parameter and changes nothing.
+        """Loads a :meth:`state_dict`: the saved settings and state replace these; a mismatch raises
+        naming the parameter and changes nothing. State tensors go to their parameter's device (the
+        step counts stay exact int64, the second moments of fp16 parameters fp32)."""
+        saved = state_dict["param_groups"]
+        if len(saved) != len(self.param_groups):
+            raise ValueError(f"load_state_dict: {len(saved)} param groups saved, {len(self.param_groups)} here")
+        for i, (ours, theirs) in enumerate(zip(self.param_groups, saved)):
+            if len(ours["params"]) != len(theirs["params"]) or bool(ours["use_muon"]) != bool(theirs.get("use_muon")):
+                raise ValueError(f"load_state_dict: param group {i} does not match the saved one (its size or use_muon)")
+        callables = [g.get("ns_method") for g in self.param_groups]
+        before = [dict(g) for g in self.param_groups], {p: dict(s) for p, s in self.state.items()}
+        try:
+            super().load_state_dict(state_dict)
+            for group, method in zip(self.param_groups, callables):
+                if callable(method) and group.get("ns_method") == "standard":
+                    group["ns_method"] = method
+            self._check_loaded()
+        except Exception:
+            for group, kept in zip(self.param_groups, before[0]):
+                group.clear()
+                group.update(kept)
+            self.state.clear()
+            self.state.update(before[1])
+            raise
 
-        As in torch, state tensors are cast to their parameter's dtype and device (the second
-        moments of an fp16 parameter to fp32, the dtype this optimizer keeps them in), except
-        the integer ``"step"`` counts, which come back exact, and the saved groups are
-        deep-copied. The saved hyperparameters replace the current ones; groups keep their
-        parameters and routes, and take the saved ``param_names`` when they have none.
-        Entries under keys that are no parameter's index replace those of :attr:`state`
-        under keys that are not parameters, as torch's ``load_state_dict`` carries them.
-        """
-        state_dict = state_dict.copy()
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        self._layout.check_groups(self.param_groups)
-        loaded = translate_state_dict(
-            state_dict, self.param_groups, self._layout, defaults=self.defaults, check=self._checked_branch
-        )
-        state = self._layout.checked_state(self.param_groups, loaded.entries, "load_state_dict")
+    def _check_loaded(self) -> None:
+        """The loaded state of every parameter, cast back where torch's load cast it, checked."""
+        for i, (group, names) in enumerate(zip(self.param_groups, self._names())):
+            tx = self._transform(i, group)
+            params = [p for p in group["params"] if self.state.get(p)]
+            if not params:
+                continue
+            expected = tx.init(build({n: p.detach() for n, p in zip(names, group["params"]) if p in params}, torch.Size([])))
+            for path, torch_name in self._layout(tx, params[0]).items():
+                for name, p in zip(names, group["params"]):
+                    if p in params and torch_name in self.state[p]:
+                        like = expected.get((*path, name))
+                        value = self.state[p][torch_name]
+                        if value.shape != like.shape:
+                            raise ValueError(
+                                f"load_state_dict: state {torch_name!r} of parameter {name!r} has shape "
+                                f"{tuple(value.shape)}, expected {tuple(like.shape)}"
+                            )
+                        self.state[p][torch_name] = value.to(dtype=like.dtype, device=like.device)
 
-        self.param_groups = loaded.groups
-        self._layout.load(loaded.groups, state)
-        self._param_state.others = loaded.others
-        self._cache = None
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
-
-    def load_torch_state_dicts(
-        self, muon_state_dict: dict[str, Any], adamw_state_dict: dict[str, Any] | None = None
-    ) -> None:
-        """Continues a run of ``torch.optim.Muon`` (with ``torch.optim.AdamW`` for the other parameters).
-
-        This optimizer's Muon groups take the Muon state_dict's groups in order, its AdamW
-        groups the AdamW state_dict's: parameter by parameter as torch pairs them (by
-        position; checked by shape, and by name where both have names), momentum buffers and
-        Adam moments unchanged, torch's float ``step`` as an exact count. The hyperparameters
-        come along under this optimizer's names (``eps`` -> ``ns_eps``, ``adjust_lr_fn`` ->
-        ``scale``, ``betas`` -> ``adamw_betas``, ...). ``adamw_state_dict`` may be left out
-        when this optimizer has no AdamW parameters. On a mismatch it raises naming the group
-        or parameter and changes nothing. See :meth:`torch_state_dicts` for the way back.
-        """
-        self.load_state_dict(
-            _migration.shim_state_dict(self.param_groups, self._layout, muon_state_dict, adamw_state_dict)
-        )
+    def load_torch_state_dicts(self, muon_state_dict: dict[str, Any], adamw_state_dict: dict[str, Any] | None = None) -> None:
+        """Continues a run of ``torch.optim.Muon`` (with ``torch.optim.AdamW`` for the other parameters):
+        this optimizer's Muon groups take the Muon state_dict's groups in order, its AdamW groups the AdamW
+        state_dict's, parameter by parameter (checked by shape, and by name where both have names), every
+        group key carried. A mismatch raises naming the group or parameter and changes nothing."""
+        self.load_state_dict(_migration.shim_state_dict(self, muon_state_dict, adamw_state_dict))
 
     def torch_state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """``(muon_state_dict, adamw_state_dict)``: this run's state for ``torch.optim.Muon`` and ``torch.optim.AdamW``.
-
-        Load them into ``torch.optim.Muon`` built with this optimizer's Muon groups and
-        ``torch.optim.AdamW`` with its AdamW groups, in order (``use_muon`` says which).
-        State tensors are copies, bit for bit (the second moments of fp16 parameters in fp32,
-        which torch's ``load_state_dict`` rounds to fp16); ``step`` is torch's float count. Raises naming
-        the group or parameter whose settings torch's optimizers cannot run (a schedule of
-        several triples or a norm factor, a scale mode other than ``"original"`` and
-        ``"match_rms_adamw"``, ``extra_scale``, views, a weight-decay mask inside a decayed
-        group, a Muon parameter that is not 2-D).
-        """
-        self._layout.check_groups(self.param_groups)
-        return _migration.torch_state_dicts(
-            self.param_groups, self._layout, views=self._views, weight_decay_mask=self._weight_decay_mask
-        )
-
-    @property
-    def _param_state(self) -> ParamState:
-        """:attr:`state`, typed as what it is (torch declares a ``defaultdict``)."""
-        return self.state  # type: ignore[return-value]
-
-    # where the state lives, for a debugger: the layout's own
-    @property
-    def _slots(self) -> dict[torch.Tensor, _groups.Slot]:
-        return self._layout.slots
-
-    @property
-    def _entry_names(self) -> list[_groups.Entries]:
-        return self._layout.entry_names
-
-    @property
-    def _functional_state(self) -> TensorDictBase:
-        return self._layout.state
+        """``(muon_state_dict, adamw_state_dict)`` for ``torch.optim.Muon`` and ``torch.optim.AdamW``
+        built with this optimizer's Muon and AdamW groups, in order; raises naming a group whose settings
+        torch's optimizers cannot run."""
+        return _migration.torch_state_dicts(self)
 
     def __getstate__(self) -> dict[str, Any]:
-        # the cached transform closes over this instance's scalar tensors; a copy builds its own.
-        # A compiled step is compiled anew.
-        return {k: v for k, v in self.__dict__.items() if k not in ("_cache", "_apply_parts")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_transforms", "_compiled")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        if "_layout" not in state:  # (pickled before the layout was an object of its own)
-            state = dict(state)
-            state["_layout"] = Layout.unpickled(self._branch, state)
-            param_state = ParamState(state["_layout"], self)
-            param_state.others = state["state"].others
-            state["state"] = param_state
         super().__setstate__(state)
-        self._cache = None
-        self._compile = state.get("_compile", False)  # (pickled before the option existed: eager)
-        self._apply_parts = parts_applier(self._compile, self._collectives)
+        self._transforms, self._compiled = {}, {}
 
 
-def _is_zero(value: Any) -> bool:
-    return float(value) == 0.0
+def _run(work: list[Any]) -> list[tuple[Transform, list[str], list[torch.Tensor], TensorDictBase]]:
+    """Each part's update, added to its parameters before the next part is computed."""
+    out = []
+    with transforms.entered():
+        for tx, names, params, grads, state, leaves in work:
+            updates, new_state = tx.update(grads, state, leaves)
+            torch._foreach_add_(params, list(updates.values()))
+            out.append((tx, names, params, new_state))
+    return out
+
+
+def _nested(entries: dict[str, Any]) -> TensorDictBase:
+    return build({k: _nested(v) if isinstance(v, dict) else v for k, v in entries.items()}, torch.Size([]))
+
+
+def _number(where: str, name: str, value: Any) -> float:
+    """A group's number; like torch, a one-element real tensor is one."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex() or value.is_meta:
+            raise ValueError(f"{where}: {name} must be a real number, got a tensor {value!r}")
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{where}: {name} must be a number, got {type(value).__name__}")
+    return float(value)
 
 
 def _comparable(value: Any) -> Any:
-    # a one-element tensor setting (beta2) compared by value: == of tensors is no bool; others with
-    # their type, so that a switch set to 0 for False is checked (and refused) as any other change
-    return float(value) if isinstance(value, torch.Tensor) else (type(value), value)
+    return float(value) if isinstance(value, torch.Tensor) else (type(value), repr(value))
+
+
+def _resolve_variant(group: dict[str, Any], given: set[str]) -> None:
+    """A Muon group's ``None`` settings take its variant's defaults; an option its variant does not take
+    is an error where given, and dropped where inherited from defaults meant for another variant."""
+    variant = group["variant"]
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; choose one of {list(VARIANTS)}")
+    defaults = VARIANT_DEFAULTS[variant]
+    for name in ("momentum", "nesterov", *VARIANT_OPTIONS):
+        if name not in defaults:
+            if group.get(name) is not None and name in given:
+                takers = [v for v in VARIANTS if name in VARIANT_DEFAULTS[v]]
+                raise ValueError(f"{name} does not apply to variant {variant!r}; it is an option of {' and '.join(map(repr, takers))}")
+            group.pop(name, None)
+        elif group.get(name) is None:
+            group[name] = defaults[name]
+
+
+def _ns_entries(ns: Any, coefficients: Any, steps: int | None, eps: float) -> dict[str, Any]:
+    """A group's Newton–Schulz entries, data a state_dict holds: torch's spellings (one triple for each
+    of ``steps``, 5 when not given), or a whole ``ns`` (a :class:`~muonfn.NewtonSchulz`, ``"svd"``,
+    ``"qr"``, a map of one's own as ``ns_method``) with torch's spellings at their defaults."""
+    if ns is not None:
+        if coefficients != "keller" or steps is not None or eps != 1e-7:
+            raise ValueError("ns= is the whole Newton–Schulz setting: leave ns_coefficients, ns_steps and eps out with it")
+        if isinstance(ns, NewtonSchulz):
+            return {"ns_coefficients": _plain(ns.coefficients), "ns_steps": ns.steps, "eps": ns.eps,
+                    "ns_dtype": ns.dtype, "ns_method": ns.method, "ns_eps_mode": ns.eps_mode, "ns_restarts": ns.restarts}  # fmt: skip
+        method = "svd" if ns is polar else "qr" if ns is qr_orthogonal else ns
+        return {**_ns_entries(None, "keller", None, 1e-7), "ns_method": method}
+    if _migration.is_torch_triple(coefficients):
+        coefficients, steps = ((tuple(float(v) for v in coefficients),) * (5 if steps is None else steps)), None
+    ns_schedule(coefficients, steps)
+    return {"ns_coefficients": _plain(coefficients), "ns_steps": steps, "eps": eps, "ns_dtype": None,
+            "ns_method": "standard", "ns_eps_mode": "clamp", "ns_restarts": None}  # fmt: skip
+
+
+def _plain(coefficients: Any) -> Any:
+    """A schedule as data ``torch.load(weights_only=True)`` reads: a name, or triples (a norm factor
+    other than 1 in front as ``("norm_factor", c)``)."""
+    if isinstance(coefficients, str):
+        return coefficients
+    schedule = ns_schedule(coefficients)
+    plain = tuple(tuple(t) for t in schedule.triples)
+    return (("norm_factor", schedule.norm_factor), *plain) if schedule.norm_factor != 1.0 else plain
+
+
+def _ns_of(group: Mapping[str, Any]) -> Any:
+    method = group["ns_method"]
+    if method in ("svd", "qr") or callable(method):
+        return {"svd": polar, "qr": qr_orthogonal}.get(method, method) if isinstance(method, str) else method
+    coefficients = group["ns_coefficients"]
+    if isinstance(coefficients, tuple) and coefficients and coefficients[0][:1] == ("norm_factor",):
+        from ..linalg import Coefficients
+
+        coefficients = Coefficients(tuple(coefficients[1:]), coefficients[0][1])
+    restarts = group["ns_restarts"]
+    return NewtonSchulz(coefficients, group["ns_steps"], group["eps"], group["ns_dtype"], method,
+                        group["ns_eps_mode"], None if restarts is None else tuple(restarts))  # fmt: skip
+
+
+def _scale_of(adjust_lr_fn: Any) -> Any:
+    """torch's ``adjust_lr_fn`` (``None``: ``"original"``) or one of muonfn's scale modes."""
+    if adjust_lr_fn is None:
+        return "original"
+    if not isinstance(adjust_lr_fn, str) or adjust_lr_fn not in SCALE_MODES:
+        raise ValueError(f"adjust_lr_fn must be None or one of {sorted(SCALE_MODES)}, got {adjust_lr_fn!r}")
+    return adjust_lr_fn
+
+
+_ = named_table
