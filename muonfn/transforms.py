@@ -164,7 +164,7 @@ def check_input(init: InitFn, grads: TensorDictBase, state: Any, params: TensorD
                 f"update: state entry {entry!r} is a {t.dtype} tensor of shape {tuple(t.shape)}, expected "
                 f"{dtype} of shape {tuple(shape)}" + (f" for parameter {leaf!r}" if leaf else "")
             )
-        if owner is not None and t.device != owner.device and not t.is_meta == owner.is_meta == False:  # noqa: E712
+        if owner is not None and t.device != owner.device:
             raise ValueError(
                 f"update: state entry {entry!r} is on {t.device}, its parameter {leaf or '(first)'!r} on "
                 f"{owner.device}; move the state (state.to(device)), or make it with init after moving the parameters"
