@@ -595,12 +595,12 @@ def descent(
 
 
 def _adam_moments(
-    grads: TensorDictBase, state: TensorDictBase, b1: float, b2: float, donate: bool
+    grads: TensorDictBase, state: TensorDictBase, b1: Scalar, b2: float, donate: bool
 ) -> tuple[list[Any], list[Any], torch.Tensor, dict[str, TensorDictBase]]:
     """Adam's moments after this update with torch.optim.AdamW's ops (so its bits):
     ``m.lerp_(g, 1-β₁)``, ``v.mul_(β₂).addcmul_(g, g, value=1-β₂)``; the stacked fp64 counts, and the new
     state entries."""
-    names, g = list(grads.keys()), list(grads.values())
+    names, g, b1 = list(grads.keys()), list(grads.values()), _number(b1)
     held_m, held_v = state["exp_avg"], state["exp_avg_sq"]
     if donate:
         _refuse_memory_mapped("adam", held_m)
@@ -614,12 +614,13 @@ def _adam_moments(
 
 
 def _adam_direction(
-    g: list[torch.Tensor], m: list[Any], v: list[Any], t: torch.Tensor, b1: float, b2: float, eps: float, factor: Any,
+    g: list[torch.Tensor], m: list[Any], v: list[Any], t: torch.Tensor, b1: Scalar, b2: float, eps: float, factor: Any,
     nesterov: AdamNesterov, members: int,
 ) -> list[torch.Tensor]:
     r"""``factor`` times Adam's bias-corrected direction. Without Nesterov, one division of ``m`` by
     :math:`D = (\sqrt{v} + \epsilon\sqrt{c_2})\cdot c_1/(\text{factor}\sqrt{c_2})` (:math:`c_k = 1-\beta_k^t`,
     per leaf in fp64): a factor of 0 makes :math:`D = \pm\infty` and the direction 0, never ``nan``."""
+    b1 = _number(b1)
     c1, root_c2 = _corrections(t, b1), _corrections(t, b2).sqrt()
     roots = _foreach("sqrt", v)
     if not nesterov:
@@ -638,9 +639,11 @@ def _adam_direction(
     return direction if isinstance(factor, float) and factor == 1.0 else _foreach("mul", direction, _times(factor, g, members))
 
 
-def _betas(b1: Scalar, b2: Scalar, eps: float) -> tuple[float, float, float]:
+def _betas(b1: Scalar, b2: Scalar, eps: float) -> tuple[Scalar, float, float]:
+    """β₁ as given (a 0-d tensor is read at every update: a scheduler may cycle it), β₂ and ε as numbers."""
     positive("eps", eps)
-    return unit_interval("b1", b1), unit_interval("b2", b2), float(eps)
+    unit_interval("b1", b1)
+    return b1, unit_interval("b2", b2), float(eps)
 
 
 def _adam_init(params: TensorDictBase) -> dict[str, TensorDictBase]:
@@ -745,8 +748,9 @@ def adamw(
         decayed = [] if params is None else selected(weight_decay_mask, params.select(*grads.keys()), "adamw: mask")
         operands = [*g, *(params[n] for n in decayed)] if params is not None else g
         factors = [f for f in (rate, lam) if isinstance(f, torch.Tensor)]
-        if not nesterov and _devices.adamw_kernel_takes(operands, members, factors):
-            updates, moments = _devices.adamw_kernel(grads, state, params, decayed, rate, lam, b1, b2, eps, donate_state)
+        if not nesterov and _devices.adamw_kernel_takes(operands, members, factors) and not isinstance(_number(b1), torch.Tensor):
+            kernel_b1 = _number(b1)
+            updates, moments = _devices.adamw_kernel(grads, state, params, decayed, rate, lam, kernel_b1, b2, eps, donate_state)
             return updates, build({**moments, **new}, state.batch_size)
         m, v, t, moments = _adam_moments(grads, state, b1, b2, donate_state)
         u = _adam_direction(g, m, v, t, b1, b2, eps, -rate, nesterov, members)

@@ -103,7 +103,8 @@ def _settings(saved: Mapping[str, Any], kind: bool, where: str) -> dict[str, Any
             raise ValueError(f"{where} is Adam's (weight decay added to the gradient), not AdamW's")
         for key in ("foreach", "capturable", "differentiable", "fused"):
             out.pop(key, None)
-        out["betas"] = tuple(float(b) for b in out["betas"])
+        beta1, beta2 = out.pop("betas")
+        out.update(momentum=float(beta1), beta2=float(beta2))  # (β₁ as momentum: see the shim's groups)
         return out
     coefficients, steps = out.pop("ns_coefficients"), out.pop("ns_steps")
     if is_torch_triple(coefficients):
@@ -150,6 +151,7 @@ def torch_state_dicts(opt: Muon) -> tuple[dict[str, Any], dict[str, Any]]:
                     raise ValueError(f"{where}: parameter {name!r} is {p.ndim}-D; torch.optim.Muon takes 2-D parameters only")
             theirs.update(ns_coefficients=schedule.triples[0], ns_steps=len(schedule.triples))
         else:
+            theirs["betas"] = (float(theirs.pop("momentum")), float(theirs.pop("beta2")))
             theirs.update(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None)
         indices = list(range(count[kind], count[kind] + len(names)))
         count[kind] += len(names)

@@ -25,10 +25,12 @@ MUON_SETTINGS = (
     "nesterov", "variant", "momentum_bias_correction", "cautious_weight_decay", "cautious_mode", "ns_coefficients",
     "ns_steps", "eps", "ns_dtype", "ns_method", "ns_eps_mode", "ns_restarts", "adjust_lr_fn", "extra_scale",
 )  # fmt: skip
-#: An AdamW group's settings besides the scheduled ones (torch.optim.AdamW's spellings).
-ADAMW_SETTINGS = ("betas", "eps", "nesterov", "cautious_weight_decay")
+#: An AdamW group's settings besides the scheduled ones. Its β₁ is ``momentum``: torch's schedulers that
+#: cycle momentum (OneCycleLR, CyclicLR) write ``"momentum"`` into every group unless ``"betas"`` is a
+#: default, so they move Muon's momentum and AdamW's β₁ alike.
+ADAMW_SETTINGS = ("beta2", "eps", "nesterov", "cautious_weight_decay")
 #: The settings a scheduler may change every step: refilled into the transform's 0-d tensors.
-SCHEDULED = {True: ("lr", "momentum", "weight_decay"), False: ("lr", "weight_decay")}
+SCHEDULED = {True: ("lr", "momentum", "weight_decay"), False: ("lr", "momentum", "weight_decay")}
 #: The state entries under torch's names, by their place in a group's functional state.
 TORCH_NAMES = {
     ("momentum",): "momentum_buffer",
@@ -60,7 +62,8 @@ class Muon(torch.optim.Optimizer):
             ``dtype``, ``method``, ``eps_mode``, ``restarts``), or ``"svd"``, ``"qr"``, a map of one's own.
         adjust_lr_fn: the shape scale (``"match_rms_adamw"`` by default: start from AdamW's learning rate).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, adamw_nesterov: the AdamW groups'
-            ``lr``, ``betas``, ``eps``, ``weight_decay``, ``nesterov`` (``None``: the Muon value).
+            ``lr``, ``(momentum, beta2)``, ``eps``, ``weight_decay``, ``nesterov`` (``None``: the Muon value).
+            An AdamW group's β₁ is its ``momentum``, so that schedulers cycling momentum move it too.
         labels, views, weight_decay_mask, orthogonalizer: as :func:`muonfn.muon`'s, given once.
         donate_state: the state is updated in place (``True``), as torch.optim's is.
         chunk_numel: step the parameters in parts of at most this many elements, each part's update
@@ -138,7 +141,7 @@ class Muon(torch.optim.Optimizer):
         self._adamw_defaults = {
             "lr": lr if adamw_lr is None else adamw_lr,
             "weight_decay": weight_decay if adamw_weight_decay is None else adamw_weight_decay,
-            "betas": tuple(adamw_betas), "eps": adamw_eps, "nesterov": adamw_nesterov,
+            "momentum": adamw_betas[0], "beta2": adamw_betas[1], "eps": adamw_eps, "nesterov": adamw_nesterov,
             "cautious_weight_decay": cautious_weight_decay,
         }  # fmt: skip
         self._split_halves = {"adamw_lr": adamw_lr, "adamw_weight_decay": adamw_weight_decay}
@@ -222,7 +225,7 @@ class Muon(torch.optim.Optimizer):
         """The group's branch, rebuilt when a setting that shapes it changed; its scheduled values refilled."""
         where = f"param group {index}"
         kind = bool(group.get("use_muon"))
-        if set(group).isdisjoint(("momentum", "betas")) or kind != ("momentum" in group or "variant" in group):
+        if kind != ("variant" in group):
             raise ValueError(f"{where}: use_muon={group.get('use_muon')!r} does not match its settings")
         settings = MUON_SETTINGS if kind else ADAMW_SETTINGS
         signature = (kind, *(_comparable(group.get(k)) for k in settings), *(_comparable(group.get(k)) for k in VARIANT_OPTIONS))
@@ -244,11 +247,9 @@ class Muon(torch.optim.Optimizer):
     def _branch(self, group: Mapping[str, Any], scalars: Mapping[str, torch.Tensor]) -> Transform:
         lr, wd = scalars["lr"], scalars["weight_decay"]
         if not group["use_muon"]:
-            betas = group["betas"]
-            if not (isinstance(betas, tuple | list) and len(betas) == 2):
-                raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
             positive("eps", group["eps"])
-            return adamw(lr, betas=tuple(betas), eps=group["eps"], weight_decay=wd, weight_decay_mask=self._mask,
+            betas = (scalars["momentum"], group["beta2"])
+            return adamw(lr, betas=betas, eps=group["eps"], weight_decay=wd, weight_decay_mask=self._mask,
                          nesterov=group["nesterov"], cautious_weight_decay=group["cautious_weight_decay"],
                          donate_state=self._donate)  # fmt: skip
         variant = group["variant"]
