@@ -105,10 +105,11 @@ def _plain_eager(tensors: Sequence[torch.Tensor]) -> bool:
     )
 
 
-def takes_gpu_orthogonalized(first: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether a call's matrices (like ``first``) take :func:`gpu_orthogonalized`: fp32 off the CPU,
-    iterated in a narrower dtype."""
-    return first.device.type != "cpu" and first.dtype == torch.float32 and dtype.itemsize < 4
+def takes_gpu_orthogonalized(first: torch.Tensor, dtype: torch.dtype, forced: bool | None = None) -> bool:
+    """Whether a call's matrices (like ``first``) take :func:`gpu_orthogonalized`: fp32 iterated in a
+    narrower dtype, off the CPU (``forced``: ``True``/``False`` on any device)."""
+    gpu = first.device.type != "cpu" if forced is None else forced
+    return gpu and first.dtype == torch.float32 and dtype.itemsize < 4
 
 
 def gpu_orthogonalized(
@@ -144,16 +145,18 @@ def _fp64_norms(matrices: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(list(matrices)), dim=(-2, -1), keepdim=True, dtype=torch.float64)
 
 
-def adamw_kernel_takes(tensors: Sequence[torch.Tensor], members: int, factors: Sequence[Any]) -> bool:
+def adamw_kernel_takes(
+    tensors: Sequence[torch.Tensor], members: int, factors: Sequence[Any], forced: bool | None = None
+) -> bool:
     """Whether an AdamW update goes through ``torch._fused_adamw_`` (``torch.optim.AdamW(fused=True)``'s
     kernel): one model (no ensemble) whose gradients, moments and decayed parameters are contiguous
     fp32 tensors on one CUDA (or meta) device, eager, outside ``torch.func`` transforms, with nothing
     autograd records, plain tensors or all DTensors, the learning rate and decay numbers (``factors``:
-    those given as tensors)."""
+    those given as tensors); ``forced``: on any device."""
     if members or not tensors or not _plain_eager([]) or torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
     device = tensors[0].device
-    if device.type not in ("cuda", "meta"):
+    if device.type not in ("cuda", "meta") and not forced:
         return False
     if not all(t.dtype == torch.float32 and t.device == device and t.is_contiguous() for t in tensors):
         return False

@@ -689,6 +689,7 @@ def adamw(
     nesterov: AdamNesterov = False,
     cautious_weight_decay: bool = False,
     donate_state: bool = False,
+    fused: bool | None = None,
 ) -> Transform:
     r"""AdamW as ``torch.optim.AdamW`` computes it:
 
@@ -708,6 +709,8 @@ def adamw(
         nesterov: Nesterov-Adam as optax's (``True``) or timm's (``"timm"``) NAdamW.
         cautious_weight_decay: decay only where the update and the parameter agree in sign.
         donate_state: update the state in place (see :mod:`muonfn.steps`).
+        fused: torch's fused kernel: ``None`` where it runs (one model's fp32 leaves on CUDA), ``True``
+            on any device it has a kernel for (the CPU too), ``False`` never.
 
     Returns:
         A :class:`Transform` with state ``{"step", "exp_avg", "exp_avg_sq"}`` (and a schedule's ``"count"``).
@@ -727,6 +730,8 @@ def adamw(
     check_mask("adamw: weight_decay_mask", weight_decay_mask)
     flag("adamw: donate_state", donate_state)
     flag("adamw: cautious_weight_decay", cautious_weight_decay)
+    if fused is not None:
+        flag("adamw: fused", fused)
     if not (isinstance(nesterov, bool) or nesterov == "timm"):
         raise ValueError(f"adamw: nesterov must be True, False or 'timm', got {nesterov!r}")
     if cautious_weight_decay:  # (caution reads the direction before the decay: the chain of blocks)
@@ -748,7 +753,8 @@ def adamw(
         decayed = [] if params is None else selected(weight_decay_mask, params.select(*grads.keys()), "adamw: mask")
         operands = [*g, *(params[n] for n in decayed)] if params is not None else g
         factors = [f for f in (rate, lam) if isinstance(f, torch.Tensor)]
-        if not nesterov and _devices.adamw_kernel_takes(operands, members, factors) and not isinstance(_number(b1), torch.Tensor):
+        takes = fused is not False and not nesterov and not isinstance(_number(b1), torch.Tensor)
+        if takes and _devices.adamw_kernel_takes(operands, members, factors, fused):
             kernel_b1 = _number(b1)
             updates, moments = _devices.adamw_kernel(grads, state, params, decayed, rate, lam, kernel_b1, b2, eps, donate_state)
             return updates, build({**moments, **new}, state.batch_size)

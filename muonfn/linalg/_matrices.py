@@ -191,11 +191,16 @@ class LocalOrthogonalizer:
     """The :class:`Orthogonalizer` of whole matrices in one process: :func:`orthogonalize_blocks`.
 
     Refuses a tensor its view cannot read, and a DTensor sharded across ranks (no whole matrix).
-    ``bucket_numel``: at most this many elements per batched Newton–Schulz call.
+    ``bucket_numel``: at most this many elements per batched Newton–Schulz call. ``gpu_form``: take a
+    GPU's form of a call (see :mod:`muonfn._devices`): ``None`` off the CPU, ``True``/``False`` always
+    or never (the same values to rounding; a test asks for either on any device).
     """
 
-    def __init__(self, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> None:
+    def __init__(self, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL, gpu_form: bool | None = None) -> None:
         self.bucket_numel = check_bucket_numel(bucket_numel)
+        if gpu_form is not None and not isinstance(gpu_form, bool):
+            raise TypeError(f"gpu_form must be True, False or None, got {gpu_form!r}")
+        self.gpu_form = gpu_form
 
     def __call__(
         self,
@@ -207,7 +212,10 @@ class LocalOrthogonalizer:
         *,
         overwrite_input: bool = False,
     ) -> list[torch.Tensor]:
-        return orthogonalize_blocks(tensors, views, ns, scale, bucket_numel=self.bucket_numel, overwrite_input=overwrite_input)
+        return orthogonalize_blocks(
+            tensors, views, ns, scale, bucket_numel=self.bucket_numel, overwrite_input=overwrite_input,
+            gpu_form=self.gpu_form,
+        )  # fmt: skip
 
     @staticmethod
     def check(names: Sequence[str], tensors: Sequence[torch.Tensor], views: Sequence[MatrixView]) -> None:
@@ -221,7 +229,7 @@ class LocalOrthogonalizer:
                 )
 
     def __repr__(self) -> str:
-        return f"LocalOrthogonalizer(bucket_numel={self.bucket_numel})"
+        return f"LocalOrthogonalizer(bucket_numel={self.bucket_numel}, gpu_form={self.gpu_form})"
 
 
 def orthogonalize_blocks(
@@ -233,6 +241,7 @@ def orthogonalize_blocks(
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
     shapes: Sequence[Sequence[int]] | None = None,
     overwrite_input: bool = False,
+    gpu_form: bool | None = None,
 ) -> list[torch.Tensor]:
     """``scale(A, B)·ns(M)`` for every block ``M`` of every tensor as its view reads it.
 
@@ -240,7 +249,7 @@ def orthogonalize_blocks(
     :class:`~muonfn.NewtonSchulz` a tall block joins the calls of its transpose's shape (an MLP's up
     and down projections make one call). ``shapes``: the shapes the scale is read from, where they
     differ from the tensors' (an expert shard of a larger tensor). A contiguous tensor maps to a
-    contiguous one, an empty tensor to an empty one.
+    contiguous one, an empty tensor to an empty one. ``gpu_form``: see :class:`LocalOrthogonalizer`.
     """
     shapes = [t.shape for t in tensors] if shapes is None else shapes
     matrices: list[torch.Tensor] = []
@@ -252,7 +261,7 @@ def orthogonalize_blocks(
         matrices += [t] if plain and blocks else blocks  # a plain matrix goes in as it is: no reshape
         scales += view.scales(shape, scale)[: len(blocks)]
         counts.append(len(blocks))
-    done = _batched(matrices, scales, ns, bucket_numel, overwrite_input)
+    done = _batched(matrices, scales, ns, bucket_numel, overwrite_input, gpu_form)
     out, at = [], 0
     for t, view, n in zip(tensors, views, counts):
         if not n:
@@ -267,7 +276,7 @@ def orthogonalize_blocks(
 
 
 def _batched(
-    matrices: list[torch.Tensor], scales: list[float], ns: MatrixFn, cap: int, overwrite: bool
+    matrices: list[torch.Tensor], scales: list[float], ns: MatrixFn, cap: int, overwrite: bool, gpu_form: bool | None
 ) -> list[torch.Tensor]:
     """``scale·ns(m)`` for every matrix (a 2-D matrix, or a ``(count, rows, cols)`` batch), equal
     (wide) shapes stacked into calls of at most ``cap`` elements."""
@@ -282,7 +291,7 @@ def _batched(
         chunk: list[int] = []
         for i in [*members, None]:
             if chunk and (i is None or sum(matrices[j].numel() for j in chunk) + matrices[i].numel() > cap):
-                for j, result in zip(chunk, _call([matrices[j] for j in chunk], ns, scale, overwrite)):
+                for j, result in zip(chunk, _call([matrices[j] for j in chunk], ns, scale, overwrite, gpu_form)):
                     out[j] = result
                 chunk = []
             if i is not None:
@@ -290,7 +299,9 @@ def _batched(
     return out
 
 
-def _call(matrices: list[torch.Tensor], ns: MatrixFn, scale: float, overwrite: bool) -> list[torch.Tensor]:
+def _call(
+    matrices: list[torch.Tensor], ns: MatrixFn, scale: float, overwrite: bool, gpu_form: bool | None
+) -> list[torch.Tensor]:
     """``scale·ns`` of matrices of one (wide) shape in one call: 2-D ones stacked (wide, then tall
     ones transposed), batches after them; each result back in its matrix's orientation."""
     turns = isinstance(ns, NewtonSchulz)
@@ -301,7 +312,7 @@ def _call(matrices: list[torch.Tensor], ns: MatrixFn, scale: float, overwrite: b
     flat = all(m.ndim == 2 for m in matrices)
     if isinstance(ns, NewtonSchulz) and flat:
         dtype = ns.iteration_dtype(pieces[0])
-        if _devices.takes_gpu_orthogonalized(pieces[0], dtype):
+        if _devices.takes_gpu_orthogonalized(pieces[0], dtype, gpu_form):
             results = _devices.gpu_orthogonalized(ns, pieces, turned, scale, dtype, overwrite)
         else:
             stack = torch.stack(pieces)
