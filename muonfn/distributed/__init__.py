@@ -1,12 +1,15 @@
 r"""Muon on sharded parameters (FSDP2, HSDP, tensor parallelism) with explicit collectives.
 
 Newton–Schulz needs whole matrices; under FSDP2 or tensor parallelism each rank holds a
-shard. Pass the collectives of your mesh and nothing else changes::
+shard. Pass an orthogonalizer over the collectives of your mesh and nothing else changes::
 
-    from muonfn.distributed import torch_collectives
+    from muonfn.distributed import sharded_orthogonalizer, torch_collectives
 
-    tx = muonfn.muon(lr=0.02, collectives=torch_collectives(mesh))  # the mesh given to fully_shard
-    opt = muonfn.optim.Muon(model.named_parameters(), collectives=torch_collectives(mesh))  # or the shim
+    # the mesh given to fully_shard
+    tx = muonfn.muon(lr=0.02, orthogonalizer=sharded_orthogonalizer(torch_collectives(mesh)))
+
+Every distributed option is an argument of :func:`sharded_orthogonalizer`: ``strategy``,
+``shard_specs``, ``replicated``, ``overlap`` and ``bucket_numel``.
 
 **Layouts.** Leaves that are DTensors describe their own sharding: ``Shard(d)`` with
 uneven and empty shards (``torch.chunk`` sizes: 10 rows on 4 ranks are 3, 3, 3, 1),
@@ -16,7 +19,8 @@ the others on its ``"dp"`` sub-mesh). Plain local tensors are whole matrices unl
 ``shard_specs`` declares them shards (:class:`ShardSpec`), as in hand-rolled tensor
 parallelism::
 
-    tx = muonfn.muon(collectives=torch_collectives(world), shard_specs={"attn.qkv.weight": ShardSpec(0, tp)})
+    specs = {"attn.qkv.weight": ShardSpec(0, tp)}
+    tx = muonfn.muon(orthogonalizer=sharded_orthogonalizer(torch_collectives(world), shard_specs=specs))
 
 Views work on every layout: the expert dimension of ``MatrixView(batch_dims=1)`` stays out
 of the norm, and experts sharded by ``Shard(0)`` are whole matrices, orthogonalized where
@@ -69,10 +73,9 @@ saves it and loads it on any number of ranks (resharding on load). The two lines
 
 (``dcp.load`` fills the tensors of the freshly initialised state in place.)
 
-**Testing without processes.** :func:`simulate` runs a function on ``W`` virtual ranks, one
-thread each, over :class:`SimulatedCollectives` that really exchange data (asynchronously,
-and over a modelled :class:`Link` if given); :class:`CountingCollectives` counts the bytes
-any collectives move.
+**Testing without processes.** :func:`muonfn.testing.simulate` runs a function on ``W``
+virtual ranks, one thread each, over collectives that really exchange data;
+:class:`CountingCollectives` counts the bytes any collectives move.
 """
 
 from ._collectives import (
@@ -96,7 +99,6 @@ from ._orthogonalizer import (
     Strategy,
     sharded_orthogonalizer,
 )
-from ._simulate import Link, SimulatedCollectives, simulate
 from ._sums import ShardSums, shard_sums
 
 __all__ = [
@@ -107,18 +109,15 @@ __all__ = [
     "Collectives",
     "CountingCollectives",
     "Handle",
-    "Link",
     "Replicated",
     "ShardSpec",
     "ShardSpecs",
     "ShardSums",
     "ShardedOrthogonalizer",
-    "SimulatedCollectives",
     "Strategy",
     "TorchCollectives",
     "shard_sums",
     "sharded_orthogonalizer",
-    "simulate",
     "start_all_gather_into_tensor",
     "start_all_to_all_single",
     "torch_collectives",

@@ -2,7 +2,7 @@
 
 A strategy never calls ``torch.distributed`` itself: it calls the methods of a
 :class:`Collectives` the caller passed in. That keeps the math testable in one process
-(:func:`muonfn.distributed.simulate`) and makes every process group explicit.
+(:func:`muonfn.testing.simulate`) and makes every process group explicit.
 
 Collectives that also implement the ``*_async`` methods of :class:`AsyncCollectives`
 let the strategies overlap one bucket's exchange with another bucket's Newton–Schulz;
@@ -61,6 +61,12 @@ class Collectives(Protocol):
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Replaces ``tensor`` by the sum over ranks, in place."""
         ...
+
+
+def check_collectives(collectives: object, required: Sequence[str]) -> None:
+    """Raises unless ``collectives`` has every method and property of ``required``."""
+    if collectives is None or not all(hasattr(collectives, name) for name in required):
+        raise TypeError(f"collectives must implement muonfn.distributed.Collectives, got {collectives!r}")
 
 
 @runtime_checkable
@@ -305,8 +311,9 @@ def torch_collectives(mesh_or_group: DeviceMesh | ProcessGroup) -> TorchCollecti
     optimizer can never talk to ranks the caller did not name. A multi-dimensional mesh
     needs ``mesh_dim_names`` (it is flattened into one group, collectively, on every rank).
 
-    Call it on every rank, e.g. ``muonfn.muon(..., collectives=torch_collectives(mesh))``
-    with the mesh given to ``fully_shard`` / ``parallelize_module``.
+    Call it on every rank, e.g.
+    ``muonfn.muon(..., orthogonalizer=sharded_orthogonalizer(torch_collectives(mesh)))`` with the
+    mesh given to ``fully_shard`` / ``parallelize_module``.
     """
     if mesh_or_group is None:
         raise ValueError(
