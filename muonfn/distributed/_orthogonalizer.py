@@ -17,6 +17,7 @@ one intra-op thread is; multithreaded CPU BLAS may pick kernels by batch size).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias, get_args
 
 import torch
@@ -41,8 +42,10 @@ REPLICATED: tuple[str, ...] = get_args(Replicated)
 ShardSpecs: TypeAlias = Mapping[Any, ShardSpec]
 
 
+@dataclass(eq=False)
 class ShardedOrthogonalizer:
-    """Orthogonalizes sharded leaves as whole matrices through ``collectives`` (see :func:`sharded_orthogonalizer`).
+    """Orthogonalizes sharded leaves as whole matrices through ``collectives``; made, its options
+    checked, by :func:`sharded_orthogonalizer`.
 
     The presets read two of its attributes: ``shard_specs``, whose leaves are matrices by their
     number of dimensions and whose names must be parameters, and ``sum_shards`` (a
@@ -50,23 +53,16 @@ class ShardedOrthogonalizer:
     count over a leaf take (``muonfn.cautious(..., sum_shards=...)``, ``muonfn.apply_if_finite``).
     """
 
-    def __init__(
-        self,
-        collectives: Collectives,
-        strategy: Strategy,
-        shard_specs: ShardSpecs,
-        bucket_numel: int,
-        replicated: Replicated,
-        overlap: bool,
-    ) -> None:
-        self.collectives = collectives
-        self.strategy = strategy
-        self.shard_specs = dict(shard_specs)
-        self.bucket_numel = bucket_numel
-        self.replicated = replicated
-        self.overlap = overlap
+    collectives: Collectives
+    strategy: Strategy
+    shard_specs: dict[Any, ShardSpec] = field(repr=False)
+    bucket_numel: int
+    replicated: Replicated
+    overlap: bool
+
+    def __post_init__(self) -> None:
+        self.sum_shards = ShardSums(self.collectives, self.shard_specs)
         self._plans: dict[tuple[Any, ...], Plan] = {}
-        self.sum_shards = ShardSums(collectives, self.shard_specs)
 
     def _plan(self, group: Any, members: list[Leaf]) -> Plan:
         key = (id(group), tuple(leaf.signature() for leaf in members))
@@ -86,9 +82,9 @@ class ShardedOrthogonalizer:
         return plan.with_leaves(members)
 
     def check(self, names: Sequence[str], tensors: Sequence[torch.Tensor], views: Sequence[MatrixView]) -> None:
-        """The refusals of a step's DTensor leaves that need no collective (a ShardSpec of their
-        own, collectives that cannot map their mesh, a pending reduction), so that
-        :func:`~muonfn.orthogonalize` makes them before any member of a composition runs."""
+        """The refusals of DTensor leaves that need no collective (a ShardSpec of their own,
+        collectives that cannot map their mesh, a pending reduction): :func:`~muonfn.orthogonalize`
+        makes them on the parameters at ``init``, and on the updates before it exchanges anything."""
         declared = named_table(self.shard_specs, names)
         for name, value in zip(names, tensors):
             if hasattr(value, "placements"):
@@ -161,12 +157,6 @@ class ShardedOrthogonalizer:
         assert all(t is not None for t in out)
         return out  # type: ignore[return-value]
 
-    def __repr__(self) -> str:
-        return (
-            f"ShardedOrthogonalizer({self.collectives!r}, strategy={self.strategy!r}, "
-            f"replicated={self.replicated!r}, overlap={self.overlap})"
-        )
-
 
 def sharded_orthogonalizer(
     collectives: Collectives,
@@ -177,7 +167,9 @@ def sharded_orthogonalizer(
     replicated: Replicated = "split",
     overlap: bool = True,
 ) -> ShardedOrthogonalizer:
-    """The :class:`~muonfn.linalg.Orthogonalizer` of sharded parameters, for :func:`muonfn.orthogonalize`.
+    """The :class:`~muonfn.linalg.Orthogonalizer` of sharded parameters, for ``orthogonalizer=`` of the
+    presets and of :func:`muonfn.orthogonalize`: every distributed option in one value, each checked
+    here (a wrong one raises, naming it).
 
     Args:
         collectives: the :class:`Collectives` of the ranks the parameters are sharded over
@@ -200,7 +192,7 @@ def sharded_orthogonalizer(
         An orthogonalizer returning each leaf with its input's type, placements and local shape.
 
     Example:
-        >>> tx = muonfn.orthogonalize(orthogonalizer=sharded_orthogonalizer(torch_collectives(mesh)))  # doctest: +SKIP
+        >>> tx = muonfn.muon(orthogonalizer=sharded_orthogonalizer(torch_collectives(mesh)))  # doctest: +SKIP
     """
     check_collectives(collectives, ("rank", "world_size", "all_gather_into_tensor", "all_to_all_single", "all_reduce"))
     if strategy not in STRATEGIES:
