@@ -64,7 +64,7 @@ def worker(rank: int, world: int, port: int, config: dict[str, Any], out_path: s
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import muonfn
-    from muonfn.distributed import CountingCollectives, torch_collectives
+    from muonfn.distributed import CountingCollectives, sharded_orthogonalizer, torch_collectives
 
     torch.set_num_threads(config["threads"])
     dist.init_process_group(
@@ -89,7 +89,9 @@ def worker(rank: int, world: int, port: int, config: dict[str, Any], out_path: s
     labels = {k: "muon" for k in shapes}
     results = []
     for strategy in STRATEGY_ORDER:
-        tx = muonfn.muon(lr=0.02, ns_dtype=torch.float32, labels=labels, collectives=collectives, strategy=strategy)
+        orthogonalizer = sharded_orthogonalizer(collectives, strategy=strategy)
+        ns = muonfn.NewtonSchulz(dtype=torch.float32)
+        tx = muonfn.muon(lr=0.02, ns=ns, labels=labels, orthogonalizer=orthogonalizer)
         params, state = params0, tx.init(params0)
         times = []
         for i in range(config["warmup"] + config["steps"]):

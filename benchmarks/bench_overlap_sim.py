@@ -3,7 +3,7 @@
 Real processes on a 2-core machine cannot show overlap: the gloo transport of one rank
 and the Newton–Schulz of the others compete for the same two cores, so time spent
 communicating is time taken from computing. Here ``W`` virtual ranks (threads, one
-intra-op thread each) exchange real data through :func:`muonfn.distributed.simulate`, and
+intra-op thread each) exchange real data through :func:`muonfn.testing.simulate`, and
 every exchange additionally takes ``latency + bytes received / bandwidth`` seconds spent
 *sleeping* on the rank's communication thread: a network that costs wall time but no CPU.
 The GPT set's matrices are ``Shard(0)`` shards (FSDP2's layout, declared with
@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import _sets  # noqa: E402
 
 import muonfn  # noqa: E402
-from muonfn.distributed import CountingCollectives, Link, ShardSpec, simulate  # noqa: E402
+from muonfn.distributed import CountingCollectives, ShardSpec, sharded_orthogonalizer  # noqa: E402
+from muonfn.testing import Link, simulate  # noqa: E402
 
 
 def rank_steps(col: Any, layout: str, options: dict[str, Any], steps: int, warmup: int) -> tuple[list[float], int]:
@@ -49,7 +50,8 @@ def rank_steps(col: Any, layout: str, options: dict[str, Any], steps: int, warmu
     grads = TensorDict({tuple(n.split(".")): mine(p.grad) for n, p in ps.named()}, [])
     specs = {n: ShardSpec(0) for n, _ in ps.named()} if layout == "fsdp" else {}
     labels = dict(ps.labels)
-    tx = muonfn.muon(lr=0.02, ns_dtype=torch.float32, labels=labels, collectives=counted, shard_specs=specs, **options)
+    orthogonalizer = sharded_orthogonalizer(counted, shard_specs=specs, **options)
+    tx = muonfn.muon(lr=0.02, ns=muonfn.NewtonSchulz(dtype=torch.float32), labels=labels, orthogonalizer=orthogonalizer)
     state = tx.init(params)
     times = []
     for i in range(warmup + steps):

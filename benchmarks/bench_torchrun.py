@@ -9,7 +9,7 @@ these cases:
 
 - ``ddp none``: plain tensors, whole on every rank, no collectives (every rank computes
   every Newton–Schulz: what a data-parallel run does without muonfn's split);
-- ``ddp split`` / ``ddp split, no overlap``: the same tensors with ``collectives=``: each
+- ``ddp split`` / ``ddp split, no overlap``: the same tensors under a sharded orthogonalizer: each
   matrix is orthogonalized by one owner and sent to the others (``replicated="split"``);
 - ``fsdp owner`` / ``fsdp gather``, each with and without ``overlap``: ``Shard(0)``
   DTensors (FSDP2's layout) of the same parameters and gradients.
@@ -64,7 +64,7 @@ def rank_main(args: argparse.Namespace) -> None:
     import _sets
 
     import muonfn
-    from muonfn.distributed import CountingCollectives, torch_collectives
+    from muonfn.distributed import CountingCollectives, sharded_orthogonalizer, torch_collectives
 
     torch.set_num_threads(1)
     cuda = args.device == "cuda"
@@ -91,8 +91,8 @@ def rank_main(args: argparse.Namespace) -> None:
         if world == 1 and name != "ddp none":
             continue
         params, grads = sharded if name.startswith("fsdp") else (plain_params, plain_grads)
-        distributed = {"collectives": collectives, **options} if options else {}
-        tx = muonfn.muon(lr=0.02, ns_dtype=torch.float32, labels=labels, **distributed)
+        distributed = {"orthogonalizer": sharded_orthogonalizer(collectives, **options)} if options else {}
+        tx = muonfn.muon(lr=0.02, ns=muonfn.NewtonSchulz(dtype=torch.float32), labels=labels, **distributed)
         state = tx.init(params)
         times = []
         for i in range(args.warmup + args.steps):

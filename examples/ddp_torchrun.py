@@ -5,8 +5,8 @@ Run on CPU with two processes (gloo):
     python -m torch.distributed.run --nproc_per_node 2 examples/ddp_torchrun.py --steps 20
 
 ``DistributedDataParallel`` all-reduces the gradients, so every rank holds the same whole
-matrices and the same gradients. Given ``collectives=``, muonfn treats these plain tensors
-as replicated: each matrix is orthogonalized by one owner rank (owners balanced by
+matrices and the same gradients. A sharded orthogonalizer over their collectives treats these
+plain tensors as replicated: each matrix is orthogonalized by one owner rank (owners balanced by
 Newton–Schulz flops, same shapes batched), and the owner sends the result to the others,
 so each rank does about 1/W of the Newton–Schulz work instead of all of it. Momentum and
 AdamW stay on every rank (they are elementwise and cheap). ``replicated="local"`` opts out
@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import muonfn
-from muonfn.distributed import CountingCollectives, torch_collectives
+from muonfn.distributed import CountingCollectives, sharded_orthogonalizer, torch_collectives
 
 VOCAB, WIDTH, CONTEXT = 64, 48, 16
 
@@ -63,7 +63,8 @@ def train(steps: int, replicated: str, collectives: CountingCollectives) -> tupl
     model = Model()
     labels = muonfn.labels_from_module(model)  # fc1, fc2, fc3 -> Muon; embed, norm, head, biases -> AdamW
     ddp = DistributedDataParallel(model)
-    tx = muonfn.muon(lr=0.01, weight_decay=0.01, labels=labels, collectives=collectives, replicated=replicated)
+    orthogonalizer = sharded_orthogonalizer(collectives, replicated=replicated)
+    tx = muonfn.muon(lr=0.01, weight_decay=0.01, labels=labels, orthogonalizer=orthogonalizer)
     params = TensorDict.from_module(model).detach()
     state = tx.init(params)
     losses = []
@@ -72,7 +73,7 @@ def train(steps: int, replicated: str, collectives: CountingCollectives) -> tupl
         tokens, targets = batch(step, rank, world)
         loss = nn.functional.cross_entropy(ddp(tokens), targets)
         loss.backward()  # DDP all-reduces: every rank now holds the same whole gradients
-        grads = TensorDict({tuple(n.split(".")): p.grad for n, p in model.named_parameters()}, [])
+        grads = TensorDict({n: p.grad for n, p in model.named_parameters()}, [])
         params = TensorDict.from_module(model).detach()  # sharing storage with the model
         updates, state = tx.update(grads, state, params)
         muonfn.apply_updates_(params, updates)  # the model stepped in place

@@ -12,8 +12,7 @@ default group. The optimizer state is a TensorDict of DTensors sharded like the 
 so ``torch.distributed.checkpoint`` saves it with the model, each rank writing its shards,
 and loads it into a fresh model and state: training resumes bit for bit.
 
-The loop is the functional one; ``muonfn.optim.Muon(model.named_parameters(),
-collectives=torch_collectives(mesh))`` steps the same FSDP2 model as a torch optimizer.
+The loop is the functional one, over ``sharded_orthogonalizer(torch_collectives(mesh))``.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import muonfn
-from muonfn.distributed import torch_collectives
+from muonfn.distributed import sharded_orthogonalizer, torch_collectives
 
 VOCAB, WIDTH, CONTEXT = 64, 48, 16
 
@@ -61,7 +60,8 @@ def build(mesh: DeviceMesh) -> tuple[nn.Module, muonfn.Transform, TensorDict]:
     for module in (model.embed, model.fc1, model.fc2, model.lm_head):
         fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    tx = muonfn.muon(lr=0.01, weight_decay=0.01, labels=labels, collectives=torch_collectives(mesh), strategy="owner")
+    orthogonalizer = sharded_orthogonalizer(torch_collectives(mesh), strategy="owner")
+    tx = muonfn.muon(lr=0.01, weight_decay=0.01, labels=labels, orthogonalizer=orthogonalizer)
     state = tx.init(TensorDict.from_module(model).detach())
     return model, tx, state
 
@@ -79,7 +79,7 @@ def train_step(model: nn.Module, tx: muonfn.Transform, state: TensorDict, step: 
     tokens, targets = batch(step, dist.get_rank(), dist.get_world_size())
     loss = nn.functional.cross_entropy(model(tokens), targets)
     loss.backward()  # FSDP2 reduce-scatters: every p.grad is this rank's shard (a DTensor)
-    grads = TensorDict({tuple(n.split(".")): p.grad for n, p in model.named_parameters() if p.grad is not None}, [])
+    grads = TensorDict({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, [])
     params = TensorDict.from_module(model).detach()  # this rank's DTensor shards, sharing storage with the model
     updates, state = tx.update(grads, state, params)
     muonfn.apply_updates_(params, updates)  # the model's shards stepped in place

@@ -451,7 +451,7 @@ def matrix_branch(
     fresh = fresh_updates(nesterov, momentum_bias_correction)  # (the look-ahead: this step's own tensors)
     adapted: list[Transform] = []
     if adaptation is not None:
-        if orthogonalizer is not None and not hasattr(orthogonalizer, "bucket_numel"):
+        if getattr(orthogonalizer, "sum_shards", None) is not None:  # (a sharded one's results are shards)
             raise ValueError(
                 "the adapted variants need each whole orthogonalized matrix on the rank that holds its state, "
                 "and sharded orthogonalizers return shards: use muonfn.muon for sharded parameters"

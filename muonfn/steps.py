@@ -68,7 +68,11 @@ def _foreach(op: str, tensors: Sequence[torch.Tensor], *operands: Any, inplace: 
         return []
     numbers = any(isinstance(v, int | float) for v in (*operands, *kw.values()))
     narrow = inplace and numbers and any(t.dtype.itemsize < 4 for t in tensors)
-    mixed = hasattr(tensors[0], "placements") and any(isinstance(v, torch.Tensor) for v in operands)
+    # DTensors meet a tensor, or a list of plain ones, one at a time: a fused op would put the plain
+    # tensors on the first leaf's mesh, and leaves may live on several meshes (TP beside FSDP2)
+    firsts = [v[0] if isinstance(v, list | tuple) and v else None for v in operands]
+    plain = [isinstance(f, torch.Tensor) and not hasattr(f, "placements") for f in firsts]
+    mixed = hasattr(tensors[0], "placements") and any(isinstance(v, torch.Tensor) or p for v, p in zip(operands, plain))
     if narrow or mixed or torch._C._are_functorch_transforms_active():
         lists = [v if isinstance(v, list | tuple) else [v] * len(tensors) for v in operands]
         name = f"{op}_" if inplace else op
@@ -288,8 +292,9 @@ def check_views(where: str, views: object) -> None:
 def _orthogonalizing(
     ns: Any, views: ViewsLike, orthogonalizer: Orthogonalizer | None, where: str
 ) -> tuple[MatrixFn, Orthogonalizer, Callable[[TensorDictBase], None]]:
-    """The map, the orthogonalizer and an ``init`` check of the leaves (each view reads its leaf; a
-    map of one's own is tried on meta tensors, so that a wrong result fails before a step)."""
+    """The map, the orthogonalizer and an ``init`` check of the leaves (the orthogonalizer's own, on the
+    parameters, whose layout the updates share; a map of one's own is tried on meta tensors, so that a
+    wrong result fails before a step)."""
     ns = matrix_map(ns)
     check_views(f"{where}: views", views)
     if orthogonalizer is None:
@@ -300,9 +305,11 @@ def _orthogonalizing(
 
     def check(params: TensorDictBase) -> None:
         names, values = list(params.keys()), list(params.values())
-        for name, p, view in zip(names, values, resolve_views(views, names, values, params.batch_dims)):
-            if local:  # (a sharded leaf may be a local block: checked against its global shape at update)
-                view.check(name, p.shape)
+        leaf_views = resolve_views(views, names, values, params.batch_dims)
+        refuse = getattr(orthogonalizer, "check", None)
+        if callable(refuse):
+            refuse(names, values, leaf_views)
+        for p, view in zip(values, leaf_views):
             if local and not isinstance(ns, NewtonSchulz):
                 for rows, cols in view.blocks(p.shape):
                     if rows and cols:

@@ -139,6 +139,12 @@ def check_input(init: InitFn, grads: TensorDictBase, state: Any, params: TensorD
     for name, g in grads.items():
         if g.layout is not torch.strided or g.is_complex():
             raise TypeError(f"update: gradient {name!r} is {g.layout} {g.dtype}; only dense real gradients are supported")
+        placements = tuple(getattr(g, "placements", ()))
+        if any(placement.is_partial() for placement in placements):
+            raise ValueError(
+                f"update: gradient {name!r} is a DTensor placed as {placements}, a pending reduction; "
+                "reduce gradients before the optimizer step"
+            )
         p = g if params is None else params.get(name)
         if p is None:
             raise ValueError(f"update: gradient {name!r} has no matching parameter")
@@ -385,6 +391,8 @@ def apply_if_finite(tx: Transform, *, sum_shards: Any = None) -> Transform:
     so that every rank skips the same steps (DTensor leaves need none).
     """
 
+    check_sum_shards("apply_if_finite", sum_shards)
+
     def init(params: TensorDictBase) -> TensorDictBase:
         state = tx.init(params)
         if NOTFINITE_COUNT in state.keys():
@@ -407,6 +415,11 @@ def apply_if_finite(tx: Transform, *, sum_shards: Any = None) -> Transform:
         return zeroed, build({**chosen, NOTFINITE_COUNT: count}, state.batch_size)
 
     return transform(init, update, donates_state=donates_state(tx))
+
+
+def check_sum_shards(where: str, sum_shards: object) -> None:
+    if sum_shards is not None and not callable(sum_shards):
+        raise TypeError(f"{where}: sum_shards must be callable (muonfn.distributed.shard_sums), got {sum_shards!r}")
 
 
 def count_per_member(mask: torch.Tensor, members: int) -> torch.Tensor:
@@ -460,6 +473,7 @@ def cautious(tx: Transform, *, mode: CautiousMode = "heavyball", sum_shards: Any
     """
     if mode not in CAUTIOUS_MODES:
         raise ValueError(f"cautious: unknown mode {mode!r}; choose one of {list(CAUTIOUS_MODES)}")
+    check_sum_shards("cautious", sum_shards)
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
         updates, state = tx.update(grads, state, params)

@@ -41,7 +41,8 @@ assert torch.equal(gathered_async, gathered)
 
 torch.manual_seed(0)
 full = {"w": torch.randn(10, 6, device=cuda), "v": torch.randn(6, 16, device=cuda), "u": torch.randn(7, 5, device=cuda)}
-expected = muonfn.orthogonalize(dtype=torch.float32).update(TensorDict(full, []), TensorDict())[0]
+NS = muonfn.NewtonSchulz(dtype=torch.float32)
+expected = muonfn.orthogonalize(NS).update(TensorDict(full, []), TensorDict())[0]
 shards = {"w": full["w"].tensor_split(world)[rank], "v": full["v"].tensor_split(world)[rank], "u": full["u"]}
 specs = {"w": ShardSpec(0), "v": ShardSpec(0)}  # "u" is replicated: whole on every rank
 for strategy in ("owner", "gather"):
@@ -51,7 +52,7 @@ for strategy in ("owner", "gather"):
             run = sharded_orthogonalizer(
                 counted, strategy=strategy, shard_specs=specs, overlap=overlap, replicated=replicated
             )
-            got = muonfn.orthogonalize(dtype=torch.float32, orthogonalizer=run).update(TensorDict(shards, []), {})[0]
+            got = muonfn.orthogonalize(NS, orthogonalizer=run).update(TensorDict(shards, []), {})[0]
             for k in full:
                 want = expected[k].tensor_split(world)[rank] if k in specs else expected[k]
                 assert got[k].device == cuda, (k, got[k].device)

@@ -18,6 +18,7 @@ from tensordict import TensorDict
 from torch import nn
 
 import muonfn
+from muonfn.distributed import sharded_orthogonalizer
 from muonfn.distributed._layout import Box, copy_out, length
 
 VOCAB, SEQ, BATCH, STEPS = 11, 5, 12, 10
@@ -57,8 +58,17 @@ def make_net(seed: int = 0) -> Net:
     return Net()
 
 
-def make_tx(**distributed: Any) -> muonfn.Transform:
-    return muonfn.muon(lr=0.05, weight_decay=0.1, ns_dtype=torch.float32, views=VIEWS, **distributed)
+#: the arguments of make_tx that go to the sharded orthogonalizer
+DISTRIBUTED = ("strategy", "shard_specs", "bucket_numel", "replicated", "overlap")
+NS = muonfn.NewtonSchulz(dtype=torch.float32)
+
+
+def make_tx(collectives: Any = None, **options: Any) -> muonfn.Transform:
+    """The run's Muon; with ``collectives``, over ``sharded_orthogonalizer(collectives, **distributed options)``."""
+    distributed = {k: options.pop(k) for k in DISTRIBUTED if k in options}
+    if collectives is not None:
+        options["orthogonalizer"] = sharded_orthogonalizer(collectives, **distributed)
+    return muonfn.muon(lr=0.05, weight_decay=0.1, ns=NS, views=VIEWS, **options)
 
 
 def batches(steps: int = STEPS, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -75,7 +85,8 @@ def loss_of(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> to
 
 @dataclass
 class Reference:
-    """The single-process run: ``params[t]`` before step ``t`` (``params[-1]`` at the end), ``grads[t]`` at step ``t``.
+    """The single-process run: ``params[t]`` before step ``t`` (``params[-1]`` at the end), ``grads[t]`` at step ``t``,
+    each a flat TensorDict keyed by dotted names.
 
     Step 3 leaves ``fc2.bias`` and ``experts`` without a gradient.
     """
@@ -85,11 +96,11 @@ class Reference:
 
 
 NO_GRAD_STEP = 3
-NO_GRAD_KEYS = (("fc2", "bias"), ("experts",))
+NO_GRAD_NAMES = ("fc2.bias", "experts")
 
 
 def drop_no_grad(grads: TensorDict, step: int) -> TensorDict:
-    return grads.exclude(*NO_GRAD_KEYS) if step == NO_GRAD_STEP else grads
+    return grads.exclude(*NO_GRAD_NAMES) if step == NO_GRAD_STEP else grads
 
 
 @contextlib.contextmanager
@@ -120,12 +131,12 @@ def _reference_run(steps: int, **options: Any) -> Reference:
         with p.to_module(model):
             return loss_of(model, x, y)
 
-    history, grads_seen = [params], []
+    history, grads_seen = [params.flatten_keys(".")], []
     for step, (x, y) in enumerate(batches(steps)):
-        grads = drop_no_grad(torch.func.grad(loss_fn)(params, x, y), step)
-        updates, state = tx.update(grads, state, params)
+        grads = drop_no_grad(torch.func.grad(loss_fn)(params, x, y).flatten_keys("."), step)
+        updates, state = tx.update(grads, state, params)  # (nested params, flat grads: both are read by name)
         params = muonfn.apply_updates(params, updates)
-        history.append(params)
+        history.append(params.flatten_keys("."))
         grads_seen.append(grads)
     return Reference(history, grads_seen)
 
@@ -142,20 +153,18 @@ def shim_reference_run(steps: int = STEPS) -> Reference:
     with one_thread():
         model = make_net()
         opt = make_shim(model)
-        history, grads_seen = [TensorDict.from_module(model).detach().clone()], []
+        history, grads_seen = [TensorDict.from_module(model).detach().clone().flatten_keys(".")], []
         for step, (x, y) in enumerate(batches(steps)):
             opt.zero_grad()
             loss_of(model, x, y).backward()
             if step == NO_GRAD_STEP:
-                for key in NO_GRAD_KEYS:
-                    model.get_parameter(".".join(key)).grad = None
+                for name in NO_GRAD_NAMES:
+                    model.get_parameter(name).grad = None
             grads_seen.append(
-                TensorDict(
-                    {tuple(n.split(".")): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, []
-                )
+                TensorDict({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, [])
             )
             opt.step()
-            history.append(TensorDict.from_module(model).detach().clone())
+            history.append(TensorDict.from_module(model).detach().clone().flatten_keys("."))
         return Reference(history, grads_seen)
 
 
@@ -163,3 +172,15 @@ def make_shim(model: nn.Module, **distributed: Any) -> torch.optim.Optimizer:
     from muonfn.optim import Muon
 
     return Muon(model.named_parameters(), lr=0.05, weight_decay=0.1, ns_dtype=torch.float32, views=VIEWS, **distributed)
+
+
+def adamw_kernel_takes_on_cpu(tensors: Any, members: int, factors: Any) -> bool:
+    """A GPU's rule for torch's fused AdamW kernel, read on the CPU (it replaces
+    ``muonfn._devices.adamw_kernel_takes`` to force that route): one model's contiguous fp32
+    leaves, the learning rate and decay numbers."""
+    return (
+        bool(tensors)
+        and not members
+        and not factors
+        and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+    )

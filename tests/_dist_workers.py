@@ -19,11 +19,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _dist_models import (
     BATCH,
-    NO_GRAD_KEYS,
+    NO_GRAD_NAMES,
     NO_GRAD_STEP,
+    NS,
     STEPS,
     Net,
     Reference,
+    adamw_kernel_takes_on_cpu,
     batches,
     loss_of,
     make_net,
@@ -39,8 +41,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import muonfn
-from muonfn._keys import Key
-from muonfn._tree import leaf_keys
+import muonfn._devices
 from muonfn.distributed import (
     CountingCollectives,
     ShardSpec,
@@ -81,13 +82,9 @@ def my_box(p: DTensor) -> Box:
     return layout.boxes[flat]
 
 
-def key_of(name: str) -> Key:
-    return tuple(name.split("."))
-
-
 def check_params(model: nn.Module, expected: TensorDict, what: str, exact: bool = True) -> None:
     for name, p in model.named_parameters():
-        want = take(expected[key_of(name)], my_box(p))
+        want = take(expected[name], my_box(p))
         message = f"{what}: {name} ({p.placements}) differs on rank {dist.get_rank()}"
         if exact:
             assert torch.equal(p.to_local(), want), message
@@ -111,39 +108,37 @@ def train_step(
         tokens, targets = batches()[step]
         loss_of(model, tokens[data_slice], targets[data_slice]).backward()
     for name, p in model.named_parameters():
-        key = key_of(name)
-        if step == NO_GRAD_STEP and key in NO_GRAD_KEYS:
+        if step == NO_GRAD_STEP and name in NO_GRAD_NAMES:
             p.grad = None
         elif exact is not None:
             p.grad = DTensor.from_local(
-                take(exact.grads[step][key], my_box(p)),
+                take(exact.grads[step][name], my_box(p)),
                 p.device_mesh,
                 p.placements,
                 run_check=False,
                 shape=p.shape,
                 stride=p.stride(),
             )
-    grads = TensorDict({key_of(n): p.grad for n, p in model.named_parameters() if p.grad is not None}, [])
+    grads = TensorDict({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, [])
     with torch.no_grad():
-        params = TensorDict.from_module(model).detach()
+        params = TensorDict.from_module(model).detach().flatten_keys(".")  # (the module's own tensors)
         updates, state = tx.update(grads, state, params)
         if in_place:
             muonfn.apply_updates_(params, updates)
         else:
             new = muonfn.apply_updates(params, updates)
             for name, p in model.named_parameters():  # TensorDict.copy_ uses _foreach_copy_, which DTensor lacks
-                p.copy_(new[key_of(name)])
+                p.copy_(new[name])
     model.zero_grad(set_to_none=True)
     return state
 
 
 def check_state_mirrors_params(model: nn.Module, state: TensorDict) -> None:
-    momentum = state["muon", "momentum"]
     params = dict(model.named_parameters())
-    for key in leaf_keys(momentum):
-        m, p = momentum[key], params[".".join(key)]
-        assert isinstance(m, DTensor) and m.placements == p.placements, key
-        assert m.to_local().shape == p.to_local().shape, key  # a shard, not a full copy
+    for name, m in state["muon", "momentum"].items():
+        p = params[name]
+        assert isinstance(m, DTensor) and m.placements == p.placements, name
+        assert m.to_local().shape == p.to_local().shape, name  # a shard, not a full copy
 
 
 def exact_run(
@@ -156,7 +151,7 @@ def exact_run(
     in_place: bool = False,
 ) -> None:
     check_params(model, reference.params[0], f"{what} initial layout")  # muonfn's layout is FSDP's
-    tx = make_tx(collectives=collectives, strategy=strategy) if tx is None else tx
+    tx = make_tx(collectives, strategy=strategy) if tx is None else tx
     state = tx.init(TensorDict.from_module(model).detach())
     for step in range(STEPS):
         state = train_step(model, tx, state, step, reference, slice(None), in_place)
@@ -167,13 +162,13 @@ def exact_run(
 def end_to_end_run(
     model: nn.Module, collectives: TorchCollectives, reference: Reference, share: slice, what: str
 ) -> float:
-    tx = make_tx(collectives=collectives)
+    tx = make_tx(collectives)
     state = tx.init(TensorDict.from_module(model).detach())
     for step in range(STEPS):
         state = train_step(model, tx, state, step, None, share)
     worst = 0.0
     for name, p in model.named_parameters():
-        got, want = p.full_tensor().detach(), reference.params[-1][key_of(name)]
+        got, want = p.full_tensor().detach(), reference.params[-1][name]
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{what}: {n}: {m}")
         worst = max(worst, float((got - want).abs().max()))
     return worst
@@ -184,9 +179,8 @@ def share_of(index: int, parts: int) -> slice:
     return slice(index * size, (index + 1) * size)
 
 
-def fsdp_cases(rank: int, world: int, reference: Reference, shim_reference: Reference | None) -> None:
-    """FSDP2 over ``world`` ranks (both strategies, exact), end to end, and, on 4 ranks, HSDP and TP + FSDP
-    (the latter also through the optim shim, whose tensor hyperparameters meet params on two meshes)."""
+def fsdp_cases(rank: int, world: int, reference: Reference) -> None:
+    """FSDP2 over ``world`` ranks (both strategies, exact), end to end, and, on 4 ranks, HSDP and TP + FSDP."""
     mesh = init_device_mesh("cpu", (world,))
     collectives = torch_collectives(mesh)
     for strategy in EXACT:
@@ -211,8 +205,6 @@ def fsdp_cases(rank: int, world: int, reference: Reference, shim_reference: Refe
             assert "outside the collectives' group" in str(e), e
         else:
             raise AssertionError("a DTensor outside the collectives' group must be refused")
-        assert shim_reference is not None
-        shim_run(tp_fsdp(make_net(), tp_mesh), tp, shim_reference, "optim.Muon under TP2 + FSDP2")
         dp_rank = tp_mesh.get_local_rank("dp")
         end_to_end_run(tp_fsdp(make_net(), tp_mesh), tp, reference, share_of(dp_rank, 2), "TP2 + FSDP2 e2e")
 
@@ -229,7 +221,7 @@ def cautious_runs(rank: int, world: int, references: dict[str, Reference]) -> No
             (fsdp(make_net(), hsdp_mesh), torch_collectives(hsdp_mesh), "HSDP 2x2"),
             (tp_fsdp(make_net(), tp_mesh), torch_collectives(tp_mesh), "TP2 + FSDP2"),
         ):
-            tx = make_tx(collectives=group, cautious_mode=mode)
+            tx = make_tx(group, cautious_mode=mode)
             exact_run(model, group, "owner", reference, f"{what}, cautious_mode={mode!r}", tx)
 
 
@@ -240,9 +232,9 @@ def shim_run(model: nn.Module, collectives: TorchCollectives, reference: Referen
         opt.zero_grad()
         grads = reference.grads[step]
         for name, p in model.named_parameters():
-            if key_of(name) in leaf_keys(grads):
+            if name in grads:
                 p.grad = DTensor.from_local(
-                    take(grads[key_of(name)], my_box(p)),
+                    take(grads[name], my_box(p)),
                     p.device_mesh,
                     p.placements,
                     run_check=False,
@@ -253,24 +245,35 @@ def shim_run(model: nn.Module, collectives: TorchCollectives, reference: Referen
     check_params(model, reference.params[-1], what)
 
 
-def plain_shards_and_guards(rank: int, world: int, shim_reference: Reference) -> None:
-    """ShardSpec leaves over real gloo, the errors that keep communication explicit, and the optim shim."""
+def shim_runs(rank: int, world: int, shim_reference: Reference) -> None:
+    """The optim shim under FSDP2, and on 4 ranks under TP + FSDP2 (whose tensor hyperparameters meet
+    params on two meshes): bitwise the single-process shim."""
     mesh = init_device_mesh("cpu", (world,))
     shim_run(fsdp(make_net(), mesh), torch_collectives(mesh), shim_reference, f"optim.Muon under FSDP2 on {world}")
+    if world == 4:
+        tp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        shim_run(
+            tp_fsdp(make_net(), tp_mesh), torch_collectives(tp_mesh), shim_reference, "optim.Muon under TP2 + FSDP2"
+        )
+
+
+def plain_shards_and_guards(rank: int, world: int) -> None:
+    """ShardSpec leaves over real gloo, and the errors that keep communication explicit."""
+    mesh = init_device_mesh("cpu", (world,))
     group = torch_collectives(dist.group.WORLD)
     torch.manual_seed(0)
     full = {"w": torch.randn(10, 6), "e": torch.randn(3, 5)}
-    expected = muonfn.orthogonalize(dtype=torch.float32).update(TensorDict(full, []), TensorDict())[0]
+    expected = muonfn.orthogonalize(NS).update(TensorDict(full, []), TensorDict())[0]
     mine = {k: v.tensor_split(world)[rank] for k, v in full.items()}
     for strategy in EXACT:
         specs = {"w": ShardSpec(0), "e": ShardSpec(0)}
         orthogonalizer = sharded_orthogonalizer(group, strategy=strategy, shard_specs=specs)
-        tx = muonfn.orthogonalize(dtype=torch.float32, orthogonalizer=orthogonalizer)  # as `expected`
+        tx = muonfn.orthogonalize(NS, orthogonalizer=orthogonalizer)  # as `expected`
         out = tx.update(TensorDict(mine, []), TensorDict())[0]
         for k in full:
             assert torch.equal(out[k], expected[k].tensor_split(world)[rank]), (strategy, k)
     orthogonalizer = sharded_orthogonalizer(group, strategy="tp_gram", shard_specs=specs)
-    tx = muonfn.orthogonalize(dtype=torch.float32, orthogonalizer=orthogonalizer)
+    tx = muonfn.orthogonalize(NS, orthogonalizer=orthogonalizer)
     out = tx.update(TensorDict(mine, []), TensorDict())[0]
     for k in full:  # "w" is cut along its long side: Gram sums over gloo; "e" goes to its owner
         torch.testing.assert_close(out[k], expected[k].tensor_split(world)[rank], rtol=1e-4, atol=2e-6)
@@ -279,14 +282,14 @@ def plain_shards_and_guards(rank: int, world: int, shim_reference: Reference) ->
     try:
         muonfn.orthogonalize().update(TensorDict({"w": sharded}, []), TensorDict())
     except ValueError as e:
-        assert "sharded" in str(e) and "collectives=" in str(e)
+        assert "sharded" in str(e) and "sharded_orthogonalizer" in str(e), e
     else:
         raise AssertionError("a sharded DTensor without collectives must be refused")
 
     # a gradient still pending its reduction (Partial), with collectives: refused before the
     # donated momentum moves
     model = fsdp(make_net(), mesh)
-    tx = muonfn.muon(collectives=torch_collectives(mesh), donate_state=True)
+    tx = muonfn.muon(orthogonalizer=sharded_orthogonalizer(torch_collectives(mesh)), donate_state=True)
     params = TensorDict.from_module(model).detach()
     state = tx.init(params)
     before = {k: v.to_local().clone() for k, v in state.items(True, True)}
@@ -302,23 +305,16 @@ def plain_shards_and_guards(rank: int, world: int, shim_reference: Reference) ->
     for k, v in state.items(True, True):
         assert torch.equal(v.to_local(), before[k]), ("pending reduction", k)
 
-    # Newton–Schulz without collectives, and the adapted variants, need whole matrices: refused
-    # before the donated momentum moves
+    # Newton–Schulz without a sharded orthogonalizer, and so the adapted variants, need whole
+    # matrices: refused at init, before any state exists
     for variant in ("muon", "normuon", "adamuon"):
-        model = fsdp(make_net(), mesh)
-        tx = getattr(muonfn, variant)(donate_state=True)
-        params = TensorDict.from_module(model).detach()
-        state = tx.init(params)
-        before = {k: v.to_local().clone() for k, v in state.items(True, True)}
-        grads = params.apply(torch.ones_like)
+        params = TensorDict.from_module(fsdp(make_net(), mesh)).detach()
         try:
-            tx.update(grads, state, params)
+            getattr(muonfn, variant)(donate_state=True).init(params)
         except ValueError as e:
             assert "whole matrices" in str(e), e
         else:
             raise AssertionError(f"{variant} over sharded DTensors must be refused")
-        for k, v in state.items(True, True):
-            assert torch.equal(v.to_local(), before[k]), (variant, k)
 
 
 def replicated_run(rank: int, world: int, reference: Reference) -> None:
@@ -329,21 +325,21 @@ def replicated_run(rank: int, world: int, reference: Reference) -> None:
     cases = [("owner", "split", True), ("owner", "split", False), ("gather", "split", True), ("owner", "local", True)]
     for strategy, mode, overlap in cases:
         params = reference.params[0].clone()
-        tx = make_tx(collectives=group, strategy=strategy, replicated=mode, overlap=overlap)
+        tx = make_tx(group, strategy=strategy, replicated=mode, overlap=overlap)
         state = tx.init(params)
         for grads in reference.grads:
             updates, state = tx.update(grads, state, params)
             params = muonfn.apply_updates(params, updates)
-        for key in leaf_keys(params):
-            assert torch.equal(params[key], reference.params[-1][key]), (strategy, mode, overlap, key)
+        for name, value in params.items():
+            assert torch.equal(value, reference.params[-1][name]), (strategy, mode, overlap, name)
 
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     full = {"w": torch.randn(10, 6), "v": torch.randn(6, 12)}
-    expected = muonfn.orthogonalize(dtype=torch.float32).update(TensorDict(full, []), TensorDict())[0]
+    expected = muonfn.orthogonalize(NS).update(TensorDict(full, []), TensorDict())[0]
     leaves = {k: distribute_tensor(v, mesh, [Replicate()], src_data_rank=None) for k, v in full.items()}
     counted = CountingCollectives(torch_collectives(mesh))
-    tx = muonfn.orthogonalize(dtype=torch.float32, orthogonalizer=sharded_orthogonalizer(counted))
+    tx = muonfn.orthogonalize(NS, orthogonalizer=sharded_orthogonalizer(counted))
     out = tx.update(TensorDict(leaves, []), TensorDict())[0]
     for k in full:
         assert isinstance(out[k], DTensor) and out[k].placements == (Replicate(),), k
@@ -356,7 +352,7 @@ def donated_state_run(rank: int, world: int, reference: Reference) -> None:
     updated in place, bitwise the single-process run."""
     mesh = init_device_mesh("cpu", (world,))
     collectives = torch_collectives(mesh)
-    tx = make_tx(collectives=collectives, donate_state=True)
+    tx = make_tx(collectives, donate_state=True)
     exact_run(fsdp(make_net(), mesh), collectives, "owner", reference, "FSDP2 donated", tx=tx, in_place=True)
 
 
@@ -369,7 +365,7 @@ def skipped_step_run(rank: int, world: int, reference: Reference) -> None:
         mesh = init_device_mesh("cpu", (world,))
         collectives = torch_collectives(mesh)
         tx = muonfn.apply_if_finite(
-            make_tx(collectives=collectives, donate_state=donate), sum_shards=shard_sums(collectives) if sums else None
+            make_tx(collectives, donate_state=donate), sum_shards=shard_sums(collectives) if sums else None
         )
         skipped_step(rank, world, reference, fsdp(make_net(), mesh), tx)
 
@@ -380,25 +376,25 @@ def skipped_step(rank: int, world: int, reference: Reference, model: nn.Module, 
         state = train_step(model, tx, state, step, reference, slice(None))
         if step == 1:
             before = {n: p.to_local().clone() for n, p in model.named_parameters()}
-            momentum = state["muon", "momentum", "fc1", "weight"].to_local().clone()
+            momentum = state["muon", "momentum", "fc1.weight"].to_local().clone()
             grads = {}
             for name, p in model.named_parameters():
-                local = take(reference.grads[step][key_of(name)], my_box(p))
+                local = take(reference.grads[step][name], my_box(p))
                 if name == "fc1.weight" and rank == world - 1:
                     local.view(-1)[0] = float("nan")
-                grads[key_of(name)] = DTensor.from_local(
+                grads[name] = DTensor.from_local(
                     local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
                 )
             with torch.no_grad():
-                params = TensorDict.from_module(model).detach()
+                params = TensorDict.from_module(model).detach().flatten_keys(".")
                 updates, state = tx.update(TensorDict(grads, []), state, params)
                 new = muonfn.apply_updates(params, updates)
                 for name, p in model.named_parameters():
-                    p.copy_(new[key_of(name)])
+                    p.copy_(new[name])
             assert int(state["notfinite_count"]) == 1
             for name, p in model.named_parameters():
                 assert torch.equal(p.to_local(), before[name]), name
-            assert torch.equal(state["muon", "momentum", "fc1", "weight"].to_local(), momentum)
+            assert torch.equal(state["muon", "momentum", "fc1.weight"].to_local(), momentum)
     check_params(model, reference.params[-1], "FSDP2 under apply_if_finite")
 
 
@@ -406,14 +402,14 @@ def tensordict_copy_run(rank: int, world: int, reference: Reference) -> None:
     """Writing a step's result back into FSDP2 parameters with ``TensorDict.copy_``."""
     mesh = init_device_mesh("cpu", (world,))
     model = fsdp(make_net(), mesh)
-    tx = make_tx(collectives=torch_collectives(mesh))
+    tx = make_tx(torch_collectives(mesh))
     params = TensorDict.from_module(model)
     state = tx.init(params.detach())
     for step in range(STEPS):
         grads = TensorDict(
             {
-                key_of(n): DTensor.from_local(
-                    take(reference.grads[step][key_of(n)], my_box(p)),
+                n: DTensor.from_local(
+                    take(reference.grads[step][n], my_box(p)),
                     p.device_mesh,
                     p.placements,
                     run_check=False,
@@ -421,7 +417,7 @@ def tensordict_copy_run(rank: int, world: int, reference: Reference) -> None:
                     stride=p.stride(),
                 )
                 for n, p in model.named_parameters()
-                if key_of(n) in leaf_keys(reference.grads[step])
+                if n in reference.grads[step]
             },
             [],
         )
@@ -441,14 +437,14 @@ def dcp_segment(
     """Trains steps ``[load step, STEPS)`` under FSDP2 on ``world`` ranks, resuming from and saving DCP checkpoints."""
     mesh = init_device_mesh("cpu", (world,))
     model = fsdp(make_net(seed=0 if load is None else 123), mesh)
-    tx = make_tx(collectives=torch_collectives(mesh))
+    tx = make_tx(torch_collectives(mesh))
     state = tx.init(TensorDict.from_module(model).detach())
     start = 0
     if load is not None:
         path, start = load
-        before = state["muon", "momentum", "fc1", "weight"].to_local().clone()
+        before = state["muon", "momentum", "fc1.weight"].to_local().clone()
         dcp.load({"model": model.state_dict(), "optim": state.to_dict()}, checkpoint_id=path)
-        assert not torch.equal(before, state["muon", "momentum", "fc1", "weight"].to_local())  # loaded in place
+        assert not torch.equal(before, state["muon", "momentum", "fc1.weight"].to_local())  # loaded in place
         check_params(model, reference.params[start], f"params loaded on {world} ranks")
     for step in range(start, STEPS):
         if save is not None and step == save[1]:
@@ -462,9 +458,7 @@ def torch_kernel_run(rank: int, world: int, reference: Reference) -> None:
     takes it), donated or not, against the single-process run through the same kernel: to
     rounding, as the CPU's kernel rounds an element by where it falls in its tensor (vector body
     or scalar tail), which a shard moves; CUDA's computes every element alike."""
-    from muonfn.transforms import _adamw
-
-    _adamw.TORCH_KERNEL_DEVICES = frozenset({"cpu"})
+    muonfn._devices.adamw_kernel_takes = adamw_kernel_takes_on_cpu  # (this worker process only)
     calls = []
     kernel = torch._fused_adamw_
     torch._fused_adamw_ = lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs)
@@ -472,7 +466,7 @@ def torch_kernel_run(rank: int, world: int, reference: Reference) -> None:
     collectives = torch_collectives(mesh)
     for donate in (False, True):
         model = fsdp(make_net(), mesh)
-        tx = make_tx(collectives=collectives, donate_state=donate)
+        tx = make_tx(collectives, donate_state=donate)
         state = tx.init(TensorDict.from_module(model).detach())
         for step in range(STEPS):
             state = train_step(model, tx, state, step, reference, slice(None), in_place=donate)

@@ -16,27 +16,17 @@ from typing import Any
 
 import pytest
 import torch
-from _dist_models import Reference, make_tx, one_thread, reference_run, take
+from _dist_models import NS, Reference, make_tx, one_thread, reference_run, take
 from hypothesis import given
 from hypothesis import strategies as st
 from tensordict import TensorDict
 from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
 import muonfn
-from muonfn._keys import dotted
-from muonfn._tree import leaf_keys
-from muonfn.distributed import (
-    CountingCollectives,
-    Link,
-    ShardSpec,
-    SimulatedCollectives,
-    shard_sums,
-    sharded_orthogonalizer,
-    simulate,
-    torch_collectives,
-)
+from muonfn.distributed import CountingCollectives, ShardSpec, shard_sums, sharded_orthogonalizer, torch_collectives
 from muonfn.distributed import sharded_orthogonalizer as sharded
 from muonfn.distributed._layout import Box, placement_global_shape, placement_layout
+from muonfn.testing import Link, SimulatedCollectives, simulate
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -46,9 +36,8 @@ EXACT = ("owner", "gather")  # "tp_gram" sums Gram matrices over ranks: equal to
 # BLAS rounds; one step reached 0.2 of rtol=1e-5, atol=1e-6 here and 0.4 with every matmul summed in sequence
 TP_GRAM_ROUNDING = {"rtol": 1e-4, "atol": 2e-6}
 
-Key = tuple[str, ...]
-# (key, global shape, rank) -> (the rank's box, the ShardSpec to declare or None), given the rank's collectives
-Sharding = Callable[[SimulatedCollectives, Key, torch.Size], tuple[Box, ShardSpec | None]]
+# (name, global shape, rank) -> (the rank's box, the ShardSpec to declare or None), given the rank's collectives
+Sharding = Callable[[SimulatedCollectives, str, torch.Size], tuple[Box, ShardSpec | None]]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -62,9 +51,9 @@ def reference() -> Reference:
     return reference_run()
 
 
-def by_placements(mesh_shape: tuple[int, ...], placements_of: Callable[[Key, torch.Size], tuple[Any, ...]]) -> Sharding:
-    def shard(col: SimulatedCollectives, key: Key, shape: torch.Size) -> tuple[Box, ShardSpec | None]:
-        placements = placements_of(key, shape)
+def by_placements(mesh_shape: tuple[int, ...], placements_of: Callable[[str, torch.Size], tuple[Any, ...]]) -> Sharding:
+    def shard(col: SimulatedCollectives, name: str, shape: torch.Size) -> tuple[Box, ShardSpec | None]:
+        placements = placements_of(name, shape)
         layout = placement_layout(shape, mesh_shape, placements, range(col.world_size))
         return layout.boxes[col.rank], ShardSpec(placements=placements, mesh_shape=mesh_shape)
 
@@ -72,21 +61,21 @@ def by_placements(mesh_shape: tuple[int, ...], placements_of: Callable[[Key, tor
 
 
 def fsdp(world: int) -> Sharding:
-    return by_placements((world,), lambda key, shape: (Shard(0),))
+    return by_placements((world,), lambda name, shape: (Shard(0),))
 
 
 def hsdp() -> Sharding:
-    return by_placements((2, 2), lambda key, shape: (Replicate(), Shard(0)))
+    return by_placements((2, 2), lambda name, shape: (Replicate(), Shard(0)))
 
 
-COLWISE = {("fc1", "weight"), ("qkv", "weight")}
+COLWISE = {"fc1.weight", "qkv.weight"}
 
 
 def tp_fsdp() -> Sharding:
     """dp × tp = 2 × 2: colwise weights as FSDP2 leaves them, the other matrices row- and column-sharded."""
 
-    def placements(key: Key, shape: torch.Size) -> tuple[Any, ...]:
-        if key in COLWISE:
+    def placements(name: str, shape: torch.Size) -> tuple[Any, ...]:
+        if name in COLWISE:
             return (_StridedShard(0, split_factor=2), Shard(0))
         if len(shape) >= 2:
             return (Shard(0), Shard(1))
@@ -98,12 +87,12 @@ def tp_fsdp() -> Sharding:
 def hand_rolled_tp() -> Sharding:
     """2 data-parallel replicas of 2-way tensor parallelism over plain tensors: ShardSpec(dim, tp group)."""
 
-    def shard(col: SimulatedCollectives, key: Key, shape: torch.Size) -> tuple[Box, ShardSpec | None]:
+    def shard(col: SimulatedCollectives, name: str, shape: torch.Size) -> tuple[Box, ShardSpec | None]:
         dp, tp = divmod(col.rank, 2)
         full: list[tuple[tuple[int, int], ...]] = [((0, n),) for n in shape]
         if len(shape) < 2:
             return tuple(full), None
-        dim = 0 if key in COLWISE else 1
+        dim = 0 if name in COLWISE else 1
         n = shape[dim]
         size = -(-n // 2)
         lo, hi = min(tp * size, n), min((tp + 1) * size, n)
@@ -116,7 +105,7 @@ def hand_rolled_tp() -> Sharding:
 def odd_sizes() -> Sharding:
     """ShardSpec(0) with blocks that are not torch.chunk's: 4 ranks holding 1/4, 0, rest, 1 rows."""
 
-    def shard(col: SimulatedCollectives, key: Key, shape: torch.Size) -> tuple[Box, ShardSpec | None]:
+    def shard(col: SimulatedCollectives, name: str, shape: torch.Size) -> tuple[Box, ShardSpec | None]:
         n = shape[0]
         cuts = [0, 1 if n > 1 else n, 1 if n > 1 else n, n - 1 if n > 2 else n, n]
         box = [((0, s),) for s in shape]
@@ -129,13 +118,13 @@ def odd_sizes() -> Sharding:
 
 def shards(
     col: SimulatedCollectives, reference: Reference, sharding: Sharding
-) -> tuple[dict[Key, Box], dict[Key, ShardSpec]]:
+) -> tuple[dict[str, Box], dict[str, ShardSpec]]:
     """This rank's box of every leaf, and the ShardSpecs to declare."""
     boxes, specs = {}, {}
-    for key in leaf_keys(reference.params[0]):
-        boxes[key], spec = sharding(col, key, reference.params[0][key].shape)
+    for name, value in reference.params[0].items():
+        boxes[name], spec = sharding(col, name, value.shape)
         if spec is not None:
-            specs[key] = spec
+            specs[name] = spec
     return boxes, specs
 
 
@@ -146,14 +135,14 @@ def train(
     strategy: str,
     bucket_numel: int,
     **distributed: Any,
-) -> tuple[TensorDict, TensorDict, dict[Key, Box]]:
+) -> tuple[TensorDict, TensorDict, dict[str, Box]]:
     """This rank's part of the reference run: shards of the reference's gradients in, shards of params out."""
     boxes, specs = shards(col, reference, sharding)
     params = TensorDict({k: take(reference.params[0][k], box) for k, box in boxes.items()}, batch_size=[])
     tx = make_tx(collectives=col, strategy=strategy, shard_specs=specs, bucket_numel=bucket_numel, **distributed)
     state = tx.init(params)
     for full in reference.grads:
-        grads = TensorDict({k: take(full[k], boxes[k]) for k in leaf_keys(full)}, batch_size=[])
+        grads = TensorDict({k: take(v, boxes[k]) for k, v in full.items()}, batch_size=[])
         updates, state = tx.update(grads, state, params)
         params = muonfn.apply_updates(params, updates)
     return params, state, boxes
@@ -162,7 +151,7 @@ def train(
 def replicated() -> Sharding:
     """Data parallelism: every rank holds every tensor whole, as a plain tensor."""
 
-    def shard(col: SimulatedCollectives, key: Key, shape: torch.Size) -> tuple[Box, ShardSpec | None]:
+    def shard(col: SimulatedCollectives, name: str, shape: torch.Size) -> tuple[Box, ShardSpec | None]:
         return tuple(((0, n),) for n in shape), None
 
     return shard
@@ -189,12 +178,11 @@ def test_training_matches_single_process_bitwise(reference: Reference, layout: s
     results = simulate(world, train, reference, sharding(), strategy, 1 << 26)
     final = reference.params[-1]
     for rank, (params, state, boxes) in enumerate(results):
-        for key in leaf_keys(final):
-            expected = take(final[key], boxes[key])
-            assert torch.equal(params[key], expected), f"rank {rank}: {dotted(key)} differs"
+        for name, value in final.items():
+            assert torch.equal(params[name], take(value, boxes[name])), f"rank {rank}: {name} differs"
         # momentum stays a shard: no rank keeps a full copy
-        for key in leaf_keys(state["muon", "momentum"]):
-            assert state["muon", "momentum"][key].shape == params[key].shape
+        for name, momentum in state["muon", "momentum"].items():
+            assert momentum.shape == params[name].shape
 
 
 @pytest.mark.parametrize("replicated_mode", ["split", "local"])
@@ -209,8 +197,8 @@ def test_replicated_split_and_overlap_match_single_process_bitwise(
         world, train, reference, sharding(), "owner", 1 << 26, replicated=replicated_mode, overlap=overlap
     )
     for rank, (params, _, boxes) in enumerate(results):
-        for key in leaf_keys(reference.params[-1]):
-            assert torch.equal(params[key], take(reference.params[-1][key], boxes[key])), f"rank {rank}: {key}"
+        for name, value in reference.params[-1].items():
+            assert torch.equal(params[name], take(value, boxes[name])), f"rank {rank}: {name}"
 
 
 def test_small_buckets_move_in_rounds_and_stay_exact(reference: Reference) -> None:
@@ -218,8 +206,8 @@ def test_small_buckets_move_in_rounds_and_stay_exact(reference: Reference) -> No
     for strategy in EXACT:
         results = simulate(3, train, reference, fsdp(3), strategy, 50)
         for params, _, boxes in results:
-            for key in leaf_keys(params):
-                assert torch.equal(params[key], take(reference.params[-1][key], boxes[key])), dotted(key)
+            for name, value in params.items():
+                assert torch.equal(value, take(reference.params[-1][name], boxes[name])), name
 
 
 @functools.cache
@@ -235,9 +223,8 @@ def test_caution_counts_over_whole_leaves_as_one_process_does(layout: str, mode:
     world, sharding = LAYOUTS[layout]
     results = simulate(world, train, reference, sharding(), "owner", 1 << 26, cautious_mode=mode)
     for rank, (params, _, boxes) in enumerate(results):
-        for key in leaf_keys(reference.params[-1]):
-            expected = take(reference.params[-1][key], boxes[key])
-            assert torch.equal(params[key], expected), f"rank {rank}: {dotted(key)} differs"
+        for name, value in reference.params[-1].items():
+            assert torch.equal(params[name], take(value, boxes[name])), f"rank {rank}: {name} differs"
 
 
 @pytest.mark.parametrize("mode", muonfn.transforms.CAUTIOUS_MODES)
@@ -248,7 +235,7 @@ def test_caution_of_a_stacked_ensemble_counts_per_member_over_its_shards(dim: in
     gen = torch.Generator().manual_seed(0)
     full = TensorDict({"w": torch.randn(3, 8, 6, generator=gen), "t": torch.randn(3, generator=gen)}, [3])
     grads = [full.apply(lambda t: torch.randn(t.shape, generator=gen)) for _ in range(3)]
-    options = {"lr": 0.1, "ns_dtype": torch.float32, "cautious_mode": mode, "labels": {"w": "muon", "t": "adamw"}}
+    options = {"lr": 0.1, "ns": NS, "cautious_mode": mode, "labels": {"w": "muon", "t": "adamw"}}
 
     def run(tx: muonfn.Transform, params: TensorDict, take_part: Callable[[TensorDict], TensorDict]) -> TensorDict:
         state = tx.init(params)
@@ -268,7 +255,7 @@ def test_caution_of_a_stacked_ensemble_counts_per_member_over_its_shards(dim: in
         def part(td: TensorDict) -> TensorDict:
             return TensorDict({"w": td["w"][members, rows], "t": td["t"][members]}, [len(td["t"][members])])
 
-        tx = muonfn.muon(**options, collectives=col, shard_specs={"w": ShardSpec(dim)})
+        tx = muonfn.muon(**options, orthogonalizer=sharded(col, shard_specs={"w": ShardSpec(dim)}))
         return run(tx, part(full), part), members, rows
 
     for params, members, rows in simulate(2, body):
@@ -282,9 +269,9 @@ def test_caution_sums_its_counts_in_one_all_reduce_per_step() -> None:
 
     def run(col: SimulatedCollectives, mode: str | None) -> dict[str, int]:
         counting = CountingCollectives(col)
-        shards = {k: fsdp(2)(col, (k,), full[k].shape) for k in ("w", "v")}
+        shards = {k: fsdp(2)(col, k, full[k].shape) for k in ("w", "v")}
         specs = {k: spec for k, (_, spec) in shards.items()}
-        tx = muonfn.muon(lr=0.1, collectives=counting, shard_specs=specs, cautious_mode=mode, ns_dtype=torch.float32)
+        tx = muonfn.muon(lr=0.1, orthogonalizer=sharded(counting, shard_specs=specs), cautious_mode=mode, ns=NS)
         params = TensorDict({k: take(full[k], box) for k, (box, _) in shards.items()}, [])
         state = tx.init(params)
         tx.update(params, state, params)  # the first step exchanges shapes
@@ -296,7 +283,7 @@ def test_caution_sums_its_counts_in_one_all_reduce_per_step() -> None:
         assert careful == {**plain, "all_reduce": plain.get("all_reduce", 0) + 1}
 
 
-NAN_STEP, NAN_LEAF = 1, ("fc1", "weight")
+NAN_STEP, NAN_LEAF = 1, "fc1.weight"
 
 
 @functools.cache
@@ -326,7 +313,7 @@ def test_apply_if_finite_skips_on_every_rank_a_nan_one_shard_holds(layout: str) 
     world, make_sharding = LAYOUTS[layout]
     sharding = make_sharding()
 
-    def body(col: SimulatedCollectives) -> tuple[TensorDict, TensorDict, dict[Key, Box]]:
+    def body(col: SimulatedCollectives) -> tuple[TensorDict, TensorDict, dict[str, Box]]:
         boxes, specs = shards(col, reference, sharding)
         params = TensorDict({k: take(reference.params[0][k], box) for k, box in boxes.items()}, [])
         tx = muonfn.apply_if_finite(
@@ -337,16 +324,15 @@ def test_apply_if_finite_skips_on_every_rank_a_nan_one_shard_holds(layout: str) 
             if step == NAN_STEP:  # in the last rows' shards only (and their replicas)
                 full = full.clone()
                 full[NAN_LEAF][-1, -1] = float("nan")
-            grads = TensorDict({k: take(full[k], boxes[k]) for k in leaf_keys(full)}, [])
+            grads = TensorDict({k: take(v, boxes[k]) for k, v in full.items()}, [])
             updates, state = tx.update(grads, state, params)
             params = muonfn.apply_updates(params, updates)
         return params, state, boxes
 
     for rank, (params, state, boxes) in enumerate(simulate(world, body)):
         assert int(state["notfinite_count"]) == 1, f"rank {rank}"
-        for key in leaf_keys(params):
-            expected = take(reference.params[-1][key], boxes[key])
-            assert torch.equal(params[key], expected), f"rank {rank}: {dotted(key)} differs"
+        for name, value in params.items():
+            assert torch.equal(value, take(reference.params[-1][name], boxes[name])), f"rank {rank}: {name} differs"
 
 
 # --------------------------------------------------------------------------- layouts
@@ -415,18 +401,26 @@ def test_layout_matches_nested_chunking(rows: int, cols: int, case: int, ranks_s
 def full_and_shards(col: SimulatedCollectives, full: dict[str, torch.Tensor], sharding: Sharding):
     boxes, specs = {}, {}
     for name, tensor in full.items():
-        boxes[name], spec = sharding(col, (name,), tensor.shape)
+        boxes[name], spec = sharding(col, name, tensor.shape)
         if spec is not None:
             specs[name] = spec
     return boxes, specs
 
 
-def orthogonalize_sharded(col: SimulatedCollectives, full: dict[str, torch.Tensor], sharding: Sharding, **kw: Any):
+def orthogonalize_sharded(
+    col: SimulatedCollectives, full: dict[str, torch.Tensor], sharding: Sharding, ns: Any = NS, **kw: Any
+):
     boxes, specs = full_and_shards(col, full, sharding)
     distributed = {k: kw.pop(k) for k in ("strategy", "bucket_numel") if k in kw}
-    tx = muonfn.orthogonalize(dtype=torch.float32, orthogonalizer=sharded(col, shard_specs=specs, **distributed), **kw)
+    tx = muonfn.orthogonalize(ns, orthogonalizer=sharded(col, shard_specs=specs, **distributed), **kw)
     grads = TensorDict({k: take(v, boxes[k]) for k, v in full.items()}, batch_size=[])
     return tx.update(grads, tx.init(grads))[0], boxes
+
+
+def per_matrix_ns(batch: torch.Tensor) -> torch.Tensor:
+    """fp32 Newton–Schulz of every matrix of a batch alone, each in memory of its own: batch invariant
+    for every shape (a CPU sgemm may round a matrix at another alignment in a stack differently)."""
+    return torch.stack([muonfn.newton_schulz(m.clone(), dtype=torch.float32) for m in batch])
 
 
 VIEW_CASES = {
@@ -458,10 +452,12 @@ def test_orthogonalize_sharded_equals_whole(
         split = (n,) if n < 2 else (n // 2, n - n // 2)
         view = muonfn.MatrixView(split=split, split_dim=split_dim)
     views = {"w": view} if view is not None else None
-    reference = muonfn.orthogonalize(dtype=torch.float32, views=views, scale=scale)
+    reference = muonfn.orthogonalize(per_matrix_ns, views=views, scale=scale)
     expected = reference.update(TensorDict(full, batch_size=[]), TensorDict())[0]
-    sharding = by_placements((world,), lambda key, shape: (Shard(dim),))
-    results = simulate(world, orthogonalize_sharded, full, sharding, views=views, scale=scale, strategy=strategy)
+    sharding = by_placements((world,), lambda name, shape: (Shard(dim),))
+    results = simulate(
+        world, orthogonalize_sharded, full, sharding, per_matrix_ns, views=views, scale=scale, strategy=strategy
+    )
     for out, boxes in results:
         for name in full:
             assert torch.equal(out[name], take(expected[name], boxes[name])), name
@@ -472,7 +468,7 @@ def test_experts_sharded_by_expert_move_no_data() -> None:
     torch.manual_seed(0)
     full = {"experts": torch.randn(5, 6, 4)}
     views = {"experts": muonfn.MatrixView(batch_dims=1)}
-    expected = muonfn.orthogonalize(dtype=torch.float32, views=views).update(TensorDict(full, []), TensorDict())[0]
+    expected = muonfn.orthogonalize(NS, views=views).update(TensorDict(full, []), TensorDict())[0]
 
     def body(col: SimulatedCollectives):
         counted = CountingCollectives(col)
@@ -518,12 +514,12 @@ def test_owner_balances_flops_and_moves_the_expected_bytes(strategy: str, overla
             return muonfn.newton_schulz(x, dtype=torch.float32)
 
         run = sharded_orthogonalizer(counted, strategy=strategy, shard_specs=specs, overlap=overlap)
-        keys = [(k,) for k in full]
+        names = list(full)
         values = [take(v, boxes[k]) for k, v in full.items()]
-        run(keys, values, [muonfn.MatrixView()] * len(keys), ns, muonfn.linalg.shape_scale("none"))
+        run(names, values, [muonfn.MatrixView()] * len(names), ns, muonfn.linalg.shape_scale("none"))
         counted.reset()  # the first call also checked that the ranks agree; count a steady step
         work.clear()
-        run(keys, values, [muonfn.MatrixView()] * len(keys), ns, muonfn.linalg.shape_scale("none"))
+        run(names, values, [muonfn.MatrixView()] * len(names), ns, muonfn.linalg.shape_scale("none"))
         return sum(work), counted.bytes_received, counted.bytes_sent, counted.calls
 
     results = simulate(world, body)
@@ -553,13 +549,13 @@ def steady_step(col: Any, full: dict[str, torch.Tensor], sharding: Sharding, **o
         return muonfn.newton_schulz(x, dtype=torch.float32)
 
     run = sharded_orthogonalizer(counted, shard_specs=specs, **options)
-    keys = [(k,) for k in full]
+    names = list(full)
     values = [take(v, boxes[k]) for k, v in full.items()]
-    args = ([muonfn.MatrixView()] * len(keys), ns, muonfn.linalg.shape_scale("none"))
-    run(keys, values, *args)
+    args = ([muonfn.MatrixView()] * len(names), ns, muonfn.linalg.shape_scale("none"))
+    run(names, values, *args)
     counted.reset()  # the first call also checked that the ranks agree; count a steady step
     work.clear()
-    out = run(keys, values, *args)
+    out = run(names, values, *args)
     return sum(work), counted.bytes_received, counted.calls, dict(zip(full, out)), boxes
 
 
@@ -633,9 +629,9 @@ def test_overlap_starts_the_next_exchange_before_this_rounds_newton_schulz(overl
             return muonfn.newton_schulz(x, dtype=torch.float32)
 
         run = sharded_orthogonalizer(recorder, shard_specs=specs, overlap=overlap)
-        keys = [(k,) for k in full]
+        names = list(full)
         values = [take(v, boxes[k]) for k, v in full.items()]
-        run(keys, values, [muonfn.MatrixView()] * len(keys), ns, muonfn.linalg.shape_scale("none"))
+        run(names, values, [muonfn.MatrixView()] * len(names), ns, muonfn.linalg.shape_scale("none"))
         return events
 
     for events in simulate(2, body):
@@ -739,20 +735,19 @@ def test_bad_configuration_is_refused_up_front() -> None:
     with pytest.raises(TypeError, match="apply_if_finite: sum_shards must be callable"):
         muonfn.apply_if_finite(muonfn.ema_momentum(), sum_shards=3)  # type: ignore[arg-type]
 
-    with pytest.raises(ValueError, match="replicated='local' takes effect with collectives"):
-        muonfn.muon(replicated="local")
-    with pytest.raises(ValueError, match="overlap=False takes effect with collectives"):
-        muonfn.muon(overlap=False)
-
     def body(col: SimulatedCollectives):
-        with pytest.raises(ValueError, match="unknown distributed strategy 'scatter'"):
-            muonfn.muon(collectives=col, strategy="scatter")
+        with pytest.raises(ValueError, match=r"unknown distributed strategy 'scatter'; choose one of \['owner'"):
+            sharded(col, strategy="scatter")  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="unknown replicated='owner'"):
-            muonfn.muon(collectives=col, replicated="owner")
+            sharded(col, replicated="owner")  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="overlap must be True or False"):
             sharded(col, overlap="yes")  # type: ignore[arg-type]
-        with pytest.raises(TypeError, match="ShardSpec"):
+        with pytest.raises(ValueError, match="bucket_numel must be an integer >= 1"):
+            sharded(col, bucket_numel=0)
+        with pytest.raises(TypeError, match=r"shard_specs\['w'\] must be a muonfn.distributed.ShardSpec"):
             sharded(col, shard_specs={"w": 0})  # type: ignore[dict-item]
+        with pytest.raises(TypeError, match="shard_specs must be a mapping of names to ShardSpec, got list"):
+            sharded(col, shard_specs=["w"])  # type: ignore[arg-type]
         with pytest.raises(TypeError, match=r"shard_specs\['w'\] must be a muonfn.distributed.ShardSpec"):
             shard_sums(col, shard_specs={"w": 0})  # type: ignore[dict-item]
         grads = TensorDict({"w": torch.randn(4, 3)}, [])
@@ -833,7 +828,7 @@ def test_owner_holds_at_most_a_bucket_of_whole_matrices_at_once() -> None:
         out, boxes = orthogonalize_sharded(recording, full, fsdp(4), bucket_numel=cap)
         return out, boxes, recording.largest, recording.calls["all_to_all_single"]
 
-    expected = muonfn.orthogonalize(dtype=torch.float32).update(TensorDict(full, []), TensorDict())[0]
+    expected = muonfn.orthogonalize(NS).update(TensorDict(full, []), TensorDict())[0]
     for out, boxes, largest, exchanges in simulate(4, body):
         assert largest <= cap
         assert exchanges > 2  # several rounds
@@ -844,7 +839,7 @@ def test_owner_holds_at_most_a_bucket_of_whole_matrices_at_once() -> None:
 def test_mixed_dtypes_travel_separately() -> None:
     torch.manual_seed(0)
     full = {"a": torch.randn(6, 10).bfloat16(), "b": torch.randn(6, 10), "c": torch.randn(9, 4).double()}
-    expected = muonfn.orthogonalize(dtype=torch.float32).update(TensorDict(full, []), TensorDict())[0]
+    expected = muonfn.orthogonalize(NS).update(TensorDict(full, []), TensorDict())[0]
     for strategy in EXACT:
         for out, boxes in simulate(3, orthogonalize_sharded, full, fsdp(3), strategy=strategy):
             for name in full:
@@ -859,9 +854,9 @@ def test_mixed_dtypes_travel_separately() -> None:
 def test_tp_gram_training_matches_to_rounding(reference: Reference, layout: str) -> None:
     world, sharding = LAYOUTS[layout]
     for params, _, boxes in simulate(world, train, reference, sharding(), "tp_gram", 1 << 26):
-        for key in leaf_keys(params):
-            expected = take(reference.params[-1][key], boxes[key])
-            torch.testing.assert_close(params[key], expected, **TP_GRAM_ROUNDING, msg=dotted(key))
+        for name, value in params.items():
+            expected = take(reference.params[-1][name], boxes[name])
+            torch.testing.assert_close(value, expected, **TP_GRAM_ROUNDING, msg=name)
 
 
 def test_tp_gram_sums_grams_for_long_side_shards_and_sends_the_rest_to_owners() -> None:
@@ -869,8 +864,8 @@ def test_tp_gram_sums_grams_for_long_side_shards_and_sends_the_rest_to_owners() 
     # wide (8, 40) cut along its 40 columns, tall (40, 8) along its 40 rows: Gram; (8, 40) cut along rows: owner
     full = {"wide": torch.randn(8, 40), "tall": torch.randn(40, 8), "rows_of_wide": torch.randn(8, 40)}
     dims = {"wide": 1, "tall": 0, "rows_of_wide": 0}
-    sharding = by_placements((4,), lambda key, shape: (Shard(dims[key[0]]),))
-    expected = muonfn.orthogonalize(dtype=torch.float32).update(TensorDict(full, []), TensorDict())[0]
+    sharding = by_placements((4,), lambda name, shape: (Shard(dims[name]),))
+    expected = muonfn.orthogonalize(NS).update(TensorDict(full, []), TensorDict())[0]
 
     def body(col: SimulatedCollectives):
         counted = CountingCollectives(col)
@@ -891,8 +886,8 @@ def test_tp_gram_normalises_without_overflow() -> None:
     squared norm cannot overflow and the update is the unscaled one, not zero."""
     torch.manual_seed(1)
     full = {"wide": torch.randn(8, 40)}
-    sharding = by_placements((4,), lambda key, shape: (Shard(1),))
-    expected = muonfn.orthogonalize(dtype=torch.float32).update(TensorDict(full, []), TensorDict())[0]
+    sharding = by_placements((4,), lambda name, shape: (Shard(1),))
+    expected = muonfn.orthogonalize(NS).update(TensorDict(full, []), TensorDict())[0]
     huge = {"wide": full["wide"] * 1e30}
 
     for out, boxes in simulate(4, lambda col: orthogonalize_sharded(col, huge, sharding, strategy="tp_gram")):

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist_harness import run, run_interpreters
-from _dist_models import Reference, reference_run, shim_reference_run
+from _dist_models import Reference, adamw_kernel_takes_on_cpu, reference_run, shim_reference_run
 
 import muonfn
-from muonfn.transforms import _adamw
+import muonfn._devices
 
 pytestmark = [
     pytest.mark.timeout(600),
@@ -34,9 +34,9 @@ def shim_reference() -> Reference:
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_fsdp2_matches_single_process(reference: Reference, shim_reference: Reference, world: int) -> None:
+def test_fsdp2_matches_single_process(reference: Reference, world: int) -> None:
     """Bitwise for both strategies (exact gradient shards), to tolerance end to end; HSDP and TP + FSDP2 on 4."""
-    run(workers.fsdp_cases, world, reference, shim_reference if world == 4 else None)
+    run(workers.fsdp_cases, world, reference)
 
 
 def test_caution_counts_whole_dtensor_leaves() -> None:
@@ -44,8 +44,14 @@ def test_caution_counts_whole_dtensor_leaves() -> None:
     run(workers.cautious_runs, 4, references)
 
 
-def test_shard_specs_optim_shim_and_explicit_groups(shim_reference: Reference) -> None:
-    run(workers.plain_shards_and_guards, 2, shim_reference)
+def test_shard_specs_and_explicit_groups() -> None:
+    run(workers.plain_shards_and_guards, 2)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_optim_shim_matches_single_process_shim(shim_reference: Reference, world: int) -> None:
+    """FSDP2, and TP + FSDP2 on 4 ranks, through ``muonfn.optim.Muon``: bitwise the single-process shim."""
+    run(workers.shim_runs, world, shim_reference)
 
 
 def test_replicated_parameters_split_their_work(reference: Reference) -> None:
@@ -63,9 +69,9 @@ def test_fsdp2_adamw_through_torchs_kernel_matches_single_process(
     """A GPU's AdamW route (torch's fused kernel, forced on the CPU) takes DTensor shards: the run
     is the single-process run through it (which rounds otherwise than the rule's own passes), to
     the CPU kernel's rounding (see ``_dist_workers.torch_kernel_run``)."""
-    monkeypatch.setattr(_adamw, "TORCH_KERNEL_DEVICES", frozenset({"cpu"}))
+    monkeypatch.setattr(muonfn._devices, "adamw_kernel_takes", adamw_kernel_takes_on_cpu)
     through_kernel = reference_run()
-    assert not torch.equal(through_kernel.params[-1]["embed", "weight"], reference.params[-1]["embed", "weight"])
+    assert not torch.equal(through_kernel.params[-1]["embed.weight"], reference.params[-1]["embed.weight"])
     run(workers.torch_kernel_run, 2, through_kernel)
 
 

@@ -12,6 +12,8 @@ from tensordict import TensorDict
 
 import muonfn
 from muonfn import MatrixView
+from muonfn.distributed import ShardSpec, sharded_orthogonalizer
+from muonfn.testing import simulate
 
 
 def params() -> TensorDict:
@@ -161,24 +163,18 @@ def test_0d_tensor_betas_are_read_once_as_floats() -> None:
     assert_td_equal(got[1], expected[1])
 
 
-# --- distributed settings without collectives, rejected when the transform is built -----------------------
+# --- distributed settings, rejected when the orthogonalizer is built -------------------------------------
 
 
-def test_unknown_strategy_is_named_with_or_without_collectives() -> None:
+def test_unknown_strategy_is_named() -> None:
     with pytest.raises(ValueError, match=r"unknown distributed strategy 'bogus'; choose one of \['owner', 'gather'"):
-        muonfn.muon(strategy="bogus")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"strategy='gather' takes effect with collectives=\.\.\."):
-        muonfn.muon(strategy="gather")
+        simulate(1, lambda col: sharded_orthogonalizer(col, strategy="bogus"))  # type: ignore[arg-type]
 
 
-def test_shard_specs_need_collectives_and_name_parameters() -> None:
-    from muonfn.distributed import ShardSpec, simulate
-
-    with pytest.raises(ValueError, match=r"shard_specs describe shards for collectives=\.\.\."):
-        muonfn.muon(shard_specs={"0.weight": ShardSpec(0)})
-
+def test_shard_specs_name_parameters() -> None:
     def build(col: object) -> None:
-        muonfn.muon(collectives=col, shard_specs={"0.wieght": ShardSpec(0)}).init(params())  # type: ignore[arg-type]
+        orthogonalizer = sharded_orthogonalizer(col, shard_specs={"0.wieght": ShardSpec(0)})  # type: ignore[arg-type]
+        muonfn.muon(orthogonalizer=orthogonalizer).init(params())
 
     with pytest.raises(ValueError, match=r"shard_specs names '0.wieght', which is not a parameter"):
         simulate(1, build)
@@ -877,7 +873,7 @@ WRONG_TYPES: dict[str, tuple[Callable[[], object], type[Exception], str]] = {
         r"named: name must be a non-empty string, got 1",
     ),
     "shard_specs a list": (
-        lambda: muonfn.muon(shard_specs=[MUON_WEIGHT]),  # type: ignore[arg-type]
+        lambda: simulate(1, lambda col: sharded_orthogonalizer(col, shard_specs=[MUON_WEIGHT])),  # type: ignore[arg-type]
         TypeError,
         r"shard_specs must be a mapping of names to ShardSpec, got list",
     ),

@@ -26,7 +26,7 @@ ALLOWED = {
     # presets build the sharded orthogonalizer that `collectives=` asks for
     "presets": {"transforms", "linalg", "distributed"} | FOUNDATION,
     "optim": {"presets", "transforms", "linalg"} | FOUNDATION,
-    "distributed": {"linalg", "_keys"},
+    "distributed": {"linalg", "_tree"},
     # hypothesis strategies and invariant checks for users' orthogonalizers (hypothesis is an optional extra)
     "testing": {"linalg", "_keys", "_tree"},
     # one step in plain PyTorch, the oracle the fast paths are tested against: it shares no code with them

@@ -786,7 +786,9 @@ def test_compile_option_is_checked():
             Muon(model.named_parameters(), compile=True, collectives=collectives)
         return str(error.value)
 
-    assert muonfn.distributed.simulate(1, build)[0].startswith("Muon(compile=...)")
+    from muonfn.testing import simulate
+
+    assert simulate(1, build)[0].startswith("Muon(compile=...)")
 
 
 def test_bad_gradients_raise_before_anything_changes():
@@ -969,14 +971,17 @@ def same_name_error(shim: str, functional: str) -> bool:
 
 
 def test_shard_spec_typos_are_rejected_as_by_muonfn_muon():
-    from muonfn.distributed import ShardSpec, simulate
+    from muonfn.distributed import ShardSpec, sharded_orthogonalizer
+    from muonfn.testing import simulate
 
     def messages(collectives) -> list[str]:
         model = mlp()
         specs = {"3.wieght": ShardSpec(0)}
         found = []
         for build in (
-            lambda: muonfn.muon(collectives=collectives, shard_specs=specs).init(params_of(model)),
+            lambda: muonfn.muon(orthogonalizer=sharded_orthogonalizer(collectives, shard_specs=specs)).init(
+                params_of(model)
+            ),
             lambda: Muon(model.named_parameters(), collectives=collectives, shard_specs=specs),
         ):
             with pytest.raises(ValueError, match=r"shard_specs names '3.wieght', which is not a parameter") as error:

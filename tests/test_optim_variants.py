@@ -368,7 +368,7 @@ def test_group_options_are_checked_against_the_groups_variant():
 
 
 def test_collectives_are_refused_with_a_variant():
-    from muonfn.distributed import simulate
+    from muonfn.testing import simulate
 
     def build(collectives) -> list[str]:
         messages = []

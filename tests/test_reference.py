@@ -34,8 +34,9 @@ from tensordict import TensorDict
 
 import muonfn
 from muonfn import reference
-from muonfn.distributed import ShardSpec, SimulatedCollectives, simulate
+from muonfn.distributed import ShardSpec, sharded_orthogonalizer
 from muonfn.optim import Muon
+from muonfn.testing import SimulatedCollectives, simulate
 
 Params = dict[str, torch.Tensor]
 
@@ -306,7 +307,7 @@ def sharded_run(col: SimulatedCollectives, strategy: str, sharded: bool, **optio
 
     params = TensorDict({k: local(v) for k, v in model().items()}, batch_size=[])
     specs = {k: ShardSpec(0) for k in SHAPES} if sharded else None
-    tx = muonfn.muon(lr=LR, collectives=col, strategy=strategy, shard_specs=specs, **options)
+    tx = muonfn.muon(lr=LR, orthogonalizer=sharded_orthogonalizer(col, strategy=strategy, shard_specs=specs), **options)
     state = tx.init(params)
     for g in gradients():
         updates, state = tx.update(TensorDict({k: local(v) for k, v in g.items()}, batch_size=[]), state, params)

@@ -8,6 +8,8 @@ from tensordict import TensorDict
 
 import muonfn
 from muonfn import MatrixView
+from muonfn.distributed import sharded_orthogonalizer
+from muonfn.testing import simulate
 
 
 def test_ns_restarts_reach_gram_newton_schulz():
@@ -53,7 +55,6 @@ def test_bad_settings_fail_when_built(make):
         lambda: muonfn.muon(cautious_mode="timm"),
         lambda: muonfn.muon(nesterov="sub"),
         lambda: muonfn.adamw(nesterov=1),
-        lambda: muonfn.normuon(collectives=object()),
     ],
 )
 def test_bad_variant_settings_fail_when_built(make):
@@ -61,9 +62,15 @@ def test_bad_variant_settings_fail_when_built(make):
         make()
 
 
-def test_normuon_refuses_sharded_collectives_by_name():
-    with pytest.raises(ValueError, match="collectives"):
-        muonfn.adamuon(collectives=object())
+def test_adapted_variants_refuse_a_sharded_orthogonalizer():
+    """Their statistics need whole matrices, and a sharded orthogonalizer returns shards."""
+
+    def build(col):
+        for variant in (muonfn.normuon, muonfn.adamuon):
+            with pytest.raises(ValueError, match="the adapted variants need each whole orthogonalized matrix"):
+                variant(orthogonalizer=sharded_orthogonalizer(col))
+
+    simulate(2, build)
 
 
 def _fused_and_split(transposed: bool):

@@ -2,7 +2,7 @@
 
 A strategy never calls ``torch.distributed`` itself: it calls the methods of a
 :class:`Collectives` the caller passed in. That keeps the math testable in one process
-(:func:`muonfn.distributed.simulate`) and makes every process group explicit.
+(:func:`muonfn.testing.simulate`) and makes every process group explicit.
 
 Collectives that also implement the ``*_async`` methods of :class:`AsyncCollectives`
 let the strategies overlap one bucket's exchange with another bucket's Newton–Schulz;
@@ -12,15 +12,13 @@ run the blocking call and hand back a finished :class:`Handle`.
 
 from __future__ import annotations
 
-import atexit
-import functools
-import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
+
+from ._gloo_exit import settle_gloo_workers_at_exit
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -61,6 +59,12 @@ class Collectives(Protocol):
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Replaces ``tensor`` by the sum over ranks, in place."""
         ...
+
+
+def check_collectives(collectives: object, required: Sequence[str]) -> None:
+    """Raises unless ``collectives`` has every method and property of ``required``."""
+    if collectives is None or not all(hasattr(collectives, name) for name in required):
+        raise TypeError(f"collectives must implement muonfn.distributed.Collectives, got {collectives!r}")
 
 
 @runtime_checkable
@@ -163,7 +167,7 @@ class TorchCollectives:
         self._world_size = dist.get_world_size(group)
         self._submeshes: dict[tuple[Any, ...], tuple[TorchCollectives, tuple[int, ...]]] = {}
         self._by_mesh: dict[int, tuple[DeviceMesh, tuple[TorchCollectives, tuple[int, ...]]]] = {}
-        _settle_gloo_workers_at_exit()
+        settle_gloo_workers_at_exit()
 
     @property
     def rank(self) -> int:
@@ -174,7 +178,7 @@ class TorchCollectives:
         return self._world_size
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        _all_gather()(output, input, group=self.group)
+        self.all_gather_into_tensor_async(output, input).wait()
 
     def all_gather_into_tensor_async(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
         return _TorchWork(_all_gather()(output, input, group=self.group, async_op=True))
@@ -186,9 +190,7 @@ class TorchCollectives:
         output_split_sizes: Sequence[int],
         input_split_sizes: Sequence[int],
     ) -> None:
-        import torch.distributed as dist
-
-        dist.all_to_all_single(output, input, list(output_split_sizes), list(input_split_sizes), group=self.group)
+        self.all_to_all_single_async(output, input, output_split_sizes, input_split_sizes).wait()
 
     def all_to_all_single_async(
         self,
@@ -242,62 +244,6 @@ def _all_gather() -> Any:
     return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-#: The name torch gives the worker threads of a gloo process group (``ProcessGroupGloo::runLoop``).
-_GLOO_WORKER = "pt_gloo_runloop"
-
-
-def _runnable_gloo_workers() -> int | None:
-    """How many gloo worker threads of this process are running or ready to run; ``None`` without ``/proc``."""
-    try:
-        threads = os.listdir("/proc/self/task")
-    except OSError:
-        return None
-    runnable = 0
-    for tid in threads:
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue  # the thread has ended
-        # "tid (name) state ...": the name may hold spaces and parentheses, the state follows the last ")"
-        end = stat.rfind(")")
-        if stat[stat.find("(") + 1 : end] == _GLOO_WORKER and stat[end + 2 : end + 3] == "R":
-            runnable += 1
-    return runnable
-
-
-def _wait_for_gloo_workers(timeout: float = 2.0, tick: float = 0.005) -> None:
-    """Gives gloo's worker threads the GIL until none is runnable (two looks in a row), at most ``timeout`` s.
-
-    A gloo worker thread that has finished a collective then drops its tensors; one that
-    Python also references takes the GIL to do so. ``destroy_process_group()`` does not
-    stop these threads while a ``DeviceMesh``, FSDP's state or a :class:`TorchCollectives`
-    still references the group, so they outlive the script: when its last collective
-    ended a moment before the script did (a ``full_tensor()`` of the state dict, say), the
-    worker may still be waiting for the GIL when the interpreter starts finalizing, and a
-    thread that takes the GIL then is ended inside a ``noexcept`` destructor: ``terminate
-    called without an active exception`` (SIGABRT), after every rank has finished
-    (pytorch/pytorch#190489). Run at exit, before finalization, this sleeps (releasing the
-    GIL, so a waiting worker is woken and stays runnable until it is done) until the
-    workers are idle again.
-    """
-    deadline = time.monotonic() + timeout
-    idle_looks = 0
-    while idle_looks < 2 and time.monotonic() < deadline:
-        time.sleep(tick)
-        runnable = _runnable_gloo_workers()
-        if runnable is None:  # no /proc to look at: one fixed grace period
-            time.sleep(10 * tick)
-            return
-        idle_looks = idle_looks + 1 if runnable == 0 else 0
-
-
-@functools.cache
-def _settle_gloo_workers_at_exit() -> None:
-    """Registers :func:`_wait_for_gloo_workers` to run at interpreter exit, once per process."""
-    atexit.register(_wait_for_gloo_workers)
-
-
 def torch_collectives(mesh_or_group: DeviceMesh | ProcessGroup) -> TorchCollectives:
     """:class:`Collectives` over a ``DeviceMesh`` (all of its ranks) or a ``ProcessGroup``.
 
@@ -305,8 +251,9 @@ def torch_collectives(mesh_or_group: DeviceMesh | ProcessGroup) -> TorchCollecti
     optimizer can never talk to ranks the caller did not name. A multi-dimensional mesh
     needs ``mesh_dim_names`` (it is flattened into one group, collectively, on every rank).
 
-    Call it on every rank, e.g. ``muonfn.muon(..., collectives=torch_collectives(mesh))``
-    with the mesh given to ``fully_shard`` / ``parallelize_module``.
+    Call it on every rank, e.g.
+    ``muonfn.muon(..., orthogonalizer=sharded_orthogonalizer(torch_collectives(mesh)))`` with the
+    mesh given to ``fully_shard`` / ``parallelize_module``.
     """
     if mesh_or_group is None:
         raise ValueError(

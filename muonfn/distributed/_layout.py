@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +39,7 @@ class ShardSpec:
       ``torch.distributed.tensor`` placements would be (``torch.chunk`` sizes).
 
     ``group`` is the :class:`Collectives` of the ranks sharing the tensor; ``None`` means
-    the collectives passed to the optimizer. The global shape is worked out from every
+    the collectives given to :func:`sharded_orthogonalizer`. The global shape is worked out from every
     rank's local shape (exchanged once, when a set of leaves is first seen).
     """
 
@@ -58,6 +58,18 @@ class ShardSpec:
                 placement_kind(p)
         elif self.mesh_shape is not None:
             raise ValueError("ShardSpec(dim) takes no mesh_shape")
+
+
+def checked_shard_specs(shard_specs: Mapping[Any, ShardSpec] | None) -> dict[Any, ShardSpec]:
+    """``shard_specs`` as a dict, each value checked to be a :class:`ShardSpec`."""
+    if shard_specs is None:
+        return {}
+    if not isinstance(shard_specs, Mapping):
+        raise TypeError(f"shard_specs must be a mapping of names to ShardSpec, got {type(shard_specs).__name__}")
+    for name, spec in shard_specs.items():
+        if not isinstance(spec, ShardSpec):
+            raise TypeError(f"shard_specs[{name!r}] must be a muonfn.distributed.ShardSpec, got {spec!r}")
+    return dict(shard_specs)
 
 
 def placement_kind(p: Any) -> tuple[str, int, int]:

@@ -17,15 +17,16 @@ one intra-op thread is; multithreaded CPU BLAS may pick kernels by batch size).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias, get_args
 
 import torch
 
-from .._keys import Key, resolve_table
+from .._tree import named_table
 from ..linalg import DEFAULT_BUCKET_NUMEL, MatrixFn, MatrixView, ScaleFn, check_bucket_numel, orthogonalize_blocks
-from ._collectives import Collectives
+from ._collectives import Collectives, check_collectives
 from ._gather import GatherRound
-from ._layout import ShardSpec
+from ._layout import ShardSpec, checked_shard_specs
 from ._owner import OwnerRound
 from ._pipeline import Round, run_rounds
 from ._plan import Leaf, Plan, check_dtensor_leaf, describe, make_plan
@@ -40,33 +41,28 @@ REPLICATED: tuple[str, ...] = get_args(Replicated)
 
 ShardSpecs: TypeAlias = Mapping[Any, ShardSpec]
 
-_REQUIRED = ("rank", "world_size", "all_gather_into_tensor", "all_to_all_single", "all_reduce")
 
-
+@dataclass(eq=False)
 class ShardedOrthogonalizer:
-    """Orthogonalizes sharded leaves as whole matrices through ``collectives`` (see :func:`sharded_orthogonalizer`).
+    """Orthogonalizes sharded leaves as whole matrices through ``collectives``; made, its options
+    checked, by :func:`sharded_orthogonalizer`.
 
-    Its ``sum_shards`` (a :class:`ShardSums` over the same collectives and ``shard_specs``) is
-    what the transforms that count over a leaf take (``muonfn.cautious(..., sum_shards=...)``).
+    The presets read two of its attributes: ``shard_specs``, whose leaves are matrices by their
+    number of dimensions and whose names must be parameters, and ``sum_shards`` (a
+    :class:`ShardSums` over the same collectives and ``shard_specs``), what the transforms that
+    count over a leaf take (``muonfn.cautious(..., sum_shards=...)``, ``muonfn.apply_if_finite``).
     """
 
-    def __init__(
-        self,
-        collectives: Collectives,
-        strategy: Strategy,
-        shard_specs: ShardSpecs,
-        bucket_numel: int,
-        replicated: Replicated,
-        overlap: bool,
-    ) -> None:
-        self.collectives = collectives
-        self.strategy = strategy
-        self.shard_specs = dict(shard_specs)
-        self.bucket_numel = bucket_numel
-        self.replicated = replicated
-        self.overlap = overlap
+    collectives: Collectives
+    strategy: Strategy
+    shard_specs: dict[Any, ShardSpec] = field(repr=False)
+    bucket_numel: int
+    replicated: Replicated
+    overlap: bool
+
+    def __post_init__(self) -> None:
+        self.sum_shards = ShardSums(self.collectives, self.shard_specs)
         self._plans: dict[tuple[Any, ...], Plan] = {}
-        self.sum_shards = ShardSums(collectives, self.shard_specs)
 
     def _plan(self, group: Any, members: list[Leaf]) -> Plan:
         key = (id(group), tuple(leaf.signature() for leaf in members))
@@ -85,29 +81,31 @@ class ShardedOrthogonalizer:
             self._plans[key] = plan.with_leaves([])  # the cache keeps no tensors alive
         return plan.with_leaves(members)
 
-    def check(self, keys: Sequence[Key], tensors: Sequence[torch.Tensor], views: Sequence[MatrixView]) -> None:
-        """The refusals of a step's DTensor leaves that need no collective (a ShardSpec of their
-        own, collectives that cannot map their mesh, a pending reduction), so that
-        :func:`~muonfn.orthogonalize` makes them before any member of a composition runs."""
-        declared = resolve_table(self.shard_specs, keys)
-        for key, value in zip(keys, tensors):
+    def check(self, names: Sequence[str], tensors: Sequence[torch.Tensor], views: Sequence[MatrixView]) -> None:
+        """The refusals of DTensor leaves that need no collective (a ShardSpec of their own,
+        collectives that cannot map their mesh, a pending reduction): :func:`~muonfn.orthogonalize`
+        makes them on the parameters at ``init``, and on the updates before it exchanges anything."""
+        declared = named_table(self.shard_specs, names)
+        for name, value in zip(names, tensors):
             if hasattr(value, "placements"):
-                check_dtensor_leaf(key, value, declared.get(key), self.collectives)
+                check_dtensor_leaf(name, value, declared.get(name), self.collectives)
 
     def __call__(
         self,
-        keys: Sequence[Key],
+        names: Sequence[str],
         tensors: Sequence[torch.Tensor],
         views: Sequence[MatrixView],
         ns: MatrixFn,
         scale: ScaleFn,
+        *,
+        overwrite_input: bool = False,
     ) -> list[torch.Tensor]:
         # specs for leaves without a gradient this step, or routed elsewhere, are skipped
-        declared = resolve_table(self.shard_specs, keys)
+        declared = named_table(self.shard_specs, names)
         split = self.replicated == "split"
         leaves = [
-            describe(i, key, value, view, declared.get(key), self.collectives, split_replicated=split)
-            for i, (key, value, view) in enumerate(zip(keys, tensors, views))
+            describe(i, name, value, view, declared.get(name), self.collectives, split_replicated=split)
+            for i, (name, value, view) in enumerate(zip(names, tensors, views))
         ]
         groups: dict[int, tuple[Any, list[Leaf]]] = {}
         for leaf in leaves:
@@ -120,7 +118,7 @@ class ShardedOrthogonalizer:
         # whole matrices where they lie: unsharded leaves, and shards that hold whole matrices (experts)
         whole = [(leaf, tuple(leaf.local.shape)) for leaf in leaves if leaf.group is None]
         for leaf, shape in whole:
-            leaf.view.check(leaf.key, shape)
+            leaf.view.check(leaf.name, shape)
         for _, plan in plans_now:
             whole += [
                 (leaf, layout.shape) for leaf, layout, local in zip(plan.leaves, plan.layouts, plan.local) if local
@@ -134,6 +132,7 @@ class ShardedOrthogonalizer:
                 scale,
                 bucket_numel=self.bucket_numel,
                 shapes=[shape for _, shape in whole],
+                overwrite_input=overwrite_input,  # (no exchange reads these tensors)
             )
             for (leaf, _), result in zip(whole, done):
                 out[leaf.index] = leaf.wrap(result)
@@ -158,12 +157,6 @@ class ShardedOrthogonalizer:
         assert all(t is not None for t in out)
         return out  # type: ignore[return-value]
 
-    def __repr__(self) -> str:
-        return (
-            f"ShardedOrthogonalizer({self.collectives!r}, strategy={self.strategy!r}, "
-            f"replicated={self.replicated!r}, overlap={self.overlap})"
-        )
-
 
 def sharded_orthogonalizer(
     collectives: Collectives,
@@ -174,7 +167,9 @@ def sharded_orthogonalizer(
     replicated: Replicated = "split",
     overlap: bool = True,
 ) -> ShardedOrthogonalizer:
-    """The :class:`~muonfn.linalg.Orthogonalizer` of sharded parameters, for :func:`muonfn.orthogonalize`.
+    """The :class:`~muonfn.linalg.Orthogonalizer` of sharded parameters, for ``orthogonalizer=`` of the
+    presets and of :func:`muonfn.orthogonalize`: every distributed option in one value, each checked
+    here (a wrong one raises, naming it).
 
     Args:
         collectives: the :class:`Collectives` of the ranks the parameters are sharded over
@@ -197,18 +192,14 @@ def sharded_orthogonalizer(
         An orthogonalizer returning each leaf with its input's type, placements and local shape.
 
     Example:
-        >>> tx = muonfn.orthogonalize(orthogonalizer=sharded_orthogonalizer(torch_collectives(mesh)))  # doctest: +SKIP
+        >>> tx = muonfn.muon(orthogonalizer=sharded_orthogonalizer(torch_collectives(mesh)))  # doctest: +SKIP
     """
-    if collectives is None or not all(hasattr(collectives, name) for name in _REQUIRED):
-        raise TypeError(f"collectives must implement muonfn.distributed.Collectives, got {collectives!r}")
+    check_collectives(collectives, ("rank", "world_size", "all_gather_into_tensor", "all_to_all_single", "all_reduce"))
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown distributed strategy {strategy!r}; choose one of {list(STRATEGIES)}")
     if replicated not in REPLICATED:
         raise ValueError(f"unknown replicated={replicated!r}; choose one of {list(REPLICATED)}")
     if not isinstance(overlap, bool):
         raise TypeError(f"overlap must be True or False, got {overlap!r}")
-    specs = dict(shard_specs or {})
-    for name, spec in specs.items():
-        if not isinstance(spec, ShardSpec):
-            raise TypeError(f"shard_specs[{name!r}] must be a muonfn.distributed.ShardSpec, got {spec!r}")
+    specs = checked_shard_specs(shard_specs)
     return ShardedOrthogonalizer(collectives, strategy, specs, check_bucket_numel(bucket_numel), replicated, overlap)

@@ -20,7 +20,7 @@ position and exchanges stay inside a replica. Units then move in rounds of at mo
 pipelined, each round also holds a single shape (one Newton–Schulz batch), so that one
 round's exchange can run during another's Newton–Schulz.
 
-A plan depends only on keys, shapes, layouts, views and dtypes: it is made once, after one
+A plan depends only on names, shapes, layouts, views and dtypes: it is made once, after one
 small exchange that checks the ranks agree, and reused every step.
 """
 
@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 
-from .._keys import Key, dotted
 from ..linalg import MatrixFn, MatrixView, ScaleFn, newton_schulz_flops, orthogonalize_blocks
 from ._collectives import FINISHED, Collectives, Handle
 from ._layout import (
@@ -56,7 +55,7 @@ class Leaf:
     """One gradient leaf as this rank sees it."""
 
     index: int  # position among the leaves of the step
-    key: Key
+    name: str
     local: torch.Tensor
     view: MatrixView
     group: Any = None  # Collectives the leaf is sharded over; None: not sharded
@@ -68,16 +67,12 @@ class Leaf:
     replicated: bool = False  # a plain tensor every rank of the group holds whole
     wrap: Callable[[torch.Tensor], torch.Tensor] = field(default=lambda t: t)
 
-    @property
-    def name(self) -> str:
-        return dotted(self.key)
-
     def signature(self) -> tuple[Any, ...]:
         """What the plan depends on."""
         spec = None if self.spec is None else (self.spec.dim, self.spec.placements, self.spec.mesh_shape)
         local_shape = tuple(self.local.shape) if self.spec is not None else None
         layout = (self.shape, local_shape, self.mesh_shape, self.placements, self.coords, spec, self.replicated)
-        return (self.key, *layout, self.local.dtype, self.local.device, self.view)
+        return (self.name, *layout, self.local.dtype, self.local.device, self.view)
 
 
 def _dtensor_type() -> Any:
@@ -88,10 +83,9 @@ def _dtensor_type() -> Any:
     return DTensor
 
 
-def check_dtensor_leaf(key: Key, value: Any, spec: ShardSpec | None, collectives: Any) -> None:
+def check_dtensor_leaf(name: str, value: Any, spec: ShardSpec | None, collectives: Any) -> None:
     """A DTensor leaf's refusals, from its metadata alone (no collective): a ShardSpec of its own,
     collectives that cannot map its mesh, a placement that is no sharding (a pending reduction)."""
-    name = dotted(key)
     if spec is not None:
         raise ValueError(f"{name!r} is a DTensor, which describes its own sharding; drop its ShardSpec")
     if getattr(collectives, "for_mesh", None) is None:
@@ -105,7 +99,7 @@ def check_dtensor_leaf(key: Key, value: Any, spec: ShardSpec | None, collectives
 
 def describe(
     index: int,
-    key: Key,
+    name: str,
     value: torch.Tensor,
     view: MatrixView,
     spec: ShardSpec | None,
@@ -116,9 +110,8 @@ def describe(
     """A leaf with the group it is sharded over: a DTensor's mesh, a ShardSpec's group, the
     collectives for a plain tensor (replicated over them) when ``split_replicated``, or none."""
     dtensor = _dtensor_type()
-    name = dotted(key)
     if dtensor is not None and isinstance(value, dtensor):
-        check_dtensor_leaf(key, value, spec, collectives)
+        check_dtensor_leaf(name, value, spec, collectives)
         for_mesh = collectives.for_mesh
         dt: Any = value
         mesh, placements = dt.device_mesh, tuple(dt.placements)
@@ -129,7 +122,7 @@ def describe(
         def wrap(t: torch.Tensor) -> torch.Tensor:
             return from_local(t, mesh, placements, run_check=False, shape=shape, stride=stride)
 
-        return Leaf(index, key, dt.to_local(), view, group, tuple(mesh.shape), placements, coords, shape, wrap=wrap)
+        return Leaf(index, name, dt.to_local(), view, group, tuple(mesh.shape), placements, coords, shape, wrap=wrap)
     if spec is not None:
         group = collectives if spec.group is None else spec.group
         if spec.mesh_shape is not None and math.prod(spec.mesh_shape) != group.world_size:
@@ -137,10 +130,10 @@ def describe(
                 f"{name!r}: ShardSpec mesh_shape {spec.mesh_shape} does not match a group of {group.world_size} ranks"
             )
         coords = tuple(range(group.world_size))
-        return Leaf(index, key, value, view, group, spec.mesh_shape, spec.placements, coords, spec=spec)
+        return Leaf(index, name, value, view, group, spec.mesh_shape, spec.placements, coords, spec=spec)
     if split_replicated and collectives.world_size > 1:
-        return Leaf(index, key, value, view, collectives, shape=tuple(value.shape), replicated=True)
-    return Leaf(index, key, value, view)
+        return Leaf(index, name, value, view, collectives, shape=tuple(value.shape), replicated=True)
+    return Leaf(index, name, value, view)
 
 
 def handshake(group: Any, leaves: Sequence[Leaf]) -> list[list[tuple[int, ...]] | None]:
@@ -462,7 +455,7 @@ def make_plan(
     shapes = handshake(group, leaves)
     layouts = [layout_of(leaf, s) for leaf, s in zip(leaves, shapes)]
     for leaf, layout in zip(leaves, layouts):
-        leaf.view.check(leaf.key, layout.shape)
+        leaf.view.check(leaf.name, layout.shape)
     w, me = group.world_size, group.rank
     local: list[bool] = []
     units: list[Unit] = []

@@ -15,13 +15,11 @@ from typing import Any
 
 import torch
 
-from .._keys import Key, resolve_table
+from .._tree import named_table
 from ..linalg import DEFAULT_VIEW
-from ._collectives import Collectives
-from ._layout import Box, Layout, ShardSpec, copy_into, copy_out
+from ._collectives import Collectives, check_collectives
+from ._layout import Box, Layout, ShardSpec, checked_shard_specs, copy_into, copy_out
 from ._plan import Leaf, describe, handshake, layout_of
-
-_REQUIRED = ("rank", "world_size", "all_gather_into_tensor", "all_reduce")
 
 
 class ShardSums:
@@ -33,21 +31,21 @@ class ShardSums:
         self._layouts: dict[tuple[Any, ...], list[Layout]] = {}
 
     def __call__(
-        self, keys: Sequence[Key], tensors: Sequence[torch.Tensor], sums: Sequence[torch.Tensor], *, batch_dims: int
+        self, names: Sequence[str], tensors: Sequence[torch.Tensor], sums: Sequence[torch.Tensor], *, batch_dims: int
     ) -> list[torch.Tensor]:
         """``sums[i]``, a statistic of the local tensor ``tensors[i]`` summed over its dimensions
         after the first ``batch_dims`` (shape ``(*tensors[i].shape[:batch_dims], *rest)``), summed
         over the leaf's shards on every rank as well; same shapes. Leaves ``shard_specs`` does not
         name are whole tensors, returned as given, or DTensors, whose sums are global already:
         those with a reduction pending come back reduced (replicated)."""
-        declared = resolve_table(self.shard_specs, keys)
+        declared = named_table(self.shard_specs, names)
         out = list(sums)
         groups: dict[int, tuple[Any, list[Leaf]]] = {}
         pending: list[int] = []
-        for i, (key, value) in enumerate(zip(keys, tensors)):
-            spec = declared.get(key)
+        for i, (name, value) in enumerate(zip(names, tensors)):
+            spec = declared.get(name)
             if spec is not None:
-                leaf = describe(i, key, value, DEFAULT_VIEW, spec, self.collectives, split_replicated=False)
+                leaf = describe(i, name, value, DEFAULT_VIEW, spec, self.collectives, split_replicated=False)
                 groups.setdefault(id(leaf.group), (leaf.group, []))[1].append(leaf)
             elif _is_partial(sums[i]):
                 pending.append(i)
@@ -136,17 +134,12 @@ def shard_sums(collectives: Collectives, *, shard_specs: Mapping[Any, ShardSpec]
     the leaf (:func:`muonfn.cautious`'s :math:`N/\sum k`, :func:`muonfn.apply_if_finite`'s
     test) would count over the shard alone. Pass the result as their ``sum_shards``, with the
     collectives and ``shard_specs`` given to the orthogonalizer (a :class:`ShardedOrthogonalizer`
-    carries one as its ``sum_shards``; :func:`muonfn.muon` passes it to caution). DTensor leaves
+    carries one as its ``sum_shards``, which :func:`muonfn.muon` passes to caution). DTensor leaves
     need none of this (their reductions are global), nor whole tensors.
 
     Returns:
-        A callable ``(keys, tensors, sums, *, batch_dims) -> sums`` making one ``all_reduce`` per
+        A callable ``(names, tensors, sums, *, batch_dims) -> sums`` making one ``all_reduce`` per
         group, of two int64 numbers per leaf (and ensemble member) for caution.
     """
-    if collectives is None or not all(hasattr(collectives, n) for n in _REQUIRED):
-        raise TypeError(f"collectives must implement muonfn.distributed.Collectives, got {collectives!r}")
-    specs = dict(shard_specs or {})
-    for name, spec in specs.items():
-        if not isinstance(spec, ShardSpec):
-            raise TypeError(f"shard_specs[{name!r}] must be a muonfn.distributed.ShardSpec, got {spec!r}")
-    return ShardSums(collectives, specs)
+    check_collectives(collectives, ("rank", "world_size", "all_gather_into_tensor", "all_reduce"))
+    return ShardSums(collectives, checked_shard_specs(shard_specs))

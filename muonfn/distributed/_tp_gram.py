@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..linalg import MatrixFn, NewtonSchulz, ScaleFn, block_scales
+from ..linalg import MatrixFn, NewtonSchulz, ScaleFn, newton_schulz_columns
 from ._collectives import Collectives
 from ._plan import GramBatch, Plan
 
@@ -43,8 +43,10 @@ def run_tp_gram(
         raise TypeError(f"strategy 'tp_gram' runs Newton–Schulz on column blocks itself; it cannot run {ns!r}")
     blocks = [plan.leaves[i].local for i in batch.leaves]
     x = torch.stack([b.mT if flip else b for b, flip in zip(blocks, batch.flips)])
-    X = ns.columns(x, _OverRanks(group), plan.layouts[batch.leaves[0]].shape)
+    # the iteration's dtype is the whole matrices' (a stand-in of their shape: nothing is allocated)
+    whole = x.new_empty(()).expand(plan.layouts[batch.leaves[0]].shape)
+    X = newton_schulz_columns(x, ns, _OverRanks(group), ns.iteration_dtype(whole))
     for j, (i, flip) in enumerate(zip(batch.leaves, batch.flips)):
-        (s,) = block_scales(plan.leaves[i].view, plan.layouts[i].shape, scale)
+        (s,) = plan.leaves[i].view.scales(plan.layouts[i].shape, scale)
         block = (X[j].mT if flip else X[j]).to(results[i].dtype)
         results[i].copy_(block.mul_(s) if s != 1.0 else block)

@@ -5,7 +5,8 @@ variant, a tuned coefficient schedule. :func:`check_orthogonalizer` runs muonfn'
 suite against any callable ``G -> O``; :func:`matrices`, :func:`coefficient_schedules` and
 :func:`model_params` are the hypothesis strategies muonfn's own tests use;
 :func:`spectral_band` and :func:`scalar_map` compute what a schedule does to a singular value.
-See :doc:`/testing`.
+:func:`simulate` runs distributed code on virtual ranks (threads) over :class:`SimulatedCollectives`,
+which exchange real data, optionally over a modelled :class:`Link`. See :doc:`/testing`.
 
 Needs `hypothesis <https://hypothesis.readthedocs.io>`_: ``pip install muonfn[testing]``.
 """
@@ -28,6 +29,7 @@ from ._checks import (
 )
 from ._models import MODEL_KINDS, ModelKind, model_params
 from ._schedules import coefficient_schedules, scalar_map, spectral_band
+from ._simulate import Link, SimulatedCollectives, simulate
 from ._spectra import (
     DEFAULT_SCALES,
     LAYOUTS,
@@ -55,8 +57,10 @@ __all__ = [
     "Invariant",
     "InvariantViolation",
     "Layout",
+    "Link",
     "ModelKind",
     "ShapeKind",
+    "SimulatedCollectives",
     "Spectral",
     "SpectrumKind",
     "Tolerances",
@@ -67,6 +71,7 @@ __all__ = [
     "orthogonal",
     "orthonormal_columns",
     "scalar_map",
+    "simulate",
     "spectral_band",
     "with_spectrum",
 ]

@@ -1,4 +1,5 @@
-"""Simulated collectives: one thread per virtual rank, exchanging real data in one process.
+"""Simulated collectives, a test double of :mod:`muonfn.distributed`'s: one thread per virtual
+rank, exchanging real data in one process.
 
 Each operation is a rendezvous: every rank of the group posts its input, waits at a
 barrier, reads what the others posted, and waits again before the buffers may be reused.
@@ -125,7 +126,8 @@ class _Group:
 
 
 class SimulatedCollectives:
-    """:class:`Collectives` of one virtual rank inside :func:`simulate`."""
+    """:class:`muonfn.distributed.Collectives` (and their ``*_async`` forms) of one virtual rank
+    inside :func:`simulate`."""
 
     def __init__(self, group: _Group, rank: int) -> None:
         self._group = group
@@ -281,7 +283,7 @@ def simulate(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if link is not None and not isinstance(link, Link):
-        raise TypeError(f"link must be a muonfn.distributed.Link, got {link!r}")
+        raise TypeError(f"link must be a muonfn.testing.Link, got {link!r}")
     sim = _Simulation(timeout, link)
     root = sim.group(tuple(range(world_size)))
     results: list[Any] = [None] * world_size
