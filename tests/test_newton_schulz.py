@@ -18,6 +18,7 @@ from _strategies import (
 )
 from hypothesis import assume, given
 from hypothesis import strategies as st
+from tensordict import TensorDict
 
 import muonfn
 from muonfn import COEFFICIENTS, Coefficients, gram_newton_schulz, newton_schulz, polar
@@ -483,6 +484,30 @@ def test_the_fp64_norms_are_each_matrixs_own_batched_vmapped_or_alone() -> None:
     assert torch.isfinite(huge).all() and huge.item() == pytest.approx(8 * 3e38, rel=1e-6)
     assert _newton_schulz._fp64_norms(torch.full((1, 8, 8), 1e-44)).item() > 0
     assert _newton_schulz._fp64_norms(torch.zeros(0, 3, 4)).shape == (0, 1, 1)
+
+
+@pytest.mark.parametrize("ns_dtype", [torch.bfloat16, torch.float16])
+def test_vmap_over_a_call_with_a_matrix_the_members_share_runs_in_the_gpu_form(monkeypatch, ns_dtype) -> None:
+    """Under ``vmap`` one Newton–Schulz call may hold a mapped matrix and an unmapped one of the
+    same shape (a matrix every member shares): the GPU form (forced here) norms that call as the
+    stack, where each matrix's own norm would need members to unwrap, and gives the CPU form's
+    results within the narrow dtype's rounding; the shared matrix's result is the same in every
+    member."""
+    mapped, shared = gaussian(3, 12, 20, seed=41), gaussian(20, 12, seed=42)
+    tx = muonfn.orthogonalize(dtype=ns_dtype)
+    state = tx.init(TensorDict({"mapped": mapped[0], "shared": shared}, []))
+
+    def step(member: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        updates, _ = tx.update(TensorDict({"mapped": member, "shared": shared}, []), state, None)
+        return updates["mapped"], updates["shared"]
+
+    cpu = torch.vmap(step)(mapped)
+    monkeypatch.setattr(_newton_schulz, "cpu_passes", lambda t: False)
+    gpu = torch.vmap(step)(mapped)
+    assert gpu[0].shape == (3, 12, 20) and gpu[1].shape == (3, 20, 12)
+    for got, expected in zip(gpu, cpu):
+        torch.testing.assert_close(got, expected, atol=0.05, rtol=0)
+    assert all(torch.equal(result, gpu[1][0]) for result in gpu[1])
 
 
 @pytest.mark.parametrize("method", ["standard", "gram"])

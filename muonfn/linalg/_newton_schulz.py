@@ -269,14 +269,21 @@ def _fp64_norms_of(matrices: Sequence[torch.Tensor]) -> torch.Tensor:
     matrix's own memory, shaped ``(count, 1, 1)``: a contiguous matrix's the same bits as in the stack, a
     transposed view's (a tall matrix read as its wide transpose) summed in the order of its own
     rows. Under ``vmap`` the members' matrices underneath are normed the same way, so that a
-    vmapped ensemble keeps the bits of its members stepped alone; compiled, the stack's norm."""
+    vmapped ensemble keeps the bits of its members stepped alone; compiled, or where ``vmap``
+    maps some of the matrices and not others (one the members share), the stack's norm."""
     functorch = torch._C._functorch
     if not torch.compiler.is_compiling() and all(type(m) is torch.Tensor and m.numel() for m in matrices):
-        if not any(functorch.is_batchedtensor(m) for m in matrices):
+        batched = [functorch.is_batchedtensor(m) for m in matrices]
+        if not any(batched):
             return torch.stack(torch._foreach_norm(list(matrices), 2, dtype=torch.float64)).view(-1, 1, 1)
-        inner = [functorch.get_unwrapped(m) for m in matrices]
+        # (an unmapped matrix has no members to unwrap: the stack broadcasts it over them)
+        inner = [functorch.get_unwrapped(m) for m in matrices] if all(batched) else []
         levels = {functorch.maybe_get_level(m) for m in matrices}
-        if len(levels) == 1 and all(type(t) is torch.Tensor and not functorch.is_batchedtensor(t) for t in inner):
+        if (
+            inner
+            and len(levels) == 1
+            and all(type(t) is torch.Tensor and not functorch.is_batchedtensor(t) for t in inner)
+        ):
             members = [t.movedim(functorch.maybe_get_bdim(m), 0) for t, m in zip(inner, matrices)]
             if len({t.shape[0] for t in members}) == 1:  # (one batch size: no matrix broadcast over the members)
                 norms = torch._foreach_norm([x for t in members for x in t.unbind(0)], 2, dtype=torch.float64)
