@@ -232,11 +232,11 @@ def _narrowed_matrices(
     """:func:`_narrowed` of the batch of ``matrices`` (fp32, of one shape), built here: each
     matrix's norm read from its own memory (:func:`_fp64_norms_of`), then the batch of their
     products by the reciprocals, rounded into ``dtype``. With muonfn's Triton kernels on
-    (:mod:`muonfn._kernels`), the reciprocals and the products are taken from the norms and the
-    matrices in one pass (no fp32 stack, 8 bytes an entry less, two ops fewer), the same bits;
-    else the matrices are stacked first."""
+    (:mod:`muonfn._kernels`) and ``dtype`` bf16 or fp16, the reciprocals and the products are
+    taken from the norms and the matrices in one pass (no fp32 stack, 8 bytes an entry less, two
+    ops fewer), the same bits; else the matrices are stacked first."""
     norms = _fp64_norms_of(matrices)
-    if _kernels.takes_kernels(matrices):
+    if _kernels.takes_scaled_stack(matrices, dtype):
         return _kernels.scaled_stack(
             list(matrices), norms.view(-1), dtype, eps, schedule.norm_factor, eps_mode == "add"
         )
