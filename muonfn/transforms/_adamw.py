@@ -194,6 +194,9 @@ def _through_torch_kernel(
         for i, u in zip(exempt, zeros):
             updates[i] = u
     steps = list(counts.stacked.to(torch.float32).unbind(0))[: len(keys)]  # (the kernel reads fp32 counts)
+    # meta, which takes CUDA's paths to count them, has no kernel for a tensor rate (``tensor_lr``)
+    # and holds no values: a number stands for the rate there, the same kernel over the same tensors
+    kernel_lr = 0.0 if isinstance(lr, torch.Tensor) and lr.device.type == "meta" else lr
     meshes: dict[int, list[int]] = {}  # (one call per device mesh: a DTensor op takes one)
     for i, t in enumerate(g):
         meshes.setdefault(id(_mesh(t)), []).append(i)
@@ -201,7 +204,7 @@ def _through_torch_kernel(
         operands = ([x[i] for i in at] for x in (updates, g, exp_avg, exp_avg_sq))
         torch._fused_adamw_(  # type: ignore[call-overload]  # (lr a number or a 0-d tensor: an overload each)
             *operands, [], [steps[i] for i in at],
-            lr=lr, beta1=b1, beta2=b2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
+            lr=kernel_lr, beta1=b1, beta2=b2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
         )  # fmt: skip
     for entry, values in ((STEP, counts.leaves), (EXP_AVG, exp_avg), (EXP_AVG_SQ, exp_avg_sq)):
         scope.write(entry, keys, values)
