@@ -574,13 +574,20 @@ def _restored_turning(
     """:func:`_restored` of a wide ``(count, m, n)`` batch whose last ``turned`` matrices stand for
     tall ones: the others as they are, and those transposed back, ``(turned, n, m)`` and
     contiguous. Off the CPU the pass that restores them writes them so, into the memory of their
-    own orientation (no transposing copy after it); on a CPU they are copied in tiles after it."""
+    own orientation (no transposing copy after it); on a CPU they are copied in tiles after it.
+    ``X`` already in ``dtype`` (and no ``into``) keeps the others where they are: only the tall
+    ones take a pass."""
     kept = X.size(0) - turned
     if cpu_passes(X) or type(X) is not torch.Tensor or not may_write_into(X):
         out = X.to(dtype) if into is None else into.copy_(X)
         return out[:kept], in_memory_order(out[kept:].mT)
-    buffer = torch.empty(X.shape, dtype=dtype, device=X.device) if into is None else into
     m, n = X.shape[-2:]
+    if into is None and X.dtype == dtype:
+        tall = torch.empty((turned, n, m), dtype=dtype, device=X.device)
+        if tall.numel():
+            tall.mT.copy_(X[kept:])
+        return X[:kept], tall
+    buffer = torch.empty(X.shape, dtype=dtype, device=X.device) if into is None else into
     parts = (buffer[:kept], buffer[kept:].view(turned, n, m))
     for source, target in zip((X[:kept], X[kept:]), (parts[0], parts[1].mT)):
         if source.numel():
