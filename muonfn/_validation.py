@@ -165,8 +165,8 @@ def check_params(where: str, params: TensorDictBase) -> None:
 def check_leaves(
     where: str, grads: Mapping[Key, torch.Tensor], params: Mapping[Key, torch.Tensor] | None, batch_size: Any
 ) -> None:
-    """Every gradient leaf must be a dense real tensor with its parameter's shape and dtype, over flat
-    ``{key: tensor}`` dicts (``params`` may be ``None``: then only the gradients' own kind is checked).
+    """Every gradient leaf must be a dense real tensor with its parameter's shape, dtype and device, over
+    flat ``{key: tensor}`` dicts (``params`` may be ``None``: then only the gradients' own kind is checked).
 
     ``grads`` may hold fewer leaves than ``params`` (a leaf without a gradient is skipped), never
     other ones."""
@@ -187,3 +187,5 @@ def check_leaves(
             raise ValueError(f"{where}: gradient {dotted(key)!r} has shape {tuple(g.shape)}, expected {tuple(p.shape)}")
         if g.dtype != p.dtype:
             raise ValueError(f"{where}: gradient {dotted(key)!r} has dtype {g.dtype}, expected {p.dtype}")
+        if g.device != p.device:
+            raise ValueError(f"{where}: gradient {dotted(key)!r} is on {g.device}, its parameter on {p.device}")
