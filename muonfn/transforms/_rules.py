@@ -20,7 +20,7 @@ from .. import _multi_tensor, _tree
 from .._gc_pause import pause_collections, resume_collections
 from .._keys import Key, dotted
 from .._tree import FlatState, Leaves
-from .._validation import check_batch, check_leaves
+from .._validation import check_batch, check_donatable, check_leaves
 from ._contract import InitFn, Transform
 
 
@@ -284,6 +284,8 @@ class RuleUpdate:
         flat_state = _tree.flatten(state, keep_empty=True) if isinstance(state, TensorDictBase) else {}
         flat_grads, flat_params = _tree.flatten(grads), None if params is None else _tree.flatten(params)
         checked = check_rule(self.rule, flat_grads, flat_state, flat_params, grads.batch_size, state)
+        if self.rule.donated:
+            check_donatable(self.rule.name, flat_state)
         updates, returned = run_checked(self.rule, flat_grads, flat_state, flat_params, grads.batch_size, checked)
         if not isinstance(state, TensorDictBase) and not returned:
             return _tree.unflatten(updates, grads.batch_size), state  # a stateless transform given a plain {}
