@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeAlias
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import MemoryMappedTensor, TensorDictBase
 
 from ._keys import Key, dotted, resolve_table
 
@@ -165,8 +165,8 @@ def check_params(where: str, params: TensorDictBase) -> None:
 def check_leaves(
     where: str, grads: Mapping[Key, torch.Tensor], params: Mapping[Key, torch.Tensor] | None, batch_size: Any
 ) -> None:
-    """Every gradient leaf must be a dense real tensor with its parameter's shape and dtype, over flat
-    ``{key: tensor}`` dicts (``params`` may be ``None``: then only the gradients' own kind is checked).
+    """Every gradient leaf must be a dense real tensor with its parameter's shape, dtype and device, over
+    flat ``{key: tensor}`` dicts (``params`` may be ``None``: then only the gradients' own kind is checked).
 
     ``grads`` may hold fewer leaves than ``params`` (a leaf without a gradient is skipped), never
     other ones."""
@@ -187,3 +187,21 @@ def check_leaves(
             raise ValueError(f"{where}: gradient {dotted(key)!r} has shape {tuple(g.shape)}, expected {tuple(p.shape)}")
         if g.dtype != p.dtype:
             raise ValueError(f"{where}: gradient {dotted(key)!r} has dtype {g.dtype}, expected {p.dtype}")
+        if g.device != p.device:
+            raise ValueError(f"{where}: gradient {dotted(key)!r} is on {g.device}, its parameter on {p.device}")
+
+
+def check_donatable(where: str, state: Mapping[Key, Any]) -> None:
+    """A state donated to an update (written in place) must not be mapped from a file
+    (``TensorDict.load_memmap``): the update would write the step into that checkpoint, which
+    must stay as it was saved. Over the flat ``{key: leaf}`` state; traceable (type and
+    attribute checks only)."""
+    for key, leaf in state.items():
+        # _filename: the public property raises for a memory-mapped tensor in anonymous shared memory
+        filename = leaf._filename if isinstance(leaf, MemoryMappedTensor) else None
+        if filename is not None:
+            raise ValueError(
+                f"{where}: state {dotted(key)!r} is memory-mapped from {filename!r}; a donated update "
+                "(donate_state=True) would write the step into that checkpoint. Load the state into memory "
+                "first: state = state.to_tensordict()"
+            )

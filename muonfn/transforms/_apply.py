@@ -15,8 +15,8 @@ def apply_updates(params: TensorDictBase, updates: TensorDictBase) -> TensorDict
     """``params + updates`` leaf by leaf; leaves without an update are returned as they are.
 
     Every update must have its parameter's shape (a ``(4, 1)`` update would broadcast into a
-    ``(4, 3)`` parameter) and name a parameter: else a ``ValueError`` names the leaf, before
-    anything is computed. Each result keeps its parameter's dtype: where an update's dtype
+    ``(4, 3)`` parameter) and device, and name a parameter: else a ``ValueError`` names the
+    leaf, before anything is computed. Each result keeps its parameter's dtype: where an update's dtype
     differs, the sum is taken in the promoted dtype and cast back, as optax does (an fp32
     parameter stays fp32 under fp64 updates).
     """
@@ -62,7 +62,7 @@ def _matched(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[Key]]:
     """The parameters the updates name, the updates in the same order, and the keys whose
     update has another dtype than its parameter; a ``ValueError`` names an update without
-    a parameter or of another shape."""
+    a parameter, or of another shape or device (a ``meta`` update adds nothing in place)."""
     targets, recast = [], []
     for key, u in updates.items():
         p = params.get(key)
@@ -72,6 +72,8 @@ def _matched(
             raise ValueError(
                 f"{where}: update {dotted(key)!r} has shape {tuple(u.shape)}, the parameter {tuple(p.shape)}"
             )
+        if u.device != p.device:
+            raise ValueError(f"{where}: update {dotted(key)!r} is on {u.device}, the parameter on {p.device}")
         if u.dtype != p.dtype:
             recast.append(key)
         targets.append(p)

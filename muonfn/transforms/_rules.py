@@ -20,7 +20,7 @@ from .. import _multi_tensor, _tree
 from .._gc_pause import pause_collections, resume_collections
 from .._keys import Key, dotted
 from .._tree import FlatState, Leaves
-from .._validation import check_batch, check_leaves
+from .._validation import check_batch, check_donatable, check_leaves
 from ._contract import InitFn, Transform
 
 
@@ -107,12 +107,14 @@ class Needs:
     that updates its state in place must not have run when a later one finds bad input).
 
     ``entries``: top-level entries a scope must hold (``(where, scope prefix, names)``);
-    ``like``: state leaves that must exist with their gradients' shapes and dtypes (``(where,
-    state keys, gradient keys, squares)``, ``squares``: second moments, whose dtype is
+    ``like``: state leaves that must exist with their gradients' shapes, dtypes and devices
+    (``(where, state keys, gradient keys, squares)``, ``squares``: second moments, whose dtype is
     :func:`~muonfn._multi_tensor.second_moment_dtype` of the gradient's); ``counts``: step counts that
     must exist as int64 tensors of the batch size, one count per ensemble member (``(where,
-    state keys)``); ``shaped``: state leaves that must exist with a given shape (second-moment
-    statistics of a leaf, such as one per row, in the gradient's second-moment dtype);
+    state keys)``; their device is not checked: a 0-d count may be kept apart from its leaf, as
+    ``torch.optim`` keeps its steps); ``shaped``: state leaves that must exist with a given shape,
+    on their gradient's device (second-moment statistics of a leaf, such as one per row, in the
+    gradient's second-moment dtype);
     ``params``: whether ``params`` are required; ``values``: checks of what the update will
     compute from the state before it writes anything (a schedule's learning rate), each
     ``check(state, grads, checked)``, which may keep its result in ``checked`` for the update
@@ -174,6 +176,7 @@ class Needs:
                     f"fit its state {dotted(key)!r} of shape {tuple(s.shape)} and dtype {s.dtype} "
                     f"(expected {shape} and {dtype})"
                 )
+            _check_device(where, key, grad_key, s, g)
         for check in self.values:
             check(state, grads, self.checked)
 
@@ -181,8 +184,8 @@ class Needs:
 def _check_like(
     where: str, keys: Sequence[Key], grad_keys: Sequence[Key], state: FlatState, grads: Leaves, *, squares: bool
 ) -> None:
-    """Each state leaf of ``keys`` must exist with its gradient's shape and dtype (for ``squares``,
-    second moments, the dtype squares of the gradient are kept in)."""
+    """Each state leaf of ``keys`` must exist with its gradient's shape, device and dtype (for
+    ``squares``, second moments, the dtype squares of the gradient are kept in)."""
     for key, grad_key in zip(keys, grad_keys):
         s = state.get(key)
         if s is None:
@@ -195,6 +198,7 @@ def _check_like(
             raise ValueError(
                 f"{where}: gradient {dotted(grad_key)!r} has shape {tuple(g.shape)}, expected {tuple(s.shape)}"
             )
+        _check_device(where, key, grad_key, s, g)
         expected = _multi_tensor.second_moment_dtype(g.dtype) if squares else g.dtype
         if s.dtype == expected:
             continue
@@ -203,6 +207,17 @@ def _check_like(
         raise ValueError(
             f"{where}: gradient {dotted(grad_key)!r} of dtype {g.dtype} does not fit its state {dotted(key)!r} "
             f"of dtype {s.dtype}: the second moment of a {g.dtype} leaf is kept in {expected}"
+        )
+
+
+def _check_device(where: str, key: Key, grad_key: Key, s: torch.Tensor, g: torch.Tensor) -> None:
+    """A state leaf must be on its gradient's device: a state made by ``init`` from params on
+    another device (``meta`` before a deferred init materialises them) would otherwise be
+    updated there, and its updates be added to nothing."""
+    if s.device != g.device:
+        raise ValueError(
+            f"{where}: gradient {dotted(grad_key)!r} is on {g.device}, its state {dotted(key)!r} on {s.device}; "
+            "make the state from the params where they are (tx.init(params)) or move it (state.to(device))"
         )
 
 
@@ -269,6 +284,8 @@ class RuleUpdate:
         flat_state = _tree.flatten(state, keep_empty=True) if isinstance(state, TensorDictBase) else {}
         flat_grads, flat_params = _tree.flatten(grads), None if params is None else _tree.flatten(params)
         checked = check_rule(self.rule, flat_grads, flat_state, flat_params, grads.batch_size, state)
+        if self.rule.donated:
+            check_donatable(self.rule.name, flat_state)
         updates, returned = run_checked(self.rule, flat_grads, flat_state, flat_params, grads.batch_size, checked)
         if not isinstance(state, TensorDictBase) and not returned:
             return _tree.unflatten(updates, grads.batch_size), state  # a stateless transform given a plain {}
