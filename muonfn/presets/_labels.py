@@ -4,7 +4,8 @@ Muon is for hidden-layer matrices. :func:`label_params` decides by shape and nam
 :func:`labels_from_module` by module type and name; both keep on AdamW:
 
 - a leaf whose dotted name contains a fragment of :data:`DEFAULT_EXCLUDE` (embeddings,
-  output heads, classifiers, token parameters, relative-position tables, LoRA);
+  output heads, classifiers, token parameters, relative-position tables, LoRA), the name
+  read with a dot in front so that a fragment ``".x."`` is a whole component, the first too;
 - by shape (:func:`label_params`): a leaf with fewer than two dimensions of size other
   than 1 (besides an ensemble's batch dimensions): a ``(1, 1, D)`` class token is a vector;
 - by module (:func:`labels_from_module`): anything but Linear/Conv weights and attention
@@ -27,14 +28,19 @@ from ..linalg import MatrixView
 MUON = "muon"
 ADAMW = "adamw"
 
-#: Name fragments (matched case-insensitively anywhere in the dotted name) of leaves that
-#: are not hidden-layer matrices: token and position embeddings, output heads and
-#: classifiers, LoRA adapters, class/mask/distillation tokens and relative-position tables.
+#: Name fragments (matched case-insensitively anywhere in the dotted name, read with a dot
+#: in front: ``".x."`` is a whole component, the first one too) of leaves that are not
+#: hidden-layer matrices: token and position embeddings, output heads and classifiers, LoRA
+#: adapters, class/mask/distillation tokens and relative-position tables.
 #: ``"head."`` ends with the dot so that ``multihead_attn`` (``nn.TransformerDecoderLayer``)
 #: stays a hidden layer; names such as GPT-2's ``c_fc``/``c_attn``/``c_proj`` or a ViT's
-#: ``fc1``/``fc2`` contain none of them.
+#: ``fc1``/``fc2`` contain none of them. ``".shared.weight"`` is the token embedding (and tied
+#: output head) of Hugging Face's encoder–decoders (T5, BART, mBART, Pegasus, Marian, LongT5:
+#: ``shared.weight``, ``model.shared.weight``); a whole component, so that MoE
+#: ``shared_experts``/``shared_expert`` (hidden matrices) stay on Muon.
 DEFAULT_EXCLUDE: tuple[str, ...] = (
     "embed",
+    ".shared.weight",
     "wte",
     "wpe",
     "lm_head",
@@ -50,7 +56,7 @@ DEFAULT_EXCLUDE: tuple[str, ...] = (
 
 
 def _excluded(name: str, exclude: Sequence[str]) -> bool:
-    lowered = name.lower()
+    lowered = "." + name.lower()  # a fragment ".x." then matches a whole first component too
     return any(fragment.lower() in lowered for fragment in exclude)
 
 
@@ -66,18 +72,21 @@ def label_params(
 
     A leaf is a matrix when its shape has at least two dimensions of size other than 1
     (so a ``(1, 1, D)`` ``cls_token`` is not) and its dotted name contains none of the
-    ``exclude`` fragments (default :data:`DEFAULT_EXCLUDE`: embeddings, ``lm_head``,
+    ``exclude`` fragments (default :data:`DEFAULT_EXCLUDE`: embeddings, T5's and BART's
+    ``shared`` token embedding, ``lm_head``,
     ``head.``, ``classifier``, token parameters, relative-position tables, LoRA). For a
     stacked ensemble (``TensorDict.from_modules``, batch size ``[N]``) the shape is a
     member's, without the batch dimensions.
 
     Names cannot tell every output head: a ResNet's is ``fc``, a common hidden-layer name.
     :func:`labels_from_module` also sends the model's last ``nn.Linear`` to AdamW; or add
-    fragments, ``functools.partial(label_params, exclude=(*DEFAULT_EXCLUDE, "fc."))``.
+    a whole component, ``functools.partial(label_params, exclude=(*DEFAULT_EXCLUDE, ".fc."))``
+    (``"fc."`` alone would also take GPT-2's hidden ``c_fc``).
 
     Args:
         params: the parameters.
-        exclude: name fragments sent to AdamW, matched case-insensitively.
+        exclude: name fragments sent to AdamW, matched case-insensitively in the name read
+            with a dot in front (``".fc."`` is the whole component ``fc``, the first one too).
         shards: names of leaves that are one rank's block of a larger tensor (the keys of
             ``shard_specs``): a block of one row says nothing of the whole, so such a leaf
             is a matrix when it has two dimensions or more; :func:`muonfn.muon` passes its
@@ -123,7 +132,7 @@ def labels_from_module(
 
     Args:
         model: the module tree.
-        exclude: name fragments sent to AdamW, matched case-insensitively.
+        exclude: name fragments sent to AdamW, matched as by :func:`label_params`.
         last_linear_is_head: send the last ``nn.Linear`` to AdamW; pass ``False`` for a
             model without an output head (a trunk whose last layer is a hidden one).
 
