@@ -127,8 +127,10 @@ def muon(
             ``shard_specs`` by their number of dimensions); :func:`labels_from_module`
             labels by module type instead.
         views: conv, expert, fused and transposed matrices (:class:`MatrixView` by name).
-        weight_decay_mask: exempts the leaves it maps to ``False`` (default: decay all); its
-            values must be ``True`` or ``False`` (``"False"`` would read as true: an error).
+        weight_decay_mask: exempts the leaves it maps to ``False`` (default: decay all, as
+            torch does); its values must be ``True`` or ``False`` (``"False"`` would read as
+            true: an error). ``"matrices"`` decays only the leaves of two dimensions or more
+            (matrices and embeddings; not biases and norm gains), in both branches.
         bucket_numel: at most this many elements per batched Newton–Schulz call.
         collectives, strategy, shard_specs, replicated, overlap: sharded and replicated
             parameters (see :func:`muonfn.distributed.sharded_orthogonalizer`): under data
