@@ -20,6 +20,10 @@ cycle momentum. A group's parameters and its ``"use_muon"`` are fixed when it is
 edit is refused by the next step, naming the group and the parameter): add parameters with
 ``add_param_group``.
 
+**Routing.** Parameters given without names are routed by shape alone (embeddings and heads
+to Muon), and a run whose Muon groups hold nothing that trains is plain AdamW: the
+constructor warns once of either (:class:`muonfn.RoutingWarning`), naming the remedy.
+
 **State.** ``opt.functional_state`` is the TensorDict ``Transform.update`` takes and
 returns. Parameters are keyed by their ``named_parameters()`` names split at dots
 (``("0", "weight")``, as in ``TensorDict.from_module``), or by their position

@@ -15,9 +15,13 @@ Muon is for hidden-layer matrices. :func:`label_params` decides by shape and nam
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
 from tensordict import TensorDictBase
 from torch import nn
 
@@ -175,3 +179,61 @@ def _matrix_names(module: nn.Module) -> tuple[str, ...]:
     if isinstance(module, nn.MultiheadAttention):  # (its out_proj is an nn.Linear of its own)
         return ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
     return ()
+
+
+class RoutingWarning(UserWarning):
+    """Muon would train nothing, or parameters were routed without names to go by.
+
+    Warned once where the optimizer is built or initialised, naming the cause and the fix;
+    ``warnings.filterwarnings("ignore", category=muonfn.RoutingWarning)`` silences it.
+    """
+
+
+#: Where muonfn's and torch's own frames come from: a routing warning points past them, at the line
+#: that built the optimizer (the shim is built inside torch.optim's constructor, a preset's init
+#: several calls deep in muonfn).
+_INTERNAL_FILES = tuple(
+    os.path.dirname(os.path.abspath(module.__file__ or "")) + os.sep
+    for module in (sys.modules[__name__.partition(".")[0]], torch)
+)
+
+
+def warn_routing(message: str) -> None:
+    """Warns ``message`` as a :class:`RoutingWarning` at the first caller outside muonfn and torch."""
+    frame = sys._getframe(1)
+    level = 2  # the caller of this function
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_INTERNAL_FILES):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, RoutingWarning, stacklevel=level)
+
+
+def matching_fragments(names: Iterable[str], exclude: Sequence[str] = DEFAULT_EXCLUDE) -> list[str]:
+    """The fragments of ``exclude`` that some of ``names`` contain, as :func:`label_params` matches them."""
+    return [fragment for fragment in exclude if any(_excluded(name, (fragment,)) for name in names)]
+
+
+def shown(names: Sequence[str], limit: int = 3) -> str:
+    """Up to ``limit`` names, quoted, and how many more."""
+    listed = ", ".join(repr(name) for name in names[:limit])
+    return listed + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def warn_if_every_matrix_excluded(where: str, params: TensorDictBase, *, shards: Iterable[Any] = ()) -> None:
+    """A :class:`RoutingWarning` when the default labels send no leaf of ``params`` to Muon although
+    some are matrices, each excluded by its name (LoRA adapters given alone): the optimizer is then
+    plain AdamW. Nothing for parameters without a matrix: Muon has none to take."""
+    shards = tuple(shards)
+    if MUON in label_params(params, shards=shards).values():
+        return
+    matrices = [name for name, label in label_params(params, exclude=(), shards=shards).items() if label == MUON]
+    if not matrices:
+        return
+    fragments = matching_fragments(matrices)
+    warn_routing(
+        f"{where}: no parameter is labelled 'muon', so this optimizer is plain AdamW: every matrix "
+        f"({len(matrices)}: {shown(matrices)}) goes to AdamW by its name (muonfn.DEFAULT_EXCLUDE's "
+        f"{shown(fragments, len(fragments))}). To run Muon on them, pass labels= (e.g. "
+        f"functools.partial(muonfn.label_params, exclude=[f for f in muonfn.DEFAULT_EXCLUDE if f != "
+        f"{fragments[0]!r}])); for plain AdamW, use muonfn.adamw"
+    )

@@ -139,7 +139,9 @@ def muon(
         donate_state: update the state in place instead of allocating a new one each step
             (the state passed to ``update`` is then consumed; see :func:`ema_momentum`).
 
-    ``init`` checks every name in ``labels``, ``views``, ``weight_decay_mask`` and
+    With the default ``labels``, ``init`` warns (:class:`muonfn.RoutingWarning`) when every
+    matrix is excluded by its name (LoRA adapters given alone): the optimizer is then plain
+    AdamW. ``init`` checks every name in ``labels``, ``views``, ``weight_decay_mask`` and
     ``shard_specs`` against the parameters (a typo is an error) and every Muon leaf against
     its view, and rejects integer leaves (buffers: see :func:`split_buffers`) and two names
     of one tensor (tied weights). Options of the wrong type (a view that is no
