@@ -1,10 +1,13 @@
 """Which parameters go to Muon, what muonfn says when Muon is left nothing to train or routes
-without names, and how parameters are decayed."""
+without names, and the learning-rate story the docs tell: one rate for both groups, loops that
+set the rates themselves, decaying matrices only."""
 
 from __future__ import annotations
 
 import functools
+import math
 import pathlib
+import re
 import warnings
 
 import pytest
@@ -237,6 +240,81 @@ def test_the_lora_recipe_runs_muon_on_the_adapters(routing_warnings_are_errors):
             assert torch.equal(p.detach(), frozen[name]), name
     params = TensorDict({name: p.detach() for name, p in trainable}, []).unflatten_keys(".")
     muonfn.muon(labels=labels).init(params)  # the functional API takes the same labels, without a warning
+
+
+# ---------------------------------------------------------------------- the learning-rate story
+
+
+def test_the_default_update_is_0_2_sqrt_128_times_torch_muons_default_on_a_square_matrix():
+    """getting-started: at the same lr, ``scale="match_rms_adamw"`` (0.2·√max(A, B) = 2.26 at 128×128)
+    against torch.optim.Muon's default ``adjust_lr_fn`` ("original": √max(1, A/B) = 1 when square);
+    the two Newton–Schulz iterations round apart (torch's runs in bf16), so to 1 %."""
+    torch.manual_seed(0)
+    weight, grad = torch.randn(128, 128), torch.randn(128, 128)
+
+    def displacement(make) -> torch.Tensor:
+        p = nn.Parameter(weight.clone())
+        p.grad = grad.clone()
+        make([p]).step()
+        return p.detach() - weight
+
+    theirs = displacement(lambda ps: torch.optim.Muon(ps, lr=0.02, weight_decay=0.0))
+    ours = displacement(lambda ps: Muon(ps, lr=0.02, weight_decay=0.0, labels={"0": "muon"}))
+    original = displacement(lambda ps: Muon(ps, lr=0.02, weight_decay=0.0, labels={"0": "muon"}, scale="original"))
+    assert float(ours.norm() / theirs.norm()) == pytest.approx(0.2 * math.sqrt(128), rel=0.01)
+    assert 0.2 * math.sqrt(128) == pytest.approx(2.26, abs=0.005)
+    assert float(original.norm() / theirs.norm()) == pytest.approx(1.0, rel=0.01)
+
+
+def python_block(page: str, marker: str) -> str:
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), re.S) if marker in b]
+    assert len(blocks) == 1, f"{page}: {len(blocks)} python blocks hold {marker!r}"
+    return blocks[0]
+
+
+def test_the_recipe_for_loops_that_set_one_rate_keeps_each_groups_own_rate():
+    """getting-started's nanoGPT-style loop: each group follows the schedule from its own initial
+    rate (Muon 0.02, AdamW 3e-4), and a LambdaLR of the same factor sets the same rates."""
+    namespace: dict = {}
+    exec(compile(python_block("docs/getting-started.md", "initial_lr"), "getting-started recipe", "exec"), namespace)
+    optimizer, lr_factor, last = namespace["optimizer"], namespace["lr_factor"], namespace["max_iters"] - 1
+    muon_group, adamw_group = optimizer.param_groups
+    assert (muon_group["initial_lr"], adamw_group["initial_lr"]) == (0.02, 3e-4)
+    assert muon_group["lr"] == 0.02 * lr_factor(last) and adamw_group["lr"] == 3e-4 * lr_factor(last)
+    assert lr_factor(namespace["max_iters"]) == pytest.approx(0.1)  # nanoGPT's min_lr = learning_rate / 10
+
+    model = namespace["model"]
+    again = Muon(model.named_parameters(), lr=0.02, adamw_lr=3e-4, scale="original", labels=namespace["labels"])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(again, lr_factor)
+    for it in range(namespace["max_iters"]):
+        expected = [group["initial_lr"] * lr_factor(it) for group in again.param_groups]
+        assert [group["lr"] for group in again.param_groups] == pytest.approx(expected, rel=1e-12)
+        again.step()
+        scheduler.step()
+
+
+#: calls that build an optimizer: the presets and the shim
+CALL = re.compile(r"\b(?:muon|normuon|adamuon|Muon)\(((?:[^()]|\([^()]*\))*)\)")
+
+
+def test_no_example_pairs_kellers_rate_with_the_default_scale():
+    """``lr=0.02`` is Keller Jordan's rate for ``scale="original"``; with the default scale it is an
+    AdamW rate of 0.02 for both groups. No snippet, docstring or example pairs them."""
+    files = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "examples").glob("*.py")]
+    files += (ROOT / "muonfn").rglob("*.py")
+    offending = []
+    for path in files:
+        for call in CALL.finditer(path.read_text()):
+            arguments = call[1]
+            if re.search(r"\blr=(?:0\.02|2e-2)\b", arguments) and "original" not in arguments:
+                offending.append(f"{path.relative_to(ROOT)}: {call[0]}")
+    assert not offending, offending
+
+
+def test_the_api_page_lists_the_default_exclusions():
+    page = (ROOT / "docs" / "api" / "muonfn.md").read_text()
+    listed = re.search(r"py:data:: muonfn.DEFAULT_EXCLUDE\n.*?:value: (\(.*?\))\n", page, re.S)
+    assert listed is not None and eval(listed[1]) == muonfn.DEFAULT_EXCLUDE
 
 
 # -------------------------------------------------------------------- decaying matrices only

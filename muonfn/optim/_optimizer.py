@@ -136,13 +136,13 @@ class Muon(torch.optim.Optimizer):
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-        >>> opt = muonfn.optim.Muon(model.named_parameters(), lr=0.02)
+        >>> opt = muonfn.optim.Muon(model.named_parameters(), lr=3e-3)
         >>> [(g["use_muon"], g["param_names"]) for g in opt.param_groups]
         [(True, ['0.weight', '1.weight']), (False, ['0.bias', '1.bias'])]
-        >>> opt = muonfn.optim.Muon(model.named_parameters(), lr=0.02, variant="normuon")
+        >>> opt = muonfn.optim.Muon(model.named_parameters(), lr=3e-3, variant="normuon")
         >>> sorted(opt.state[model[0].weight])
         ['momentum_buffer', 'row_second_moment']
-        >>> opt = muonfn.optim.Muon(model.named_parameters(), lr=0.02, momentum_bias_correction=True)
+        >>> opt = muonfn.optim.Muon(model.named_parameters(), lr=3e-3, momentum_bias_correction=True)
         >>> sorted(opt.state[model[0].weight])
         ['momentum_buffer', 'step']
     """

@@ -153,7 +153,7 @@ def muon(
 
     Example:
         >>> params = TensorDict({"w": torch.randn(4, 8), "b": torch.zeros(4)}, [])
-        >>> tx = muonfn.muon(lr=0.02)
+        >>> tx = muonfn.muon(lr=3e-3)
         >>> state = tx.init(params)
         >>> sorted(state.keys(True, True))
         [('adamw', 'exp_avg', 'b'), ('adamw', 'exp_avg_sq', 'b'), ('adamw', 'step', 'b'), ('muon', 'momentum', 'w')]
