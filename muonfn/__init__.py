@@ -34,6 +34,7 @@ from .linalg import (
 from .presets import (
     DEFAULT_EXCLUDE,
     QKHeads,
+    RoutingWarning,
     adamuon,
     adamw,
     label_params,
@@ -121,6 +122,7 @@ __all__ = [
     "Needs",
     "NewtonSchulz",
     "QKHeads",
+    "RoutingWarning",
     "Rule",
     "Scope",
     "Transform",

@@ -5,7 +5,7 @@ shard. Pass the collectives of your mesh and nothing else changes::
 
     from muonfn.distributed import torch_collectives
 
-    tx = muonfn.muon(lr=0.02, collectives=torch_collectives(mesh))  # the mesh given to fully_shard
+    tx = muonfn.muon(lr=3e-3, collectives=torch_collectives(mesh))  # the mesh given to fully_shard
     opt = muonfn.optim.Muon(model.named_parameters(), collectives=torch_collectives(mesh))  # or the shim
 
 **Layouts.** Leaves that are DTensors describe their own sharding: ``Shard(d)`` with

@@ -20,6 +20,16 @@ cycle momentum. A group's parameters and its ``"use_muon"`` are fixed when it is
 edit is refused by the next step, naming the group and the parameter): add parameters with
 ``add_param_group``.
 
+**Routing.** Parameters given without names are routed by shape alone (embeddings and heads
+to Muon), and a run whose Muon groups hold nothing that trains is plain AdamW: the
+constructor warns once of either (:class:`muonfn.RoutingWarning`), naming the remedy.
+
+**Learning rate.** ``lr`` is the rate one would give AdamW: the default scale,
+``"match_rms_adamw"``, gives every Muon update AdamW's RMS, so one rate serves both kinds of
+group (``adamw_lr`` defaults to ``lr``). Keller Jordan's ``lr=0.02`` is for
+``scale="original"``, torch.optim.Muon's default, with ``adamw_lr`` set apart; at the same
+``lr`` the default update is 0.2·√max(A, B) times that one's (2.26× on a 128×128 matrix).
+
 **State.** ``opt.functional_state`` is the TensorDict ``Transform.update`` takes and
 returns. Parameters are keyed by their ``named_parameters()`` names split at dots
 (``("0", "weight")``, as in ``TensorDict.from_module``), or by their position
@@ -46,7 +56,7 @@ groups of ``variant="muon"`` only: torch's Muon keeps no second moment).
 
 Example::
 
-    opt = muonfn.optim.Muon(model.named_parameters(), lr=0.02, adamw_lr=3e-4)
+    opt = muonfn.optim.Muon(model.named_parameters(), lr=3e-4)  # AdamW's rate, for both groups
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)
     for x, y in loader:
         opt.zero_grad()

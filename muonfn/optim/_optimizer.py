@@ -23,6 +23,7 @@ from ..presets import (
     matrix_branch,
     muon_orthogonalizer,
     refuse_collectives,
+    warn_routing,
 )
 from ..transforms import (
     CautiousMode,
@@ -42,7 +43,7 @@ from ..transforms import (
     resolve_labels,
     resolve_views,
 )
-from . import _groups, _migration
+from . import _groups, _migration, _routing
 from ._layout import Layout
 from ._migration import NOT_GIVEN, NotGiven
 from ._param_state import ParamState
@@ -135,13 +136,13 @@ class Muon(torch.optim.Optimizer):
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-        >>> opt = muonfn.optim.Muon(model.named_parameters(), lr=0.02)
+        >>> opt = muonfn.optim.Muon(model.named_parameters(), lr=3e-3)
         >>> [(g["use_muon"], g["param_names"]) for g in opt.param_groups]
         [(True, ['0.weight', '1.weight']), (False, ['0.bias', '1.bias'])]
-        >>> opt = muonfn.optim.Muon(model.named_parameters(), lr=0.02, variant="normuon")
+        >>> opt = muonfn.optim.Muon(model.named_parameters(), lr=3e-3, variant="normuon")
         >>> sorted(opt.state[model[0].weight])
         ['momentum_buffer', 'row_second_moment']
-        >>> opt = muonfn.optim.Muon(model.named_parameters(), lr=0.02, momentum_bias_correction=True)
+        >>> opt = muonfn.optim.Muon(model.named_parameters(), lr=3e-3, momentum_bias_correction=True)
         >>> sorted(opt.state[model[0].weight])
         ['momentum_buffer', 'step']
     """
@@ -244,6 +245,7 @@ class Muon(torch.optim.Optimizer):
         self._scalars: list[dict[str, torch.Tensor]] = []
         # the transform, and what it was built from: the layout's version and the group settings
         self._cache: tuple[int, list[Any], Transform] | None = None
+        self._warned_unnamed = False
         super().__init__(params, defaults)  # routes every group through add_param_group
         check_names(
             self._layout.params(),
@@ -253,6 +255,9 @@ class Muon(torch.optim.Optimizer):
             shard_specs=shard_specs,
         )
         self.state = ParamState(self._layout, self)  # type: ignore[assignment]
+        idle = _routing.idle_muon(self.param_groups)
+        if idle is not None:
+            warn_routing(idle)
 
     # ------------------------------------------------------------------ layout
 
@@ -365,6 +370,7 @@ class Muon(torch.optim.Optimizer):
         if callable(self._weight_decay_mask):  # named as given here, before the branches read it
             mask_table(self._weight_decay_mask, detached, where="Muon(...): weight_decay_mask")
         use_muon = param_group.get("use_muon")
+        blind: list[torch.Size] = []  # given without names, sent to Muon by the default labels' shape rule
         if use_muon is None:
             try:
                 table = resolve_labels(self._labels, detached, dict.fromkeys((MUON, ADAMW)))
@@ -373,6 +379,7 @@ class Muon(torch.optim.Optimizer):
                     raise ValueError(f"{error} (parameters given without names are keyed by position)") from error
                 raise
             parts = [(route, [i for i, k in enumerate(keys) if table[k] == label]) for route, label in _groups.ROUTES]
+            blind = [tensors[i].shape for i in parts[0][1]] if names is None else []
         elif isinstance(use_muon, bool):
             for split_only in _groups.SPLIT_ONLY:
                 if split_only in param_group:
@@ -430,6 +437,10 @@ class Muon(torch.optim.Optimizer):
         self.param_groups.extend(new_groups)
         self._scalars = scalars
         self._cache = None
+        # (an optimizer pickled before the warning existed has no flag: it warns again, once)
+        if blind and not getattr(self, "_warned_unnamed", False) and _routing.by_shape_and_name(self._labels):
+            self._warned_unnamed = True
+            warn_routing(_routing.routed_blind(blind))
 
     # ------------------------------------------------------------------ step
 

@@ -7,7 +7,18 @@ hands it :func:`matrix_branch` and the checks the presets run (not re-exported b
 
 from ._adamw import adamw
 from ._branch import NEWTON_SCHULZ_SPELLINGS, VARIANTS, Variant, check_names, matrix_branch
-from ._labels import ADAMW, DEFAULT_EXCLUDE, MUON, label_params, labels_from_module, views_from_module
+from ._labels import (
+    ADAMW,
+    DEFAULT_EXCLUDE,
+    MUON,
+    RoutingWarning,
+    label_params,
+    labels_from_module,
+    matching_fragments,
+    shown,
+    views_from_module,
+    warn_routing,
+)
 from ._muon import muon, muon_orthogonalizer
 from ._params import split_buffers
 from ._qk_clip import QKHeads, qk_clip
@@ -22,18 +33,22 @@ __all__ = [
     "VARIANT_DEFAULTS",
     "VARIANT_OPTIONS",
     "QKHeads",
+    "RoutingWarning",
     "Variant",
     "adamuon",
     "adamw",
     "check_names",
     "label_params",
     "labels_from_module",
+    "matching_fragments",
     "matrix_branch",
     "muon",
     "muon_orthogonalizer",
     "normuon",
     "qk_clip",
     "refuse_collectives",
+    "shown",
     "split_buffers",
     "views_from_module",
+    "warn_routing",
 ]

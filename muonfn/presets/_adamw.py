@@ -38,10 +38,11 @@ def adamw(
         betas: :math:`(\beta_1, \beta_2)`.
         eps: :math:`\epsilon`.
         weight_decay: :math:`\lambda`.
-        weight_decay_mask: exempts the leaves it maps to ``False`` (see
-            :func:`add_decayed_weights`). Names it holds that are not among the parameters
-            are ignored, as ``adamw`` is often one branch of a :func:`partition`;
-            :func:`muon` checks them against all parameters.
+        weight_decay_mask: exempts the leaves it maps to ``False``; ``"matrices"`` decays
+            only the leaves of two dimensions or more (see :func:`add_decayed_weights`).
+            Names it holds that are not among the parameters are ignored, as ``adamw`` is
+            often one branch of a :func:`partition`; :func:`muon` checks them against all
+            parameters.
         nesterov: Nesterov-Adam (NAdamW) as ``optax.adamw(nesterov=True)`` computes it, or
             ``"timm"`` as timm's ``NAdamW`` does (see
             :func:`scale_by_adam`).

@@ -49,7 +49,7 @@ from ..transforms import (
     scale_by_sign,
 )
 from ._adamw import adamw
-from ._labels import ADAMW, MUON, label_params
+from ._labels import ADAMW, MUON, label_params, warn_if_every_matrix_excluded
 
 if TYPE_CHECKING:
     from ..distributed import ShardSpecs
@@ -297,10 +297,20 @@ def with_adamw(
             donate_state=donate_state,
         ),
     }
+    by_default = labels is None
     if labels is None:
         labels = functools.partial(label_params, shards=tuple(shard_specs)) if shard_specs else label_params
     tx = partition(branches, labels)
-    return with_name_checks(tx, weight_decay_mask=weight_decay_mask, views=views, shard_specs=shard_specs)
+    checked = with_name_checks(tx, weight_decay_mask=weight_decay_mask, views=views, shard_specs=shard_specs)
+    if not by_default:  # labels of one's own send what they send
+        return checked
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        state = checked.init(params)
+        warn_if_every_matrix_excluded(f"muonfn.{where}(...).init", params, shards=tuple(shard_specs or ()))
+        return state
+
+    return Transform(init, checked.update)
 
 
 def check_names(params: TensorDictBase, **tables: Any) -> None:

@@ -4,7 +4,8 @@ Muon is for hidden-layer matrices. :func:`label_params` decides by shape and nam
 :func:`labels_from_module` by module type and name; both keep on AdamW:
 
 - a leaf whose dotted name contains a fragment of :data:`DEFAULT_EXCLUDE` (embeddings,
-  output heads, classifiers, token parameters, relative-position tables, LoRA);
+  output heads, classifiers, token parameters, relative-position tables, LoRA), the name
+  read with a dot in front so that a fragment ``".x."`` is a whole component, the first too;
 - by shape (:func:`label_params`): a leaf with fewer than two dimensions of size other
   than 1 (besides an ensemble's batch dimensions): a ``(1, 1, D)`` class token is a vector;
 - by module (:func:`labels_from_module`): anything but Linear/Conv weights and attention
@@ -14,9 +15,13 @@ Muon is for hidden-layer matrices. :func:`label_params` decides by shape and nam
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
 from tensordict import TensorDictBase
 from torch import nn
 
@@ -27,14 +32,19 @@ from ..linalg import MatrixView
 MUON = "muon"
 ADAMW = "adamw"
 
-#: Name fragments (matched case-insensitively anywhere in the dotted name) of leaves that
-#: are not hidden-layer matrices: token and position embeddings, output heads and
-#: classifiers, LoRA adapters, class/mask/distillation tokens and relative-position tables.
+#: Name fragments (matched case-insensitively anywhere in the dotted name, read with a dot
+#: in front: ``".x."`` is a whole component, the first one too) of leaves that are not
+#: hidden-layer matrices: token and position embeddings, output heads and classifiers, LoRA
+#: adapters, class/mask/distillation tokens and relative-position tables.
 #: ``"head."`` ends with the dot so that ``multihead_attn`` (``nn.TransformerDecoderLayer``)
 #: stays a hidden layer; names such as GPT-2's ``c_fc``/``c_attn``/``c_proj`` or a ViT's
-#: ``fc1``/``fc2`` contain none of them.
+#: ``fc1``/``fc2`` contain none of them. ``".shared.weight"`` is the token embedding (and tied
+#: output head) of Hugging Face's encoder–decoders (T5, BART, mBART, Pegasus, Marian, LongT5:
+#: ``shared.weight``, ``model.shared.weight``); a whole component, so that MoE
+#: ``shared_experts``/``shared_expert`` (hidden matrices) stay on Muon.
 DEFAULT_EXCLUDE: tuple[str, ...] = (
     "embed",
+    ".shared.weight",
     "wte",
     "wpe",
     "lm_head",
@@ -50,7 +60,7 @@ DEFAULT_EXCLUDE: tuple[str, ...] = (
 
 
 def _excluded(name: str, exclude: Sequence[str]) -> bool:
-    lowered = name.lower()
+    lowered = "." + name.lower()  # a fragment ".x." then matches a whole first component too
     return any(fragment.lower() in lowered for fragment in exclude)
 
 
@@ -66,18 +76,21 @@ def label_params(
 
     A leaf is a matrix when its shape has at least two dimensions of size other than 1
     (so a ``(1, 1, D)`` ``cls_token`` is not) and its dotted name contains none of the
-    ``exclude`` fragments (default :data:`DEFAULT_EXCLUDE`: embeddings, ``lm_head``,
+    ``exclude`` fragments (default :data:`DEFAULT_EXCLUDE`: embeddings, T5's and BART's
+    ``shared`` token embedding, ``lm_head``,
     ``head.``, ``classifier``, token parameters, relative-position tables, LoRA). For a
     stacked ensemble (``TensorDict.from_modules``, batch size ``[N]``) the shape is a
     member's, without the batch dimensions.
 
     Names cannot tell every output head: a ResNet's is ``fc``, a common hidden-layer name.
     :func:`labels_from_module` also sends the model's last ``nn.Linear`` to AdamW; or add
-    fragments, ``functools.partial(label_params, exclude=(*DEFAULT_EXCLUDE, "fc."))``.
+    a whole component, ``functools.partial(label_params, exclude=(*DEFAULT_EXCLUDE, ".fc."))``
+    (``"fc."`` alone would also take GPT-2's hidden ``c_fc``).
 
     Args:
         params: the parameters.
-        exclude: name fragments sent to AdamW, matched case-insensitively.
+        exclude: name fragments sent to AdamW, matched case-insensitively in the name read
+            with a dot in front (``".fc."`` is the whole component ``fc``, the first one too).
         shards: names of leaves that are one rank's block of a larger tensor (the keys of
             ``shard_specs``): a block of one row says nothing of the whole, so such a leaf
             is a matrix when it has two dimensions or more; :func:`muonfn.muon` passes its
@@ -123,7 +136,7 @@ def labels_from_module(
 
     Args:
         model: the module tree.
-        exclude: name fragments sent to AdamW, matched case-insensitively.
+        exclude: name fragments sent to AdamW, matched as by :func:`label_params`.
         last_linear_is_head: send the last ``nn.Linear`` to AdamW; pass ``False`` for a
             model without an output head (a trunk whose last layer is a hidden one).
 
@@ -166,3 +179,61 @@ def _matrix_names(module: nn.Module) -> tuple[str, ...]:
     if isinstance(module, nn.MultiheadAttention):  # (its out_proj is an nn.Linear of its own)
         return ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
     return ()
+
+
+class RoutingWarning(UserWarning):
+    """Muon would train nothing, or parameters were routed without names to go by.
+
+    Warned once where the optimizer is built or initialised, naming the cause and the fix;
+    ``warnings.filterwarnings("ignore", category=muonfn.RoutingWarning)`` silences it.
+    """
+
+
+#: Where muonfn's and torch's own frames come from: a routing warning points past them, at the line
+#: that built the optimizer (the shim is built inside torch.optim's constructor, a preset's init
+#: several calls deep in muonfn).
+_INTERNAL_FILES = tuple(
+    os.path.dirname(os.path.abspath(module.__file__ or "")) + os.sep
+    for module in (sys.modules[__name__.partition(".")[0]], torch)
+)
+
+
+def warn_routing(message: str) -> None:
+    """Warns ``message`` as a :class:`RoutingWarning` at the first caller outside muonfn and torch."""
+    frame = sys._getframe(1)
+    level = 2  # the caller of this function
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_INTERNAL_FILES):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, RoutingWarning, stacklevel=level)
+
+
+def matching_fragments(names: Iterable[str], exclude: Sequence[str] = DEFAULT_EXCLUDE) -> list[str]:
+    """The fragments of ``exclude`` that some of ``names`` contain, as :func:`label_params` matches them."""
+    return [fragment for fragment in exclude if any(_excluded(name, (fragment,)) for name in names)]
+
+
+def shown(names: Sequence[str], limit: int = 3) -> str:
+    """Up to ``limit`` names, quoted, and how many more."""
+    listed = ", ".join(repr(name) for name in names[:limit])
+    return listed + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def warn_if_every_matrix_excluded(where: str, params: TensorDictBase, *, shards: Iterable[Any] = ()) -> None:
+    """A :class:`RoutingWarning` when the default labels send no leaf of ``params`` to Muon although
+    some are matrices, each excluded by its name (LoRA adapters given alone): the optimizer is then
+    plain AdamW. Nothing for parameters without a matrix: Muon has none to take."""
+    shards = tuple(shards)
+    if MUON in label_params(params, shards=shards).values():
+        return
+    matrices = [name for name, label in label_params(params, exclude=(), shards=shards).items() if label == MUON]
+    if not matrices:
+        return
+    fragments = matching_fragments(matrices)
+    warn_routing(
+        f"{where}: no parameter is labelled 'muon', so this optimizer is plain AdamW: every matrix "
+        f"({len(matrices)}: {shown(matrices)}) goes to AdamW by its name (muonfn.DEFAULT_EXCLUDE's "
+        f"{shown(fragments, len(fragments))}). To run Muon on them, pass labels= (e.g. "
+        f"functools.partial(muonfn.label_params, exclude=[f for f in muonfn.DEFAULT_EXCLUDE if f != "
+        f"{fragments[0]!r}])); for plain AdamW, use muonfn.adamw"
+    )

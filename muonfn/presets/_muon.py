@@ -127,8 +127,10 @@ def muon(
             ``shard_specs`` by their number of dimensions); :func:`labels_from_module`
             labels by module type instead.
         views: conv, expert, fused and transposed matrices (:class:`MatrixView` by name).
-        weight_decay_mask: exempts the leaves it maps to ``False`` (default: decay all); its
-            values must be ``True`` or ``False`` (``"False"`` would read as true: an error).
+        weight_decay_mask: exempts the leaves it maps to ``False`` (default: decay all, as
+            torch does); its values must be ``True`` or ``False`` (``"False"`` would read as
+            true: an error). ``"matrices"`` decays only the leaves of two dimensions or more
+            (matrices and embeddings; not biases and norm gains), in both branches.
         bucket_numel: at most this many elements per batched Newton–Schulz call.
         collectives, strategy, shard_specs, replicated, overlap: sharded and replicated
             parameters (see :func:`muonfn.distributed.sharded_orthogonalizer`): under data
@@ -137,7 +139,9 @@ def muon(
         donate_state: update the state in place instead of allocating a new one each step
             (the state passed to ``update`` is then consumed; see :func:`ema_momentum`).
 
-    ``init`` checks every name in ``labels``, ``views``, ``weight_decay_mask`` and
+    With the default ``labels``, ``init`` warns (:class:`muonfn.RoutingWarning`) when every
+    matrix is excluded by its name (LoRA adapters given alone): the optimizer is then plain
+    AdamW. ``init`` checks every name in ``labels``, ``views``, ``weight_decay_mask`` and
     ``shard_specs`` against the parameters (a typo is an error) and every Muon leaf against
     its view, and rejects integer leaves (buffers: see :func:`split_buffers`) and two names
     of one tensor (tied weights). Options of the wrong type (a view that is no
@@ -149,7 +153,7 @@ def muon(
 
     Example:
         >>> params = TensorDict({"w": torch.randn(4, 8), "b": torch.zeros(4)}, [])
-        >>> tx = muonfn.muon(lr=0.02)
+        >>> tx = muonfn.muon(lr=3e-3)
         >>> state = tx.init(params)
         >>> sorted(state.keys(True, True))
         [('adamw', 'exp_avg', 'b'), ('adamw', 'exp_avg_sq', 'b'), ('adamw', 'step', 'b'), ('muon', 'momentum', 'w')]

@@ -121,7 +121,7 @@ def normuon(
 
     Example:
         >>> params = TensorDict({"w": torch.randn(4, 8), "b": torch.zeros(4)}, [])
-        >>> state = muonfn.normuon(lr=0.02).init(params)
+        >>> state = muonfn.normuon(lr=3e-3).init(params)
         >>> state["muon", "row_second_moment", "w"].shape  # one entry per row
         torch.Size([4, 1])
     """
@@ -202,7 +202,7 @@ def adamuon(
 
     Example:
         >>> params = TensorDict({"w": torch.randn(4, 8), "b": torch.zeros(4)}, [])
-        >>> tx = muonfn.adamuon(lr=0.02)
+        >>> tx = muonfn.adamuon(lr=3e-3)
         >>> sorted(tx.init(params)["muon"].keys())
         ['exp_avg_sq', 'momentum']
     """

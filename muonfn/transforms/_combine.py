@@ -191,8 +191,9 @@ def partition(transforms: Mapping[str, Transform], labels: LabelsLike) -> Transf
 def masked(tx: Transform, mask: MaskLike) -> Transform:
     """Applies ``tx`` to the leaves ``mask`` selects; the others pass through unchanged.
 
-    ``mask``: a mapping from key to ``True``/``False`` (or one-element bool tensors) or a
-    callable ``params -> mapping``; leaves it does not name are not selected. Names that are
+    ``mask``: a mapping from key to ``True``/``False`` (or one-element bool tensors), a
+    callable ``params -> mapping``, or ``"matrices"`` (the leaves of two dimensions or more);
+    leaves it does not name are not selected. Names that are
     not leaves are ignored, so that one mask can serve a whole model inside :func:`partition`.
     """
     where = "masked: mask"

@@ -61,8 +61,10 @@ def add_decayed_weights(
         weight_decay: :math:`\lambda \ge 0`, a float or a 0-d tensor.
         mask: a mapping from key to ``True``/``False`` (or one-element bool tensors), or a
             callable ``params -> mapping``; leaves it does not name are decayed, so
-            ``{"norm.weight": False}`` exempts just that leaf. ``None`` decays every leaf.
-            Other values (``"False"``, ``[False]``) are refused: their truth value is true.
+            ``{"norm.weight": False}`` exempts just that leaf. ``"matrices"`` decays only
+            the leaves of two dimensions or more (matrices, embeddings, conv kernels; not
+            biases and norm gains). ``None`` decays every leaf. Other values (``"False"``,
+            ``[False]``) are refused: their truth value is true.
         cautious: decay only where the incoming update and the parameter agree in sign.
         inplace: add into the incoming updates (the same bits) unless autograd
             records them or a ``torch.func`` transform is active: only after a transform that

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 import torch
 from tensordict import TensorDictBase
@@ -12,7 +12,26 @@ from .. import _tree
 from .._keys import Key, resolve_table
 from .._validation import check_table
 
-MaskLike: TypeAlias = Mapping[Any, bool] | Callable[[TensorDictBase], Mapping[Any, bool]] | None
+MaskName: TypeAlias = Literal["matrices"]
+MaskLike: TypeAlias = Mapping[Any, bool] | Callable[[TensorDictBase], Mapping[Any, bool]] | MaskName | None
+#: Masks by name: ``"matrices"`` selects the leaves of two dimensions or more (an ensemble
+#: member's, without the batch dimensions): weight matrices, embeddings and conv kernels, not
+#: biases and norm gains (the usual "decay matrices only"; ``p.ndim >= 2`` in nanoGPT).
+MASK_NAMES: tuple[str, ...] = ("matrices",)
+
+
+def _named_mask(where: str, name: str) -> str:
+    if name not in MASK_NAMES:
+        raise ValueError(
+            f"{where}: unknown mask {name!r}; choose one of {list(MASK_NAMES)}, a mapping of names to True "
+            "or False, or a callable params -> mapping"
+        )
+    return name
+
+
+def _matrices(params: TensorDictBase) -> dict[Key, bool]:
+    members = params.batch_dims
+    return {key: value.ndim - members >= 2 for key, value in zip(_tree.leaf_keys(params), params.values(True, True))}
 
 
 def _is_flag(value: object) -> bool:
@@ -34,8 +53,11 @@ def checked_flags(where: str, table: object) -> Mapping[Any, Any]:
 
 
 def check_mask(where: str, mask: object) -> None:
-    """A mask as written: ``None``, a mapping of names to flags (checked now), or a callable
-    ``params -> mapping`` (checked when it is called)."""
+    """A mask as written: ``None``, a name of :data:`MASK_NAMES`, a mapping of names to flags
+    (checked now), or a callable ``params -> mapping`` (checked when it is called)."""
+    if isinstance(mask, str):
+        _named_mask(where, mask)
+        return
     check_table(where, mask, holds="True or False", called="params -> mapping", check=lambda t: checked_flags(where, t))
 
 
@@ -43,6 +65,9 @@ def mask_table(mask: MaskLike, params: TensorDictBase, *, where: str = "mask") -
     """The names-to-flags table of ``mask`` for these ``params`` (empty for ``None``), its values checked."""
     if mask is None:
         return {}
+    if isinstance(mask, str):
+        _named_mask(where, mask)
+        return _matrices(params)
     return checked_flags(where, mask if isinstance(mask, Mapping) else mask(params))
 
 
