@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import collections
 import copy
 import io
 import re
@@ -783,6 +784,60 @@ def test_a_state_of_another_dtype_than_its_parameter_is_refused_naming_the_stale
     fresh_opt.step()
     assert_bitwise(TensorDict.from_module(model), TensorDict.from_module(fresh_model))
     assert_bitwise(opt.functional_state, fresh_opt.functional_state)
+
+
+def test_assigning_an_empty_mapping_to_opt_state_resets_it_as_in_torch():
+    """``opt.state = collections.defaultdict(dict)``, a common way to reset a torch optimizer:
+    every parameter's state is forgotten and made anew at its next step (AdamW counts from 1
+    again), as torch.optim.AdamW does; the run is then that of an optimizer built at that point.
+    (The assignment used to be ignored, and state_dict() then raised an AttributeError.)"""
+    model = mlp()
+    opt = Muon(model.named_parameters(), **HP)
+    opt.state["note"] = 1
+    shim_steps(model, opt, batches(3))
+    opt.state = collections.defaultdict(dict)
+    assert len(opt.state) == 0 and opt.state_dict()["state"] == {}
+    fresh_model = copy.deepcopy(model)
+    fresh_opt = Muon(fresh_model.named_parameters(), **HP)
+    data = batches(2, seed=4)
+    shim_steps(model, opt, data)
+    shim_steps(fresh_model, fresh_opt, data)
+    assert int(opt.state[model[0].bias]["step"]) == 2
+    assert_bitwise(TensorDict.from_module(model), TensorDict.from_module(fresh_model))
+    assert_bitwise(opt.functional_state, fresh_opt.functional_state)
+
+    torch_model = mlp()
+    adamw = torch.optim.AdamW(torch_model.parameters())
+    shim_steps(torch_model, adamw, batches(3))
+    adamw.state = collections.defaultdict(dict)
+    shim_steps(torch_model, adamw, batches(1))
+    assert int(adamw.state[torch_model[0].bias]["step"]) == 1
+
+
+def test_assigning_a_mapping_to_opt_state_takes_its_entries():
+    """A mapping with entries is taken as the whole state: each parameter's as ``opt.state[p] =``
+    takes them, none for the parameters it leaves out, its other keys kept; checked first."""
+    model = mlp()
+    opt = Muon(model.named_parameters(), **HP)
+    opt.state["old"] = 2
+    shim_steps(model, opt, batches(2))
+    weight, bias = model[0].weight, model[0].bias
+    momentum = opt.state[weight]["momentum_buffer"].clone()
+    opt.state = {weight: {"momentum_buffer": momentum}, bias: {**opt.state[bias], "step": torch.tensor(7)}, "note": 1}
+    assert list(opt.state) == [weight, bias, "note"]
+    assert torch.equal(opt.functional_state["muon", "momentum", "0", "weight"], momentum)
+    assert int(opt.state[bias]["step"]) == 7 and model[3].weight not in opt.state
+    before = snapshot(model, opt)
+    with pytest.raises(ValueError, match=r"state of '0\.weight' must have \['momentum_buffer'\], got \['exp_avg'\]"):
+        opt.state = {weight: {"exp_avg": torch.zeros(12, 6)}}
+    with pytest.raises(ValueError, match=r"'muon\.momentum\.0\.weight' has shape \(6, 12\), expected \(12, 6\)"):
+        opt.state = {bias: dict(opt.state[bias]), weight: {"momentum_buffer": torch.zeros(6, 12)}}
+    with pytest.raises(TypeError, match=r"opt\.state must be a mapping"):
+        opt.state = [weight]  # type: ignore[assignment]
+    assert_unchanged(model, opt, before)
+    assert opt.state["note"] == 1 and "old" not in opt.state
+    shim_steps(model, opt, batches(1, seed=3))  # the others' state is made at this step
+    assert int(opt.state[bias]["step"]) == 8 and int(opt.state[model[3].bias]["step"]) == 1
 
 
 def test_a_parameters_state_appears_at_its_first_step_as_in_torch():

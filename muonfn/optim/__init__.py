@@ -39,8 +39,10 @@ count with ``second_moment_bias_correction``, for AdaMuon: ``"step"``, or
 "exp_avg_sq"}`` for AdamW (each count an exact int64). It is a live view: assigning an entry
 (``opt.state[p]["momentum_buffer"] = t``, ``.update(...)``) replaces that tensor of the
 functional state after checking its shape and dtype (making the state of a parameter that
-has none); other names are an error. ``del opt.state[p]`` forgets a parameter's state, made
-anew at its next step. Keys of ``opt.state`` that are not parameters hold what torch's would.
+has none); other names are an error. ``del opt.state[p]`` forgets a parameter's state, and
+``opt.state = collections.defaultdict(dict)`` (torch's reset) every parameter's; each is made
+anew at the parameter's next step. Keys of ``opt.state`` that are not parameters hold what
+torch's would.
 
 **Checkpoints.** ``opt.state_dict()`` follows torch's format (state keyed by parameter
 index, hyperparameters in ``param_groups``) and loads with ``torch.load(weights_only=True)``;

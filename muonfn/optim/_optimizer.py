@@ -265,7 +265,6 @@ class Muon(torch.optim.Optimizer):
             weight_decay_mask=weight_decay_mask,
             shard_specs=shard_specs,
         )
-        self.state = ParamState(self._layout, self)  # type: ignore[assignment]
 
     # ------------------------------------------------------------------ layout
 
@@ -535,6 +534,30 @@ class Muon(torch.optim.Optimizer):
         checked = self._layout.checked_state(self.param_groups, state, "functional_state")
         self._layout.load(self.param_groups, checked)  # laid out as it was checked
 
+    @property  # type: ignore[override]
+    def state(self) -> ParamState:
+        """torch's per-parameter state (see :mod:`muonfn.optim`): a parameter's appears at its first step.
+
+        Assigning a mapping takes it as the whole state: an empty one (``opt.state =
+        collections.defaultdict(dict)``, torch's way to reset an optimizer) forgets every
+        parameter's state, made anew at its next step (AdamW's count starts again at 1); each
+        parameter's entries in another are taken as ``opt.state[p] = entries`` takes them (all of
+        them, or ``{}``), the parameters it leaves out have none, and its other keys are kept as
+        torch keeps them. All is checked before anything changes.
+        """
+        state: ParamState = self.__dict__["state"]
+        return state
+
+    @state.setter
+    def state(self, state: Mapping[Any, Any]) -> None:
+        if not isinstance(state, Mapping):
+            raise TypeError(f"opt.state must be a mapping (torch's defaultdict(dict)), got {type(state).__name__}")
+        current = self.__dict__.get("state")
+        if current is None:  # torch.optim.Optimizer.__init__'s own empty defaultdict, before any group
+            self.__dict__["state"] = ParamState(self._layout, self)
+        elif state is not current:
+            current.replace(state)
+
     @torch.compiler.disable
     def state_dict(self) -> dict[str, Any]:
         """The state in torch's format, ``{"state": {index: {name: tensor}}, "param_groups": [...]}``.
@@ -627,8 +650,8 @@ class Muon(torch.optim.Optimizer):
 
     @property
     def _param_state(self) -> ParamState:
-        """:attr:`state`, typed as what it is (torch declares a ``defaultdict``)."""
-        return self.state  # type: ignore[return-value]
+        """:attr:`state`."""
+        return self.state
 
     # where the state lives, for a debugger: the layout's own
     @property

@@ -59,6 +59,25 @@ class ParamState(MutableMapping[Any, Any]):
             raise KeyError(key)
         self._layout.drop(self._optimizer.param_groups, [key])
 
+    def replace(self, mapping: Mapping[Any, Any]) -> None:
+        """Takes ``mapping`` as the whole state (``opt.state = mapping``): each parameter's entries as
+        ``opt.state[p] = entries`` takes them, no state for the parameters it does not hold, its
+        other keys as they are. All is checked before anything changes."""
+        groups = self._optimizer.param_groups
+        self._layout.check_groups(groups)
+        state: dict[Key, Any] = {}
+        others: dict[Any, Any] = {}
+        for key, value in mapping.items():
+            slot = self._slot(key)
+            if slot is None:
+                others[key] = value
+            elif not (isinstance(value, Mapping) and not value):
+                check_all_entries(self._layout, groups, slot, value)
+                state.update(checked_entries(self._layout, groups, slot, value, None))
+        checked = self._layout.checked_state(groups, state, "opt.state = ...")
+        self._layout.load(groups, checked)
+        self.others = others
+
     # as a defaultdict's: only a lookup by ``[]`` makes an entry for a key that has none
 
     def get(self, key: Any, default: Any = None) -> Any:
@@ -193,11 +212,11 @@ def checked_entries(
     groups: Sequence[Mapping[str, Any]],
     slot: _groups.Slot,
     values: Mapping[str, Any],
-    like: Mapping[str, torch.Tensor],
+    like: Mapping[str, torch.Tensor] | None,
 ) -> dict[Key, Any]:
     """A parameter's entries (torch names -> tensors) by their keys in the functional state, each
-    checked as a tensor (or a count) under one of its names, against the tensors of ``like`` (torch
-    names -> tensors: its current or initial entries)."""
+    checked as a tensor (or a count) under one of its names; against the tensors of ``like`` (torch
+    names -> tensors: its current or initial entries), or left to ``Layout.checked_state`` (``None``)."""
     fields = layout.fields(groups, slot.group)
     name = dotted(slot.key)
     checked: dict[Key, Any] = {}
@@ -209,6 +228,9 @@ def checked_entries(
         if _groups.is_count(fields[torch_name]) and bool((torch.as_tensor(value) < 0).any()):
             raise ValueError(f"state[{name!r}][{torch_name!r}] must be a count >= 0, got {value!r}")
         key = (slot.label, *fields[torch_name], *slot.key)
+        if like is None:
+            checked[key] = torch.as_tensor(value)
+            continue
         reference = TensorDict({key: like[torch_name]}, batch_size=[])
         checked[key] = _tree.laid_out_like(TensorDict({key: value}, batch_size=[]), reference, f"state[{name!r}]").get(
             key
