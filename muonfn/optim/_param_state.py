@@ -143,7 +143,7 @@ class ParamEntries(MutableMapping[str, Any]):
 
     The entries are fixed by the group (``momentum_buffer`` for a Muon group, and ``step`` with
     ``momentum_bias_correction``, with ``row_second_moment`` for a NorMuon group and
-    ``exp_avg_sq`` (and its count) for an AdamW group; ``step``, ``exp_avg``, ``exp_avg_sq``
+    ``exp_avg_sq`` (and its count) for an AdaMuon group; ``step``, ``exp_avg``, ``exp_avg_sq``
     for an AdamW group; see ``_groups.entries``). It is empty while the parameter has no state
     (torch's ``{}``), and holds all of them once it has. Assigning one replaces its tensor after
     the checks of ``functional_state`` (shape and dtype); assigned where the parameter has no
