@@ -182,6 +182,15 @@ class Layout:
             dropped.update((slot.label, *field, *slot.key) for field in self.entry_names[slot.group].fields.values())
         self.stepped(self._regrouped(groups, self.leaves(), dropped=dropped))
 
+    def forget(self, groups: Groups) -> None:
+        """Forgets every parameter's state (each made anew at its next step): the state is each of
+        ``groups``' ``init`` of no parameters, whatever the groups were edited to."""
+        self.stepped(self._regrouped(groups, {}))
+        wanted = [_groups.entries(g) for g in groups]
+        if wanted != self.entry_names:  # (laid out for settings changed since: a transform of the old ones is stale)
+            self.entry_names = wanted
+            self.version += 1
+
     def _regrouped(
         self,
         groups: Groups,

@@ -64,6 +64,10 @@ class ParamState(MutableMapping[Any, Any]):
         ``opt.state[p] = entries`` takes them, no state for the parameters it does not hold, its
         other keys as they are. All is checked before anything changes."""
         groups = self._optimizer.param_groups
+        if not mapping:  # torch's reset, opt.state = defaultdict(dict): as clear(), whatever param_groups holds
+            self._layout.forget(groups)
+            self.others = {}
+            return
         self._layout.check_groups(groups)
         state: dict[Key, Any] = {}
         others: dict[Any, Any] = {}
@@ -106,7 +110,7 @@ class ParamState(MutableMapping[Any, Any]):
 
     def clear(self) -> None:
         """Forgets every parameter's state (made anew at its next step) and drops the other keys."""
-        self._layout.drop(self._optimizer.param_groups, list(self._layout.slots))
+        self._layout.forget(self._optimizer.param_groups)
         self.others.clear()
 
     def popitem(self) -> tuple[Any, Any]:
