@@ -37,15 +37,22 @@ returns. Parameters are keyed by their ``named_parameters()`` names split at dot
 under ``"muon"`` (k = 0) or ``f"muon_{k}"``, the k-th AdamW group under ``"adamw"`` or
 ``f"adamw_{k}"``, so for the default two groups the layout is that of
 ``muonfn.muon(...).init(params)``: ``state["muon", "momentum", *key]`` and
-``state["adamw", "step" | "exp_avg" | "exp_avg_sq", *key]``. ``opt.state[p]`` shows the
+``state["adamw", "step" | "exp_avg" | "exp_avg_sq", *key]``. As in torch.optim, a
+parameter's state is made at its first step, from the parameter as it is then (so a model
+materialised from the meta device or cast after the optimizer was built trains as if built
+first, and frozen parameters hold none); until then the parameter has no entries there, nor in
+``opt.state`` or the state dict. ``opt.state[p]`` shows the
 same tensors under torch's names: ``{"momentum_buffer"}`` for Muon (with ``"step"`` under
 ``momentum_bias_correction``; ``"row_second_moment"`` for NorMuon; ``"exp_avg_sq"``, and its
 count with ``second_moment_bias_correction``, for AdaMuon: ``"step"``, or
 ``"second_moment_step"`` where the momentum's count is ``"step"``), ``{"step", "exp_avg",
 "exp_avg_sq"}`` for AdamW (each count an exact int64). It is a live view: assigning an entry
 (``opt.state[p]["momentum_buffer"] = t``, ``.update(...)``) replaces that tensor of the
-functional state after checking its shape and dtype; other names are an error. Keys of
-``opt.state`` that are not parameters hold what torch's would.
+functional state after checking its shape and dtype (making the state of a parameter that
+has none); other names are an error. ``del opt.state[p]`` forgets a parameter's state, and
+``opt.state = collections.defaultdict(dict)`` (torch's reset) every parameter's; each is made
+anew at the parameter's next step. Keys of ``opt.state`` that are not parameters hold what
+torch's would.
 
 **Checkpoints.** ``opt.state_dict()`` follows torch's format (state keyed by parameter
 index, hyperparameters in ``param_groups``) and loads with ``torch.load(weights_only=True)``;

@@ -1,17 +1,22 @@
-"""Where each parameter's state lives: its group, key and label, its group's entries, the functional state."""
+"""Where each parameter's state lives: its group, key and label, its group's entries, the functional state.
+
+A parameter's state is made when it is first stepped, as torch.optim makes it: from the parameter
+as it is then (its device and dtype), so that a model materialised or cast after the optimizer was
+built, and parameters that never have a gradient (frozen ones), hold no state made too early.
+"""
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 
 from .. import _tree
-from .._keys import Key
-from ..transforms import Transform, partition
+from .._keys import Key, dotted
+from ..transforms import EXP_AVG, MOMENTUM, Transform, partition
 from . import _groups
 
 #: A group's transform, built from its settings and its scheduled scalar tensors.
@@ -19,6 +24,12 @@ BranchOf = Callable[[Mapping[str, Any], Mapping[str, torch.Tensor]], Transform]
 #: A new group's transform (its settings checked), given its index and its parameters' keys.
 NewBranch = Callable[[int, Mapping[str, Any], Sequence[Key]], Transform]
 Groups = Sequence[Mapping[str, Any]]
+
+#: per route (``use_muon``), the field of the entry every parameter's state has in its parameter's
+#: dtype: whether it is there tells whether the parameter has state, its device and dtype those of all of it
+_TELLING_FIELD: dict[bool, _groups.Field] = {True: (MOMENTUM,), False: (EXP_AVG,)}
+#: torch's name of that entry, per route
+_TELLING_NAME = {True: "momentum_buffer", False: "exp_avg"}
 
 
 class Snapshot(NamedTuple):
@@ -39,6 +50,11 @@ class Layout:
     laid out anew by ``sync``. The groups are not held here: the optimizer passes its
     ``param_groups``, checked against the slots.
 
+    The functional state holds the state of the parameters that have one, each with every entry its
+    group's settings ask for, as the group's ``init`` of those parameters lays it out (a group whose
+    parameters have none is its ``init`` of no parameters). A parameter's state is made at the first
+    step that has its gradient (:meth:`with_state_of`), and forgotten by :meth:`drop`.
+
     The functional state lives as flat leaves between steps; its TensorDict is built when
     asked for (and is then what the next step reads, in case it was changed).
     """
@@ -55,6 +71,8 @@ class Layout:
         self.members: list[tuple[torch.Tensor, ...]] = []  # per group, its params as last checked
         #: counts the relayouts: a transform built at another version may be built for other entries
         self.version = 0
+        #: ``slots`` and the :meth:`state_key` of each of its slots, in order (built again for other slots)
+        self._state_keys: tuple[dict[torch.Tensor, _groups.Slot], list[Key]] | None = None
 
     # ------------------------------------------------------------------ the functional state
 
@@ -85,7 +103,122 @@ class Layout:
 
     def __getstate__(self) -> dict[str, Any]:
         # the state travels as its TensorDict only, so that a copy's two forms cannot differ
-        return {**self.__dict__, "_tree": self.state, "_leaves": {}}
+        return {**self.__dict__, "_tree": self.state, "_leaves": {}, "_state_keys": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__dict__.setdefault("_state_keys", None)  # (pickled before it was kept)
+
+    # ------------------------------------------------------------------ which parameters have state
+
+    @staticmethod
+    def state_key(slot: _groups.Slot) -> Key:
+        """The key of the entry that tells whether a parameter has state (its momentum, AdamW's
+        ``exp_avg``): every parameter's state has it, in its parameter's dtype."""
+        return (slot.label, *_TELLING_FIELD[slot.use_muon], *slot.key)
+
+    def state_keys(self) -> list[Key]:
+        """:meth:`state_key` of every slot, in the order of ``slots``."""
+        cached = self._state_keys
+        if cached is None or cached[0] is not self.slots or len(cached[1]) != len(self.slots):
+            cached = self._state_keys = (self.slots, [self.state_key(slot) for slot in self.slots.values()])
+        return cached[1]
+
+    def holds(self, p: torch.Tensor) -> bool:
+        """Whether the parameter ``p`` has state (it has been stepped, or its state was given)."""
+        key = self.state_key(self.slots[p])
+        return key in self._leaves if self._tree is None else self._tree.get(key, None) is not None
+
+    def held(self) -> list[torch.Tensor]:
+        """The parameters that have state, in the order of ``slots``."""
+        return [p for p in self.slots if self.holds(p)]
+
+    def stale_state_error(self, p: torch.Tensor, held: torch.Tensor) -> ValueError:
+        """The error for a parameter moved or cast after its state was made (``held``: its
+        :meth:`state_key` entry), naming both devices or dtypes and the remedies."""
+        slot = self.slots[p]
+        name = f"the state of parameter {dotted(slot.key)!r} ({_TELLING_NAME[slot.use_muon]})"
+        drop = "drop it with del opt.state[p] (opt.state.clear() for every parameter): the next step makes it anew"
+        if held.device != p.device:
+            found = f"{name} is on {held.device}, the parameter on {p.device} (moved after its state was made)"
+            if held.is_meta:
+                return ValueError(f"{found}; a state on meta holds no values: {drop} on the parameter's device")
+            cast = "move it with opt.load_state_dict(opt.state_dict())"
+        else:
+            found = f"{name} is {held.dtype}, the parameter {p.dtype} (cast after its state was made)"
+            cast = "cast it with opt.load_state_dict(opt.state_dict())"
+        return ValueError(
+            f"{found}; {cast}, which casts every state tensor to its parameter's device and dtype, or {drop}"
+        )
+
+    def stale_dtype(self, params: Sequence[torch.Tensor], leaves: _tree.FlatState) -> ValueError | None:
+        """The error for the first of ``params`` whose state (in ``leaves``) is of another dtype than
+        the parameter now (cast after its state was made); ``None`` if none is."""
+        for p in params:
+            held = leaves.get(self.state_key(self.slots[p]))
+            if held is not None and held.dtype != p.dtype:
+                return self.stale_state_error(p, held)
+        return None
+
+    def with_state_of(self, groups: Groups, params: Sequence[torch.Tensor], leaves: _tree.FlatState) -> _tree.FlatState:
+        """``leaves`` with the state of ``params`` (which have none) added, in a new dict: as their
+        groups' ``init`` makes it from them now, on their devices and in their dtypes."""
+        by_group: dict[int, list[torch.Tensor]] = {}
+        for p in params:
+            by_group.setdefault(self.slots[p].group, []).append(p)
+        new: _tree.FlatState = {}
+        for i, members in by_group.items():
+            group, label = groups[i], self.slots[members[0]].label
+            made = self._init(group, TensorDict({self.slots[p].key: p.detach() for p in members}, batch_size=[]))
+            new.update({(label, *key): value for key, value in _tree.flatten(made).items()})
+        return self._regrouped(groups, leaves, new=new)
+
+    def drop(self, groups: Groups, params: Sequence[torch.Tensor]) -> None:
+        """Forgets the state of ``params``: each is made anew at its parameter's next step."""
+        self.sync(groups)  # (the entries to drop are those of the groups' settings)
+        dropped: set[Key] = set()
+        for p in params:
+            slot = self.slots[p]
+            dropped.update((slot.label, *field, *slot.key) for field in self.entry_names[slot.group].fields.values())
+        self.stepped(self._regrouped(groups, self.leaves(), dropped=dropped))
+
+    def forget(self, groups: Groups) -> None:
+        """Forgets every parameter's state (each made anew at its next step): the state is each of
+        ``groups``' ``init`` of no parameters, whatever the groups were edited to."""
+        self.stepped(self._regrouped(groups, {}))
+        wanted = [_groups.entries(g) for g in groups]
+        if wanted != self.entry_names:  # (laid out for settings changed since: a transform of the old ones is stale)
+            self.entry_names = wanted
+            self.version += 1
+
+    def _regrouped(
+        self,
+        groups: Groups,
+        leaves: _tree.FlatState,
+        *,
+        new: _tree.FlatState | None = None,
+        dropped: Collection[Key] = (),
+    ) -> _tree.FlatState:
+        """The flat state holding the tensors of ``leaves`` but ``dropped``, and ``new``, each group's
+        after the previous group's; a group left with none is its ``init`` of no parameters."""
+        by_label: dict[str, _tree.FlatState] = {}
+        for key, value in leaves.items():
+            if isinstance(value, torch.Tensor) and key not in dropped:
+                by_label.setdefault(key[0], {})[key] = value
+        for key, value in (new or {}).items():
+            by_label.setdefault(key[0], {})[key] = value
+        out: _tree.FlatState = {}
+        for label, group in zip(_groups.group_labels([g["use_muon"] for g in groups]), groups):
+            held = by_label.get(label)
+            if held:
+                out.update(held)
+            else:
+                out[(label,)] = self._init(group, TensorDict({}, batch_size=[]))
+        return out
+
+    def _init(self, group: Mapping[str, Any], params: TensorDictBase) -> TensorDictBase:
+        """A group's state of ``params``, as its branch's ``init`` makes it."""
+        return self._branch(group, _groups.new_scalars(group)).init(params)
 
     @classmethod
     def unpickled(cls, branch: BranchOf, attributes: dict[str, Any]) -> Layout:
@@ -122,8 +255,9 @@ class Layout:
                 )
 
     def add(self, groups: Groups, new_groups: Groups, new_keys: Mapping[torch.Tensor, Key], branch: NewBranch) -> None:
-        """Lays out the state of ``new_groups``, to follow ``groups``, their parameters keyed by
-        ``new_keys``, each group's state as its ``branch`` initializes it. Nothing changes unless all succeed."""
+        """Lays out ``new_groups``, to follow ``groups``, their parameters keyed by ``new_keys``, each
+        group built by its ``branch``. Their parameters have no state yet; the branch's ``init`` runs
+        on stand-ins on the meta device for its checks. Nothing changes unless all succeed."""
         everything = [*groups, *new_groups]
         slots = _groups.index_slots(everything, {**{p: s.key for p, s in self.slots.items()}, **new_keys})
         labels = _groups.group_labels([g["use_muon"] for g in everything])
@@ -132,7 +266,9 @@ class Layout:
             group = everything[i]
             keys = [slots[p].key for p in group["params"]]
             init = branch(i, group, keys).init
-            state[labels[i]] = init(TensorDict(dict(zip(keys, [p.detach() for p in group["params"]])), batch_size=[]))
+            stand_ins = [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in group["params"]]
+            init(TensorDict(dict(zip(keys, stand_ins)), batch_size=[]))
+            state[labels[i]] = init(TensorDict({}, batch_size=[]))
         self.entry_names = [*self.entry_names, *(_groups.entries(g) for g in new_groups)]
         self.routes = [*self.routes, *(g["use_muon"] for g in new_groups)]
         self.members = [*self.members, *(tuple(g["params"]) for g in new_groups)]
@@ -151,8 +287,8 @@ class Layout:
 
         The entries both layouts keep are carried over (the momentum, the second moment, with
         their step counts), unless their bias correction starts now (``_groups.carried_fields``);
-        the others start as the branch's ``init`` makes them; the dropped ones go. Nothing
-        changes unless all succeed.
+        the others start as the branch's ``init`` makes them (for the parameters that have state);
+        the dropped ones go. Nothing changes unless all succeed.
         """
         self.check_groups(groups)
         for i, group in enumerate(groups):
@@ -166,9 +302,8 @@ class Layout:
         for label, group, names, held in zip(labels, groups, wanted, self.entry_names):
             if names == held:
                 continue
-            keys = [self.slots[p].key for p in group["params"]]
-            params = TensorDict(dict(zip(keys, [p.detach() for p in group["params"]])), batch_size=[])
-            fresh = self._branch(group, _groups.new_scalars(group)).init(params)
+            members = [p for p in group["params"] if self.holds(p)]
+            fresh = self._init(group, TensorDict({self.slots[p].key: p.detach() for p in members}, batch_size=[]))
             for field, held_field in _groups.carried_fields(held, names).items():
                 fresh[field] = state[(label, *held_field)]
             state[label] = fresh
@@ -184,19 +319,19 @@ class Layout:
         return self.entry_names[group_index].fields
 
     def entries(self, groups: Groups, p: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``p``'s current state under torch's names."""
+        """``p``'s current state under torch's names (none while it has no state)."""
         slot = self.slots[p]
+        fields = self.fields(groups, slot.group)
+        if not self.holds(p):
+            return {}
         state = self.state
-        return {
-            name: state.get((slot.label, *field, *slot.key)) for name, field in self.fields(groups, slot.group).items()
-        }
+        return {name: state.get((slot.label, *field, *slot.key)) for name, field in fields.items()}
 
     def initial_entries(self, groups: Groups, p: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``p``'s state as its branch's ``init`` makes it, under torch's names."""
+        """``p``'s state as its branch's ``init`` makes it now, under torch's names."""
         slot = self.slots[p]
-        group = groups[slot.group]
         names = self.fields(groups, slot.group)
-        fresh = self._branch(group, _groups.new_scalars(group)).init(TensorDict({slot.key: p.detach()}, batch_size=[]))
+        fresh = self._init(groups[slot.group], TensorDict({slot.key: p.detach()}, batch_size=[]))
         return {name: fresh.get((*field, *slot.key)) for name, field in names.items()}
 
     def params(self, device: str | torch.device | None = None) -> TensorDict:
@@ -213,25 +348,58 @@ class Layout:
         branches = {label: self._branch(g, s) for label, g, s in zip(labels, groups, scalars)}
         return partition(branches, {slot.key: slot.label for slot in self.slots.values()})
 
-    def structure(self, groups: Groups) -> TensorDictBase:
-        """The functional state's structure: expanded one-element tensors of each leaf's shape, dtype and device."""
-        meta = self.transform(groups, [_groups.new_scalars(g) for g in groups]).init(self.params("meta"))
+    def structure(self, groups: Groups, held: Collection[Key] | None = None) -> TensorDictBase:
+        """The functional state's structure where the parameters keyed ``held`` (all: ``None``) have
+        state: expanded one-element tensors of each leaf's shape, dtype and device."""
+        labels = _groups.group_labels([g["use_muon"] for g in groups])
+        members = [[p for p in g["params"] if held is None or self.slots[p].key in held] for g in groups]
+        meta = TensorDict(
+            {
+                label: self._init(
+                    group,
+                    TensorDict({self.slots[p].key: torch.empty_like(p, device="meta") for p in ps}, batch_size=[]),
+                )
+                for label, group, ps in zip(labels, groups, members)
+            },
+            batch_size=[],
+        )
         structure = meta.empty(recurse=True)
-        for p, slot in self.slots.items():
-            # state leaves are keyed (label, *field, *parameter key)
-            for field in _groups.state_names(groups[slot.group]).values():
-                key = (slot.label, *field, *slot.key)
-                t = meta.get(key)
-                structure.set(key, torch.empty((), dtype=t.dtype, device=p.device).expand(t.shape))
+        for group, ps in zip(groups, members):
+            for p in ps:
+                # state leaves are keyed (label, *field, *parameter key)
+                slot = self.slots[p]
+                for field in _groups.state_names(group).values():
+                    key = (slot.label, *field, *slot.key)
+                    t = meta.get(key)
+                    structure.set(key, torch.empty((), dtype=t.dtype, device=p.device).expand(t.shape))
         return structure
 
     def checked_state(self, groups: Groups, state: TensorDictBase | Mapping[str, Any], where: str) -> TensorDict:
-        """``state`` laid out as expected, on its parameters' devices; else an error naming the first difference."""
+        """``state`` laid out as expected, on its parameters' devices; else an error naming the first difference.
+
+        A parameter has state where ``state`` holds any of its entries, and must then have all of
+        them (those of its group's settings); one with none has no state, made at its next step.
+        """
         if not isinstance(state, TensorDictBase):
             state = TensorDict(dict(state), batch_size=[])
         if state.batch_size != torch.Size([]):
             raise ValueError(f"{where}: batch size {tuple(state.batch_size)}, expected ()")
-        return _tree.laid_out_like(state, self.structure(groups), where)
+        given = set(_tree.leaf_keys(state))
+        fields = [list(_groups.state_names(g).values()) for g in groups]
+        held = set()
+        for slot in self.slots.values():
+            keys = [(slot.label, *field, *slot.key) for field in fields[slot.group]]
+            missing = [key for key in keys if key not in given]
+            if len(missing) == len(keys):
+                continue
+            if missing:
+                raise ValueError(
+                    f"{where}: missing {dotted(missing[0])!r} of parameter {dotted(slot.key)!r}, which has "
+                    f"{[dotted(k) for k in keys if k in given]}: a parameter's state holds every entry of its "
+                    "group, or none (then it is made at the parameter's next step)"
+                )
+            held.add(slot.key)
+        return _tree.laid_out_like(state, self.structure(groups, held), where)
 
 
 def _holds(group: Mapping[str, Any], members: tuple[torch.Tensor, ...]) -> bool:

@@ -167,9 +167,9 @@ def shim_state_dict(
         for index, p, name in zip(saved_params, group["params"], names):
             claimed[route].add(index)
             entry = sd["state"].get(index)
-            if not entry:  # torch makes a parameter's state at its first gradient
-                entry = layout.initial_entries(param_groups, p)
-            elif set(entry) != set(expected):
+            if not entry:  # torch makes a parameter's state at its first gradient, and so does the shim
+                continue
+            if set(entry) != set(expected):
                 amsgrad = " (amsgrad, which muonfn's AdamW does not run)" if "max_exp_avg_sq" in entry else ""
                 raise ValueError(
                     f"{where}: parameter {name!r} has state {sorted(entry)}, expected {sorted(expected)}{amsgrad}"
@@ -271,9 +271,9 @@ def torch_state_dicts(
             torch_group["param_names"] = list(group["param_names"])
         out[route]["param_groups"].append(torch_group)
         for index, p in zip(indices, group["params"]):
-            out[route]["state"][index] = {
-                name: _torch_value(name, t) for name, t in layout.entries(param_groups, p).items()
-            }
+            entries = layout.entries(param_groups, p)
+            if entries:  # (as torch's, a parameter without state has no entry)
+                out[route]["state"][index] = {name: _torch_value(name, t) for name, t in entries.items()}
     return out[True], out[False]
 
 

@@ -129,6 +129,14 @@ class Muon(torch.optim.Optimizer):
     ``step`` count (a trained moment divided by :math:`1 - \beta^t` for a small :math:`t`
     would be several times too large); turned off, it keeps the moment and drops the count.
 
+    As torch.optim's, a parameter's state is made at its first step (the first that has its
+    gradient), from the parameter as it is then: a model built on the meta device and
+    materialised, or cast, after the optimizer was built steps as if the optimizer had been built
+    after, and a parameter that never has a gradient (a frozen one) holds no state. A parameter
+    moved or cast after its state was made is refused by the step, naming the state, both devices
+    or dtypes and the remedies (``opt.load_state_dict(opt.state_dict())`` casts the state to the
+    parameters, ``del opt.state[p]`` or ``opt.state.clear()`` drops it).
+
     torch.optim.Muon's spellings are taken too: ``adjust_lr_fn`` (``None`` or
     ``"original"``: ``scale="original"``; ``"match_rms_adamw"``), ``eps`` (``ns_eps``) and
     one ``ns_coefficients=(a, b, c)`` for every one of ``ns_steps`` steps (5 when not
@@ -140,9 +148,14 @@ class Muon(torch.optim.Optimizer):
         >>> [(g["use_muon"], g["param_names"]) for g in opt.param_groups]
         [(True, ['0.weight', '1.weight']), (False, ['0.bias', '1.bias'])]
         >>> opt = muonfn.optim.Muon(model.named_parameters(), lr=3e-3, variant="normuon")
+        >>> len(opt.state)  # as torch's, a parameter's state is made at its first step
+        0
+        >>> model(torch.randn(3, 4)).square().mean().backward()
+        >>> opt.step()
         >>> sorted(opt.state[model[0].weight])
         ['momentum_buffer', 'row_second_moment']
         >>> opt = muonfn.optim.Muon(model.named_parameters(), lr=3e-3, momentum_bias_correction=True)
+        >>> opt.step()
         >>> sorted(opt.state[model[0].weight])
         ['momentum_buffer', 'step']
     """
@@ -254,7 +267,6 @@ class Muon(torch.optim.Optimizer):
             weight_decay_mask=weight_decay_mask,
             shard_specs=shard_specs,
         )
-        self.state = ParamState(self._layout, self)  # type: ignore[assignment]
         idle = _routing.idle_muon(self.param_groups)
         if idle is not None:
             warn_routing(idle)
@@ -448,6 +460,9 @@ class Muon(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update of every parameter that has a gradient; the others and their state are left alone.
 
+        A parameter's first step makes its state, from the parameter as it is then; a state
+        made before the parameter was moved or cast is refused, naming it (see :class:`Muon`).
+
         ``closure`` (optional) re-evaluates the model and returns the loss; it runs with
         gradients enabled. Inside ``torch.compile`` the step runs eagerly (a graph break),
         so its results are those of an eager step.
@@ -478,17 +493,31 @@ class Muon(torch.optim.Optimizer):
         ``None`` when no parameter has a gradient."""
         rule = as_rule(self._synced_transform())
         slots = self._layout.slots
-        keys, targets, grads = [], [], []
-        for p, slot in slots.items():
+        state = self._layout.leaves()
+        keys, targets, grads, fresh = [], [], [], []
+        for (p, slot), state_key in zip(slots.items(), self._layout.state_keys()):
             if p.grad is not None:
                 keys.append(slot.key)
                 targets.append(p)
                 grads.append(p.grad)
+                held = state.get(state_key)
+                if held is None:  # its first step: its state is made from it as it is now, as torch.optim's
+                    fresh.append(p)
+                elif held.device != p.device:  # moved since (the checks below compare no devices)
+                    raise self._layout.stale_state_error(p, held)
         if not grads:
             return None
-        state = self._layout.leaves()
+        if fresh:
+            state = self._layout.with_state_of(self.param_groups, fresh, state)
         params = {slot.key: p for p, slot in slots.items()}
-        check_rule(rule, dict(zip(keys, grads)), state, params, torch.Size([]))
+        try:
+            check_rule(rule, dict(zip(keys, grads)), state, params, torch.Size([]))
+        except ValueError:
+            # a parameter cast since its state was made fails them by its gradient's dtype: name the state
+            stale = self._layout.stale_dtype(targets, state)
+            if stale is not None:
+                raise stale from None
+            raise
         kinds = [_groups.part_kind(slots[p].group, p) for p in targets]
         parts = _groups.chunks([g.numel() for g in grads], self._chunk_numel, kinds)
         return StepInputs(rule, parts, keys, targets, grads, params), state
@@ -499,9 +528,13 @@ class Muon(torch.optim.Optimizer):
     def functional_state(self) -> TensorDictBase:
         """The state TensorDict ``Transform.update`` takes and returns (see :mod:`muonfn.optim`).
 
+        It holds the state of the parameters that have one (made at a parameter's first step):
+        ``muonfn.muon(...).init`` of those parameters, as the steps since have left it.
         Assigning one (taken from this optimizer, or from ``muonfn.muon(...)``'s ``init``
-        and ``update`` for the same parameters) replaces the state after checking that its
-        keys, shapes, dtypes and devices are those expected; on a mismatch nothing changes.
+        and ``update`` for some or all of its parameters) replaces the state after checking
+        its keys, shapes and dtypes (moved to the parameters' devices). Each parameter's
+        entries must all be there, or none: then it has no state, made at its next step. On a
+        mismatch nothing changes.
         """
         self._layout.sync(self.param_groups)
         return self._layout.state
@@ -512,14 +545,40 @@ class Muon(torch.optim.Optimizer):
         checked = self._layout.checked_state(self.param_groups, state, "functional_state")
         self._layout.load(self.param_groups, checked)  # laid out as it was checked
 
+    @property  # type: ignore[override]
+    def state(self) -> ParamState:
+        """torch's per-parameter state (see :mod:`muonfn.optim`): a parameter's appears at its first step.
+
+        Assigning a mapping takes it as the whole state: an empty one (``opt.state =
+        collections.defaultdict(dict)``, torch's way to reset an optimizer) forgets every
+        parameter's state, made anew at its next step (AdamW's count starts again at 1); each
+        parameter's entries in another are taken as ``opt.state[p] = entries`` takes them (all of
+        them, or ``{}``), the parameters it leaves out have none, and its other keys are kept as
+        torch keeps them. All is checked before anything changes.
+        """
+        state: ParamState = self.__dict__["state"]
+        return state
+
+    @state.setter
+    def state(self, state: Mapping[Any, Any]) -> None:
+        if not isinstance(state, Mapping):
+            raise TypeError(f"opt.state must be a mapping (torch's defaultdict(dict)), got {type(state).__name__}")
+        current = self.__dict__.get("state")
+        if current is None:  # torch.optim.Optimizer.__init__'s own empty defaultdict, before any group
+            self.__dict__["state"] = ParamState(self._layout, self)
+        elif state is not current:
+            current.replace(state)
+
     @torch.compiler.disable
     def state_dict(self) -> dict[str, Any]:
         """The state in torch's format, ``{"state": {index: {name: tensor}}, "param_groups": [...]}``.
 
         It loads with ``torch.load(weights_only=True)``. Parameters are numbered across
-        groups in order; entries of :attr:`state` under other keys (a hook's, say) are kept
-        under those keys, as torch keeps them. An entry under a tensor that is not a
-        parameter cannot be numbered: it is an error, unless empty.
+        groups in order; as in torch's, a parameter without state (not yet stepped) has no
+        entry. Entries of :attr:`state` under other keys (a hook's, say) are kept under those
+        keys, as torch keeps them. An entry under a tensor that is not a parameter cannot be
+        numbered: it is an error, unless empty. So is a state left on the meta device for a
+        parameter that is no longer there: it holds no values.
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
@@ -538,7 +597,9 @@ class Muon(torch.optim.Optimizer):
         As in torch, state tensors are cast to their parameter's dtype and device (the second
         moments of an fp16 parameter to fp32, the dtype this optimizer keeps them in), except
         the integer ``"step"`` counts, which come back exact, and the saved groups are
-        deep-copied. The saved hyperparameters replace the current ones; groups keep their
+        deep-copied. The saved state replaces the whole state: a parameter without an entry
+        (or with ``{}``) has none after, made at its next step. The saved hyperparameters
+        replace the current ones; groups keep their
         parameters and routes, and take the saved ``param_names`` when they have none.
         Entries under keys that are no parameter's index replace those of :attr:`state`
         under keys that are not parameters, as torch's ``load_state_dict`` carries them.
@@ -569,7 +630,8 @@ class Muon(torch.optim.Optimizer):
         This optimizer's Muon groups take the Muon state_dict's groups in order, its AdamW
         groups the AdamW state_dict's: parameter by parameter as torch pairs them (by
         position; checked by shape, and by name where both have names), momentum buffers and
-        Adam moments unchanged, torch's float ``step`` as an exact count. The hyperparameters
+        Adam moments unchanged, torch's float ``step`` as an exact count (a parameter torch
+        keeps no state for, not yet stepped, has none here either). The hyperparameters
         come along under this optimizer's names (``eps`` -> ``ns_eps``, ``adjust_lr_fn`` ->
         ``scale``, ``betas`` -> ``adamw_betas``, ...). ``adamw_state_dict`` may be left out
         when this optimizer has no AdamW parameters. On a mismatch it raises naming the group
@@ -585,7 +647,8 @@ class Muon(torch.optim.Optimizer):
         Load them into ``torch.optim.Muon`` built with this optimizer's Muon groups and
         ``torch.optim.AdamW`` with its AdamW groups, in order (``use_muon`` says which).
         State tensors are copies, bit for bit (the second moments of fp16 parameters in fp32,
-        which torch's ``load_state_dict`` rounds to fp16); ``step`` is torch's float count. Raises naming
+        which torch's ``load_state_dict`` rounds to fp16); ``step`` is torch's float count; a
+        parameter without state (not yet stepped) has no entry, as in torch's. Raises naming
         the group or parameter whose settings torch's optimizers cannot run (a schedule of
         several triples or a norm factor, a scale mode other than ``"original"`` and
         ``"match_rms_adamw"``, ``extra_scale``, views, a weight-decay mask inside a decayed
@@ -598,8 +661,8 @@ class Muon(torch.optim.Optimizer):
 
     @property
     def _param_state(self) -> ParamState:
-        """:attr:`state`, typed as what it is (torch declares a ``defaultdict``)."""
-        return self.state  # type: ignore[return-value]
+        """:attr:`state`."""
+        return self.state
 
     # where the state lives, for a debugger: the layout's own
     @property

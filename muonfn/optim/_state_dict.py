@@ -39,8 +39,10 @@ def packed_state_dict(groups: Sequence[Mapping[str, Any]], layout: Layout, other
     """The state of ``groups``' parameters in torch's format: by index, counted across groups in order.
 
     A parameter's state is a plain dict of its current tensors (so that
-    ``torch.load(weights_only=True)`` reads it back); ``others``, the entries of ``opt.state``
-    under keys that are not parameters, are kept under their own keys, as torch keeps them.
+    ``torch.load(weights_only=True)`` reads it back); a parameter without state has none, as in
+    torch's. ``others``, the entries of ``opt.state`` under keys that are not parameters, are kept
+    under their own keys, as torch keeps them. A state on the meta device of a parameter that is
+    not (stepped there, then materialised) holds no values: it is an error naming the parameter.
     """
     index: dict[torch.Tensor, int] = {}
     param_groups = []
@@ -48,7 +50,17 @@ def packed_state_dict(groups: Sequence[Mapping[str, Any]], layout: Layout, other
         packed = {k: v for k, v in group.items() if k != "params" and not _is_function_setting(k, v)}
         packed["params"] = [index.setdefault(p, len(index)) for p in group["params"]]
         param_groups.append(packed)
-    state: dict[Any, Any] = {i: layout.entries(groups, p) for p, i in index.items()}
+    state: dict[Any, Any] = {}
+    for p, i in index.items():
+        entries = layout.entries(groups, p)
+        if entries:
+            if not p.is_meta and any(t.is_meta for t in entries.values()):
+                raise ValueError(
+                    f"state_dict: the state of parameter {dotted(layout.slots[p].key)!r} is on meta, which holds "
+                    f"no values, and the parameter on {p.device} (stepped on meta, then materialised): drop it "
+                    "with del opt.state[p] (opt.state.clear() for every parameter); the next step makes it anew"
+                )
+            state[i] = entries
     for key, value in others.items():
         if isinstance(key, torch.Tensor):
             if isinstance(value, Mapping) and not value:
@@ -105,7 +117,9 @@ def translate_state_dict(
 
     Checks everything (group sizes and routes, every parameter's entries, the
     hyperparameters; ``check`` checks a group's settings naming it) and raises naming the
-    first mismatch; changes nothing. A saved group's missing settings are ``defaults``'.
+    first mismatch; changes nothing. A saved group's missing settings are ``defaults``'. A
+    parameter the state_dict holds no state for (or ``{}``, as torch saves a parameter looked up
+    in its ``defaultdict``) has none once it is loaded, as in torch.
     """
     saved_groups = state_dict["param_groups"]
     saved_state = state_dict["state"]
@@ -138,9 +152,11 @@ def translate_state_dict(
             slot = layout.slots[p]
             name = f"{dotted(slot.key)!r} (index {index})"
             if index not in saved_state:
-                raise ValueError(f"load_state_dict: the state_dict has no state for parameter {name}")
+                continue  # no state: made at the parameter's next step
             claimed.add(index)
             entry = saved_state[index]
+            if not entry:
+                continue
             if set(entry) != set(expected):
                 raise ValueError(
                     f"load_state_dict: parameter {name} has state {sorted(entry)}, expected {sorted(expected)}"
