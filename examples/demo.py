@@ -29,6 +29,7 @@ import functools
 import hashlib
 import json
 import math
+import os
 import pathlib
 import statistics
 import sysconfig
@@ -464,6 +465,35 @@ def config_from(args: argparse.Namespace) -> Config:
     )
 
 
+def ns_rule_of(device: torch.device) -> dict[str, Any]:
+    """Which precision Muon's Newton–Schulz takes here by default, and why: on a CPU,
+    ``MUONFN_CPU_NS_DTYPE`` when it pins the rule, else the probe that measures whether bf16
+    matmuls run faster than fp32 ones (muonfn takes it once per process)."""
+    if device.type != "cpu":
+        return {"device": device.type, "ns_dtype": str(muonfn.linalg.default_ns_dtype(device, torch.float32))}
+    variable = os.environ.get("MUONFN_CPU_NS_DTYPE", "auto")
+    if variable != "auto":
+        return {"device": "cpu", "variable": variable, "ns_dtype": variable}
+    probe = muonfn.linalg.cpu_bf16_probe()
+    dtype = "bfloat16" if probe.bf16_faster else "float32"
+    return {"device": "cpu", "variable": variable, "ns_dtype": dtype, "probe": probe.as_dict()}
+
+
+def describe_ns_rule(rule: dict[str, Any]) -> str:
+    if "probe" in rule:
+        probe = rule["probe"]
+        why = (
+            f"bf16 products measured at {probe['speedup']:.2f}x fp32's speed "
+            f"(bf16 from {probe['min_speedup']}x; MUONFN_CPU_NS_DTYPE=float32 or bfloat16 pins it)"
+        )
+        if probe["bf16_faster"]:
+            return f"Newton-Schulz: bf16 for matrices of m^2*n >= 2^18, fp32 below; {why}"
+        return f"Newton-Schulz: fp32; {why}"
+    if "variable" in rule:
+        return f"Newton-Schulz: {rule['ns_dtype']}, pinned by MUONFN_CPU_NS_DTYPE"
+    return f"Newton-Schulz: {rule['ns_dtype'].removeprefix('torch.')} on {rule['device']}"
+
+
 def prepare_data(cfg: Config, device: torch.device) -> tuple[tuple[torch.Tensor, torch.Tensor, int], int]:
     """((train ids, validation ids, vocabulary size), the model's parameter count), announced in one line."""
     train_text, val_text = load_corpus(cfg.data, cfg.max_chars)
@@ -505,6 +535,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = torch.device(args.device)
 
     data, n_params = prepare_data(cfg, device)
+    ns_rule = ns_rule_of(device)
+    print(describe_ns_rule(ns_rule))
 
     def training(kind: str, lr: float, steps: int, bar_position: int = 0) -> Training:
         name = f"{kind}-lr{lr:.0e}-{steps}"
@@ -552,6 +584,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "timing": "final runs interleaved round-robin, one step each per round; seconds: each run's own steps",
         "device": str(device),
         "threads": torch.get_num_threads(),
+        "ns_rule": ns_rule,
         "parameters": n_params,
         "sweep": {
             kind: [{"lr": r.lr, "steps": r.steps, "val_loss": _finite(r.final_val)} for r in runs]
