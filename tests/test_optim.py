@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 from _bitwise import assert_bitwise
+from _strategies import assert_td_close_to_iteration, iteration_dtype
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
@@ -964,30 +965,44 @@ def test_compiled_training_step_matches_eager():
     assert int(opt.functional_state["adamw", "step", "0", "bias"]) == 3
 
 
+def initial_params() -> TensorDictBase:
+    """The parameters every ``mlp()`` starts from."""
+    return params_of(mlp())
+
+
 def compiled_graphs(counter) -> int:
     """Graphs with work in them (Dynamo may also hand the backend an empty one for a wrapper frame)."""
     return sum(1 for g in counter.graphs if any(n.op == "call_function" for n in g.graph.nodes))
 
 
-def assert_eager_to_rounding(got: TensorDictBase, eager: TensorDictBase) -> None:
+def assert_eager_to_rounding(got: TensorDictBase, eager: TensorDictBase, initial: TensorDictBase | None = None) -> None:
     """The same leaves, shapes and dtypes, values within a few roundings: the eager step reads
     the shim's host hyperparameters as numbers (``-η`` joins the shape scale in the Newton–Schulz
     call, the decay is one multiply-add), the graph keeps them as tensors (a new value does not
-    recompile) and takes the chain's passes."""
+    recompile) and takes the chain's passes. Where Newton–Schulz iterates in bf16
+    (``MUONFN_CPU_NS_DTYPE=bfloat16``) the two roundings of the iteration feed back into every leaf:
+    then within that iteration's rounding of how far each leaf moved from ``initial`` (parameters;
+    states start from zero)."""
     assert sorted(got.keys(True, True), key=str) == sorted(eager.keys(True, True), key=str)
     for key, want in eager.items(True, True):
         have = got.get(key)
         assert (have.dtype, have.shape) == (want.dtype, want.shape), key
-        torch.testing.assert_close(have, want, rtol=0, atol=1e-6, msg=str(key))
+    iteration = iteration_dtype(*(t.shape for t in eager.values(True, True) if t.ndim >= 2))
+    assert_td_close_to_iteration(got, eager, atol=1e-6, iteration=iteration, initial=initial)
 
 
-@pytest.mark.parametrize("variant", ["muon", "normuon", "adamuon"])
-def test_compiled_step_matches_eager_and_compiles_once(variant):
+@pytest.mark.parametrize(
+    ("variant", "rule"), [("muon", None), ("normuon", None), ("adamuon", None), ("muon", "bfloat16")]
+)
+def test_compiled_step_matches_eager_and_compiles_once(monkeypatch, variant, rule):
     """compile=: the whole step (here in parts) is one graph, reused while a scheduler changes
     lr; aot_eager keeps eager's arithmetic but for the order of the matrices' tail, so the
-    results agree to rounding. A step where a parameter has no gradient is another structure:
-    compiled anew."""
+    results agree to rounding: fp32's, or with the bf16 rule forced the bf16 iteration's. A step
+    where a parameter has no gradient is another structure: compiled anew."""
     from torch._dynamo.testing import CompileCounterWithBackend
+
+    if rule is not None:
+        monkeypatch.setenv("MUONFN_CPU_NS_DTYPE", rule)
 
     from muonfn.optim._groups import chunks
 
@@ -1009,7 +1024,7 @@ def test_compiled_step_matches_eager_and_compiles_once(variant):
     assert compiled_graphs(counter) == 2
     (eager, eager_opt), (model, opt) = runs
     assert len(chunks([p.numel() for p in model.parameters()], settings["chunk_numel"])) > 1  # (the premise)
-    assert_eager_to_rounding(TensorDict.from_module(model), TensorDict.from_module(eager))
+    assert_eager_to_rounding(TensorDict.from_module(model), TensorDict.from_module(eager), initial_params())
     assert_eager_to_rounding(opt.functional_state, eager_opt.functional_state)
 
 
@@ -1025,10 +1040,7 @@ def test_compiled_step_with_inductor_is_eager_to_rounding():
     graphs = counters["stats"]["unique_graphs"]
     shim_steps(model, opt, data)
     assert counters["stats"]["unique_graphs"] == graphs + 1
-    for got, want in zip(
-        TensorDict.from_module(model).values(True, True), TensorDict.from_module(eager).values(True, True)
-    ):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert_eager_to_rounding(TensorDict.from_module(model), TensorDict.from_module(eager), initial_params())
     assert int(opt.functional_state["adamw", "step", "0", "bias"]) == 3
 
 
@@ -1084,7 +1096,7 @@ def test_compiled_structures_do_not_share_recompilations(monkeypatch):
                 assert len(opt._apply_parts.compiled) == 2
             runs.append((model, opt))
     for (eager, eager_opt), (model, opt) in zip(runs[:2], runs[2:]):
-        assert_eager_to_rounding(TensorDict.from_module(model), TensorDict.from_module(eager))
+        assert_eager_to_rounding(TensorDict.from_module(model), TensorDict.from_module(eager), initial_params())
         assert_eager_to_rounding(opt.functional_state, eager_opt.functional_state)
 
 

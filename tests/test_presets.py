@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from _strategies import gaussian, mlp, random_like, rel_err
+from _strategies import assert_close_to_iteration, gaussian, iteration_dtype, mlp, random_like, rel_err
 from tensordict import TensorDict
 from torch.optim import _muon as torch_muon
 
@@ -144,8 +144,11 @@ def test_bf16_newton_schulz_against_torchs(shape: tuple[int, int], device: torch
     assert rel_err(ours, exact) < 0.03 and rel_err(theirs, exact) < 0.03
 
 
-def test_muon_matrix_update_formula() -> None:
-    """−lr·s(A, B)·NS(u) − lr·wd·p with u the Nesterov EMA, for a matrix; AdamW for the rest."""
+@pytest.mark.parametrize("rule", ["float32", "bfloat16"])
+def test_muon_matrix_update_formula(monkeypatch, rule: str) -> None:
+    """−lr·s(A, B)·NS(u) − lr·wd·p with u the Nesterov EMA, for a matrix; AdamW for the rest. With
+    the bf16 rule forced, to the bf16 iteration's rounding."""
+    monkeypatch.setenv("MUONFN_CPU_NS_DTYPE", rule)
     params = TensorDict({"w": gaussian(12, 20, seed=1), "b": gaussian(12, seed=2)}, batch_size=[])
     lr, wd, mu = 0.03, 0.2, 0.9
     tx = muonfn.muon(lr=lr, weight_decay=wd, momentum=mu, extra_scale=1.5)
@@ -155,8 +158,12 @@ def test_muon_matrix_update_formula() -> None:
     updates, state = tx.update(g2, state, params)
     buf = (1 - mu) * (mu * g1["w"] + g2["w"])
     u = (1 - mu) * g2["w"] + mu * buf
-    expected = -lr * (1.5 * 0.2 * math.sqrt(20) * newton_schulz(u) + wd * params["w"])
-    torch.testing.assert_close(updates["w"], expected, rtol=1e-5, atol=1e-7)
+    orthogonalized = -lr * 1.5 * 0.2 * math.sqrt(20) * newton_schulz(u)
+    expected = orthogonalized - lr * wd * params["w"]
+    # the preset's momentum rounds apart from this formula's, and the iteration's dtype carries that on
+    iteration = iteration_dtype((12, 20))
+    assert iteration == getattr(torch, rule)
+    assert_close_to_iteration(updates["w"], expected, iteration, rtol=1e-5, atol=1e-7, produced=orthogonalized)
     assert state["adamw", "step", "b"] == 2
 
 

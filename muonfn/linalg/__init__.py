@@ -6,15 +6,17 @@ the shim, the distributed strategies) builds on this layer.
 
 from ._coefficients import COEFFICIENTS, Coefficients, CoefficientsLike, Triple, ns_schedule
 from ._newton_schulz import (
+    CPU_BF16_MIN_SPEEDUP,
     CPU_BF16_MIN_WORK,
     EPS_MODES,
     NS_METHODS,
+    CpuBf16Probe,
     Decay,
     EpsMode,
     NewtonSchulz,
     NSMethod,
     Reduction,
-    cpu_has_bf16_units,
+    cpu_bf16_probe,
     default_ns_dtype,
     default_restarts,
     gram_newton_schulz,
@@ -38,6 +40,7 @@ from ._views import DEFAULT_VIEW, SCALE_MODES, MatrixView, ScaleFn, ScaleMode, b
 
 __all__ = [
     "COEFFICIENTS",
+    "CPU_BF16_MIN_SPEEDUP",
     "CPU_BF16_MIN_WORK",
     "DEFAULT_BUCKET_NUMEL",
     "DEFAULT_VIEW",
@@ -46,6 +49,7 @@ __all__ = [
     "SCALE_MODES",
     "Coefficients",
     "CoefficientsLike",
+    "CpuBf16Probe",
     "Decay",
     "EpsMode",
     "LocalOrthogonalizer",
@@ -61,7 +65,7 @@ __all__ = [
     "block_scales",
     "check_bucket_numel",
     "check_matrix_fn",
-    "cpu_has_bf16_units",
+    "cpu_bf16_probe",
     "default_ns_dtype",
     "default_restarts",
     "gram_newton_schulz",

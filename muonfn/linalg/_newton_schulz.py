@@ -30,11 +30,13 @@ import functools
 import itertools
 import math
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Protocol, TypeAlias, get_args
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .. import _kernels
 from ._coefficients import Coefficients, CoefficientsLike, ns_schedule
@@ -70,24 +72,93 @@ class Reduction(Protocol):
 CPU_NS_DTYPE_VARIABLE = "MUONFN_CPU_NS_DTYPE"
 CPU_NS_DTYPE_CHOICES = ("auto", "bfloat16", "float32")
 
+#: The least speedup of bf16 over fp32 matmuls, as :func:`cpu_bf16_probe` measures it, at which
+#: the CPU rule iterates in bf16. CPUs fall far on either side of it: one bf16 product ran 2.0–2.2×
+#: faster than fp32 on an AMD EPYC with AVX512-BF16 (a batch of them 4.4×), 0.4–0.6× as fast on an
+#: Intel Xeon with AVX512-BF16 but no AMX, about 0.03× where bf16 is emulated. A gain below 1.3×
+#: would not pay for bf16's rounding and the casts around the iteration, and the margin keeps a busy
+#: machine's timing noise from deciding alone.
+CPU_BF16_MIN_SPEEDUP = 1.3
 
-@torch.compiler.assume_constant_result  # a traced update reads the answer, not the probe
-def cpu_has_bf16_units() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), read once per process.
+# The probe times X Xᵀ, the product each Newton–Schulz step starts with, for one 256×512 matrix:
+# m²n = 2²⁵, well inside the sizes the rule would run in bf16, and under a millisecond in fp32 on
+# one core. It runs on one thread: the ratio is the core's (its bf16 units against its fp32 ones;
+# 2.0× on one thread and on two on the AMD EPYC), and on a busy machine the OpenMP barriers of
+# several threads waiting for cores made products of either dtype 10–60× slower at random. A first
+# round warms up (oneDNN builds its bf16 kernels on first use); of the rounds after it, the fastest
+# product of each dtype counts, since a busy machine only ever adds time. Where bf16 is emulated
+# (each product then takes tens of milliseconds) the probe stops after two rounds: a bf16 product
+# still _PROBE_HOPELESS times slower than fp32's leaves the answer settled.
+_PROBE_SHAPE = (256, 512)
+_PROBE_ROUNDS = 5
+_PROBE_HOPELESS = 4.0
 
-    Without them a bf16 matmul is emulated and runs tens of times slower than an fp32 one;
-    with them about 4× faster.
-    """
-    return _probe_bf16_units()
+
+@dataclass(frozen=True)
+class CpuBf16Probe:
+    """What :func:`cpu_bf16_probe` measured: the fastest of a few products ``X Xᵀ`` of one 256×512
+    matrix in fp32 and in bf16 on one thread, in seconds."""
+
+    fp32_seconds: float
+    bf16_seconds: float
+
+    @property
+    def speedup(self) -> float:
+        """How many times faster the bf16 product ran (below 1: slower)."""
+        return self.fp32_seconds / self.bf16_seconds if self.bf16_seconds > 0 else math.inf
+
+    @property
+    def bf16_faster(self) -> bool:
+        """The CPU rule's answer: bf16 ran at least :data:`CPU_BF16_MIN_SPEEDUP` times faster."""
+        return self.speedup >= CPU_BF16_MIN_SPEEDUP
+
+    def as_dict(self) -> dict[str, float | bool]:
+        """The timings, the speedup, the margin and the decision, for a record (JSON)."""
+        return {
+            "fp32_seconds": self.fp32_seconds,
+            "bf16_seconds": self.bf16_seconds,
+            "speedup": self.speedup,
+            "min_speedup": CPU_BF16_MIN_SPEEDUP,
+            "bf16_faster": self.bf16_faster,
+        }
 
 
 @functools.cache
-def _probe_bf16_units() -> bool:
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+def cpu_bf16_probe() -> CpuBf16Probe:
+    """Times bf16 against fp32 matmuls on this CPU, once per process: a few milliseconds (where
+    bf16 is emulated, up to a few tenths of a second). The instruction set does not tell: with
+    AVX512-BF16 one CPU multiplies bf16 4× faster than fp32 and another half as fast.
+
+    :func:`default_ns_dtype` takes it the first time a matrix large enough for bf16 meets the
+    ``auto`` rule on a CPU, never at import and never when ``MUONFN_CPU_NS_DTYPE`` pins the rule.
+    It times real CPU matmuls on one thread whatever is active (autocast, a device context, a
+    tracing or fake tensor mode), leaves nothing in a trace, draws from its own generator, not
+    torch's, and sets the process's thread count back as it was.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
-        return torch.backends.mkldnn.is_available() and any(getattr(torch.cpu, probe)() for probe in probes)
-    except (AttributeError, RuntimeError):  # a torch without the probes
-        return False
+        with _disable_current_modes(), torch.autocast("cpu", enabled=False), torch.no_grad():
+            x = torch.randn(_PROBE_SHAPE, generator=torch.Generator().manual_seed(0), device="cpu")
+            operands = {torch.float32: x, torch.bfloat16: x.to(torch.bfloat16)}
+            fastest = dict.fromkeys(operands, math.inf)
+            for round_ in range(1 + _PROBE_ROUNDS):
+                for dtype, matrix in operands.items():
+                    start = time.perf_counter()
+                    torch.mm(matrix, matrix.mT)
+                    seconds = time.perf_counter() - start
+                    if round_:
+                        fastest[dtype] = min(fastest[dtype], seconds)
+                if round_ >= 2 and fastest[torch.bfloat16] > _PROBE_HOPELESS * fastest[torch.float32]:
+                    break
+    finally:
+        torch.set_num_threads(threads)
+    return CpuBf16Probe(fp32_seconds=fastest[torch.float32], bf16_seconds=fastest[torch.bfloat16])
+
+
+@torch.compiler.assume_constant_result  # a traced update reads the answer, not the probe
+def _cpu_bf16_is_faster() -> bool:
+    return cpu_bf16_probe().bf16_faster
 
 
 def _cpu_choice() -> str:
@@ -97,10 +168,10 @@ def _cpu_choice() -> str:
     return choice
 
 
-#: On a CPU with bf16 units, the least work (``m²n``, ``m <= n``) of one matrix whose
-#: Newton–Schulz runs in bf16: below it, the fixed cost of the bf16 kernels outweighs their
-#: speed (a batch of 24 matrices of 32×96, ``m²n`` = 98,304, takes as long in bf16 as in
-#: fp32; 48×144, 331,776, half as long; 8×24 matrices 4.7× longer in bf16).
+#: Where the CPU rule picks bf16 (:func:`cpu_bf16_probe` measured it faster), the least work
+#: (``m²n``, ``m <= n``) of one matrix whose Newton–Schulz runs in bf16: below it, the fixed cost of
+#: the bf16 kernels outweighs their speed (a batch of 24 matrices of 32×96, ``m²n`` = 98,304, takes
+#: as long in bf16 as in fp32; 48×144, 331,776, half as long; 8×24 matrices 4.7× longer in bf16).
 CPU_BF16_MIN_WORK = 2**18
 
 
@@ -108,15 +179,16 @@ def default_ns_dtype(device: torch.device, dtype: torch.dtype, shape: Sequence[i
     """The Newton–Schulz dtype when none is given: bf16 where the device multiplies it fastest.
 
     - CUDA: bf16 (tensor cores).
-    - A CPU with bf16 units (AVX512-BF16 or AMX, see :func:`cpu_has_bf16_units`): bf16 for
-      fp32 and narrower inputs whose matrices (``shape``: one matrix's, or ``None`` for any)
-      hold at least :data:`CPU_BF16_MIN_WORK` of work ``m²n`` (``m <= n``); the input's
-      dtype, at least fp32, for smaller ones; fp64 input keeps fp64.
+    - A CPU whose bf16 matmuls ran at least :data:`CPU_BF16_MIN_SPEEDUP` times faster than fp32
+      (measured once per process by :func:`cpu_bf16_probe`): bf16 for fp32 and narrower inputs whose
+      matrices (``shape``: one matrix's, or ``None`` for any) hold at least :data:`CPU_BF16_MIN_WORK`
+      of work ``m²n`` (``m <= n``); the input's dtype, at least fp32, for smaller ones; fp64 input
+      keeps fp64. Smaller matrices never take the probe.
     - Any other CPU, or other device: the input's dtype, at least fp32.
 
     The environment variable ``MUONFN_CPU_NS_DTYPE`` pins the CPU rule for a whole process
-    (and its workers): ``bfloat16`` (every size), ``float32`` (the input's dtype, at least
-    fp32) or ``auto``. ``ns_dtype=`` pins it for one optimizer.
+    (and its workers), without a probe: ``bfloat16`` (every size), ``float32`` (the input's dtype,
+    at least fp32) or ``auto``. ``ns_dtype=`` pins it for one optimizer.
     """
     if device.type == "cuda":
         return torch.bfloat16
@@ -124,7 +196,7 @@ def default_ns_dtype(device: torch.device, dtype: torch.dtype, shape: Sequence[i
     if device.type != "cpu" or dtype == torch.float64:
         return wide
     choice = _cpu_choice()
-    if choice == "bfloat16" or (choice == "auto" and cpu_has_bf16_units() and _enough_work(shape)):
+    if choice == "bfloat16" or (choice == "auto" and _enough_work(shape) and _cpu_bf16_is_faster()):
         return torch.bfloat16
     return wide
 
