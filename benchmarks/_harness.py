@@ -165,6 +165,39 @@ def cpu_bf16_units() -> tuple[bool, str]:
     return bool(found), "torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()"
 
 
+def cpu_ns_rule() -> dict[str, Any]:
+    """muonfn's CPU precision rule in this run: ``MUONFN_CPU_NS_DTYPE`` (``auto`` unset) and, where
+    this checkout decides by measuring (``muonfn.linalg.cpu_bf16_probe``), the probe's fp32 and bf16
+    timings, their ratio and its answer (whether the rule would iterate in bf16), else ``None``."""
+    from muonfn import linalg
+
+    probe = getattr(linalg, "cpu_bf16_probe", None)
+    return {
+        "variable": os.environ.get("MUONFN_CPU_NS_DTYPE", "auto"),
+        "probe": None if probe is None else probe().as_dict(),
+    }
+
+
+def describe_ns_rule(rule: dict[str, Any]) -> str:
+    """One line on what :func:`cpu_ns_rule` found: the dtype muonfn's Newton–Schulz takes on this
+    CPU by default, and why."""
+    probe = rule["probe"]
+    measured = (
+        "this checkout does not measure"
+        if probe is None
+        else f"the probe measured bf16 products at {probe['speedup']:.2f}× fp32's speed "
+        f"({probe['bf16_seconds'] * 1e3:.3f} against {probe['fp32_seconds'] * 1e3:.3f} ms on one thread; "
+        f"bf16 needs {probe['min_speedup']}×)"
+    )
+    if rule["variable"] != "auto":
+        chosen = f"{rule['variable']}, pinned by MUONFN_CPU_NS_DTYPE"
+    elif probe is None:
+        chosen = "by the instruction set"
+    else:
+        chosen = "bf16 for matrices of m²n ≥ 2¹⁸" if probe["bf16_faster"] else "fp32"
+    return f"muonfn's Newton–Schulz on the CPU: {chosen}; {measured}"
+
+
 def cpu_isa_features() -> list[str]:
     """The CPU's bf16-related instruction sets that torch reports."""
     checks = {"avx512_bf16": torch.cpu._is_avx512_bf16_supported, "amx_tile": torch.cpu._is_amx_tile_supported}
@@ -188,6 +221,7 @@ def machine(device: torch.device) -> dict[str, Any]:
         "cpu_bf16_units": bf16_units,
         "cpu_bf16_units_from": bf16_source,
         "cpu_bf16_isa": cpu_isa_features(),
+        "cpu_ns_rule": cpu_ns_rule(),
         "device": str(device),
     }
     if hasattr(os, "getloadavg"):

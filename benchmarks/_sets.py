@@ -92,12 +92,18 @@ class GPT(nn.Module):
 
 
 def gpt(
-    width: int = 256, depth: int = 4, vocab: int = 4096, context: int = 512, device: str = "cpu", name: str = ""
+    width: int = 256,
+    depth: int = 4,
+    vocab: int = 4096,
+    context: int = 512,
+    device: str = "cpu",
+    name: str = "",
+    dtype: torch.dtype = torch.float32,
 ) -> ParamSet:
     """Block matrices (fused QKV as one matrix, as torch.optim.Muon sees it) go to Muon;
-    embeddings, norms and biases to AdamW."""
+    embeddings, norms and biases to AdamW. ``dtype``: the parameters' and gradients' (a bf16 model)."""
     with torch.device(device):  # built where it lives (a 124 M set on the meta device in no time)
-        model = GPT(width, depth, vocab, context)
+        model = GPT(width, depth, vocab, context).to(dtype)
     _fill_grads(model, torch.Generator().manual_seed(0))
     labels = muonfn.label_params(TensorDict.from_module(model))
     return ParamSet(
@@ -113,14 +119,17 @@ GPT2_SIZES: dict[str, dict[str, int]] = {
 }
 
 
-def gpt2(size: str, device: str = "cpu", **sizes: int) -> ParamSet:
+def gpt2(size: str, device: str = "cpu", dtype: torch.dtype = torch.float32, **sizes: int) -> ParamSet:
     """GPT-2 small or medium (``size``: a key of :data:`GPT2_SIZES`), named so in the results
-    whatever its sizes; ``sizes`` shrink it (the smoke profile), and the description says so."""
+    whatever its sizes; ``sizes`` shrink it (the smoke profile), and the description says so, as
+    it says a ``dtype`` other than fp32 (the parameters')."""
     dims = {**GPT2_SIZES[size], **sizes}
-    ps = gpt(**dims, device=device, name=size)
+    ps = gpt(**dims, device=device, name=size, dtype=dtype)
     shrunk = "" if dims == GPT2_SIZES[size] else " (shrunk)"
     title = size.replace("gpt2-", "GPT-2 ")
     ps.description = f"{title}{shrunk}, width {dims['width']}, depth {dims['depth']}, vocab {dims['vocab']}"
+    if dtype != torch.float32:
+        ps.description += f", {str(dtype).removeprefix('torch.')} parameters"
     return ps
 
 

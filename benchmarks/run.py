@@ -23,7 +23,9 @@ Sections (``--sections``, default ``step,ns,elementwise,overhead,fixed``; ``comp
   eager: compile time and step (and heavyball's compiled step where installed).
 
 Every run also times one fp32 and one bf16 matmul and says whether the CPU has bf16 units
-(AVX512-BF16 or AMX): every peer, like torch.optim.Muon, runs Newton–Schulz in bf16.
+(AVX512-BF16 or AMX): every peer, like torch.optim.Muon, runs Newton–Schulz in bf16. It records
+muonfn's own CPU rule too (``machine.cpu_ns_rule``): ``MUONFN_CPU_NS_DTYPE`` and the probe that
+decides whether muonfn iterates in bf16 (its fp32 and bf16 timings and its answer).
 
 Prints tables and writes everything, with the machine description, as JSON
 (``--out``, default ``benchmarks/results/<device>-<date>.json``, e.g. ``cuda-<date>.json``).
@@ -52,6 +54,7 @@ from _harness import (  # noqa: E402
     MB,
     Entry,
     cpu_bf16_units,
+    describe_ns_rule,
     machine,
     matmul_entry,
     matmul_flops,
@@ -786,6 +789,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"one {probe['size']}² matmul on {device.type}: fp32 {probe['fp32_gflops']:.1f} GFLOP/s, "
         f"bf16 {probe['bf16_gflops']:.1f} GFLOP/s ({probe['bf16_over_fp32']:.2g}× fp32)"
     )
+    print(describe_ns_rule(results["machine"]["cpu_ns_rule"]))
     for name in sections:
         results[name] = run[name](args, prof, device)
     results["targets"] = targets(results)

@@ -4,8 +4,9 @@
 counts, from the tensors' shapes, strides and dtypes alone (no values), so that a GPT-2 small
 step runs on the meta device in a second or two and without memory. The contenders are those of
 ``_contenders.py`` on GPT-2 small's parameter shapes (``_sets.gpt2``: Muon on the blocks' 2-D
-weights, AdamW on the embeddings with the tied head, the norms and the biases), each counted on
-its second step (the first builds the torch optimizers' state).
+weights, AdamW on the embeddings with the tied head, the norms and the biases; fp32, or another
+dtype with ``--dtype``, e.g. a bf16 model), each counted on its second step (the first builds the
+torch optimizers' state).
 
 Counting rules
 --------------
@@ -346,13 +347,13 @@ def count_step(step: Callable[[], Any]) -> Summary:
 
 
 def floor_bytes(ps: _sets.ParamSet) -> int:
-    """What the update must touch in fp32: Muon 24 bytes a matrix element (the gradient read,
+    """What the update must touch: in fp32, Muon 24 bytes a matrix element (the gradient read,
     the momentum read and written, the bf16 Newton–Schulz input written and read, the parameter
     read and written), AdamW 28 (the gradient, two moments and the parameter: read, and but for
-    the gradient written)."""
-    muon = sum(p.numel() for _, p in ps.matrix_params())
-    adamw = sum(p.numel() for _, p in ps.other_params())
-    return 24 * muon + 28 * adamw
+    the gradient written); in bf16, 14 and 14 (each of those but the bf16 input in 2 bytes)."""
+    muon = sum(5 * p.element_size() * p.numel() + 4 * p.numel() for _, p in ps.matrix_params())
+    adamw = sum(7 * p.element_size() * p.numel() for _, p in ps.other_params())
+    return muon + adamw
 
 
 # --- contenders -------------------------------------------------------------------------------------
@@ -427,13 +428,14 @@ def main() -> None:
     p.add_argument("--device", default="meta", help="meta (shapes only; the default), cpu or cuda")
     p.add_argument("--set", default="gpt2-small", choices=sorted(_sets.GPT2_SIZES))
     p.add_argument("--ns-dtype", default=None, help="muonfn's ns_dtype (default: bfloat16 on meta, else the device's)")
+    p.add_argument("--dtype", default="float32", help="the parameters' dtype (bfloat16: a bf16 model)")
     p.add_argument("--only", nargs="*", help="count only these contenders")
     p.add_argument("--top", type=int, default=12, help="rows of the donated step's per-op table")
     p.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = p.parse_args()
     ns_dtype = args.ns_dtype or ("bfloat16" if args.device == "meta" else None)
     options = {"ns_dtype": getattr(torch, ns_dtype)} if ns_dtype else {}
-    ps = _sets.gpt2(args.set, device=args.device)
+    ps = _sets.gpt2(args.set, device=args.device, dtype=getattr(torch, args.dtype))
     builders = contenders(ps, options)
     results = {}
     for name, make in builders.items():
@@ -456,6 +458,7 @@ def main() -> None:
             "device": args.device,
             "set": ps.description,
             "params": ps.numel(),
+            "param_dtype": args.dtype,
             "muonfn_ns_dtype": ns_dtype,
             "floor_bytes": floor,
             "contenders": {name: s.record() for name, s in results.items()},

@@ -11,7 +11,10 @@ source files (``--data PATH`` for any text file). Protocol:
    round-robin (one AdamW step, one Muon step, ...) so that a busy neighbour slows both alike;
    each step's own time is recorded, and the table reports the median per optimizer.
 3. Muon's validation curve is compared against AdamW's final validation loss: the first
-   step at which Muon gets there (linear interpolation between evaluations).
+   step at which Muon gets there (linear interpolation between evaluations), and the time that
+   takes: those steps times the run's median step, both medians taken from the interleaved
+   steps, so that a load that changes during the runs weighs on both alike. The wall time to the
+   target (each run's own steps summed up to there) is the second figure.
 
 Outputs under ``--out`` (default ``runs/demo``): ``results.json``, ``loss_curves.png`` and one
 checkpoint per run in ``checkpoints/`` (parameters and the optimizer state TensorDict).
@@ -29,6 +32,7 @@ import functools
 import hashlib
 import json
 import math
+import os
 import pathlib
 import statistics
 import sysconfig
@@ -411,6 +415,43 @@ def steps_to_reach(history: dict[str, list[float]], target: float, axis: str = "
     return None
 
 
+def to_target(runs: dict[str, Run], target: float) -> dict[str, Any]:
+    """Steps and time for the ``adamw`` and ``muon`` runs to reach ``target``, AdamW's final
+    validation loss (by its last step at the latest), and Muon's ratios to AdamW's.
+
+    ``seconds_to_target``: the steps to the target times the run's median step. The two runs'
+    steps are interleaved, so each median is measured under the load both saw, where the sum of a
+    run's steps up to the target also counts whichever load happened to fall on them (on a busy
+    machine 0.84× against 0.39× from the medians: 66 × 98.0 ms against 200 × 82.8 ms); that sum is
+    the second figure, ``wall_seconds_to_target``. ``None`` where a run never gets there."""
+    reachable = math.isfinite(target)
+    steps: dict[str, float | None] = {}
+    seconds: dict[str, float | None] = {}
+    wall: dict[str, float | None] = {}
+    for kind, run in runs.items():
+        reach = steps_to_reach(run.history, target) if reachable else None
+        reach_wall = steps_to_reach(run.history, target, "seconds") if reachable else None
+        if kind == "adamw" and reachable:  # the target is its own final loss
+            reach, reach_wall = reach or float(run.steps), reach_wall or run.seconds
+        median = run.median_step_seconds
+        steps[kind] = reach
+        seconds[kind] = None if reach is None or not math.isfinite(median) else reach * median
+        wall[kind] = reach_wall
+
+    def ratio(table: dict[str, float | None]) -> float | None:
+        muon, adamw = table["muon"], table["adamw"]
+        return None if muon is None or adamw is None else muon / adamw
+
+    return {
+        "steps_to_target": steps,
+        "steps_ratio": ratio(steps),
+        "seconds_to_target": seconds,
+        "seconds_ratio": ratio(seconds),
+        "wall_seconds_to_target": wall,
+        "wall_seconds_ratio": ratio(wall),
+    }
+
+
 def sweep(kind: str, grid: list[float], run_one: Callable[[str, float, int], Run], steps: int) -> list[Run]:
     """Trains ``grid``; while the best rate is at an edge, extends that edge by ×3 (at most twice)."""
     runs = {lr: run_one(kind, lr, steps) for lr in grid}
@@ -464,6 +505,35 @@ def config_from(args: argparse.Namespace) -> Config:
     )
 
 
+def ns_rule_of(device: torch.device) -> dict[str, Any]:
+    """Which precision Muon's Newton–Schulz takes here by default, and why: on a CPU,
+    ``MUONFN_CPU_NS_DTYPE`` when it pins the rule, else the probe that measures whether bf16
+    matmuls run faster than fp32 ones (muonfn takes it once per process)."""
+    if device.type != "cpu":
+        return {"device": device.type, "ns_dtype": str(muonfn.linalg.default_ns_dtype(device, torch.float32))}
+    variable = os.environ.get("MUONFN_CPU_NS_DTYPE", "auto")
+    if variable != "auto":
+        return {"device": "cpu", "variable": variable, "ns_dtype": variable}
+    probe = muonfn.linalg.cpu_bf16_probe()
+    dtype = "bfloat16" if probe.bf16_faster else "float32"
+    return {"device": "cpu", "variable": variable, "ns_dtype": dtype, "probe": probe.as_dict()}
+
+
+def describe_ns_rule(rule: dict[str, Any]) -> str:
+    if "probe" in rule:
+        probe = rule["probe"]
+        why = (
+            f"bf16 products measured at {probe['speedup']:.2f}x fp32's speed "
+            f"(bf16 from {probe['min_speedup']}x; MUONFN_CPU_NS_DTYPE=float32 or bfloat16 pins it)"
+        )
+        if probe["bf16_faster"]:
+            return f"Newton-Schulz: bf16 for matrices of m^2*n >= 2^18, fp32 below; {why}"
+        return f"Newton-Schulz: fp32; {why}"
+    if "variable" in rule:
+        return f"Newton-Schulz: {rule['ns_dtype']}, pinned by MUONFN_CPU_NS_DTYPE"
+    return f"Newton-Schulz: {rule['ns_dtype'].removeprefix('torch.')} on {rule['device']}"
+
+
 def prepare_data(cfg: Config, device: torch.device) -> tuple[tuple[torch.Tensor, torch.Tensor, int], int]:
     """((train ids, validation ids, vocabulary size), the model's parameter count), announced in one line."""
     train_text, val_text = load_corpus(cfg.data, cfg.max_chars)
@@ -505,6 +575,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = torch.device(args.device)
 
     data, n_params = prepare_data(cfg, device)
+    ns_rule = ns_rule_of(device)
+    print(describe_ns_rule(ns_rule))
 
     def training(kind: str, lr: float, steps: int, bar_position: int = 0) -> Training:
         name = f"{kind}-lr{lr:.0e}-{steps}"
@@ -537,21 +609,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"stopped after {args.stop_after} steps; continue with --resume")
         return {}
 
-    adamw, muon = final["adamw"], final["muon"]
+    adamw = final["adamw"]
     target = adamw.final_val
     if not math.isfinite(target):
         print(f"AdamW diverged at lr {adamw.lr:.0e}: no target to compare with; use smaller --adamw-lrs")
-    reachable = math.isfinite(target)
-    muon_steps = steps_to_reach(muon.history, target) if reachable else None
-    adamw_steps = (steps_to_reach(adamw.history, target) or float(adamw.steps)) if reachable else None
-    ratio = None if muon_steps is None or adamw_steps is None else muon_steps / adamw_steps
-    muon_seconds = steps_to_reach(muon.history, target, "seconds") if reachable else None
-    adamw_seconds = (steps_to_reach(adamw.history, target, "seconds") or adamw.seconds) if reachable else None
     results = {
         "config": dataclasses.asdict(cfg),
-        "timing": "final runs interleaved round-robin, one step each per round; seconds: each run's own steps",
+        "timing": (
+            "final runs interleaved round-robin, one step each per round; seconds_to_target: steps to the target "
+            "times the run's median step; wall_seconds_to_target: the run's own steps summed up to the target"
+        ),
         "device": str(device),
         "threads": torch.get_num_threads(),
+        "ns_rule": ns_rule,
         "parameters": n_params,
         "sweep": {
             kind: [{"lr": r.lr, "steps": r.steps, "val_loss": _finite(r.final_val)} for r in runs]
@@ -566,15 +636,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "seconds": r.seconds,
                 "tokens_per_second": r.tokens_per_second,
                 "median_step_seconds": _finite(r.median_step_seconds),
+                "step_seconds": r.step_seconds,
                 "history": {k: [_finite(v) for v in curve] for k, curve in r.history.items()},
             }
             for kind, r in final.items()
         },
         "target_val_loss": _finite(target),
-        "steps_to_target": {"adamw": adamw_steps, "muon": muon_steps},
-        "steps_ratio": ratio,
-        "seconds_to_target": {"adamw": adamw_seconds, "muon": muon_seconds},
-        "seconds_ratio": None if muon_seconds is None or adamw_seconds is None else muon_seconds / adamw_seconds,
+        **to_target(final, target),
     }
     (out / "results.json").write_text(json.dumps(results, indent=2))
     print_table(results)
@@ -616,11 +684,21 @@ def print_table(results: dict[str, Any]) -> None:
         return
     if ratio is None:
         print(f"\nMuon did not reach AdamW's final validation loss {target:.4f}.")
-    else:
-        print(
-            f"\nMuon reached AdamW's final validation loss {target:.4f} in {ratio:.2f}x the steps "
-            f"and {results['seconds_ratio']:.2f}x the training time."
-        )
+        return
+    print(f"\nMuon reached AdamW's final validation loss {target:.4f} in {ratio:.2f}x the steps", end="")
+    seconds, wall = results["seconds_to_target"], results["wall_seconds_to_target"]
+    if results["seconds_ratio"] is None:  # no step times (a checkpoint of an older demo)
+        print(f" and {results['wall_seconds_ratio']:.2f}x the wall time.")
+        return
+    print(
+        f" and {results['seconds_ratio']:.2f}x the training time: {_duration(seconds['muon'])} against "
+        f"{_duration(seconds['adamw'])} (steps to target x median step). Wall time to it: {_duration(wall['muon'])} "
+        f"against {_duration(wall['adamw'])}, {results['wall_seconds_ratio']:.2f}x (the load each run's own steps met)."
+    )
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds >= 1 else f"{seconds * 1e3:.0f} ms"
 
 
 def plot(results: dict[str, Any], path: pathlib.Path) -> None:

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> torch.Tensor:
     # update is -lr·(direction + wd·p), scaling the whole update by lr_i is exactly lr=lr_i.
     lrs = torch.logspace(-3, -1, args.members)
     # ns_dtype: fp32 on every CPU, so that the check at the end holds to fp32 rounding (bf16, the default
-    # for these 64×64 matrices on a CPU with bf16 units, rounds a batch apart from a matrix alone)
+    # for these 64×64 matrices on a CPU whose bf16 matmuls are faster, rounds a batch apart from a matrix alone)
     tx = muonfn.muon(lr=1.0, weight_decay=0.01, labels=muonfn.labels_from_module(skeleton), ns_dtype=torch.float32)
 
     def step(params: TensorDict, state: TensorDict, lr: torch.Tensor, x: torch.Tensor, y: torch.Tensor):

@@ -43,6 +43,7 @@ def make_optimizer(model: nn.Module, lr: float, steps: int) -> muonfn.Transform:
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
+    # one rate for both branches, sized as AdamW's would be: match_rms_adamw gives Muon's update AdamW's RMS
     parser.add_argument("--lr", type=float, default=0.02)
     args = parser.parse_args(argv)
 

@@ -47,6 +47,7 @@ class CharStream(torch.utils.data.Dataset):
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
+    # one rate for both groups, sized as AdamW's would be: the default scale gives Muon's update AdamW's RMS
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--out", help="Trainer output folder (default: a temporary one)")
     args = parser.parse_args(argv)

@@ -37,6 +37,7 @@ def make_model() -> nn.Module:
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=150)
+    # one rate for both groups, sized as AdamW's would be: the default scale gives Muon's update AdamW's RMS
     parser.add_argument("--lr", type=float, default=0.01)
     args = parser.parse_args(argv)
 

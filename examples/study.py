@@ -45,8 +45,6 @@ from typing import Any
 import demo
 import torch
 
-import muonfn.linalg
-
 METHODS = ("adamw", "muon", "normuon", "adamuon")
 #: The grids, a factor 3 apart. Their middles are guesses for the default model and data;
 #: the sweep moves past whichever edge wins.
@@ -530,6 +528,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     grids = {kind: getattr(args, f"{kind}_lrs") for kind in args.methods}
     seeds = [cfg.seed + i for i in range(args.seeds)]
     data, n_params = demo.prepare_data(cfg, device)
+    ns_rule = demo.ns_rule_of(device)
+    print(demo.describe_ns_rule(ns_rule))
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.estimate:
@@ -569,9 +569,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "device": str(device),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        # on a CPU, Muon's Newton–Schulz runs in bf16 where the CPU has bf16 units (unless pinned)
-        "cpu_bf16_units": muonfn.linalg.cpu_has_bf16_units(),
-        "cpu_ns_dtype_rule": os.environ.get("MUONFN_CPU_NS_DTYPE", "auto"),
+        # on a CPU, Muon's Newton–Schulz runs in bf16 where bf16 matmuls measured faster (unless pinned)
+        "ns_rule": ns_rule,
         "parameters": n_params,
         "timing": "final runs of a seed interleaved round-robin; seconds: each run's own steps, evaluations excluded",
         **summarize(swept, finals, seeds, n_params=n_params, train_chars=len(data[0]), cfg=cfg),

@@ -260,6 +260,13 @@ def _(
     return torch.empty((len(matrices), *first.shape), dtype=dtype, device=first.device)
 
 
+def takes_scaled_stack(matrices: Sequence[torch.Tensor], dtype: torch.dtype) -> bool:
+    """Whether :func:`scaled_stack` takes a batch of ``matrices`` into ``dtype``: :func:`takes_kernels`,
+    into the 16-bit dtypes it is written for (it rounds the product to fp32 on the way: a wider
+    dtype would lose the bits the eager product keeps)."""
+    return dtype in (torch.bfloat16, torch.float16) and takes_kernels(matrices)
+
+
 def takes_ema_nesterov(momentum: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], *weights: object) -> bool:
     """Whether :func:`ema_nesterov_` takes these leaves: :func:`takes_kernels`, fp32 and contiguous
     leaves of at most 65535 blocks each, at most 65535 of them, of the same shapes, and the weights

@@ -3,25 +3,39 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
+import math
+from collections.abc import Sequence
 
 import torch
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from muonfn import Coefficients
-from muonfn.linalg import ns_schedule
-from muonfn.testing import Spectral, matrices, orthogonal, orthonormal_columns, scalar_map, with_spectrum
+from muonfn.linalg import default_ns_dtype, ns_schedule
+from muonfn.testing import (
+    TOLERANCES,
+    Spectral,
+    matrices,
+    orthogonal,
+    orthonormal_columns,
+    scalar_map,
+    with_spectrum,
+)
 
 __all__ = [
     "Spectral",
     "assert_batched_as_alone",
+    "assert_close_to_iteration",
     "assert_td_close",
+    "assert_td_close_to_iteration",
     "assert_td_equal",
     "bmm_batch_consistent",
     "composed_polynomial",
     "gaussian",
     "generator",
+    "iteration_dtype",
     "mlp",
     "orthogonal",
     "orthonormal_columns",
@@ -117,6 +131,67 @@ def assert_td_close(a: TensorDict, b: TensorDict, atol: float, rtol: float = 0.0
     assert ka == kb, f"keys differ: {ka ^ kb}"
     for key in ka:
         torch.testing.assert_close(a.get(key), b.get(key), atol=atol, rtol=rtol, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def iteration_dtype(*shapes: Sequence[int]) -> torch.dtype:
+    """The least precise dtype the default Newton–Schulz iterates fp32 CPU matrices of ``shapes``
+    in, under this run's CPU rule: fp32 as the suite pins it, bf16 where ``MUONFN_CPU_NS_DTYPE``
+    forces it (or ``auto`` measured it faster, for large matrices)."""
+    dtypes = [default_ns_dtype(torch.device("cpu"), torch.float32, shape) for shape in shapes]
+    return max(dtypes, key=lambda dtype: torch.finfo(dtype).eps, default=torch.float32)
+
+
+def assert_close_to_iteration(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    iteration: torch.dtype,
+    *,
+    atol: float,
+    rtol: float = 0.0,
+    produced: torch.Tensor | None = None,
+    msg: str = "",
+) -> None:
+    """``actual`` against ``expected``: two results that differ by how a Newton–Schulz iteration in
+    ``iteration`` was rounded (a compiled step against eager, a formula against the preset).
+
+    An fp32 (or wider) iteration: elementwise, to ``atol`` and ``rtol``, fp32's rounding. A 16-bit
+    one: two roundings of the iteration lie up to ``muonfn.testing.TOLERANCES[iteration].symmetry``
+    apart, relative to the Frobenius norm of what the iteration produced (``produced``, default
+    ``expected``), and ``atol``/``rtol`` still cover the fp32 rounding of the rest; the difference is
+    measured in the same norm.
+    """
+    if not expected.is_floating_point() or torch.finfo(iteration).bits >= 32:
+        torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=msg or None)
+        return
+    assert (actual.dtype, actual.shape) == (expected.dtype, expected.shape), msg
+    actual, expected = actual.detach(), expected.detach()
+    produced = expected if produced is None else produced.detach()
+    norm = functools.partial(torch.linalg.vector_norm, dtype=torch.float64)
+    fp32_rounding = atol * math.sqrt(expected.numel()) + rtol * float(norm(expected))
+    bound = TOLERANCES[iteration].symmetry * float(norm(produced)) + fp32_rounding
+    difference = float(norm(actual - expected))
+    assert difference <= bound, f"{msg}: {difference:.3g} apart, beyond a {iteration} iteration's rounding {bound:.3g}"
+
+
+def assert_td_close_to_iteration(
+    a: TensorDict,
+    b: TensorDict,
+    *,
+    atol: float,
+    iteration: torch.dtype | None = None,
+    initial: TensorDict | None = None,
+) -> None:
+    """:func:`assert_close_to_iteration` for every leaf. ``iteration``: the dtype of a run whose
+    Newton–Schulz results feed back into every leaf (steps of a model); ``None``: each matrix's own
+    (:func:`iteration_dtype`), fp32 for the rest (updates of fixed parameters). What the iteration
+    produced is ``b`` less ``initial`` (parameters moved from there), or ``b`` (updates, states)."""
+    ka, kb = set(a.keys(True, True)), set(b.keys(True, True))
+    assert ka == kb, f"keys differ: {ka ^ kb}"
+    for key in ka:
+        want = b.get(key)
+        dtype = iteration if iteration is not None else iteration_dtype(want.shape) if want.ndim >= 2 else torch.float32
+        produced = want if initial is None else want - initial.get(key)
+        assert_close_to_iteration(a.get(key), want, dtype, atol=atol, produced=produced, msg=str(key))
 
 
 def mlp(seed: int = 0, sizes: tuple[int, ...] = (6, 12, 8, 3), bias: bool = True) -> torch.nn.Sequential:

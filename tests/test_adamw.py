@@ -270,6 +270,21 @@ def test_on_a_gpus_path_one_model_of_fp32_leaves_takes_the_kernel_once(preset) -
     assert kernel_calls(opt.step) == 1
 
 
+@pytest.mark.parametrize("preset", [muonfn.adamw, muonfn.muon])
+def test_on_a_gpus_path_a_scheduled_learning_rate_steps_through_the_kernel(preset) -> None:
+    """A schedule's rate is a 0-d tensor on the leaves' device, which CUDA's kernel takes as it is
+    (``tensor_lr``). On the meta device (CUDA's paths, as the traffic counter counts them) the
+    step runs too, through the kernel once, and gives updates of the parameters' shapes there."""
+    params, _ = params_and_grads(1)
+    params = params.apply(lambda t: torch.empty_like(t, device="meta"))
+    tx = preset(lr=lambda count: LR * 0.5**count, weight_decay=WD)
+    state = tx.init(params)
+    assert kernel_calls(lambda: tx.update(params.clone(), state, params)) == 1
+    updates, state = tx.update(params.clone(), state, params)
+    for key, p in params.items():
+        assert updates[key].shape == p.shape and updates[key].dtype == p.dtype and updates[key].is_meta, key
+
+
 @pytest.mark.parametrize("case", ["cpu", "ensemble", "vmap", "bf16", "fp16", "recorded", "transposed"])
 def test_elsewhere_the_rule_runs_its_own_passes(case: str) -> None:
     """The CPU, a stacked or vmapped ensemble (whose members keep one formula), a leaf that is not

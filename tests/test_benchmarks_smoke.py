@@ -54,6 +54,14 @@ def test_benchmark_suite_smoke(tmp_path):
     assert results["machine"]["torch"] and results["machine"]["cpu_count"] >= 1
     assert results["machine"]["device"] == "cpu"
     assert results["profile"] == "smoke"
+    # muonfn's CPU rule, pinned here, with the probe that decides it when it is not
+    rule = results["machine"]["cpu_ns_rule"]
+    assert rule["variable"] == "float32"
+    probe = rule["probe"]
+    assert positive(probe["fp32_seconds"]) and positive(probe["bf16_seconds"])
+    assert probe["speedup"] == pytest.approx(probe["fp32_seconds"] / probe["bf16_seconds"])
+    assert probe["bf16_faster"] == (probe["speedup"] >= probe["min_speedup"])
+    assert "muonfn's Newton–Schulz on the CPU: float32, pinned by MUONFN_CPU_NS_DTYPE" in proc.stdout
 
     step = results["step"]
     assert len(step) == 5  # GPT, conv net, MoE, GPT-2 small and medium (shrunk)

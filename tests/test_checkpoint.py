@@ -166,6 +166,40 @@ def test_memmap_round_trip_is_exact(tmp_path: pathlib.Path):
     assert_bitwise(muonfn.load(tmp_path / "from_memmap.pt"), checkpoint)
 
 
+def _file_contents(directory: pathlib.Path) -> dict[str, bytes]:
+    return {str(f.relative_to(directory)): f.read_bytes() for f in sorted(directory.rglob("*")) if f.is_file()}
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: muonfn.muon(**HP, donate_state=True),
+        lambda: muonfn.adamw(lr=0.01, donate_state=True),
+        lambda: muonfn.apply_if_finite(muonfn.muon(**HP, donate_state=True)),
+    ],
+    ids=["muon", "adamw", "apply_if_finite(muon)"],
+)
+def test_a_donating_update_refuses_a_memory_mapped_state_and_leaves_the_checkpoint(tmp_path: pathlib.Path, make):
+    """A state restored with TensorDict.load_memmap and donated would be stepped in its checkpoint's files."""
+    params = TensorDict.from_module(model()).detach()
+    tx = make()
+    grads = params.apply(lambda p: torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    _, state = tx.update(grads, tx.init(params), params)
+    state.memmap(tmp_path / "mm")
+    saved = _file_contents(tmp_path / "mm")
+    restored = TensorDict.load_memmap(tmp_path / "mm")
+    with pytest.raises(ValueError, match=r"state '[\w.]+' is memory-mapped from .*mm.*state\.to_tensordict\(\)"):
+        tx.update(grads, restored, params)
+    assert _file_contents(tmp_path / "mm") == saved
+    assert_bitwise(restored, state)
+    # the remedy the error names: the state in memory, stepped as the saved one would have been
+    expected_updates, expected = tx.update(grads, state.clone(), params)
+    updates, stepped = tx.update(grads, restored.to_tensordict(), params)
+    assert_bitwise(updates, expected_updates)
+    assert_bitwise(stepped, expected)
+    assert _file_contents(tmp_path / "mm") == saved
+
+
 def test_failed_save_leaves_the_previous_checkpoint(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch):
     path = tmp_path / "ckpt.pt"
     good = trained_state()

@@ -95,10 +95,11 @@ def static_step(
 
 
 def test_default_ns_dtype_follows_the_device_type(monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16 on CUDA whatever the input; on a CPU without bf16 units the input's dtype, at least fp32
-    (a pure function; the rule for CPUs with them: tests/test_newton_schulz.py)."""
+    """bf16 on CUDA whatever the input; on a CPU whose bf16 matmuls are not faster the input's dtype,
+    at least fp32 (a pure function; the rule for CPUs where they are: tests/test_newton_schulz.py)."""
     monkeypatch.setenv(CPU_NS_DTYPE_VARIABLE, "auto")
-    monkeypatch.setattr(_newton_schulz, "cpu_has_bf16_units", lambda: False)
+    slower = _newton_schulz.CpuBf16Probe(fp32_seconds=1.0, bf16_seconds=2.0)
+    monkeypatch.setattr(_newton_schulz, "cpu_bf16_probe", lambda: slower)
     for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
         assert default_ns_dtype(CUDA, dtype) == torch.bfloat16
         assert default_ns_dtype(torch.device("cuda", 0), dtype) == torch.bfloat16

@@ -225,3 +225,41 @@ def test_performance_cpu_table_quotes_the_recorded_runs():
             quoted(b[key]["median_ms"] if key in b else None, 1),
         ]
         assert table[row] == recorded, row
+
+
+def fused_adamw_calls(step) -> int:  # type: ignore[no-untyped-def]
+    """How many times ``step()`` calls ``torch._fused_adamw_`` (seen below the dispatcher)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls = []
+
+    class Calls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func.overloadpacket is torch.ops.aten._fused_adamw_:
+                calls.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Calls():
+        step()
+    return len(calls)
+
+
+def test_the_functional_pages_promises_of_bits_say_where_cuda_differs():
+    """The functional page promises an ensemble member its own update's bits, and a compiled
+    (``aot_eager``) update eager's. On a CUDA GPU one model's eager step sends its fp32 AdamW
+    leaves through torch's fused AdamW kernel, which a vmapped ensemble does not take (counted
+    here on meta, which takes CUDA's paths), nor a compiled step: the paragraph of each promise
+    says where the two part."""
+    from tensordict import TensorDict
+
+    params = TensorDict({"bias": torch.empty(8, device="meta"), "norm": torch.empty(16, device="meta")}, [])
+    tx = muonfn.adamw(1e-3, weight_decay=0.1)
+    assert fused_adamw_calls(lambda: tx.update(params, tx.init(params), params)) == 1
+    members = torch.stack([params, params])
+    state = torch.vmap(tx.init)(members)
+    assert fused_adamw_calls(lambda: torch.vmap(tx.update)(members, state, members)) == 0
+    paragraphs = [" ".join(p.split()) for p in (DOCS / "functional-api.md").read_text().split("\n\n")]
+    for promise in ("bit for bit its own update", "gives eager's bits"):
+        at = next(i for i, p in enumerate(paragraphs) if promise in p)
+        said = " ".join(paragraphs[at : at + 2])  # (the promise and the paragraph after it)
+        assert "CUDA GPU" in said and "fused AdamW kernel" in said, promise

@@ -256,6 +256,61 @@ def test_bad_gradients_name_the_key(case: str, optimizer: str) -> None:
     assert (state == before).all()
 
 
+# transforms keeping state shaped like each leaf: momenta, moments, row statistics, a guard's copies
+STATEFUL: dict[str, Callable[..., muonfn.Transform]] = {
+    "muon": muonfn.muon,
+    "adamw": muonfn.adamw,
+    "normuon": muonfn.normuon,
+    "adamuon": muonfn.adamuon,
+    "apply_if_finite(muon)": lambda **options: muonfn.apply_if_finite(muonfn.muon(**options)),
+}
+
+
+@pytest.mark.parametrize("donate_state", [False, True])
+@pytest.mark.parametrize("name", sorted(STATEFUL))
+@pytest.mark.parametrize("moved", ["state", "params and grads", "one gradient", "one gradient, no params"])
+def test_a_state_or_gradient_on_another_device_is_refused_naming_the_leaf_and_both_devices(
+    moved: str, name: str, donate_state: bool
+) -> None:
+    """A state made by init from params on the meta device (deferred init), params materialized on the
+    CPU afterwards, would be stepped on meta and its updates add nothing in place; the other way round
+    torch's own error named no leaf. Refused before the state changes."""
+    p = params()
+    options: dict[str, object] = {"donate_state": donate_state}
+    if moved == "one gradient, no params":
+        options["weight_decay"] = 0.0  # no decay: the update takes no params
+    tx = STATEFUL[name](**options)
+    state = tx.init(p.to("meta") if moved == "state" else p)
+    grads = p.apply(torch.ones_like)
+    if moved == "params and grads":
+        p, grads = p.to("meta"), grads.to("meta")
+    elif moved != "state":
+        grads["0", "weight"] = torch.ones(4, 3, device="meta")
+    given = None if moved == "one gradient, no params" else p
+    before = state.clone()
+    if moved == "state":
+        match = r"gradient '0\.weight' is on cpu, its state '[\w.]*\.0\.weight' on meta; make the state from the params"
+    elif moved == "one gradient":
+        match = r"gradient '0\.weight' is on meta, its parameter on cpu"
+    else:
+        match = r"gradient '0\.weight' is on meta, its state '[\w.]*\.0\.weight' on cpu"
+    with pytest.raises(ValueError, match=match):
+        tx.update(grads, state, given)
+    if moved != "state":  # (a meta state holds no values to compare)
+        assert_td_equal(state, before)
+
+
+def test_apply_updates_in_place_refuses_an_update_on_another_device_before_writing() -> None:
+    """A meta update added in place to CPU parameters changed nothing, without an error."""
+    p = params()
+    kept = p.clone()
+    updates = p.apply(torch.ones_like).set(("1", "weight"), torch.ones(2, 4, device="meta"))
+    for apply in (muonfn.apply_updates_, muonfn.apply_updates):
+        with pytest.raises(ValueError, match=rf"{apply.__name__}: update '1\.weight' is on meta, the parameter on cpu"):
+            apply(p, updates)
+    assert_td_equal(p, kept)
+
+
 def ensemble() -> TensorDict:
     """Two members stacked, as TensorDict.from_modules makes them: batch size [2]."""
     return torch.stack([params(), params().apply(lambda t: t * 2)])
@@ -697,7 +752,7 @@ def test_a_callable_mask_returning_no_flags_is_refused_before_a_step(taker: str)
         tx.init(params())
 
 
-@pytest.mark.parametrize("value", [["0.bias"], "0.bias", 1.0])
+@pytest.mark.parametrize("value", [["0.bias"], 1.0])  # a string is a mask's name: tests/test_routing.py
 def test_a_mask_that_is_no_mapping_or_callable_is_refused(value: object) -> None:
     for taker in ("muon", "adamw", "Muon(...)"):
         with pytest.raises(TypeError, match=rf"{re.escape(taker)}: weight_decay_mask must be a mapping of names to"):

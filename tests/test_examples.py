@@ -11,6 +11,7 @@ import json
 import os
 import pathlib
 import socket
+import statistics
 import subprocess
 import sys
 
@@ -51,10 +52,58 @@ def test_demo_quick_writes_results_plot_and_checkpoints(tmp_path):
         assert final["tokens_per_second"] > 0
         assert 0 < final["median_step_seconds"] <= final["seconds"]
     assert results["target_val_loss"] == results["final"]["adamw"]["val_loss"]
+    assert_time_to_target_from_the_recorded_steps(results)
+    assert "Newton-Schulz: float32, pinned by MUONFN_CPU_NS_DTYPE" in out  # the suite's rule, in the header
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["adamw-lr1e-02-12.pt", "muon-lr3e-02-12.pt"]
+
+
+def assert_time_to_target_from_the_recorded_steps(results: dict) -> None:
+    """The time to the target is the steps to it times the run's median step, both from the step
+    times results.json records; the wall time to it (the history's seconds) is the second figure."""
+    demo = load_example("demo")
+    target = results["target_val_loss"]
+    for kind in ("adamw", "muon"):
+        final = results["final"][kind]
+        assert len(final["step_seconds"]) == final["steps"]
+        median = statistics.median(final["step_seconds"])
+        assert final["median_step_seconds"] == median
+        steps = results["steps_to_target"][kind]
+        wall = demo.steps_to_reach(final["history"], target, "seconds")
+        if kind == "adamw":  # its own final loss: reached at its last step at the latest
+            steps = steps or float(final["steps"])
+            wall = wall or final["seconds"]
+        assert results["seconds_to_target"][kind] == (None if steps is None else pytest.approx(steps * median))
+        assert results["wall_seconds_to_target"][kind] == (None if wall is None else pytest.approx(wall))
+    for table in ("seconds", "wall_seconds"):
+        muon, adamw = results[f"{table}_to_target"]["muon"], results[f"{table}_to_target"]["adamw"]
+        assert results[f"{table}_ratio"] == (None if muon is None else pytest.approx(muon / adamw))
+
+
+def test_demo_time_to_target_is_steps_times_the_interleaved_median():
+    """A busy machine's slow patch fell on Muon's steps more than on AdamW's: the wall times to the
+    target came out 0.84× apart, the steps times the medians (66 × 98.0 ms against 200 × 82.8 ms)
+    0.39×."""
+    demo = load_example("demo")
+
+    def run(kind: str, median_ms: float, steps: list[int], seconds: list[float], losses: list[float]):
+        step_seconds = [median_ms / 1e3 - 0.001, median_ms / 1e3, median_ms / 1e3 + 0.5]  # one step slowed down
+        history = {"step": steps, "seconds": seconds, "train_loss": losses, "val_loss": losses}
+        return demo.Run(kind, kind, 0.01, 200, 100, history, seconds=seconds[-1], step_seconds=step_seconds)
+
+    adamw = run("adamw", 82.8, [0, 100, 200], [0.0, 8.28, 16.56], [4.0, 3.0, 2.0])
+    muon = run("muon", 98.0, [0, 66, 200], [0.0, 13.9, 42.0], [4.0, 2.0, 1.0])  # at AdamW's 2.0 by step 66
+    figures = demo.to_target({"adamw": adamw, "muon": muon}, target=2.0)
+    assert figures["steps_to_target"] == {"adamw": 200, "muon": 66}
+    assert figures["seconds_to_target"] == {"adamw": pytest.approx(200 * 0.0828), "muon": pytest.approx(66 * 0.098)}
+    assert figures["seconds_ratio"] == pytest.approx(0.39, abs=0.005)
+    assert figures["wall_seconds_to_target"] == {"adamw": 16.56, "muon": 13.9}
+    assert figures["wall_seconds_ratio"] == pytest.approx(0.84, abs=0.005)
+    never = demo.to_target({"adamw": adamw, "muon": muon}, target=0.5)
+    assert never["seconds_to_target"] == {"adamw": pytest.approx(200 * 0.0828), "muon": None}
+    assert never["seconds_ratio"] is None and never["wall_seconds_ratio"] is None
 
 
 @pytest.fixture

@@ -143,6 +143,27 @@ def test_newton_schulz_batches_are_the_same_bits_with_the_kernel(monkeypatch, ke
         assert torch.equal(a, b) and a.shape == m.shape and a.is_contiguous()
 
 
+@pytest.mark.parametrize("method", ["standard", "gram"])
+def test_an_fp64_iteration_of_fp32_matrices_keeps_the_eager_bits(monkeypatch, kernels, method) -> None:
+    """The batch's kernel is written for 16-bit batches: it rounds each product to fp32 on the
+    way. An fp64 iteration of fp32 matrices (the GPU's paths) does not take it, and each result
+    is the eager ops' bits, which keep the fp64 product."""
+    if kernels.type == "cpu":
+        monkeypatch.setattr(_newton_schulz, "cpu_passes", lambda t: False)
+    matrices = mixed_matrices(kernels)
+    views = [MatrixView()] * len(matrices)
+    ns = muonfn.NewtonSchulz("polar_express", dtype=torch.float64, method=method)
+    scale = muonfn.linalg.shape_scale("match_rms_adamw")
+    counter = traffic.TrafficCounter()
+    with counter:
+        fused = orthogonalize_blocks(matrices, views, ns, scale)
+    assert not any(op.name == "scaled_stack" for op in counter.ops)
+    monkeypatch.setenv(_kernels.TRITON_VARIABLE, "0")
+    eager = orthogonalize_blocks(matrices, views, ns, scale)
+    for a, b, m in zip(fused, eager, matrices):
+        assert torch.equal(a, b) and a.dtype == m.dtype == torch.float32
+
+
 def test_a_muon_step_is_the_same_bits_with_the_kernels(monkeypatch, kernels) -> None:
     """``muon``'s update and state, functional and through the shim, are the same bits with the
     kernels on and off (the GPU's paths, bf16 Newton–Schulz). On a CPU the kernels with a fused

@@ -544,3 +544,30 @@ def test_shim_takes_torch_optim_muon_spellings():
     ]:
         with pytest.raises(ValueError, match=match):
             muonfn.optim.Muon(net.named_parameters(), **kwargs)
+
+
+def test_a_partly_stepped_run_migrates_the_stepped_parameters_state_only(monkeypatch: pytest.MonkeyPatch):
+    """torch's optimizers keep state for the parameters that stepped, and so does the shim: a
+    parameter that never had a gradient has no entry in ``torch_state_dicts()``, as in torch's
+    own state_dicts after the same steps, and none in the shim loaded from them."""
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", fp32_newton_schulz)
+    settings = {"lr": 0.02, "momentum": 0.9, "weight_decay": 0.1, "scale": "original", "ns_dtype": torch.float32}
+    model, theirs_model = small_net(), small_net()
+    shim = muonfn.optim.Muon(
+        model.named_parameters(), **settings, adamw_lr=3e-3, adamw_weight_decay=0.01, labels=by_ndim(model)
+    )
+    muon, adamw = torch_pair(theirs_model, lr=0.02, weight_decay=0.1, momentum=0.9, adjust_lr_fn="original")
+    unused = {"3.weight", "3.bias"}  # never a gradient
+    for g in fixed_grads(model, 2):
+        for net, opts in ((model, (shim,)), (theirs_model, (muon, adamw))):
+            for name, p in net.named_parameters():
+                p.grad = None if name in unused else g[name].clone()
+            for opt in opts:
+                opt.step()
+    muon_sd, adamw_sd = shim.torch_state_dicts()
+    assert muon_sd["state"].keys() == muon.state_dict()["state"].keys() == {0, 2}
+    assert adamw_sd["state"].keys() == adamw.state_dict()["state"].keys() == {0, 1, 2, 4}
+    resumed = muonfn.optim.Muon(model.named_parameters(), lr=1.0, labels=by_ndim(model))
+    resumed.load_torch_state_dicts(muon.state_dict(), adamw.state_dict())
+    assert {name for name, p in model.named_parameters() if p not in resumed.state} == unused
+    assert_same_state(resumed, model, muon, adamw, theirs_model)

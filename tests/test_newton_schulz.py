@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
 import pytest
 import torch
 from _strategies import (
@@ -18,15 +26,18 @@ from _strategies import (
 )
 from hypothesis import assume, given
 from hypothesis import strategies as st
+from tensordict import TensorDict
 
 import muonfn
 from muonfn import COEFFICIENTS, Coefficients, gram_newton_schulz, newton_schulz, polar
-from muonfn.linalg import _newton_schulz, cpu_has_bf16_units, default_ns_dtype
+from muonfn.linalg import CPU_BF16_MIN_SPEEDUP, CpuBf16Probe, _newton_schulz, default_ns_dtype
 from muonfn.linalg._newton_schulz import CPU_NS_DTYPE_VARIABLE
 
 # the default Newton–Schulz dtype is the input's (at least fp32), whatever rule the run forces;
 # the tests of the rule set their own
 pytestmark = pytest.mark.usefixtures("fp32_newton_schulz")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 SETS = sorted(COEFFICIENTS)
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
@@ -338,14 +349,27 @@ def test_below_eps_the_map_is_linear_and_continuous() -> None:
     assert small.abs().max() < 1e-2
 
 
-@pytest.mark.parametrize("bf16_units", [False, True])
-def test_default_ns_dtype_on_cpu_follows_the_bf16_units(monkeypatch, bf16_units: bool) -> None:
-    """``auto``: bf16 on a CPU with bf16 units for matrices of at least ``CPU_BF16_MIN_WORK``
-    (``m²n``), else fp32; fp64 inputs keep fp64 on either."""
+#: What the probe measured on the two CPUs with AVX512-BF16 (1 ms of fp32 products): bf16 2.2× faster
+#: on an AMD EPYC, 0.55× as fast on an Intel Xeon without AMX
+FAST_BF16 = CpuBf16Probe(fp32_seconds=1e-3, bf16_seconds=1e-3 / 2.2)
+SLOW_BF16 = CpuBf16Probe(fp32_seconds=1e-3, bf16_seconds=1e-3 / 0.55)
+
+
+def measured(monkeypatch, probe: CpuBf16Probe) -> list[None]:
+    """Makes the CPU rule read ``probe``; the list grows by one for each time the rule asks."""
+    calls: list[None] = []
+    monkeypatch.setattr(_newton_schulz, "cpu_bf16_probe", lambda: calls.append(None) or probe)
+    return calls
+
+
+@pytest.mark.parametrize("probe", [FAST_BF16, SLOW_BF16], ids=["bf16-faster", "bf16-slower"])
+def test_default_ns_dtype_on_cpu_follows_the_measured_speed(monkeypatch, probe: CpuBf16Probe) -> None:
+    """``auto``: bf16 on a CPU whose bf16 matmuls were measured faster, for matrices of at least
+    ``CPU_BF16_MIN_WORK`` (``m²n``), else fp32; fp64 inputs keep fp64 on either."""
     monkeypatch.setenv(CPU_NS_DTYPE_VARIABLE, "auto")
-    monkeypatch.setattr(_newton_schulz, "cpu_has_bf16_units", lambda: bf16_units)
+    measured(monkeypatch, probe)
     x = gaussian(64, 96, seed=5, dtype=torch.float32)  # m²n = 393,216
-    expected = torch.bfloat16 if bf16_units else torch.float32
+    expected = torch.bfloat16 if probe is FAST_BF16 else torch.float32
     for matrices in (x, x.mT, x.expand(3, 64, 96)):
         assert torch.equal(ns(matrices), ns(matrices, dtype=expected))
     assert not torch.equal(ns(x, dtype=torch.float32), ns(x, dtype=torch.bfloat16))
@@ -356,12 +380,40 @@ def test_default_ns_dtype_on_cpu_follows_the_bf16_units(monkeypatch, bf16_units:
     assert torch.equal(ns(y), ns(y, dtype=torch.float64))
 
 
+def test_a_cpu_with_bf16_instructions_but_slower_bf16_matmuls_keeps_fp32(monkeypatch) -> None:
+    """The instruction set does not decide: an Intel Xeon with AVX512-BF16 and no AMX multiplies
+    bf16 at about half fp32's speed, so the default step stays in fp32 there."""
+    monkeypatch.setenv(CPU_NS_DTYPE_VARIABLE, "auto")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    measured(monkeypatch, SLOW_BF16)
+    cpu = torch.device("cpu")
+    assert default_ns_dtype(cpu, torch.float32, (768, 3072)) == torch.float32
+    x = gaussian(64, 96, seed=5, dtype=torch.float32)
+    assert torch.equal(ns(x), ns(x, dtype=torch.float32))
+    params = TensorDict({"w": x}, batch_size=[])
+    tx, pinned = muonfn.muon(lr=0.02), muonfn.muon(lr=0.02, ns_dtype=torch.float32)
+    updates, _ = tx.update(params, tx.init(params), params)
+    assert torch.equal(updates["w"], pinned.update(params, pinned.init(params), params)[0]["w"])
+
+
+def test_the_speed_margin_decides() -> None:
+    """bf16 counts as faster from ``CPU_BF16_MIN_SPEEDUP`` times fp32's speed on (1.3)."""
+    assert CPU_BF16_MIN_SPEEDUP == 1.3
+    assert FAST_BF16.bf16_faster and not SLOW_BF16.bf16_faster
+    assert CpuBf16Probe(fp32_seconds=1.3, bf16_seconds=1.0).bf16_faster
+    assert not CpuBf16Probe(fp32_seconds=1.2, bf16_seconds=1.0).bf16_faster  # faster, but not clearly
+    record = SLOW_BF16.as_dict()
+    assert record == {**record, "fp32_seconds": 1e-3, "min_speedup": 1.3, "bf16_faster": False}
+    assert record["speedup"] == pytest.approx(0.55)
+
+
 @pytest.mark.parametrize(("shape", "bf16"), [((8, 24), False), ((24, 8), False), ((64, 64), True), ((48, 144), True)])
 def test_the_cpu_rule_reads_one_matrix_work(monkeypatch, shape: tuple[int, int], bf16: bool) -> None:
     monkeypatch.setenv(CPU_NS_DTYPE_VARIABLE, "auto")
-    monkeypatch.setattr(_newton_schulz, "cpu_has_bf16_units", lambda: True)
+    calls = measured(monkeypatch, FAST_BF16)
     cpu = torch.device("cpu")
     assert (default_ns_dtype(cpu, torch.float32, shape) == torch.bfloat16) == bf16
+    assert len(calls) == bf16  # small matrices never ask the probe
     assert default_ns_dtype(cpu, torch.float32, (100, *shape)) == default_ns_dtype(cpu, torch.float32, shape)
     assert default_ns_dtype(cpu, torch.float32) == torch.bfloat16  # no shape: any size
     monkeypatch.setenv(CPU_NS_DTYPE_VARIABLE, "bfloat16")
@@ -369,31 +421,101 @@ def test_the_cpu_rule_reads_one_matrix_work(monkeypatch, shape: tuple[int, int],
 
 
 @pytest.mark.parametrize(("choice", "expected"), [("bfloat16", torch.bfloat16), ("float32", torch.float32)])
-def test_the_environment_pins_the_cpu_ns_dtype(monkeypatch, choice: str, expected: torch.dtype) -> None:
-    for units in (False, True):
-        monkeypatch.setattr(_newton_schulz, "cpu_has_bf16_units", lambda units=units: units)
+def test_the_environment_pins_the_cpu_ns_dtype_without_a_probe(monkeypatch, choice: str, expected: torch.dtype) -> None:
+    for probe in (FAST_BF16, SLOW_BF16):
+        calls = measured(monkeypatch, probe)
         monkeypatch.setenv(CPU_NS_DTYPE_VARIABLE, choice)
-        assert default_ns_dtype(torch.device("cpu"), torch.float32) == expected
+        assert default_ns_dtype(torch.device("cpu"), torch.float32, (768, 3072)) == expected
         assert default_ns_dtype(torch.device("cpu"), torch.bfloat16) == expected
+        assert calls == []
     monkeypatch.setenv(CPU_NS_DTYPE_VARIABLE, "fp8")
     with pytest.raises(ValueError, match="MUONFN_CPU_NS_DTYPE='fp8'; choose one of"):
         default_ns_dtype(torch.device("cpu"), torch.float32)
 
 
-def test_the_bf16_probe_is_a_boolean_read_once() -> None:
-    assert isinstance(cpu_has_bf16_units(), bool)
-    assert _newton_schulz._probe_bf16_units.cache_info().currsize == 1
+def test_the_probe_runs_once_per_process_when_the_rule_first_needs_it() -> None:
+    """Not at import, not for small matrices, not while the environment pins the rule; then once,
+    however many steps follow, and the default dtype is its answer (whichever way it goes)."""
+    code = """
+import json, os
+import torch
+import muonfn
+from muonfn.linalg import cpu_bf16_probe
+calls = [cpu_bf16_probe.cache_info().misses]
+os.environ["MUONFN_CPU_NS_DTYPE"] = "float32"
+big = torch.randn(64, 96)
+muonfn.newton_schulz(big)
+os.environ["MUONFN_CPU_NS_DTYPE"] = "auto"
+muonfn.newton_schulz(torch.randn(32, 96))
+calls.append(cpu_bf16_probe.cache_info().misses)
+model = torch.nn.Sequential(torch.nn.Linear(96, 64), torch.nn.Linear(64, 96))
+opt = muonfn.optim.Muon(model.named_parameters(), lr=1e-3, adamw_lr=1e-3)
+for _ in range(3):
+    model(torch.randn(4, 96)).square().mean().backward()
+    opt.step()
+    muonfn.newton_schulz(big)
+info = cpu_bf16_probe.cache_info()
+probe = cpu_bf16_probe()
+answer = torch.bfloat16 if probe.bf16_faster else torch.float32
+same = torch.equal(muonfn.newton_schulz(big), muonfn.newton_schulz(big, dtype=answer))
+print(json.dumps({"calls": [*calls, info.misses], "hits": info.hits, "probe": probe.as_dict(), "same": same}))
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = [sys.executable, "-c", code]
+    done = subprocess.run(run, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["calls"] == [0, 0, 1]
+    assert out["hits"] >= 3 and out["same"]
+    probe = out["probe"]
+    assert isinstance(probe["bf16_faster"], bool)
+    assert probe["fp32_seconds"] > 0 and probe["bf16_seconds"] > 0
+    assert probe["bf16_faster"] == (probe["fp32_seconds"] >= CPU_BF16_MIN_SPEEDUP * probe["bf16_seconds"])
+
+
+def test_the_probe_times_real_cpu_matmuls_whatever_is_active() -> None:
+    """Under autocast, a meta device context and a dispatch mode (a tracer, an op counter) the probe
+    still multiplies real fp32 and bf16 CPU matrices, leaves nothing for the mode to see, draws no
+    numbers from torch's generator and leaves the thread count as it was."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[object] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    rng, threads = torch.get_rng_state(), torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.device("meta"), Ops() as ops:
+            probe = _newton_schulz.cpu_bf16_probe.__wrapped__()  # a fresh measurement, the cache left alone
+        assert torch.get_num_threads() == 2  # it times one thread, then gives the process its own back
+    finally:
+        torch.set_num_threads(threads)
+    assert ops.seen == []
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert 0 < probe.fp32_seconds < math.inf and 0 < probe.bf16_seconds < math.inf
 
 
 @pytest.mark.parametrize("choice", ["auto", "bfloat16"])
-def test_the_default_dtype_compiles_without_a_graph_break(monkeypatch, choice: str) -> None:
-    """The probe and the environment are read while tracing: a full graph, the eager bits."""
+@pytest.mark.parametrize("shape", [(8, 12), (64, 96)], ids=["small", "probed"])
+def test_the_default_dtype_compiles_without_a_graph_break(monkeypatch, choice: str, shape: tuple[int, int]) -> None:
+    """The probe and the environment are read while tracing: a full graph, the eager bits. The
+    probe's first measurement is taken there (a cache of its own here), outside the trace."""
+    probe = functools.cache(_newton_schulz.cpu_bf16_probe.__wrapped__)
+    monkeypatch.setattr(_newton_schulz, "cpu_bf16_probe", probe)
     monkeypatch.setenv(CPU_NS_DTYPE_VARIABLE, choice)
     torch._dynamo.reset()
-    x = gaussian(8, 12, seed=6, dtype=torch.float32)
-    compiled = torch.compile(lambda g: ns(g), fullgraph=True, backend="eager")
-    assert torch.equal(compiled(x), ns(x))
-    assert compiled(x).dtype == torch.float32
+    x = gaussian(*shape, seed=6, dtype=torch.float32)
+    compiled = torch.compile(lambda g: ns(g), fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    assert probe.cache_info().misses == (choice == "auto" and shape == (64, 96))
+    assert torch.equal(out, ns(x))
+    assert out.dtype == torch.float32
 
 
 def test_rectangular_and_degenerate_shapes() -> None:
@@ -483,6 +605,30 @@ def test_the_fp64_norms_are_each_matrixs_own_batched_vmapped_or_alone() -> None:
     assert torch.isfinite(huge).all() and huge.item() == pytest.approx(8 * 3e38, rel=1e-6)
     assert _newton_schulz._fp64_norms(torch.full((1, 8, 8), 1e-44)).item() > 0
     assert _newton_schulz._fp64_norms(torch.zeros(0, 3, 4)).shape == (0, 1, 1)
+
+
+@pytest.mark.parametrize("ns_dtype", [torch.bfloat16, torch.float16])
+def test_vmap_over_a_call_with_a_matrix_the_members_share_runs_in_the_gpu_form(monkeypatch, ns_dtype) -> None:
+    """Under ``vmap`` one Newton–Schulz call may hold a mapped matrix and an unmapped one of the
+    same shape (a matrix every member shares): the GPU form (forced here) norms that call as the
+    stack, where each matrix's own norm would need members to unwrap, and gives the CPU form's
+    results within the narrow dtype's rounding; the shared matrix's result is the same in every
+    member."""
+    mapped, shared = gaussian(3, 12, 20, seed=41), gaussian(20, 12, seed=42)
+    tx = muonfn.orthogonalize(dtype=ns_dtype)
+    state = tx.init(TensorDict({"mapped": mapped[0], "shared": shared}, []))
+
+    def step(member: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        updates, _ = tx.update(TensorDict({"mapped": member, "shared": shared}, []), state, None)
+        return updates["mapped"], updates["shared"]
+
+    cpu = torch.vmap(step)(mapped)
+    monkeypatch.setattr(_newton_schulz, "cpu_passes", lambda t: False)
+    gpu = torch.vmap(step)(mapped)
+    assert gpu[0].shape == (3, 12, 20) and gpu[1].shape == (3, 20, 12)
+    for got, expected in zip(gpu, cpu):
+        torch.testing.assert_close(got, expected, atol=0.05, rtol=0)
+    assert all(torch.equal(result, gpu[1][0]) for result in gpu[1])
 
 
 @pytest.mark.parametrize("method", ["standard", "gram"])

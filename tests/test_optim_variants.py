@@ -24,6 +24,12 @@ OPTIONS = {
 }
 
 
+def assert_laid_out_as(state, init) -> None:
+    """The layout of the preset's ``init`` before any step: its groups, without the entries each
+    parameter's first step makes."""
+    assert list(state.keys()) == list(init.keys()) and not list(state.keys(True, True))
+
+
 def all_muon(params):
     return dict.fromkeys(params.keys(True, True), "muon")
 
@@ -37,7 +43,7 @@ def run_both(variant, options, dtype, steps, scheduler=None):
     schedule = None if scheduler is None else scheduler(opt)
     params = params_of(ref)
     state = PRESETS[variant](**HP, **options).init(params)
-    assert_bitwise(opt.functional_state, state)  # the layout of the preset's init
+    assert_laid_out_as(opt.functional_state, state)
     lrs = []
     for x, y in data:
         lrs.append((opt.param_groups[0]["lr"], opt.param_groups[1]["lr"]))
@@ -205,8 +211,8 @@ def test_param_state_of_a_variant_writes_through_and_checks():
     with pytest.raises(ValueError, match=r"state of '0.weight' has no entry 'exp_avg_sq'; its entries are"):
         opt.state[weight].update(momentum_buffer=torch.zeros(12, 6), exp_avg_sq=torch.zeros(12, 6))
     assert_unchanged(model, opt, before)
-    opt.state[weight].clear()
-    assert not opt.state[weight]["row_second_moment"].any() and not opt.state[weight]["momentum_buffer"].any()
+    opt.state[weight].clear()  # forgotten: made anew at its next step
+    assert weight not in opt.state and dict(opt.state[weight]) == {}
 
 
 @pytest.mark.parametrize(
@@ -230,7 +236,9 @@ def test_param_state_of_a_variant_writes_through_and_checks():
     ],
 )
 def test_a_state_dict_of_another_variant_does_not_load(saved, loading, match):
-    source = Muon(mlp().named_parameters(), **HP, **saved)
+    source_model = mlp()
+    source = Muon(source_model.named_parameters(), **HP, **saved)
+    shim_steps(source_model, source, batches(1))
     model = mlp()
     opt = Muon(model.named_parameters(), **HP, **loading)
     shim_steps(model, opt, batches(2))
@@ -285,6 +293,43 @@ def test_changing_a_groups_variant_lays_out_its_state_anew():
     assert_bitwise(TensorDict.from_module(model), params)
     assert_bitwise(opt.functional_state, state)
     assert opt.state_dict()["state"][0].keys() == {"momentum_buffer"}
+
+
+def test_a_variant_changed_before_a_parameters_first_step_gives_it_the_new_variants_state():
+    """The parameters with state are laid out anew (momentum kept, the new second moment from
+    zero); one that has not stepped yet gets the new variant's state at its first step: the
+    functional hand-off, whose init made every parameter's state, bit for bit."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict(
+        {"trunk": torch.nn.Linear(4, 8), "a": torch.nn.Linear(8, 2), "b": torch.nn.Linear(8, 2)}
+    )
+    opt = Muon(model.named_parameters(), **HP)
+    params = params_of(model)
+    state = muonfn.muon(**HP).init(params)
+    gen = torch.Generator().manual_seed(1)
+
+    def step(tx: muonfn.Transform, head: str) -> None:
+        nonlocal params, state
+        opt.zero_grad()
+        model[head](torch.tanh(model["trunk"](torch.randn(5, 4, generator=gen)))).square().mean().backward()
+        opt.step()
+        grads = TensorDict({(m, leaf): p.grad for m in ("trunk", head) for leaf, p in model[m].named_parameters()}, [])
+        updates, state = tx.update(grads, state, params)
+        params = muonfn.apply_updates(params, updates)
+
+    for _ in range(2):
+        step(muonfn.muon(**HP), "a")
+    assert model["b"].weight not in opt.state
+    opt.param_groups[0]["variant"] = "normuon"
+    handed = muonfn.normuon(**HP).init(params)
+    handed["muon", "momentum"] = state["muon", "momentum"]
+    handed["adamw"] = state["adamw"]
+    state = handed
+    assert list(opt.state[model["a"].weight]) == ["momentum_buffer", "row_second_moment"]
+    for head in "bab":
+        step(muonfn.normuon(**HP), head)
+    assert_bitwise(TensorDict.from_module(model), params)
+    assert_bitwise(opt.functional_state, state)
 
 
 def test_toggling_second_moment_bias_correction_hands_off_a_consistent_state():
@@ -405,5 +450,8 @@ def test_torch_state_dicts_refuse_a_variant_group():
     with pytest.raises(ValueError, match=r"^load_torch_state_dicts: param group 0 has variant='normuon'"):
         opt.load_torch_state_dicts(torch_opt.state_dict(), torch.optim.AdamW(model.parameters()).state_dict())
     assert_unchanged(model, opt, before)
-    muon_sd, _ = Muon(mlp().named_parameters(), **HP).torch_state_dicts()  # variant="muon" converts
+    plain_model = mlp()
+    plain = Muon(plain_model.named_parameters(), **HP)
+    shim_steps(plain_model, plain, batches(1))
+    muon_sd, _ = plain.torch_state_dicts()  # variant="muon" converts
     assert muon_sd["state"][0].keys() == {"momentum_buffer"}

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from _strategies import gaussian, mlp, random_like, rel_err
+from _strategies import assert_close_to_iteration, gaussian, iteration_dtype, mlp, random_like, rel_err
 from tensordict import TensorDict
 from torch.optim import _muon as torch_muon
 
@@ -144,8 +144,11 @@ def test_bf16_newton_schulz_against_torchs(shape: tuple[int, int], device: torch
     assert rel_err(ours, exact) < 0.03 and rel_err(theirs, exact) < 0.03
 
 
-def test_muon_matrix_update_formula() -> None:
-    """−lr·s(A, B)·NS(u) − lr·wd·p with u the Nesterov EMA, for a matrix; AdamW for the rest."""
+@pytest.mark.parametrize("rule", ["float32", "bfloat16"])
+def test_muon_matrix_update_formula(monkeypatch, rule: str) -> None:
+    """−lr·s(A, B)·NS(u) − lr·wd·p with u the Nesterov EMA, for a matrix; AdamW for the rest. With
+    the bf16 rule forced, to the bf16 iteration's rounding."""
+    monkeypatch.setenv("MUONFN_CPU_NS_DTYPE", rule)
     params = TensorDict({"w": gaussian(12, 20, seed=1), "b": gaussian(12, seed=2)}, batch_size=[])
     lr, wd, mu = 0.03, 0.2, 0.9
     tx = muonfn.muon(lr=lr, weight_decay=wd, momentum=mu, extra_scale=1.5)
@@ -155,8 +158,12 @@ def test_muon_matrix_update_formula() -> None:
     updates, state = tx.update(g2, state, params)
     buf = (1 - mu) * (mu * g1["w"] + g2["w"])
     u = (1 - mu) * g2["w"] + mu * buf
-    expected = -lr * (1.5 * 0.2 * math.sqrt(20) * newton_schulz(u) + wd * params["w"])
-    torch.testing.assert_close(updates["w"], expected, rtol=1e-5, atol=1e-7)
+    orthogonalized = -lr * 1.5 * 0.2 * math.sqrt(20) * newton_schulz(u)
+    expected = orthogonalized - lr * wd * params["w"]
+    # the preset's momentum rounds apart from this formula's, and the iteration's dtype carries that on
+    iteration = iteration_dtype((12, 20))
+    assert iteration == getattr(torch, rule)
+    assert_close_to_iteration(updates["w"], expected, iteration, rtol=1e-5, atol=1e-7, produced=orthogonalized)
     assert state["adamw", "step", "b"] == 2
 
 
@@ -444,6 +451,66 @@ class GPT2(torch.nn.Module):
         self.lm_head.weight = self.transformer.wte.weight
 
 
+class T5(torch.nn.Module):
+    """Hugging Face T5/LongT5: the token embedding is ``shared`` (an ``nn.Embedding``) at the top, the
+    encoder's ``embed_tokens`` and the ``lm_head`` tied to it; attention ``q``/``k``/``v``/``o``."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.shared = torch.nn.Embedding(20, dim)
+        self.encoder = torch.nn.Module()
+        self.encoder.embed_tokens = self.shared
+        attention = torch.nn.Module()
+        for name in ("q", "k", "v", "o"):
+            attention.add_module(name, torch.nn.Linear(dim, dim, bias=False))
+        attention.relative_attention_bias = torch.nn.Embedding(4, 2)
+        self.encoder.block = torch.nn.ModuleList([torch.nn.Module()])
+        self.encoder.block[0].SelfAttention = attention
+        self.encoder.final_layer_norm = torch.nn.LayerNorm(dim)
+        self.lm_head = torch.nn.Linear(dim, 20, bias=False)
+        self.lm_head.weight = self.shared.weight
+
+
+class Bart(torch.nn.Module):
+    """Hugging Face BART/mBART/Pegasus/Marian: ``model.shared``, tied to ``model.encoder.embed_tokens``
+    and the ``lm_head``; ``embed_positions``; ``self_attn.q_proj`` ... ``fc1``/``fc2``."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.shared = torch.nn.Embedding(20, dim)
+        self.model.encoder = torch.nn.Module()
+        self.model.encoder.embed_tokens = self.model.shared
+        self.model.encoder.embed_positions = torch.nn.Embedding(10, dim)
+        layer = torch.nn.Module()
+        layer.self_attn = torch.nn.Module()
+        for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            layer.self_attn.add_module(name, torch.nn.Linear(dim, dim))
+        layer.fc1, layer.fc2 = torch.nn.Linear(dim, 2 * dim), torch.nn.Linear(2 * dim, dim)
+        self.model.encoder.layers = torch.nn.ModuleList([layer])
+        self.lm_head = torch.nn.Linear(dim, 20, bias=False)
+        self.lm_head.weight = self.model.shared.weight
+
+
+class SharedExpertsMoE(torch.nn.Module):
+    """DeepSeek's ``mlp.shared_experts`` and Qwen-MoE's ``mlp.shared_expert``: hidden matrices whose
+    names hold ``shared`` but not as a whole component."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding(20, dim)
+        mlp = torch.nn.Module()
+        for shared in ("shared_experts", "shared_expert"):
+            expert = torch.nn.Module()
+            expert.gate_proj, expert.up_proj = torch.nn.Linear(dim, 2 * dim), torch.nn.Linear(dim, 2 * dim)
+            expert.down_proj = torch.nn.Linear(2 * dim, dim)
+            mlp.add_module(shared, expert)
+        self.model.layers = torch.nn.ModuleList([torch.nn.Module()])
+        self.model.layers[0].mlp = mlp
+        self.lm_head = torch.nn.Linear(dim, 20, bias=False)
+
+
 def muon_names(labels: dict[str, str]) -> set[str]:
     return {name for name, label in labels.items() if label == "muon"}
 
@@ -463,6 +530,16 @@ HIDDEN = {
         "transformer.h.0.attn.c_proj.weight",
         "transformer.h.0.mlp.c_fc.weight",
         "transformer.h.0.mlp.c_proj.weight",
+    },
+    T5: {f"encoder.block.0.SelfAttention.{name}.weight" for name in ("q", "k", "v", "o")},
+    Bart: {
+        f"model.encoder.layers.0.{name}.weight"
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "fc1", "fc2")
+    },
+    SharedExpertsMoE: {
+        f"model.layers.0.mlp.{shared}.{name}.weight"
+        for shared in ("shared_experts", "shared_expert")
+        for name in ("gate_proj", "up_proj", "down_proj")
     },
 }
 

@@ -146,6 +146,24 @@ def test_temporaries_peak_at_the_most_bytes_alive_at_once() -> None:
     assert s.temporaries_left_bytes == 4000
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_newton_schulz_results_in_their_own_dtype_take_a_pass_only_where_tall(dtype) -> None:
+    """Off the CPU (meta), a call whose iteration runs in its matrices' own dtype (a bf16 model's,
+    or fp32 with an fp32 iteration) hands its wide results back where the iteration left them:
+    the one pass that restores results is the tall ones' transposing copy, reading and writing
+    each of their entries once."""
+    import muonfn
+
+    wide = torch.empty(16, 48, dtype=dtype, device="meta")
+    tall = torch.empty(48, 16, dtype=dtype, device="meta")
+    ns = muonfn.NewtonSchulz(dtype=dtype)
+    s = counted(lambda: ns.orthogonalize_matrices([wide, wide.clone(), tall.mT], 1))
+    restoring = s.by_op["copy_"]
+    assert (restoring["calls"], restoring["bytes"]) == (1, 2 * dtype.itemsize * tall.numel())
+    only_wide = counted(lambda: ns.orthogonalize_matrices([wide, wide.clone()], 0))
+    assert "copy_" not in only_wide.by_op
+
+
 # --- GPT-2 small on the meta device ------------------------------------------------------------------
 
 
@@ -182,6 +200,20 @@ def test_muonfn_steps_keep_torchs_fused_multi_tensor_kernels(gpt2_small) -> None
     for name in ("muonfn donated", "muonfn shim"):
         s = gpt2_small[name]
         assert s.launches <= s.kernel_ops + 4, name
+
+
+def test_a_bf16_models_step_restores_only_its_tall_matrices_results() -> None:
+    """A bf16 GPT-2 small stepped with bf16 Newton–Schulz (CUDA's default; meta): the iterations'
+    results are its updates' dtype, so only the tall matrices' (the attention's and the MLP's up
+    projections) take a pass, their transposing copy, 4 bytes an entry; the wide and square
+    ones' results stay where their iteration left them."""
+    import _contenders as C
+
+    ps = _sets.gpt2("gpt2-small", device="meta", dtype=torch.bfloat16)
+    tall = sum(p.numel() for _, p in ps.matrix_params() if p.shape[0] > p.shape[1])
+    assert 0 < tall < sum(p.numel() for _, p in ps.matrix_params())
+    s = traffic.count_contender(lambda: C.make_donated(ps, ns_dtype=torch.bfloat16))
+    assert s.by_op["copy_"]["bytes"] == 4 * tall
 
 
 TARGET = "issue 26's target, not met yet (the hot path rewrite removes this mark)"

@@ -177,6 +177,98 @@ def test_qk_clip_compiles_without_graph_breaks():
     assert torch.equal(eager["q"], compiled["q"]) and torch.equal(eager["k"], compiled["k"])
 
 
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_qk_clip_skips_and_reports_a_head_whose_max_logit_is_not_finite(transposed):
+    """A NaN max logit turned its head's weights into NaN, an inf one zeroed them: such a head is left as it
+    is (it shrinks no shared key head either), as one at the threshold would be, and reported; -inf is no overflow."""
+    params, view, fused_view = _fused_and_split(transposed)
+    heads = {
+        "a": [
+            muonfn.QKHeads(heads=4, kv_heads=2, fused="qkv", view=fused_view),
+            muonfn.QKHeads(heads=4, query="q", key="k", view=view),
+        ]
+    }
+    stacked = torch.stack([params, params.apply(lambda t: t * 2)])
+    logits = torch.tensor([[NAN, 300.0, INF, 120.0], [-INF, INF, 400.0, NAN]], dtype=torch.float64)
+    finite = torch.where(logits.isnan() | logits.isposinf(), 1.0, logits)  # those heads as if at rest
+    clipped, skipped = muonfn.qk_clip(stacked, {"a": logits}, heads, return_skipped=True)
+    expected = muonfn.qk_clip(stacked, {"a": finite}, heads)
+    for key in ("qkv", "q", "k"):
+        assert clipped[key].isfinite().all(), key
+        assert torch.equal(clipped[key], expected[key]), key
+    assert torch.equal(skipped["a"], torch.tensor([[True, False, True, False], [False, True, False, True]]))
+    rows = (lambda t: t.mT) if transposed else (lambda t: t)
+    assert torch.equal(rows(clipped["q"][0])[:2], rows(stacked["q"][0])[:2])  # the NaN head's query rows
+    alone = muonfn.qk_clip(stacked[1], {"a": logits[1]}, heads, return_skipped=True)  # one model, the same
+    assert torch.equal(alone[0]["q"], clipped["q"][1]) and torch.equal(alone[1]["a"], skipped["a"][1])
+
+
+def test_qk_clip_of_non_finite_logits_compiles_and_vmaps():
+    params = TensorDict({"q": torch.randn(8, 6), "k": torch.randn(8, 6)}, [])
+    heads = {"a": muonfn.QKHeads(heads=4, query="q", key="k")}
+    logits = {"a": torch.tensor([NAN, 400.0, INF, 100.0])}
+
+    def clip(p, m):
+        return muonfn.qk_clip(p, m, heads, return_skipped=True)
+
+    eager, skipped = clip(params, logits)
+    compiled, compiled_skipped = torch.compile(clip, fullgraph=True, backend="aot_eager")(params, logits)
+    assert torch.equal(eager["q"], compiled["q"]) and torch.equal(eager["k"], compiled["k"])
+    assert torch.equal(skipped["a"], compiled_skipped["a"])
+    assert torch.equal(skipped["a"], torch.tensor([True, False, True, False]))
+    stacked = torch.stack([params, params])
+    mapped, mapped_skipped = torch.vmap(clip)(stacked, {"a": torch.stack([logits["a"], logits["a"].flip(0)])})
+    assert torch.equal(mapped["q"][0], eager["q"]) and torch.equal(mapped_skipped["a"][0], skipped["a"])
+    assert torch.equal(mapped_skipped["a"][1], skipped["a"].flip(0))
+
+
+@pytest.mark.parametrize(("threshold", "dtype"), [(49.0, torch.float64), (41.0, torch.float32)])
+def test_qk_clip_leaves_heads_at_or_below_the_threshold_bit_for_bit(threshold, dtype):
+    """For these thresholds threshold * (1 / threshold) rounds below 1: that factor shrank every head at rest
+    (seen in the query, which takes the whole factor at alpha=1)."""
+    gen = torch.Generator().manual_seed(2)
+    params = TensorDict({name: torch.randn(8, 6, generator=gen, dtype=dtype) for name in ("q", "k")}, [])
+    logits = torch.tensor([threshold, threshold - 1.0, -INF, 0.0], dtype=dtype)
+    clipped = muonfn.qk_clip(
+        params, {"a": logits}, {"a": muonfn.QKHeads(heads=4, query="q", key="k")}, threshold=threshold, alpha=1.0
+    )
+    assert torch.equal(clipped["q"], params["q"]) and torch.equal(clipped["k"], params["k"])
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.qkv = torch.nn.Linear(6, 8), torch.nn.Linear(6, 8), torch.nn.Linear(6, 24)
+
+
+def test_qk_clip_finds_leaves_by_their_dotted_names():
+    """Its docs name leaves as named_parameters() does; on TensorDict.from_module's nested keys only tuples worked."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([_Attention(), _Attention()])})
+    params = TensorDict.from_module(model).detach()
+    logits = {"attn1": torch.tensor([50.0, 400.0, 150.0, 100.0])}
+    fused = muonfn.MatrixView(split=(8, 8, 8))
+
+    def layout(name):
+        return [
+            muonfn.QKHeads(heads=4, query=name("q_proj"), key=name("k_proj")),
+            muonfn.QKHeads(heads=4, kv_heads=2, fused=name("qkv"), view=fused),
+        ]
+
+    dotted = muonfn.qk_clip(params, logits, {"attn1": layout(lambda m: f"layers.1.{m}.weight")})
+    tupled = muonfn.qk_clip(params, logits, {"attn1": layout(lambda m: ("layers", "1", m, "weight"))})
+    for module in ("q_proj", "k_proj", "qkv"):
+        key = ("layers", "1", module, "weight")
+        assert torch.equal(dotted[key], tupled[key]), key
+        assert not torch.equal(dotted[key], params[key]), key  # clipped
+        assert dotted["layers", "0", module, "weight"] is params["layers", "0", module, "weight"]
+    with pytest.raises(ValueError, match=r"attention 'attn1': no parameter named 'layers\.1\.q_porj\.weight'"):
+        muonfn.qk_clip(params, logits, {"attn1": muonfn.QKHeads(heads=4, query="layers.1.q_porj.weight")})
+
+
 @pytest.mark.parametrize("broken", ["shape", "dtype"])
 def test_a_row_moment_that_does_not_fit_fails_before_the_momentum_is_donated(broken):
     params = TensorDict({"w": torch.randn(4, 6), "b": torch.zeros(4)}, [])
