@@ -34,6 +34,7 @@ from .linalg import (
 )
 from .presets import (
     DEFAULT_EXCLUDE,
+    RoutingWarning,
     adamuon,
     label_params,
     labels_from_module,
@@ -119,6 +120,7 @@ __all__ = [
     "MatrixView",
     "NewtonSchulz",
     "QKHeads",
+    "RoutingWarning",
     "Transform",
     "adamuon",
     "adamw",

@@ -18,12 +18,15 @@ rounded once instead of twice), not bit for bit.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 #: ``auto`` (measured), ``bfloat16`` or ``float32``: the CPU's Newton–Schulz dtype for a whole process
 CPU_NS_DTYPE_VARIABLE = "MUONFN_CPU_NS_DTYPE"
@@ -34,32 +37,93 @@ CPU_NS_DTYPE_CHOICES = ("auto", "bfloat16", "float32")
 CPU_BF16_MIN_WORK = 2**18
 
 
-@torch.compiler.assume_constant_result  # a traced update reads the answer, not the probe
-def cpu_has_bf16_units() -> bool:
-    """Whether this CPU multiplies bf16 matrices measurably faster than fp32 ones (once per process)."""
-    return _bf16_is_faster()
+#: The least speedup of bf16 over fp32 matmuls, as :func:`cpu_bf16_probe` measures it, at which
+#: the CPU rule iterates in bf16. CPUs fall far on either side of it: one bf16 product ran 2.0–2.2×
+#: faster than fp32 on an AMD EPYC with AVX512-BF16 (a batch of them 4.4×), 0.4–0.6× as fast on an
+#: Intel Xeon with AVX512-BF16 but no AMX, about 0.03× where bf16 is emulated. A gain below 1.3×
+#: would not pay for bf16's rounding and the casts around the iteration, and the margin keeps a busy
+#: machine's timing noise from deciding alone.
+CPU_BF16_MIN_SPEEDUP = 1.3
+
+# The probe times X Xᵀ, the product each Newton–Schulz step starts with, for one 256×512 matrix:
+# m²n = 2²⁵, well inside the sizes the rule would run in bf16, and under a millisecond in fp32 on
+# one core. It runs on one thread: the ratio is the core's (its bf16 units against its fp32 ones;
+# 2.0× on one thread and on two on the AMD EPYC), and on a busy machine the OpenMP barriers of
+# several threads waiting for cores made products of either dtype 10–60× slower at random. A first
+# round warms up (oneDNN builds its bf16 kernels on first use); of the rounds after it, the fastest
+# product of each dtype counts, since a busy machine only ever adds time. Where bf16 is emulated
+# (each product then takes tens of milliseconds) the probe stops after two rounds: a bf16 product
+# still _PROBE_HOPELESS times slower than fp32's leaves the answer settled.
+_PROBE_SHAPE = (256, 512)
+_PROBE_ROUNDS = 5
+_PROBE_HOPELESS = 4.0
+
+
+@dataclass(frozen=True)
+class CpuBf16Probe:
+    """What :func:`cpu_bf16_probe` measured: the fastest of a few products ``X Xᵀ`` of one 256×512
+    matrix in fp32 and in bf16 on one thread, in seconds."""
+
+    fp32_seconds: float
+    bf16_seconds: float
+
+    @property
+    def speedup(self) -> float:
+        """How many times faster the bf16 product ran (below 1: slower)."""
+        return self.fp32_seconds / self.bf16_seconds if self.bf16_seconds > 0 else math.inf
+
+    @property
+    def bf16_faster(self) -> bool:
+        """The CPU rule's answer: bf16 ran at least :data:`CPU_BF16_MIN_SPEEDUP` times faster."""
+        return self.speedup >= CPU_BF16_MIN_SPEEDUP
+
+    def as_dict(self) -> dict[str, float | bool]:
+        """The timings, the speedup, the margin and the decision, for a record (JSON)."""
+        return {
+            "fp32_seconds": self.fp32_seconds,
+            "bf16_seconds": self.bf16_seconds,
+            "speedup": self.speedup,
+            "min_speedup": CPU_BF16_MIN_SPEEDUP,
+            "bf16_faster": self.bf16_faster,
+        }
 
 
 @functools.cache
-def _bf16_is_faster() -> bool:
-    """A few milliseconds: the best of three 256×256 products in each dtype; bf16 must win by 1.3×
-    (an emulated bf16 matmul runs tens of times slower, AVX512-BF16 and AMX units about 4× faster)."""
+def cpu_bf16_probe() -> CpuBf16Probe:
+    """Times bf16 against fp32 matmuls on this CPU, once per process: a few milliseconds (where
+    bf16 is emulated, up to a few tenths of a second). The instruction set does not tell: with
+    AVX512-BF16 one CPU multiplies bf16 4× faster than fp32 and another half as fast.
+
+    :func:`default_ns_dtype` takes it the first time a matrix large enough for bf16 meets the
+    ``auto`` rule on a CPU, never at import and never when ``MUONFN_CPU_NS_DTYPE`` pins the rule.
+    It times real CPU matmuls on one thread whatever is active (autocast, a device context, a
+    tracing or fake tensor mode), leaves nothing in a trace, draws from its own generator, not
+    torch's, and sets the process's thread count back as it was.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
-        if not torch.backends.mkldnn.is_available():
-            return False
-        a = torch.randn(256, 256)
-        timings = []
-        for dtype in (torch.float32, torch.bfloat16):
-            x = a.to(dtype)
-            best = float("inf")
-            for _ in range(3):
-                start = time.perf_counter()
-                x @ x
-                best = min(best, time.perf_counter() - start)
-            timings.append(best)
-        return timings[1] * 1.3 < timings[0]
-    except RuntimeError:
-        return False
+        with _disable_current_modes(), torch.autocast("cpu", enabled=False), torch.no_grad():
+            x = torch.randn(_PROBE_SHAPE, generator=torch.Generator().manual_seed(0), device="cpu")
+            operands = {torch.float32: x, torch.bfloat16: x.to(torch.bfloat16)}
+            fastest = dict.fromkeys(operands, math.inf)
+            for round_ in range(1 + _PROBE_ROUNDS):
+                for dtype, matrix in operands.items():
+                    start = time.perf_counter()
+                    torch.mm(matrix, matrix.mT)
+                    seconds = time.perf_counter() - start
+                    if round_:
+                        fastest[dtype] = min(fastest[dtype], seconds)
+                if round_ >= 2 and fastest[torch.bfloat16] > _PROBE_HOPELESS * fastest[torch.float32]:
+                    break
+    finally:
+        torch.set_num_threads(threads)
+    return CpuBf16Probe(fp32_seconds=fastest[torch.float32], bf16_seconds=fastest[torch.bfloat16])
+
+
+@torch.compiler.assume_constant_result  # a traced update reads the answer, not the probe
+def _cpu_bf16_is_faster() -> bool:
+    return cpu_bf16_probe().bf16_faster
 
 
 def cpu_rule() -> str:
@@ -77,7 +141,7 @@ def default_ns_dtype(
 
     CUDA (and meta): bf16. A CPU: bf16 for fp32 and narrower inputs whose matrices (``shape``, or
     ``None`` for any) hold at least :data:`CPU_BF16_MIN_WORK` of work, where bf16 is measured faster
-    (:func:`cpu_has_bf16_units`); else the input's dtype, at least fp32. fp64 keeps fp64.
+    (:func:`cpu_bf16_probe`); else the input's dtype, at least fp32. fp64 keeps fp64.
     ``rule`` (``bfloat16``, ``float32`` or ``auto``; ``None``: :func:`cpu_rule`) pins the CPU's rule.
     """
     wide = torch.promote_types(dtype, torch.float32)
@@ -88,8 +152,9 @@ def default_ns_dtype(
     if device.type != "cpu":
         return wide
     choice = cpu_rule() if rule is None else rule
-    large = shape is None or (lambda m, n: m * m * n)(*sorted(shape[-2:])) >= CPU_BF16_MIN_WORK
-    if choice == "bfloat16" or (choice == "auto" and large and cpu_has_bf16_units()):
+    short, long = sorted(shape[-2:]) if shape is not None else (0, 0)
+    large = shape is None or short * short * long >= CPU_BF16_MIN_WORK
+    if choice == "bfloat16" or (choice == "auto" and large and _cpu_bf16_is_faster()):
         return torch.bfloat16
     return wide
 
@@ -153,7 +218,12 @@ def adamw_kernel_takes(
     fp32 tensors on one CUDA (or meta) device, eager, outside ``torch.func`` transforms, with nothing
     autograd records, plain tensors or all DTensors, the learning rate and decay numbers (``factors``:
     those given as tensors); ``forced``: on any device."""
-    if members or not tensors or not _plain_eager([]) or torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if (
+        members
+        or not tensors
+        or not _plain_eager([])
+        or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    ):
         return False
     device = tensors[0].device
     if device.type not in ("cuda", "meta") and not forced:
@@ -165,7 +235,15 @@ def adamw_kernel_takes(
 
 
 def adamw_kernel(
-    grads: Any, state: Any, params: Any, decayed: list[str], lr: float, lam: float, b1: float, b2: float, eps: float,
+    grads: Any,
+    state: Any,
+    params: Any,
+    decayed: list[str],
+    lr: float,
+    lam: float,
+    b1: float,
+    b2: float,
+    eps: float,
     donate: bool,
 ) -> tuple[Any, dict[str, Any]]:
     r"""AdamW's update by ``torch._fused_adamw_``, one pass over each leaf: the update starts as
@@ -180,8 +258,10 @@ def adamw_kernel(
     v = [state["exp_avg_sq"][n] for n in names]
     if not donate:  # the kernel writes the moments in place: a new state has its own
         m, v = [t.clone() for t in m], [t.clone() for t in v]
-    counts = [state["step"][n] for n in names]
-    counts = torch._foreach_add_(counts, 1) or counts if donate else torch._foreach_add(counts, 1)
+    held = [state["step"][n] for n in names]
+    if donate:
+        torch._foreach_add_(held, 1)
+    counts = held if donate else list(torch._foreach_add(held, 1))
     chosen = set(decayed)
     updates = [p.mul(-lr * lam) if n in chosen else torch.zeros_like(p) for n, p in ((n, params[n]) for n in names)]
     meshes: dict[int, list[int]] = {}  # (one call per device mesh: a DTensor op takes one)

@@ -9,7 +9,6 @@ from typing import Any, TypeAlias
 import torch
 from tensordict import TensorDictBase
 
-
 Scalar: TypeAlias = float | torch.Tensor
 Schedule: TypeAlias = Callable[[torch.Tensor], Scalar]
 ScalarOrSchedule: TypeAlias = float | torch.Tensor | Schedule

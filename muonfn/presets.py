@@ -15,9 +15,13 @@ variants, :func:`~muonfn.adamw` beside them.
 from __future__ import annotations
 
 import functools
+import os
+import sys
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, TypeAlias
 
+import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
@@ -54,7 +58,6 @@ from .transforms import (
     check_table,
     named,
     partition,
-    table_of,
 )
 
 MUON = "muon"
@@ -65,12 +68,16 @@ VARIANTS: tuple[str, ...] = ("muon", "normuon", "adamuon")
 
 # ---------------------------------------------------------------------------------------------- routing
 
-#: Name fragments (matched case-insensitively anywhere in the dotted name) of leaves that are not
-#: hidden-layer matrices: token and position embeddings, output heads and classifiers, LoRA adapters,
-#: class/mask/distillation tokens and relative-position tables. ``"head."`` keeps its dot so that
-#: ``multihead_attn`` stays a hidden layer.
+#: Name fragments (matched case-insensitively anywhere in the dotted name, read with a dot in front:
+#: ``".x."`` is a whole component, the first one too) of leaves that are not hidden-layer matrices:
+#: token and position embeddings, output heads and classifiers, LoRA adapters, class/mask/distillation
+#: tokens and relative-position tables. ``"head."`` keeps its dot so that ``multihead_attn`` stays a
+#: hidden layer; ``".shared.weight"`` is the token embedding (and tied head) of Hugging Face's
+#: encoder–decoders (T5, BART, mBART, Pegasus, Marian), a whole component so that MoE
+#: ``shared_experts`` stay on Muon.
 DEFAULT_EXCLUDE: tuple[str, ...] = (
     "embed",
+    ".shared.weight",
     "wte",
     "wpe",
     "lm_head",
@@ -86,7 +93,7 @@ DEFAULT_EXCLUDE: tuple[str, ...] = (
 
 
 def _excluded(name: str, exclude: Sequence[str]) -> bool:
-    lowered = name.lower()
+    lowered = "." + name.lower()  # a fragment ".x." then matches a whole first component too
     return any(fragment.lower() in lowered for fragment in exclude)
 
 
@@ -99,8 +106,9 @@ def label_params(
     dimensions of size other than 1 (a ``(1, 1, D)`` ``cls_token`` is not) and its dotted name holds
     none of the ``exclude`` fragments (:data:`DEFAULT_EXCLUDE`). Names cannot tell every output head
     (a ResNet's ``fc``): :func:`labels_from_module` also sends the model's last ``nn.Linear`` to
-    AdamW. ``shards``: names of leaves that are one rank's block of a larger tensor (a block of one
-    row says nothing of the whole): matrices when they have two dimensions or more.
+    AdamW, or add a whole component, ``functools.partial(label_params, exclude=(*DEFAULT_EXCLUDE, ".fc."))``.
+    ``shards``: names of leaves that are one rank's block of a larger tensor (a block of one row says
+    nothing of the whole): matrices when they have two dimensions or more.
     """
     sharded = set(named_table(dict.fromkeys(shards), params.keys()))
     members = params.batch_dims
@@ -167,6 +175,53 @@ def split_buffers(model: nn.Module) -> tuple[TensorDict, TensorDict]:
     names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     keys = [key for key in everything.keys(True, True) if dotted(key) in names]
     return everything.select(*keys), everything.exclude(*keys)
+
+
+class RoutingWarning(UserWarning):
+    """Muon would train nothing, or parameters were routed without names to go by: warned once where
+    the optimizer is built or initialised, naming the cause and the fix."""
+
+
+#: muonfn's and torch's own files: a routing warning points past their frames, at the user's line
+_INTERNAL_FILES = tuple(
+    os.path.dirname(os.path.abspath(m.__file__ or "")) + os.sep for m in (sys.modules[__package__], torch)
+)
+
+
+def warn_routing(message: str) -> None:
+    """Warns ``message`` as a :class:`RoutingWarning` at the first caller outside muonfn and torch."""
+    frame, level = sys._getframe(1), 2
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_INTERNAL_FILES):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, RoutingWarning, stacklevel=level)
+
+
+def matching_fragments(names: Iterable[str], exclude: Sequence[str] = DEFAULT_EXCLUDE) -> list[str]:
+    """The fragments of ``exclude`` that some of ``names`` contain, as :func:`label_params` matches them."""
+    return [fragment for fragment in exclude if any(_excluded(name, (fragment,)) for name in names)]
+
+
+def shown(names: Sequence[str], limit: int = 3) -> str:
+    """Up to ``limit`` names, quoted, and how many more."""
+    return ", ".join(repr(n) for n in names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def warn_if_every_matrix_excluded(where: str, params: TensorDictBase, shards: Iterable[Any] = ()) -> None:
+    """A :class:`RoutingWarning` when the default labels send no leaf to Muon although some are matrices,
+    each excluded by its name (LoRA adapters given alone): the optimizer is then plain AdamW."""
+    shards = tuple(shards)
+    if MUON in label_params(params, shards=shards).values():
+        return
+    matrices = [name for name, label in label_params(params, exclude=(), shards=shards).items() if label == MUON]
+    if matrices:
+        fragments = matching_fragments(matrices)
+        warn_routing(
+            f"{where}: no parameter is labelled 'muon', so this optimizer is plain AdamW: every matrix "
+            f"({len(matrices)}: {shown(matrices)}) goes to AdamW by its name (muonfn.DEFAULT_EXCLUDE's "
+            f"{shown(fragments, len(fragments))}). To run Muon on them, pass labels= (e.g. "
+            f"functools.partial(muonfn.label_params, exclude=[f for f in muonfn.DEFAULT_EXCLUDE if f != "
+            f"{fragments[0]!r}])); for plain AdamW, use muonfn.adamw"
+        )
 
 
 # ---------------------------------------------------------------------------------------------- the presets
@@ -323,7 +378,13 @@ VARIANT_DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }  # fmt: skip
 #: The options only the adapted variants take.
-VARIANT_OPTIONS: tuple[str, ...] = ("beta2", "adaptive_eps", "rescale", "sign_momentum", "second_moment_bias_correction")
+VARIANT_OPTIONS: tuple[str, ...] = (
+    "beta2",
+    "adaptive_eps",
+    "rescale",
+    "sign_momentum",
+    "second_moment_bias_correction",
+)
 
 
 def adaptation(
@@ -351,7 +412,9 @@ def adaptation(
 
     def adapt(views: ViewsLike, donate_state: bool) -> tuple[bool, Transform]:
         if variant == "normuon":
-            rows = scale_by_neuron_norm(beta2, eps=adaptive_eps, rescale=rescale, views=views, donate_state=donate_state)
+            rows = scale_by_neuron_norm(
+                beta2, eps=adaptive_eps, rescale=rescale, views=views, donate_state=donate_state
+            )
             return False, rows
         rms = scale_by_element_rms(
             beta2, eps=adaptive_eps, bias_correction=second_moment_bias_correction, rescale=rescale, views=views,
@@ -361,6 +424,7 @@ def adaptation(
         both = momentum_bias_correction and second_moment_bias_correction
         return sign_momentum, named("second_moment", rms) if both else rms
 
+    adapt.variant = variant  # type: ignore[attr-defined]
     return adapt
 
 
@@ -390,6 +454,7 @@ def _preset(
 ) -> Transform:
     """A preset: its matrix branch beside :func:`adamw`; names in ``views``, ``weight_decay_mask`` and
     an orthogonalizer's ``shard_specs`` checked against the parameters at ``init`` (a typo is an error)."""
+    adaptation_name = getattr(adaptation, "variant", "muon")
     branch = matrix_branch(
         adaptation, lr, momentum, nesterov, momentum_bias_correction, weight_decay, cautious_weight_decay,
         cautious_mode, ns, scale, extra_scale, views, weight_decay_mask, orthogonalizer, donate_state,
@@ -414,10 +479,13 @@ def _preset(
     def init(params: TensorDictBase) -> TensorDictBase:
         leaves = flat(params)
         for where, table in tables.items():
-            if table is None or isinstance(table, str) or callable(table) and not isinstance(table, Mapping):
+            if table is None or isinstance(table, str) or (callable(table) and not isinstance(table, Mapping)):
                 continue
             named_table(table, leaves.keys(), where)
-        return tx.init(params)
+        state = tx.init(params)
+        if labels is None:  # (labels of one's own send what they send)
+            warn_if_every_matrix_excluded(f"muonfn.{adaptation_name}(...).init", leaves, shards or ())
+        return state
 
     return Transform(init, tx.update)
 
@@ -447,7 +515,9 @@ def matrix_branch(
         raise ValueError(f"unknown cautious mode {cautious_mode!r}; choose None or one of {list(CAUTIOUS_MODES)}")
     check_mask("weight_decay_mask", weight_decay_mask)
     check_views("views", views)
-    steps = [ema_momentum(momentum, nesterov=nesterov, bias_correction=momentum_bias_correction, donate_state=donate_state)]
+    steps = [
+        ema_momentum(momentum, nesterov=nesterov, bias_correction=momentum_bias_correction, donate_state=donate_state)
+    ]
     fresh = fresh_updates(nesterov, momentum_bias_correction)  # (the look-ahead: this step's own tensors)
     adapted: list[Transform] = []
     if adaptation is not None:

@@ -7,6 +7,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import torch
 from tensordict import TensorDictBase
@@ -107,6 +108,30 @@ def _scaled_rows(m: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
     return m.mul(per_row.unsqueeze(-1))
 
 
+@overload
+def qk_clip(
+    params: TensorDictBase,
+    max_logits: Mapping[str, torch.Tensor],
+    layouts: Mapping[str, QKHeads | Sequence[QKHeads]],
+    *,
+    threshold: float = ...,
+    alpha: float = ...,
+    return_skipped: Literal[False] = ...,
+) -> TensorDictBase: ...
+
+
+@overload
+def qk_clip(
+    params: TensorDictBase,
+    max_logits: Mapping[str, torch.Tensor],
+    layouts: Mapping[str, QKHeads | Sequence[QKHeads]],
+    *,
+    threshold: float = ...,
+    alpha: float = ...,
+    return_skipped: Literal[True],
+) -> tuple[TensorDictBase, dict[str, torch.Tensor]]: ...
+
+
 def qk_clip(
     params: TensorDictBase,
     max_logits: Mapping[str, torch.Tensor],
@@ -114,7 +139,8 @@ def qk_clip(
     *,
     threshold: float = 100.0,
     alpha: float = 0.5,
-) -> TensorDictBase:
+    return_skipped: bool = False,
+) -> TensorDictBase | tuple[TensorDictBase, dict[str, torch.Tensor]]:
     r"""QK-clip of MuonClip (Kimi K2, 2025): ``params`` with the query and key weights of each
     head whose largest attention logit :math:`S_h` exceeded :math:`\tau` scaled down.
 
@@ -131,8 +157,14 @@ def qk_clip(
     query and key (``alpha=0.5``) and the rotary query alone (``QKHeads(query=..., alpha=1.0)``)
     and leave the shared rotary key out, as the report does.
 
-    Traceable: no value is read back from the logits (``torch.compile`` and CUDA graphs).
-    Sharded (DTensor) parameters are not supported: pass whole tensors.
+    A head whose max logit is NaN or :math:`+\infty` (an overflow, or a NaN in the forward pass) is
+    skipped: :math:`\gamma_h = 1`, so its query rows are left as they are and it does not shrink a
+    key head it shares (the formula would turn them into NaN, or zero them). ``return_skipped=True``
+    reports these heads. A max logit of :math:`-\infty` (a head that attended to nothing) is below
+    :math:`\tau`: nothing to clip, nothing to report.
+
+    Traceable: no value is read back from the logits (``torch.compile`` and CUDA graphs), so a
+    skipped head is reported as a mask, not raised. Sharded (DTensor) parameters are not supported.
 
     Args:
         params: the parameters after the step.
@@ -140,13 +172,16 @@ def qk_clip(
             of each query head; for a stacked ensemble (params of batch size ``[N]``),
             ``(N, heads)``, each member's own. Attentions not given are left unchanged.
         layouts: attention name -> its :class:`QKHeads` (or several, e.g. MLA's content
-            and rotary parts).
+            and rotary parts). Leaves are named by key tuples or dotted names
+            (``"layers.0.q_proj.weight"`` on ``TensorDict.from_module(model)``).
         threshold: :math:`\tau > 0` (the K2 report's 100).
         alpha: :math:`\alpha \in [0, 1]`, the query's share.
+        return_skipped: also return, for each attention of ``max_logits``, a bool tensor of the
+            logits' shape: ``True`` for a head skipped for a NaN or :math:`+\infty` max logit.
 
     Returns:
         ``params`` with the clipped leaves replaced by new tensors (the others are the same
-        tensors); nothing is modified in place.
+        tensors); nothing is modified in place. With ``return_skipped``, ``(params, skipped)``.
 
     Example:
         >>> params = TensorDict({"q": torch.ones(4, 3), "k": torch.ones(4, 3)}, [])
@@ -154,6 +189,11 @@ def qk_clip(
         >>> clipped = muonfn.qk_clip(params, {"attn0": torch.tensor([50.0, 400.0])}, heads)
         >>> clipped["q"][:, 0]  # head 1 went 4x past the threshold: its rows shrink by 4**0.5
         tensor([1.0000, 1.0000, 0.5000, 0.5000])
+        >>> clipped, skipped = muonfn.qk_clip(
+        ...     params, {"attn0": torch.tensor([400.0, float("nan")])}, heads, return_skipped=True
+        ... )
+        >>> clipped["q"][:, 0], skipped  # head 1 left as it was, and reported
+        (tensor([0.5000, 0.5000, 1.0000, 1.0000]), {'attn0': tensor([False,  True])})
     """
     if (
         isinstance(threshold, bool)
@@ -174,8 +214,11 @@ def qk_clip(
                 shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
                 raise ValueError(f"qk_clip: max_logits[{name!r}] must have shape {expected}, got {shape}")
     replaced: dict[str, torch.Tensor] = {}
+    skipped: dict[str, torch.Tensor] = {}
     members = math.prod(params.batch_size)  # one matrix per member of a stacked ensemble
     for name, logits in max_logits.items():
+        logits = logits.detach()
+        skipped[name] = logits.isnan() | logits.isposinf()
         for layout in groups[name]:
             a = alpha if layout.alpha is None else layout.alpha
             kv = layout.heads if layout.kv_heads is None else layout.kv_heads
@@ -183,14 +226,11 @@ def qk_clip(
             for key, role in layout.leaves():
                 p = replaced.get(key, params[key])
                 dtype = torch.promote_types(torch.promote_types(logits.dtype, p.dtype), torch.float32)
-                gamma = (
-                    logits.detach()
-                    .to(device=p.device, dtype=dtype)
-                    .clamp_min(threshold)
-                    .reciprocal()
-                    .mul(threshold)
-                    .reshape(members, layout.heads)
-                )
+                s = logits.to(device=p.device, dtype=dtype)
+                # only a finite logit past the threshold clips: NaN and +inf would make NaN or zero weights
+                clipped = s.gt(threshold) & s.isfinite()
+                gamma = torch.where(clipped, s.clamp_min(threshold).reciprocal().mul(threshold), 1.0)
+                gamma = gamma.reshape(members, layout.heads)
                 q_factor = gamma.pow(a)
                 k_factor = gamma.reshape(members, kv, -1).amin(dim=-1).pow(1.0 - a)
                 blocks = view.to_matrices(p)
@@ -199,6 +239,5 @@ def qk_clip(
                 else:
                     blocks = [_scaled_rows(blocks[0], q_factor if role == "query" else k_factor)]
                 replaced[key] = view.from_matrices(blocks, p.shape)
-    if not replaced:
-        return given
-    return nested_like(params.clone(recurse=False).update(replaced), given)
+    out = nested_like(params.clone(recurse=False).update(replaced), given) if replaced else given
+    return (out, skipped) if return_skipped else out

@@ -253,13 +253,14 @@ def matrix_map(ns: Any) -> MatrixFn:
         return maps[ns]
     if isinstance(ns, str) or not callable(ns):
         raise TypeError(
-            "ns must be a muonfn.NewtonSchulz, 'svd', 'qr', 'gram' or a map of (count, m, n) batches, got "
-            f"{ns!r}"
+            f"ns must be a muonfn.NewtonSchulz, 'svd', 'qr', 'gram' or a map of (count, m, n) batches, got {ns!r}"
         )
     return ns
 
 
-def resolve_views(views: ViewsLike, names: Sequence[str], tensors: Sequence[torch.Tensor], members: int) -> list[MatrixView]:
+def resolve_views(
+    views: ViewsLike, names: Sequence[str], tensors: Sequence[torch.Tensor], members: int
+) -> list[MatrixView]:
     """One view per leaf: the declared one, else the default (2-D as is, ≥3-D as conv); for a stacked
     ensemble every view takes the batch dimensions too (views describe one member's leaf)."""
     if views is None:
@@ -280,7 +281,7 @@ def resolve_views(views: ViewsLike, names: Sequence[str], tensors: Sequence[torc
 
 
 def check_views(where: str, views: object) -> None:
-    if views is None or callable(views) and not isinstance(views, Mapping):
+    if views is None or (callable(views) and not isinstance(views, Mapping)):
         return
     if not isinstance(views, Mapping):
         raise TypeError(f"{where} must be a mapping of names to MatrixView, a callable (name, tensor) -> view, or None")
@@ -374,7 +375,9 @@ def orthogonalize(
     return transform(init, update)
 
 
-def scale_by_shape(scale: ScaleMode = "match_rms_adamw", *, extra_scale: float = 1.0, views: ViewsLike = None) -> Transform:
+def scale_by_shape(
+    scale: ScaleMode = "match_rms_adamw", *, extra_scale: float = 1.0, views: ViewsLike = None
+) -> Transform:
     r"""Multiplies every matrix block by :math:`s(A, B)\cdot` ``extra_scale``, ``A``/``B`` the rows and
     columns of the logical block (after the view; an ensemble's batch dimensions excluded): ``"original"``
     √max(1, A/B), ``"match_rms_adamw"`` 0.2·√max(A, B), ``"spectral"`` √max(A, B), ``"unit_rms_norm"``
@@ -394,7 +397,9 @@ def scale_by_shape(scale: ScaleMode = "match_rms_adamw", *, extra_scale: float =
     return transform(init, update)
 
 
-def _shape_scaled(grads: TensorDictBase, views: ViewsLike, scale_fn: Callable[[int, int], float], factor: Any) -> list[Any]:
+def _shape_scaled(
+    grads: TensorDictBase, views: ViewsLike, scale_fn: Callable[[int, int], float], factor: Any
+) -> list[Any]:
     """``factor·s·x`` of every leaf ``x``, block by block (``factor`` a number or a tensor)."""
     names, values = list(grads.keys()), list(grads.values())
     out = []
@@ -412,8 +417,14 @@ def _shape_scaled(grads: TensorDictBase, views: ViewsLike, scale_fn: Callable[[i
 
 
 def _decayed(
-    updates: list[Any], grads: TensorDictBase, params: TensorDictBase | None, factor: Any, mask: MaskLike, where: str,
-    *, inplace: bool,
+    updates: list[Any],
+    grads: TensorDictBase,
+    params: TensorDictBase | None,
+    factor: Any,
+    mask: MaskLike,
+    where: str,
+    *,
+    inplace: bool,
 ) -> list[Any]:
     r"""``u + factor·p`` on the leaves ``mask`` selects (``factor`` a number, a 0-d tensor or one value
     per ensemble member): one multiply-add per entry for a number; ``inplace``: into the updates, the
@@ -536,7 +547,9 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule) -> Transform:
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
         lr, new = _rate(learning_rate, state, grads)
         values = list(grads.values())
-        out = _foreach("mul", values, _times(-lr if not isinstance(lr, torch.Tensor) else lr.neg(), values, grads.batch_dims))
+        out = _foreach(
+            "mul", values, _times(-lr if not isinstance(lr, torch.Tensor) else lr.neg(), values, grads.batch_dims)
+        )
         return build(dict(zip(grads.keys(), _cast(out, values))), grads.batch_size), build(new, state.batch_size)
 
     return transform(lambda params: build(schedule_init(params), params.batch_size), update)
@@ -621,8 +634,16 @@ def _adam_moments(
 
 
 def _adam_direction(
-    g: list[torch.Tensor], m: list[Any], v: list[Any], t: torch.Tensor, b1: Scalar, b2: float, eps: float, factor: Any,
-    nesterov: AdamNesterov, members: int,
+    g: list[torch.Tensor],
+    m: list[Any],
+    v: list[Any],
+    t: torch.Tensor,
+    b1: Scalar,
+    b2: float,
+    eps: float,
+    factor: Any,
+    nesterov: AdamNesterov,
+    members: int,
 ) -> list[torch.Tensor]:
     r"""``factor`` times Adam's bias-corrected direction. Without Nesterov, one division of ``m`` by
     :math:`D = (\sqrt{v} + \epsilon\sqrt{c_2})\cdot c_1/(\text{factor}\sqrt{c_2})` (:math:`c_k = 1-\beta_k^t`,
@@ -643,7 +664,11 @@ def _adam_direction(
         gradient = _per_leaf(c1.reciprocal().mul(1.0 - b1), g, members)
         numerators = _foreach("add", _foreach("mul", m, moment), _foreach("mul", g, gradient), inplace=True)
     direction = _foreach("div", numerators, denominators)
-    return direction if isinstance(factor, float) and factor == 1.0 else _foreach("mul", direction, _times(factor, g, members))
+    return (
+        direction
+        if isinstance(factor, float) and factor == 1.0
+        else _foreach("mul", direction, _times(factor, g, members))
+    )
 
 
 def _betas(b1: Scalar, b2: Scalar, eps: float) -> tuple[Scalar, float, float]:
@@ -658,7 +683,12 @@ def _adam_init(params: TensorDictBase) -> dict[str, TensorDictBase]:
 
 
 def scale_by_adam(
-    b1: Scalar = 0.9, b2: Scalar = 0.999, *, eps: float = 1e-8, nesterov: AdamNesterov = False, donate_state: bool = False
+    b1: Scalar = 0.9,
+    b2: Scalar = 0.999,
+    *,
+    eps: float = 1e-8,
+    nesterov: AdamNesterov = False,
+    donate_state: bool = False,
 ) -> Transform:
     r"""Adam's direction with bias correction, torch.optim.AdamW's (``eps`` added to the corrected root):
 
@@ -689,7 +719,7 @@ def scale_by_adam(
 def adamw(
     lr: ScalarOrSchedule = 1e-3,
     *,
-    betas: tuple[float, float] = (0.9, 0.999),
+    betas: tuple[Scalar, Scalar] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: Scalar = 0.01,
     weight_decay_mask: MaskLike = None,
@@ -763,12 +793,16 @@ def adamw(
         takes = fused is not False and not nesterov and not isinstance(_number(b1), torch.Tensor)
         if takes and _devices.adamw_kernel_takes(operands, members, factors, fused):
             kernel_b1 = _number(b1)
-            updates, moments = _devices.adamw_kernel(grads, state, params, decayed, rate, lam, kernel_b1, b2, eps, donate_state)
+            updates, moments = _devices.adamw_kernel(
+                grads, state, params, decayed, rate, lam, kernel_b1, b2, eps, donate_state
+            )
             return updates, build({**moments, **new}, state.batch_size)
         m, v, t, moments = _adam_moments(grads, state, b1, b2, donate_state)
         u = _adam_direction(g, m, v, t, b1, b2, eps, -rate, nesterov, members)
         u = _decayed(u, grads, params, -rate * lam, weight_decay_mask, "adamw", inplace=True)
-        return build(dict(zip(grads.keys(), _cast(u, g))), grads.batch_size), build({**moments, **new}, state.batch_size)
+        return build(dict(zip(grads.keys(), _cast(u, g))), grads.batch_size), build(
+            {**moments, **new}, state.batch_size
+        )
 
     return transform(init, update, donates_state=donate_state)
 
@@ -788,7 +822,9 @@ def _rescaled(adapted: torch.Tensor, before: torch.Tensor, rescale: str, eps: fl
     return adapted.mul(norm.reciprocal().mul(math.sqrt(min(adapted.shape[-2:]))))
 
 
-def _check_adaptation(where: str, beta: Scalar, eps: float, rescale: str, views: ViewsLike, donate_state: bool) -> float:
+def _check_adaptation(
+    where: str, beta: Scalar, eps: float, rescale: str, views: ViewsLike, donate_state: bool
+) -> float:
     unit_interval("beta", beta)
     positive("eps", eps)
     if rescale not in RESCALE_MODES:
@@ -816,7 +852,11 @@ def row_moment_shape(view: MatrixView, shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def scale_by_neuron_norm(
-    beta: Scalar = 0.95, *, eps: float = 1e-10, rescale: Rescale = "preserve_norm", views: ViewsLike = None,
+    beta: Scalar = 0.95,
+    *,
+    eps: float = 1e-10,
+    rescale: Rescale = "preserve_norm",
+    views: ViewsLike = None,
     donate_state: bool = False,
 ) -> Transform:
     r"""NorMuon's neuron-wise normalisation of an orthogonalized update :math:`O` (Li et al., 2025):
@@ -864,8 +904,14 @@ def scale_by_neuron_norm(
         denominators = _foreach("add", _foreach("sqrt", new), eps)
         out = []
         for o, view, matrices, d in zip(given, leaf_views, blocks, denominators):
-            parts = [d] if view.split is None else list(d.split(list(view.split), dim=1) if view.split_dim == 0 else d.split(1, dim=2))
-            out.append(view.from_matrices([_rescaled(b / p, b, rescale, eps) for b, p in zip(matrices, parts)], o.shape))
+            parts = (
+                [d]
+                if view.split is None
+                else list(d.split(list(view.split), dim=1) if view.split_dim == 0 else d.split(1, dim=2))
+            )
+            out.append(
+                view.from_matrices([_rescaled(b / p, b, rescale, eps) for b, p in zip(matrices, parts)], o.shape)
+            )
         kept = [n.reshape(held[k].shape) for k, n in zip(names, new)]
         entry = build({"row_second_moment": _replaced(held, names, kept)}, state.batch_size)
         return build(dict(zip(names, _cast(out, given))), grads.batch_size), entry
@@ -880,8 +926,13 @@ def _row_means(view: MatrixView, blocks: list[torch.Tensor]) -> torch.Tensor:
 
 
 def scale_by_element_rms(
-    beta: Scalar = 0.95, *, eps: float = 1e-10, bias_correction: bool = False, rescale: Rescale = "orthogonal",
-    views: ViewsLike = None, donate_state: bool = False,
+    beta: Scalar = 0.95,
+    *,
+    eps: float = 1e-10,
+    bias_correction: bool = False,
+    rescale: Rescale = "orthogonal",
+    views: ViewsLike = None,
+    donate_state: bool = False,
 ) -> Transform:
     r"""AdaMuon's element-wise adaptation of an orthogonalized update :math:`O` (Si et al., 2025):
 
@@ -927,7 +978,7 @@ def scale_by_element_rms(
             root = _foreach("div", v, _per_leaf(_corrections(t, _number(beta)), v, grads.batch_dims))
         adapted = _foreach("div", values, _foreach("add", _foreach("sqrt", root), eps))
         out = []
-        for name, o, a, view in zip(names, values, adapted, resolve_views(views, names, given, grads.batch_dims)):
+        for o, a, view in zip(values, adapted, resolve_views(views, names, given, grads.batch_dims)):
             if rescale == "none":
                 out.append(a)
                 continue

@@ -72,7 +72,11 @@ _entry = threading.local()
 _EMPTY = TensorDict({}, batch_size=[])
 
 
-def transform(init: InitFn, update: UpdateFn, *, donates_state: bool = False) -> Transform:
+#: An update over flat TensorDicts, as :func:`transform` takes it: ``(grads, state, params) -> (updates, state)``.
+FlatUpdate = Callable[[TensorDictBase, TensorDictBase, TensorDictBase | None], Any]
+
+
+def transform(init: InitFn, update: FlatUpdate, *, donates_state: bool = False) -> Transform:
     """A :class:`Transform` from ``init`` and ``update`` over flat TensorDicts (see the module).
 
     ``donates_state``: ``update`` writes the state it is given in place (``donate_state=True``
@@ -105,7 +109,7 @@ def transform(init: InitFn, update: UpdateFn, *, donates_state: bool = False) ->
     return Transform(entry_init, entry_update)
 
 
-class entered:  # noqa: N801  (a context manager, named for the state it sets)
+class entered:
     """Runs updates as the members of an entry that checked their input (their own entries skip it):
     for a caller that checks several updates' input before running any of them (the shim)."""
 
@@ -138,7 +142,9 @@ def check_input(init: InitFn, grads: TensorDictBase, state: Any, params: TensorD
         )
     for name, g in grads.items():
         if g.layout is not torch.strided or g.is_complex():
-            raise TypeError(f"update: gradient {name!r} is {g.layout} {g.dtype}; only dense real gradients are supported")
+            raise TypeError(
+                f"update: gradient {name!r} is {g.layout} {g.dtype}; only dense real gradients are supported"
+            )
         placements = tuple(getattr(g, "placements", ()))
         if any(placement.is_partial() for placement in placements):
             raise ValueError(
@@ -192,14 +198,18 @@ def _expected_state(
 ) -> dict[tuple[str, ...], tuple[torch.Size, torch.dtype, str | None]] | None:
     signature = (init, leaves.batch_size, tuple((k, v.shape, v.dtype) for k, v in leaves.items()))
     if signature not in _EXPECTED:
-        meta = build({k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in leaves.items()}, leaves.batch_size)
+        meta = build(
+            {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in leaves.items()}, leaves.batch_size
+        )
         try:
             made = init(meta)
         except Exception:
             made = None
         expected = None
         if made is not None:
-            expected = {p: (t.shape, t.dtype, p[-1] if p[-1] in leaves.keys() else None) for p, t in _state_leaves(made, ())}
+            expected = {
+                p: (t.shape, t.dtype, p[-1] if p[-1] in leaves.keys() else None) for p, t in _state_leaves(made, ())
+            }
         if len(_EXPECTED) > 64:
             _EXPECTED.clear()
         _EXPECTED[signature] = expected
@@ -227,7 +237,9 @@ def chain(*transforms: Transform) -> Transform:
     for i, keys in enumerate(owned):
         for key in keys:
             if key in seen:
-                raise ValueError(f"chain: members {seen[key]} and {i} both keep state {key!r}; wrap one in muonfn.named")
+                raise ValueError(
+                    f"chain: members {seen[key]} and {i} both keep state {key!r}; wrap one in muonfn.named"
+                )
             seen[key] = i
 
     def init(params: TensorDictBase) -> TensorDictBase:
@@ -309,7 +321,10 @@ def partition(transforms: Mapping[str, Transform], labels: LabelsLike) -> Transf
     def init(params: TensorDictBase) -> TensorDictBase:
         assigned = route(labels, params, transforms, strict=True)
         return build(
-            {label: t.init(params.select(*[n for n, a in assigned.items() if a == label])) for label, t in transforms.items()},
+            {
+                label: t.init(params.select(*[n for n, a in assigned.items() if a == label]))
+                for label, t in transforms.items()
+            },
             params.batch_size,
         )
 
@@ -478,7 +493,9 @@ def cautious(tx: Transform, *, mode: CautiousMode = "heavyball", sum_shards: Any
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
         updates, state = tx.update(grads, state, params)
         members, names, values = grads.batch_dims, list(updates.keys()), list(updates.values())
-        keeps = [u.signbit() == g.signbit() if mode == "heavyball" else (u * g) > 0 for u, g in zip(values, grads.values())]
+        keeps = [
+            u.signbit() == g.signbit() if mode == "heavyball" else (u * g) > 0 for u, g in zip(values, grads.values())
+        ]
         kept = [count_per_member(k, members) for k in keeps]
         if sum_shards is None:
             totals: list[Any] = [math.prod(u.shape[members:]) for u in values]
@@ -511,6 +528,8 @@ def _matched(where: str, params: TensorDictBase, updates: TensorDictBase) -> lis
             raise ValueError(f"{where}: update {name!r} has no matching parameter")
         if u.shape != p.shape:
             raise ValueError(f"{where}: update {name!r} has shape {tuple(u.shape)}, the parameter {tuple(p.shape)}")
+        if u.device != p.device:  # (a meta update would add nothing, silently)
+            raise ValueError(f"{where}: update {name!r} is on {u.device}, the parameter on {p.device}")
         targets.append(p)
     return targets
 
@@ -518,8 +537,8 @@ def _matched(where: str, params: TensorDictBase, updates: TensorDictBase) -> lis
 def apply_updates(params: TensorDictBase, updates: TensorDictBase) -> TensorDictBase:
     """``params + updates`` leaf by leaf; leaves without an update are returned as they are.
 
-    Every update must name a parameter and have its shape (else a ``ValueError`` names it, before
-    anything is computed). Each result keeps its parameter's dtype: a sum of another dtype is taken
+    Every update must name a parameter and have its shape and device (else a ``ValueError`` names it,
+    before anything is computed). Each result keeps its parameter's dtype: a sum of another dtype is taken
     in the promoted dtype and cast back, as optax does.
     """
     flat_params, flat_updates = flat(params), flat(updates)
@@ -548,4 +567,3 @@ def apply_updates_(params: TensorDictBase, updates: TensorDictBase) -> TensorDic
         if targets:
             torch._foreach_add_(targets, list(flat_updates.values()))
     return params
-

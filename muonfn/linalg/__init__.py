@@ -4,7 +4,7 @@ No TensorDicts, no ranks: the transforms, the presets, the shim and the distribu
 build on this layer.
 """
 
-from .._devices import CPU_BF16_MIN_WORK, cpu_has_bf16_units, default_ns_dtype
+from .._devices import CPU_BF16_MIN_SPEEDUP, CPU_BF16_MIN_WORK, CpuBf16Probe, cpu_bf16_probe, default_ns_dtype
 from ._matrices import (
     DEFAULT_BUCKET_NUMEL,
     DEFAULT_VIEW,
@@ -45,6 +45,7 @@ from ._newton_schulz import (
 
 __all__ = [
     "COEFFICIENTS",
+    "CPU_BF16_MIN_SPEEDUP",
     "CPU_BF16_MIN_WORK",
     "DEFAULT_BUCKET_NUMEL",
     "DEFAULT_VIEW",
@@ -53,6 +54,7 @@ __all__ = [
     "SCALE_MODES",
     "Coefficients",
     "CoefficientsLike",
+    "CpuBf16Probe",
     "EpsMode",
     "LocalOrthogonalizer",
     "MatrixFn",
@@ -67,7 +69,7 @@ __all__ = [
     "check_bucket_numel",
     "check_matrix_fn",
     "checked_map_result",
-    "cpu_has_bf16_units",
+    "cpu_bf16_probe",
     "default_ns_dtype",
     "default_restarts",
     "gram_newton_schulz",

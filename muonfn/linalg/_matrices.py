@@ -90,8 +90,10 @@ class MatrixView:
             raise TypeError(f"MatrixView: transposed must be True or False, got {self.transposed!r}")
         if self.split is not None:
             split = self.split
-            if isinstance(split, str | bytes) or not isinstance(split, Sequence) or not all(
-                isinstance(s, int) and not isinstance(s, bool) for s in split
+            if (
+                isinstance(split, str | bytes)
+                or not isinstance(split, Sequence)
+                or not all(isinstance(s, int) and not isinstance(s, bool) for s in split)
             ):
                 raise TypeError(f"MatrixView: split must be a tuple of block sizes (integers), got {split!r}")
             object.__setattr__(self, "split", tuple(split))
@@ -288,14 +290,17 @@ def _batched(
         buckets.setdefault((shape, m.dtype, m.device, scales[i]), []).append(i)
     out = list(matrices)
     for (_, _, _, scale), members in buckets.items():
-        chunk: list[int] = []
-        for i in [*members, None]:
-            if chunk and (i is None or sum(matrices[j].numel() for j in chunk) + matrices[i].numel() > cap):
-                for j, result in zip(chunk, _call([matrices[j] for j in chunk], ns, scale, overwrite, gpu_form)):
-                    out[j] = result
-                chunk = []
-            if i is not None:
-                chunk.append(i)
+        chunks: list[list[int]] = [[]]
+        size = 0
+        for i in members:
+            if chunks[-1] and size + matrices[i].numel() > cap:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(i)
+            size += matrices[i].numel()
+        for chunk in chunks:
+            for j, result in zip(chunk, _call([matrices[j] for j in chunk], ns, scale, overwrite, gpu_form)):
+                out[j] = result
     return out
 
 
@@ -331,7 +336,9 @@ def _call(
             result = result if scale == 1.0 else result.mul(scale)
         sizes = [1 if p.ndim == 2 else p.size(0) for p in pieces]
         results = [r.squeeze(0) if p.ndim == 2 else r for r, p in zip(result.split(sizes), pieces)]
-        results = [r.mT.contiguous() if r.ndim == 2 and tall[k] else r.mT if tall[k] else r for r, k in zip(results, order)]
+        results = [
+            r.mT.contiguous() if r.ndim == 2 and tall[k] else r.mT if tall[k] else r for r, k in zip(results, order)
+        ]
     out: list[torch.Tensor] = [torch.empty(0)] * len(matrices)
     for k, result in zip(order, results):
         out[k] = result

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 KINDS = {True: "torch.optim.Muon", False: "torch.optim.AdamW"}
 #: The settings torch's optimizers run at these values only (the shim's key -> values torch runs).
-TORCH_RUNS = {
+TORCH_RUNS: dict[bool, dict[str, tuple[Any, ...]]] = {
     True: {"variant": ("muon",), "momentum_bias_correction": (False,), "cautious_weight_decay": (False,),
            "cautious_mode": (None,), "ns_method": ("standard", "gram"), "ns_eps_mode": ("clamp",),
            "adjust_lr_fn": ("original", "match_rms_adamw", None), "extra_scale": (1.0,), "nesterov": (True, False)},
@@ -58,7 +58,10 @@ def shim_state_dict(
         where = f"load_torch_state_dicts: param group {i}"
         for key, values in TORCH_RUNS[kind].items():
             if kind and key in ("variant", "momentum_bias_correction") and group.get(key) not in values:
-                raise ValueError(f"{where} has {key}={group.get(key)!r}; torch.optim.Muon's state continues Muon groups without bias correction only")
+                raise ValueError(
+                    f"{where} has {key}={group.get(key)!r}; torch.optim.Muon's state continues Muon groups "
+                    "without bias correction only"
+                )
         indices = list(range(position, position + len(group["params"])))
         position += len(group["params"])
         mine = {k: v for k, v in group.items() if k != "params"}
@@ -71,10 +74,15 @@ def shim_state_dict(
             groups.append(mine)
             continue
         if nth >= len(saved_groups[kind]):
-            raise ValueError(f"{where}: the {KINDS[kind]} state_dict has {len(saved_groups[kind])} groups, fewer than this optimizer's")
+            raise ValueError(
+                f"{where}: the {KINDS[kind]} state_dict has {len(saved_groups[kind])} groups, fewer than this "
+                "optimizer's"
+            )
         saved = saved_groups[kind][nth]
         if len(saved["params"]) != len(indices):
-            raise ValueError(f"{where}: {len(indices)} parameters here, {len(saved['params'])} in the {KINDS[kind]} group")
+            raise ValueError(
+                f"{where}: {len(indices)} parameters here, {len(saved['params'])} in the {KINDS[kind]} group"
+            )
         for name, theirs in zip(names, saved.get("param_names", names)):
             if group.get("param_names") and name != theirs:
                 raise ValueError(f"{where}: parameter {name!r} here is {theirs!r} there")
@@ -83,12 +91,17 @@ def shim_state_dict(
             entry = sd["state"].get(theirs)
             if entry:
                 if "max_exp_avg_sq" in entry:
-                    raise ValueError(f"{where}: parameter {name!r} has amsgrad's state, which muonfn's AdamW does not run")
+                    raise ValueError(
+                        f"{where}: parameter {name!r} has amsgrad's state, which muonfn's AdamW does not run"
+                    )
                 state[index] = {k: _shim_value(k, v, p) for k, v in entry.items()}
         groups.append(mine)
     for kind, saved in saved_groups.items():
         if len(saved) > taken[kind]:
-            raise ValueError(f"load_torch_state_dicts: the {KINDS[kind]} state_dict has {len(saved)} groups, this optimizer {taken[kind]}")
+            raise ValueError(
+                f"load_torch_state_dicts: the {KINDS[kind]} state_dict has {len(saved)} groups, this optimizer "
+                f"{taken[kind]}"
+            )
     return {"state": state, "param_groups": groups}
 
 
@@ -140,19 +153,27 @@ def torch_state_dicts(opt: Muon) -> tuple[dict[str, Any], dict[str, Any]]:
             decayed = set(_decayed(opt, names, group["params"]))
             exempt = [n for n in names if n not in decayed]
             if exempt:
-                raise ValueError(f"{where}: weight_decay_mask exempts {exempt}, which torch decays with the whole group")
+                raise ValueError(
+                    f"{where}: weight_decay_mask exempts {exempt}, which torch decays with the whole group"
+                )
         theirs = {k: v for k, v in group.items() if k not in SHIM_ONLY and k != "params"}
         if kind:
             schedule = ns_schedule(group["ns_coefficients"], group["ns_steps"])
             if len(set(schedule.triples)) != 1 or schedule.norm_factor != 1.0:
-                raise ValueError(f"{where}: torch.optim.Muon runs one (a, b, c) for every step, not {group['ns_coefficients']!r}")
+                raise ValueError(
+                    f"{where}: torch.optim.Muon runs one (a, b, c) for every step, not {group['ns_coefficients']!r}"
+                )
             for name, p in zip(names, group["params"]):
                 if p.ndim != 2:
-                    raise ValueError(f"{where}: parameter {name!r} is {p.ndim}-D; torch.optim.Muon takes 2-D parameters only")
+                    raise ValueError(
+                        f"{where}: parameter {name!r} is {p.ndim}-D; torch.optim.Muon takes 2-D parameters only"
+                    )
             theirs.update(ns_coefficients=schedule.triples[0], ns_steps=len(schedule.triples))
         else:
             theirs["betas"] = (float(theirs.pop("momentum")), float(theirs.pop("beta2")))
-            theirs.update(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None)
+            theirs.update(
+                amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None
+            )
         indices = list(range(count[kind], count[kind] + len(names)))
         count[kind] += len(names)
         theirs["params"] = indices
@@ -161,7 +182,9 @@ def torch_state_dicts(opt: Muon) -> tuple[dict[str, Any], dict[str, Any]]:
             entry = opt.state.get(p)
             if entry:
                 out[kind]["state"][index] = {
-                    k: v.to(torch.float32) if k == "step" else v.clone() for k, v in entry.items() if isinstance(v, torch.Tensor)
+                    k: v.to(torch.float32) if k == "step" else v.clone()
+                    for k, v in entry.items()
+                    if isinstance(v, torch.Tensor)
                 }
     return out[True], out[False]
 
@@ -169,4 +192,6 @@ def torch_state_dicts(opt: Muon) -> tuple[dict[str, Any], dict[str, Any]]:
 def _decayed(opt: Muon, names: list[str], params: list[torch.Tensor]) -> list[str]:
     from ..transforms import selected
 
-    return selected(opt._mask, build({n: p.detach() for n, p in zip(names, params)}, torch.Size([])), "weight_decay_mask")
+    return selected(
+        opt._mask, build({n: p.detach() for n, p in zip(names, params)}, torch.Size([])), "weight_decay_mask"
+    )

@@ -15,10 +15,19 @@ from .. import transforms
 from .._tree import build, named_table
 from .._validation import flag, non_negative, positive, unit_interval
 from ..linalg import SCALE_MODES, NewtonSchulz, Orthogonalizer, ns_schedule, polar, qr_orthogonal
-from ..presets import MUON, VARIANT_DEFAULTS, VARIANT_OPTIONS, VARIANTS, adaptation, label_params, matrix_branch
+from ..presets import (
+    MUON,
+    VARIANT_DEFAULTS,
+    VARIANT_OPTIONS,
+    VARIANTS,
+    adaptation,
+    label_params,
+    matrix_branch,
+    warn_routing,
+)
 from ..steps import adamw
 from ..transforms import LabelsLike, MaskLike, Transform, check_input
-from . import _migration
+from . import _migration, _routing
 
 #: A Muon group's settings besides the scheduled ones, and what a change of them rebuilds.
 MUON_SETTINGS = (
@@ -123,7 +132,9 @@ class Muon(torch.optim.Optimizer):
         if labels is not None:
             transforms.check_table("Muon(...): labels", labels)
         transforms.check_mask("Muon(...): weight_decay_mask", weight_decay_mask)
-        if chunk_numel not in (None, "auto") and (isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel < 1):
+        if chunk_numel not in (None, "auto") and (
+            isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel < 1
+        ):
             raise ValueError(f"chunk_numel must be a positive int, 'auto' or None, got {chunk_numel!r}")
         if not isinstance(compile, bool | Mapping):
             raise TypeError(f"compile must be True, False or a mapping of torch.compile's keywords, got {compile!r}")
@@ -145,12 +156,17 @@ class Muon(torch.optim.Optimizer):
             "cautious_weight_decay": cautious_weight_decay,
         }  # fmt: skip
         self._split_halves = {"adamw_lr": adamw_lr, "adamw_weight_decay": adamw_weight_decay}
-        self._given_variant_options = {k: v for k, v in self._muon_defaults.items() if k in VARIANT_OPTIONS and v is not None}
+        self._given_variant_options = {
+            k: v for k, v in self._muon_defaults.items() if k in VARIANT_OPTIONS and v is not None
+        }
         self._transforms: dict[int, tuple[Any, Transform, dict[str, torch.Tensor]]] = {}
         self._compiled: dict[Any, Callable[..., Any]] = {}
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
         for i, group in enumerate(self.param_groups):
             self._transform(i, group)  # every group's settings checked now
+        idle = _routing.idle_muon(self.param_groups)
+        if idle is not None:
+            warn_routing(idle)
 
     # ------------------------------------------------------------------------------------------ groups
 
@@ -181,10 +197,13 @@ class Muon(torch.optim.Optimizer):
             routes = transforms.route(self._labels or label_params, detached, (MUON, "adamw"))
             parts = [(True, [i for i, k in enumerate(keys) if routes[k] == MUON])]
             parts.append((False, [i for i, k in enumerate(keys) if routes[k] != MUON]))
+            _routing.warn_if_routed_blind(self, self._labels or label_params, names, [tensors[i] for i in parts[0][1]])
         elif isinstance(use_muon, bool):
             for half in self._split_halves:
                 if half in param_group:
-                    raise ValueError(f"{half!r} sets the AdamW half of a group split by labels; this group has use_muon={use_muon}")
+                    raise ValueError(
+                        f"{half!r} sets the AdamW half of a group split by labels; this group has use_muon={use_muon}"
+                    )
             parts = [(use_muon, list(range(len(tensors))))]
         else:
             raise TypeError(f"use_muon must be True or False, got {use_muon!r}")
@@ -199,7 +218,9 @@ class Muon(torch.optim.Optimizer):
             del self.param_groups[count:]
             raise
 
-    def _group(self, given: Mapping[str, Any], use_muon: bool, tensors: list[Any], names: list[str] | None) -> dict[str, Any]:
+    def _group(
+        self, given: Mapping[str, Any], use_muon: bool, tensors: list[Any], names: list[str] | None
+    ) -> dict[str, Any]:
         """A group of one kind from a group dict: the settings that act on it, the others refused."""
         defaults = self._muon_defaults if use_muon else self._adamw_defaults
         own = {k: v for k, v in given.items() if k not in ("params", "param_names", "use_muon", *self._split_halves)}
@@ -210,7 +231,11 @@ class Muon(torch.optim.Optimizer):
                 if value is not None:
                     own[key] = value
         if use_muon and "ns" in own:
-            own.update(_ns_entries(own.pop("ns"), own.pop("ns_coefficients", "keller"), own.pop("ns_steps", None), own.pop("eps", 1e-7)))
+            own.update(
+                _ns_entries(
+                    own.pop("ns"), own.pop("ns_coefficients", "keller"), own.pop("ns_steps", None), own.pop("eps", 1e-7)
+                )
+            )
         unknown = set(own) - set(defaults) - {"initial_lr"}
         if unknown and (use_muon or "use_muon" in given):
             raise ValueError(f"param group: {sorted(unknown)} set nothing in a {'Muon' if use_muon else 'AdamW'} group")
@@ -228,13 +253,19 @@ class Muon(torch.optim.Optimizer):
         if kind != ("variant" in group):
             raise ValueError(f"{where}: use_muon={group.get('use_muon')!r} does not match its settings")
         settings = MUON_SETTINGS if kind else ADAMW_SETTINGS
-        signature = (kind, *(_comparable(group.get(k)) for k in settings), *(_comparable(group.get(k)) for k in VARIANT_OPTIONS))
+        signature = (
+            kind,
+            *(_comparable(group.get(k)) for k in settings),
+            *(_comparable(group.get(k)) for k in VARIANT_OPTIONS),
+        )
         cached = self._transforms.get(index)
         for name in SCHEDULED[kind]:
             value = _number(where, name, group[name])
             (unit_interval if name == "momentum" else non_negative)(f"{where}: {name}", value)
         if cached is None or cached[0] != signature:
-            scalars = {name: torch.tensor(_number(where, name, group[name]), dtype=torch.float64) for name in SCHEDULED[kind]}
+            scalars = {
+                name: torch.tensor(_number(where, name, group[name]), dtype=torch.float64) for name in SCHEDULED[kind]
+            }
             try:
                 tx = self._branch(group, scalars)
             except (ValueError, TypeError) as error:
@@ -264,7 +295,9 @@ class Muon(torch.optim.Optimizer):
     @property
     def transform(self) -> Transform:
         """The one-group optimizer's branch (:func:`muonfn.transforms.partition` of the groups' otherwise)."""
-        branches = {label: self._transform(i, g) for i, (label, g) in enumerate(zip(self._labels_of(), self.param_groups))}
+        branches = {
+            label: self._transform(i, g) for i, (label, g) in enumerate(zip(self._labels_of(), self.param_groups))
+        }
         names = {n: label for label, g, ns in zip(self._labels_of(), self.param_groups, self._names()) for n in ns}
         return transforms.partition(branches, names)
 
@@ -370,7 +403,9 @@ class Muon(torch.optim.Optimizer):
         for i, (group, names) in enumerate(zip(self.param_groups, self._names())):
             for p in group["params"]:
                 if seen.setdefault(p, i) != i:
-                    raise ValueError(f"param group {i} holds a parameter of param group {seen[p]}; a parameter steps in one group")
+                    raise ValueError(
+                        f"param group {i} holds a parameter of param group {seen[p]}; a parameter steps in one group"
+                    )
             tx = self._transform(i, group)
             stepped = [(n, p) for n, p in zip(names, group["params"]) if p.grad is not None]
             for part in self._parts(stepped):
@@ -435,7 +470,9 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"load_state_dict: {len(saved)} param groups saved, {len(self.param_groups)} here")
         for i, (ours, theirs) in enumerate(zip(self.param_groups, saved)):
             if len(ours["params"]) != len(theirs["params"]) or bool(ours["use_muon"]) != bool(theirs.get("use_muon")):
-                raise ValueError(f"load_state_dict: param group {i} does not match the saved one (its size or use_muon)")
+                raise ValueError(
+                    f"load_state_dict: param group {i} does not match the saved one (its size or use_muon)"
+                )
         callables = [g.get("ns_method") for g in self.param_groups]
         before = [dict(g) for g in self.param_groups], {p: dict(s) for p, s in self.state.items()}
         try:
@@ -459,7 +496,9 @@ class Muon(torch.optim.Optimizer):
             params = [p for p in group["params"] if self.state.get(p)]
             if not params:
                 continue
-            expected = tx.init(build({n: p.detach() for n, p in zip(names, group["params"]) if p in params}, torch.Size([])))
+            expected = tx.init(
+                build({n: p.detach() for n, p in zip(names, group["params"]) if p in params}, torch.Size([]))
+            )
             for path, torch_name in self._layout(tx, params[0]).items():
                 for name, p in zip(names, group["params"]):
                     if p in params and torch_name in self.state[p]:
@@ -472,7 +511,9 @@ class Muon(torch.optim.Optimizer):
                             )
                         self.state[p][torch_name] = value.to(dtype=like.dtype, device=like.device)
 
-    def load_torch_state_dicts(self, muon_state_dict: dict[str, Any], adamw_state_dict: dict[str, Any] | None = None) -> None:
+    def load_torch_state_dicts(
+        self, muon_state_dict: dict[str, Any], adamw_state_dict: dict[str, Any] | None = None
+    ) -> None:
         """Continues a run of ``torch.optim.Muon`` (with ``torch.optim.AdamW`` for the other parameters):
         this optimizer's Muon groups take the Muon state_dict's groups in order, its AdamW groups the AdamW
         state_dict's, parameter by parameter (checked by shape, and by name where both have names), every
@@ -534,7 +575,10 @@ def _resolve_variant(group: dict[str, Any], given: set[str]) -> None:
         if name not in defaults:
             if group.get(name) is not None and name in given:
                 takers = [v for v in VARIANTS if name in VARIANT_DEFAULTS[v]]
-                raise ValueError(f"{name} does not apply to variant {variant!r}; it is an option of {' and '.join(map(repr, takers))}")
+                raise ValueError(
+                    f"{name} does not apply to variant {variant!r}; it is an option of "
+                    f"{' and '.join(map(repr, takers))}"
+                )
             group.pop(name, None)
         elif group.get(name) is None:
             group[name] = defaults[name]
@@ -546,10 +590,14 @@ def _ns_entries(ns: Any, coefficients: Any, steps: int | None, eps: float) -> di
     ``"qr"``, a map of one's own as ``ns_method``) with torch's spellings at their defaults."""
     if ns is not None:
         if coefficients != "keller" or steps is not None or eps != 1e-7:
-            raise ValueError("ns= is the whole Newton–Schulz setting: leave ns_coefficients, ns_steps and eps out with it")
+            raise ValueError(
+                "ns= is the whole Newton–Schulz setting: leave ns_coefficients, ns_steps and eps out with it"
+            )
         if isinstance(ns, NewtonSchulz):
-            return {"ns_coefficients": _plain(ns.coefficients), "ns_steps": ns.steps, "eps": ns.eps,
-                    "ns_dtype": ns.dtype, "ns_method": ns.method, "ns_eps_mode": ns.eps_mode, "ns_restarts": ns.restarts}  # fmt: skip
+            return {
+                "ns_coefficients": _plain(ns.coefficients), "ns_steps": ns.steps, "eps": ns.eps, "ns_dtype": ns.dtype,
+                "ns_method": ns.method, "ns_eps_mode": ns.eps_mode, "ns_restarts": ns.restarts,
+            }  # fmt: skip
         method = "svd" if ns is polar else "qr" if ns is qr_orthogonal else ns
         return {**_ns_entries(None, "keller", None, 1e-7), "ns_method": method}
     if _migration.is_torch_triple(coefficients):

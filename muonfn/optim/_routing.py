@@ -8,7 +8,14 @@ from typing import Any
 
 import torch
 
-from ..presets import DEFAULT_EXCLUDE, label_params, matching_fragments, shown
+from ..presets import DEFAULT_EXCLUDE, label_params, matching_fragments, shown, warn_routing
+
+
+def warn_if_routed_blind(opt: Any, labels: Any, names: Any, muon: Sequence[torch.Tensor]) -> None:
+    """Once per optimizer: parameters given without names that the default labels sent to Muon."""
+    if names is None and muon and by_shape_and_name(labels) and not getattr(opt, "_warned_unnamed", False):
+        opt._warned_unnamed = True
+        warn_routing(routed_blind([p.shape for p in muon]))
 
 
 def by_shape_and_name(labels: Any) -> bool:
