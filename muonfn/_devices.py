@@ -188,7 +188,8 @@ def gpu_orthogonalized(
         norms = norms * ns.schedule.norm_factor
     reciprocal = (norms + ns.eps if ns.eps_mode == "add" else norms.clamp_min(ns.eps)).reciprocal()
     stack = torch.stack(list(matrices))
-    if _plain_eager(matrices):  # one pass: the fp64 product rounded to ``dtype`` as it is stored
+    recorded = torch.is_grad_enabled() and any(m.requires_grad for m in matrices)  # (out= records nothing)
+    if _plain_eager(matrices) and not recorded:  # one pass: the fp64 product rounded to ``dtype`` as it is stored
         X = torch.mul(stack, reciprocal, out=torch.empty(stack.shape, dtype=dtype, device=stack.device))
     else:
         X = (stack * reciprocal).to(dtype)
