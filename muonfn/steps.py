@@ -912,7 +912,8 @@ def scale_by_neuron_norm(
             out.append(
                 view.from_matrices([_rescaled(b / p, b, rescale, eps) for b, p in zip(matrices, parts)], o.shape)
             )
-        kept = [n.reshape(held[k].shape) for k, n in zip(names, new)]
+        # donated, the views were written in place: the state keeps its own tensors
+        kept = [held[k] if donate_state else n.reshape(held[k].shape) for k, n in zip(names, new)]
         entry = build({"row_second_moment": _replaced(held, names, kept)}, state.batch_size)
         return build(dict(zip(names, _cast(out, given))), grads.batch_size), entry
 
