@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal, NamedTuple, Protocol, TypeAlias
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor
 
 from ._tree import build, dotted, flat, named_table, nested_like
 from ._validation import check_params
@@ -270,7 +270,7 @@ def named(name: str, tx: Transform) -> Transform:
     return transform(init, update, donates_state=donates_state(tx))
 
 
-LabelsLike: TypeAlias = Mapping[Any, str] | Callable[[TensorDictBase], Mapping[Any, str]]
+LabelsLike: TypeAlias = Mapping[Any, str] | TensorDictBase | Callable[[TensorDictBase], Mapping[Any, str]]
 MaskLike: TypeAlias = Mapping[Any, bool] | Callable[[TensorDictBase], Mapping[Any, bool]] | Literal["matrices"] | None
 
 
@@ -283,7 +283,11 @@ def check_table(where: str, table: object) -> None:
 
 
 def table_of(table: Any, params: TensorDictBase, where: str) -> Mapping[Any, Any]:
-    """The names-to-values table ``table`` gives for ``params`` (a callable is called on them)."""
+    """The names-to-values table ``table`` gives for ``params`` (a callable is called on them; a
+    TensorDict, of labels say, is read by its leaves)."""
+    if isinstance(table, TensorDictBase):
+        leaves = table.keys(True, True, is_leaf=is_leaf_nontensor)
+        return {key: getattr(value, "data", value) for key in leaves for value in (table.get(key),)}
     if isinstance(table, Mapping):
         return table
     made = table(params)
@@ -308,9 +312,10 @@ def route(labels: LabelsLike, params: TensorDictBase, known: Any, *, strict: boo
 def partition(transforms: Mapping[str, Transform], labels: LabelsLike) -> Transform:
     """Routes each leaf to the transform of its label; the state is ``{label: state}``.
 
-    ``labels``: a mapping from name (dotted or tuple) to label, or a callable ``params -> mapping``
-    given the parameters as a flat TensorDict (see :func:`muonfn.label_params`). Every parameter
-    needs a label, and ``init`` refuses labels for names that are not parameters.
+    ``labels``: a mapping from name (dotted or tuple) to label, a TensorDict of labels in the
+    parameters' nesting, or a callable ``params -> mapping`` given the parameters as a flat
+    TensorDict (see :func:`muonfn.label_params`). Every parameter needs a label, and ``init``
+    refuses labels for names that are not parameters.
     """
     if not isinstance(transforms, Mapping):
         raise TypeError(f"partition: transforms must map labels to transforms, got {type(transforms).__name__}")
