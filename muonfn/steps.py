@@ -46,13 +46,15 @@ RESCALE_MODES: tuple[str, ...] = ("preserve_norm", "orthogonal", "none")
 
 def _number(value: Any) -> Any:
     """``value``, but a plain 0-d tensor on the host read as the number it holds in an eager step
-    (free: no device waits), so that a number and a tensor holding it round alike."""
+    (free: no device waits), so that a number and a tensor holding it round alike; under ``vmap``
+    too, where no member maps it (an ensemble rounds as its members do alone)."""
     if (
         type(value) is torch.Tensor
         and value.ndim == 0
         and value.device.type == "cpu"
         and not torch.compiler.is_compiling()
-        and not torch._C._are_functorch_transforms_active()
+        and not torch._C._functorch.is_batchedtensor(value)
+        and not torch._C._functorch.is_gradtrackingtensor(value)
         and not (value.requires_grad and torch.is_grad_enabled())
     ):
         return value.item()
