@@ -444,7 +444,12 @@ def check_sum_shards(where: str, sum_shards: object) -> None:
 
 def count_per_member(mask: torch.Tensor, members: int) -> torch.Tensor:
     """The number of true entries of ``mask``: one count, or one per ensemble member."""
-    return mask.sum(dtype=torch.int64) if not members else mask.flatten(members).sum(-1, dtype=torch.int64)
+    return mask.sum(dtype=torch.int64) if not members else per_member(mask, members).sum(-1, dtype=torch.int64)
+
+
+def per_member(t: torch.Tensor, members: int) -> torch.Tensor:
+    """``t`` with each ensemble member's entries in one last dimension (a member's 0-d leaf too)."""
+    return t.flatten(members) if t.ndim > members else t.unsqueeze(-1)
 
 
 def _all_finite(
@@ -453,7 +458,7 @@ def _all_finite(
     if not values:
         return torch.ones(batch_size, dtype=torch.bool)
     if sum_shards is None:
-        flags = [g.isfinite().all() if not members else g.isfinite().flatten(members).all(-1) for g in values]
+        flags = [g.isfinite().all() if not members else per_member(g.isfinite(), members).all(-1) for g in values]
     else:
         bad = [count_per_member(g.isfinite().logical_not(), members) for g in values]
         flags = [b.eq(0).reshape(batch_size) for b in sum_shards(names, values, bad, batch_dims=members)]
