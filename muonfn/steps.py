@@ -605,7 +605,7 @@ def descent(
         else:
             out = _shape_scaled(grads, views, scale_fn, factor)
         if isinstance(lr, torch.Tensor):
-            out = _foreach("mul", out, _times(lr.neg(), out, grads.batch_dims), inplace=_may_overwrite(out))
+            out = _foreach("mul", out, _times(lr.neg(), out, grads.batch_dims), inplace=_may_overwrite([*out, lr]))
         out = _decayed(out, grads, params, -lr * lam, mask, "descent", inplace=True)
         updates = build(dict(zip(grads.keys(), _cast(out, values))), grads.batch_size)
         return updates, build(new, state.batch_size)
