@@ -553,7 +553,7 @@ def apply_updates(params: TensorDictBase, updates: TensorDictBase) -> TensorDict
     """
     flat_params, flat_updates = flat(params), flat(updates)
     targets = _matched("apply_updates", flat_params, flat_updates)
-    sums = torch._foreach_add(targets, list(flat_updates.values())) if targets else []
+    sums = _added(targets, list(flat_updates.values()), inplace=False)
     new = {n: s.to(p.dtype) for n, s, p in zip(flat_updates.keys(), sums, targets)}
     return nested_like(build({**flat_params, **new}, params.batch_size), params)
 
@@ -574,6 +574,18 @@ def apply_updates_(params: TensorDictBase, updates: TensorDictBase) -> TensorDic
                 f"of dtype {p.dtype}"
             )
     with torch.no_grad():
-        if targets:
-            torch._foreach_add_(targets, list(flat_updates.values()))
+        _added(targets, list(flat_updates.values()), inplace=True)
     return params
+
+
+def _added(targets: list[torch.Tensor], updates: list[torch.Tensor], *, inplace: bool) -> list[torch.Tensor]:
+    """``p + u`` for every pair in one multi-tensor add (``inplace``: into ``p``); one add a pair under
+    ``torch.func`` transforms (``vmap``), which have no batching rule for it."""
+    if not targets:
+        return []
+    if torch._C._are_functorch_transforms_active():
+        return [p.add_(u) if inplace else p.add(u) for p, u in zip(targets, updates)]
+    if inplace:
+        torch._foreach_add_(targets, updates)
+        return targets
+    return list(torch._foreach_add(targets, updates))
