@@ -217,13 +217,14 @@ def adamw_kernel_takes(
     """Whether an AdamW update goes through ``torch._fused_adamw_`` (``torch.optim.AdamW(fused=True)``'s
     kernel): one model (no ensemble) whose gradients, moments and decayed parameters are contiguous
     fp32 tensors on one CUDA (or meta) device, eager, outside ``torch.func`` transforms, with nothing
-    autograd records, plain tensors or all DTensors, the learning rate and decay numbers (``factors``:
-    those given as tensors); ``forced``: on any device."""
+    autograd records; plain tensors, the learning rate and decay numbers or 0-d tensors on their
+    device (``factors``: those given as tensors; a schedule's rate), or all DTensors, with both
+    numbers; ``forced``: on any device."""
     if (
         members
         or not tensors
         or not _plain_eager([])
-        or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        or (torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *factors)))
     ):
         return False
     device = tensors[0].device
@@ -232,7 +233,9 @@ def adamw_kernel_takes(
     if not all(t.dtype == torch.float32 and t.device == device and t.is_contiguous() for t in tensors):
         return False
     dtensors = [hasattr(t, "placements") for t in tensors]
-    return not factors and (all(dtensors) or not any(dtensors))
+    if all(dtensors):
+        return not factors
+    return not any(dtensors) and all(f.ndim == 0 and f.device == device for f in factors)
 
 
 def adamw_kernel(
@@ -240,8 +243,8 @@ def adamw_kernel(
     state: Any,
     params: Any,
     decayed: list[str],
-    lr: float,
-    lam: float,
+    lr: Any,
+    lam: Any,
     b1: float,
     b2: float,
     eps: float,
@@ -269,10 +272,13 @@ def adamw_kernel(
     for i, t in enumerate(g):
         meshes.setdefault(id(getattr(t, "device_mesh", None)), []).append(i)
     steps = [c.to(torch.float32) for c in counts]
+    # a tensor rate goes to the kernel as it is (CUDA's ``tensor_lr``); meta, which takes CUDA's paths to
+    # count them, has no kernel for it and holds no value: a number stands for it there, the same traffic
+    kernel_lr = 0.0 if isinstance(lr, torch.Tensor) and lr.device.type == "meta" else lr
     for at in meshes.values():
-        torch._fused_adamw_(  # type: ignore[call-overload]
+        torch._fused_adamw_(  # type: ignore[call-overload]  # (lr a number or a 0-d tensor: an overload each)
             *([x[i] for i in at] for x in (updates, g, m, v)), [], [steps[i] for i in at],
-            lr=lr, beta1=b1, beta2=b2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
+            lr=kernel_lr, beta1=b1, beta2=b2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
         )  # fmt: skip
     size = grads.batch_size
     entries = {
