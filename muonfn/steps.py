@@ -75,12 +75,30 @@ def _foreach(op: str, tensors: Sequence[torch.Tensor], *operands: Any, inplace: 
     firsts = [v[0] if isinstance(v, list | tuple) and v else None for v in operands]
     plain = [isinstance(f, torch.Tensor) and not hasattr(f, "placements") for f in firsts]
     mixed = hasattr(tensors[0], "placements") and any(isinstance(v, torch.Tensor) or p for v, p in zip(operands, plain))
-    if narrow or mixed or torch._C._are_functorch_transforms_active():
+    mapped = torch._C._are_functorch_transforms_active()
+    if narrow or mixed or mapped:
         lists = [v if isinstance(v, list | tuple) else [v] * len(tensors) for v in operands]
         name = f"{op}_" if inplace else op
-        return [getattr(t, name)(*args, **kw) for t, *args in zip(tensors, *lists)]
+        return [
+            _widened(op, t, args, kw, inplace)
+            if mapped and _narrow_meets_wide(t, args)
+            else getattr(t, name)(*args, **kw)
+            for t, *args in zip(tensors, *lists)
+        ]
     result = getattr(torch, f"_foreach_{op}_" if inplace else f"_foreach_{op}")(list(tensors), *operands, **kw)
     return list(tensors) if inplace else list(result)
+
+
+def _narrow_meets_wide(t: torch.Tensor, operands: Sequence[Any]) -> bool:
+    return t.dtype.itemsize < 4 and any(isinstance(v, torch.Tensor) and v.dtype.itemsize >= 4 for v in operands)
+
+
+def _widened(op: str, t: torch.Tensor, operands: Sequence[Any], kw: dict[str, Any], inplace: bool) -> torch.Tensor:
+    """``t.<op>(*operands)`` of a bf16/fp16 ``t`` and a wider factor (a per-leaf correction) computed in
+    the factor's dtype and rounded once, as the eager kernels compute it; ``vmap`` would round a
+    0-d factor to ``t``'s dtype first, and a vmapped ensemble would part from the stacked one."""
+    result = getattr(t.to(torch.promote_types(t.dtype, torch.float32)), op)(*operands, **kw).to(t.dtype)
+    return t.copy_(result) if inplace else result
 
 
 def _may_overwrite(tensors: Sequence[torch.Tensor]) -> bool:
