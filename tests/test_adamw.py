@@ -298,7 +298,7 @@ def test_on_a_gpus_path_a_scheduled_learning_rate_steps_through_the_kernel(prese
         assert updates[key].shape == p.shape and updates[key].dtype == p.dtype and updates[key].is_meta, key
 
 
-def test_the_kernel_takes_a_scheduled_rate_as_a_tensor_with_its_bits() -> None:
+def test_a_schedule_steps_through_the_kernel_with_the_bits_of_its_rates() -> None:
     """Forced on the CPU, a schedule's rate, a 0-d tensor, reaches the kernel as a number in an eager
     step: the bits of the same rates given as numbers, step by step."""
     params, grads = params_and_grads(3)
