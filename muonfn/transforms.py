@@ -94,7 +94,8 @@ def transform(init: InitFn, update: FlatUpdate, *, donates_state: bool = False) 
         flat_grads, flat_params = flat(grads), None if params is None else flat(params)
         if isinstance(state, Mapping) and not isinstance(state, TensorDictBase) and not state:
             state = build({}, grads.batch_size)  # a stateless transform may be given {}
-        if getattr(_entry, "checked", False) or torch.compiler.is_compiling():
+        # (traced, the flag is not read: a guard on it would fail once an eager update had set it)
+        if torch.compiler.is_compiling() or getattr(_entry, "checked", False):
             updates, new_state = update(flat_grads, state, flat_params)
         else:
             check_input(entry_init, flat_grads, state, flat_params)
@@ -335,10 +336,15 @@ def partition(transforms: Mapping[str, Transform], labels: LabelsLike) -> Transf
 
     def branches(grads: TensorDictBase, params: TensorDictBase | None) -> dict[str, list[str]]:
         names = tuple(grads.keys())
-        if names not in routes:
+        # traced, the routes are made anew: guards on the cache would fail once an eager update filled it
+        traced = torch.compiler.is_compiling()
+        if traced or names not in routes:
             assigned = route(labels, grads if params is None else params, transforms)
+            made = {label: [n for n in names if assigned[n] == label] for label in transforms}
+            if traced:
+                return made
             routes.clear() if len(routes) > 16 else None
-            routes[names] = {label: [n for n in names if assigned[n] == label] for label in transforms}
+            routes[names] = made
         return routes[names]
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
