@@ -18,6 +18,7 @@ rounded once instead of twice), not bit for bit.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 import time
@@ -286,3 +287,46 @@ def adamw_kernel(
         for key, values in (("step", counts), ("exp_avg", m), ("exp_avg_sq", v))
     }
     return build(dict(zip(names, updates)), size), entries
+
+
+# ---------------------------------------------------------------------------------------------- a compiled GPU step
+
+
+def apart(x: torch.Tensor) -> torch.Tensor:
+    """``x``; traced by ``torch.compile``, a transposed ``x`` copied into contiguous memory by an op of
+    muonfn's own (``muonfn::copy_apart``), which inductor runs as it is.
+
+    Works around torch 2.11's inductor on CUDA, which fails when a fused ``_foreach_*`` kernel and a
+    kernel it is fused with walk one buffer in transposed orders (``reorder_loops_by_dep_pair``
+    asserts on two memory dependencies that are transposes of each other). Newton–Schulz reads the
+    momentum's multi-tensor results transposed (a tall matrix joins the calls of its wide shape), and
+    the multi-tensor decay and update read its tall results: the opaque copy stands between the two.
+    Eager, nothing is copied.
+    """
+    if (
+        torch.compiler.is_compiling()
+        and type(x) is torch.Tensor
+        and not torch._C._are_functorch_transforms_active()
+        and _transposed(x)
+    ):
+        return _copy_apart(x)
+    return x
+
+
+def _transposed(x: torch.Tensor) -> bool:
+    """Whether ``x`` walks its memory out of order: its strides, over dimensions longer than 1, do not decrease."""
+    strides = [stride for size, stride in zip(x.shape, x.stride()) if size > 1]
+    return any(a < b for a, b in itertools.pairwise(strides))
+
+
+@torch.library.custom_op("muonfn::copy_apart", mutates_args=())
+def _copy_apart(x: torch.Tensor) -> torch.Tensor:
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+@_copy_apart.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+_copy_apart.register_autograd(lambda ctx, grad: grad)  # the values are unchanged: so is the gradient
