@@ -132,10 +132,13 @@ def second_moment_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _per_leaf(factors: torch.Tensor, like: Sequence[torch.Tensor], members: int) -> list[torch.Tensor]:
     """Row ``i`` of ``factors`` (fp64, one value per leaf or per leaf and ensemble member) as a tensor
-    of leaf ``i``'s dtype (at least fp32) shaped to broadcast against it: rounded once."""
+    of leaf ``i``'s dtype (at least fp32) shaped to broadcast against it: rounded once, one cast per
+    dtype for all leaves (not a kernel per leaf)."""
+    wide = {d: torch.promote_types(d, torch.float32) for d in {t.dtype for t in like}}
+    rows = {d: factors.to(d).unbind(0) for d in set(wide.values())}
     out = []
-    for f, t in zip(factors.unbind(0), like):
-        f = f.to(torch.promote_types(t.dtype, torch.float32))
+    for i, t in enumerate(like):
+        f = rows[wide[t.dtype]][i]
         out.append(f.reshape(*f.shape, *[1] * (t.ndim - members)) if members else f)
     return out
 

@@ -560,7 +560,7 @@ def apply_updates(params: TensorDictBase, updates: TensorDictBase) -> TensorDict
     flat_params, flat_updates = flat(params), flat(updates)
     targets = _matched("apply_updates", flat_params, flat_updates)
     sums = _added(targets, list(flat_updates.values()), inplace=False)
-    new = {n: s.to(p.dtype) for n, s, p in zip(flat_updates.keys(), sums, targets)}
+    new = {n: s if s.dtype == p.dtype else s.to(p.dtype) for n, s, p in zip(flat_updates.keys(), sums, targets)}
     return nested_like(build({**flat_params, **new}, params.batch_size), params)
 
 
