@@ -268,8 +268,9 @@ def orthogonalize_blocks(
     for t, view, n in zip(tensors, views, counts):
         if not n:
             out.append(torch.empty_like(t))
-        elif done[at].ndim == 2 and t.ndim == 2 and view == DEFAULT_VIEW:
-            out.append(done[at])
+        elif done[at].ndim == 2 and t.ndim == 2 and view == DEFAULT_VIEW:  # (a map of one's own may transpose)
+            contiguous = done[at].is_contiguous() or not t.is_contiguous()
+            out.append(done[at] if contiguous else done[at].contiguous())
         else:
             result = view.from_matrices(done[at : at + n], t.shape)
             out.append(result.contiguous() if t.is_contiguous() else result)
