@@ -546,3 +546,47 @@ def test_the_check_finds_a_multi_tensor_op_beside_a_transposed_read() -> None:
     a, b = torch.randn(8, 8), torch.randn(8, 8)
     for fn, found in ((transposed_reader, 1), (mixed_list, 1), (in_order, 0)):
         assert len(mixed_orders(traced(fn, a, b))) == found, fn.__name__
+
+
+# --- Newton–Schulz's results in the look-ahead's memory -----------------------------------------------
+
+
+def lerp_outputs(step) -> tuple[Any, set[int]]:  # type: ignore[no-untyped-def]
+    """``step()``'s result and the addresses of the tensors its lerps wrote (seen below the dispatcher)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    written: set[int] = set()
+
+    class Lerps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten._foreach_lerp, torch.ops.aten.lerp):
+                written.update(t.data_ptr() for t in (out if isinstance(out, list | tuple) else [out]))
+            return out
+
+    with Lerps():
+        result = step()
+    return result, written
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_newton_schulz_stores_its_results_in_the_look_aheads_memory(nesterov: bool) -> None:
+    """In a GPU's form (asked for here on the CPU), Muon's wide matrices get their Newton–Schulz
+    results stored in the Nesterov look-ahead's memory (``overwrite_input``), a temporary of the
+    step: the same bits as a new tensor. Without Nesterov the direction is the momentum itself,
+    the state, which is never written into."""
+    g = torch.Generator().manual_seed(9)
+    params = TensorDict({"wide": torch.randn(16, 48, generator=g), "tall": torch.randn(48, 16, generator=g)}, [])
+    grads = params.apply(lambda p: torch.randn(p.shape, generator=g))
+    ns = muonfn.NewtonSchulz(dtype=torch.bfloat16)
+    gpu = muonfn.LocalOrthogonalizer(gpu_form=True)
+    tx = muonfn.scale_by_muon(0.9, nesterov=nesterov, ns=ns, orthogonalizer=gpu)
+    state = tx.init(params)
+    (updates, new_state), lerped = lerp_outputs(lambda: tx.update(grads, state, params))
+    momentum = muonfn.ema_momentum(0.9, nesterov=nesterov)
+    look_ahead, expected_state = momentum.update(grads, momentum.init(params))
+    assert (new_state == expected_state).all()  # the state holds the momentum, not a result
+    separate = muonfn.orthogonalize(ns, orthogonalizer=gpu, scale="match_rms_adamw")
+    assert (updates == separate.update(look_ahead, TensorDict())[0]).all()
+    assert (updates["wide"].data_ptr() in lerped) == nesterov
+    assert new_state["momentum", "wide"].data_ptr() != updates["wide"].data_ptr()
