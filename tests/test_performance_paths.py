@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from _steps import compiled_donated_beside_eager, stepper
+from _strategies import assert_td_close_to_iteration, iteration_dtype
 from tensordict import TensorDict, TensorDictBase
 from torch.overrides import TorchFunctionMode
 
@@ -361,14 +362,15 @@ def test_compiled_update_fullgraph_matches_eager():
     eager_tx, donating_tx = muonfn.muon(**options), muonfn.muon(**options, donate_state=True)
 
     params_e, state_e, params_c, state_c = compiled_donated_beside_eager(eager_tx, donating_tx, grads, params, lr)
-    for key in params.keys(True, True):
-        torch.testing.assert_close(params_c[key], params_e[key], rtol=1e-5, atol=1e-6)
+    # (inductor fuses the elementwise chains its own way: to the rounding of the Newton–Schulz iteration)
+    iteration = iteration_dtype(*(p.shape[-2:] for p in matrices_only(params).values(True, True)))
+    assert_td_close_to_iteration(params_c, params_e, atol=2e-6, iteration=iteration, initial=params)
     torch.testing.assert_close(state_c["adamw", "step", "norm"], state_e["adamw", "step", "norm"])
 
 
 def test_update_traces_whole_off_the_cpu():
-    """The branches a GPU takes (rates read as host numbers, small leaves' factors gathered
-    flat, the AdamW kernel route declined while tracing) trace with ``fullgraph=True`` too: on
+    """The branches a GPU takes (rates read as host numbers, the AdamW kernel route declined
+    while tracing) trace with ``fullgraph=True`` too: on
     the meta device, which takes them and holds no values (so ``aot_eager``, and a float rate).
     tests/test_cuda.py compiles the same step on a GPU."""
     torch._dynamo.reset()
