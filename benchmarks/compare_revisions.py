@@ -1,4 +1,4 @@
-"""The CPU step of two revisions of muonfn, interleaved in one process: ``python benchmarks/compare_revisions.py --old REV``.
+"""Two revisions' CPU steps, interleaved in one process: ``python benchmarks/compare_revisions.py --old REV``.
 
 The package of git revision ``--old`` (and of ``--new``, by default the checkout) is extracted with ``git archive``
 under another top-level name (the package imports itself relatively), so that both step the same parameters with
@@ -110,7 +110,8 @@ def main() -> None:
                 new_ms = statistics.median(times[(kind, "new")]) * 1e3
                 figures[f"{set_name} {kind}"] = {"old_ms": old_ms, "new_ms": new_ms, "ratio": new_ms / old_ms}
                 print(
-                    f"{set_name:5s} {kind:20s} old {old_ms:8.2f} ms  new {new_ms:8.2f} ms  new/old {new_ms / old_ms:.3f}"
+                    f"{set_name:5s} {kind:20s} old {old_ms:8.2f} ms  new {new_ms:8.2f} ms  "
+                    f"new/old {new_ms / old_ms:.3f}"
                 )
     if args.out:
         args.out.write_text(json.dumps({"old": args.old, "new": args.new, "figures": figures}, indent=1))
