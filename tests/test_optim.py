@@ -1209,7 +1209,7 @@ def test_an_edited_use_muon_is_refused_naming_the_group_and_changes_nothing():
     net, opt = _stepped()
     before = opt.functional_state.clone()
     opt.param_groups[0]["use_muon"] = not opt.param_groups[0]["use_muon"]
-    for call in (opt.state_dict, opt.step, lambda: opt.functional_state):
+    for call in (opt.step, lambda: opt.functional_state):
         with pytest.raises(ValueError, match=r"param group 0: use_muon was .* when the group was added"):
             call()
     opt.param_groups[0]["use_muon"] = not opt.param_groups[0]["use_muon"]  # set back: as it was
@@ -1269,7 +1269,7 @@ def test_a_group_edited_in_param_groups_is_refused_naming_it_and_changes_nothing
     layout = (opt._slots.copy(), list(opt._entry_names), opt._cache)
     edit(opt, net)
     net(torch.randn(5, 4)).square().mean().backward()
-    calls = [opt.step, opt.state_dict, lambda: opt.functional_state, opt.torch_state_dicts]
+    calls = [opt.step, lambda: opt.functional_state, opt.torch_state_dicts]
     calls += [lambda: opt.load_state_dict(saved), lambda: setattr(opt, "functional_state", state)]
     for call in calls:
         with pytest.raises(ValueError, match=match):
@@ -1277,6 +1277,83 @@ def test_a_group_edited_in_param_groups_is_refused_naming_it_and_changes_nothing
     assert_bitwise(TensorDict.from_module(net), params)
     assert_bitwise(opt._functional_state, state)
     assert (opt._slots, opt._entry_names, opt._cache) == layout
+
+
+def _group_repeated(opt: Muon, net: nn.Module) -> None:
+    opt.param_groups.extend(opt.param_groups)  # as torch's test_state_dict_deterministic does (pytorch#36831)
+
+
+def _use_muon_edited(opt: Muon, net: nn.Module) -> None:
+    opt.param_groups[0]["use_muon"] = False
+
+
+def torch_numbering(groups: list[dict]) -> list[list[int]]:
+    """The parameter indices torch's ``Optimizer.state_dict`` gives ``groups``."""
+    reference = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    reference.param_groups = [{"params": list(g["params"])} for g in groups]
+    return [g["params"] for g in reference.state_dict()["param_groups"]]
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        _appended,
+        _removed,
+        _replaced,
+        _moved,
+        _repeated,
+        _group_appended,
+        _group_removed,
+        _group_repeated,
+        _use_muon_edited,
+    ],
+)
+def test_state_dict_describes_an_edited_param_groups_as_torch_does(edit):
+    """``state_dict()`` describes what ``param_groups`` holds, as torch's does: parameters numbered
+    as torch numbers them, each with the state it has (none for one that was not added), groups
+    with their entries as they are. torch's own suite repeats the groups and saves (pytorch#36831);
+    the shim raised "param_groups holds 4 groups, but 2 were added" there."""
+    net, opt = _stepped()
+    held = {p: {k: v.clone() for k, v in opt.state[p].items()} for g in opt.param_groups for p in g["params"]}
+    edit(opt, net)
+    sd = opt.state_dict()
+    assert [g["params"] for g in sd["param_groups"]] == torch_numbering(opt.param_groups)
+    for group, packed in zip(opt.param_groups, sd["param_groups"]):
+        assert packed == {**{k: v for k, v in group.items() if k != "params"}, "params": packed["params"]}
+    numbered = {
+        i: p for g, packed in zip(opt.param_groups, sd["param_groups"]) for p, i in zip(g["params"], packed["params"])
+    }
+    assert set(sd["state"]) == {i for i, p in numbered.items() if p in held}
+    for i, entries in sd["state"].items():
+        assert_bitwise(TensorDict(entries, []), TensorDict(held[numbered[i]], []))
+
+
+def test_repeated_groups_save_as_the_groups_they_repeat_and_the_step_refuses_them():
+    """torch's test_state_dict_deterministic: the last group of an optimizer whose groups were
+    repeated saves as the last group of one whose groups were not. The step refuses to step a
+    group twice, naming it, and changes nothing; without the repeat it steps on."""
+    net, opt = _stepped()
+    saved = opt.state_dict()
+    before = snapshot(net, opt)
+    opt.param_groups.extend(opt.param_groups)
+    repeated = opt.state_dict()
+    assert repeated["param_groups"][2:] == saved["param_groups"] == repeated["param_groups"][:2]
+    assert repeated["param_groups"][-1] == saved["param_groups"][-1]
+    net(torch.randn(5, 4)).square().mean().backward()
+    with pytest.raises(ValueError, match=r"^param group 2 is param group 0 again; a group is stepped once"):
+        opt.step()
+    del opt.param_groups[2:]
+    assert_unchanged(net, opt, before)
+    opt.step()
+    assert not torch.equal(net[0].weight, before[0]["0", "weight"])
+
+
+def test_a_parameter_in_two_groups_is_refused_by_the_step_naming_both():
+    net, opt = _stepped()
+    opt.param_groups.append({**opt.param_groups[1], "params": [net[1].bias]})
+    net(torch.randn(5, 4)).square().mean().backward()
+    with pytest.raises(ValueError, match=r"^param group 2: parameter '1\.bias' is also in param group 1"):
+        opt.step()
 
 
 def test_a_group_reordered_in_param_groups_steps_as_before():

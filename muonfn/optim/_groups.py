@@ -270,8 +270,26 @@ def check_members(groups: Sequence[Mapping[str, Any]], slots: Mapping[torch.Tens
 
     torch.optim would step a tensor appended to a group's ``params`` (and stop stepping one
     removed), but here a parameter's key, route, view and state are laid out when its group is
-    added: ``add_param_group`` is the way to add parameters.
+    added: ``add_param_group`` is the way to add parameters. A group or a parameter in
+    ``param_groups`` twice would be stepped twice (torch steps it so).
     """
+    first_group: dict[torch.Tensor, int] = {}
+    for i, group in enumerate(groups):
+        repeated = next((j for j in range(i) if groups[j] is group), None)
+        if repeated is not None:
+            raise ValueError(
+                f"param group {i} is param group {repeated} again; a group is stepped once: remove the repeat "
+                "from param_groups"
+            )
+        for p in group["params"]:
+            j = first_group.setdefault(p, i) if isinstance(p, torch.Tensor) else i
+            if j != i:
+                slot = slots.get(p)
+                shown = repr(dotted(slot.key)) if slot is not None else f"of shape {tuple(p.shape)}"
+                raise ValueError(
+                    f"param group {i}: parameter {shown} is also in param group {j}; a parameter is stepped once, "
+                    "by one group"
+                )
     if len(groups) != added:
         raise ValueError(
             f"param_groups holds {len(groups)} groups, but {added} were added (by the constructor and "

@@ -107,6 +107,14 @@ class Layout:
 
     # ------------------------------------------------------------------ the groups
 
+    def follows(self, groups: Groups) -> bool:
+        """Whether ``groups`` are the groups as added, which :meth:`check_groups` accepts."""
+        try:
+            self.check_groups(groups)
+        except ValueError:
+            return False
+        return True
+
     def check_groups(self, groups: Groups) -> None:
         """The groups, their parameters and their ``use_muon`` are fixed when a group is added (its
         parameters' keys, labels and state are laid out for them): an edit in ``param_groups`` is
@@ -115,7 +123,7 @@ class Layout:
             _groups.check_members(groups, self.slots, len(self.routes))
             self.members = [tuple(g["params"]) for g in groups]  # (a tensor's hash runs Python: checked once)
         for i, (group, route) in enumerate(zip(groups, self.routes)):
-            if bool(group["use_muon"]) != route:
+            if bool(group.get("use_muon")) != route:
                 raise ValueError(
                     f"param group {i}: use_muon was {route} when the group was added and cannot change; "
                     "set it back, or add the parameters to a new optimizer"
@@ -184,11 +192,17 @@ class Layout:
         return self.entry_names[group_index].fields
 
     def entries(self, groups: Groups, p: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``p``'s current state under torch's names."""
+        """``p``'s current state under torch's names, its group's state laid out for its settings first."""
+        self.sync(groups)
+        return self.laid_out_entries(p)
+
+    def laid_out_entries(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``p``'s current state under torch's names, as its group's state is laid out now."""
         slot = self.slots[p]
         state = self.state
         return {
-            name: state.get((slot.label, *field, *slot.key)) for name, field in self.fields(groups, slot.group).items()
+            name: state.get((slot.label, *field, *slot.key))
+            for name, field in self.entry_names[slot.group].fields.items()
         }
 
     def initial_entries(self, groups: Groups, p: torch.Tensor) -> dict[str, torch.Tensor]:

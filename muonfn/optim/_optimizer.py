@@ -506,13 +506,16 @@ class Muon(torch.optim.Optimizer):
         """The state in torch's format, ``{"state": {index: {name: tensor}}, "param_groups": [...]}``.
 
         It loads with ``torch.load(weights_only=True)``. Parameters are numbered across
-        groups in order; entries of :attr:`state` under other keys (a hook's, say) are kept
-        under those keys, as torch keeps them. An entry under a tensor that is not a
-        parameter cannot be numbered: it is an error, unless empty.
+        groups in order, as torch numbers them; entries of :attr:`state` under other keys (a
+        hook's, say) are kept under those keys, as torch keeps them. An entry under a tensor
+        that is not a parameter cannot be numbered: it is an error, unless empty.
+        ``param_groups`` edited in a way the next step refuses (a group repeated, a parameter
+        appended) are described as they are, with each parameter's state as it was laid out.
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        self._layout.sync(self.param_groups)  # its groups and its state saved as one layout
+        if self._layout.follows(self.param_groups):  # its groups and its state saved as one layout
+            self._layout.sync(self.param_groups)
         state_dict = packed_state_dict(self.param_groups, self._layout, self._param_state.others)
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)

@@ -36,19 +36,28 @@ def loaded_value(name: str, torch_name: str, value: Any, like: torch.Tensor) -> 
 
 
 def packed_state_dict(groups: Sequence[Mapping[str, Any]], layout: Layout, others: Mapping[Any, Any]) -> dict[str, Any]:
-    """The state of ``groups``' parameters in torch's format: by index, counted across groups in order.
+    """The state of ``groups``' parameters in torch's format, as ``layout`` holds it now.
 
-    A parameter's state is a plain dict of its current tensors (so that
+    ``groups`` are described as they are, as torch describes them, also where they were edited
+    in a way the next step refuses: a parameter is numbered by its position counted across the
+    groups in order, one in several groups by the first (so a group repeated in ``param_groups``
+    is saved as the group it repeats), and one that has no state here (not added with its group)
+    has no entry. A parameter's state is a plain dict of its current tensors (so that
     ``torch.load(weights_only=True)`` reads it back); ``others``, the entries of ``opt.state``
     under keys that are not parameters, are kept under their own keys, as torch keeps them.
     """
     index: dict[torch.Tensor, int] = {}
     param_groups = []
+    start = 0
     for group in groups:
         packed = {k: v for k, v in group.items() if k != "params" and not _is_function_setting(k, v)}
-        packed["params"] = [index.setdefault(p, len(index)) for p in group["params"]]
+        params = group["params"]
+        # torch's numbering: a parameter new to this group takes its (last) position here
+        index.update({p: position for position, p in enumerate(params, start) if p not in index})
+        packed["params"] = [index[p] for p in params]
+        start += len(params)
         param_groups.append(packed)
-    state: dict[Any, Any] = {i: layout.entries(groups, p) for p, i in index.items()}
+    state: dict[Any, Any] = {i: layout.laid_out_entries(p) for p, i in index.items() if p in layout.slots}
     for key, value in others.items():
         if isinstance(key, torch.Tensor):
             if isinstance(value, Mapping) and not value:
