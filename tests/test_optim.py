@@ -377,6 +377,76 @@ def test_add_param_group_initialises_new_state_only():
     assert int(opt.functional_state["adamw_1", "step", "5", "bias"]) == 1
 
 
+@pytest.mark.parametrize("named", [True, False])
+def test_param_groups_emptied_then_added_again_continue_their_state_as_torch_does(named):
+    """``opt.param_groups = []`` and ``add_param_group`` (torch accepts it; the shim raised "already
+    in parameter group 0"): a parameter added again continues with its state, as torch's keeps
+    it by tensor (its AdamW step count goes on, here in lockstep with torch.optim.AdamW's)."""
+    data = batches(5)
+    runs = []
+    for rebuild in (False, True):
+        model = mlp()
+        opt = Muon(model.named_parameters() if named else model.parameters(), **HP)
+        reference_model = mlp()
+        reference = torch.optim.AdamW(reference_model.parameters())
+        shim_steps(model, opt, data[:2])
+        shim_steps(reference_model, reference, data[:2])
+        if rebuild:
+            groups, opt.param_groups = opt.param_groups, []
+            reference.param_groups, torch_groups = [], reference.param_groups
+            for group in groups:
+                params = list(zip(group.pop("param_names"), group["params"])) if named else group["params"]
+                opt.add_param_group({**group, "params": params})
+            for group in torch_groups:
+                reference.add_param_group(group)
+        shim_steps(model, opt, data[2:])
+        shim_steps(reference_model, reference, data[2:])
+        assert int(opt.state[model[0].bias]["step"]) == int(reference.state[reference_model[0].bias]["step"]) == 5
+        runs.append((TensorDict.from_module(model), opt.functional_state))
+    assert_bitwise(runs[1][0], runs[0][0])
+    assert_bitwise(runs[1][1], runs[0][1])
+
+
+def test_groups_removed_then_regrouped_carry_the_state_their_new_groups_keep():
+    """Groups rebuilt by several ``add_param_group`` calls: each parameter added again keeps its
+    state where its new group keeps the same entries, starts anew in a group of another kind;
+    one left out has no state (``state_dict`` saves none) and, added after a step, starts anew."""
+    model = mlp()
+    opt = Muon(model.named_parameters(), **HP)
+    shim_steps(model, opt, batches(2))
+    held = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()}
+    opt.param_groups = []
+    opt.add_param_group({"params": [("0.weight", model[0].weight)], "use_muon": True, "lr": 0.01})
+    opt.add_param_group({"params": [("3.weight", model[3].weight), ("0.bias", model[0].bias)], "use_muon": False})
+    assert [g["param_names"] for g in opt.param_groups] == [["0.weight"], ["3.weight", "0.bias"]]
+    assert_bitwise(TensorDict(dict(opt.state[model[0].weight]), []), TensorDict(held[model[0].weight], []))
+    assert_bitwise(TensorDict(dict(opt.state[model[0].bias]), []), TensorDict(held[model[0].bias], []))
+    assert int(opt.state[model[3].weight]["step"]) == 0 and not opt.state[model[3].weight]["exp_avg"].any()
+    assert sorted(opt.state_dict()["state"]) == [0, 1, 2]
+    shim_steps(model, opt, batches(1))
+    assert int(opt.state[model[0].bias]["step"]) == 3 and int(opt.state[model[3].weight]["step"]) == 1
+    opt.add_param_group({"params": [("1.weight", model[1].weight)], "use_muon": False})
+    assert int(opt.state[model[1].weight]["step"]) == 0
+
+
+def test_a_group_deleted_from_param_groups_leaves_the_optimizer_at_add_param_group():
+    """The groups after it move up (their state with them, under their new labels); parameters
+    given without names take positions no parameter holds."""
+    model = mlp()
+    opt = Muon(model.parameters(), **HP)
+    shim_steps(model, opt, batches(2))
+    adamw_state = opt.functional_state["adamw"].clone()
+    del opt.param_groups[0]
+    extra = nn.Parameter(torch.randn(3, 3))
+    opt.add_param_group({"params": [extra], "use_muon": True})
+    assert list(opt.functional_state.keys()) == ["adamw", "muon"]
+    assert_bitwise(opt.functional_state["adamw"], adamw_state)
+    (position,) = opt.functional_state["muon", "momentum"].keys()
+    assert position not in opt.functional_state["adamw", "step"]
+    shim_steps(model, opt, batches(1))
+    assert int(opt.state[model[0].bias]["step"]) == 3
+
+
 def test_bad_settings_raise_naming_the_culprit():
     model = mlp()
     with pytest.raises(TypeError, match="lr_scheduler"):

@@ -30,6 +30,15 @@ class Snapshot(NamedTuple):
     version: int
 
 
+class Removed(NamedTuple):
+    """The state a parameter held in a group removed from ``param_groups``, as its group laid it out."""
+
+    key: Key
+    use_muon: bool
+    entries: _groups.Entries
+    tensors: dict[_groups.Field, torch.Tensor]
+
+
 class Layout:
     """The state of an optimizer's parameters, and where each parameter's part of it lives.
 
@@ -55,6 +64,9 @@ class Layout:
         self.members: list[tuple[torch.Tensor, ...]] = []  # per group, its params as last checked
         #: counts the relayouts: a transform built at another version may be built for other entries
         self.version = 0
+        #: the state of the parameters of groups removed from param_groups, until the next step: a
+        #: parameter added again continues with it, as torch's (kept by tensor in its state) does
+        self.removed: dict[torch.Tensor, Removed] = {}
 
     # ------------------------------------------------------------------ the functional state
 
@@ -86,6 +98,9 @@ class Layout:
     def __getstate__(self) -> dict[str, Any]:
         # the state travels as its TensorDict only, so that a copy's two forms cannot differ
         return {**self.__dict__, "_tree": self.state, "_leaves": {}}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update({"removed": {}, **state})  # (pickled before groups could be removed: none)
 
     @classmethod
     def unpickled(cls, branch: BranchOf, attributes: dict[str, Any]) -> Layout:
@@ -129,9 +144,62 @@ class Layout:
                     "set it back, or add the parameters to a new optimizer"
                 )
 
+    def follow_removals(self, groups: Groups) -> list[int] | None:
+        """Lays the state out for ``groups`` where they are the added groups with some removed
+        (``opt.param_groups = []``, ``del opt.param_groups[i]``), in their order; returns the
+        index each kept group was added at. ``None`` (nothing changed) where no group was
+        removed, or ``groups`` were edited otherwise (which :meth:`check_groups` names).
+
+        The removed groups' parameters leave the optimizer; their state is kept in
+        :attr:`removed` until the next step, for :meth:`add` to carry over.
+        """
+        kept: list[int] = []
+        for group in groups:
+            params = group["params"]
+            start = kept[-1] + 1 if kept else 0
+            added = next(
+                (
+                    j
+                    for j in range(start, len(self.members))
+                    if self.routes[j] == group.get("use_muon")
+                    and len(self.members[j]) == len(params)
+                    and set(self.members[j]) == set(params)
+                ),
+                None,
+            )
+            if added is None:
+                return None
+            kept.append(added)
+        if len(kept) == len(self.members):
+            return None
+        labels = _groups.group_labels(self.routes)
+        state = self.state
+        removed = dict(self.removed)
+        for j in sorted(set(range(len(self.members))) - set(kept)):
+            fields = self.entry_names[j].fields.values()
+            for p in self.members[j]:
+                key = self.slots[p].key
+                tensors = {field: state.get((labels[j], *field, *key)) for field in fields}
+                removed[p] = Removed(key, self.routes[j], self.entry_names[j], tensors)
+        routes = [self.routes[j] for j in kept]
+        relabelled = state.empty()
+        for j, label in zip(kept, _groups.group_labels(routes)):
+            if labels[j] in state:
+                relabelled[label] = state.get(labels[j])
+        self.slots = _groups.index_slots(groups, {p: self.slots[p].key for j in kept for p in self.members[j]})
+        self.entry_names = [self.entry_names[j] for j in kept]
+        self.routes = routes
+        self.members = [self.members[j] for j in kept]
+        self.removed = removed
+        self.state = relabelled
+        self.version += 1
+        return kept
+
     def add(self, groups: Groups, new_groups: Groups, new_keys: Mapping[torch.Tensor, Key], branch: NewBranch) -> None:
         """Lays out the state of ``new_groups``, to follow ``groups``, their parameters keyed by
-        ``new_keys``, each group's state as its ``branch`` initializes it. Nothing changes unless all succeed."""
+        ``new_keys``, each group's state as its ``branch`` initializes it, but a parameter's of
+        :attr:`removed` that its new group lays out alike (its route and entries). Nothing
+        changes unless all succeed."""
         everything = [*groups, *new_groups]
         slots = _groups.index_slots(everything, {**{p: s.key for p, s in self.slots.items()}, **new_keys})
         labels = _groups.group_labels([g["use_muon"] for g in everything])
@@ -141,11 +209,31 @@ class Layout:
             keys = [slots[p].key for p in group["params"]]
             init = branch(i, group, keys).init
             state[labels[i]] = init(TensorDict(dict(zip(keys, [p.detach() for p in group["params"]])), batch_size=[]))
+            self._carry(state, labels[i], group, keys)
+        self.removed = {p: held for p, held in self.removed.items() if p not in slots}  # (started anew or carried)
         self.entry_names = [*self.entry_names, *(_groups.entries(g) for g in new_groups)]
         self.routes = [*self.routes, *(g["use_muon"] for g in new_groups)]
         self.members = [*self.members, *(tuple(g["params"]) for g in new_groups)]
         self.slots = slots
         self.state = state
+
+    def _carry(self, state: TensorDictBase, label: str, group: Mapping[str, Any], keys: Sequence[Key]) -> None:
+        """Writes the :attr:`removed` state of ``group``'s parameters into its new state under
+        ``label`` where the group lays it out alike (the same route and entries, shapes, dtypes
+        and devices); the others keep the state their ``init`` made."""
+        entries = _groups.entries(group)
+        for p, key in zip(group["params"], keys):
+            held = self.removed.get(p)
+            if held is None or held.use_muon != group["use_muon"] or held.entries != entries:
+                continue
+            fresh = {field: state.get((label, *field, *key)) for field in held.tensors}
+            if all(_alike(t, fresh[field]) for field, t in held.tensors.items()):
+                for field, t in held.tensors.items():
+                    state[(label, *field, *key)] = t
+
+    def forget_removed(self) -> None:
+        """Frees the state of parameters no longer in any group (at a step)."""
+        self.removed = {}
 
     def load(self, groups: Groups, state: TensorDictBase) -> None:
         """Takes ``state``, checked against :meth:`structure`, as laid out for ``groups``' settings."""
@@ -246,6 +334,10 @@ class Layout:
         if state.batch_size != torch.Size([]):
             raise ValueError(f"{where}: batch size {tuple(state.batch_size)}, expected ()")
         return _tree.laid_out_like(state, self.structure(groups), where)
+
+
+def _alike(t: torch.Tensor, like: torch.Tensor) -> bool:
+    return (t.shape, t.dtype, t.device) == (like.shape, like.dtype, like.device)
 
 
 def _holds(group: Mapping[str, Any], members: tuple[torch.Tensor, ...]) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -350,15 +351,32 @@ class Muon(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds parameters; a group without ``"use_muon"`` is split by ``labels`` into a Muon and an AdamW group.
 
-        Everything is checked before anything changes: on an error the optimizer is as it was.
+        Groups removed from ``param_groups`` before (``opt.param_groups = []``, as torch allows)
+        leave the optimizer with their parameters: one added again continues with its state (as
+        torch's does) where its new group keeps the same entries (its route, variant and bias
+        corrections), else starts anew. The state of a parameter in no group is freed at the next
+        step (torch keeps it, but its ``state_dict`` cannot save it).
+
+        Everything is checked before anything changes: on an error the optimizer is as it was
+        (but for removed groups, which have left it).
         """
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        kept = self._layout.follow_removals(self.param_groups)
+        if kept is not None:
+            self._scalars = [self._scalars[j] for j in kept]
+            self._cache = None
+        self._layout.check_groups(self.param_groups)  # other edits are refused, naming them
         tensors, names = _groups.read_params(param_group, self.param_groups)
         if names is not None:
             keys = [tuple(name.split(".")) for name in names]
-        else:  # by position in the order the optimizer was given them
-            keys = [(str(i),) for i in range(len(self._layout.slots), len(self._layout.slots) + len(tensors))]
+        else:  # by position in the order the optimizer was given them; one added again keeps its own
+            removed = {p: held.key for p, held in self._layout.removed.items()}
+            taken = {slot.key for slot in self._layout.slots.values()}
+            reserved = taken | set(removed.values())
+            free = (key for i in itertools.count(len(self._layout.slots)) if (key := (str(i),)) not in reserved)
+            again = [removed.get(p) if isinstance(p, torch.Tensor) else None for p in tensors]
+            keys = [key if key is not None and key not in taken else next(free) for key in again]
         _groups.check_new_params(tensors, keys, self._layout.slots, named=names is not None)
 
         detached = TensorDict(dict(zip(keys, [p.detach() for p in tensors])), batch_size=[])
@@ -458,6 +476,7 @@ class Muon(torch.optim.Optimizer):
                     raise
                 if checked is not None:
                     self._layout.stepped(self._apply_parts(*checked))
+                self._layout.forget_removed()
         finally:
             resume_collections(paused)
         return loss
