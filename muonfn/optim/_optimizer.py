@@ -582,7 +582,8 @@ class Muon(torch.optim.Optimizer):
         position; checked by shape, and by name where both have names), momentum buffers and
         Adam moments unchanged, torch's float ``step`` as an exact count. The hyperparameters
         come along under this optimizer's names (``eps`` -> ``ns_eps``, ``adjust_lr_fn`` ->
-        ``scale``, ``betas`` -> ``adamw_betas``, ...). ``adamw_state_dict`` may be left out
+        ``scale``, ``betas`` -> ``adamw_betas``, ...), and a group's other entries (a
+        scheduler's ``initial_lr``) as they are. ``adamw_state_dict`` may be left out
         when this optimizer has no AdamW parameters. On a mismatch it raises naming the group
         or parameter and changes nothing. See :meth:`torch_state_dicts` for the way back.
         """
@@ -596,7 +597,9 @@ class Muon(torch.optim.Optimizer):
         Load them into ``torch.optim.Muon`` built with this optimizer's Muon groups and
         ``torch.optim.AdamW`` with its AdamW groups, in order (``use_muon`` says which).
         State tensors are copies, bit for bit (the second moments of fp16 parameters in fp32,
-        which torch's ``load_state_dict`` rounds to fp16); ``step`` is torch's float count. Raises naming
+        which torch's ``load_state_dict`` rounds to fp16); ``step`` is torch's float count. A
+        group's entries other than its settings (a scheduler's ``initial_lr``) come along as
+        they are (copies). Raises naming
         the group or parameter whose settings torch's optimizers cannot run (a schedule of
         several triples or a norm factor, a scale mode other than ``"original"`` and
         ``"match_rms_adamw"``, ``extra_scale``, views, a weight-decay mask inside a decayed
