@@ -393,7 +393,12 @@ def test_torch_muon_and_adamw_run_continues_in_the_shim(monkeypatch: pytest.Monk
     assert (muon_group["lr"], muon_group["momentum"], muon_group["weight_decay"]) == (0.02, 0.9, 0.1)
     assert muon_group["scale"] == (adjust_lr_fn or "original") and muon_group["ns_eps"] == 1e-7
     assert muon_group["ns_coefficients"] == muonfn.COEFFICIENTS["keller"].triples
-    assert (adamw_group["lr"], adamw_group["adamw_betas"], adamw_group["adamw_eps"]) == (3e-3, (0.9, 0.95), 1e-8)
+    assert (adamw_group["lr"], adamw_group["momentum"], adamw_group["beta2"], adamw_group["eps"]) == (
+        3e-3,
+        0.9,
+        0.95,
+        1e-8,
+    )
     assert adamw_group["weight_decay"] == 0.01
     assert_same_state(shim, model, muon, adamw, theirs_model)
 

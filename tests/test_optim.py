@@ -487,7 +487,7 @@ def test_param_group_changes_take_effect_at_the_next_step():
     assert_bitwise(opt.functional_state, state)
 
     opt.param_groups[0].update(lr=0.03, momentum=0.5, weight_decay=0.0, ns_steps=3, nesterov=False)
-    opt.param_groups[1].update(lr=0.001, adamw_betas=(0.5, 0.6), adamw_eps=1e-6)
+    opt.param_groups[1].update(lr=0.001, momentum=0.5, beta2=0.6, eps=1e-6)  # AdamW's betas (0.5, 0.6)
     changed = {**HP, "lr": 0.03, "momentum": 0.5, "weight_decay": 0.0, "ns_steps": 3, "nesterov": False}
     changed |= {"adamw_lr": 0.001, "adamw_betas": (0.5, 0.6), "adamw_eps": 1e-6, "adamw_weight_decay": 0.05}
     shim_steps(model, opt, data[3:])
@@ -525,19 +525,207 @@ def test_schedulers_drive_lr_and_momentum(name):
     seen = []
     for x, y in data:
         muon_group, adamw_group = opt.param_groups
-        seen.append((muon_group["lr"], adamw_group["lr"], muon_group["momentum"]))
-        tx = muonfn.muon(**{**HP, "lr": seen[-1][0], "adamw_lr": seen[-1][1], "momentum": seen[-1][2]})
+        seen.append((muon_group["lr"], adamw_group["lr"], muon_group["momentum"], adamw_group["momentum"]))
+        lr, adamw_lr, momentum, beta1 = seen[-1]
+        betas = (beta1, HP["adamw_betas"][1])
+        tx = muonfn.muon(**{**HP, "lr": lr, "adamw_lr": adamw_lr, "momentum": momentum, "adamw_betas": betas})
         params, state = functional_steps(ref, tx, params, state, [(x, y)])
         shim_steps(model, opt, [(x, y)], scheduler)
     assert_bitwise(TensorDict.from_module(model), params)
     assert_bitwise(opt.functional_state, state)
     lrs = [s[0] for s in seen]
     assert len(set(lrs)) == len(lrs)
-    for muon_lr, adamw_lr, _ in seen:  # both groups scaled alike
+    for muon_lr, adamw_lr, *_ in seen:  # both groups scaled alike
         assert adamw_lr / muon_lr == pytest.approx(HP["adamw_lr"] / HP["lr"], rel=1e-9)
-    if name == "one_cycle":
+    if name == "one_cycle":  # Muon's momentum and AdamW's beta1 cycled alike, as torch's AdamW's beta1 would be
         assert len({s[2] for s in seen}) > 4 and min(s[2] for s in seen) == pytest.approx(0.7, abs=0.05)
-        assert opt.param_groups[1]["adamw_betas"] == HP["adamw_betas"]
+        assert [s[3] for s in seen] == [s[2] for s in seen] and opt.param_groups[1]["beta2"] == HP["adamw_betas"][1]
+    else:
+        assert {s[3] for s in seen} == {HP["adamw_betas"][0]}
+
+
+#: What each kind of group holds besides its parameters: only the settings that act on it.
+MUON_GROUP = {
+    "lr", "momentum", "weight_decay", "variant", "nesterov", "momentum_bias_correction", "cautious_weight_decay",
+    "cautious_mode", "ns_coefficients", "ns_steps", "ns_dtype", "ns_eps", "ns_method", "ns_eps_mode", "ns_restarts",
+    "scale", "extra_scale", "beta2", "adaptive_eps", "rescale", "sign_momentum", "second_moment_bias_correction",
+}  # fmt: skip
+ADAMW_GROUP = {"lr", "momentum", "beta2", "eps", "weight_decay", "nesterov", "cautious_weight_decay"}
+
+
+def test_each_group_holds_only_the_settings_that_act_on_it():
+    """The AdamW group listed Muon's momentum, nesterov, ns_* and scale (acting on nothing); it
+    holds AdamW's settings now, its betas as momentum (beta1) and beta2, as the constructor's
+    adamw_* keywords set them."""
+    model = mlp()
+    opt = Muon(model.named_parameters(), **HP, adamw_eps=1e-7, adamw_nesterov="timm")
+    muon_group, adamw_group = opt.param_groups
+    own = {"params", "param_names", "use_muon"}
+    assert set(muon_group) == MUON_GROUP | own
+    assert set(adamw_group) == ADAMW_GROUP | own
+    assert [adamw_group[k] for k in ("lr", "momentum", "beta2", "eps", "weight_decay", "nesterov")] == [
+        HP["adamw_lr"], *HP["adamw_betas"], 1e-7, HP["weight_decay"], "timm"
+    ]  # fmt: skip
+    adamw_part = repr(opt).split("Parameter Group 1")[1]
+    assert "ns_" not in adamw_part and "scale" not in adamw_part and "variant" not in adamw_part
+    # a group dict holds its kind's entries, and keys of one's own; the other kind's settings are refused
+    opt = Muon(
+        [
+            {"params": [model[0].weight], "use_muon": True, "ns_steps": 3, "tag": "a"},
+            {"params": [model[0].bias], "use_muon": False, "momentum": 0.8, "eps": 1e-6, "tag": "b"},
+            {"params": [model[3].bias], "use_muon": False, "adamw_betas": (0.7, 0.9), "lr": 1e-3},  # (old spelling)
+            {"params": [model[3].weight, model[5].bias], "momentum": 0.5, "adamw_eps": 1e-5, "tag": "c"},
+        ],
+        lr=0.02,
+        adamw_lr=3e-3,
+    )
+    groups = opt.param_groups
+    tagged = [MUON_GROUP | {"tag"}, ADAMW_GROUP | {"tag"}]
+    assert [set(g) - own for g in groups] == [*tagged, ADAMW_GROUP, *tagged]
+    assert (groups[0]["ns_steps"], groups[1]["momentum"], groups[1]["eps"], groups[1]["lr"]) == (3, 0.8, 1e-6, 3e-3)
+    assert (groups[2]["momentum"], groups[2]["beta2"], groups[2]["lr"]) == (0.7, 0.9, 1e-3)  # its lr: over adamw_lr
+    assert (groups[3]["momentum"], groups[4]["momentum"], groups[4]["eps"]) == (0.5, 0.9, 1e-5)  # split: Muon's
+    for group, match in [
+        ({"use_muon": False, "ns_steps": 3}, r"param group 0: 'ns_steps' is a Muon setting; this group has use_muon"),
+        ({"use_muon": False, "momentum": 0.8, "adamw_betas": (0.7, 0.9)}, r"'momentum' is given twice"),
+        ({"use_muon": True, "adamw_eps": 1e-6}, r"param group 0: 'adamw_eps' sets AdamW groups; this group has use"),
+        ({"eps": 1e-6}, r"param group 0: 'eps' in a group split by labels; set its AdamW half's as adamw_eps"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            Muon([{"params": [model[1].weight], **group}])
+
+
+def test_a_constructor_keyword_written_into_param_groups_is_refused_at_the_step():
+    """``adamw_betas`` set an AdamW group's betas in its group; written there now it would be
+    ignored: the step refuses it naming the entries that hold it, and changes nothing."""
+    model = mlp()
+    opt = Muon(model.named_parameters(), **HP)
+    shim_steps(model, opt, batches(1))
+    before = snapshot(model, opt)
+    opt.param_groups[1]["adamw_betas"] = (0.5, 0.6)
+    loss_of(model, *batches(1)[0]).backward()
+    with pytest.raises(ValueError, match=r"^param group 1 holds 'adamw_betas', a keyword of the constructor; an Ad"):
+        opt.step()
+    del opt.param_groups[1]["adamw_betas"]
+    assert_unchanged(model, opt, before)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=8),
+        lambda opt: torch.optim.lr_scheduler.CyclicLR(opt, base_lr=1e-3, max_lr=0.01, step_size_up=3),
+    ],
+    ids=["OneCycleLR", "CyclicLR"],
+)
+def test_schedulers_that_cycle_momentum_cycle_adamws_beta1_as_torchs(make):
+    """torch's OneCycleLR and CyclicLR (cycle_momentum=True, their default) write "momentum" into
+    every group of an optimizer whose defaults hold it, "betas" where they do not (torch.optim.AdamW):
+    an AdamW group's beta1 is its momentum, so they cycle it as they cycle torch.optim.AdamW's
+    betas[0] (they moved Muon's momentum only). The moments stay torch's, bit for bit."""
+    torch.manual_seed(0)
+    shim_model, torch_model = nn.Linear(4, 3), nn.Linear(4, 3)
+    torch_model.load_state_dict(shim_model.state_dict())
+    opt = Muon([{"params": shim_model.parameters(), "use_muon": False}], adamw_betas=(0.9, 0.99))
+    reference = torch.optim.AdamW(torch_model.parameters(), betas=(0.9, 0.99), weight_decay=0.1, foreach=False)
+    schedulers = [make(opt), make(reference)]
+    g = torch.Generator().manual_seed(0)
+    beta1s = []
+    for _ in range(7):
+        grads = [torch.randn(p.shape, generator=g) for p in shim_model.parameters()]  # the same for both
+        for model, optimizer, scheduler in zip((shim_model, torch_model), (opt, reference), schedulers):
+            for p, grad in zip(model.parameters(), grads):
+                p.grad = grad.clone()
+            optimizer.step()
+            scheduler.step()
+        beta1s.append(opt.param_groups[0]["momentum"])
+        assert beta1s[-1] == reference.param_groups[0]["betas"][0]
+        assert opt.param_groups[0]["lr"] == reference.param_groups[0]["lr"]
+        for p, q in zip(shim_model.parameters(), torch_model.parameters()):
+            for name in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(opt.state[p][name], reference.state[q][name]), name
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert len(set(beta1s)) > 3
+
+
+def test_cycling_momentum_recompiles_no_compiled_step():
+    """AdamW's beta1 is a scheduled tensor, as Muon's momentum is: a scheduler that cycles both
+    every step leaves one graph."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    runs = []
+    for compile in (False, {"backend": counter}):
+        model = mlp()
+        opt = Muon(model.named_parameters(), **HP, compile=compile)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[0.02, 0.004], total_steps=6)
+        shim_steps(model, opt, batches(5), scheduler)
+        runs.append((model, opt))
+    assert compiled_graphs(counter) == 1
+    assert opt.param_groups[1]["momentum"] != HP["adamw_betas"][0]
+    (eager, eager_opt), (model, opt) = runs
+    assert_eager_to_rounding(TensorDict.from_module(model), TensorDict.from_module(eager))
+    assert_eager_to_rounding(opt.functional_state, eager_opt.functional_state)
+
+
+def old_layout(groups: list[dict]) -> list[dict]:
+    """Groups as the shim held them when every group held both kinds' settings (AdamW's as
+    adamw_betas, adamw_eps, adamw_nesterov) and an AdamW group's momentum was Muon's."""
+    muon_group, adamw_group = groups
+    adamw = {
+        "adamw_betas": (adamw_group["momentum"], adamw_group["beta2"]),
+        "adamw_eps": adamw_group["eps"],
+        "adamw_nesterov": adamw_group["nesterov"],
+    }
+    both = {k: v for k, v in muon_group.items() if k not in ("params", "param_names", "use_muon")}
+    kept = {k: adamw_group[k] for k in ("params", "param_names", "use_muon", "lr", "weight_decay")}
+    return [{**muon_group, **adamw}, {**both, **adamw, **kept, "beta2": None}]
+
+
+def test_a_state_dict_saved_with_both_kinds_settings_in_every_group_loads():
+    """A checkpoint of the earlier layout loads: each group keeps its own kind's settings (the
+    AdamW group's betas from its adamw_betas, not Muon's momentum), and the run continues bit for bit."""
+    data = batches(6)
+    model = mlp()
+    opt = Muon(model.named_parameters(), **HP)
+    shim_steps(model, opt, data[:3])
+    saved = copy.deepcopy(opt.state_dict())  # (its tensors are the state's own)
+    saved["param_groups"] = old_layout(saved["param_groups"])
+    assert saved["param_groups"][1]["momentum"] == HP["momentum"] and "eps" not in saved["param_groups"][1]
+    resumed_model = mlp(seed=3)
+    resumed_model.load_state_dict(model.state_dict())
+    resumed = Muon(resumed_model.named_parameters(), lr=1.0)
+    resumed.load_state_dict(saved)
+    assert resumed.param_groups == [
+        {**g, "params": h["params"]} for g, h in zip(opt.param_groups, resumed.param_groups)
+    ]
+    shim_steps(model, opt, data[3:])
+    shim_steps(resumed_model, resumed, data[3:])
+    assert_bitwise(TensorDict.from_module(resumed_model), TensorDict.from_module(model))
+    assert_bitwise(resumed.functional_state, opt.functional_state)
+
+
+def test_an_optimizer_pickled_with_both_kinds_settings_in_every_group_unpickles():
+    """As above, for an optimizer pickled (or deep-copied) with the earlier groups and their scalars."""
+    data = batches(5)
+    model = mlp()
+    opt = Muon(model.named_parameters(), **HP)
+    shim_steps(model, opt, data[:2])
+    memo: dict = {}
+    copied_model = copy.deepcopy(model, memo)
+    state = copy.deepcopy(opt.__getstate__(), memo)  # (its parameters: the copied model's)
+    state["param_groups"] = old_layout(state["param_groups"])
+    state["_scalars"] = [
+        {k: v for k, v in s.items() if k != "momentum"} if i else s for i, s in enumerate(state["_scalars"])
+    ]
+    copied = Muon.__new__(Muon)
+    copied.__setstate__(state)
+    assert [set(g) for g in copied.param_groups] == [set(g) for g in opt.param_groups]
+    assert copied.param_groups[1]["momentum"] == HP["adamw_betas"][0]
+    shim_steps(model, opt, data[2:])
+    shim_steps(copied_model, copied, data[2:])
+    assert_bitwise(TensorDict.from_module(copied_model), TensorDict.from_module(model))
+    assert_bitwise(copied.functional_state, opt.functional_state)
 
 
 # ---------------------------------------------------------------------------- state
@@ -992,9 +1180,9 @@ def test_adamw_betas_must_be_a_pair():
     with pytest.raises(ValueError, match=r"param group 0: adamw_betas must be a pair"):
         Muon([{"params": model.parameters(), "use_muon": False, "adamw_betas": (0.9,)}])
     opt = Muon(model.named_parameters(), **HP)
-    opt.param_groups[1]["adamw_betas"] = (0.9, 0.95, 0.99)
+    opt.param_groups[1]["beta2"] = 1.0
     before = snapshot(model, opt)
-    with pytest.raises(ValueError, match=r"param group 1: adamw_betas must be a pair"):
+    with pytest.raises(ValueError, match=r"param group 1: beta2 must be in \[0, 1\), got 1\.0"):
         shim_steps(model, opt, batches(1))
     assert_unchanged(model, opt, before)
 
@@ -1512,6 +1700,6 @@ def test_adamw_settings_are_refused_under_the_shims_own_names():
         Muon(net.named_parameters(), adamw_betas=(0.9, 1.0))
     _, opt = _stepped()
     adamw_group = next(i for i, g in enumerate(opt.param_groups) if not g["use_muon"])
-    opt.param_groups[adamw_group]["adamw_eps"] = -1.0
-    with pytest.raises(ValueError, match=rf"param group {adamw_group}: adamw_eps must be finite and > 0"):
+    opt.param_groups[adamw_group]["eps"] = -1.0
+    with pytest.raises(ValueError, match=rf"param group {adamw_group}: eps must be finite and > 0"):
         opt.step()

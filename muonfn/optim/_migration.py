@@ -177,7 +177,7 @@ def shim_state_dict(
             continue
         # as torch's load_state_dict: the saved group's entries replace this one's, but for the
         # settings torch's optimizers do not have (ns_dtype, ...), which stay this optimizer's
-        new_group = {k: v for k, v in new_group.items() if k in _groups.GROUP_SETTINGS or k in GROUP_OWN}
+        new_group = {k: v for k, v in new_group.items() if k in _groups.SETTINGS_OF[route] or k in GROUP_OWN}
         new_group.update(_extra_entries(saved_group, TORCH_SETTINGS[route]))
         where = f"load_torch_state_dicts: param group {i} (group {nth} of the {ROUTE_NAMES[route]} state_dict)"
         saved_params = list(saved_group["params"])
@@ -260,8 +260,9 @@ def _adamw_settings(saved: Mapping[str, Any], where: str) -> dict[str, Any]:
     return {
         "lr": _setting(saved, "lr", where),
         "weight_decay": weight_decay,
-        "adamw_betas": tuple(float(b) for b in betas),
-        "adamw_eps": _setting(saved, "eps", where),
+        "momentum": betas[0],  # an AdamW group's beta1 (scheduled as Muon's momentum is)
+        "beta2": float(betas[1]),
+        "eps": _setting(saved, "eps", where),
     }
 
 
@@ -296,7 +297,7 @@ def torch_state_dicts(
         else:
             torch_group = _torch_adamw_group(group)
         # the torch optimizer must not share a tensor (a scheduler's initial_lr) with this one
-        torch_group.update(copy.deepcopy(_extra_entries(group, _groups.GROUP_SETTINGS)))
+        torch_group.update(copy.deepcopy(_extra_entries(group, _groups.SETTINGS_OF[route])))
         indices = list(range(count[route], count[route] + len(keys)))
         count[route] += len(keys)
         torch_group["params"] = indices
@@ -320,7 +321,7 @@ TORCH_RUNS: dict[bool, dict[str, tuple[Any, ...]]] = {
         "ns_method": ("standard", "gram"),
         "ns_eps_mode": ("clamp",),
     },
-    False: {"cautious_weight_decay": (False,), "adamw_nesterov": (False,)},
+    False: {"cautious_weight_decay": (False,), "nesterov": (False,)},
 }
 
 
@@ -379,8 +380,8 @@ def _torch_muon_group(
 def _torch_adamw_group(group: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "lr": _copied(group["lr"]),
-        "betas": tuple(group["adamw_betas"]),
-        "eps": group["adamw_eps"],
+        "betas": (_copied(group["momentum"]), group["beta2"]),
+        "eps": group["eps"],
         "weight_decay": _copied(group["weight_decay"]),
         "amsgrad": False,
         "maximize": False,

@@ -65,10 +65,11 @@ class Muon(torch.optim.Optimizer):
 
     Args:
         params: ``model.named_parameters()`` (names drive ``labels``), an iterable of
-            tensors, or param-group dicts. A dict may set ``lr``, ``momentum``,
-            ``weight_decay``, ``variant`` and the other defaults, ``"use_muon": True/False``
-            to route the whole group, or, when it leaves routing to ``labels``, ``adamw_lr``
-            and ``adamw_weight_decay`` for its AdamW half.
+            tensors, or param-group dicts. A dict with ``"use_muon": True/False`` routes the
+            whole group and may set its entries (below; an AdamW group's also by the
+            ``adamw_betas``, ``adamw_eps`` and ``adamw_nesterov`` spellings); one that leaves
+            routing to ``labels`` takes the constructor's keywords, its ``adamw_*`` for its
+            AdamW half.
         lr: a number (or a one-element tensor); schedule it with ``torch.optim.lr_scheduler``.
         variant: the Muon groups' rule: ``"muon"``; ``"normuon"`` or ``"adamuon"``, the
             matrix branch of :func:`muonfn.normuon` or :func:`muonfn.adamuon`. A group dict
@@ -81,12 +82,15 @@ class Muon(torch.optim.Optimizer):
             preset's default); an error with another variant.
 
     The other keywords are those of :func:`muonfn.muon` (``scale=None`` and ``ns_eps=None``
-    mean its defaults, ``"match_rms_adamw"`` and ``1e-7``). They are kept in every group, which
-    a group dict may set, but ``labels``, ``views``, ``weight_decay_mask``, ``bucket_numel``,
-    the distributed ones and ``donate_state``, given once. ``adamw_lr`` and
-    ``adamw_weight_decay`` (``None``: the Muon value) set the AdamW groups' ``lr`` and
-    ``weight_decay``; ``cautious_weight_decay`` applies to both kinds of group, ``adamw_nesterov``
-    to the AdamW groups. ``ns=`` (the whole Newton–Schulz setting, in the constructor or a group
+    mean its defaults, ``"match_rms_adamw"`` and ``1e-7``). They are kept in every Muon group,
+    which a group dict may set, but ``labels``, ``views``, ``weight_decay_mask``,
+    ``bucket_numel``, the distributed ones and ``donate_state``, given once. An AdamW group
+    holds AdamW's settings only: ``lr`` and ``weight_decay`` (``adamw_lr``,
+    ``adamw_weight_decay``; ``None``: the Muon value), ``momentum`` and ``beta2``
+    (``adamw_betas``: its beta1 is ``momentum``, so that schedulers that cycle momentum cycle it
+    as they cycle torch.optim.AdamW's), ``eps`` (``adamw_eps``), ``nesterov``
+    (``adamw_nesterov``) and ``cautious_weight_decay`` (which applies to both kinds of group).
+    ``ns=`` (the whole Newton–Schulz setting, in the constructor or a group
     dict) is kept in a group as its plain ``ns_*`` entries (:func:`muonfn.polar` as
     ``ns_method="svd"``, :func:`muonfn.linalg.qr_orthogonal` as ``"qr"``); a map of one's own as
     ``ns_method``, which :meth:`state_dict` leaves out (``torch.load(weights_only=True)`` reads
@@ -284,11 +288,11 @@ class Muon(torch.optim.Optimizer):
             return matrix_branch(group["variant"], **settings, **_groups.adapted_settings(group))
         return adamw(
             scalars["lr"],
-            betas=group["adamw_betas"],
-            eps=group["adamw_eps"],
+            betas=(scalars["momentum"], float(group["beta2"])),  # beta1 scheduled: read at every step
+            eps=group["eps"],
             weight_decay=weight_decay,
             weight_decay_mask=self._weight_decay_mask,
-            nesterov=group["adamw_nesterov"],
+            nesterov=group["nesterov"],
             cautious_weight_decay=group["cautious_weight_decay"],
             donate_state=self._donate_state,
         )
@@ -309,6 +313,7 @@ class Muon(torch.optim.Optimizer):
         for i, group in enumerate(self.param_groups):
             _groups.check_scheduled(i, group)
             _groups.refuse_whole_setting(i, group)
+            _groups.refuse_keywords(i, group)
         for group, scalars in zip(self.param_groups, self._scalars):
             for name, tensor in scalars.items():
                 tensor.fill_(float(group[name]))
@@ -392,40 +397,36 @@ class Muon(torch.optim.Optimizer):
                 raise
             parts = [(route, [i for i, k in enumerate(keys) if table[k] == label]) for route, label in _groups.ROUTES]
         elif isinstance(use_muon, bool):
-            for split_only in _groups.SPLIT_ONLY:
-                if split_only in param_group:
-                    raise ValueError(
-                        f"{split_only!r} sets the AdamW half of a group split by labels; this group has "
-                        f"use_muon={use_muon}: set its {split_only.removeprefix('adamw_')!r} instead"
-                    )
             parts = [(use_muon, list(range(len(tensors))))]
         else:
             raise TypeError(f"use_muon must be True or False, got {use_muon!r}")
 
         whole = _groups.ns_entries(f"param group {len(self.param_groups)}", param_group)
-        read_here = ("params", "param_names", _groups.WHOLE_NEWTON_SCHULZ, *_groups.SPLIT_ONLY)
+        given = {k: v for k, v in param_group.items() if k not in ("params", "param_names", "use_muon")}
+        muon_given = {**{k: v for k, v in given.items() if k != _groups.WHOLE_NEWTON_SCHULZ}, **whole}
         new_groups: list[dict[str, Any]] = []
         for route, members in parts:
-            group = {k: v for k, v in param_group.items() if k not in read_here}
-            group.update(whole)
-            group["params"] = [tensors[i] for i in members]
+            where = f"param group {len(self.param_groups) + len(new_groups)}"
+            group: dict[str, Any] = {"params": [tensors[i] for i in members]}
             if names is not None:
                 group["param_names"] = [names[i] for i in members]
-            if not route:
-                # the AdamW half: adamw_lr / adamw_weight_decay of the group, else of the optimizer, else
-                # the group's lr / weight_decay ("None means the Muon value", as in muonfn.muon)
-                for name, fallback in (("lr", self._adamw_lr), ("weight_decay", self._adamw_weight_decay)):
-                    value = param_group.get(f"adamw_{name}", fallback)
-                    if value is not None:
-                        group[name] = value
-            for name, default in self.defaults.items():
-                group.setdefault(name, default)
+            # each group holds the settings of its kind only (an AdamW group: lr, momentum (its beta1), beta2, ...)
+            group.update(
+                _groups.group_entries(
+                    where,
+                    route,
+                    muon_given if route else given,
+                    self.defaults,
+                    split=use_muon is None,
+                    adamw_lr=self._adamw_lr,
+                    adamw_weight_decay=self._adamw_weight_decay,
+                )
+            )
             group["use_muon"] = route
-            # an AdamW group ignores the variant; the options a Muon group was given must apply to it
-            given = set(param_group) if route else set()
-            _groups.resolve_variant(f"param group {len(self.param_groups) + len(new_groups)}", group, given)
-            schedule = _migration.schedule_of(_groups.coefficients_of(group["ns_coefficients"]), group["ns_steps"])
-            group["ns_coefficients"] = _groups.plain_coefficients(schedule)
+            if route:  # the options a Muon group was given must apply to its variant
+                _groups.resolve_variant(where, group, set(param_group))
+                schedule = _migration.schedule_of(_groups.coefficients_of(group["ns_coefficients"]), group["ns_steps"])
+                group["ns_coefficients"] = _groups.plain_coefficients(schedule)
             if new_groups:
                 # the halves of one dict are two groups to a scheduler: a tensor they shared would couple them
                 first = new_groups[0]
@@ -582,10 +583,11 @@ class Muon(torch.optim.Optimizer):
         position; checked by shape, and by name where both have names), momentum buffers and
         Adam moments unchanged, torch's float ``step`` as an exact count. The hyperparameters
         come along under this optimizer's names (``eps`` -> ``ns_eps``, ``adjust_lr_fn`` ->
-        ``scale``, ``betas`` -> ``adamw_betas``, ...), and a group's other entries (a
-        scheduler's ``initial_lr``) as they are. ``adamw_state_dict`` may be left out
-        when this optimizer has no AdamW parameters. On a mismatch it raises naming the group
-        or parameter and changes nothing. See :meth:`torch_state_dicts` for the way back.
+        ``scale``, AdamW's ``betas`` -> an AdamW group's ``momentum`` and ``beta2``, ...), and
+        a group's other entries (a scheduler's ``initial_lr``) as they are.
+        ``adamw_state_dict`` may be left out when this optimizer has no AdamW parameters. On a
+        mismatch it raises naming the group or parameter and changes nothing. See
+        :meth:`torch_state_dicts` for the way back.
         """
         self.load_state_dict(
             _migration.shim_state_dict(self.param_groups, self._layout, muon_state_dict, adamw_state_dict)
@@ -634,12 +636,15 @@ class Muon(torch.optim.Optimizer):
         return {k: v for k, v in self.__dict__.items() if k not in ("_cache", "_apply_parts")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
         if "_layout" not in state:  # (pickled before the layout was an object of its own)
-            state = dict(state)
             state["_layout"] = Layout.unpickled(self._branch, state)
             param_state = ParamState(state["_layout"], self)
             param_state.others = state["state"].others
             state["state"] = param_state
+        if any("adamw_betas" in group for group in state["param_groups"]):  # (pickled with both kinds' settings)
+            state["param_groups"] = [_groups.upgraded(g, g["use_muon"]) for g in state["param_groups"]]
+            state["_scalars"] = [_groups.new_scalars(g) for g in state["param_groups"]]
         super().__setstate__(state)
         self._cache = None
         self._compile = state.get("_compile", False)  # (pickled before the option existed: eager)

@@ -114,7 +114,8 @@ def translate_state_dict(
 
     Checks everything (group sizes and routes, every parameter's entries, the
     hyperparameters; ``check`` checks a group's settings naming it) and raises naming the
-    first mismatch; changes nothing. A saved group's missing settings are ``defaults``'.
+    first mismatch; changes nothing. A saved group's missing settings are ``defaults``' for its
+    kind; one saved when every group held both kinds' settings loads as its kind holds them now.
     """
     saved_groups = state_dict["param_groups"]
     saved_state = state_dict["state"]
@@ -159,7 +160,7 @@ def translate_state_dict(
                 entry_key = (labels[i], *field, *slot.key)
                 entries[entry_key] = loaded_value(name, torch_name, entry[torch_name], structure.get(entry_key))
         # torch deep-copies the saved groups: a scheduler of the source must not reach this optimizer
-        new_group = copy.deepcopy({k: v for k, v in saved.items() if k != "params"})
+        new_group = copy.deepcopy(_groups.upgraded({k: v for k, v in saved.items() if k != "params"}, route))
         new_group["params"] = group["params"]
         if "param_names" in group:
             new_group["param_names"] = group["param_names"]
@@ -167,9 +168,10 @@ def translate_state_dict(
         for name in _groups.FUNCTION_SETTINGS:  # a function is not saved: the loading group keeps its own
             if name not in saved and name in group:
                 new_group[name] = group[name]
-        for key, default in defaults.items():
+        for key, default in _groups.settings_defaults(route, defaults).items():
             new_group.setdefault(key, default)
-        _groups.resolve_variant(f"load_state_dict: parameter group {i}", new_group, given=())
+        if route:
+            _groups.resolve_variant(f"load_state_dict: parameter group {i}", new_group, given=())
         if route and _groups.state_names(new_group) != expected:  # a group without parameters says so here
             raise ValueError(
                 f"load_state_dict: parameter group {i} keeps state {sorted(expected)} here and "
