@@ -480,6 +480,51 @@ def test_a_parameter_never_stepped_in_a_removed_group_added_again_makes_its_stat
     assert model[0].weight in opt.state and not torch.equal(model[0].weight, before)
 
 
+@pytest.mark.parametrize("removal", ["all", "first"])
+@pytest.mark.parametrize("reset", ["assign", "clear"])
+def test_a_reset_between_removing_groups_and_adding_them_again_forgets_every_state(reset, removal):
+    """A reset written next to a rebuild of the groups, after ``opt.param_groups = []`` (or ``del
+    opt.param_groups[0]``) and before ``add_param_group``: the groups rebuild, no parameter keeps
+    a state (the removed groups' neither), and each makes its own at its next step, one never
+    stepped before (frozen until then) too."""
+    model = mlp()
+    model[3].weight.requires_grad_(False)
+    opt = Muon(model.named_parameters(), **HP)
+    shim_steps(model, opt, batches(2))
+    assert model[3].weight not in opt.state
+    if removal == "all":
+        removed, opt.param_groups = opt.param_groups, []
+    else:
+        removed = [opt.param_groups.pop(0)]
+    if reset == "assign":
+        opt.state = collections.defaultdict(dict)
+    else:
+        opt.state.clear()
+    for group in removed:
+        opt.add_param_group({**group, "params": list(zip(group.pop("param_names"), group["params"]))})
+    assert len(opt.state) == 0 and opt.state_dict()["state"] == {}
+    model[3].weight.requires_grad_(True)
+    before = model[3].weight.detach().clone()
+    shim_steps(model, opt, batches(1))
+    assert not torch.equal(model[3].weight, before)
+    assert len(opt.state) == len(list(model.parameters()))
+    assert int(opt.state[model[0].bias]["step"]) == 1
+
+
+def test_load_state_dict_between_removing_groups_and_adding_them_again_replaces_their_state_too():
+    """As torch's, ``load_state_dict`` replaces the whole state: a parameter of a removed group
+    added again after it starts anew."""
+    model = mlp()
+    opt = Muon(model.named_parameters(), **HP)
+    shim_steps(model, opt, batches(2))
+    muon_group, adamw_group = opt.param_groups
+    opt.param_groups = []
+    opt.add_param_group({**muon_group, "params": list(zip(muon_group.pop("param_names"), muon_group["params"]))})
+    opt.load_state_dict(opt.state_dict())
+    opt.add_param_group({**adamw_group, "params": list(zip(adamw_group.pop("param_names"), adamw_group["params"]))})
+    assert model[0].weight in opt.state and model[0].bias not in opt.state
+
+
 def test_bad_settings_raise_naming_the_culprit():
     model = mlp()
     with pytest.raises(TypeError, match="lr_scheduler"):

@@ -194,14 +194,19 @@ class Layout:
             dropped.update((slot.label, *field, *slot.key) for field in self.entry_names[slot.group].fields.values())
         self.stepped(self._regrouped(groups, self.leaves(), dropped=dropped))
 
-    def forget(self, groups: Groups) -> None:
-        """Forgets every parameter's state (each made anew at its next step): the state is each of
-        ``groups``' ``init`` of no parameters, whatever the groups were edited to."""
-        self.stepped(self._regrouped(groups, {}))
-        wanted = [_groups.entries(g) for g in groups]
-        if wanted != self.entry_names:  # (laid out for settings changed since: a transform of the old ones is stale)
-            self.entry_names = wanted
-            self.version += 1
+    def forget(self) -> None:
+        """Forgets every parameter's state, and that of :attr:`removed` (each made anew at its next
+        step): each group's state holds its entries as it laid them out, for no parameter (its
+        ``init`` of no parameters), whatever ``param_groups`` were edited to since (emptied, say,
+        to be rebuilt by ``add_param_group``)."""
+        labels = _groups.group_labels(self.routes)
+        empty: dict[Key, TensorDictBase] = {
+            (label, *field): TensorDict({}, batch_size=[])
+            for label, names in zip(labels, self.entry_names)
+            for field in names.fields.values()
+        }
+        self.state = TensorDict(empty, batch_size=[])
+        self.removed = {}
 
     def _regrouped(
         self,
@@ -375,9 +380,11 @@ class Layout:
         self.removed = {}
 
     def load(self, groups: Groups, state: TensorDictBase) -> None:
-        """Takes ``state``, checked against :meth:`structure`, as laid out for ``groups``' settings."""
+        """Takes ``state``, checked against :meth:`structure`, as laid out for ``groups``' settings:
+        the whole state, as torch's ``load_state_dict`` takes it (:attr:`removed` is forgotten)."""
         self.state = state
         self.entry_names = [_groups.entries(g) for g in groups]
+        self.removed = {}
 
     def sync(self, groups: Groups) -> None:
         """Lays out anew the state of every group whose settings now ask for other entries (its
