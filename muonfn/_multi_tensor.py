@@ -182,16 +182,19 @@ def lerp(starts: Tensors, ends: Tensors, weight: float | torch.Tensor, *, inplac
     weight = host_number(weight, starts)  # (the same rounding to the kernels' fp32 as the tensor's)
     if not isinstance(weight, torch.Tensor):
         return apply_("lerp", starts, ends, weight) if inplace else apply("lerp", starts, ends, weight)
-    weight = weight.to(torch.float32) if weight.dtype not in _WIDE else weight
+    # in the dtype the scalar kernel reads a number in (fp32 but for fp64 leaves): a 0-d leaf
+    # would otherwise be computed in a wider weight's dtype
+    weights = {dtype: weight.to(dtype) for dtype in {t.dtype if t.dtype in _WIDE else torch.float32 for t in starts}}
     if all(t.dtype in _WIDE for t in starts):
-        w = [weight] * len(starts)
-        return apply_("lerp", starts, ends, w) if inplace else apply("lerp", starts, ends, w)
+        per_leaf = [weights[t.dtype] for t in starts]
+        return apply_("lerp", starts, ends, per_leaf) if inplace else apply("lerp", starts, ends, per_leaf)
     out = []
     for start, end in zip(starts, ends):
         if start.dtype in _WIDE:
-            out.append(start.lerp_(end, weight) if inplace else start.lerp(end, weight))
+            w = weights[start.dtype]
+            out.append(start.lerp_(end, w) if inplace else start.lerp(end, w))
         else:
-            wide = start.float().lerp(end.float(), weight).to(start.dtype)
+            wide = start.float().lerp(end.float(), weights[torch.float32]).to(start.dtype)
             out.append(start.copy_(wide) if inplace else wide)
     return out
 

@@ -27,7 +27,10 @@ from ..transforms import (
 # (but SHIM_OWN) hold exactly the presets' keywords, and the shim takes exactly these and SHIM_OWN
 # (tests/test_shim_options.py fails the day they differ).
 
-#: Per param group, fed to the transform as 0-d tensors refreshed before every step.
+#: Per param group, fed to the transform as 0-d tensors refreshed before every step. An AdamW
+#: group's momentum is its beta1: torch's schedulers that cycle momentum (OneCycleLR, CyclicLR)
+#: write ``"momentum"`` into every group of an optimizer whose ``defaults`` hold it, as the
+#: shim's do (they would write ``"betas"`` into every group only where the defaults hold that).
 SCHEDULED = ("lr", "momentum", "weight_decay")
 #: The whole Newton–Schulz setting (taken by the constructor and group dicts), kept as NEWTON_SCHULZ.
 WHOLE_NEWTON_SCHULZ = "ns"
@@ -47,9 +50,21 @@ MUON_SETTINGS = (
 )
 #: Muon-group settings the branch builders take as the group holds them.
 AS_GIVEN = ("momentum_bias_correction", "cautious_weight_decay", "cautious_mode", "scale", "extra_scale")
-#: Per AdamW group, read when the transform is built.
-ADAMW_SETTINGS = ("adamw_betas", "adamw_eps", "adamw_nesterov", "cautious_weight_decay")
-#: Group keys that only say how a group given without ``use_muon`` sets its AdamW half.
+#: Per AdamW group, read when the transform is built: its beta2 and eps (torch.optim.AdamW's
+#: ``betas[1]`` and ``eps``), its Nesterov-Adam and cautious decay.
+ADAMW_SETTINGS = ("beta2", "eps", "nesterov", "cautious_weight_decay")
+#: What a Muon group (True) and an AdamW group (False) hold, besides their params, param_names
+#: and use_muon: each only the settings that act on it.
+SETTINGS_OF = {True: (*SCHEDULED, *MUON_SETTINGS), False: (*SCHEDULED, *ADAMW_SETTINGS)}
+#: The constructor's keywords for the AdamW groups, and the entries of an AdamW group each sets.
+ADAMW_KEYWORDS = {
+    "adamw_lr": ("lr",),
+    "adamw_betas": ("momentum", "beta2"),
+    "adamw_eps": ("eps",),
+    "adamw_weight_decay": ("weight_decay",),
+    "adamw_nesterov": ("nesterov",),
+}
+#: Of those, the ones whose ``None`` is the Muon value: read for a group given without ``use_muon``.
 SPLIT_ONLY = ("adamw_lr", "adamw_weight_decay")
 #: Given once, for every group: tables and functions by parameter name, the distributed setup, donation.
 PER_OPTIMIZER = (
@@ -66,8 +81,13 @@ PER_OPTIMIZER = (
 )
 #: The shim's own keywords: no preset takes them.
 SHIM_OWN = ("variant", "chunk_numel", "compile", "adjust_lr_fn", "eps")
-#: What every group holds (its defaults from the constructor).
-GROUP_SETTINGS = tuple(dict.fromkeys((*SCHEDULED, *MUON_SETTINGS, *ADAMW_SETTINGS)))
+#: The optimizer's ``defaults``: the constructor's keywords for every group (the AdamW groups'
+#: under their keywords' names; ``adamw_lr`` and ``adamw_weight_decay``, whose ``None`` is the
+#: Muon value, are kept apart).
+GROUP_SETTINGS = (*SCHEDULED, *MUON_SETTINGS, *(k for k in ADAMW_KEYWORDS if k not in SPLIT_ONLY))
+#: The settings only Muon groups hold, and those only AdamW groups hold.
+MUON_ONLY = tuple(k for k in SETTINGS_OF[True] if k not in SETTINGS_OF[False])
+ADAMW_ONLY = tuple(k for k in SETTINGS_OF[False] if k not in SETTINGS_OF[True])
 #: Settings that may be functions: a state_dict leaves them out (``torch.load(weights_only=True)``
 #: reads no functions), and a load keeps the loading optimizer's.
 FUNCTION_SETTINGS = ("ns_method",)
@@ -112,6 +132,118 @@ def entries(group: Mapping[str, Any]) -> Entries:
     elif variant != MUON:
         raise ValueError(f"unknown variant {variant!r}; choose one of {list(VARIANTS)}")
     return Entries(fields, counts)
+
+
+# ---------------------------------------------------------------------------- a group's entries
+
+
+#: The settings a group given without ``use_muon`` sets for both of its halves.
+_BOTH_HALVES = ("lr", "weight_decay", "cautious_weight_decay")
+_KNOWN = frozenset((*SETTINGS_OF[True], *SETTINGS_OF[False], *ADAMW_KEYWORDS, WHOLE_NEWTON_SCHULZ))
+
+
+def group_entries(
+    where: str,
+    use_muon: bool,
+    given: Mapping[str, Any],
+    defaults: Mapping[str, Any],
+    *,
+    split: bool,
+    adamw_lr: Any = None,
+    adamw_weight_decay: Any = None,
+) -> dict[str, Any]:
+    """A new group's entries (its params aside): the settings of its kind, from the dict it was
+    added with (``given``) else the optimizer's ``defaults``, and the dict's entries that are no
+    setting (a key of one's own, carried as torch carries it).
+
+    A dict given without ``use_muon`` (``split``) is read as the constructor's keywords: its
+    ``adamw_*`` set the AdamW half's entries, its Muon settings (``momentum``, ``nesterov``,
+    ``beta2`` among them) the Muon half's, ``lr``, ``weight_decay`` and ``cautious_weight_decay``
+    both (the AdamW half's ``lr`` and ``weight_decay``: its ``adamw_*``, else the optimizer's
+    ``adamw_lr`` and ``adamw_weight_decay``, else the Muon value). A dict with ``use_muon`` holds
+    its group's entries: the other kind's settings are an error; an AdamW group's dict may also
+    spell its settings as the constructor does (``adamw_betas``, ``adamw_eps``,
+    ``adamw_nesterov``), as group dicts did before AdamW groups had entries of their own.
+    """
+    if split:
+        own = [k for k in given if k in ADAMW_ONLY]
+        if own:
+            raise ValueError(f"{where}: {own[0]!r} in a group split by labels; set its AdamW half's as adamw_{own[0]}")
+        takes = (lambda k: k not in ADAMW_KEYWORDS) if use_muon else (lambda k: k in _BOTH_HALVES or k not in _KNOWN)
+        entries = {k: v for k, v in given.items() if takes(k)}
+        if not use_muon:
+            for name, fallback in (("lr", adamw_lr), ("weight_decay", adamw_weight_decay)):
+                if fallback is not None:  # the optimizer's adamw_lr, adamw_weight_decay: over the Muon value
+                    entries[name] = fallback
+            entries.update(_adamw_spellings(where, given))
+    elif use_muon:
+        for keyword in ADAMW_KEYWORDS:
+            if keyword in given:
+                raise ValueError(f"{where}: {keyword!r} sets AdamW groups; this group has use_muon=True")
+        entries = dict(given)
+    else:
+        for keyword in SPLIT_ONLY:
+            if keyword in given:
+                raise ValueError(
+                    f"{where}: {keyword!r} sets the AdamW half of a group split by labels; this group has "
+                    f"use_muon=False: set its {keyword.removeprefix('adamw_')!r} instead"
+                )
+        renamed = _adamw_spellings(where, given)
+        for name in given:
+            if name in MUON_ONLY or name == WHOLE_NEWTON_SCHULZ:
+                raise ValueError(f"{where}: {name!r} is a Muon setting; this group has use_muon=False (AdamW)")
+            if name in renamed:
+                raise ValueError(f"{where}: {name!r} is given twice, also by the group's adamw_ keyword; pass one")
+        entries = {k: v for k, v in given.items() if k not in ADAMW_KEYWORDS}
+        for name, fallback in (("lr", adamw_lr), ("weight_decay", adamw_weight_decay)):
+            if fallback is not None:
+                entries.setdefault(name, fallback)
+        entries.update(renamed)
+    for name, default in settings_defaults(use_muon, defaults).items():
+        entries.setdefault(name, default)
+    return entries
+
+
+def _adamw_spellings(where: str, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The AdamW group entries that the constructor's ``adamw_*`` keywords in ``given`` set."""
+    entries: dict[str, Any] = {}
+    for keyword, names in ADAMW_KEYWORDS.items():
+        if keyword in given:
+            if len(names) > 1:
+                check_betas(f"{where}: {keyword}", given[keyword])
+            entries.update(zip(names, given[keyword] if len(names) > 1 else (given[keyword],)))
+    return entries
+
+
+def settings_defaults(use_muon: bool, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings of a group of a kind, as the optimizer's ``defaults`` (the constructor's
+    keywords) set them; an AdamW group's ``lr`` and ``weight_decay``: the Muon value."""
+    if use_muon:
+        return {name: defaults[name] for name in SETTINGS_OF[True]}
+    settings = {name: defaults[name] for name in ("lr", "weight_decay", "cautious_weight_decay")}
+    for keyword, names in ADAMW_KEYWORDS.items():
+        if keyword in defaults:
+            settings.update(zip(names, defaults[keyword] if len(names) > 1 else (defaults[keyword],)))
+    return {name: settings[name] for name in SETTINGS_OF[False]}
+
+
+def upgraded(group: Mapping[str, Any], use_muon: bool) -> dict[str, Any]:
+    """A group saved (or pickled) before each kind held only its own settings, as it is held now.
+
+    Every group held the settings of both kinds then, AdamW's as ``adamw_betas``, ``adamw_eps``
+    and ``adamw_nesterov``: a Muon group drops those; an AdamW group takes them under its names
+    and drops Muon's (its ``momentum`` and ``nesterov`` were Muon's, and acted on nothing).
+    """
+    if "adamw_betas" not in group:
+        return dict(group)
+    held = {k: v for k, v in group.items() if k not in ADAMW_KEYWORDS}
+    if use_muon:
+        return held
+    adamw = {k: v for k, v in held.items() if k not in SETTINGS_OF[True] or k in _BOTH_HALVES}
+    for keyword, names in ADAMW_KEYWORDS.items():
+        if keyword in group and keyword not in SPLIT_ONLY:
+            adamw.update(zip(names, group[keyword] if len(names) > 1 else (group[keyword],)))
+    return adamw
 
 
 def state_names(group: Mapping[str, Any]) -> dict[str, Field]:
@@ -240,9 +372,9 @@ def check_switches(group_index: int, group: Mapping[str, Any]) -> None:
         if mode is not None and mode not in CAUTIOUS_MODES:
             raise ValueError(f"{where}: unknown cautious_mode {mode!r}; choose None or one of {list(CAUTIOUS_MODES)}")
         return
-    nesterov = group["adamw_nesterov"]
+    nesterov = group["nesterov"]
     if not (isinstance(nesterov, bool) or (isinstance(nesterov, str) and nesterov == "timm")):
-        raise ValueError(f"{where}: adamw_nesterov must be True, False or 'timm', got {nesterov!r}")
+        raise ValueError(f"{where}: nesterov must be True, False or 'timm' (AdamW's), got {nesterov!r}")
 
 
 def refuse_whole_setting(group_index: int, group: Mapping[str, Any]) -> None:
@@ -253,6 +385,18 @@ def refuse_whole_setting(group_index: int, group: Mapping[str, Any]) -> None:
             f"param group {group_index} holds {WHOLE_NEWTON_SCHULZ!r}; a group keeps its Newton–Schulz setting as its "
             f"entries {list(NEWTON_SCHULZ)}: set those (ns= is taken by the constructor and add_param_group)"
         )
+
+
+def refuse_keywords(group_index: int, group: Mapping[str, Any]) -> None:
+    """An AdamW keyword of the constructor (``adamw_betas``, ...) written into ``param_groups``
+    would be ignored: an AdamW group holds its settings under its own names."""
+    for keyword, names in ADAMW_KEYWORDS.items():
+        if keyword in group:
+            where = "" if not group["use_muon"] else " (this is a Muon group)"
+            raise ValueError(
+                f"param group {group_index} holds {keyword!r}, a keyword of the constructor; an AdamW group "
+                f"holds it as {' and '.join(map(repr, names))}: set {'those' if len(names) > 1 else 'that'}{where}"
+            )
 
 
 class Slot(NamedTuple):
@@ -270,8 +414,26 @@ def check_members(groups: Sequence[Mapping[str, Any]], slots: Mapping[torch.Tens
 
     torch.optim would step a tensor appended to a group's ``params`` (and stop stepping one
     removed), but here a parameter's key, route, view and state are laid out when its group is
-    added: ``add_param_group`` is the way to add parameters.
+    added: ``add_param_group`` is the way to add parameters. A group or a parameter in
+    ``param_groups`` twice would be stepped twice (torch steps it so).
     """
+    first_group: dict[torch.Tensor, int] = {}
+    for i, group in enumerate(groups):
+        repeated = next((j for j in range(i) if groups[j] is group), None)
+        if repeated is not None:
+            raise ValueError(
+                f"param group {i} is param group {repeated} again; a group is stepped once: remove the repeat "
+                "from param_groups"
+            )
+        for p in group["params"]:
+            j = first_group.setdefault(p, i) if isinstance(p, torch.Tensor) else i
+            if j != i:
+                slot = slots.get(p)
+                shown = repr(dotted(slot.key)) if slot is not None else f"of shape {tuple(p.shape)}"
+                raise ValueError(
+                    f"param group {i}: parameter {shown} is also in param group {j}; a parameter is stepped once, "
+                    "by one group"
+                )
     if len(groups) != added:
         raise ValueError(
             f"param_groups holds {len(groups)} groups, but {added} were added (by the constructor and "
@@ -350,20 +512,18 @@ def new_scalars(group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     (``1 - momentum`` in double, one rounding to the parameter's dtype), bit for bit, and
     reading them never waits for a device.
     """
-    names = SCHEDULED if group["use_muon"] else ("lr", "weight_decay")
-    return {name: torch.tensor(float(group[name]), dtype=torch.float64) for name in names}
+    return {name: torch.tensor(float(group[name]), dtype=torch.float64) for name in SCHEDULED}
 
 
 def check_scheduled(group_index: int, group: Mapping[str, Any]) -> None:
     """The core's checks, for values a scheduler or a user may have changed since construction."""
-    names = SCHEDULED if group["use_muon"] else ("lr", "weight_decay")
-    for name in names:
+    for name in SCHEDULED:
         value = group_value(group_index, name, group[name])
         check = unit_interval if name == "momentum" else non_negative
         check(f"param group {group_index}: {name}", value)
     if not group["use_muon"]:
-        check_betas(f"param group {group_index}: adamw_betas", group["adamw_betas"])
-        positive(f"param group {group_index}: adamw_eps", group["adamw_eps"])
+        unit_interval(f"param group {group_index}: beta2", group_value(group_index, "beta2", group["beta2"]))
+        positive(f"param group {group_index}: eps", group["eps"])
 
 
 def check_betas(where: str, betas: Any) -> None:

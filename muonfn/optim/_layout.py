@@ -41,6 +41,15 @@ class Snapshot(NamedTuple):
     version: int
 
 
+class Removed(NamedTuple):
+    """The state a parameter held in a group removed from ``param_groups``, as its group laid it out."""
+
+    key: Key
+    use_muon: bool
+    entries: _groups.Entries
+    tensors: dict[_groups.Field, torch.Tensor]
+
+
 class Layout:
     """The state of an optimizer's parameters, and where each parameter's part of it lives.
 
@@ -73,6 +82,9 @@ class Layout:
         self.version = 0
         #: ``slots`` and the :meth:`state_key` of each of its slots, in order (built again for other slots)
         self._state_keys: tuple[dict[torch.Tensor, _groups.Slot], list[Key]] | None = None
+        #: the state of the parameters of groups removed from param_groups, until the next step: a
+        #: parameter added again continues with it, as torch's (kept by tensor in its state) does
+        self.removed: dict[torch.Tensor, Removed] = {}
 
     # ------------------------------------------------------------------ the functional state
 
@@ -106,8 +118,8 @@ class Layout:
         return {**self.__dict__, "_tree": self.state, "_leaves": {}, "_state_keys": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.__dict__.setdefault("_state_keys", None)  # (pickled before it was kept)
+        # (pickled before these were kept: none cached, no group removed)
+        self.__dict__.update({"_state_keys": None, "removed": {}, **state})
 
     # ------------------------------------------------------------------ which parameters have state
 
@@ -182,14 +194,19 @@ class Layout:
             dropped.update((slot.label, *field, *slot.key) for field in self.entry_names[slot.group].fields.values())
         self.stepped(self._regrouped(groups, self.leaves(), dropped=dropped))
 
-    def forget(self, groups: Groups) -> None:
-        """Forgets every parameter's state (each made anew at its next step): the state is each of
-        ``groups``' ``init`` of no parameters, whatever the groups were edited to."""
-        self.stepped(self._regrouped(groups, {}))
-        wanted = [_groups.entries(g) for g in groups]
-        if wanted != self.entry_names:  # (laid out for settings changed since: a transform of the old ones is stale)
-            self.entry_names = wanted
-            self.version += 1
+    def forget(self) -> None:
+        """Forgets every parameter's state, and that of :attr:`removed` (each made anew at its next
+        step): each group's state holds its entries as it laid them out, for no parameter (its
+        ``init`` of no parameters), whatever ``param_groups`` were edited to since (emptied, say,
+        to be rebuilt by ``add_param_group``)."""
+        labels = _groups.group_labels(self.routes)
+        empty: dict[Key, TensorDictBase] = {
+            (label, *field): TensorDict({}, batch_size=[])
+            for label, names in zip(labels, self.entry_names)
+            for field in names.fields.values()
+        }
+        self.state = TensorDict(empty, batch_size=[])
+        self.removed = {}
 
     def _regrouped(
         self,
@@ -240,6 +257,14 @@ class Layout:
 
     # ------------------------------------------------------------------ the groups
 
+    def follows(self, groups: Groups) -> bool:
+        """Whether ``groups`` are the groups as added, which :meth:`check_groups` accepts."""
+        try:
+            self.check_groups(groups)
+        except ValueError:
+            return False
+        return True
+
     def check_groups(self, groups: Groups) -> None:
         """The groups, their parameters and their ``use_muon`` are fixed when a group is added (its
         parameters' keys, labels and state are laid out for them): an edit in ``param_groups`` is
@@ -248,16 +273,68 @@ class Layout:
             _groups.check_members(groups, self.slots, len(self.routes))
             self.members = [tuple(g["params"]) for g in groups]  # (a tensor's hash runs Python: checked once)
         for i, (group, route) in enumerate(zip(groups, self.routes)):
-            if bool(group["use_muon"]) != route:
+            if bool(group.get("use_muon")) != route:
                 raise ValueError(
                     f"param group {i}: use_muon was {route} when the group was added and cannot change; "
                     "set it back, or add the parameters to a new optimizer"
                 )
 
+    def follow_removals(self, groups: Groups) -> list[int] | None:
+        """Lays the state out for ``groups`` where they are the added groups with some removed
+        (``opt.param_groups = []``, ``del opt.param_groups[i]``), in their order; returns the
+        index each kept group was added at. ``None`` (nothing changed) where no group was
+        removed, or ``groups`` were edited otherwise (which :meth:`check_groups` names).
+
+        The removed groups' parameters leave the optimizer; the state of those that have one is
+        kept in :attr:`removed` until the next step, for :meth:`add` to carry over.
+        """
+        kept: list[int] = []
+        for group in groups:
+            params = group["params"]
+            start = kept[-1] + 1 if kept else 0
+            added = next(
+                (
+                    j
+                    for j in range(start, len(self.members))
+                    if self.routes[j] == group.get("use_muon")
+                    and len(self.members[j]) == len(params)
+                    and set(self.members[j]) == set(params)
+                ),
+                None,
+            )
+            if added is None:
+                return None
+            kept.append(added)
+        if len(kept) == len(self.members):
+            return None
+        labels = _groups.group_labels(self.routes)
+        state = self.state
+        removed = dict(self.removed)
+        for j in sorted(set(range(len(self.members))) - set(kept)):
+            for p in filter(self.holds, self.members[j]):
+                key = self.slots[p].key
+                tensors = {field: state.get((labels[j], *field, *key)) for field in self.entry_names[j].fields.values()}
+                removed[p] = Removed(key, self.routes[j], self.entry_names[j], tensors)
+        routes = [self.routes[j] for j in kept]
+        relabelled = state.empty()
+        for j, label in zip(kept, _groups.group_labels(routes)):
+            if labels[j] in state:
+                relabelled[label] = state.get(labels[j])
+        self.slots = _groups.index_slots(groups, {p: self.slots[p].key for j in kept for p in self.members[j]})
+        self.entry_names = [self.entry_names[j] for j in kept]
+        self.routes = routes
+        self.members = [self.members[j] for j in kept]
+        self.removed = removed
+        self.state = relabelled
+        self.version += 1
+        return kept
+
     def add(self, groups: Groups, new_groups: Groups, new_keys: Mapping[torch.Tensor, Key], branch: NewBranch) -> None:
         """Lays out ``new_groups``, to follow ``groups``, their parameters keyed by ``new_keys``, each
-        group built by its ``branch``. Their parameters have no state yet; the branch's ``init`` runs
-        on stand-ins on the meta device for its checks. Nothing changes unless all succeed."""
+        group built by its ``branch``. Their parameters have no state yet, but those of
+        :attr:`removed` that their new group lays out alike (its route and entries, their shapes,
+        dtypes and devices), which continue with theirs; the branch's ``init`` runs on stand-ins on
+        the meta device for its checks, and to lay out theirs. Nothing changes unless all succeed."""
         everything = [*groups, *new_groups]
         slots = _groups.index_slots(everything, {**{p: s.key for p, s in self.slots.items()}, **new_keys})
         labels = _groups.group_labels([g["use_muon"] for g in everything])
@@ -267,18 +344,47 @@ class Layout:
             keys = [slots[p].key for p in group["params"]]
             init = branch(i, group, keys).init
             stand_ins = [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in group["params"]]
-            init(TensorDict(dict(zip(keys, stand_ins)), batch_size=[]))
+            laid_out = init(TensorDict(dict(zip(keys, stand_ins)), batch_size=[]))
             state[labels[i]] = init(TensorDict({}, batch_size=[]))
+            self._carry(state, labels[i], group, keys, laid_out)
+        self.removed = {p: held for p, held in self.removed.items() if p not in slots}  # (started anew or carried)
         self.entry_names = [*self.entry_names, *(_groups.entries(g) for g in new_groups)]
         self.routes = [*self.routes, *(g["use_muon"] for g in new_groups)]
         self.members = [*self.members, *(tuple(g["params"]) for g in new_groups)]
         self.slots = slots
         self.state = state
 
+    def _carry(
+        self,
+        state: TensorDictBase,
+        label: str,
+        group: Mapping[str, Any],
+        keys: Sequence[Key],
+        laid_out: TensorDictBase,
+    ) -> None:
+        """Writes the :attr:`removed` state of ``group``'s parameters into its new state under
+        ``label`` where the group lays it out alike: the same route and entries, and each tensor
+        of the shape and dtype of ``laid_out`` (its ``init`` of stand-ins) and on the parameter's
+        device. The others have no state (made at their next step)."""
+        entries = _groups.entries(group)
+        for p, key in zip(group["params"], keys):
+            held = self.removed.get(p)
+            if held is None or held.use_muon != group["use_muon"] or held.entries != entries:
+                continue
+            if all(_alike(t, laid_out.get((*field, *key)), p.device) for field, t in held.tensors.items()):
+                for field, t in held.tensors.items():
+                    state[(label, *field, *key)] = t
+
+    def forget_removed(self) -> None:
+        """Frees the state of parameters no longer in any group (at a step)."""
+        self.removed = {}
+
     def load(self, groups: Groups, state: TensorDictBase) -> None:
-        """Takes ``state``, checked against :meth:`structure`, as laid out for ``groups``' settings."""
+        """Takes ``state``, checked against :meth:`structure`, as laid out for ``groups``' settings:
+        the whole state, as torch's ``load_state_dict`` takes it (:attr:`removed` is forgotten)."""
         self.state = state
         self.entry_names = [_groups.entries(g) for g in groups]
+        self.removed = {}
 
     def sync(self, groups: Groups) -> None:
         """Lays out anew the state of every group whose settings now ask for other entries (its
@@ -319,13 +425,22 @@ class Layout:
         return self.entry_names[group_index].fields
 
     def entries(self, groups: Groups, p: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``p``'s current state under torch's names (none while it has no state)."""
-        slot = self.slots[p]
-        fields = self.fields(groups, slot.group)
+        """``p``'s current state under torch's names (none while it has no state), its group's state
+        laid out for its settings first."""
+        self.sync(groups)
+        return self.laid_out_entries(p)
+
+    def laid_out_entries(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``p``'s current state under torch's names, as its group's state is laid out now (none
+        while it has no state)."""
         if not self.holds(p):
             return {}
+        slot = self.slots[p]
         state = self.state
-        return {name: state.get((slot.label, *field, *slot.key)) for name, field in fields.items()}
+        return {
+            name: state.get((slot.label, *field, *slot.key))
+            for name, field in self.entry_names[slot.group].fields.items()
+        }
 
     def initial_entries(self, groups: Groups, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """``p``'s state as its branch's ``init`` makes it now, under torch's names."""
@@ -400,6 +515,10 @@ class Layout:
                 )
             held.add(slot.key)
         return _tree.laid_out_like(state, self.structure(groups, held), where)
+
+
+def _alike(t: torch.Tensor, like: torch.Tensor, device: torch.device) -> bool:
+    return (t.shape, t.dtype, t.device) == (like.shape, like.dtype, device)
 
 
 def _holds(group: Mapping[str, Any], members: tuple[torch.Tensor, ...]) -> bool:

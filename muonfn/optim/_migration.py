@@ -9,6 +9,7 @@ torch's float ``step`` becomes the shim's exact int64 count and back.
 
 from __future__ import annotations
 
+import copy
 import enum
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -32,6 +33,27 @@ SCALE_OF_ADJUST_LR_FN: dict[str | None, ScaleMode] = {
     "match_rms_adamw": "match_rms_adamw",
 }
 ROUTE_NAMES = {True: "torch.optim.Muon", False: "torch.optim.AdamW"}
+#: The settings of a torch.optim.Muon (True) and a torch.optim.AdamW (False) group, translated
+#: (or refused) both ways. Any other entry of a group (a scheduler's ``initial_lr``, a key of
+#: one's own) is carried as it is, both ways, as torch's ``load_state_dict`` carries it.
+TORCH_SETTINGS = {
+    True: ("lr", "momentum", "weight_decay", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn"),
+    False: (
+        "lr",
+        "betas",
+        "eps",
+        "weight_decay",
+        "amsgrad",
+        "maximize",
+        "foreach",
+        "capturable",
+        "differentiable",
+        "fused",
+        "decoupled_weight_decay",
+    ),
+}
+#: What every group holds besides its settings: its parameters, their names, and in the shim its route.
+GROUP_OWN = ("params", "param_names", "use_muon")
 
 
 class NotGiven(enum.Enum):
@@ -153,6 +175,10 @@ def shim_state_dict(
         if sd is None:
             groups.append(new_group)
             continue
+        # as torch's load_state_dict: the saved group's entries replace this one's, but for the
+        # settings torch's optimizers do not have (ns_dtype, ...), which stay this optimizer's
+        new_group = {k: v for k, v in new_group.items() if k in _groups.SETTINGS_OF[route] or k in GROUP_OWN}
+        new_group.update(_extra_entries(saved_group, TORCH_SETTINGS[route]))
         where = f"load_torch_state_dicts: param group {i} (group {nth} of the {ROUTE_NAMES[route]} state_dict)"
         saved_params = list(saved_group["params"])
         if len(saved_params) != len(group["params"]):
@@ -186,6 +212,11 @@ def shim_state_dict(
                 "which are none of its groups' parameters"
             )
     return {"state": state, "param_groups": groups}
+
+
+def _extra_entries(group: Mapping[str, Any], settings: Sequence[str]) -> dict[str, Any]:
+    """The entries of ``group`` that are none of ``settings`` (nor its parameters, names and route)."""
+    return {k: v for k, v in group.items() if k not in settings and k not in GROUP_OWN}
 
 
 def _names(layout: Layout, group: Mapping[str, Any]) -> list[str]:
@@ -229,8 +260,9 @@ def _adamw_settings(saved: Mapping[str, Any], where: str) -> dict[str, Any]:
     return {
         "lr": _setting(saved, "lr", where),
         "weight_decay": weight_decay,
-        "adamw_betas": tuple(float(b) for b in betas),
-        "adamw_eps": _setting(saved, "eps", where),
+        "momentum": betas[0],  # an AdamW group's beta1 (scheduled as Muon's momentum is)
+        "beta2": float(betas[1]),
+        "eps": _setting(saved, "eps", where),
     }
 
 
@@ -264,6 +296,8 @@ def torch_state_dicts(
             torch_group = _torch_muon_group(where, group, keys, resolve_views(views, keys, group["params"]))
         else:
             torch_group = _torch_adamw_group(group)
+        # the torch optimizer must not share a tensor (a scheduler's initial_lr) with this one
+        torch_group.update(copy.deepcopy(_extra_entries(group, _groups.SETTINGS_OF[route])))
         indices = list(range(count[route], count[route] + len(keys)))
         count[route] += len(keys)
         torch_group["params"] = indices
@@ -287,7 +321,7 @@ TORCH_RUNS: dict[bool, dict[str, tuple[Any, ...]]] = {
         "ns_method": ("standard", "gram"),
         "ns_eps_mode": ("clamp",),
     },
-    False: {"cautious_weight_decay": (False,), "adamw_nesterov": (False,)},
+    False: {"cautious_weight_decay": (False,), "nesterov": (False,)},
 }
 
 
@@ -346,8 +380,8 @@ def _torch_muon_group(
 def _torch_adamw_group(group: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "lr": _copied(group["lr"]),
-        "betas": tuple(group["adamw_betas"]),
-        "eps": group["adamw_eps"],
+        "betas": (_copied(group["momentum"]), group["beta2"]),
+        "eps": group["eps"],
         "weight_decay": _copied(group["weight_decay"]),
         "amsgrad": False,
         "maximize": False,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -65,10 +66,11 @@ class Muon(torch.optim.Optimizer):
 
     Args:
         params: ``model.named_parameters()`` (names drive ``labels``), an iterable of
-            tensors, or param-group dicts. A dict may set ``lr``, ``momentum``,
-            ``weight_decay``, ``variant`` and the other defaults, ``"use_muon": True/False``
-            to route the whole group, or, when it leaves routing to ``labels``, ``adamw_lr``
-            and ``adamw_weight_decay`` for its AdamW half.
+            tensors, or param-group dicts. A dict with ``"use_muon": True/False`` routes the
+            whole group and may set its entries (below; an AdamW group's also by the
+            ``adamw_betas``, ``adamw_eps`` and ``adamw_nesterov`` spellings); one that leaves
+            routing to ``labels`` takes the constructor's keywords, its ``adamw_*`` for its
+            AdamW half.
         lr: a number (or a one-element tensor); schedule it with ``torch.optim.lr_scheduler``.
         variant: the Muon groups' rule: ``"muon"``; ``"normuon"`` or ``"adamuon"``, the
             matrix branch of :func:`muonfn.normuon` or :func:`muonfn.adamuon`. A group dict
@@ -81,12 +83,15 @@ class Muon(torch.optim.Optimizer):
             preset's default); an error with another variant.
 
     The other keywords are those of :func:`muonfn.muon` (``scale=None`` and ``ns_eps=None``
-    mean its defaults, ``"match_rms_adamw"`` and ``1e-7``). They are kept in every group, which
-    a group dict may set, but ``labels``, ``views``, ``weight_decay_mask``, ``bucket_numel``,
-    the distributed ones and ``donate_state``, given once. ``adamw_lr`` and
-    ``adamw_weight_decay`` (``None``: the Muon value) set the AdamW groups' ``lr`` and
-    ``weight_decay``; ``cautious_weight_decay`` applies to both kinds of group, ``adamw_nesterov``
-    to the AdamW groups. ``ns=`` (the whole Newton–Schulz setting, in the constructor or a group
+    mean its defaults, ``"match_rms_adamw"`` and ``1e-7``). They are kept in every Muon group,
+    which a group dict may set, but ``labels``, ``views``, ``weight_decay_mask``,
+    ``bucket_numel``, the distributed ones and ``donate_state``, given once. An AdamW group
+    holds AdamW's settings only: ``lr`` and ``weight_decay`` (``adamw_lr``,
+    ``adamw_weight_decay``; ``None``: the Muon value), ``momentum`` and ``beta2``
+    (``adamw_betas``: its beta1 is ``momentum``, so that schedulers that cycle momentum cycle it
+    as they cycle torch.optim.AdamW's), ``eps`` (``adamw_eps``), ``nesterov``
+    (``adamw_nesterov``) and ``cautious_weight_decay`` (which applies to both kinds of group).
+    ``ns=`` (the whole Newton–Schulz setting, in the constructor or a group
     dict) is kept in a group as its plain ``ns_*`` entries (:func:`muonfn.polar` as
     ``ns_method="svd"``, :func:`muonfn.linalg.qr_orthogonal` as ``"qr"``); a map of one's own as
     ``ns_method``, which :meth:`state_dict` leaves out (``torch.load(weights_only=True)`` reads
@@ -300,11 +305,11 @@ class Muon(torch.optim.Optimizer):
             return matrix_branch(group["variant"], **settings, **_groups.adapted_settings(group))
         return adamw(
             scalars["lr"],
-            betas=group["adamw_betas"],
-            eps=group["adamw_eps"],
+            betas=(scalars["momentum"], float(group["beta2"])),  # beta1 scheduled: read at every step
+            eps=group["eps"],
             weight_decay=weight_decay,
             weight_decay_mask=self._weight_decay_mask,
-            nesterov=group["adamw_nesterov"],
+            nesterov=group["nesterov"],
             cautious_weight_decay=group["cautious_weight_decay"],
             donate_state=self._donate_state,
         )
@@ -325,6 +330,7 @@ class Muon(torch.optim.Optimizer):
         for i, group in enumerate(self.param_groups):
             _groups.check_scheduled(i, group)
             _groups.refuse_whole_setting(i, group)
+            _groups.refuse_keywords(i, group)
         for group, scalars in zip(self.param_groups, self._scalars):
             for name, tensor in scalars.items():
                 tensor.fill_(float(group[name]))
@@ -367,15 +373,32 @@ class Muon(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds parameters; a group without ``"use_muon"`` is split by ``labels`` into a Muon and an AdamW group.
 
-        Everything is checked before anything changes: on an error the optimizer is as it was.
+        Groups removed from ``param_groups`` before (``opt.param_groups = []``, as torch allows)
+        leave the optimizer with their parameters: one added again continues with its state (as
+        torch's does) where its new group keeps the same entries (its route, variant and bias
+        corrections), else starts anew. The state of a parameter in no group is freed at the next
+        step (torch keeps it, but its ``state_dict`` cannot save it).
+
+        Everything is checked before anything changes: on an error the optimizer is as it was
+        (but for removed groups, which have left it).
         """
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        kept = self._layout.follow_removals(self.param_groups)
+        if kept is not None:
+            self._scalars = [self._scalars[j] for j in kept]
+            self._cache = None
+        self._layout.check_groups(self.param_groups)  # other edits are refused, naming them
         tensors, names = _groups.read_params(param_group, self.param_groups)
         if names is not None:
             keys = [tuple(name.split(".")) for name in names]
-        else:  # by position in the order the optimizer was given them
-            keys = [(str(i),) for i in range(len(self._layout.slots), len(self._layout.slots) + len(tensors))]
+        else:  # by position in the order the optimizer was given them; one added again keeps its own
+            removed = {p: held.key for p, held in self._layout.removed.items()}
+            taken = {slot.key for slot in self._layout.slots.values()}
+            reserved = taken | set(removed.values())
+            free = (key for i in itertools.count(len(self._layout.slots)) if (key := (str(i),)) not in reserved)
+            again = [removed.get(p) if isinstance(p, torch.Tensor) else None for p in tensors]
+            keys = [key if key is not None and key not in taken else next(free) for key in again]
         _groups.check_new_params(tensors, keys, self._layout.slots, named=names is not None)
 
         detached = TensorDict(dict(zip(keys, [p.detach() for p in tensors])), batch_size=[])
@@ -393,40 +416,36 @@ class Muon(torch.optim.Optimizer):
             parts = [(route, [i for i, k in enumerate(keys) if table[k] == label]) for route, label in _groups.ROUTES]
             blind = [tensors[i].shape for i in parts[0][1]] if names is None else []
         elif isinstance(use_muon, bool):
-            for split_only in _groups.SPLIT_ONLY:
-                if split_only in param_group:
-                    raise ValueError(
-                        f"{split_only!r} sets the AdamW half of a group split by labels; this group has "
-                        f"use_muon={use_muon}: set its {split_only.removeprefix('adamw_')!r} instead"
-                    )
             parts = [(use_muon, list(range(len(tensors))))]
         else:
             raise TypeError(f"use_muon must be True or False, got {use_muon!r}")
 
         whole = _groups.ns_entries(f"param group {len(self.param_groups)}", param_group)
-        read_here = ("params", "param_names", _groups.WHOLE_NEWTON_SCHULZ, *_groups.SPLIT_ONLY)
+        given = {k: v for k, v in param_group.items() if k not in ("params", "param_names", "use_muon")}
+        muon_given = {**{k: v for k, v in given.items() if k != _groups.WHOLE_NEWTON_SCHULZ}, **whole}
         new_groups: list[dict[str, Any]] = []
         for route, members in parts:
-            group = {k: v for k, v in param_group.items() if k not in read_here}
-            group.update(whole)
-            group["params"] = [tensors[i] for i in members]
+            where = f"param group {len(self.param_groups) + len(new_groups)}"
+            group: dict[str, Any] = {"params": [tensors[i] for i in members]}
             if names is not None:
                 group["param_names"] = [names[i] for i in members]
-            if not route:
-                # the AdamW half: adamw_lr / adamw_weight_decay of the group, else of the optimizer, else
-                # the group's lr / weight_decay ("None means the Muon value", as in muonfn.muon)
-                for name, fallback in (("lr", self._adamw_lr), ("weight_decay", self._adamw_weight_decay)):
-                    value = param_group.get(f"adamw_{name}", fallback)
-                    if value is not None:
-                        group[name] = value
-            for name, default in self.defaults.items():
-                group.setdefault(name, default)
+            # each group holds the settings of its kind only (an AdamW group: lr, momentum (its beta1), beta2, ...)
+            group.update(
+                _groups.group_entries(
+                    where,
+                    route,
+                    muon_given if route else given,
+                    self.defaults,
+                    split=use_muon is None,
+                    adamw_lr=self._adamw_lr,
+                    adamw_weight_decay=self._adamw_weight_decay,
+                )
+            )
             group["use_muon"] = route
-            # an AdamW group ignores the variant; the options a Muon group was given must apply to it
-            given = set(param_group) if route else set()
-            _groups.resolve_variant(f"param group {len(self.param_groups) + len(new_groups)}", group, given)
-            schedule = _migration.schedule_of(_groups.coefficients_of(group["ns_coefficients"]), group["ns_steps"])
-            group["ns_coefficients"] = _groups.plain_coefficients(schedule)
+            if route:  # the options a Muon group was given must apply to its variant
+                _groups.resolve_variant(where, group, set(param_group))
+                schedule = _migration.schedule_of(_groups.coefficients_of(group["ns_coefficients"]), group["ns_steps"])
+                group["ns_coefficients"] = _groups.plain_coefficients(schedule)
             if new_groups:
                 # the halves of one dict are two groups to a scheduler: a tensor they shared would couple them
                 first = new_groups[0]
@@ -484,6 +503,7 @@ class Muon(torch.optim.Optimizer):
                     raise
                 if checked is not None:
                     self._layout.stepped(self._apply_parts(*checked))
+                self._layout.forget_removed()
         finally:
             resume_collections(paused)
         return loss
@@ -574,15 +594,18 @@ class Muon(torch.optim.Optimizer):
         """The state in torch's format, ``{"state": {index: {name: tensor}}, "param_groups": [...]}``.
 
         It loads with ``torch.load(weights_only=True)``. Parameters are numbered across
-        groups in order; as in torch's, a parameter without state (not yet stepped) has no
-        entry. Entries of :attr:`state` under other keys (a hook's, say) are kept under those
-        keys, as torch keeps them. An entry under a tensor that is not a parameter cannot be
-        numbered: it is an error, unless empty. So is a state left on the meta device for a
-        parameter that is no longer there: it holds no values.
+        groups in order, as torch numbers them; as in torch's, a parameter without state (not
+        yet stepped) has no entry. Entries of :attr:`state` under other keys (a hook's, say) are
+        kept under those keys, as torch keeps them. An entry under a tensor that is not a
+        parameter cannot be numbered: it is an error, unless empty. So is a state left on the
+        meta device for a parameter that is no longer there: it holds no values.
+        ``param_groups`` edited in a way the next step refuses (a group repeated, a parameter
+        appended) are described as they are, with each parameter's state as it was laid out.
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        self._layout.sync(self.param_groups)  # its groups and its state saved as one layout
+        if self._layout.follows(self.param_groups):  # its groups and its state saved as one layout
+            self._layout.sync(self.param_groups)
         state_dict = packed_state_dict(self.param_groups, self._layout, self._param_state.others)
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
@@ -633,9 +656,11 @@ class Muon(torch.optim.Optimizer):
         Adam moments unchanged, torch's float ``step`` as an exact count (a parameter torch
         keeps no state for, not yet stepped, has none here either). The hyperparameters
         come along under this optimizer's names (``eps`` -> ``ns_eps``, ``adjust_lr_fn`` ->
-        ``scale``, ``betas`` -> ``adamw_betas``, ...). ``adamw_state_dict`` may be left out
-        when this optimizer has no AdamW parameters. On a mismatch it raises naming the group
-        or parameter and changes nothing. See :meth:`torch_state_dicts` for the way back.
+        ``scale``, AdamW's ``betas`` -> an AdamW group's ``momentum`` and ``beta2``, ...), and
+        a group's other entries (a scheduler's ``initial_lr``) as they are.
+        ``adamw_state_dict`` may be left out when this optimizer has no AdamW parameters. On a
+        mismatch it raises naming the group or parameter and changes nothing. See
+        :meth:`torch_state_dicts` for the way back.
         """
         self.load_state_dict(
             _migration.shim_state_dict(self.param_groups, self._layout, muon_state_dict, adamw_state_dict)
@@ -648,10 +673,11 @@ class Muon(torch.optim.Optimizer):
         ``torch.optim.AdamW`` with its AdamW groups, in order (``use_muon`` says which).
         State tensors are copies, bit for bit (the second moments of fp16 parameters in fp32,
         which torch's ``load_state_dict`` rounds to fp16); ``step`` is torch's float count; a
-        parameter without state (not yet stepped) has no entry, as in torch's. Raises naming
-        the group or parameter whose settings torch's optimizers cannot run (a schedule of
-        several triples or a norm factor, a scale mode other than ``"original"`` and
-        ``"match_rms_adamw"``, ``extra_scale``, views, a weight-decay mask inside a decayed
+        parameter without state (not yet stepped) has no entry, as in torch's. A group's entries
+        other than its settings (a scheduler's ``initial_lr``) come along as they are (copies).
+        Raises naming the group or parameter whose settings torch's optimizers cannot run (a
+        schedule of several triples or a norm factor, a scale mode other than ``"original"``
+        and ``"match_rms_adamw"``, ``extra_scale``, views, a weight-decay mask inside a decayed
         group, a Muon parameter that is not 2-D).
         """
         self._layout.check_groups(self.param_groups)
@@ -683,12 +709,15 @@ class Muon(torch.optim.Optimizer):
         return {k: v for k, v in self.__dict__.items() if k not in ("_cache", "_apply_parts")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
         if "_layout" not in state:  # (pickled before the layout was an object of its own)
-            state = dict(state)
             state["_layout"] = Layout.unpickled(self._branch, state)
             param_state = ParamState(state["_layout"], self)
             param_state.others = state["state"].others
             state["state"] = param_state
+        if any("adamw_betas" in group for group in state["param_groups"]):  # (pickled with both kinds' settings)
+            state["param_groups"] = [_groups.upgraded(g, g["use_muon"]) for g in state["param_groups"]]
+            state["_scalars"] = [_groups.new_scalars(g) for g in state["param_groups"]]
         super().__setstate__(state)
         self._cache = None
         self._compile = state.get("_compile", False)  # (pickled before the option existed: eager)

@@ -65,7 +65,7 @@ class ParamState(MutableMapping[Any, Any]):
         other keys as they are. All is checked before anything changes."""
         groups = self._optimizer.param_groups
         if not mapping:  # torch's reset, opt.state = defaultdict(dict): as clear(), whatever param_groups holds
-            self._layout.forget(groups)
+            self._layout.forget()
             self.others = {}
             return
         self._layout.check_groups(groups)
@@ -110,7 +110,7 @@ class ParamState(MutableMapping[Any, Any]):
 
     def clear(self) -> None:
         """Forgets every parameter's state (made anew at its next step) and drops the other keys."""
-        self._layout.forget(self._optimizer.param_groups)
+        self._layout.forget()
         self.others.clear()
 
     def popitem(self) -> tuple[Any, Any]:

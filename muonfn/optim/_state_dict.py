@@ -36,23 +36,32 @@ def loaded_value(name: str, torch_name: str, value: Any, like: torch.Tensor) -> 
 
 
 def packed_state_dict(groups: Sequence[Mapping[str, Any]], layout: Layout, others: Mapping[Any, Any]) -> dict[str, Any]:
-    """The state of ``groups``' parameters in torch's format: by index, counted across groups in order.
+    """The state of ``groups``' parameters in torch's format, as ``layout`` holds it now.
 
-    A parameter's state is a plain dict of its current tensors (so that
-    ``torch.load(weights_only=True)`` reads it back); a parameter without state has none, as in
-    torch's. ``others``, the entries of ``opt.state`` under keys that are not parameters, are kept
-    under their own keys, as torch keeps them. A state on the meta device of a parameter that is
-    not (stepped there, then materialised) holds no values: it is an error naming the parameter.
+    ``groups`` are described as they are, as torch describes them, also where they were edited
+    in a way the next step refuses: a parameter is numbered by its position counted across the
+    groups in order, one in several groups by the first (so a group repeated in ``param_groups``
+    is saved as the group it repeats), and one that has no state (not yet stepped, as in
+    torch's, or not added with its group) has no entry. A parameter's state is a plain dict of
+    its current tensors (so that ``torch.load(weights_only=True)`` reads it back); ``others``,
+    the entries of ``opt.state`` under keys that are not parameters, are kept under their own
+    keys, as torch keeps them. A state on the meta device of a parameter that is not (stepped
+    there, then materialised) holds no values: it is an error naming the parameter.
     """
     index: dict[torch.Tensor, int] = {}
     param_groups = []
+    start = 0
     for group in groups:
         packed = {k: v for k, v in group.items() if k != "params" and not _is_function_setting(k, v)}
-        packed["params"] = [index.setdefault(p, len(index)) for p in group["params"]]
+        params = group["params"]
+        # torch's numbering: a parameter new to this group takes its (last) position here
+        index.update({p: position for position, p in enumerate(params, start) if p not in index})
+        packed["params"] = [index[p] for p in params]
+        start += len(params)
         param_groups.append(packed)
     state: dict[Any, Any] = {}
     for p, i in index.items():
-        entries = layout.entries(groups, p)
+        entries = layout.laid_out_entries(p) if p in layout.slots else {}
         if entries:
             if not p.is_meta and any(t.is_meta for t in entries.values()):
                 raise ValueError(
@@ -117,9 +126,10 @@ def translate_state_dict(
 
     Checks everything (group sizes and routes, every parameter's entries, the
     hyperparameters; ``check`` checks a group's settings naming it) and raises naming the
-    first mismatch; changes nothing. A saved group's missing settings are ``defaults``'. A
-    parameter the state_dict holds no state for (or ``{}``, as torch saves a parameter looked up
-    in its ``defaultdict``) has none once it is loaded, as in torch.
+    first mismatch; changes nothing. A saved group's missing settings are ``defaults``' for its
+    kind; one saved when every group held both kinds' settings loads as its kind holds them now.
+    A parameter the state_dict holds no state for (or ``{}``, as torch saves a parameter looked
+    up in its ``defaultdict``) has none once it is loaded, as in torch.
     """
     saved_groups = state_dict["param_groups"]
     saved_state = state_dict["state"]
@@ -166,7 +176,7 @@ def translate_state_dict(
                 entry_key = (labels[i], *field, *slot.key)
                 entries[entry_key] = loaded_value(name, torch_name, entry[torch_name], structure.get(entry_key))
         # torch deep-copies the saved groups: a scheduler of the source must not reach this optimizer
-        new_group = copy.deepcopy({k: v for k, v in saved.items() if k != "params"})
+        new_group = copy.deepcopy(_groups.upgraded({k: v for k, v in saved.items() if k != "params"}, route))
         new_group["params"] = group["params"]
         if "param_names" in group:
             new_group["param_names"] = group["param_names"]
@@ -174,9 +184,10 @@ def translate_state_dict(
         for name in _groups.FUNCTION_SETTINGS:  # a function is not saved: the loading group keeps its own
             if name not in saved and name in group:
                 new_group[name] = group[name]
-        for key, default in defaults.items():
+        for key, default in _groups.settings_defaults(route, defaults).items():
             new_group.setdefault(key, default)
-        _groups.resolve_variant(f"load_state_dict: parameter group {i}", new_group, given=())
+        if route:
+            _groups.resolve_variant(f"load_state_dict: parameter group {i}", new_group, given=())
         if route and _groups.state_names(new_group) != expected:  # a group without parameters says so here
             raise ValueError(
                 f"load_state_dict: parameter group {i} keeps state {sorted(expected)} here and "

@@ -21,7 +21,7 @@ from ..transforms import (
 def adamw(
     lr: ScalarOrSchedule = 1e-3,
     *,
-    betas: tuple[float, float] = (0.9, 0.999),
+    betas: tuple[Scalar, Scalar] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: Scalar = 0.01,
     weight_decay_mask: MaskLike = None,
@@ -35,7 +35,8 @@ def adamw(
 
     Args:
         lr: :math:`\eta`: a float, a 0-d tensor or a schedule (see :func:`scale_by_learning_rate`).
-        betas: :math:`(\beta_1, \beta_2)`.
+        betas: :math:`(\beta_1, \beta_2)`, floats or 0-d tensors; a tensor :math:`\beta_1` is
+            read at every update (see :func:`scale_by_adam`), so that a scheduler may change it.
         eps: :math:`\epsilon`.
         weight_decay: :math:`\lambda`.
         weight_decay_mask: exempts the leaves it maps to ``False``; ``"matrices"`` decays
@@ -85,7 +86,7 @@ def adamw(
     )
 
 
-def _pair(name: str, betas: Any) -> tuple[float, float]:
+def _pair(name: str, betas: Any) -> tuple[Scalar, Scalar]:
     if not (isinstance(betas, tuple | list) and len(betas) == 2):
         raise ValueError(f"{name} must be a pair (beta1, beta2), got {betas!r}")
     return betas[0], betas[1]

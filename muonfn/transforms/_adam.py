@@ -55,9 +55,11 @@ def scale_by_adam(
     in fp32 and the update rounded once to fp16.
 
     Args:
-        b1: :math:`\beta_1` in [0, 1), a float or a 0-d tensor read once, when the transform
-            is built (the bias corrections are precomputed from it).
-        b2: :math:`\beta_2` in [0, 1), likewise.
+        b1: :math:`\beta_1` in [0, 1), a float or a 0-d tensor; a tensor is read at every
+            update (the bias corrections use its current value, as torch.optim.AdamW's use its
+            group's current ``betas``), so that a scheduler may change it without a new
+            transform (``torch.compile`` then keeps it as an input).
+        b2: :math:`\beta_2` in [0, 1), a float or a 0-d tensor read once, when the transform is built.
         eps: :math:`\epsilon > 0`, added to the bias-corrected root.
         nesterov: ``True`` for optax's Nesterov first moment :math:`\hat m_t` above (NAdamW),
             ``"timm"`` for timm's, ``False`` for Adam's.
@@ -67,7 +69,9 @@ def scale_by_adam(
         A :class:`Transform` with state ``{"step": int64 per leaf, "exp_avg": m, "exp_avg_sq": v}``
         (``v`` in fp32 for fp16 leaves).
     """
-    b1, b2 = unit_interval("b1", b1), unit_interval("b2", b2)
+    b1_value, b2 = unit_interval("b1", b1), unit_interval("b2", b2)
+    if not isinstance(b1, torch.Tensor):  # (a tensor is read at every update)
+        b1 = b1_value
     if not (isinstance(nesterov, bool) or nesterov == "timm"):
         raise ValueError(f"scale_by_adam: nesterov must be True, False or 'timm', got {nesterov!r}")
     positive("eps", eps)
@@ -92,7 +96,8 @@ def scale_by_adam(
 
     def update(grads: Leaves, scope: Scope, params: Leaves | None) -> Leaves:
         keys, g = list(grads), list(grads.values())
-        counts, exp_avg, exp_avg_sq = adam_moments(keys, g, scope, b1, b2, donate_state=donate_state)
+        beta1 = _multi_tensor.host_number(b1, g)
+        counts, exp_avg, exp_avg_sq = adam_moments(keys, g, scope, beta1, b2, donate_state=donate_state)
         members = scope.members
         # in place on this update's own root where nothing differentiates through it (sqrt's
         # gradient reads its output): one fresh tensor less, which on a CPU is a page-fault pass
@@ -105,7 +110,7 @@ def scale_by_adam(
             # one pass over the leaves less; the quotient is written over its denominator
             # where nothing records it. The factors take the dtype of the root they meet (fp32
             # for an fp16 leaf's).
-            first = counts.corrections(b1)
+            first = counts.corrections(beta1)
             scale = leaf_factors(first.div(counts.corrections(b2).sqrt()), exp_avg_sq, members)
             denom = _multi_tensor.apply_(
                 "add", divide("mul", root, scale), leaf_factors(first.mul(eps), exp_avg_sq, members)
@@ -115,12 +120,12 @@ def scale_by_adam(
         root_correction = bias_corrections(counts, b2, exp_avg_sq, members, then=torch.sqrt)
         denom = _multi_tensor.apply_("add", divide("div", root, root_correction), eps)
         if nesterov == "timm":
-            look_ahead = _multi_tensor.lerp(exp_avg, g, 1.0 - b1)
-            updates = _multi_tensor.apply("div", look_ahead, bias_corrections(counts, b1, g, members))
+            look_ahead = _multi_tensor.lerp(exp_avg, g, 1.0 - beta1)
+            updates = _multi_tensor.apply("div", look_ahead, bias_corrections(counts, beta1, g, members))
         else:
             # beta1 / (1 - beta1**(t+1)) on the moment, (1 - beta1) / (1 - beta1**t) on the gradient
-            moment_weight = leaf_factors(counts.corrections(b1, shift=1.0).reciprocal().mul(b1), g, members)
-            grad_weight = leaf_factors(counts.corrections(b1).reciprocal().mul(1.0 - b1), g, members)
+            moment_weight = leaf_factors(counts.corrections(beta1, shift=1.0).reciprocal().mul(beta1), g, members)
+            grad_weight = leaf_factors(counts.corrections(beta1).reciprocal().mul(1.0 - beta1), g, members)
             updates = _multi_tensor.apply("mul", exp_avg, moment_weight)
             updates = _multi_tensor.apply_("add", updates, _multi_tensor.apply("mul", g, grad_weight))
         # (into the numerators, unless an fp16 leaf's quotient is to be taken in its fp32 denominator's dtype)
@@ -134,7 +139,7 @@ def scale_by_adam(
 
 
 def adam_moments(
-    keys: list[Key], g: list[torch.Tensor], scope: Scope, b1: float, b2: float, *, donate_state: bool
+    keys: list[Key], g: list[torch.Tensor], scope: Scope, b1: Scalar, b2: float, *, donate_state: bool
 ) -> tuple[StepCounts, list[torch.Tensor], list[torch.Tensor]]:
     r"""Adam's step counts and moments after this update, written to ``scope`` (state ``"step"``,
     ``"exp_avg"``, ``"exp_avg_sq"``), with torch.optim.AdamW's ops and so its bits:

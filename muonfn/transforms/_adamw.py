@@ -55,13 +55,16 @@ def fused_adamw(
 
     On a CUDA GPU, one model's fp32 leaves go through torch's fused AdamW kernel instead, in one
     pass (see :func:`takes_torch_kernel`): the same formula, torch's rounding.
+
+    ``b1`` may be a 0-d tensor, read at every update (see :func:`scale_by_adam`).
     """
     reference = chain(
         scale_by_adam(b1, b2, eps=eps, donate_state=donate_state),
         add_decayed_weights(weight_decay, mask=mask, inplace=True),
         scale_by_learning_rate(learning_rate, inplace=True),
     )  # (checks every option, and is the state layout and the input checks)
-    b1, b2, eps = float(b1), float(b2), float(eps)
+    b1 = b1 if isinstance(b1, torch.Tensor) else float(b1)  # (a tensor is read at every update, see scale_by_adam)
+    b2, eps = float(b2), float(eps)
     decays = not (isinstance(weight_decay, float | int) and weight_decay == 0)
     masks = StructureCache()
     flat_segments = StructureCache()
@@ -71,17 +74,18 @@ def fused_adamw(
         lr = _multi_tensor.host_number(current_rate(learning_rate, scope, g), g)  # (off the CPU: no host ops)
         wd = _multi_tensor.host_number(weight_decay, g)
         decayed = _decayed_keys(grads, scope, params) if decays else []
-        if g and g[0].device.type in TORCH_KERNEL_DEVICES:
+        beta1 = _multi_tensor.host_number(b1, g)
+        if g and g[0].device.type in TORCH_KERNEL_DEVICES and not isinstance(beta1, torch.Tensor):
             operands = [*g, *scope.read(EXP_AVG, keys), *scope.read(EXP_AVG_SQ, keys)]
             if params is not None:
                 operands += [params[k] for k in decayed]
             if takes_torch_kernel(operands, scope, lr, wd):
-                return _through_torch_kernel(keys, g, scope, params, decayed, lr, wd, b1, b2, eps, donate_state)
-        counts, exp_avg, exp_avg_sq = adam_moments(keys, g, scope, b1, b2, donate_state=donate_state)
+                return _through_torch_kernel(keys, g, scope, params, decayed, lr, wd, beta1, b2, eps, donate_state)
+        counts, exp_avg, exp_avg_sq = adam_moments(keys, g, scope, beta1, b2, donate_state=donate_state)
         members = scope.members
         root_c2 = counts.corrections(b2).sqrt()
         # -c₁/(η√c₂): -inf at η = 0, which meets a denominator of at least ε√c₂ > 0
-        step_scale = counts.corrections(b1).div(root_c2.mul(neg(lr)))
+        step_scale = counts.corrections(beta1).div(root_c2.mul(neg(lr)))
         # in place on this update's own root where nothing differentiates through it
         rewrite = (
             _multi_tensor.apply_ if donate_state or _multi_tensor.may_overwrite(exp_avg_sq) else _multi_tensor.apply
