@@ -150,13 +150,16 @@ def test_bad_hyperparameter(case: str) -> None:
         build()
 
 
-def test_0d_tensor_betas_are_read_once_as_floats() -> None:
+def test_0d_tensor_betas_beta1_is_read_at_every_update_beta2_once() -> None:
+    """beta1 may be scheduled (the shim's AdamW groups schedule it as their momentum); beta2 is
+    read when the transform is built."""
     p = params()
     grads = p.apply(torch.ones_like)
     betas = (torch.tensor(0.8), torch.tensor(0.9))
-    as_tensors = muonfn.adamw(betas=betas)  # type: ignore[arg-type]
-    as_floats = muonfn.adamw(betas=(float(betas[0]), float(betas[1])))  # the fp32 values, as Python floats
-    betas[0].fill_(0.5)  # read when the transform was built: the bias corrections are precomputed
+    as_tensors = muonfn.adamw(betas=betas)
+    betas[0].fill_(0.5)
+    betas[1].fill_(0.1)
+    as_floats = muonfn.adamw(betas=(0.5, float(torch.tensor(0.9))))  # (the fp32 value, as a Python float)
     expected = as_floats.update(grads, as_floats.init(p), p)
     got = as_tensors.update(grads, as_tensors.init(p), p)
     assert_td_equal(got[0], expected[0])
