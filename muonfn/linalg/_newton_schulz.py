@@ -405,7 +405,7 @@ def _wide_batch(x: torch.Tensor) -> tuple[torch.Tensor, bool, bool]:
     whether the batch is a copy. The orientation is decided by shape alone, never by memory layout."""
     tall = x.size(-2) > x.size(-1)
     g = x.mT if tall else x
-    batch = g.reshape(-1, *g.shape[-2:])
+    batch = g.reshape(math.prod(g.shape[:-2]), *g.shape[-2:])  # (not -1: a tensor may hold no element)
     wide = torch.promote_types(x.dtype, torch.float32)
     copied = batch.dtype != wide or not batch.is_contiguous()
     return batch.to(wide).contiguous(), tall, copied
