@@ -802,3 +802,20 @@ def test_matrices_given_to_overwrite_may_hold_their_own_results(gpu_form: bool) 
     assert held == ([True, True, False, False] if gpu_form else [False] * 4)
     if not gpu_form:
         assert all(torch.equal(m, o) for m, o in zip(inputs, originals))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_term_weighted_zero_leaves_nothing_behind_in_16_bit(dtype: torch.dtype) -> None:
+    """A step whose c is 0, and a last step scaled by 0 (a learning rate of 0), in bf16 and fp16: the
+    zero-weighted product is left out (torch's CPU baddbmm returns wrong values for alpha=0 there)."""
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    cubic = newton_schulz(x, [(1.5, -0.5, 0.0)], steps=12, dtype=dtype)
+    assert cubic.isfinite().all()
+    torch.testing.assert_close(
+        cubic, newton_schulz(x, [(1.5, -0.5, 0.0)], steps=12, dtype=torch.float32), atol=0.1, rtol=0
+    )
+    assert torch.equal(muonfn.NewtonSchulz(dtype=dtype).orthogonalize(x, scale=0.0), torch.zeros_like(x))
+    params = TensorDict({"w": x.clone()}, [])
+    tx = muonfn.muon(lr=0.0, weight_decay=0.0, ns=muonfn.NewtonSchulz(dtype=dtype))
+    updates, _ = tx.update(TensorDict({"w": torch.randn_like(x)}, []), tx.init(params), params)
+    assert torch.equal(muonfn.apply_updates(params, updates)["w"], x)
