@@ -289,7 +289,7 @@ def muon(
 
     Example:
         >>> params = TensorDict({"w": torch.randn(4, 8), "b": torch.zeros(4)}, [])
-        >>> state = muonfn.muon(lr=0.02).init(params)
+        >>> state = muonfn.muon(lr=3e-4).init(params)
         >>> sorted(state.keys(True, True))
         [('adamw', 'exp_avg', 'b'), ('adamw', 'exp_avg_sq', 'b'), ('adamw', 'step', 'b'), ('muon', 'momentum', 'w')]
     """
@@ -322,7 +322,7 @@ def normuon(
 
     Example:
         >>> params = TensorDict({"w": torch.randn(4, 8), "b": torch.zeros(4)}, [])
-        >>> state = muonfn.normuon(lr=0.02).init(params)
+        >>> state = muonfn.normuon(lr=3e-4).init(params)
         >>> state["muon", "row_second_moment", "w"].shape  # one entry per row
         torch.Size([4, 1])
     """
@@ -350,7 +350,7 @@ def adamuon(
 
     Example:
         >>> params = TensorDict({"w": torch.randn(4, 8), "b": torch.zeros(4)}, [])
-        >>> state = muonfn.adamuon(lr=0.02).init(params)
+        >>> state = muonfn.adamuon(lr=3e-4).init(params)
         >>> sorted(state["muon"].keys())
         ['exp_avg_sq', 'momentum']
     """
