@@ -365,6 +365,11 @@ def selected(mask: MaskLike, params: TensorDictBase, where: str, default: bool =
 def check_mask(where: str, mask: object) -> None:
     if mask is None or mask == "matrices":
         return
+    if isinstance(mask, str):  # (a misspelt name, or one leaf's name where a table was meant)
+        raise ValueError(
+            f"{where}: unknown mask {mask!r}; choose one of ['matrices'], a mapping of names to True or False, "
+            "or a callable params -> mapping"
+        )
     check_table(where, mask)
     if isinstance(mask, Mapping):
         selected(mask, _EMPTY, where)  # (the values' type)
