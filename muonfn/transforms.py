@@ -177,8 +177,9 @@ def check_input(init: InitFn, grads: TensorDictBase, state: Any, params: TensorD
                 f"{dtype} of shape {tuple(shape)}" + (f" for parameter {leaf!r}" if leaf else "")
             )
         if owner is not None and t.device != owner.device:
+            kind = "parameter" if params is not None else "gradient"  # (without params, the leaf is its gradient)
             raise ValueError(
-                f"update: state entry {entry!r} is on {t.device}, its parameter {leaf or '(first)'!r} on "
+                f"update: state entry {entry!r} is on {t.device}, its {kind} {leaf or '(first)'!r} on "
                 f"{owner.device}; move the state (state.to(device)), or make it with init after moving the parameters"
             )
     if params is not None and given:
