@@ -59,6 +59,7 @@ from .transforms import (
     check_table,
     named,
     partition,
+    table_of,
 )
 
 MUON = "muon"
@@ -487,6 +488,9 @@ def _preset(
     def init(params: TensorDictBase) -> TensorDictBase:
         leaves = flat(params)
         for where, table in tables.items():
+            if where == "weight_decay_mask" and callable(table) and not isinstance(table, Mapping):
+                table = table_of(table, leaves, where)  # a callable mask's table, checked as one given
+                check_mask(where, table)
             if table is None or isinstance(table, str) or (callable(table) and not isinstance(table, Mapping)):
                 continue
             named_table(table, leaves.keys(), where)
