@@ -480,7 +480,11 @@ def add_decayed_weights(weight_decay: Scalar = 0.0, *, mask: MaskLike = None, ca
         out = _decayed(values, grads, params, _number(weight_decay), mask, "add_decayed_weights", inplace=False)
         return build(dict(zip(names, out)), grads.batch_size), state
 
-    return transform(lambda params: build({}, params.batch_size), update)
+    def init(params: TensorDictBase) -> TensorDictBase:
+        selected(mask, params, "add_decayed_weights: mask")  # (a callable mask's values checked before a step)
+        return build({}, params.batch_size)
+
+    return transform(init, update)
 
 
 def _schedule_init(learning_rate: ScalarOrSchedule) -> Callable[[TensorDictBase], dict[str, torch.Tensor]]:
