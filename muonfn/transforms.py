@@ -220,10 +220,14 @@ def _expected_state(
 # ---------------------------------------------------------------------------------------------- combinators
 
 
-def _owned(tx: Transform) -> list[str]:
-    """The top-level state entries ``tx`` keeps (its state for no parameters)."""
+def _check_transform(tx: object) -> None:
     if not (isinstance(tx, tuple) and len(tx) == 2 and callable(tx[0]) and callable(tx[1])):
         raise TypeError(f"expected a muonfn.Transform (init, update), got {type(tx).__name__}")
+
+
+def _owned(tx: Transform) -> list[str]:
+    """The top-level state entries ``tx`` keeps (its state for no parameters)."""
+    _check_transform(tx)
     return list(tx.init(_EMPTY).keys())
 
 
@@ -492,6 +496,7 @@ def cautious(tx: Transform, *, mode: CautiousMode = "heavyball", sum_shards: Any
     tensor (:func:`muonfn.distributed.shard_sums`), so that :math:`\sum k` and :math:`N` are the
     whole leaf's (DTensor leaves need none).
     """
+    _check_transform(tx)
     if mode not in CAUTIOUS_MODES:
         raise ValueError(f"cautious: unknown mode {mode!r}; choose one of {list(CAUTIOUS_MODES)}")
     check_sum_shards("cautious", sum_shards)
