@@ -139,17 +139,15 @@ def default_ns_dtype(
 ) -> torch.dtype:
     """The Newton–Schulz dtype when none is given: bf16 where the device multiplies it fastest.
 
-    CUDA (and meta): bf16. A CPU: bf16 for fp32 and narrower inputs whose matrices (``shape``, or
-    ``None`` for any) hold at least :data:`CPU_BF16_MIN_WORK` of work, where bf16 is measured faster
-    (:func:`cpu_bf16_probe`); else the input's dtype, at least fp32. fp64 keeps fp64.
+    CUDA (and meta): bf16, whatever the input. A CPU: bf16 for fp32 and narrower inputs whose matrices
+    (``shape``, or ``None`` for any) hold at least :data:`CPU_BF16_MIN_WORK` of work, where bf16 is
+    measured faster (:func:`cpu_bf16_probe`); else the input's dtype, at least fp32 (fp64 keeps fp64).
     ``rule`` (``bfloat16``, ``float32`` or ``auto``; ``None``: :func:`cpu_rule`) pins the CPU's rule.
     """
-    wide = torch.promote_types(dtype, torch.float32)
-    if dtype == torch.float64:
-        return wide
     if device.type in ("cuda", "meta"):
         return torch.bfloat16
-    if device.type != "cpu":
+    wide = torch.promote_types(dtype, torch.float32)
+    if device.type != "cpu" or dtype == torch.float64:
         return wide
     choice = cpu_rule() if rule is None else rule
     short, long = sorted(shape[-2:]) if shape is not None else (0, 0)
