@@ -22,10 +22,13 @@ import tokenize
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-from tensordict import TensorDict
+HERE = Path(__file__).resolve().parent
+sys.path.insert(1, str(HERE.parent))  # the checkout's muonfn, run from a checkout without installing
 
-import muonfn
+import torch  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+
+import muonfn  # noqa: E402
 
 PACKAGE = Path(muonfn.__file__).resolve().parent
 
@@ -54,7 +57,7 @@ def traced(step: Callable[[], object]) -> dict[str, object]:
     lines: set[tuple[str, int]] = set()
     functions: set[tuple[str, int, str]] = set()
 
-    def tracer(frame, event, arg):  # noqa: ANN001
+    def tracer(frame, event, arg):  # type: ignore[no-untyped-def]
         code = frame.f_code
         if not code.co_filename.startswith(root):
             return None
@@ -128,7 +131,8 @@ def code_lines(path: Path) -> int:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body:
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            value = first.value if isinstance(first, ast.Expr) else None
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
                 docstrings.update(range(first.lineno, (first.end_lineno or first.lineno) + 1))
     code: set[int] = set()
     skipped = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
