@@ -4,7 +4,7 @@
 One default step of a small GPT (an embedding, two blocks, a head: 17 leaves), traced after two
 warm-up steps: the distinct lines of the ``muonfn`` package that execute, and the functions and
 files they sit in; beside them the package's code lines (not blank, not comment, not docstring),
-its core's (the root modules and ``linalg``) and the keywords of ``muonfn.muon``.
+its core's (the root modules and ``linalg``) and the keywords of ``muonfn.muon`` (``lr`` too).
 
 =========================================== ================== ================== ===============
 figure                                      0.1.0              target             moonshot
@@ -49,7 +49,7 @@ COUNTS = ("lines", "functions", "files")
 CEILINGS: dict[str, Any] = {
     "package_code_lines": 5801,
     "core_code_lines": 2815,
-    "muon_keywords": 19,
+    "muon_keywords": 20,
     "functional_cpu": {"lines": 360, "functions": 96, "files": 6},
     "shim_cpu": {"lines": 464, "functions": 131, "files": 8},
     "functional_meta": {"lines": 350, "functions": 102, "files": 6},
