@@ -554,7 +554,11 @@ def apply_updates(params: TensorDictBase, updates: TensorDictBase) -> TensorDict
     """
     flat_params, flat_updates = flat(params), flat(updates)
     targets = _matched("apply_updates", flat_params, flat_updates)
-    sums = torch._foreach_add(targets, list(flat_updates.values())) if targets else []
+    values = list(flat_updates.values())
+    if torch._C._are_functorch_transforms_active():  # (torch.func has no batching rule for multi-tensor ops)
+        sums = [p + u for p, u in zip(targets, values)]
+    else:
+        sums = list(torch._foreach_add(targets, values)) if targets else []
     new = {n: s.to(p.dtype) for n, s, p in zip(flat_updates.keys(), sums, targets)}
     return nested_like(build({**flat_params, **new}, params.batch_size), params)
 
