@@ -261,7 +261,7 @@ def test_scale_by_adam_matches_the_formula_with_per_leaf_steps(device: torch.dev
         if t in (1, 2):  # "b" has no gradient on two steps
             grads = grads.exclude("b")
         updates, state = step(tx, grads, state)
-        for key in grads.keys():  # noqa: SIM118 (iterating a TensorDict walks its batch dimension)
+        for key in grads.keys():
             seen[key].append(grads[key])
             n = len(seen[key])
             m = sum((1 - b1) * b1 ** (n - 1 - i) * g for i, g in enumerate(seen[key]))

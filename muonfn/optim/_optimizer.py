@@ -425,7 +425,7 @@ class Muon(torch.optim.Optimizer):
             except ValueError as error:
                 raise ValueError(f"param group {i}: {error}") from None
             work += parts
-        return work  # type: ignore[return-value]
+        return work
 
     def _inputs(self, tx: Transform, part: list[tuple[str, torch.Tensor]]) -> tuple[Any, ...]:
         """A part's transform, names, parameters, gradients, state and parameters as leaves."""
