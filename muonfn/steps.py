@@ -503,7 +503,11 @@ def add_decayed_weights(weight_decay: Scalar = 0.0, *, mask: MaskLike = None, ca
         out = _decayed(values, grads, params, _number(weight_decay), mask, "add_decayed_weights", inplace=False)
         return build(dict(zip(names, out)), grads.batch_size), state
 
-    return transform(lambda params: build({}, params.batch_size), update)
+    def init(params: TensorDictBase) -> TensorDictBase:
+        selected(mask, params, "add_decayed_weights: mask")  # (a callable mask's values checked before a step)
+        return build({}, params.batch_size)
+
+    return transform(init, update)
 
 
 def _schedule_init(learning_rate: ScalarOrSchedule) -> Callable[[TensorDictBase], dict[str, torch.Tensor]]:
@@ -528,24 +532,33 @@ def _check_rate(learning_rate: ScalarOrSchedule) -> None:
 
 
 def _rate(learning_rate: ScalarOrSchedule, state: TensorDictBase, grads: TensorDictBase) -> tuple[Any, dict[str, Any]]:
-    """This update's learning rate, and a schedule's advanced count for the new state. A tensor must
-    be 0-d (or one value per ensemble member), on the leaves' device or a 0-d tensor on the CPU."""
+    """This update's learning rate (see :func:`checked_rate`), and a schedule's advanced count for the new state."""
     new: dict[str, Any] = {}
-    lr = learning_rate
+    lr, where = learning_rate, "the learning rate"
     if _is_schedule(learning_rate):
-        count = state["count"]
-        lr = schedule_value("the learning rate schedule", learning_rate(count))  # type: ignore[operator]
+        count, where = state["count"], "the learning rate schedule"
+        lr = schedule_value(where, learning_rate(count))  # type: ignore[operator]
         new["count"] = count + 1
+    first = next(iter(grads.values()), None)
+    device = None if first is None else first.device
+    lr = checked_rate(where, lr, grads.batch_size, device, returned=_is_schedule(learning_rate))
+    return _number(lr), new
+
+
+def checked_rate(where: str, lr: Any, size: torch.Size, device: torch.device | None, *, returned: bool) -> Any:
+    """``lr``, a learning rate for leaves of batch size ``size`` on ``device``: a tensor must be 0-d (or one
+    value per ensemble member), on their device or a 0-d tensor on the CPU. ``where`` names it in an
+    error (``returned``: the value a schedule returned)."""
     if isinstance(lr, torch.Tensor):
-        size, first = grads.batch_size, next(iter(grads.values()), None)
+        verb = "returned" if returned else "is"
         if lr.ndim and lr.shape != size:
-            raise ValueError(f"the learning rate is a tensor of shape {tuple(lr.shape)}; it must be 0-d")
-        if first is not None and not (lr.ndim == 0 and lr.device.type == "cpu") and lr.device != first.device:
+            raise ValueError(f"{where} {verb} a tensor of shape {tuple(lr.shape)}; it must be 0-d")
+        if device is not None and not (lr.ndim == 0 and lr.device.type == "cpu") and lr.device != device:
             raise ValueError(
-                f"the learning rate is a tensor on {lr.device}, the parameters are on {first.device}; it must be on "
+                f"{where} {verb} a tensor on {lr.device}, the parameters are on {device}; it must be on "
                 "their device, or a 0-d tensor on the CPU"
             )
-    return _number(lr), new
+    return lr
 
 
 def _times(factor: Any, like: Sequence[torch.Tensor], members: int) -> Any:

@@ -178,8 +178,9 @@ def check_input(init: InitFn, grads: TensorDictBase, state: Any, params: TensorD
                 f"{dtype} of shape {tuple(shape)}" + (f" for parameter {leaf!r}" if leaf else "")
             )
         if owner is not None and t.device != owner.device:
+            kind = "parameter" if params is not None else "gradient"  # (without params, the leaf is its gradient)
             raise ValueError(
-                f"update: state entry {entry!r} is on {t.device}, its parameter {leaf or '(first)'!r} on "
+                f"update: state entry {entry!r} is on {t.device}, its {kind} {leaf or '(first)'!r} on "
                 f"{owner.device}; move the state (state.to(device)), or make it with init after moving the parameters"
             )
     if params is not None and given:
@@ -220,10 +221,14 @@ def _expected_state(
 # ---------------------------------------------------------------------------------------------- combinators
 
 
-def _owned(tx: Transform) -> list[str]:
-    """The top-level state entries ``tx`` keeps (its state for no parameters)."""
+def _check_transform(tx: object) -> None:
     if not (isinstance(tx, tuple) and len(tx) == 2 and callable(tx[0]) and callable(tx[1])):
         raise TypeError(f"expected a muonfn.Transform (init, update), got {type(tx).__name__}")
+
+
+def _owned(tx: Transform) -> list[str]:
+    """The top-level state entries ``tx`` keeps (its state for no parameters)."""
+    _check_transform(tx)
     return list(tx.init(_EMPTY).keys())
 
 
@@ -376,6 +381,11 @@ def selected(mask: MaskLike, params: TensorDictBase, where: str, default: bool =
 def check_mask(where: str, mask: object) -> None:
     if mask is None or mask == "matrices":
         return
+    if isinstance(mask, str):  # (a misspelt name, or one leaf's name where a table was meant)
+        raise ValueError(
+            f"{where}: unknown mask {mask!r}; choose one of ['matrices'], a mapping of names to True or False, "
+            "or a callable params -> mapping"
+        )
     check_table(where, mask)
     if isinstance(mask, Mapping):
         selected(mask, _EMPTY, where)  # (the values' type)
@@ -502,6 +512,7 @@ def cautious(tx: Transform, *, mode: CautiousMode = "heavyball", sum_shards: Any
     tensor (:func:`muonfn.distributed.shard_sums`), so that :math:`\sum k` and :math:`N` are the
     whole leaf's (DTensor leaves need none).
     """
+    _check_transform(tx)
     if mode not in CAUTIOUS_MODES:
         raise ValueError(f"cautious: unknown mode {mode!r}; choose one of {list(CAUTIOUS_MODES)}")
     check_sum_shards("cautious", sum_shards)

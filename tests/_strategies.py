@@ -71,8 +71,9 @@ def gaussian(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> 
 
 
 def bmm_batch_consistent(m: int, n: int, batch: int, dtype: torch.dtype = torch.float32) -> bool:
-    """Whether this BLAS computes Newton–Schulz's three products on a stack bitwise equal to the
-    products on each matrix alone (``X Xᵀ``, ``bA + cA·A``, ``aX + B·X`` on the wide ``m × n``).
+    """Whether this BLAS computes Newton–Schulz's products on a stack bitwise equal to the
+    products on each matrix alone (``X Xᵀ``, ``bA + cA·A``, then ``P·X`` in fp32 and wider,
+    ``aX + B·X`` in 16-bit dtypes, on the wide ``m × n``).
 
     MKL's result for a matrix can depend on the batch and on the alignment of its memory: some
     small shapes (m ∈ {6, 7, 9, 11} where this was written) differ in the last bit between a stacked call,
@@ -85,6 +86,7 @@ def bmm_batch_consistent(m: int, n: int, batch: int, dtype: torch.dtype = torch.
     products = (
         lambda x, a: torch.bmm(x, x.mT),
         lambda x, a: torch.baddbmm(a, a, a, beta=-4.775, alpha=2.0315),
+        lambda x, a: torch.bmm(a, x),
         lambda x, a: torch.baddbmm(x, a, x, beta=3.4445),
     )
     for product in products:

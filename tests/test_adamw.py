@@ -144,27 +144,6 @@ def test_a_stacked_ensemble_gives_the_bits_of_the_vmapped_one(dtype) -> None:
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_a_tensor_beta1_is_read_at_every_update(fused: bool) -> None:
-    """β₁ as a 0-d tensor (the shim's AdamW group holds it as its ``momentum``, which schedulers
-    cycling momentum move): a value filled in between updates is the one the next update uses,
-    the bits of that value given as a number, through the kernel too."""
-    params, grads = params_and_grads(2)
-    beta1 = torch.tensor(0.9, dtype=torch.float64)
-    tx = muonfn.adamw(LR, betas=(beta1, 0.999), weight_decay=WD, fused=fused)
-    state = tx.init(params)
-    first = muonfn.adamw(LR, betas=(0.9, 0.999), weight_decay=WD, fused=fused)
-    then = muonfn.adamw(LR, betas=(0.5, 0.999), weight_decay=WD, fused=fused)
-    u1, state = tx.update(grads[0], state, params)
-    e1, reference = first.update(grads[0], first.init(params), params)
-    assert_bitwise(u1, e1)
-    beta1.fill_(0.5)
-    u2, state = tx.update(grads[1], state, params)
-    e2, reference = then.update(grads[1], reference, params)
-    assert_bitwise(u2, e2)
-    assert_bitwise(state, reference)
-
-
-@pytest.mark.parametrize("fused", [False, True])
 def test_weight_decay_mask_matrices_decays_the_leaves_of_two_dimensions_or_more(fused: bool) -> None:
     params, grads = params_and_grads(1)
     matrices = muonfn.adamw(LR, weight_decay=WD, weight_decay_mask="matrices", fused=fused)
@@ -340,3 +319,62 @@ def test_elsewhere_the_rule_runs_its_own_passes(case: str) -> None:
 def test_fused_must_be_a_bool_or_none() -> None:
     with pytest.raises(TypeError, match="adamw: fused must be True or False"):
         muonfn.adamw(fused="yes")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- a scheduled beta1
+
+BETA1S = (0.9, 0.8, 0.85, 0.7)
+
+
+def with_beta1_each_step(make, params: TensorDict, grads: list[TensorDict]) -> tuple:
+    """The run of a transform built with a new float beta1 (``make(beta1)``) for each step, on one state."""
+    state = make(BETA1S[0]).init(params)
+    for beta1, g in zip(BETA1S, grads):
+        u, state = make(beta1).update(g, state, params)
+        params = muonfn.apply_updates(params, u)
+    return params, state
+
+
+def with_a_tensor_beta1(make, params: TensorDict, grads: list[TensorDict]) -> tuple:
+    """The run of one transform built with a 0-d tensor beta1, refilled before each step."""
+    beta1 = torch.tensor(0.0, dtype=torch.float64)
+    tx = make(beta1)
+    state = tx.init(params)
+    for value, g in zip(BETA1S, grads):
+        beta1.fill_(value)
+        u, state = tx.update(g, state, params)
+        params = muonfn.apply_updates(params, u)
+    return params, state
+
+
+@pytest.mark.parametrize("nesterov", [False, True, "timm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_tensor_beta1_is_read_at_every_update(nesterov, dtype) -> None:
+    """A 0-d tensor beta1 (as the shim schedules an AdamW group's) is read at every update, bias
+    corrections included: bit for bit the transforms built with each value as a number."""
+    params, grads = params_and_grads(len(BETA1S))
+    params, grads = params.to(dtype), [g.to(dtype) for g in grads]
+
+    def make(beta1):  # type: ignore[no-untyped-def]
+        return muonfn.adamw(LR, betas=(beta1, 0.99), weight_decay=WD, nesterov=nesterov, donate_state=True)
+
+    expected = with_beta1_each_step(make, params, grads)
+    got = with_a_tensor_beta1(make, params, grads)
+    assert_bitwise(got[0], expected[0])
+    assert_bitwise(got[1], expected[1])
+
+
+def test_a_tensor_beta1_on_the_host_takes_the_torch_kernel_as_a_number() -> None:
+    """In an eager step a host beta1 is read as a number and the update takes torch's kernel (asked
+    for here on the CPU), with the bits of that number."""
+    params, grads = params_and_grads(len(BETA1S))
+
+    def make(beta1):  # type: ignore[no-untyped-def]
+        return muonfn.adamw(LR, betas=(beta1, 0.99), weight_decay=0.0, fused=True)
+
+    expected = with_beta1_each_step(make, params, grads)
+    tx = make(torch.tensor(BETA1S[0], dtype=torch.float64))
+    assert kernel_calls(lambda: tx.update(grads[0], tx.init(params), params)) == 1
+    got = with_a_tensor_beta1(make, params, grads)
+    assert_bitwise(got[0], expected[0])
+    assert_bitwise(got[1], expected[1])

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from _strategies import iteration_dtype
 from tensordict import TensorDict
 
 import muonfn
@@ -99,7 +100,11 @@ def test_half_precision_updates_are_finite_and_close_to_fp32(variant, dtype):
         for key, u in updates.items():
             assert u.dtype == dtype, key
             assert torch.isfinite(u).all(), f"step {t + 1}, {key!r}: {int((~torch.isfinite(u)).sum())} non-finite"
-    tolerance = ROUNDINGS * UNIT_ROUNDOFF[dtype]
+    # each rounding to the leaf's dtype, or to the Newton–Schulz iteration's where that is coarser
+    # (bf16 where the run's CPU rule forces it: the two runs' inputs to it then round apart)
+    matrices = [t.shape for t in params.values() if t.ndim == 2] if preset is not muonfn.adamw else []
+    iteration = iteration_dtype(*matrices)
+    tolerance = ROUNDINGS * max(UNIT_ROUNDOFF[dtype], torch.finfo(iteration).eps / 2)
     if not signs:
         for t, (got, expected) in enumerate(zip(narrow, wide)):
             for key, u in got.items():
@@ -175,15 +180,14 @@ def test_adam_keeps_the_second_moment_of_an_fp16_leaf_in_fp32(nesterov):
         (
             lambda: muonfn.scale_by_adam(),
             ("exp_avg_sq", "w"),
-            r"scale_by_adam: gradient 'w' of dtype torch.float16 does not fit its state 'exp_avg_sq.w' of dtype "
-            r"torch.float16: the second moment of a torch.float16 leaf is kept in torch.float32",
+            r"update: state entry 'exp_avg_sq.w' is a torch.float16 tensor of shape \(48, 80\), expected "
+            r"torch.float32 of shape \(48, 80\) for parameter 'w'",
         ),
         (
             lambda: muonfn.scale_by_neuron_norm(),
             ("row_second_moment", "w"),
-            r"scale_by_neuron_norm: gradient 'w' of shape \(48, 80\) and dtype torch.float16 does not fit its "
-            r"state 'row_second_moment.w' of shape \(48, 1\) and dtype torch.float16 "
-            r"\(expected \(48, 1\) and torch.float32\)",
+            r"update: state entry 'row_second_moment.w' is a torch.float16 tensor of shape \(48, 1\), expected "
+            r"torch.float32 of shape \(48, 1\) for parameter 'w'",
         ),
     ],
     ids=["adam", "neuron_norm"],

@@ -393,7 +393,12 @@ def test_torch_muon_and_adamw_run_continues_in_the_shim(monkeypatch: pytest.Monk
     assert (muon_group["lr"], muon_group["momentum"], muon_group["weight_decay"]) == (0.02, 0.9, 0.1)
     assert muon_group["scale"] == (adjust_lr_fn or "original") and muon_group["ns_eps"] == 1e-7
     assert muon_group["ns_coefficients"] == muonfn.COEFFICIENTS["keller"].triples
-    assert (adamw_group["lr"], adamw_group["adamw_betas"], adamw_group["adamw_eps"]) == (3e-3, (0.9, 0.95), 1e-8)
+    assert (adamw_group["lr"], adamw_group["momentum"], adamw_group["beta2"], adamw_group["eps"]) == (
+        3e-3,
+        0.9,
+        0.95,
+        1e-8,
+    )
     assert adamw_group["weight_decay"] == 0.01
     assert_same_state(shim, model, muon, adamw, theirs_model)
 
@@ -469,6 +474,68 @@ def test_torch_state_dicts_round_trip_resumes_bitwise(tmp_path):
         step_with(resumed, g, resumed_opt)
     assert_bitwise(TensorDict.from_module(resumed), TensorDict.from_module(uninterrupted))
     assert_bitwise(resumed_opt.functional_state, opt.functional_state)
+
+
+def _cosine(optimizer: torch.optim.Optimizer, last_epoch: int = -1) -> torch.optim.lr_scheduler.CosineAnnealingLR:
+    return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10, last_epoch=last_epoch)
+
+
+def _rates(*optimizers: torch.optim.Optimizer) -> list[float]:
+    return [g["lr"] for opt in optimizers for g in opt.param_groups]
+
+
+def test_group_entries_of_schedulers_and_users_go_along_to_torch():
+    """torch's load_state_dict carries every entry of a group; ``torch_state_dicts`` dropped those
+    it does not translate, so that a scheduler resumed on torch's side (``last_epoch=N``) raised
+    ``KeyError: param 'initial_lr' is not specified``. Resumed alike on both sides, schedulers
+    now set the same rates."""
+    model = small_net()
+    shim = muonfn.optim.Muon(model.named_parameters(), lr=0.02, adamw_lr=3e-3, scale="original", labels=by_ndim(model))
+    scheduler = _cosine(shim)
+    for g in fixed_grads(model, 4):
+        step_with(model, g, shim)
+        scheduler.step()
+    shim.param_groups[1]["tag"] = "no decay"  # an entry of one's own
+    muon, adamw = torch_pair(small_net(), lr=1.0)
+    muon_sd, adamw_sd = shim.torch_state_dicts()
+    muon.load_state_dict(muon_sd)
+    adamw.load_state_dict(adamw_sd)
+    assert [muon.param_groups[0]["initial_lr"], adamw.param_groups[0]["initial_lr"]] == [0.02, 3e-3]
+    assert adamw.param_groups[0]["tag"] == "no decay"
+    shim.param_groups[1]["initial_lr"] += 1.0  # not shared with torch's optimizer
+    assert adamw.param_groups[0]["initial_lr"] == 3e-3
+    shim.param_groups[1]["initial_lr"] -= 1.0
+    for optimizer in (shim, muon, adamw):
+        _cosine(optimizer, scheduler.last_epoch)
+    assert _rates(muon, adamw) == _rates(shim)
+
+
+def test_group_entries_of_schedulers_and_users_come_along_from_torch():
+    """The other way (``load_torch_state_dicts`` dropped them too), and through the shim's own
+    ``state_dict``."""
+    theirs = small_net()
+    muon, adamw = torch_pair(theirs, lr=0.02)
+    schedulers = [_cosine(muon), _cosine(adamw)]
+    for g in fixed_grads(theirs, 4):
+        step_with(theirs, g, muon, adamw)
+        for scheduler in schedulers:
+            scheduler.step()
+    adamw.param_groups[0]["tag"] = "no decay"
+    model = small_net()
+    shim = muonfn.optim.Muon(model.named_parameters(), lr=1.0, scale="original", labels=by_ndim(model))
+    shim.load_torch_state_dicts(muon.state_dict(), adamw.state_dict())
+    assert [g["initial_lr"] for g in shim.param_groups] == [0.02, 3e-3] and shim.param_groups[1]["tag"] == "no decay"
+    again = torch_pair(small_net(), lr=1.0)
+    for torch_optimizer, state_dict in zip(again, (muon.state_dict(), adamw.state_dict())):
+        torch_optimizer.load_state_dict(state_dict)
+    for optimizer in (shim, *again):
+        _cosine(optimizer, schedulers[0].last_epoch)
+    assert _rates(*again) == _rates(shim)
+
+    reloaded = muonfn.optim.Muon(model.named_parameters(), lr=1.0, labels=by_ndim(model))
+    reloaded.load_state_dict(shim.state_dict())
+    assert [g["initial_lr"] for g in reloaded.param_groups] == [0.02, 3e-3]
+    assert reloaded.param_groups[1]["tag"] == "no decay"
 
 
 def test_torch_state_dict_conversion_refuses_what_does_not_carry_over(monkeypatch: pytest.MonkeyPatch):

@@ -29,9 +29,11 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 import muonfn
-from muonfn import COEFFICIENTS, Coefficients, gram_newton_schulz, newton_schulz, polar
-from muonfn.linalg import CPU_BF16_MIN_SPEEDUP, CpuBf16Probe, _newton_schulz, default_ns_dtype
-from muonfn.linalg._newton_schulz import CPU_NS_DTYPE_VARIABLE
+from muonfn import COEFFICIENTS, Coefficients, _devices, gram_newton_schulz, newton_schulz, polar
+from muonfn.linalg import CPU_BF16_MIN_SPEEDUP, CpuBf16Probe, cpu_bf16_probe, default_ns_dtype
+
+#: the environment variable that pins the CPU's Newton–Schulz dtype (read when a NewtonSchulz is made)
+CPU_NS_DTYPE_VARIABLE = "MUONFN_CPU_NS_DTYPE"
 
 # the default Newton–Schulz dtype is the input's (at least fp32), whatever rule the run forces;
 # the tests of the rule set their own
@@ -299,8 +301,8 @@ def test_returns_input_dtype_and_never_mutates(dtype: torch.dtype, device: torch
 
 @pytest.mark.parametrize("shape", [(40, 24), (3, 40, 24), (2, 512, 256)])
 def test_a_contiguous_tall_input_gives_a_contiguous_result(shape: tuple[int, ...]) -> None:
-    """The result of a tall matrix is written out in the input's layout (the largest by
-    tiled 2-D copies), with the values of the transposed wide iteration."""
+    """The result of a tall matrix is written out in the input's layout, with the values of the
+    transposed wide iteration."""
     x = gaussian(*shape, seed=9)
     out = newton_schulz(x, dtype=torch.float32)
     assert out.is_contiguous()
@@ -356,9 +358,10 @@ SLOW_BF16 = CpuBf16Probe(fp32_seconds=1e-3, bf16_seconds=1e-3 / 0.55)
 
 
 def measured(monkeypatch, probe: CpuBf16Probe) -> list[None]:
-    """Makes the CPU rule read ``probe``; the list grows by one for each time the rule asks."""
+    """Stands in for this CPU's measurement: the CPU rule reads ``probe``; the list grows by one
+    for each time the rule asks."""
     calls: list[None] = []
-    monkeypatch.setattr(_newton_schulz, "cpu_bf16_probe", lambda: calls.append(None) or probe)
+    monkeypatch.setattr(_devices, "cpu_bf16_probe", lambda: calls.append(None) or probe)
     return calls
 
 
@@ -391,7 +394,7 @@ def test_a_cpu_with_bf16_instructions_but_slower_bf16_matmuls_keeps_fp32(monkeyp
     x = gaussian(64, 96, seed=5, dtype=torch.float32)
     assert torch.equal(ns(x), ns(x, dtype=torch.float32))
     params = TensorDict({"w": x}, batch_size=[])
-    tx, pinned = muonfn.muon(lr=0.02), muonfn.muon(lr=0.02, ns_dtype=torch.float32)
+    tx, pinned = muonfn.muon(lr=0.02), muonfn.muon(lr=0.02, ns=muonfn.NewtonSchulz(dtype=torch.float32))
     updates, _ = tx.update(params, tx.init(params), params)
     assert torch.equal(updates["w"], pinned.update(params, pinned.init(params), params)[0]["w"])
 
@@ -492,7 +495,7 @@ def test_the_probe_times_real_cpu_matmuls_whatever_is_active() -> None:
     torch.set_num_threads(2)
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16), torch.device("meta"), Ops() as ops:
-            probe = _newton_schulz.cpu_bf16_probe.__wrapped__()  # a fresh measurement, the cache left alone
+            probe = cpu_bf16_probe.__wrapped__()  # a fresh measurement, the cache left alone
         assert torch.get_num_threads() == 2  # it times one thread, then gives the process its own back
     finally:
         torch.set_num_threads(threads)
@@ -504,18 +507,42 @@ def test_the_probe_times_real_cpu_matmuls_whatever_is_active() -> None:
 @pytest.mark.parametrize("choice", ["auto", "bfloat16"])
 @pytest.mark.parametrize("shape", [(8, 12), (64, 96)], ids=["small", "probed"])
 def test_the_default_dtype_compiles_without_a_graph_break(monkeypatch, choice: str, shape: tuple[int, int]) -> None:
-    """The probe and the environment are read while tracing: a full graph, the eager bits. The
-    probe's first measurement is taken there (a cache of its own here), outside the trace."""
-    probe = functools.cache(_newton_schulz.cpu_bf16_probe.__wrapped__)
-    monkeypatch.setattr(_newton_schulz, "cpu_bf16_probe", probe)
+    """The rule the environment set when the map was made, and the probe's answer, are read
+    while tracing: a full graph, the eager bits. The probe's first measurement is taken there
+    (a cache of its own here), outside the trace."""
+    probe = functools.cache(cpu_bf16_probe.__wrapped__)
+    monkeypatch.setattr(_devices, "cpu_bf16_probe", probe)
     monkeypatch.setenv(CPU_NS_DTYPE_VARIABLE, choice)
+    f = muonfn.NewtonSchulz()
     torch._dynamo.reset()
     x = gaussian(*shape, seed=6, dtype=torch.float32)
-    compiled = torch.compile(lambda g: ns(g), fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(lambda g: f(g), fullgraph=True, backend="aot_eager")
     out = compiled(x)
     assert probe.cache_info().misses == (choice == "auto" and shape == (64, 96))
-    assert torch.equal(out, ns(x))
+    assert torch.equal(out, f(x))
     assert out.dtype == torch.float32
+
+
+def test_the_environment_is_read_when_the_map_is_made(monkeypatch) -> None:
+    """``MUONFN_CPU_NS_DTYPE`` sets the CPU rule of the maps made while it is set (the presets'
+    too, made with the transform), and none is read while stepping: changing it afterwards, even
+    to a value that is refused, changes no map made before."""
+    x = gaussian(8, 12, seed=6)
+    params = TensorDict({"w": x}, batch_size=[])
+    monkeypatch.setenv(CPU_NS_DTYPE_VARIABLE, "bfloat16")
+    forced, tx = muonfn.NewtonSchulz(), muonfn.muon(lr=0.02)
+    monkeypatch.setenv(CPU_NS_DTYPE_VARIABLE, "float32")
+    assert torch.equal(forced(x), ns(x, dtype=torch.bfloat16))
+    assert torch.equal(muonfn.NewtonSchulz()(x), ns(x, dtype=torch.float32))
+    assert not torch.equal(ns(x, dtype=torch.bfloat16), ns(x, dtype=torch.float32))
+    pinned = muonfn.muon(lr=0.02, ns=muonfn.NewtonSchulz(dtype=torch.bfloat16))
+    expected, narrow = pinned.update(params, pinned.init(params), params)[0]["w"], ns(x, dtype=torch.bfloat16)
+    monkeypatch.setenv(CPU_NS_DTYPE_VARIABLE, "fp8")
+    updates, _ = tx.update(params, tx.init(params), params)
+    assert torch.equal(updates["w"], expected)
+    assert torch.equal(forced(x), narrow)
+    with pytest.raises(ValueError, match="MUONFN_CPU_NS_DTYPE='fp8'; choose one of"):
+        muonfn.NewtonSchulz()
 
 
 def test_rectangular_and_degenerate_shapes() -> None:
@@ -532,18 +559,81 @@ def test_an_empty_matrix_maps_to_an_empty_result(shape: tuple[int, ...]) -> None
     x = torch.zeros(shape)
     for out in (newton_schulz(x), gram_newton_schulz(x), muonfn.polar(x), muonfn.qr_orthogonal(x)):
         assert out.shape == shape and out.dtype == x.dtype
+    for gpu_form in (False, True):  # and in an orthogonalizer's call, in either form
+        (out,) = orthogonalized(muonfn.NewtonSchulz(dtype=torch.bfloat16), [x], gpu_form=gpu_form)
+        assert out.shape == shape and out.dtype == x.dtype
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_the_exact_maps_give_nan_for_a_matrix_that_is_not_finite(bad: float) -> None:
-    """The SVD would raise on it; as Newton–Schulz does, polar and QR give that matrix NaN and
-    the others their own results, so that apply_if_finite can skip the step."""
-    x = gaussian(3, 6, 4, seed=2)
+def test_a_matrix_that_is_not_finite_maps_to_nan_and_leaves_the_others(bad: float) -> None:
+    """Newton–Schulz, in either form, gives a matrix holding NaN or Inf NaN (its norm is not
+    finite), the others their own results, so that apply_if_finite can skip the step. The SVD
+    would raise on it; polar and QR give it NaN as Newton–Schulz does."""
+    x = gaussian(3, 12, 4, seed=2)  # (Gram's steps are the cheaper on 4×12)
     x[1, 2, 3] = bad
+    rest = x[0::2]
     for f in (muonfn.polar, muonfn.qr_orthogonal):
         out = f(x)
         assert out[1].isnan().all() if f is muonfn.polar else out[1].isnan().any()
-        assert torch.equal(out[0::2], f(x[0::2]))
+        assert torch.equal(out[0::2], f(rest))
+    consistent = bmm_batch_consistent(4, 12, 3) and bmm_batch_consistent(4, 12, 2)
+
+    def assert_others_as_alone(batched: torch.Tensor, alone: torch.Tensor) -> None:
+        assert torch.isfinite(batched).all()
+        if consistent:
+            assert torch.equal(batched, alone)
+        else:
+            torch.testing.assert_close(batched, alone, atol=1e-2, rtol=0)
+
+    gram = gram_newton_schulz(x)
+    assert gram[1].isnan().all()
+    assert_others_as_alone(gram[0::2], gram_newton_schulz(rest))
+    for f in (muonfn.NewtonSchulz(), muonfn.NewtonSchulz(method="gram"), muonfn.NewtonSchulz(dtype=torch.bfloat16)):
+        for gpu_form in (False, True):
+            out = torch.stack(orthogonalized(f, list(x), gpu_form=gpu_form))
+            assert out[1].isnan().all()
+            assert_others_as_alone(out[0::2], torch.stack(orthogonalized(f, list(rest), gpu_form=gpu_form)))
+
+
+# --- the GPU's form (asked for on any device by LocalOrthogonalizer(gpu_form=True)) -----------------
+
+
+def orthogonalized(
+    f: muonfn.NewtonSchulz,
+    matrices: list[torch.Tensor],
+    *,
+    gpu_form: bool = True,
+    scale: float = 1.0,
+    overwrite: bool = False,
+) -> list[torch.Tensor]:
+    """``scale·f`` of plain 2-D ``matrices`` in one local orthogonalizer call, in a GPU's form or
+    the CPU's, whatever the device."""
+    orthogonalizer = muonfn.LocalOrthogonalizer(gpu_form=gpu_form)
+    names = [f"m{k}" for k in range(len(matrices))]
+    views = [muonfn.MatrixView()] * len(matrices)
+    return orthogonalizer(names, matrices, views, f, lambda rows, cols: scale, overwrite_input=overwrite)
+
+
+class Normalisation(muonfn.NewtonSchulz):
+    """A map without steps: its result is its normalisation :math:`X_0`, in the iteration's dtype."""
+
+    def iterate(self, X: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return X
+
+
+#: For each narrow dtype, integers whose normalisation rounds one entry apart in the two forms:
+#: 41/‖G‖ lies within an fp32 rounding of a bf16 tie, which the CPU's fp32 quotient rounds to one
+#: side and the GPU's fp64 product to the other (397/‖G‖ in fp16 likewise). Their squares and
+#: sums are exact, so the norms have the same bits in any order of summation.
+ROUNDED_APART = {torch.bfloat16: (41, 10, 1, 1, 1), torch.float16: (397, 8, 3, 2)}
+
+
+def rounded_apart(dtype: torch.dtype) -> torch.Tensor:
+    """A 12×20 fp32 matrix whose normalisation into ``dtype`` differs between the forms."""
+    g = torch.zeros(12, 20)
+    for k, entry in enumerate(ROUNDED_APART[dtype]):
+        g[k, 2 * k] = entry
+    return g
 
 
 def _normalised_by_formula(x: torch.Tensor, f: muonfn.NewtonSchulz, dtype: torch.dtype) -> torch.Tensor:
@@ -556,137 +646,143 @@ def _normalised_by_formula(x: torch.Tensor, f: muonfn.NewtonSchulz, dtype: torch
 
 @pytest.mark.parametrize("ns_dtype", [None, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("eps_mode", ["clamp", "add"])
-def test_off_the_cpu_an_fp32_input_is_normalised_in_two_passes(monkeypatch, ns_dtype, eps_mode: str) -> None:
-    """Off the CPU, into a narrower dtype, an fp32 G's norm is accumulated in fp64 and G times the
-    fp64 reciprocal of the denominator is rounded into the narrow dtype as it is stored. Forced
-    here on the CPU: the formula's bits, for huge, tiny, zero and ordinary matrices, overwritten
-    or not; the CPU's bits where nothing is narrowed; the same map within bf16's rounding
-    elsewhere; and still f(2ᵏG) = f(G) (``"clamp"``) and f(-G) = -f(G) bit for bit."""
+def test_the_gpu_form_normalises_an_fp32_input_in_two_passes(ns_dtype, eps_mode: str) -> None:
+    """In a GPU's form, into a narrower dtype, an fp32 G's norm is accumulated in fp64 and G times
+    the fp64 reciprocal of the denominator is rounded into the narrow dtype as it is stored: the
+    formula's bits, for huge, tiny, zero and ordinary matrices, each matrix's own in any call.
+    The CPU's bits where nothing is narrowed; the same map within bf16's rounding elsewhere, given
+    to overwrite or not; and still f(2ᵏG) = f(G) (``"clamp"``), f(-G) = -f(G) and f(Gᵀ) = f(G)ᵀ
+    bit for bit."""
     g = gaussian(3, 12, 20, seed=5)
-    cases = [g, g * 3e37, g * 1e-40, torch.zeros_like(g)]
+    cases = [g, g * 3e37, torch.full_like(g, 3e38), g * 1e-40, torch.zeros_like(g)]
     f = muonfn.NewtonSchulz("polar_express", dtype=ns_dtype, eps_mode=eps_mode)  # type: ignore[arg-type]
-    dtype = f.dtype or torch.float32
-    cpu = [f(x) for x in cases]
-    monkeypatch.setattr(_newton_schulz, "cpu_passes", lambda t: False)
-    for x in cases if ns_dtype is not None else ():
-        got = _newton_schulz._normalized(x.clone(), f.schedule, f.eps, dtype, None, eps_mode)
-        assert torch.equal(got, _normalised_by_formula(x, f, dtype))
-    narrow = [f(x) for x in cases]
-    assert torch.equal(f.orthogonalize(g.clone(), overwrite_input=True), narrow[0])
-    assert torch.equal(f(g.mT), narrow[0].mT)
-    assert torch.equal(f(-g), -narrow[0]) and torch.equal(narrow[3], torch.zeros_like(g))
+    if ns_dtype is not None:
+        normalisation = Normalisation("polar_express", dtype=ns_dtype, eps_mode=eps_mode)  # type: ignore[arg-type]
+        for x in cases:
+            got = torch.stack(orthogonalized(normalisation, list(x)))
+            assert torch.equal(got, _normalised_by_formula(x, normalisation, ns_dtype).float())
+            assert torch.equal(orthogonalized(normalisation, [x[1]])[0], got[1])  # alone as in a call of three
+        apart, plain = rounded_apart(ns_dtype), Normalisation(dtype=ns_dtype)
+        assert torch.equal(orthogonalized(plain, [apart])[0], _normalised_by_formula(apart, plain, ns_dtype).float())
+        assert not torch.equal(orthogonalized(plain, [apart])[0], plain(apart))  # the CPU's form rounds otherwise
+
+    def gpu(x: torch.Tensor, **options: bool) -> torch.Tensor:
+        return torch.stack(orthogonalized(f, list(x), **options))
+
+    cpu = [gpu(x, gpu_form=False) for x in cases]
+    narrow = [gpu(x) for x in cases]
+    assert torch.equal(gpu(g.clone(), overwrite=True), narrow[0])
+    assert torch.equal(gpu(g.mT), narrow[0].mT)
+    assert torch.equal(gpu(-g), -narrow[0]) and torch.equal(narrow[-1], torch.zeros_like(g))
     for k in (-10, 40) if eps_mode == "clamp" else ():  # (‖2ᵏG‖ above eps; "add" is not scale invariant)
-        assert torch.equal(f(g * 2.0**k), narrow[0])
+        assert torch.equal(gpu(g * 2.0**k), narrow[0])
     for a, b in zip(cpu, narrow):
+        assert torch.isfinite(b).all()
         if ns_dtype is None:
             assert torch.equal(a, b)
         else:
             torch.testing.assert_close(b, a, atol=0.05, rtol=0)
 
 
-def test_the_fp64_norms_are_each_matrixs_own_batched_vmapped_or_alone() -> None:
-    """The GPU form's norms (one multi-tensor norm, squares added in fp64): a matrix's norm is
-    the same bits alone, in any batch, and under ``vmap`` whichever dimension it maps; they are
-    finite for entries near fp32's maximum and nonzero for subnormal ones."""
-    x = gaussian(3, 4, 12, 20, seed=9)
-    norms = _newton_schulz._fp64_norms(x)
-    assert norms.shape == (3, 4, 1, 1) and norms.dtype == torch.float64
-    alone = torch.stack([_newton_schulz._fp64_norms(m[None]).view(()) for m in x.reshape(12, 12, 20)])
-    assert torch.equal(norms.view(12), alone)
-    assert torch.equal(torch.vmap(_newton_schulz._fp64_norms)(x), norms)
-    turned = torch.vmap(_newton_schulz._fp64_norms, in_dims=1, out_dims=1)(
-        x.transpose(0, 1).contiguous().transpose(0, 1)
-    )
-    assert torch.equal(turned, norms)
-    torch.testing.assert_close(
-        norms, torch.linalg.vector_norm(x.double(), dim=(-2, -1), keepdim=True), atol=0, rtol=1e-14
-    )
-    huge = _newton_schulz._fp64_norms(torch.full((1, 8, 8), 3e38))
-    assert torch.isfinite(huge).all() and huge.item() == pytest.approx(8 * 3e38, rel=1e-6)
-    assert _newton_schulz._fp64_norms(torch.full((1, 8, 8), 1e-44)).item() > 0
-    assert _newton_schulz._fp64_norms(torch.zeros(0, 3, 4)).shape == (0, 1, 1)
-
-
 @pytest.mark.parametrize("ns_dtype", [torch.bfloat16, torch.float16])
-def test_vmap_over_a_call_with_a_matrix_the_members_share_runs_in_the_gpu_form(monkeypatch, ns_dtype) -> None:
+def test_vmap_over_a_call_with_a_matrix_the_members_share_runs_in_the_gpu_form(ns_dtype) -> None:
     """Under ``vmap`` one Newton–Schulz call may hold a mapped matrix and an unmapped one of the
-    same shape (a matrix every member shares): the GPU form (forced here) norms that call as the
-    stack, where each matrix's own norm would need members to unwrap, and gives the CPU form's
-    results within the narrow dtype's rounding; the shared matrix's result is the same in every
-    member."""
+    same shape (a matrix every member shares): the GPU form norms that call as the stack, where
+    each matrix's own norm would need members to unwrap, and gives the CPU form's results within
+    the narrow dtype's rounding; the shared matrix's result is the same in every member."""
     mapped, shared = gaussian(3, 12, 20, seed=41), gaussian(20, 12, seed=42)
-    tx = muonfn.orthogonalize(dtype=ns_dtype)
-    state = tx.init(TensorDict({"mapped": mapped[0], "shared": shared}, []))
+    mapped[0] = rounded_apart(ns_dtype)
 
-    def step(member: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        updates, _ = tx.update(TensorDict({"mapped": member, "shared": shared}, []), state, None)
-        return updates["mapped"], updates["shared"]
+    def vmapped(f: muonfn.NewtonSchulz, gpu_form: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        tx = muonfn.orthogonalize(f, orthogonalizer=muonfn.LocalOrthogonalizer(gpu_form=gpu_form))
+        state = tx.init(TensorDict({"mapped": mapped[0], "shared": shared}, []))
 
-    cpu = torch.vmap(step)(mapped)
-    monkeypatch.setattr(_newton_schulz, "cpu_passes", lambda t: False)
-    gpu = torch.vmap(step)(mapped)
+        def step(member: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            updates, _ = tx.update(TensorDict({"mapped": member, "shared": shared}, []), state, None)
+            return updates["mapped"], updates["shared"]
+
+        return torch.vmap(step)(mapped)
+
+    f = muonfn.NewtonSchulz(dtype=ns_dtype)
+    cpu, gpu = vmapped(f, gpu_form=False), vmapped(f, gpu_form=True)
     assert gpu[0].shape == (3, 12, 20) and gpu[1].shape == (3, 20, 12)
     for got, expected in zip(gpu, cpu):
         torch.testing.assert_close(got, expected, atol=0.05, rtol=0)
     assert all(torch.equal(result, gpu[1][0]) for result in gpu[1])
+    # the GPU's form ran: a member's normalisation has that form's bits, not the CPU's
+    normalisation = Normalisation(dtype=ns_dtype)
+    normalised = vmapped(normalisation, gpu_form=True)[0][0]
+    assert torch.equal(normalised, orthogonalized(normalisation, [mapped[0]])[0])
+    assert not torch.equal(normalised, vmapped(normalisation, gpu_form=False)[0][0])
 
 
 @pytest.mark.parametrize("method", ["standard", "gram"])
 @pytest.mark.parametrize("gpu_form", [False, True])
 @pytest.mark.parametrize("ns_dtype", [None, torch.bfloat16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_a_scale_is_taken_by_the_last_steps_matmul(monkeypatch, dtype, ns_dtype, gpu_form, method) -> None:
-    """``orthogonalize(x, scale=s)`` multiplies the last step's product by ``s`` and rounds once
-    (no pass of its own): exactly ``s·f(x)`` for a power of two, within a rounding of it
-    otherwise; the same for a transposed input and an overwritten one, on either form."""
-    if gpu_form:
-        monkeypatch.setattr(_newton_schulz, "cpu_passes", lambda t: False)
+def test_a_scale_is_taken_by_the_last_steps_matmul(dtype, ns_dtype, gpu_form: bool, method: str) -> None:
+    """``scale·f(x)`` is the last step's product times ``s``, rounded once (no pass of its own):
+    exactly ``s·f(x)`` for a power of two, within a rounding of it otherwise; the same for a
+    transposed input and an overwritten one, on either form (the map's own ``orthogonalize`` for
+    the CPU's, an orthogonalizer's call for a GPU's)."""
     x = gaussian(3, 12, 40, seed=6).to(dtype)
     f = muonfn.NewtonSchulz("keller", dtype=ns_dtype, method=method)  # type: ignore[arg-type]
-    if method == "gram":
-        assert f._gram_is_cheaper(x)
-    assert torch.equal(f.orthogonalize(x, scale=4.0), f(x).mul(4.0))
+    if method == "gram":  # Gram's steps are the cheaper on this shape, so they are the ones taken
+        assert torch.equal(f(x), gram_newton_schulz(x, "keller", dtype=ns_dtype))
+        assert not torch.equal(f(x), newton_schulz(x, "keller", dtype=ns_dtype))
+
+    def scaled(x: torch.Tensor, s: float, overwrite: bool = False) -> torch.Tensor:
+        if gpu_form:
+            return torch.stack(orthogonalized(f, list(x), scale=s, overwrite=overwrite))
+        return f.orthogonalize(x, scale=s, overwrite_input=overwrite)
+
+    assert torch.equal(scaled(x, 4.0), scaled(x, 1.0).mul(4.0))
     s = 0.2 * 40**0.5
-    got = f.orthogonalize(x, scale=s)
+    got = scaled(x, s)
     assert got.dtype == dtype
     narrowest = min(torch.finfo(dtype).eps, torch.finfo(ns_dtype or torch.float32).eps, key=lambda e: -e)
-    torch.testing.assert_close(got, f(x).mul(s), atol=2 * s * narrowest, rtol=0)
-    assert torch.equal(f.orthogonalize(x.mT, scale=s), got.mT)
-    assert torch.equal(f.orthogonalize(x.clone(), overwrite_input=True, scale=s), got)
+    torch.testing.assert_close(got, scaled(x, 1.0).mul(s), atol=2 * s * narrowest, rtol=0)
+    assert torch.equal(scaled(x.mT, s), got.mT)
+    assert torch.equal(scaled(x.clone(), s, overwrite=True), got)
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.2 * 20**0.5])
 @pytest.mark.parametrize("ns_dtype", [None, torch.bfloat16])
 @pytest.mark.parametrize("gpu_form", [False, True])
-def test_tall_matrices_come_back_in_their_own_memory_order(monkeypatch, scale: float, ns_dtype, gpu_form) -> None:
-    """A batch of wide matrices and transposed tall ones: the tall results transposed back,
-    contiguous, with :meth:`orthogonalize`'s values; on a GPU (forced here) the restoring pass
-    writes them so, on a CPU a tiled copy does, over the batch's own memory or not."""
-    if gpu_form:
-        monkeypatch.setattr(_newton_schulz, "cpu_passes", lambda t: False)
+def test_tall_matrices_come_back_in_their_own_memory_order(scale: float, ns_dtype, gpu_form: bool) -> None:
+    """One call of wide matrices and contiguous tall ones (iterated as their wide transposes):
+    every result in its matrix's shape and contiguous, given to overwrite or not, with the values
+    of ``orthogonalize`` of the wide batch (in a GPU's form, which norms each matrix in its own
+    memory, to the iteration's rounding)."""
     f = muonfn.NewtonSchulz("keller", dtype=ns_dtype)
-    stack = torch.cat([gaussian(2, 12, 20, seed=7), gaussian(3, 20, 12, seed=8).mT])
-    expected = f.orthogonalize(stack, scale=scale)
-    for owned in (False, True):
-        kept, turned = f.orthogonalize_turning(stack.clone(), 3, overwrite_input=owned, scale=scale)
-        assert torch.equal(kept, expected[:2]) and torch.equal(turned, expected[2:].mT)
-        assert turned.shape == (3, 20, 12) and turned.is_contiguous() and kept.is_contiguous()
-    only_tall = stack[2:].contiguous()
-    kept, turned = f.orthogonalize_turning(only_tall, 3, scale=scale)
-    assert kept.shape == (0, 12, 20) and torch.equal(turned, f.orthogonalize(only_tall, scale=scale).mT)
+    wide, tall = gaussian(2, 12, 20, seed=7), gaussian(3, 20, 12, seed=8)
+    expected = f.orthogonalize(torch.cat([wide, tall.mT]), scale=scale)
+    results = []
+    for overwrite in (False, True):
+        matrices = [m.clone() for m in (*wide, *tall)]
+        got = orthogonalized(f, matrices, gpu_form=gpu_form, scale=scale, overwrite=overwrite)
+        assert [tuple(r.shape) for r in got] == [(12, 20)] * 2 + [(20, 12)] * 3
+        assert all(r.is_contiguous() for r in got)
+        results.append(torch.cat([torch.stack(got[:2]), torch.stack(got[2:]).mT]))
+    only_tall = orthogonalized(f, list(tall), gpu_form=gpu_form, scale=scale)
+    assert all(r.shape == (20, 12) and r.is_contiguous() for r in only_tall)
+    results.append(torch.cat([results[0][:2], torch.stack(only_tall).mT]))
+    assert torch.equal(results[0], results[1])
+    for result in results:
+        if gpu_form and ns_dtype is not None:
+            torch.testing.assert_close(result, expected, atol=0.05, rtol=0)
+        else:
+            assert torch.equal(result, expected)
 
 
-@pytest.mark.parametrize("decayed", [False, True])
 @pytest.mark.parametrize("gpu_form", [False, True])
-def test_matrices_given_to_overwrite_may_hold_their_own_results(monkeypatch, gpu_form: bool, decayed: bool) -> None:
-    """``orthogonalize_matrices(..., overwrite_input=True)`` gives the results it gives into a new
-    batch, bit for bit, in the order of the matrices (the tall ones in their own orientation,
-    contiguous), with or without a decay. Off the CPU (forced here) the wide matrices' memory
-    holds their results and the tall ones get a batch of their own (their transposing copy into
-    each matrix would take a kernel per matrix); on a CPU, where the batch's own memory holds the
-    results, no matrix is written."""
-    if gpu_form:
-        monkeypatch.setattr(_newton_schulz, "cpu_passes", lambda t: False)
+def test_matrices_given_to_overwrite_may_hold_their_own_results(gpu_form: bool) -> None:
+    """An orthogonalizer's call with ``overwrite_input=True`` gives the results it gives into new
+    memory, bit for bit, in the order of the matrices (the tall ones in their own orientation,
+    contiguous). In a GPU's form the wide matrices' memory holds their results and the tall ones
+    get memory of their own (their transposing copy into each matrix would take a kernel per
+    matrix); in the CPU's, where the batch's own memory holds the results, no matrix is written.
+    Without it, no matrix is written in either form."""
     f = muonfn.NewtonSchulz("keller", dtype=torch.bfloat16)
     originals = [
         gaussian(12, 20, seed=31),
@@ -694,16 +790,11 @@ def test_matrices_given_to_overwrite_may_hold_their_own_results(monkeypatch, gpu
         gaussian(20, 12, seed=33),
         gaussian(20, 12, seed=34),
     ]
-    params = [gaussian(*m.shape, seed=40 + k) for k, m in enumerate(originals)]
-    decay = _newton_schulz.Decay([params[0], None, params[2].mT, None], -0.002) if decayed else None
-
-    def pieces(matrices: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The matrices as an orthogonalizer hands them over: the tall ones turned wide."""
-        return [*matrices[:2], *(m.mT for m in matrices[2:])]
-
-    expected = f.orthogonalize_matrices(pieces(originals), 2, scale=0.5, decay=decay)
+    given_ = [m.clone() for m in originals]
+    expected = orthogonalized(f, given_, gpu_form=gpu_form, scale=0.5)
+    assert all(torch.equal(m, o) for m, o in zip(given_, originals))
     inputs = [m.clone() for m in originals]
-    got = f.orthogonalize_matrices(pieces(inputs), 2, scale=0.5, decay=decay, overwrite_input=True)
+    got = orthogonalized(f, inputs, gpu_form=gpu_form, scale=0.5, overwrite=True)
     assert [tuple(r.shape) for r in got] == [(12, 20), (12, 20), (20, 12), (20, 12)]
     for result, wanted in zip(got, expected):
         assert torch.equal(result, wanted) and result.is_contiguous()
@@ -713,22 +804,18 @@ def test_matrices_given_to_overwrite_may_hold_their_own_results(monkeypatch, gpu
         assert all(torch.equal(m, o) for m, o in zip(inputs, originals))
 
 
-def test_a_batch_built_from_matrices_norms_each_in_its_own_memory() -> None:
-    """Off the CPU, an orthogonalizer's batch is normed matrix by matrix from the matrices' own
-    memory: a contiguous one as in the stack, bit for bit; a tall one read as its transpose as the
-    tall matrix itself; under ``vmap`` (an ensemble's members, mapped on any dimension) each
-    member as when it is alone."""
-    wide, tall = gaussian(12, 20, seed=21), gaussian(20, 12, seed=22)
-    matrices = [wide, tall.mT]
-    norms = _newton_schulz._fp64_norms_of(matrices)
-    assert norms.shape == (2, 1, 1) and norms.dtype == torch.float64
-    assert torch.equal(norms[0], _newton_schulz._fp64_norms(wide[None])[0])
-    assert torch.equal(norms[1], _newton_schulz._fp64_norms(tall[None])[0])
-    members_wide, members_tall = gaussian(3, 12, 20, seed=23), gaussian(3, 20, 12, seed=24)
-    alone = torch.stack([_newton_schulz._fp64_norms_of([w, t.mT]) for w, t in zip(members_wide, members_tall)])
-    mapped = torch.vmap(lambda w, t: _newton_schulz._fp64_norms_of([w, t.mT]))(members_wide, members_tall)
-    assert torch.equal(mapped, alone)
-    turned = torch.vmap(lambda w, t: _newton_schulz._fp64_norms_of([w, t.mT]), in_dims=(1, 0))(
-        members_wide.transpose(0, 1).contiguous(), members_tall
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_term_weighted_zero_leaves_nothing_behind_in_16_bit(dtype: torch.dtype) -> None:
+    """A step whose c is 0, and a last step scaled by 0 (a learning rate of 0), in bf16 and fp16: the
+    zero-weighted product is left out (torch's CPU baddbmm returns wrong values for alpha=0 there)."""
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    cubic = newton_schulz(x, [(1.5, -0.5, 0.0)], steps=12, dtype=dtype)
+    assert cubic.isfinite().all()
+    torch.testing.assert_close(
+        cubic, newton_schulz(x, [(1.5, -0.5, 0.0)], steps=12, dtype=torch.float32), atol=0.1, rtol=0
     )
-    assert torch.equal(turned, alone)
+    assert torch.equal(muonfn.NewtonSchulz(dtype=dtype).orthogonalize(x, scale=0.0), torch.zeros_like(x))
+    params = TensorDict({"w": x.clone()}, [])
+    tx = muonfn.muon(lr=0.0, weight_decay=0.0, ns=muonfn.NewtonSchulz(dtype=dtype))
+    updates, _ = tx.update(TensorDict({"w": torch.randn_like(x)}, []), tx.init(params), params)
+    assert torch.equal(muonfn.apply_updates(params, updates)["w"], x)

@@ -72,13 +72,15 @@ def test_the_table_holds_exactly_the_presets_keywords():
     table = {
         *_groups.SCHEDULED,
         *_groups.MUON_SETTINGS,
-        *_groups.ADAMW_SETTINGS,
-        *_groups.SPLIT_ONLY,
+        *_groups.ADAMW_KEYWORDS,  # kept in the AdamW groups under the names ADAMW_KEYWORDS gives
         *_groups.PER_OPTIMIZER,
         _groups.WHOLE_NEWTON_SCHULZ,  # "ns", kept in a group as its NEWTON_SCHULZ entries
     }
     assert_same("presets vs table", preset_keywords(), table - set(_groups.SHIM_OWN))
-    assert set(_groups.GROUP_SETTINGS) == {*_groups.SCHEDULED, *_groups.MUON_SETTINGS, *_groups.ADAMW_SETTINGS}
+    assert set(_groups.GROUP_SETTINGS) == table - {*_groups.PER_OPTIMIZER, *_groups.SPLIT_ONLY, "ns"}
+    # every setting of an AdamW group is set by a keyword
+    adamw_entries = {name for names in _groups.ADAMW_KEYWORDS.values() for name in names}
+    assert adamw_entries | {"cautious_weight_decay"} == set(_groups.SETTINGS_OF[False])
     # the adapted variants add their options and take no sharded parameters
     variants = (set(keywords(muonfn.normuon)) | set(keywords(muonfn.adamuon))) - set(keywords(muonfn.muon))
     assert variants == set(VARIANT_OPTIONS)
@@ -373,8 +375,8 @@ def test_a_setting_changed_in_param_groups_takes_effect_at_the_next_step(name, v
     params = params_of(ref)
     params, state = functional_steps(ref, muonfn.muon(**HP), params, muonfn.muon(**HP).init(params), data[:2])
     shim_steps(model, opt, data[:2])
-    for i in groups:
-        opt.param_groups[i][name] = value
+    for i in groups:  # (an AdamW group holds adamw_nesterov as its nesterov)
+        opt.param_groups[i][name.removeprefix("adamw_")] = value
     params, state = functional_steps(ref, muonfn.muon(**HP, **{name: value}), params, state, data[2:])
     shim_steps(model, opt, data[2:])
     assert_bitwise(TensorDict.from_module(model), params)
@@ -488,7 +490,7 @@ def test_ns_written_into_param_groups_is_refused_at_the_step_changing_nothing():
         ({"momentum_bias_correction": 1}, TypeError, r"^param group 0: momentum_bias_correction must be True or False"),
         ({"cautious_weight_decay": None}, TypeError, r"^param group 0: cautious_weight_decay must be True or False"),
         ({"cautious_mode": "always"}, ValueError, r"^param group 0: unknown cautious_mode 'always'; choose None or"),
-        ({"adamw_nesterov": "yes"}, ValueError, r"^param group 1: adamw_nesterov must be True, False or 'timm'"),
+        ({"adamw_nesterov": "yes"}, ValueError, r"^param group 1: nesterov must be True, False or 'timm' \(AdamW's\)"),
         ({"ns_eps_mode": "max"}, ValueError, r"eps_mode"),
         ({"ns_restarts": (2,)}, ValueError, r"restarts apply to (method|ns_method)='gram'"),
     ],
@@ -504,7 +506,7 @@ def test_bad_options_raise_naming_the_culprit(options, error, match):
         (0, "momentum_bias_correction", "yes", r"^param group 0: momentum_bias_correction must be True or False"),
         (1, "cautious_weight_decay", 0, r"^param group 1: cautious_weight_decay must be True or False"),
         (0, "cautious_mode", "Heavyball", r"^param group 0: unknown cautious_mode 'Heavyball'"),
-        (1, "adamw_nesterov", None, r"^param group 1: adamw_nesterov must be True, False or 'timm', got None"),
+        (1, "nesterov", None, r"^param group 1: nesterov must be True, False or 'timm' \(AdamW's\), got None"),
     ],
 )
 def test_bad_options_set_in_param_groups_are_refused_at_the_step_changing_nothing(group, name, value, match):
@@ -527,7 +529,7 @@ def test_bad_options_set_in_param_groups_are_refused_at_the_step_changing_nothin
         ({"ns_eps_mode": "add"}, r"param group 0: torch.optim.Muon does not run ns_eps_mode='add' \(it runs 'clamp'\)"),
         ({"ns": muonfn.polar}, r"param group 0: torch.optim.Muon does not run ns_method='svd' \(it runs 'standard' or"),
         ({"ns_method": own_map}, r"param group 0: torch.optim.Muon does not run ns_method=own_map"),
-        ({"adamw_nesterov": True}, r"param group 1: torch.optim.AdamW does not run adamw_nesterov=True"),
+        ({"adamw_nesterov": True}, r"param group 1: torch.optim.AdamW does not run nesterov=True"),
     ],
 )
 def test_torch_state_dicts_refuse_what_torchs_optimizers_do_not_run(options, match):

@@ -8,10 +8,11 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from tensordict import TensorDict
 
+import muonfn
 from muonfn import SCALE_MODES, MatrixView
-from muonfn.linalg import block_scales, shape_scale
-from muonfn.transforms import resolve_views
+from muonfn.linalg import shape_scale
 
 # (out, in) = (A, B) -> expected factor, written out by hand
 KNOWN_FACTORS = {
@@ -25,9 +26,7 @@ KNOWN_FACTORS = {
 @pytest.mark.parametrize("mode", sorted(SCALE_MODES))
 def test_scale_mode_factors(shape: tuple[int, int], mode: str) -> None:
     assert SCALE_MODES[mode](*shape) == pytest.approx(KNOWN_FACTORS[shape][mode], rel=1e-15)
-    assert block_scales(MatrixView(), shape, shape_scale(mode, 0.5)) == [
-        pytest.approx(0.5 * KNOWN_FACTORS[shape][mode])
-    ]
+    assert MatrixView().scales(shape, shape_scale(mode, 0.5)) == [pytest.approx(0.5 * KNOWN_FACTORS[shape][mode])]
 
 
 @pytest.mark.parametrize(
@@ -44,7 +43,7 @@ def test_scale_mode_factors(shape: tuple[int, int], mode: str) -> None:
     ],
 )
 def test_logical_shapes(view: MatrixView, shape: tuple[int, ...], logical: tuple[int, int], blocks: list) -> None:
-    view.check(("w",), shape)
+    view.check("w", shape)
     assert view.matrix_shape(shape) == logical
     assert view.blocks(shape) == blocks
     pieces = view.to_matrices(torch.zeros(shape))
@@ -54,17 +53,17 @@ def test_logical_shapes(view: MatrixView, shape: tuple[int, ...], logical: tuple
 
 def test_conv_scale_uses_the_flattened_shape() -> None:
     """(out, in, k, k) = (8, 4, 3, 3) is the 8×36 matrix: √max(1, 8/36) = 1, not √max(1, 8/4)."""
-    assert block_scales(MatrixView(), (8, 4, 3, 3), shape_scale("original", 1.0)) == [1.0]
-    assert block_scales(MatrixView(), (8, 4, 3, 3), shape_scale("match_rms_adamw", 1.0)) == [pytest.approx(0.2 * 6)]
+    assert MatrixView().scales((8, 4, 3, 3), shape_scale("original", 1.0)) == [1.0]
+    assert MatrixView().scales((8, 4, 3, 3), shape_scale("match_rms_adamw", 1.0)) == [pytest.approx(0.2 * 6)]
 
 
 def test_transposed_storage_scales_by_the_logical_shape() -> None:
-    assert block_scales(MatrixView(transposed=True), (16, 64), shape_scale("original", 1.0)) == [2.0]
-    assert block_scales(MatrixView(), (16, 64), shape_scale("original", 1.0)) == [1.0]
+    assert MatrixView(transposed=True).scales((16, 64), shape_scale("original", 1.0)) == [2.0]
+    assert MatrixView().scales((16, 64), shape_scale("original", 1.0)) == [1.0]
 
 
 def test_split_blocks_are_scaled_on_their_own() -> None:
-    scales = block_scales(MatrixView(split=(32, 8, 8)), (48, 16), shape_scale("original", 1.0))
+    scales = MatrixView(split=(32, 8, 8)).scales((48, 16), shape_scale("original", 1.0))
     assert scales == [pytest.approx(math.sqrt(2)), 1.0, 1.0]
 
 
@@ -83,7 +82,7 @@ def test_to_and_from_matrices_round_trip(view_shape: tuple[MatrixView, list[int]
         length = view.matrix_shape(shape)[dim]
         view = MatrixView(view.batch_dims, view.transposed, (1,) * length, dim)
     t = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
-    view.check(("w",), shape)
+    view.check("w", shape)
     pieces = view.to_matrices(t)
     assert torch.equal(view.from_matrices(pieces, shape), t)
     # the pieces are the logical matrices: row r of a transposed view is column r of the storage
@@ -111,19 +110,34 @@ def test_to_and_from_matrices_round_trip(view_shape: tuple[MatrixView, list[int]
 )
 def test_bad_views_name_the_leaf(view: MatrixView, shape: tuple[int, ...], match: str) -> None:
     with pytest.raises(ValueError, match=match) as info:
-        view.check(("block", "qkv", "weight"), shape)
+        view.check("block.qkv.weight", shape)
     assert "'block.qkv.weight'" in str(info.value)
 
 
-def test_resolve_views_by_tuple_dotted_and_callable() -> None:
-    keys = [("a", "weight"), ("b", "weight"), ("c",)]
-    tensors = [torch.zeros(2, 3), torch.zeros(3, 2), torch.zeros(4, 2, 2)]
+def test_views_by_tuple_dotted_and_callable() -> None:
+    """A transform reads each leaf through the view given by its tuple or dotted name, or by a
+    callable of the name and the tensor; the default view elsewhere. Inside a partition a view may
+    name another group's leaf: it is ignored there (the muon preset checks names against all
+    parameters, tests/test_errors.py)."""
+    leaves = {"a": {"weight": torch.zeros(2, 3)}, "b": {"weight": torch.zeros(3, 2)}, "c": torch.zeros(4, 2, 2)}
+    params = TensorDict(leaves, [])
     experts, transposed = MatrixView(batch_dims=1), MatrixView(transposed=True)
-    got = resolve_views({("b", "weight"): transposed, "c": experts, "a.weight": transposed}, keys, tensors)
-    assert got == [transposed, transposed, experts]
-    assert resolve_views(None, keys, tensors) == [MatrixView()] * 3
-    by_rank = resolve_views(lambda key, t: experts if t.ndim == 3 else None, keys, tensors)
-    assert by_rank == [MatrixView(), MatrixView(), experts]
-    # inside a partition a view may name another group's leaf: resolve_views ignores it,
-    # the muon preset checks names against all parameters (tests/test_errors.py)
-    assert resolve_views({"elsewhere": experts}, keys, tensors) == [MatrixView()] * 3
+
+    def seen(views: object) -> list[tuple[int, ...]]:
+        """The shapes of the batches the map is given, in the leaves' order."""
+        shapes: list[tuple[int, ...]] = []
+
+        def record(batch: torch.Tensor) -> torch.Tensor:
+            if batch.device.type != "meta":  # (init tries the map on meta tensors)
+                shapes.append(tuple(batch.shape))
+            return batch.clone()
+
+        tx = muonfn.orthogonalize(record, views=views)
+        tx.update(params, tx.init(params), params)
+        return shapes
+
+    by_name = {("b", "weight"): transposed, "c": experts, "a.weight": transposed}
+    assert seen(by_name) == [(1, 3, 2), (1, 2, 3), (4, 2, 2)]
+    assert seen(None) == [(1, 2, 3), (1, 3, 2), (1, 4, 4)]  # a 3-D leaf is a conv kernel by default
+    assert seen(lambda name, t: experts if t.ndim == 3 else None) == [(1, 2, 3), (1, 3, 2), (4, 2, 2)]
+    assert seen({"elsewhere": experts}) == seen(None)

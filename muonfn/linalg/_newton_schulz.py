@@ -222,8 +222,10 @@ def _step(
         P = torch.baddbmm(A, A, A, beta=b * s, alpha=c * s, out=factor)
         P.diagonal(dim1=-2, dim2=-1).add_(a * s)
         return torch.bmm(P, X, out=result)
-    B = torch.baddbmm(A, A, A, beta=b, alpha=c, out=factor)
-    return torch.baddbmm(X, B, X, beta=a * s, alpha=s, out=result)
+    # a product weighted 0 is left out: torch's CPU baddbmm in bf16 and fp16 returns wrong values with
+    # alpha=0 (matrices of 12×12 and up, torch 2.13), where the term is 0 anyway
+    B = torch.mul(A, b, out=factor) if c == 0 else torch.baddbmm(A, A, A, beta=b, alpha=c, out=factor)
+    return torch.mul(X, a * s, out=result) if s == 0 else torch.baddbmm(X, B, X, beta=a * s, alpha=s, out=result)
 
 
 def standard_steps(
@@ -263,7 +265,7 @@ def _check_restarts(restarts: Any, steps: int) -> tuple[int, ...]:
     return tuple(sorted(set(restarts)))
 
 
-def gram_steps(X: torch.Tensor, schedule: Coefficients, restarts: tuple[int, ...], scale: float = 1.0) -> torch.Tensor:
+def gram_steps(X: torch.Tensor, schedule: Coefficients, restarts: Sequence[int], scale: float = 1.0) -> torch.Tensor:
     """The quintic steps carried by the Gram matrix (see the module), the result times ``scale``."""
     steps = len(schedule.triples)
     R = torch.bmm(X, X.mT)
@@ -346,7 +348,7 @@ class NewtonSchulz:
     dtype: torch.dtype | None = None
     method: NSMethod = "standard"
     eps_mode: EpsMode = "clamp"
-    restarts: tuple[int, ...] | None = None
+    restarts: Sequence[int] | None = None
     #: the ``(a, b, c)`` triples, resolved once from ``coefficients`` and ``steps``
     schedule: Coefficients = field(init=False, repr=False, compare=False)
     #: the CPU's default rule, read from ``MUONFN_CPU_NS_DTYPE`` when the map is made (never while stepping)
@@ -405,7 +407,7 @@ def _wide_batch(x: torch.Tensor) -> tuple[torch.Tensor, bool, bool]:
     whether the batch is a copy. The orientation is decided by shape alone, never by memory layout."""
     tall = x.size(-2) > x.size(-1)
     g = x.mT if tall else x
-    batch = g.reshape(-1, *g.shape[-2:])
+    batch = g.reshape(math.prod(g.shape[:-2]), *g.shape[-2:])  # (not -1: a tensor may hold no element)
     wide = torch.promote_types(x.dtype, torch.float32)
     copied = batch.dtype != wide or not batch.is_contiguous()
     return batch.to(wide).contiguous(), tall, copied
@@ -447,7 +449,7 @@ def gram_newton_schulz(
     shape (equal to it up to rounding; cheaper once the long side exceeds about 1.5× the short one).
     ``restarts``: step indices before which the iterate is re-formed (default :func:`default_restarts`;
     ``()`` for none)."""
-    ns = NewtonSchulz(coefficients, steps, eps, dtype, "gram", eps_mode, None if restarts is None else tuple(restarts))
+    ns = NewtonSchulz(coefficients, steps, eps, dtype, "gram", eps_mode, restarts)
     _check("gram_newton_schulz", x)
     batch, tall, copied = _wide_batch(x)
     X = normalized(batch, ns.schedule, eps, eps_mode, ns.iteration_dtype(x), owned=copied)

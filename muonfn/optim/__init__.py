@@ -9,16 +9,18 @@ entry says which, and a Muon group's ``"variant"`` (``"muon"``, ``"normuon"``,
 ``"adamuon"``) its rule. A group given without ``"use_muon"`` (plain ``params``, or a dict
 without the key) is split by ``labels`` into a Muon group followed by an AdamW group,
 both kept even when empty, so ``Muon(model.named_parameters())`` has exactly two groups
-and a scheduler scales both learning rates alike. Scheduled hyperparameters (``lr``,
-``momentum``, ``weight_decay``) are read from ``param_groups`` at every step; the others
-(``variant``, ``nesterov``, ``momentum_bias_correction``, ``cautious_weight_decay``,
-``cautious_mode``, ``ns_*``, ``scale``, ``extra_scale``, the variants' options,
-``adamw_betas``, ``adamw_eps``, ``adamw_nesterov``) may be changed too and rebuild the
-transform. ``ns=`` is kept as the ``ns_*`` entries.
-``momentum`` drives Muon only: AdamW's ``adamw_betas`` are not touched by schedulers that
-cycle momentum. A group's parameters and its ``"use_muon"`` are fixed when it is added (an
-edit is refused by the next step, naming the group and the parameter): add parameters with
-``add_param_group``.
+and a scheduler scales both learning rates alike. Each group holds the settings that act on
+it: a Muon group ``lr``, ``momentum``, ``weight_decay``, ``variant``, ``nesterov``,
+``momentum_bias_correction``, ``cautious_weight_decay``, ``cautious_mode``, ``ns_*``,
+``scale``, ``extra_scale`` and the variants' options (``ns=`` kept as the ``ns_*`` entries);
+an AdamW group ``lr``, ``momentum`` (its beta1), ``beta2``, ``eps``, ``weight_decay``,
+``nesterov`` and ``cautious_weight_decay``, which the constructor's ``adamw_*`` keywords set.
+``lr``, ``momentum`` and ``weight_decay`` are read from ``param_groups`` at every step; the
+others may be changed too and rebuild the transform. Schedulers that cycle momentum
+(``OneCycleLR``, ``CyclicLR``) write ``momentum`` into every group, so they cycle Muon's
+momentum and AdamW's beta1 alike, as they cycle ``torch.optim.AdamW``'s ``betas[0]``. A
+group's parameters and its ``"use_muon"`` are fixed when it is added (an edit is refused by
+the next step, naming the group and the parameter): add parameters with ``add_param_group``.
 
 **Routing.** Parameters given without names are routed by shape alone (embeddings and heads
 to Muon), and a run whose Muon groups hold nothing that trains is plain AdamW: the

@@ -160,6 +160,7 @@ class Muon(torch.optim.Optimizer):
             k: v for k, v in self._muon_defaults.items() if k in VARIANT_OPTIONS and v is not None
         }
         self._transforms: dict[int, tuple[Any, Transform, dict[str, torch.Tensor]]] = {}
+        self._layouts: dict[Transform, dict[tuple[str, ...], str]] = {}
         self._compiled: dict[Any, Callable[..., Any]] = {}
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
         for i, group in enumerate(self.param_groups):
@@ -323,10 +324,14 @@ class Muon(torch.optim.Optimizer):
         return out
 
     def _layout(self, tx: Transform, p: torch.Tensor) -> dict[tuple[str, ...], str]:
-        """Where a parameter's entries sit in its group's functional state -> their torch names."""
-        probe = build({"p": torch.empty(p.shape, dtype=p.dtype, device="meta")}, torch.Size([]))
-        paths = [path[:-1] for path, _ in transforms._state_leaves(tx.init(probe), ()) if path[-1] == "p"]
-        return {path: TORCH_NAMES.get(path, "_".join(path)) for path in paths}
+        """Where a parameter's entries sit in its group's functional state -> their torch names (by the
+        transform's ``init`` of a meta matrix, once per transform)."""
+        layout = self._layouts.get(tx)
+        if layout is None:
+            probe = build({"p": torch.empty((2, 2), device="meta")}, torch.Size([]))
+            paths = [path[:-1] for path, _ in transforms._state_leaves(tx.init(probe), ()) if path[-1] == "p"]
+            layout = self._layouts[tx] = {path: TORCH_NAMES.get(path, "_".join(path)) for path in paths}
+        return layout
 
     def _group_state(self, tx: Transform, names: list[str], params: list[torch.Tensor], fresh: bool) -> TensorDictBase:
         """The functional state of ``params`` (named ``names``) from ``opt.state``; a parameter without
@@ -408,17 +413,26 @@ class Muon(torch.optim.Optimizer):
                     )
             tx = self._transform(i, group)
             stepped = [(n, p) for n, p in zip(names, group["params"]) if p.grad is not None]
-            for part in self._parts(stepped):
-                part_names, params = [n for n, _ in part], [p for _, p in part]
-                grads = build({n: p.grad for n, p in part}, torch.Size([]))
-                leaves = build({n: p.detach() for n, p in part}, torch.Size([]))
-                state = self._group_state(tx, part_names, params, fresh=False)
-                try:
-                    check_input(tx.init, grads, state, leaves)
-                except ValueError as error:
-                    raise ValueError(f"param group {i}: {error}") from None
-                work.append((tx, part_names, params, grads, state, leaves))
-        return work  # type: ignore[return-value]
+            parts = [self._inputs(tx, part) for part in self._parts(stepped)]
+            if len(parts) > 1:  # (checked as one, then stepped in parts)
+                checked = self._inputs(tx, stepped)
+            elif parts:
+                checked = parts[0]
+            else:
+                continue
+            try:
+                check_input(tx.init, checked[3], checked[4], checked[5])
+            except ValueError as error:
+                raise ValueError(f"param group {i}: {error}") from None
+            work += parts
+        return work
+
+    def _inputs(self, tx: Transform, part: list[tuple[str, torch.Tensor]]) -> tuple[Any, ...]:
+        """A part's transform, names, parameters, gradients, state and parameters as leaves."""
+        names, params = [n for n, _ in part], [p for _, p in part]
+        grads = build({n: p.grad for n, p in part}, torch.Size([]))
+        leaves = build({n: p.detach() for n, p in part}, torch.Size([]))
+        return tx, names, params, grads, self._group_state(tx, names, params, fresh=False), leaves
 
     def _parts(self, stepped: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
         """``stepped`` in parts of at most ``chunk_numel`` elements, same shapes kept together (a
@@ -527,11 +541,11 @@ class Muon(torch.optim.Optimizer):
         return _migration.torch_state_dicts(self)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_transforms", "_compiled")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_transforms", "_compiled", "_layouts")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self._transforms, self._compiled = {}, {}
+        self._transforms, self._compiled, self._layouts = {}, {}, {}
 
 
 def _run(work: list[Any]) -> list[tuple[Transform, list[str], list[torch.Tensor], TensorDictBase]]:
