@@ -516,15 +516,21 @@ def mixed_orders(graph: torch.fx.GraphModule) -> list[str]:
     return found
 
 
+@pytest.mark.parametrize("gpu_form", [None, True])
 @pytest.mark.parametrize("donate", [False, True])
-def test_compiled_step_reads_no_multi_tensor_buffer_transposed(donate: bool) -> None:
+def test_compiled_step_reads_no_multi_tensor_buffer_transposed(donate: bool, gpu_form: bool | None) -> None:
     """Tall matrices, a tall batch, transposed storage and split blocks: in the compiled step no
     ``_foreach_*`` op shares a buffer with a transposed read of it (torch 2.11's inductor fails on
-    CUDA there). Eager, the transposed views are read as they are."""
+    CUDA there), in the CPU's form and in a GPU's (asked for here). Eager, the transposed views are
+    read as they are."""
     g = torch.Generator().manual_seed(0)
     params = TensorDict({k: torch.randn(s, generator=g) for k, s in TRANSPOSED_SHAPES.items()}, batch_size=[])
     grads = params.apply(lambda p: torch.randn(p.shape, generator=g))
-    tx = muonfn.muon(lr=0.02, donate_state=donate, **TRANSPOSED_OPTIONS)
+    forms = {
+        "orthogonalizer": muonfn.LocalOrthogonalizer(gpu_form=gpu_form),
+        "ns": muonfn.NewtonSchulz(dtype=torch.bfloat16),
+    }
+    tx = muonfn.muon(lr=0.02, donate_state=donate, **TRANSPOSED_OPTIONS, **(forms if gpu_form else {}))
     graph = traced(stepper(tx), grads, tx.init(params), params)
     assert any((_aten(n) or "").startswith("_foreach_") for n in graph.graph.nodes)
     assert mixed_orders(graph) == []
