@@ -481,7 +481,8 @@ def _preset(
     if labels is not None:
         check_table("labels", labels)
     shards = getattr(orthogonalizer, "shard_specs", None)
-    routes = labels or (functools.partial(label_params, shards=tuple(shards)) if shards else label_params)
+    default = functools.partial(label_params, shards=tuple(shards)) if shards else label_params
+    routes = labels if labels is not None else default
     tx = partition({MUON: branch, ADAMW: other}, routes)
     tables = {"views": views, "weight_decay_mask": weight_decay_mask, "shard_specs": shards}
 
