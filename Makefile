@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	# the CPU build of torch (a bare `torch` requirement would pull a multi-GB CUDA build)
 	$(PY) -m pip install -q torch==2.13.0
 	# the constraint keeps that torch: no package may replace it with another build
-	$(PY) -m pip install -q -c .ci/torch-cpu.txt -e ".[dev,demo,docs,hf,peers,kernels]"
+	$(PY) -m pip install -q -c .ci/torch-cpu.txt -e ".[dev,demo,docs,hf,peers]"
 	# timm.optim.muon imports no torchvision, whose wheel expects a CUDA torch: timm without its requirements
 	# (its others, pyyaml, huggingface_hub and safetensors, come with the peers extra)
 	$(PY) -m pip install -q -c .ci/torch-cpu.txt --no-deps timm
@@ -39,11 +39,11 @@ test: lint test-portable
 # The numerics again without ATen's AVX kernels (ATEN_CPU_CAPABILITY=default, as on a CPU without AVX2),
 # in a fresh inductor cache of its own: kernels compiled for this CPU's capability do not build there.
 # The modules whose results depend on the CPU's kernels (Newton–Schulz, the transforms and presets, the
-# reference, half precision, the Triton kernels against torch's ops, the documented tables), so that `make test`
+# reference, half precision, the documented tables), so that `make test`
 # stays well inside CI's limit on 2 cores.
 PORTABLE_TESTS := tests/test_newton_schulz.py tests/test_gram_newton_schulz.py tests/test_transforms.py \
 	tests/test_presets.py tests/test_variants.py tests/test_reference.py tests/test_half_precision.py \
-	tests/test_functional.py tests/test_adamw.py tests/test_kernels.py tests/test_docs.py muonfn
+	tests/test_functional.py tests/test_adamw.py tests/test_docs.py muonfn
 
 test-portable: $(STAMP)
 	cache=$$(mktemp -d) && trap 'rm -rf "$$cache"' EXIT && \

@@ -21,7 +21,6 @@ import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
-from unittest import mock
 
 import torch
 from _sets import ParamSet
@@ -102,29 +101,6 @@ def _donated_step(tx: muonfn.Transform, ps: ParamSet) -> Step:
         muonfn.apply_updates_(params, updates)
 
     return step
-
-
-def triton_installed() -> bool:
-    """Whether muonfn's Triton kernels can run here (a Triton they compile with is installed)."""
-    from muonfn import _kernels
-
-    return _kernels.triton_installed()
-
-
-def with_triton_kernels(make: Callable[[], Step]) -> Callable[[], Step]:
-    """``make``'s step run with muonfn's Triton kernels on (``MUONFN_TRITON=1`` around each step;
-    a GPU's, counted on meta)."""
-
-    def made() -> Step:
-        step = make()
-
-        def with_kernels() -> Any:
-            with mock.patch.dict(os.environ, {"MUONFN_TRITON": "1"}):
-                return step()
-
-        return with_kernels
-
-    return made
 
 
 def make_shim(ps: ParamSet, **options: Any) -> Step:

@@ -154,28 +154,19 @@ def cpu_model() -> str:
 
 
 def cpu_bf16_units() -> tuple[bool, str]:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), and how that was found:
-    muonfn's own query where this checkout has it, else torch's CPU capability queries."""
-    from muonfn import linalg
-
-    query = getattr(linalg, "cpu_has_bf16_units", None)
-    if query is not None:
-        return bool(query()), "muonfn.linalg.cpu_has_bf16_units()"
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), and how that was found: torch's
+    CPU capability queries (the instruction set; muonfn's own rule measures instead, :func:`cpu_ns_rule`)."""
     found = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     return bool(found), "torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()"
 
 
 def cpu_ns_rule() -> dict[str, Any]:
-    """muonfn's CPU precision rule in this run: ``MUONFN_CPU_NS_DTYPE`` (``auto`` unset) and, where
-    this checkout decides by measuring (``muonfn.linalg.cpu_bf16_probe``), the probe's fp32 and bf16
-    timings, their ratio and its answer (whether the rule would iterate in bf16), else ``None``."""
-    from muonfn import linalg
+    """muonfn's CPU precision rule in this run: ``MUONFN_CPU_NS_DTYPE`` (``auto`` unset) and the probe that
+    decides it (``muonfn.linalg.cpu_bf16_probe``): its fp32 and bf16 timings, their ratio and its answer
+    (whether the rule would iterate in bf16)."""
+    from muonfn.linalg import cpu_bf16_probe
 
-    probe = getattr(linalg, "cpu_bf16_probe", None)
-    return {
-        "variable": os.environ.get("MUONFN_CPU_NS_DTYPE", "auto"),
-        "probe": None if probe is None else probe().as_dict(),
-    }
+    return {"variable": os.environ.get("MUONFN_CPU_NS_DTYPE", "auto"), "probe": cpu_bf16_probe().as_dict()}
 
 
 def describe_ns_rule(rule: dict[str, Any]) -> str:
@@ -183,16 +174,12 @@ def describe_ns_rule(rule: dict[str, Any]) -> str:
     CPU by default, and why."""
     probe = rule["probe"]
     measured = (
-        "this checkout does not measure"
-        if probe is None
-        else f"the probe measured bf16 products at {probe['speedup']:.2f}× fp32's speed "
+        f"the probe measured bf16 products at {probe['speedup']:.2f}× fp32's speed "
         f"({probe['bf16_seconds'] * 1e3:.3f} against {probe['fp32_seconds'] * 1e3:.3f} ms on one thread; "
         f"bf16 needs {probe['min_speedup']}×)"
     )
     if rule["variable"] != "auto":
         chosen = f"{rule['variable']}, pinned by MUONFN_CPU_NS_DTYPE"
-    elif probe is None:
-        chosen = "by the instruction set"
     else:
         chosen = "bf16 for matrices of m²n ≥ 2¹⁸" if probe["bf16_faster"] else "fp32"
     return f"muonfn's Newton–Schulz on the CPU: {chosen}; {measured}"

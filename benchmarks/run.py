@@ -221,20 +221,18 @@ def section_step(args: argparse.Namespace, prof: dict[str, Any], device: torch.d
             matmul_entry(device, dtype, prof["matmul"], args.repeats),
             Entry("muonfn", lambda: C.make_functional(ps), args.repeats),
             Entry("muonfn donated", lambda: C.make_donated(ps), args.repeats),
-            Entry("muonfn unbatched", lambda: C.make_functional(ps, bucket_numel=1), args.repeats),
-            Entry("muonfn gram", lambda: C.make_functional(ps, ns_method="gram"), args.repeats),
+            Entry(
+                "muonfn unbatched",
+                lambda: C.make_functional(ps, orthogonalizer=muonfn.LocalOrthogonalizer(bucket_numel=1)),
+                args.repeats,
+            ),
+            Entry("muonfn gram", lambda: C.make_functional(ps, ns="gram"), args.repeats),
         ]
         if has_shim():
             entries.append(Entry("muonfn shim", lambda: C.make_shim(ps), args.repeats))
             entries.append(Entry("muonfn shim donated", lambda: C.make_shim(ps, donate_state=True), args.repeats))
             if device.type == "cuda":  # host-bound in parts there: the one-part shim beside it
                 entries.append(Entry("muonfn shim one part", lambda: C.make_shim(ps, chunk_numel=None), args.repeats))
-        if device.type == "cuda" and C.triton_installed():  # muonfn's opt-in Triton kernels (MUONFN_TRITON=1)
-            donated_kernels = C.with_triton_kernels(lambda: C.make_donated(ps))
-            entries.append(Entry("muonfn donated, Triton kernels", donated_kernels, args.repeats))
-            if has_shim():
-                shim_kernels = C.with_triton_kernels(lambda: C.make_shim(ps))
-                entries.append(Entry("muonfn shim, Triton kernels", shim_kernels, args.repeats))
         entries += [
             Entry(TORCH_MUON, lambda: C.make_torch_muon(ps), slow, warmup=1 if slow_bf16 else 2),
             Entry("plain fp32 loop", lambda: C.make_plain_loop(ps), args.repeats),
@@ -574,7 +572,7 @@ def section_compile(args: argparse.Namespace, prof: dict[str, Any], device: torc
         ),
         Entry(
             "muonfn gram compiled",
-            compiled("muonfn gram compiled", lambda: C.make_functional(ps, compile=True, ns_method="gram")),
+            compiled("muonfn gram compiled", lambda: C.make_functional(ps, compile=True, ns="gram")),
             args.repeats,
         ),
         Entry("muonfn shim", lambda: C.make_shim(ps), args.repeats),

@@ -3,8 +3,6 @@
 #
 #   bash benchmarks/run_gpu.sh tests   # the whole suite with --device cuda (tests/test_cuda.py included)
 #   bash benchmarks/run_gpu.sh cuda    # tests/test_cuda.py alone
-#   bash benchmarks/run_gpu.sh kernels # muonfn's Triton kernels: their tests, the CUDA checks with MUONFN_TRITON=1,
-#                                      # and benchmarks/kernels.py (each kernel against its eager ops)
 #   bash benchmarks/run_gpu.sh bench   # benchmarks/run.py --device cuda -> benchmarks/results/cuda-*.json
 #   bash benchmarks/run_gpu.sh         # tests, then bench
 #
@@ -16,7 +14,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 stage=${1:-all}
 logs=${OUT:-/tmp}
-case $stage in all | tests | cuda | kernels | bench) ;; *) echo "unknown stage $stage: tests, cuda, kernels, bench or all" >&2; exit 2 ;; esac
+case $stage in all | tests | cuda | bench) ;; *) echo "unknown stage $stage: tests, cuda, bench or all" >&2; exit 2 ;; esac
 export PYTHONUNBUFFERED=1
 
 if ! "$PY" -c "import tensordict" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
@@ -45,13 +43,6 @@ if [[ $stage == all || $stage == tests ]]; then
 fi
 if [[ $stage == cuda ]]; then
     run test-cuda "$PY" -m pytest -q -rs -p no:cacheprovider --device cuda tests/test_cuda.py
-fi
-if [[ $stage == all || $stage == kernels ]]; then
-    run kernels-cuda env MUONFN_TRITON=1 "$PY" -m pytest -q -rs -p no:cacheprovider --device cuda \
-        tests/test_kernels.py tests/test_cuda.py
-    json="benchmarks/results/cuda-kernels-$(date +%Y%m%d-%H%M%S).json"
-    run kernels-bench "$PY" benchmarks/kernels.py --device cuda --out "$json"
-    [[ -f $json && -n ${OUT:-} ]] && cp "$json" "$OUT/"
 fi
 if [[ $stage == all || $stage == bench ]]; then
     json="benchmarks/results/cuda-$(date +%Y%m%d-%H%M%S).json"

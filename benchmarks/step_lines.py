@@ -6,8 +6,9 @@ execute, and the functions (code objects: a comprehension is one on Python 3.11)
 in. Counted for the functional ``muonfn.muon(...).update`` + ``muonfn.apply_updates`` and for the shim's
 ``step()``, on the CPU and on the meta device (which takes a GPU's paths), beside ``muonfn.reference.step``.
 Also the package's size in code lines (not blank, not comment, not docstring), its core's (the root
-modules and ``linalg``: what replaced the transforms, presets and linear algebra), and the keywords of
-``muonfn.muon``. ``tests/test_step_budget.py`` holds the budget.
+modules and ``linalg``, and 0.1.0's ``transforms`` and ``presets`` where a checkout has them), and the
+keywords of ``muonfn.muon`` (every parameter that can be given by name, ``lr`` too).
+``tests/test_step_budget.py`` holds the budget.
 """
 
 from __future__ import annotations
@@ -22,10 +23,13 @@ import tokenize
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-from tensordict import TensorDict
+HERE = Path(__file__).resolve().parent
+sys.path.insert(1, str(HERE.parent))  # the checkout's muonfn, run from a checkout without installing
 
-import muonfn
+import torch  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+
+import muonfn  # noqa: E402
 
 PACKAGE = Path(muonfn.__file__).resolve().parent
 
@@ -54,7 +58,7 @@ def traced(step: Callable[[], object]) -> dict[str, object]:
     lines: set[tuple[str, int]] = set()
     functions: set[tuple[str, int, str]] = set()
 
-    def tracer(frame, event, arg):  # noqa: ANN001
+    def tracer(frame, event, arg):  # type: ignore[no-untyped-def]
         code = frame.f_code
         if not code.co_filename.startswith(root):
             return None
@@ -128,7 +132,8 @@ def code_lines(path: Path) -> int:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body:
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            value = first.value if isinstance(first, ast.Expr) else None
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
                 docstrings.update(range(first.lineno, (first.end_lineno or first.lineno) + 1))
     code: set[int] = set()
     skipped = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
@@ -138,18 +143,23 @@ def code_lines(path: Path) -> int:
     return len(code - docstrings)
 
 
+#: The core: the root modules, ``linalg``, and the subpackages 0.1.0 had in their place
+CORE = ("(root)", "linalg", "transforms", "presets")
+
+
 def package_size() -> dict[str, object]:
     parts: dict[str, int] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         top = path.relative_to(PACKAGE).parts[0]
         part = top if (PACKAGE / top).is_dir() else "(root)"
         parts[part] = parts.get(part, 0) + code_lines(path)
-    core = parts.get("(root)", 0) + parts.get("linalg", 0)
+    core = sum(parts.get(part, 0) for part in CORE)
     return {"code_lines": sum(parts.values()), "core_code_lines": core, "by_part": parts}
 
 
 def measure() -> dict[str, object]:
-    keywords = [n for n, p in inspect.signature(muonfn.muon).parameters.items() if p.kind is p.KEYWORD_ONLY]
+    given_by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    keywords = [n for n, p in inspect.signature(muonfn.muon).parameters.items() if p.kind in given_by_name]
     return {
         "package": package_size(),
         "muon_keywords": len(keywords),

@@ -34,7 +34,8 @@ Counting rules
   not read: ``out=`` arguments, and the destination of ``copy_``, ``fill_``, ``zero_`` and of
   the random fills.
 - **bytes written**: in-place and ``out=`` ops count the arguments they write, functional ops
-  the tensors they return, an op that does both (muonfn's momentum kernel) both; a returned view
+  the tensors they return, an op that does both (batch norm: its running statistics and its
+  output) both; a returned view
   of a written argument counts once (torch's fused optimizer steps write their gradients only to
   unscale them by a ``grad_scale``: without one the gradients are read, not written). Views,
   metadata ops and allocations count 0 bytes.
@@ -53,9 +54,10 @@ buffers, the caching allocator), and reads where a kernel's differ from its argu
 reduction in two passes, data reused from a cache). The bytes are those of a kernel that
 streams each argument once.
 
-Devices: ``meta`` takes the code paths of a non-CPU device, as CUDA does (muonfn's CPU-only
-branches, the 0-d operands for numbers and the tiled transposes, are not taken), and the
-muonfn contenders are given CUDA's default Newton–Schulz dtype, bf16 (``--ns-dtype``);
+Devices: ``meta`` takes the code paths of a non-CPU device, as CUDA does (muonfn's GPU forms,
+``muonfn/_devices.py``: the fused normalisation and torch's fused AdamW kernel), and the
+muonfn contenders are given CUDA's default Newton–Schulz dtype, bf16 (``--ns-dtype``:
+``ns=muonfn.NewtonSchulz(dtype=...)``);
 ``cpu`` and ``cuda`` step real tensors, with each device's defaults. On ``meta``, torch's fused
 AdamW (which has no meta kernel) steps zero CPU tensors of its parameters' shapes.
 """
@@ -85,6 +87,8 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false  # noqa: E
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
+import muonfn  # noqa: E402
+
 aten = torch.ops.aten
 GB, MB = 1e9, 2**20
 
@@ -99,10 +103,7 @@ FUSED_OPTIMIZERS = {"_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adag
 #: so torch first copies a narrower input into it (but a GPU reduces bf16/fp16 into fp32 as it loads)
 WIDENING_REDUCTIONS = {"sum", "nansum", "mean", "prod", "norm", "linalg_vector_norm"}
 #: in-place ops that overwrite their destination without reading it
-OVERWRITES = {
-    "copy_", "fill_", "zero_", "uniform_", "normal_", "bernoulli_", "random_", "exponential_",
-    "widened_decayed_",  # (muonfn's Triton kernel: its outputs)
-}  # fmt: skip
+OVERWRITES = {"copy_", "fill_", "zero_", "uniform_", "normal_", "bernoulli_", "random_", "exponential_"}
 
 
 def addressed_bytes(t: torch.Tensor) -> int:
@@ -278,8 +279,8 @@ class TrafficCounter(TorchDispatchMode):
             if not (is_written(name, arg, value, kwargs) and only_written(name, arg))
             for t in _tensors([value])
         )
-        # what it writes in place, and what it returns that is no view of that (an op of muonfn's own
-        # may do both: update its momentum argument and return the look-ahead)
+        # what it writes in place, and what it returns that is no view of that (an op may do both:
+        # batch norm updates its running statistics and returns its output)
         in_place = list(_tensors(value for _, value in written))
         held = {id(t.untyped_storage()) for t in in_place}
         returned = [t for t in _tensors(tree_flatten(out)[0]) if id(t.untyped_storage()) not in held]
@@ -382,8 +383,6 @@ def contenders(ps: _sets.ParamSet, muonfn_options: dict[str, Any]) -> dict[str, 
         "muonfn functional": lambda: C.make_functional(ps, **muonfn_options),
         "muonfn shim": lambda: C.make_shim(ps, **muonfn_options),
         "muonfn shim, one part": lambda: C.make_shim(ps, chunk_numel=None, **muonfn_options),
-        "muonfn donated, Triton kernels": C.with_triton_kernels(lambda: C.make_donated(ps, **muonfn_options)),
-        "muonfn shim, Triton kernels": C.with_triton_kernels(lambda: C.make_shim(ps, **muonfn_options)),
         "torch Muon + AdamW foreach": lambda: C.make_torch_muon(ps),
         "torch Muon + AdamW fused": lambda: C.make_torch_muon(with_cpu_adamw_params(ps) if on_meta else ps, fused=True),
     }
@@ -427,14 +426,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="meta", help="meta (shapes only; the default), cpu or cuda")
     p.add_argument("--set", default="gpt2-small", choices=sorted(_sets.GPT2_SIZES))
-    p.add_argument("--ns-dtype", default=None, help="muonfn's ns_dtype (default: bfloat16 on meta, else the device's)")
+    p.add_argument(
+        "--ns-dtype", default=None, help="muonfn's Newton–Schulz dtype (default: bfloat16 on meta, else the device's)"
+    )
     p.add_argument("--dtype", default="float32", help="the parameters' dtype (bfloat16: a bf16 model)")
     p.add_argument("--only", nargs="*", help="count only these contenders")
     p.add_argument("--top", type=int, default=12, help="rows of the donated step's per-op table")
     p.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = p.parse_args()
     ns_dtype = args.ns_dtype or ("bfloat16" if args.device == "meta" else None)
-    options = {"ns_dtype": getattr(torch, ns_dtype)} if ns_dtype else {}
+    options = {"ns": muonfn.NewtonSchulz(dtype=getattr(torch, ns_dtype))} if ns_dtype else {}
     ps = _sets.gpt2(args.set, device=args.device, dtype=getattr(torch, args.dtype))
     builders = contenders(ps, options)
     results = {}
@@ -444,7 +445,8 @@ def main() -> None:
         results[name] = count_contender(make)
         print(f"  {name}: counted", flush=True)
     floor = floor_bytes(ps)
-    print(f"\n{ps.description}, {ps.numel() / 1e6:.1f} M parameters, device {args.device}, muonfn ns_dtype {ns_dtype}")
+    described = f"{ps.description}, {ps.numel() / 1e6:.1f} M parameters, device {args.device}"
+    print(f"\n{described}, muonfn's Newton–Schulz in {ns_dtype}")
     print(f"floor (the bytes the update must touch): {floor / GB:.2f} GB\n")
     print(table(results))
     if "muonfn donated" in results and args.top:

@@ -85,8 +85,9 @@ def main(argv: list[str] | None = None) -> float:
     # What the views do: orthogonalize a Gaussian stand-in for the gradient with an accurate
     # coefficient set and compare every block with its exact polar factor U Vᵀ.
     matrices = params.select(("stem", "weight"), "qkv", "w_in", "w_out").apply(torch.randn_like)
-    ortho, _ = muonfn.orthogonalize("polar_express", views=VIEWS).update(matrices, TensorDict())
-    plain, _ = muonfn.orthogonalize("polar_express").update(matrices, TensorDict())
+    accurate = muonfn.NewtonSchulz("polar_express")
+    ortho, _ = muonfn.orthogonalize(accurate, views=VIEWS).update(matrices, TensorDict())
+    plain, _ = muonfn.orthogonalize(accurate).update(matrices, TensorDict())
 
     def error(block: torch.Tensor, reference: torch.Tensor) -> float:
         exact = muonfn.polar(reference)

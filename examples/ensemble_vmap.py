@@ -45,9 +45,10 @@ def main(argv: list[str] | None = None) -> torch.Tensor:
     # lr=1 inside the transform, the member's own rate applied to its updates: since Muon's
     # update is -lr·(direction + wd·p), scaling the whole update by lr_i is exactly lr=lr_i.
     lrs = torch.logspace(-3, -1, args.members)
-    # ns_dtype: fp32 on every CPU, so that the check at the end holds to fp32 rounding (bf16, the default
+    # Newton–Schulz in fp32 on every CPU, so that the check at the end holds to fp32 rounding (bf16, the default
     # for these 64×64 matrices on a CPU whose bf16 matmuls are faster, rounds a batch apart from a matrix alone)
-    tx = muonfn.muon(lr=1.0, weight_decay=0.01, labels=muonfn.labels_from_module(skeleton), ns_dtype=torch.float32)
+    ns = muonfn.NewtonSchulz(dtype=torch.float32)
+    tx = muonfn.muon(lr=1.0, weight_decay=0.01, labels=muonfn.labels_from_module(skeleton), ns=ns)
 
     def step(params: TensorDict, state: TensorDict, lr: torch.Tensor, x: torch.Tensor, y: torch.Tensor):
         grads, loss = torch.func.grad_and_value(loss_fn)(params, x, y)
@@ -71,9 +72,7 @@ def main(argv: list[str] | None = None) -> torch.Tensor:
     # The vmapped update equals training one member alone.
     alone = members[1]
     solo = TensorDict.from_module(alone).detach()
-    solo_tx = muonfn.muon(
-        lr=lrs[1].item(), weight_decay=0.01, labels=muonfn.labels_from_module(alone), ns_dtype=torch.float32
-    )
+    solo_tx = muonfn.muon(lr=lrs[1].item(), weight_decay=0.01, labels=muonfn.labels_from_module(alone), ns=ns)
     solo_state = solo_tx.init(solo)
     grads = torch.func.grad(loss_fn)(solo, x, y)
     updates, _ = solo_tx.update(grads, solo_state, solo)

@@ -18,6 +18,7 @@ rounded once instead of twice), not bit for bit.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 import time
@@ -139,17 +140,15 @@ def default_ns_dtype(
 ) -> torch.dtype:
     """The Newton–Schulz dtype when none is given: bf16 where the device multiplies it fastest.
 
-    CUDA (and meta): bf16. A CPU: bf16 for fp32 and narrower inputs whose matrices (``shape``, or
-    ``None`` for any) hold at least :data:`CPU_BF16_MIN_WORK` of work, where bf16 is measured faster
-    (:func:`cpu_bf16_probe`); else the input's dtype, at least fp32. fp64 keeps fp64.
+    CUDA (and meta): bf16, whatever the input. A CPU: bf16 for fp32 and narrower inputs whose matrices
+    (``shape``, or ``None`` for any) hold at least :data:`CPU_BF16_MIN_WORK` of work, where bf16 is
+    measured faster (:func:`cpu_bf16_probe`); else the input's dtype, at least fp32 (fp64 keeps fp64).
     ``rule`` (``bfloat16``, ``float32`` or ``auto``; ``None``: :func:`cpu_rule`) pins the CPU's rule.
     """
-    wide = torch.promote_types(dtype, torch.float32)
-    if dtype == torch.float64:
-        return wide
     if device.type in ("cuda", "meta"):
         return torch.bfloat16
-    if device.type != "cpu":
+    wide = torch.promote_types(dtype, torch.float32)
+    if device.type != "cpu" or dtype == torch.float64:
         return wide
     choice = cpu_rule() if rule is None else rule
     short, long = sorted(shape[-2:]) if shape is not None else (0, 0)
@@ -183,23 +182,40 @@ def gpu_orthogonalized(
     """``scale·NS`` of wide fp32 ``matrices`` of one shape (the last ``turned`` the transposes of tall
     ones), iterated in ``dtype``: the results in order, the tall ones in their own orientation.
     ``overwrite``: the matrices are the step's temporaries, which may hold the results."""
-    norms = _fp64_norms(matrices)
-    if ns.schedule.norm_factor != 1.0:
-        norms = norms * ns.schedule.norm_factor
-    reciprocal = (norms + ns.eps if ns.eps_mode == "add" else norms.clamp_min(ns.eps)).reciprocal()
-    stack = torch.stack(list(matrices))
-    if _plain_eager(matrices):  # one pass: the fp64 product rounded to ``dtype`` as it is stored
-        X = torch.mul(stack, reciprocal, out=torch.empty(stack.shape, dtype=dtype, device=stack.device))
-    else:
-        X = (stack * reciprocal).to(dtype)
-    result = ns.iterate(X, scale)
+    # (no name here holds the normalised batch: the iteration's buffers are its only copies)
+    result = ns.iterate(_normalized(ns, matrices, dtype), scale)
     kept = len(matrices) - turned
-    tall = [t.mT.contiguous() for t in result[kept:].to(torch.float32).unbind(0)] if turned else []
+    tall = _tall_results(result[kept:]) if turned else []
     if overwrite and kept and _plain_eager(matrices) and all(m.is_contiguous() for m in matrices[:kept]):
         wide = list(matrices[:kept])
         torch._foreach_copy_(wide, list(result[:kept].unbind(0)))  # (casts on torch's fused path)
         return [*wide, *tall]
     return [*result[:kept].to(torch.float32).unbind(0), *tall]
+
+
+def _normalized(ns: Any, matrices: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The batch of ``matrices`` over their fp64 norms, in ``dtype``; the fp32 stack it is made from is
+    freed when this returns."""
+    norms = _fp64_norms(matrices)
+    if ns.schedule.norm_factor != 1.0:
+        norms = norms * ns.schedule.norm_factor
+    reciprocal = (norms + ns.eps if ns.eps_mode == "add" else norms.clamp_min(ns.eps)).reciprocal()
+    stack = torch.stack(list(matrices))
+    recorded = torch.is_grad_enabled() and any(m.requires_grad for m in matrices)  # (out= records nothing)
+    if _plain_eager(matrices) and not recorded:  # one pass: the fp64 product rounded to ``dtype`` as it is stored
+        return torch.mul(stack, reciprocal, out=torch.empty(stack.shape, dtype=dtype, device=stack.device))
+    return (stack * reciprocal).to(dtype)
+
+
+def _tall_results(result: torch.Tensor) -> list[torch.Tensor]:
+    """The fp32 results of tall matrices from the narrow results of their transposes: eager, one pass
+    that widens them into a batch of their own orientation; else a widening, then a copy each."""
+    if not _plain_eager([result]):
+        return [apart(t.mT).contiguous() for t in result.to(torch.float32).unbind(0)]
+    rows, cols = result.shape[-2:]
+    batch = torch.empty((result.size(0), cols, rows), dtype=torch.float32, device=result.device)
+    batch.mT.copy_(result)
+    return list(batch.unbind(0))
 
 
 def _fp64_norms(matrices: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -216,13 +232,14 @@ def adamw_kernel_takes(
     """Whether an AdamW update goes through ``torch._fused_adamw_`` (``torch.optim.AdamW(fused=True)``'s
     kernel): one model (no ensemble) whose gradients, moments and decayed parameters are contiguous
     fp32 tensors on one CUDA (or meta) device, eager, outside ``torch.func`` transforms, with nothing
-    autograd records, plain tensors or all DTensors, the learning rate and decay numbers (``factors``:
-    those given as tensors); ``forced``: on any device."""
+    autograd records; plain tensors, the learning rate and decay numbers or 0-d tensors on their
+    device (``factors``: those given as tensors; a schedule's rate), or all DTensors, with both
+    numbers; ``forced``: on any device."""
     if (
         members
         or not tensors
         or not _plain_eager([])
-        or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        or (torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *factors)))
     ):
         return False
     device = tensors[0].device
@@ -231,7 +248,9 @@ def adamw_kernel_takes(
     if not all(t.dtype == torch.float32 and t.device == device and t.is_contiguous() for t in tensors):
         return False
     dtensors = [hasattr(t, "placements") for t in tensors]
-    return not factors and (all(dtensors) or not any(dtensors))
+    if all(dtensors):
+        return not factors
+    return not any(dtensors) and all(f.ndim == 0 and f.device == device for f in factors)
 
 
 def adamw_kernel(
@@ -239,8 +258,8 @@ def adamw_kernel(
     state: Any,
     params: Any,
     decayed: list[str],
-    lr: float,
-    lam: float,
+    lr: Any,
+    lam: Any,
     b1: float,
     b2: float,
     eps: float,
@@ -254,24 +273,28 @@ def adamw_kernel(
     from ._tree import build
 
     names, g = list(grads.keys()), list(grads.values())
+    plain = _plain_eager(g)  # (else DTensors, which take these ops leaf by leaf)
     m = [state["exp_avg"][n] for n in names]
     v = [state["exp_avg_sq"][n] for n in names]
     if not donate:  # the kernel writes the moments in place: a new state has its own
-        m, v = [t.clone() for t in m], [t.clone() for t in v]
+        m, v = _copies(m, plain), _copies(v, plain)
     held = [state["step"][n] for n in names]
     if donate:
         torch._foreach_add_(held, 1)
     counts = held if donate else list(torch._foreach_add(held, 1))
-    chosen = set(decayed)
-    updates = [p.mul(-lr * lam) if n in chosen else torch.zeros_like(p) for n, p in ((n, params[n]) for n in names)]
+    updates = _decay_terms([params[n] for n in names], [n in set(decayed) for n in names], -lr * lam, plain)
     meshes: dict[int, list[int]] = {}  # (one call per device mesh: a DTensor op takes one)
     for i, t in enumerate(g):
         meshes.setdefault(id(getattr(t, "device_mesh", None)), []).append(i)
-    steps = [c.to(torch.float32) for c in counts]
+    # (the kernel reads fp32 counts: one cast for all the leaves' where they are plain tensors)
+    steps = list(torch.stack(counts).to(torch.float32).unbind(0)) if plain else [c.to(torch.float32) for c in counts]
+    # a tensor rate goes to the kernel as it is (CUDA's ``tensor_lr``); meta, which takes CUDA's paths to
+    # count them, has no kernel for it and holds no value: a number stands for it there, the same traffic
+    kernel_lr = 0.0 if isinstance(lr, torch.Tensor) and lr.device.type == "meta" else lr
     for at in meshes.values():
-        torch._fused_adamw_(  # type: ignore[call-overload]
+        torch._fused_adamw_(  # type: ignore[call-overload]  # (lr a number or a 0-d tensor: an overload each)
             *([x[i] for i in at] for x in (updates, g, m, v)), [], [steps[i] for i in at],
-            lr=lr, beta1=b1, beta2=b2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
+            lr=kernel_lr, beta1=b1, beta2=b2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
         )  # fmt: skip
     size = grads.batch_size
     entries = {
@@ -279,3 +302,72 @@ def adamw_kernel(
         for key, values in (("step", counts), ("exp_avg", m), ("exp_avg_sq", v))
     }
     return build(dict(zip(names, updates)), size), entries
+
+
+def _copies(tensors: list[torch.Tensor], plain: bool) -> list[torch.Tensor]:
+    """A copy of every tensor: one multi-tensor copy of plain tensors, else a copy each."""
+    if not plain:
+        return [t.clone() for t in tensors]
+    out = [torch.empty_like(t) for t in tensors]
+    torch._foreach_copy_(out, tensors)
+    return out
+
+
+def _decay_terms(params: list[torch.Tensor], decayed: list[bool], alpha: Any, plain: bool) -> list[torch.Tensor]:
+    """``alpha·p`` for every decayed parameter, zeros for the others: of plain tensors one multi-tensor
+    op each (an op a leaf launches a kernel a leaf), else an op each."""
+    if not plain:
+        return [p.mul(alpha) if d else torch.zeros_like(p) for p, d in zip(params, decayed)]
+    out: list[torch.Tensor] = [torch.empty(0)] * len(params)
+    chosen = [i for i, d in enumerate(decayed) if d]
+    others = [i for i, d in enumerate(decayed) if not d]
+    scaled = torch._foreach_mul([params[i] for i in chosen], alpha) if chosen else []
+    zeros = [torch.empty_like(params[i]) for i in others]
+    if zeros:
+        torch._foreach_zero_(zeros)
+    for i, t in (*zip(chosen, scaled), *zip(others, zeros)):
+        out[i] = t
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- a compiled GPU step
+
+
+def apart(x: torch.Tensor) -> torch.Tensor:
+    """``x``; traced by ``torch.compile``, a transposed ``x`` copied into contiguous memory by an op of
+    muonfn's own (``muonfn::copy_apart``), which inductor runs as it is.
+
+    Works around torch 2.11's inductor on CUDA, which fails when a fused ``_foreach_*`` kernel and a
+    kernel it is fused with walk one buffer in transposed orders (``reorder_loops_by_dep_pair``
+    asserts on two memory dependencies that are transposes of each other). Newton–Schulz reads the
+    momentum's multi-tensor results transposed (a tall matrix joins the calls of its wide shape), and
+    the multi-tensor decay and update read its tall results: the opaque copy stands between the two.
+    Eager, nothing is copied.
+    """
+    if (
+        torch.compiler.is_compiling()
+        and type(x) is torch.Tensor
+        and not torch._C._are_functorch_transforms_active()
+        and _transposed(x)
+    ):
+        return _copy_apart(x)
+    return x
+
+
+def _transposed(x: torch.Tensor) -> bool:
+    """Whether ``x`` walks its memory out of order: its strides, over dimensions longer than 1, do not decrease."""
+    strides = [stride for size, stride in zip(x.shape, x.stride()) if size > 1]
+    return any(a < b for a, b in itertools.pairwise(strides))
+
+
+@torch.library.custom_op("muonfn::copy_apart", mutates_args=())
+def _copy_apart(x: torch.Tensor) -> torch.Tensor:
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+@_copy_apart.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+_copy_apart.register_autograd(lambda ctx, grad: grad)  # the values are unchanged: so is the gradient

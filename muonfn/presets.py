@@ -26,7 +26,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from ._tree import dotted, flat, named_table
-from ._validation import Scalar, ScalarOrSchedule, flag, positive, unit_interval
+from ._validation import Scalar, ScalarOrSchedule, flag, positive, schedule_value, unit_interval
 from .linalg import MatrixView, Orthogonalizer, ScaleMode
 from .steps import (
     AdamNesterov,
@@ -36,6 +36,7 @@ from .steps import (
     adamw,
     add_decayed_weights,
     check_views,
+    checked_rate,
     descent,
     ema_momentum,
     fresh_updates,
@@ -58,6 +59,7 @@ from .transforms import (
     check_table,
     named,
     partition,
+    table_of,
 )
 
 MUON = "muon"
@@ -289,7 +291,7 @@ def muon(
 
     Example:
         >>> params = TensorDict({"w": torch.randn(4, 8), "b": torch.zeros(4)}, [])
-        >>> state = muonfn.muon(lr=0.02).init(params)
+        >>> state = muonfn.muon(lr=3e-4).init(params)
         >>> sorted(state.keys(True, True))
         [('adamw', 'exp_avg', 'b'), ('adamw', 'exp_avg_sq', 'b'), ('adamw', 'step', 'b'), ('muon', 'momentum', 'w')]
     """
@@ -322,7 +324,7 @@ def normuon(
 
     Example:
         >>> params = TensorDict({"w": torch.randn(4, 8), "b": torch.zeros(4)}, [])
-        >>> state = muonfn.normuon(lr=0.02).init(params)
+        >>> state = muonfn.normuon(lr=3e-4).init(params)
         >>> state["muon", "row_second_moment", "w"].shape  # one entry per row
         torch.Size([4, 1])
     """
@@ -350,7 +352,7 @@ def adamuon(
 
     Example:
         >>> params = TensorDict({"w": torch.randn(4, 8), "b": torch.zeros(4)}, [])
-        >>> state = muonfn.adamuon(lr=0.02).init(params)
+        >>> state = muonfn.adamuon(lr=3e-4).init(params)
         >>> sorted(state["muon"].keys())
         ['exp_avg_sq', 'momentum']
     """
@@ -455,12 +457,19 @@ def _preset(
     """A preset: its matrix branch beside :func:`adamw`; names in ``views``, ``weight_decay_mask`` and
     an orthogonalizer's ``shard_specs`` checked against the parameters at ``init`` (a typo is an error)."""
     adaptation_name = getattr(adaptation, "variant", "muon")
+    rates = {MUON: lr, ADAMW: lr if adamw_lr is None else adamw_lr}
+    schedules = {
+        name: BranchSchedule(rate, name)
+        for name, rate in rates.items()
+        if callable(rate) and not isinstance(rate, torch.Tensor)
+    }
+    lr, adamw_lr = schedules.get(MUON, rates[MUON]), schedules.get(ADAMW, rates[ADAMW])
     branch = matrix_branch(
         adaptation, lr, momentum, nesterov, momentum_bias_correction, weight_decay, cautious_weight_decay,
         cautious_mode, ns, scale, extra_scale, views, weight_decay_mask, orthogonalizer, donate_state,
     )  # fmt: skip
     other = adamw(
-        lr if adamw_lr is None else adamw_lr,
+        adamw_lr,
         betas=adamw_betas,
         eps=adamw_eps,
         weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay,
@@ -472,13 +481,17 @@ def _preset(
     if labels is not None:
         check_table("labels", labels)
     shards = getattr(orthogonalizer, "shard_specs", None)
-    routes = labels or (functools.partial(label_params, shards=tuple(shards)) if shards else label_params)
+    default = functools.partial(label_params, shards=tuple(shards)) if shards else label_params
+    routes = labels if labels is not None else default
     tx = partition({MUON: branch, ADAMW: other}, routes)
     tables = {"views": views, "weight_decay_mask": weight_decay_mask, "shard_specs": shards}
 
     def init(params: TensorDictBase) -> TensorDictBase:
         leaves = flat(params)
         for where, table in tables.items():
+            if where == "weight_decay_mask" and callable(table) and not isinstance(table, Mapping):
+                table = table_of(table, leaves, where)  # a callable mask's table, checked as one given
+                check_mask(where, table)
             if table is None or isinstance(table, str) or (callable(table) and not isinstance(table, Mapping)):
                 continue
             named_table(table, leaves.keys(), where)
@@ -487,7 +500,46 @@ def _preset(
             warn_if_every_matrix_excluded(f"muonfn.{adaptation_name}(...).init", leaves, shards or ())
         return state
 
-    return Transform(init, tx.update)
+    if not (donate_state and schedules):
+        return Transform(init, tx.update)
+
+    def update(
+        grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
+    ) -> tuple[TensorDictBase, TensorDictBase]:
+        # each schedule's value made before either branch writes its donated state: a bad one leaves it as it was
+        for name, schedule in schedules.items():
+            count = state.get((name, "count"), None) if isinstance(state, TensorDictBase) else None
+            if isinstance(count, torch.Tensor):
+                schedule.make_first(count)
+        return tx.update(grads, state, params)
+
+    update.donates_state = True  # type: ignore[attr-defined]
+    return Transform(init, update)
+
+
+class BranchSchedule:
+    """A preset's learning-rate schedule for one of its branches: its values checked naming the branch
+    (a preset holds two), and, with a donated state, the value made before either branch runs
+    (:meth:`make_first`) handed to the branch, so that the schedule is still called once an update."""
+
+    def __init__(self, schedule: Callable[[torch.Tensor], Any], branch: str) -> None:
+        self.schedule = schedule
+        self.where = f"the learning rate schedule of branch {branch!r}"
+        self.first: Any = None
+
+    def make_first(self, count: torch.Tensor) -> None:
+        self.first = self.value(count)
+
+    def value(self, count: torch.Tensor) -> Any:
+        """The schedule's value at ``count``, checked (a count lives on the leaves' device, per ensemble member)."""
+        lr = schedule_value(self.where, self.schedule(count))
+        return checked_rate(self.where, lr, count.shape, count.device, returned=True)
+
+    def __call__(self, count: torch.Tensor) -> Any:
+        if self.first is None:
+            return self.value(count)
+        lr, self.first = self.first, None
+        return lr
 
 
 def matrix_branch(

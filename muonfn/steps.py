@@ -46,13 +46,15 @@ RESCALE_MODES: tuple[str, ...] = ("preserve_norm", "orthogonal", "none")
 
 def _number(value: Any) -> Any:
     """``value``, but a plain 0-d tensor on the host read as the number it holds in an eager step
-    (free: no device waits), so that a number and a tensor holding it round alike."""
+    (free: no device waits), so that a number and a tensor holding it round alike; under ``vmap``
+    too, where no member maps it (an ensemble rounds as its members do alone)."""
     if (
         type(value) is torch.Tensor
         and value.ndim == 0
         and value.device.type == "cpu"
         and not torch.compiler.is_compiling()
-        and not torch._C._are_functorch_transforms_active()
+        and not torch._C._functorch.is_batchedtensor(value)
+        and not torch._C._functorch.is_gradtrackingtensor(value)
         and not (value.requires_grad and torch.is_grad_enabled())
     ):
         return value.item()
@@ -73,12 +75,30 @@ def _foreach(op: str, tensors: Sequence[torch.Tensor], *operands: Any, inplace: 
     firsts = [v[0] if isinstance(v, list | tuple) and v else None for v in operands]
     plain = [isinstance(f, torch.Tensor) and not hasattr(f, "placements") for f in firsts]
     mixed = hasattr(tensors[0], "placements") and any(isinstance(v, torch.Tensor) or p for v, p in zip(operands, plain))
-    if narrow or mixed or torch._C._are_functorch_transforms_active():
+    mapped = torch._C._are_functorch_transforms_active()
+    if narrow or mixed or mapped:
         lists = [v if isinstance(v, list | tuple) else [v] * len(tensors) for v in operands]
         name = f"{op}_" if inplace else op
-        return [getattr(t, name)(*args, **kw) for t, *args in zip(tensors, *lists)]
+        return [
+            _widened(op, t, args, kw, inplace)
+            if mapped and _narrow_meets_wide(t, args)
+            else getattr(t, name)(*args, **kw)
+            for t, *args in zip(tensors, *lists)
+        ]
     result = getattr(torch, f"_foreach_{op}_" if inplace else f"_foreach_{op}")(list(tensors), *operands, **kw)
     return list(tensors) if inplace else list(result)
+
+
+def _narrow_meets_wide(t: torch.Tensor, operands: Sequence[Any]) -> bool:
+    return t.dtype.itemsize < 4 and any(isinstance(v, torch.Tensor) and v.dtype.itemsize >= 4 for v in operands)
+
+
+def _widened(op: str, t: torch.Tensor, operands: Sequence[Any], kw: dict[str, Any], inplace: bool) -> torch.Tensor:
+    """``t.<op>(*operands)`` of a bf16/fp16 ``t`` and a wider factor (a per-leaf correction) computed in
+    the factor's dtype and rounded once, as the eager kernels compute it; ``vmap`` would round a
+    0-d factor to ``t``'s dtype first, and a vmapped ensemble would part from the stacked one."""
+    result = getattr(t.to(torch.promote_types(t.dtype, torch.float32)), op)(*operands, **kw).to(t.dtype)
+    return t.copy_(result) if inplace else result
 
 
 def _may_overwrite(tensors: Sequence[torch.Tensor]) -> bool:
@@ -112,10 +132,13 @@ def second_moment_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _per_leaf(factors: torch.Tensor, like: Sequence[torch.Tensor], members: int) -> list[torch.Tensor]:
     """Row ``i`` of ``factors`` (fp64, one value per leaf or per leaf and ensemble member) as a tensor
-    of leaf ``i``'s dtype (at least fp32) shaped to broadcast against it: rounded once."""
+    of leaf ``i``'s dtype (at least fp32) shaped to broadcast against it: rounded once, one cast per
+    dtype for all leaves (not a kernel per leaf)."""
+    wide = {d: torch.promote_types(d, torch.float32) for d in {t.dtype for t in like}}
+    rows = {d: factors.to(d).unbind(0) for d in set(wide.values())}
     out = []
-    for f, t in zip(factors.unbind(0), like):
-        f = f.to(torch.promote_types(t.dtype, torch.float32))
+    for i, t in enumerate(like):
+        f = rows[wide[t.dtype]][i]
         out.append(f.reshape(*f.shape, *[1] * (t.ndim - members)) if members else f)
     return out
 
@@ -484,7 +507,11 @@ def add_decayed_weights(weight_decay: Scalar = 0.0, *, mask: MaskLike = None, ca
         out = _decayed(values, grads, params, _number(weight_decay), mask, "add_decayed_weights", inplace=False)
         return build(dict(zip(names, out)), grads.batch_size), state
 
-    return transform(lambda params: build({}, params.batch_size), update)
+    def init(params: TensorDictBase) -> TensorDictBase:
+        selected(mask, params, "add_decayed_weights: mask")  # (a callable mask's values checked before a step)
+        return build({}, params.batch_size)
+
+    return transform(init, update)
 
 
 def _schedule_init(learning_rate: ScalarOrSchedule) -> Callable[[TensorDictBase], dict[str, torch.Tensor]]:
@@ -509,24 +536,33 @@ def _check_rate(learning_rate: ScalarOrSchedule) -> None:
 
 
 def _rate(learning_rate: ScalarOrSchedule, state: TensorDictBase, grads: TensorDictBase) -> tuple[Any, dict[str, Any]]:
-    """This update's learning rate, and a schedule's advanced count for the new state. A tensor must
-    be 0-d (or one value per ensemble member), on the leaves' device or a 0-d tensor on the CPU."""
+    """This update's learning rate (see :func:`checked_rate`), and a schedule's advanced count for the new state."""
     new: dict[str, Any] = {}
-    lr = learning_rate
+    lr, where = learning_rate, "the learning rate"
     if _is_schedule(learning_rate):
-        count = state["count"]
-        lr = schedule_value("the learning rate schedule", learning_rate(count))  # type: ignore[operator]
+        count, where = state["count"], "the learning rate schedule"
+        lr = schedule_value(where, learning_rate(count))  # type: ignore[operator]
         new["count"] = count + 1
+    first = next(iter(grads.values()), None)
+    device = None if first is None else first.device
+    lr = checked_rate(where, lr, grads.batch_size, device, returned=_is_schedule(learning_rate))
+    return _number(lr), new
+
+
+def checked_rate(where: str, lr: Any, size: torch.Size, device: torch.device | None, *, returned: bool) -> Any:
+    """``lr``, a learning rate for leaves of batch size ``size`` on ``device``: a tensor must be 0-d (or one
+    value per ensemble member), on their device or a 0-d tensor on the CPU. ``where`` names it in an
+    error (``returned``: the value a schedule returned)."""
     if isinstance(lr, torch.Tensor):
-        size, first = grads.batch_size, next(iter(grads.values()), None)
+        verb = "returned" if returned else "is"
         if lr.ndim and lr.shape != size:
-            raise ValueError(f"the learning rate is a tensor of shape {tuple(lr.shape)}; it must be 0-d")
-        if first is not None and not (lr.ndim == 0 and lr.device.type == "cpu") and lr.device != first.device:
+            raise ValueError(f"{where} {verb} a tensor of shape {tuple(lr.shape)}; it must be 0-d")
+        if device is not None and not (lr.ndim == 0 and lr.device.type == "cpu") and lr.device != device:
             raise ValueError(
-                f"the learning rate is a tensor on {lr.device}, the parameters are on {first.device}; it must be on "
+                f"{where} {verb} a tensor on {lr.device}, the parameters are on {device}; it must be on "
                 "their device, or a 0-d tensor on the CPU"
             )
-    return _number(lr), new
+    return lr
 
 
 def _times(factor: Any, like: Sequence[torch.Tensor], members: int) -> Any:
@@ -607,7 +643,7 @@ def descent(
         else:
             out = _shape_scaled(grads, views, scale_fn, factor)
         if isinstance(lr, torch.Tensor):
-            out = _foreach("mul", out, _times(lr.neg(), out, grads.batch_dims), inplace=_may_overwrite(out))
+            out = _foreach("mul", out, _times(lr.neg(), out, grads.batch_dims), inplace=_may_overwrite([*out, lr]))
         out = _decayed(out, grads, params, -lr * lam, mask, "descent", inplace=True)
         updates = build(dict(zip(grads.keys(), _cast(out, values))), grads.batch_size)
         return updates, build(new, state.batch_size)
@@ -916,7 +952,8 @@ def scale_by_neuron_norm(
             out.append(
                 view.from_matrices([_rescaled(b / p, b, rescale, eps) for b, p in zip(matrices, parts)], o.shape)
             )
-        kept = [n.reshape(held[k].shape) for k, n in zip(names, new)]
+        # donated, the views were written in place: the state keeps its own tensors
+        kept = [held[k] if donate_state else n.reshape(held[k].shape) for k, n in zip(names, new)]
         entry = build({"row_second_moment": _replaced(held, names, kept)}, state.batch_size)
         return build(dict(zip(names, _cast(out, given))), grads.batch_size), entry
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal, NamedTuple, Protocol, TypeAlias
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor
 
 from ._tree import build, dotted, flat, named_table, nested_like
 from ._validation import check_params
@@ -94,7 +94,8 @@ def transform(init: InitFn, update: FlatUpdate, *, donates_state: bool = False) 
         flat_grads, flat_params = flat(grads), None if params is None else flat(params)
         if isinstance(state, Mapping) and not isinstance(state, TensorDictBase) and not state:
             state = build({}, grads.batch_size)  # a stateless transform may be given {}
-        if getattr(_entry, "checked", False) or torch.compiler.is_compiling():
+        # (traced, the flag is not read: a guard on it would fail once an eager update had set it)
+        if torch.compiler.is_compiling() or getattr(_entry, "checked", False):
             updates, new_state = update(flat_grads, state, flat_params)
         else:
             check_input(entry_init, flat_grads, state, flat_params)
@@ -177,8 +178,9 @@ def check_input(init: InitFn, grads: TensorDictBase, state: Any, params: TensorD
                 f"{dtype} of shape {tuple(shape)}" + (f" for parameter {leaf!r}" if leaf else "")
             )
         if owner is not None and t.device != owner.device:
+            kind = "parameter" if params is not None else "gradient"  # (without params, the leaf is its gradient)
             raise ValueError(
-                f"update: state entry {entry!r} is on {t.device}, its parameter {leaf or '(first)'!r} on "
+                f"update: state entry {entry!r} is on {t.device}, its {kind} {leaf or '(first)'!r} on "
                 f"{owner.device}; move the state (state.to(device)), or make it with init after moving the parameters"
             )
     if params is not None and given:
@@ -219,10 +221,14 @@ def _expected_state(
 # ---------------------------------------------------------------------------------------------- combinators
 
 
-def _owned(tx: Transform) -> list[str]:
-    """The top-level state entries ``tx`` keeps (its state for no parameters)."""
+def _check_transform(tx: object) -> None:
     if not (isinstance(tx, tuple) and len(tx) == 2 and callable(tx[0]) and callable(tx[1])):
         raise TypeError(f"expected a muonfn.Transform (init, update), got {type(tx).__name__}")
+
+
+def _owned(tx: Transform) -> list[str]:
+    """The top-level state entries ``tx`` keeps (its state for no parameters)."""
+    _check_transform(tx)
     return list(tx.init(_EMPTY).keys())
 
 
@@ -270,7 +276,7 @@ def named(name: str, tx: Transform) -> Transform:
     return transform(init, update, donates_state=donates_state(tx))
 
 
-LabelsLike: TypeAlias = Mapping[Any, str] | Callable[[TensorDictBase], Mapping[Any, str]]
+LabelsLike: TypeAlias = Mapping[Any, str] | TensorDictBase | Callable[[TensorDictBase], Mapping[Any, str]]
 MaskLike: TypeAlias = Mapping[Any, bool] | Callable[[TensorDictBase], Mapping[Any, bool]] | Literal["matrices"] | None
 
 
@@ -283,7 +289,11 @@ def check_table(where: str, table: object) -> None:
 
 
 def table_of(table: Any, params: TensorDictBase, where: str) -> Mapping[Any, Any]:
-    """The names-to-values table ``table`` gives for ``params`` (a callable is called on them)."""
+    """The names-to-values table ``table`` gives for ``params`` (a callable is called on them; a
+    TensorDict, of labels say, is read by its leaves)."""
+    if isinstance(table, TensorDictBase):
+        leaves = table.keys(True, True, is_leaf=is_leaf_nontensor)
+        return {key: getattr(value, "data", value) for key in leaves for value in (table.get(key),)}
     if isinstance(table, Mapping):
         return table
     made = table(params)
@@ -308,9 +318,10 @@ def route(labels: LabelsLike, params: TensorDictBase, known: Any, *, strict: boo
 def partition(transforms: Mapping[str, Transform], labels: LabelsLike) -> Transform:
     """Routes each leaf to the transform of its label; the state is ``{label: state}``.
 
-    ``labels``: a mapping from name (dotted or tuple) to label, or a callable ``params -> mapping``
-    given the parameters as a flat TensorDict (see :func:`muonfn.label_params`). Every parameter
-    needs a label, and ``init`` refuses labels for names that are not parameters.
+    ``labels``: a mapping from name (dotted or tuple) to label, a TensorDict of labels in the
+    parameters' nesting, or a callable ``params -> mapping`` given the parameters as a flat
+    TensorDict (see :func:`muonfn.label_params`). Every parameter needs a label, and ``init``
+    refuses labels for names that are not parameters.
     """
     if not isinstance(transforms, Mapping):
         raise TypeError(f"partition: transforms must map labels to transforms, got {type(transforms).__name__}")
@@ -330,10 +341,15 @@ def partition(transforms: Mapping[str, Transform], labels: LabelsLike) -> Transf
 
     def branches(grads: TensorDictBase, params: TensorDictBase | None) -> dict[str, list[str]]:
         names = tuple(grads.keys())
-        if names not in routes:
+        # traced, the routes are made anew: guards on the cache would fail once an eager update filled it
+        traced = torch.compiler.is_compiling()
+        if traced or names not in routes:
             assigned = route(labels, grads if params is None else params, transforms)
+            made = {label: [n for n in names if assigned[n] == label] for label in transforms}
+            if traced:
+                return made
             routes.clear() if len(routes) > 16 else None
-            routes[names] = {label: [n for n in names if assigned[n] == label] for label in transforms}
+            routes[names] = made
         return routes[names]
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
@@ -365,6 +381,11 @@ def selected(mask: MaskLike, params: TensorDictBase, where: str, default: bool =
 def check_mask(where: str, mask: object) -> None:
     if mask is None or mask == "matrices":
         return
+    if isinstance(mask, str):  # (a misspelt name, or one leaf's name where a table was meant)
+        raise ValueError(
+            f"{where}: unknown mask {mask!r}; choose one of ['matrices'], a mapping of names to True or False, "
+            "or a callable params -> mapping"
+        )
     check_table(where, mask)
     if isinstance(mask, Mapping):
         selected(mask, _EMPTY, where)  # (the values' type)
@@ -439,7 +460,12 @@ def check_sum_shards(where: str, sum_shards: object) -> None:
 
 def count_per_member(mask: torch.Tensor, members: int) -> torch.Tensor:
     """The number of true entries of ``mask``: one count, or one per ensemble member."""
-    return mask.sum(dtype=torch.int64) if not members else mask.flatten(members).sum(-1, dtype=torch.int64)
+    return mask.sum(dtype=torch.int64) if not members else per_member(mask, members).sum(-1, dtype=torch.int64)
+
+
+def per_member(t: torch.Tensor, members: int) -> torch.Tensor:
+    """``t`` with each ensemble member's entries in one last dimension (a member's 0-d leaf too)."""
+    return t.flatten(members) if t.ndim > members else t.unsqueeze(-1)
 
 
 def _all_finite(
@@ -448,7 +474,7 @@ def _all_finite(
     if not values:
         return torch.ones(batch_size, dtype=torch.bool)
     if sum_shards is None:
-        flags = [g.isfinite().all() if not members else g.isfinite().flatten(members).all(-1) for g in values]
+        flags = [g.isfinite().all() if not members else per_member(g.isfinite(), members).all(-1) for g in values]
     else:
         bad = [count_per_member(g.isfinite().logical_not(), members) for g in values]
         flags = [b.eq(0).reshape(batch_size) for b in sum_shards(names, values, bad, batch_dims=members)]
@@ -486,6 +512,7 @@ def cautious(tx: Transform, *, mode: CautiousMode = "heavyball", sum_shards: Any
     tensor (:func:`muonfn.distributed.shard_sums`), so that :math:`\sum k` and :math:`N` are the
     whole leaf's (DTensor leaves need none).
     """
+    _check_transform(tx)
     if mode not in CAUTIOUS_MODES:
         raise ValueError(f"cautious: unknown mode {mode!r}; choose one of {list(CAUTIOUS_MODES)}")
     check_sum_shards("cautious", sum_shards)
@@ -543,8 +570,8 @@ def apply_updates(params: TensorDictBase, updates: TensorDictBase) -> TensorDict
     """
     flat_params, flat_updates = flat(params), flat(updates)
     targets = _matched("apply_updates", flat_params, flat_updates)
-    sums = torch._foreach_add(targets, list(flat_updates.values())) if targets else []
-    new = {n: s.to(p.dtype) for n, s, p in zip(flat_updates.keys(), sums, targets)}
+    sums = _added(targets, list(flat_updates.values()), inplace=False)
+    new = {n: s if s.dtype == p.dtype else s.to(p.dtype) for n, s, p in zip(flat_updates.keys(), sums, targets)}
     return nested_like(build({**flat_params, **new}, params.batch_size), params)
 
 
@@ -564,6 +591,18 @@ def apply_updates_(params: TensorDictBase, updates: TensorDictBase) -> TensorDic
                 f"of dtype {p.dtype}"
             )
     with torch.no_grad():
-        if targets:
-            torch._foreach_add_(targets, list(flat_updates.values()))
+        _added(targets, list(flat_updates.values()), inplace=True)
     return params
+
+
+def _added(targets: list[torch.Tensor], updates: list[torch.Tensor], *, inplace: bool) -> list[torch.Tensor]:
+    """``p + u`` for every pair in one multi-tensor add (``inplace``: into ``p``); one add a pair under
+    ``torch.func`` transforms (``vmap``), which have no batching rule for it."""
+    if not targets:
+        return []
+    if torch._C._are_functorch_transforms_active():
+        return [p.add_(u) if inplace else p.add(u) for p, u in zip(targets, updates)]
+    if inplace:
+        torch._foreach_add_(targets, updates)
+        return targets
+    return list(torch._foreach_add(targets, updates))

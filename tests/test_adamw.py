@@ -1,6 +1,5 @@
-"""The fused AdamW rule's GPU form, run here on the CPU: small leaves gathered into one flat
-tensor for their per-leaf factors (the bits of one op per leaf), and decayed by one factor for
-all of them (``u - round(ηλ·p)``), large leaves as on the CPU."""
+"""AdamW: its own passes (the CPU's, an ensemble's, a traced step's) and torch's fused kernel (a
+GPU's, asked for here on the CPU with ``fused=True``), the decay one multiply-add in both."""
 
 from __future__ import annotations
 
@@ -10,18 +9,16 @@ from _bitwise import assert_bitwise
 from tensordict import TensorDict
 
 import muonfn
-from muonfn import _multi_tensor
-from muonfn.transforms import _adamw
 
 LR, WD = 3e-3, 0.1
 
 
 def params_and_grads(steps: int, seed: int = 0) -> tuple[TensorDict, list[TensorDict]]:
-    """Many small leaves (0-d, vectors, a small matrix) and two of at least ``FLAT_NUMEL`` elements."""
+    """Small leaves (0-d, vectors, a small matrix, a cube) and two large ones."""
     g = torch.Generator().manual_seed(seed)
     shapes = {
         "embed": (300, 256),
-        "head": (_adamw.FLAT_NUMEL,),
+        "head": (65536,),
         "scalar": (),
         "bias": (7,),
         "norm": (64,),
@@ -46,27 +43,55 @@ def run(tx: muonfn.Transform, params: TensorDict, grads: list[TensorDict], *, sk
     return params, state, updates
 
 
-@pytest.fixture
-def off_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_multi_tensor, "off_cpu", lambda t: True)
+def kernel_calls(step) -> int:  # type: ignore[no-untyped-def]
+    """How many times ``step()`` calls ``torch._fused_adamw_`` (seen below the dispatcher)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func.overloadpacket is torch.ops.aten._fused_adamw_:
+                Calls.count += 1
+            return func(*args, **(kwargs or {}))
+
+    with Calls():
+        step()
+    return Calls.count
 
 
-@pytest.mark.parametrize("donate_state", [False, True])
-def test_gathered_small_leaves_keep_the_bits_of_one_op_per_leaf(monkeypatch, donate_state: bool) -> None:
-    """Without decay the GPU form's arithmetic is the CPU form's, element by element, with step
-    counts that differ from leaf to leaf."""
-    params, grads = params_and_grads(4)
-    tx = muonfn.adamw(LR, weight_decay=0.0, donate_state=donate_state)
-    expected = run(tx, params, grads, skew=True)
-    monkeypatch.setattr(_multi_tensor, "off_cpu", lambda t: True)
-    assert _adamw.gathers_small_leaves(list(params.values()), 0)
-    got = run(tx, params, grads, skew=True)
-    assert_bitwise(got[0], expected[0])
-    assert_bitwise(got[1], expected[1])
+# ---------------------------------------------------------------------------- the rule's own passes
+
+
+@pytest.mark.parametrize("nesterov", [False, True, "timm"])
+def test_the_rule_computes_adamw_per_leaf_with_step_counts_that_differ(nesterov) -> None:
+    """``-η m̂/(√v̂ + ε) - ηλp`` with each leaf's own step count (optax's and timm's Nesterov forms:
+    the moment corrected as each writes it), to fp32 rounding of the formula in fp64."""
+    params, grads = params_and_grads(3)
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    _, state, updates = run(muonfn.adamw(LR, weight_decay=WD, nesterov=nesterov), params, grads, skew=True)
+    p = params.apply(lambda t: t.double())
+    for key in ("embed", "bias", "scalar"):
+        m = v = torch.zeros_like(p[key])
+        t0 = {"bias": 3, "embed": 7}.get(key, 0)
+        for i, g in enumerate(grads):
+            t, gk = t0 + i + 1, g[key].double()
+            m, v = b1 * m + (1 - b1) * gk, b2 * v + (1 - b2) * gk * gk
+            c1, c2 = 1 - b1**t, 1 - b2**t
+            if nesterov is True:
+                numerator = b1 * m / (1 - b1 ** (t + 1)) + (1 - b1) * gk / c1
+            elif nesterov == "timm":
+                numerator = (b1 * m + (1 - b1) * gk) / c1
+            else:
+                numerator = m / c1
+            expected = -LR * numerator / ((v / c2).sqrt() + eps) - LR * WD * p[key]
+            torch.testing.assert_close(updates[i][key].double(), expected, rtol=2e-5, atol=1e-9, msg=key)
+            p[key] = p[key] + updates[i][key].double()
+        assert int(state["step", key]) == t0 + len(grads)
 
 
 @pytest.mark.parametrize("as_tensors", [False, True])
-def test_off_the_cpu_a_number_decay_is_one_multiply_add_on_every_leaf(off_the_cpu, as_tensors: bool) -> None:
+def test_a_number_decay_is_one_multiply_add_on_every_leaf(as_tensors: bool) -> None:
     """ηλ a number (or, eager, 0-d tensors on the host, as the shim holds them): one fused
     ``add(alpha=-ηλ)`` for all leaves, small and large."""
     params, grads = params_and_grads(1)
@@ -80,26 +105,7 @@ def test_off_the_cpu_a_number_decay_is_one_multiply_add_on_every_leaf(off_the_cp
         assert torch.equal(decayed[key], torch.add(undecayed[key], p, alpha=-(LR * WD))), key
 
 
-def test_off_the_cpu_small_leaves_subtract_a_device_decay_term_large_ones_fuse_it(monkeypatch, off_the_cpu) -> None:
-    """ηλ a tensor on the device (forced here: no host tensor is read as a number): a factor per
-    leaf would run tensor by tensor, so the small leaves subtract ηλp written out."""
-    monkeypatch.setattr(_multi_tensor, "host_number", lambda weight, leaves: weight)
-    params, grads = params_and_grads(1)
-    g = grads[0]
-    plain = muonfn.adamw(LR, weight_decay=0.0)
-    undecayed, _ = plain.update(g, plain.init(params), params)
-    decaying = muonfn.adamw(torch.tensor(LR), weight_decay=WD)
-    decayed, _ = decaying.update(g, decaying.init(params), params)
-    factor = (torch.tensor(LR) * WD).to(torch.float32)
-    for key, p in params.items():
-        if p.numel() < _adamw.FLAT_NUMEL:
-            expected = undecayed[key] - p * factor  # ηλp rounded, then subtracted
-        else:
-            expected = torch.addcmul(undecayed[key], p, factor, value=-1)
-        assert torch.equal(decayed[key], expected), key
-
-
-def test_the_gpu_form_is_the_same_under_vmap_and_for_a_tensor_learning_rate(off_the_cpu) -> None:
+def test_vmap_and_host_tensor_rates_give_the_bits_of_the_plain_update() -> None:
     """vmap runs every op leaf by leaf and the shim holds its rates in 0-d tensors: both give the
     bits of the plain functional update."""
     params, grads = params_and_grads(2)
@@ -121,9 +127,9 @@ def test_the_gpu_form_is_the_same_under_vmap_and_for_a_tensor_learning_rate(off_
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_stacked_ensemble_takes_the_gpu_form_of_the_vmapped_one(off_the_cpu, dtype) -> None:
-    """A leaf is small for the decay by its size for one member: a stacked ensemble (the members
-    a leading dimension) and a vmapped one decay each leaf by the same formula, the same bits."""
+def test_a_stacked_ensemble_gives_the_bits_of_the_vmapped_one(dtype) -> None:
+    """A stacked ensemble (the members a leading dimension) and a vmapped one decay and step each
+    leaf by the same formula, the same bits."""
     params, grads = params_and_grads(2)
     params = params.apply(lambda t: t.to(dtype))
     grads = [g.apply(lambda t: t.to(dtype)) for g in grads]
@@ -137,13 +143,21 @@ def test_a_stacked_ensemble_takes_the_gpu_form_of_the_vmapped_one(off_the_cpu, d
         assert_bitwise(ensemble[0], run(tx, params, grads)[0])
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_weight_decay_mask_matrices_decays_the_leaves_of_two_dimensions_or_more(fused: bool) -> None:
+    params, grads = params_and_grads(1)
+    matrices = muonfn.adamw(LR, weight_decay=WD, weight_decay_mask="matrices", fused=fused)
+    by_name = {k: p.ndim >= 2 for k, p in params.items()}
+    written = muonfn.adamw(LR, weight_decay=WD, weight_decay_mask=by_name, fused=fused)
+    undecayed = muonfn.adamw(LR, weight_decay=0.0, fused=fused)
+    got = run(matrices, params, grads)[2][0]
+    assert_bitwise(got, run(written, params, grads)[2][0])
+    plain = run(undecayed, params, grads)[2][0]
+    for key, p in params.items():
+        assert torch.equal(got[key], plain[key]) == (p.ndim < 2), key
+
+
 # ---------------------------------------------------------------------------- torch's fused kernel
-
-
-@pytest.fixture
-def torch_kernel_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CUDA route through ``torch._fused_adamw_``, taken here by the CPU's kernel of the same op."""
-    monkeypatch.setattr(_adamw, "TORCH_KERNEL_DEVICES", frozenset({"cpu"}))
 
 
 def torch_adamw(params: TensorDict, grads: list[TensorDict], weight_decay: float, skew: bool = False) -> TensorDict:
@@ -162,34 +176,29 @@ def torch_adamw(params: TensorDict, grads: list[TensorDict], weight_decay: float
 
 
 @pytest.mark.parametrize("donate_state", [False, True])
-def test_the_torch_kernel_route_is_torch_fused_adamw_bit_for_bit_without_decay(
-    torch_kernel_on_the_cpu, donate_state: bool
-) -> None:
+def test_the_kernel_is_torch_fused_adamw_bit_for_bit_without_decay(donate_state: bool) -> None:
     """Without decay the update is torch.optim.AdamW(fused=True)'s parameter change: the same
-    parameters after four steps, bit for bit, for leaves whose step counts differ."""
+    parameters after four steps, bit for bit, for leaves whose step counts differ; the kernel
+    runs once a step, and the rule without ``fused`` on the CPU not at all."""
     params, grads = params_and_grads(4)
-    ours, state, _ = run(muonfn.adamw(LR, weight_decay=0.0, donate_state=donate_state), params, grads, skew=True)
+    tx = muonfn.adamw(LR, weight_decay=0.0, donate_state=donate_state, fused=True)
+    ours, state, _ = run(tx, params, grads, skew=True)
     assert_bitwise(ours, torch_adamw(params, grads, weight_decay=0.0, skew=True))
     assert state["step", "embed"].dtype == torch.int64 and int(state["step", "embed"]) == 11
+    assert kernel_calls(lambda: run(tx, params, grads[:1])) == 1
+    assert kernel_calls(lambda: run(muonfn.adamw(LR, weight_decay=0.0), params, grads[:1])) == 0
 
 
-def test_the_torch_kernel_route_starts_the_update_from_the_decay(torch_kernel_on_the_cpu) -> None:
+def test_the_kernel_starts_the_update_from_the_decay() -> None:
     """With decay the update starts as -ηλp (0 where the mask exempts a leaf) and the kernel
-    subtracts torch's step from it: against the rule's own passes, the same to fp32 rounding; on
-    an exempt leaf, torch's undecayed step bit for bit."""
+    subtracts torch's step from it: against the rule's own passes (``fused=False``), the same to
+    fp32 rounding; on an exempt leaf, torch's undecayed step bit for bit."""
     params, grads = params_and_grads(3)
     mask = dict.fromkeys(params.keys(), True) | {"bias": False}
-    tx = muonfn.adamw(LR, weight_decay=WD, weight_decay_mask=mask)
-    got = run(tx, params, grads)
+    got = run(muonfn.adamw(LR, weight_decay=WD, weight_decay_mask=mask, fused=True), params, grads)
     undecayed = torch_adamw(params, grads, weight_decay=0.0)
     assert torch.equal(got[0]["bias"], undecayed["bias"])
-    taken: list[str] = []
-    real = torch._fused_adamw_
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_adamw, "TORCH_KERNEL_DEVICES", frozenset())
-        patch.setattr(torch, "_fused_adamw_", lambda *a, **k: taken.append("kernel") or real(*a, **k))
-        own = run(tx, params, grads)
-    assert not taken
+    own = run(muonfn.adamw(LR, weight_decay=WD, weight_decay_mask=mask, fused=False), params, grads)
     torch.testing.assert_close(got[0], own[0], rtol=2e-6, atol=1e-7)
     torch.testing.assert_close(got[1], own[1])  # (the kernel's moments round as its own arithmetic does)
     decayed_first = got[2][0]["embed"] - undecayed_first_update(params, grads[0])["embed"]
@@ -197,15 +206,16 @@ def test_the_torch_kernel_route_starts_the_update_from_the_decay(torch_kernel_on
 
 
 def undecayed_first_update(params: TensorDict, g: TensorDict) -> TensorDict:
-    tx = muonfn.adamw(LR, weight_decay=0.0)
+    tx = muonfn.adamw(LR, weight_decay=0.0, fused=True)
     return tx.update(g, tx.init(params), params)[0]
 
 
-def test_the_torch_kernel_route_keeps_an_undonated_state(torch_kernel_on_the_cpu) -> None:
+def test_the_kernel_keeps_an_undonated_state() -> None:
     """The kernel writes the moments in place: an undonated update writes them into copies, so the
     state it was given is unchanged, and it returns what the donated update returns."""
     params, grads = params_and_grads(2)
-    plain, donating = muonfn.adamw(LR, weight_decay=WD), muonfn.adamw(LR, weight_decay=WD, donate_state=True)
+    plain = muonfn.adamw(LR, weight_decay=WD, fused=True)
+    donating = muonfn.adamw(LR, weight_decay=WD, donate_state=True, fused=True)
     state = plain.init(params)
     state = plain.update(grads[0], state, params)[1]
     before = state.clone()
@@ -216,39 +226,21 @@ def test_the_torch_kernel_route_keeps_an_undonated_state(torch_kernel_on_the_cpu
     assert_bitwise(new, donated)
 
 
-@pytest.mark.parametrize("as_tensor", ["host", "device"])
-def test_the_torch_kernel_route_takes_a_tensor_learning_rate(torch_kernel_on_the_cpu, as_tensor: str) -> None:
-    """A 0-d learning rate on the leaves' device goes to the kernel as a tensor (the CPU's own
-    tensors stand for a GPU's here), with the bits of the same rate as a number."""
+def test_the_kernel_takes_host_tensor_rates_as_the_numbers_they_hold() -> None:
+    """0-d learning rate and decay tensors on the host (the shim's) go to the kernel as the numbers
+    they hold: the bits of the same rates given as numbers."""
     params, grads = params_and_grads(2)
-    expected = run(muonfn.adamw(LR, weight_decay=WD), params, grads)
+    expected = run(muonfn.adamw(LR, weight_decay=WD, fused=True), params, grads)
     lr = torch.tensor(LR, dtype=torch.float64)
-    got = run(muonfn.adamw(lr, weight_decay=torch.tensor(WD, dtype=torch.float64)), params, grads)
+    got = run(muonfn.adamw(lr, weight_decay=torch.tensor(WD, dtype=torch.float64), fused=True), params, grads)
     assert_bitwise(got[0], expected[0])
 
 
-def test_the_torch_kernel_route_with_a_zero_learning_rate_leaves_the_parameters(torch_kernel_on_the_cpu) -> None:
+def test_the_kernel_with_a_zero_learning_rate_leaves_the_parameters() -> None:
     params, grads = params_and_grads(1)
-    got = run(muonfn.adamw(0.0, weight_decay=WD), params, grads)
+    got = run(muonfn.adamw(0.0, weight_decay=WD, fused=True), params, grads)
     assert torch.equal(got[0]["embed"], params["embed"]) and bool(got[1]["exp_avg", "embed"].abs().sum() > 0)
     assert all(bool(torch.isfinite(u).all()) for u in got[2][0].values())
-
-
-def kernel_calls(step) -> int:  # type: ignore[no-untyped-def]
-    """How many times ``step()`` calls ``torch._fused_adamw_`` (seen below the dispatcher)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Calls(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            if func.overloadpacket is torch.ops.aten._fused_adamw_:
-                Calls.count += 1
-            return func(*args, **(kwargs or {}))
-
-    with Calls():
-        step()
-    return Calls.count
 
 
 def meta_step(tx: muonfn.Transform, params: TensorDict, grad: TensorDict):  # type: ignore[no-untyped-def]
@@ -285,16 +277,31 @@ def test_on_a_gpus_path_a_scheduled_learning_rate_steps_through_the_kernel(prese
         assert updates[key].shape == p.shape and updates[key].dtype == p.dtype and updates[key].is_meta, key
 
 
-@pytest.mark.parametrize("case", ["cpu", "ensemble", "vmap", "bf16", "fp16", "recorded", "transposed"])
+def test_a_schedule_steps_through_the_kernel_with_the_bits_of_its_rates() -> None:
+    """Forced on the CPU, a schedule's rate, a 0-d tensor, reaches the kernel as a number in an eager
+    step: the bits of the same rates given as numbers, step by step."""
+    params, grads = params_and_grads(3)
+    rates = [LR * 0.5**t for t in range(3)]
+    scheduled = run(muonfn.adamw(lambda count: LR * 0.5**count, weight_decay=WD, fused=True), params, grads)
+    state, p = None, params
+    for t, g in enumerate(grads):
+        tx = muonfn.adamw(torch.tensor(rates[t]).item(), weight_decay=WD, fused=True)
+        state = tx.init(params) if state is None else state
+        u, state = tx.update(g, state, p)
+        p = muonfn.apply_updates(p, u)
+    assert_bitwise(scheduled[0], p)
+
+
+@pytest.mark.parametrize("case", ["cpu", "ensemble", "vmap", "bf16", "fp16", "recorded", "transposed", "unfused"])
 def test_elsewhere_the_rule_runs_its_own_passes(case: str) -> None:
     """The CPU, a stacked or vmapped ensemble (whose members keep one formula), a leaf that is not
-    fp32, a step that autograd records, and a leaf that is not contiguous (CUDA's kernel refuses
-    tensors of one leaf whose strides differ) take the rule's own passes."""
+    fp32, a step that autograd records, a leaf that is not contiguous (CUDA's kernel refuses
+    tensors of one leaf whose strides differ), and ``fused=False`` take the rule's own passes."""
     params, _ = params_and_grads(1)
     device = "cpu" if case == "cpu" else "meta"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(case, torch.float32)
     params = params.apply(lambda t: torch.zeros(t.shape, device=device, dtype=dtype))
-    tx = muonfn.adamw(LR, weight_decay=WD)
+    tx = muonfn.adamw(LR, weight_decay=WD, fused=False if case == "unfused" else None)
     if case == "ensemble":
         params = torch.stack([params, params])
     if case == "vmap":
@@ -307,6 +314,11 @@ def test_elsewhere_the_rule_runs_its_own_passes(case: str) -> None:
     if case == "transposed":
         params["embed"] = torch.zeros(256, 300, device=device).mT
     assert kernel_calls(meta_step(tx, params, params.detach().clone())) == 0
+
+
+def test_fused_must_be_a_bool_or_none() -> None:
+    with pytest.raises(TypeError, match="adamw: fused must be True or False"):
+        muonfn.adamw(fused="yes")  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------- a scheduled beta1
@@ -352,13 +364,13 @@ def test_a_tensor_beta1_is_read_at_every_update(nesterov, dtype) -> None:
     assert_bitwise(got[1], expected[1])
 
 
-def test_a_tensor_beta1_on_the_host_takes_the_torch_kernel_as_a_number(torch_kernel_on_the_cpu, off_the_cpu) -> None:
-    """Off the CPU, in an eager step, a host beta1 is read as a number and the update takes torch's
-    kernel, with the bits of that number."""
+def test_a_tensor_beta1_on_the_host_takes_the_torch_kernel_as_a_number() -> None:
+    """In an eager step a host beta1 is read as a number and the update takes torch's kernel (asked
+    for here on the CPU), with the bits of that number."""
     params, grads = params_and_grads(len(BETA1S))
 
     def make(beta1):  # type: ignore[no-untyped-def]
-        return muonfn.adamw(LR, betas=(beta1, 0.99), weight_decay=0.0)
+        return muonfn.adamw(LR, betas=(beta1, 0.99), weight_decay=0.0, fused=True)
 
     expected = with_beta1_each_step(make, params, grads)
     tx = make(torch.tensor(BETA1S[0], dtype=torch.float64))

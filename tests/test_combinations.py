@@ -2,7 +2,7 @@
 
 The contract table (``test_contract``) checks each property on chosen entries; here hypothesis
 draws the options together (the three Muon presets and AdamW, alone or in ``apply_if_finite``;
-Nesterov forms, bias corrections, caution, Newton–Schulz methods including a map that hands its
+Nesterov forms, bias corrections, caution, Newton–Schulz settings and maps including one that hands its
 input back, shape scales, tensor and scheduled learning rates, bf16 and fp64 leaves, matrices
 without elements, a scalar leaf) and checks the properties that must hold for every combination:
 
@@ -84,14 +84,14 @@ def preset_options(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
         return preset, common
     nesterov = draw(st.sampled_from([True, False, "add"]))
     ns_method = draw(st.sampled_from(["standard", "gram", "svd", "qr", "own"]))
-    newton_schulz = ns_method in ("standard", "gram")  # the others refuse Newton–Schulz settings
+    newton_schulz = ns_method in ("standard", "gram")  # the others take no Newton–Schulz settings
     options: dict[str, Any] = {
         **common,
         "nesterov": nesterov,
         "momentum_bias_correction": nesterov != "add" and draw(st.booleans()),
         "cautious_mode": draw(st.sampled_from([None, "heavyball", "pytorch_optimizer"])),
-        "ns_method": ns_method,
-        "ns_eps_mode": draw(st.sampled_from(["clamp", "add"])) if newton_schulz else "clamp",
+        "ns": ns_method,
+        "ns_eps_mode": draw(st.sampled_from(["clamp", "add"])) if newton_schulz else None,
         "scale": draw(st.sampled_from(["match_rms_adamw", "original", "spectral", "unit_rms_norm", "none"])),
         "bucket_numel": draw(st.sampled_from([None, 1, 300])),
     }
@@ -101,6 +101,13 @@ def preset_options(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
     return preset, options
 
 
+def newton_schulz_setting(method: str, eps_mode: str | None) -> Any:
+    """The ``ns=`` value of a drawn method: a NewtonSchulz for an iteration (with its eps mode), else the map."""
+    if method in ("standard", "gram"):
+        return muonfn.NewtonSchulz(method=method, eps_mode=eps_mode)
+    return own_map if method == "own" else method
+
+
 def built(preset: str, options: dict[str, Any], **extra: Any) -> muonfn.Transform:
     """The preset, with fresh tensors for the options drawn as tensors (a donated run may not share them)."""
     lr: Any = {"float": 0.02, "tensor": torch.tensor(0.02), "schedule": lambda count: 0.02 / (1 + count)}
@@ -108,9 +115,11 @@ def built(preset: str, options: dict[str, Any], **extra: Any) -> muonfn.Transfor
     given["lr"] = lr[options["lr"]]
     if options["weight_decay"] == "tensor":
         given["weight_decay"] = torch.tensor(0.1)
-    if options.get("ns_method") == "own":
-        given["ns_method"] = own_map
     if preset != "adamw":
+        given["ns"] = newton_schulz_setting(given["ns"], given.pop("ns_eps_mode"))
+        bucket_numel = given.pop("bucket_numel")
+        if bucket_numel is not None:
+            given["orthogonalizer"] = muonfn.LocalOrthogonalizer(bucket_numel=bucket_numel)
         given["views"] = VIEWS
     make: Callable[..., muonfn.Transform] = getattr(muonfn, preset)
     return make(**given, **extra)
@@ -193,19 +202,20 @@ def module(dtype: torch.dtype) -> torch.nn.Module:
             "momentum_bias_correction": st.booleans(),
             "cautious_weight_decay": st.booleans(),
             "cautious_mode": st.sampled_from([None, "heavyball", "pytorch_optimizer"]),
-            "ns_eps_mode": st.sampled_from(["clamp", "add"]),
             "adamw_nesterov": st.sampled_from([False, True, "timm"]),
         }
     ),
+    ns_eps_mode=st.sampled_from(["clamp", "add"]),
 )
 def test_the_shim_steps_as_the_preset_under_every_combination(
-    variant, nesterov, ns_method, scale, dtype, chunk_numel, weight_decay, switches
+    variant, nesterov, ns_method, scale, dtype, chunk_numel, weight_decay, switches, ns_eps_mode
 ) -> None:
-    options = dict(lr=0.02, nesterov=nesterov, ns_method=ns_method, scale=scale, weight_decay=weight_decay)
+    ns = muonfn.NewtonSchulz(method=ns_method, eps_mode=ns_eps_mode)
+    options = dict(lr=0.02, nesterov=nesterov, ns=ns, weight_decay=weight_decay)
     options |= dict(adamw_lr=0.004, adamw_betas=(0.9, 0.99), adamw_eps=1e-8, **switches)
     model, reference = module(dtype), module(dtype)
-    opt = Muon(model.named_parameters(), variant=variant, chunk_numel=chunk_numel, **options)
-    tx = getattr(muonfn, variant)(**options)
+    opt = Muon(model.named_parameters(), variant=variant, chunk_numel=chunk_numel, adjust_lr_fn=scale, **options)
+    tx = getattr(muonfn, variant)(scale=scale, **options)
     params = TensorDict.from_module(reference).detach()
     state = tx.init(params)
     for t in range(3):

@@ -36,7 +36,7 @@ def test_chain_state_is_the_union_of_readable_keys() -> None:
     tx = muonfn.chain(muonfn.ema_momentum(), muonfn.scale_by_adam(), muonfn.scale_by_learning_rate(lambda t: 0.1))
     state = tx.init(params)
     assert set(state.keys()) == {"momentum", "step", "exp_avg", "exp_avg_sq", "count"}
-    assert torch.equal(state["momentum", "0", "weight"], torch.zeros(4, 3))
+    assert torch.equal(state["momentum", "0.weight"], torch.zeros(4, 3))
     _, new_state = tx.update(random_like(params, 0), state, params)
     assert set(new_state.keys(True, True)) == set(state.keys(True, True))
 
@@ -70,7 +70,7 @@ def test_named_keeps_state_apart() -> None:
 LABEL_FORMS = {
     "tuple": {("0", "weight"): "x", ("0", "bias"): "y", ("1", "weight"): "x", ("1", "bias"): "y"},
     "dotted": {"0.weight": "x", "0.bias": "y", "1.weight": "x", "1.bias": "y"},
-    "callable": lambda p: {k: "x" if v.ndim == 2 else "y" for k, v in p.items(include_nested=True, leaves_only=True)},
+    "callable": lambda p: {k: "x" if v.ndim == 2 else "y" for k, v in p.items()},
     "tensordict": td({"0": {"weight": "x", "bias": "y"}, "1": {"weight": "x", "bias": "y"}}),
 }
 
@@ -82,7 +82,7 @@ def test_partition_routes_by_label(form: str) -> None:
         {"x": muonfn.chain(muonfn.ema_momentum(0.5, nesterov=False), scale(1.0)), "y": scale(2.0)}, LABEL_FORMS[form]
     )
     state = tx.init(params)
-    assert set(state.keys(True, True)) == {("x", "momentum", "0", "weight"), ("x", "momentum", "1", "weight")}
+    assert set(state.keys(True, True)) == {("x", "momentum", "0.weight"), ("x", "momentum", "1.weight")}
     grads = params.apply(torch.ones_like)
     updates, state = tx.update(grads, state, params)
     assert updates["0", "weight"].unique().tolist() == [-0.5]
@@ -129,10 +129,10 @@ def test_a_group_without_leaves_keeps_an_empty_state() -> None:
 def test_masked_applies_to_selected_leaves_only() -> None:
     params = nested_params()
     grads = params.apply(torch.ones_like)
-    for mask in ({"0.weight": True, "1.weight": True}, lambda p: {k: v.ndim == 2 for k, v in p.items(True, True)}):
+    for mask in ({"0.weight": True, "1.weight": True}, lambda p: {k: v.ndim == 2 for k, v in p.items()}):
         tx = muonfn.masked(muonfn.chain(muonfn.ema_momentum(0.5, nesterov=False), scale(1.0)), mask)
         state = tx.init(params)
-        assert set(state.keys(True, True)) == {("momentum", "0", "weight"), ("momentum", "1", "weight")}
+        assert set(state.keys(True, True)) == {("momentum", "0.weight"), ("momentum", "1.weight")}
         updates, state = tx.update(grads, state, params)
         assert updates["1", "weight"].unique().tolist() == [-0.5]
         assert torch.equal(updates["0", "bias"], grads["0", "bias"])  # passed through
@@ -154,15 +154,11 @@ def test_leaves_without_gradients_are_skipped() -> None:
     partial = random_like(params, 7).exclude(("0", "weight"), ("0", "bias"))
     updates, new_state = tx.update(partial, state, params)
     assert set(updates.keys(True, True)) == set(partial.keys(True, True))
-    for skipped in (
-        ("muon", "momentum", "0", "weight"),
-        ("adamw", "step", "0", "bias"),
-        ("adamw", "exp_avg", "0", "bias"),
-    ):
+    for skipped in (("muon", "momentum", "0.weight"), ("adamw", "step", "0.bias"), ("adamw", "exp_avg", "0.bias")):
         assert torch.equal(new_state[skipped], state[skipped])
-    assert int(new_state["adamw", "step", "2", "bias"]) == 3
-    assert int(new_state["adamw", "step", "0", "bias"]) == 2
-    assert not torch.equal(new_state["muon", "momentum", "2", "weight"], state["muon", "momentum", "2", "weight"])
+    assert int(new_state["adamw", "step", "2.bias"]) == 3
+    assert int(new_state["adamw", "step", "0.bias"]) == 2
+    assert not torch.equal(new_state["muon", "momentum", "2.weight"], state["muon", "momentum", "2.weight"])
     stepped = muonfn.apply_updates(params, updates)
     assert torch.equal(stepped["0", "weight"], params["0", "weight"])
     assert not torch.equal(stepped["2", "weight"], params["2", "weight"])
@@ -237,53 +233,75 @@ def test_tensor_learning_rate_changed_in_place_takes_effect() -> None:
         torch.testing.assert_close(u1[key], u2[key] / 4, rtol=1e-6, atol=1e-8)
 
 
-# ---------------------------------------------------------------------------- a user's rule
+# ---------------------------------------------------------------------------- a user's transform
 
 
-def _scale_by_rms(beta: float = 0.9, eps: float = 1e-8) -> muonfn.Transform:
-    """A transform written as the docs show: a rule over flat dicts, state through its scope."""
+def _scale_by_rms(beta: float = 0.9, eps: float = 1e-8, *, donate_state: bool = False) -> muonfn.Transform:
+    """A transform written as the docs show: ``init`` and ``update`` over flat TensorDicts, the
+    state keeping an entry per leaf under its dotted name."""
 
     def init(params: TensorDict) -> TensorDict:
         return TensorDict({"nu": params.apply(torch.zeros_like)}, batch_size=params.batch_size)
 
-    def update(grads, scope, params):  # type: ignore[no-untyped-def]
-        keys, g = list(grads), list(grads.values())
-        nu = [n.lerp(x * x, 1 - beta) for n, x in zip(scope.read("nu", keys), g)]
-        scope.write("nu", keys, nu)
-        return {k: x / (n.sqrt() + eps) for k, x, n in zip(keys, g, nu)}
+    def update(grads: TensorDict, state: TensorDict, params: TensorDict | None) -> tuple[TensorDict, TensorDict]:
+        held = state["nu"]
+        if donate_state:
+            nu = {k: held[k].lerp_(g * g, 1 - beta) for k, g in grads.items()}
+        else:
+            nu = {k: held[k].lerp(g * g, 1 - beta) for k, g in grads.items()}
+        updates = TensorDict({k: g / (nu[k].sqrt() + eps) for k, g in grads.items()}, batch_size=grads.batch_size)
+        new = TensorDict({**dict(held.items()), **nu}, batch_size=held.batch_size)
+        return updates, TensorDict({"nu": new}, batch_size=state.batch_size)
 
-    return muonfn.from_rule(init, muonfn.Rule("scale_by_rms", update, muonfn.per_leaf_needs("scale_by_rms", ("nu",))))
+    return muonfn.transform(init, update, donates_state=donate_state)
 
 
-def test_a_users_rule_joins_a_composition_on_the_fast_path_and_computes_its_formula() -> None:
-    from muonfn.transforms._rules import as_rule
-
+def test_a_users_transform_joins_a_composition_and_computes_its_formula() -> None:
     mine = _scale_by_rms(beta=0.9)
     tx = muonfn.chain(mine, muonfn.scale_by_learning_rate(0.1))
-    assert as_rule(mine) is mine.update.rule  # its own rule, not the TensorDict wrapper
     params = TensorDict({"w": torch.randn(3, 4), "b": torch.randn(4)}, [])
     state = tx.init(params)
     nu = {k: torch.zeros_like(p) for k, p in params.items()}
-    for _ in range(3):
+    for t in range(3):
         grads = TensorDict({k: torch.randn_like(p) for k, p in params.items()}, [])
+        if t == 1:
+            grads = grads.exclude("b")  # a leaf without a gradient keeps its entry
         updates, state = tx.update(grads, state, params)
+        assert updates.keys() == grads.keys()
         for k, g in grads.items():
             nu[k] = 0.9 * nu[k] + 0.1 * g * g
             torch.testing.assert_close(updates[k], -0.1 * g / (nu[k].sqrt() + 1e-8))
+        for k in params.keys():
+            torch.testing.assert_close(state["nu", k], nu[k])
 
 
-def test_a_users_rule_is_checked_before_any_member_of_its_composition_runs() -> None:
+def test_a_users_transform_is_given_flat_input_and_its_updates_come_back_nested() -> None:
+    seen = []
+
+    def update(grads: TensorDict, state: TensorDict, params: TensorDict | None) -> tuple[TensorDict, TensorDict]:
+        seen.append((list(grads.keys()), None if params is None else list(params.keys())))
+        return grads.apply(lambda g: g * 2), state
+
+    tx = muonfn.transform(lambda params: TensorDict({}, batch_size=params.batch_size), update)
+    params = nested_params()
+    updates, _ = muonfn.chain(tx, scale(1.0)).update(params, tx.init(params), params)
+    assert seen == [(["0.weight", "0.bias", "1.weight", "1.bias"],) * 2]
+    assert list(updates.keys(True, True)) == list(params.keys(True, True))
+    assert updates["1", "bias"].unique().tolist() == [-2.0]
+
+
+def test_a_users_transform_is_checked_before_any_member_of_its_composition_runs() -> None:
     params = TensorDict({"w": torch.randn(3, 4)}, [])
     tx = muonfn.chain(muonfn.ema_momentum(0.9, donate_state=True), _scale_by_rms())
     state = tx.init(params)
     del state["nu"]
     momentum = state["momentum", "w"].clone()
-    with pytest.raises(ValueError, match=r"scale_by_rms\): state has no entry 'nu'"):
+    with pytest.raises(ValueError, match=r"state has no entry 'nu\.w'"):
         tx.update(TensorDict({"w": torch.randn(3, 4)}, []), state, params)
     assert torch.equal(state["momentum", "w"], momentum)  # the donated momentum was not touched
 
 
-def test_a_users_rule_runs_under_vmap_as_member_by_member() -> None:
+def test_a_users_transform_runs_under_vmap_as_member_by_member() -> None:
     tx = muonfn.chain(_scale_by_rms(), muonfn.scale_by_learning_rate(0.1))
     params = TensorDict({"w": torch.randn(3, 2, 4)}, [3])
     grads = TensorDict({"w": torch.randn(3, 2, 4)}, [3])
@@ -293,22 +311,39 @@ def test_a_users_rule_runs_under_vmap_as_member_by_member() -> None:
         torch.testing.assert_close(vmapped["w"][i], alone["w"])
 
 
-def test_a_rule_says_whether_it_writes_its_state_in_place() -> None:
-    """``Rule.donated``: set by the donating transforms, carried through every combinator, and
-    false for a user's rule that does not say otherwise (what apply_if_finite reads)."""
-    from muonfn.transforms import as_rule
+def _writers_in_place(donate: bool) -> list[muonfn.Transform]:
+    return [
+        muonfn.muon(donate_state=donate),
+        muonfn.normuon(donate_state=donate),
+        muonfn.adamuon(donate_state=donate),
+        muonfn.adamw(donate_state=donate),
+        muonfn.adamw(donate_state=donate, nesterov=True),
+        muonfn.masked(muonfn.cautious(muonfn.scale_by_muon(donate_state=donate)), "matrices"),
+        muonfn.apply_if_finite(muonfn.named("m", muonfn.ema_momentum(donate_state=donate))),
+        muonfn.masked(muonfn.scale_by_adam(donate_state=donate), "matrices"),
+        muonfn.partition({"a": muonfn.scale_by_adam(donate_state=donate), "b": scale(1.0)}, {"w": "a", "b": "b"}),
+        muonfn.chain(muonfn.scale_by_sign(), muonfn.ema_momentum(donate_state=donate)),
+        muonfn.chain(_scale_by_rms(donate_state=donate), muonfn.scale_by_learning_rate(0.1)),
+    ]
 
-    for donate in (False, True):
-        for tx in (
-            muonfn.muon(donate_state=donate),
-            muonfn.normuon(donate_state=donate),
-            muonfn.adamuon(donate_state=donate),
-            muonfn.adamw(donate_state=donate),
-            muonfn.adamw(donate_state=donate, nesterov=True),
-            muonfn.cautious(muonfn.scale_by_muon(donate_state=donate)),
-            muonfn.apply_if_finite(muonfn.named("m", muonfn.ema_momentum(donate_state=donate))),
-            muonfn.masked(muonfn.scale_by_adam(donate_state=donate), lambda k, p: True),
-        ):
-            assert as_rule(tx).donated is donate
-    assert as_rule(muonfn.chain(muonfn.scale_by_sign(), muonfn.ema_momentum(donate_state=True))).donated
-    assert not as_rule(muonfn.chain(_scale_by_rms(), muonfn.scale_by_learning_rate(0.1))).donated
+
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("index", range(len(_writers_in_place(False))))
+def test_what_writes_its_state_in_place_says_so_through_every_combinator(index: int, donate: bool) -> None:
+    """A transform that writes the state it is given (``donate_state=True``, or a user's declared
+    with ``donates_state=True``) says so through every combinator, so that ``apply_if_finite``
+    keeps a copy of the state to restore on a skipped step: the state after a NaN step is the
+    state before it, bit for bit, in the same tensors."""
+    tx = _writers_in_place(donate)[index]
+    params = TensorDict({"w": torch.randn(4, 6), "b": torch.randn(4)}, [])
+    guarded = tx if "notfinite_count" in tx.init(params).keys() else muonfn.apply_if_finite(tx)
+    _, state = guarded.update(random_like(params, 1), guarded.init(params), params)
+    before = state.clone()
+    tensors = list(state.exclude("notfinite_count").values(True, True))
+    grads = random_like(params, 2)
+    grads["w"][0, 0] = float("nan")
+    updates, state = guarded.update(grads, state, params)
+    assert all(bool(u.eq(0).all()) for u in updates.values())
+    assert_td_equal(state.exclude("notfinite_count"), before.exclude("notfinite_count"))
+    if donate:
+        assert all(a is b for a, b in zip(state.exclude("notfinite_count").values(True, True), tensors))

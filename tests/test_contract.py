@@ -118,8 +118,8 @@ ELEMENTWISE = frozenset({"missing", "vmap"})
 NEWTON_SCHULZ = frozenset({"missing"})
 NS_REL = 1e-4
 
-BAD_CASES = ("shape", "dtype", "complex", "unknown_key", "batch_size")
-PER_LEAF_CASES = ("shape", "dtype", "complex")
+BAD_CASES = ("shape", "dtype", "complex", "device", "unknown_key", "batch_size")
+PER_LEAF_CASES = ("shape", "dtype", "complex", "device")
 
 
 # Compiling costs 1–8 s an entry on 2 cores, so the compile property runs on the muon preset
@@ -150,7 +150,7 @@ TABLE: tuple[Entry, ...] = (
         # a map that hands its input back: the experts' stack is the momentum itself, which the
         # shape scale, the decay and the learning rate write into unless the orthogonalizer copies it
         "muon(identity map, no Nesterov)",
-        lambda **kw: muonfn.muon(lr=0.02, nesterov=False, weight_decay=0.1, ns_method=lambda x: x, views=VIEWS, **kw),
+        lambda **kw: muonfn.muon(lr=0.02, nesterov=False, weight_decay=0.1, ns=lambda x: x, views=VIEWS, **kw),
         donate=True,
         skip={"compile": "the same update as the muon entry's, with a map of one's own"},
     ),
@@ -163,6 +163,15 @@ TABLE: tuple[Entry, ...] = (
         probes=(("mlp", "up"), ("gain",)),
         donate=True,
         skip=IN_MUON,
+    ),
+    Entry(
+        "adamw(fused)",
+        lambda **kw: muonfn.adamw(lr=0.01, weight_decay=0.1, weight_decay_mask="matrices", fused=True, **kw),
+        missing=(("mlp", "up"), ("gain",)),
+        probes=(("mlp", "up"), ("gain",)),
+        donate=True,
+        bitwise=frozenset({"missing"}),  # (an ensemble takes the rule's own passes, to the kernel's rounding)
+        skip={"compile": "torch's fused kernel runs eagerly; traced, the rule's own passes (test_adamw)"},
     ),
     Entry("ema_momentum", lambda **kw: muonfn.ema_momentum(torch.tensor(0.9), nesterov=False, **kw), donate=True),
     Entry(
@@ -202,9 +211,7 @@ TABLE: tuple[Entry, ...] = (
         lambda **kw: muonfn.scale_by_muon(
             0.9,
             momentum_bias_correction=True,
-            ns_method="gram",
-            ns_restarts=(2,),
-            ns_eps_mode="add",
+            ns=muonfn.NewtonSchulz(method="gram", restarts=(2,), eps_mode="add"),
             views=VIEWS,
             **kw,
         ),
@@ -276,28 +283,28 @@ TABLE: tuple[Entry, ...] = (
     ),
     Entry(
         "orthogonalize(svd)",
-        lambda: muonfn.orthogonalize(ns_method="svd", views=VIEWS),
+        lambda: muonfn.orthogonalize("svd", views=VIEWS),
         leaves=MATRICES,
         bitwise=NEWTON_SCHULZ,
         skip={"compile": "an SVD: compiled through the callable entry's path"},
     ),
     Entry(
         "orthogonalize(qr)",
-        lambda: muonfn.orthogonalize(ns_method="qr", views=VIEWS),
+        lambda: muonfn.orthogonalize("qr", views=VIEWS),
         leaves=MATRICES,
         bitwise=NEWTON_SCHULZ,
         skip={"compile": "a QR: compiled through the callable entry's path"},
     ),
     Entry(
         "orthogonalize(callable)",
-        lambda: muonfn.orthogonalize(ns_method=lambda x: x.mul(2.0), views=VIEWS, scale="original"),
+        lambda: muonfn.orthogonalize(lambda x: x.mul(2.0), views=VIEWS, scale="original"),
         leaves=MATRICES,
         bitwise=NEWTON_SCHULZ,
     ),
     Entry(
         "scale_by_muon",
         lambda **kw: muonfn.scale_by_muon(
-            0.9, ns_coefficients="cesista", ns_method="gram", scale="unit_rms_norm", views=VIEWS, **kw
+            0.9, ns=muonfn.NewtonSchulz("cesista", method="gram"), scale="unit_rms_norm", views=VIEWS, **kw
         ),
         leaves=MATRICES,
         donate=True,
@@ -306,10 +313,48 @@ TABLE: tuple[Entry, ...] = (
     ),
     Entry(
         "orthogonalize",
-        lambda: muonfn.orthogonalize("polar_express", steps=4, views=VIEWS, scale="spectral", bucket_numel=200),
+        lambda: muonfn.orthogonalize(
+            muonfn.NewtonSchulz("polar_express", steps=4),
+            views=VIEWS,
+            scale="spectral",
+            orthogonalizer=muonfn.LocalOrthogonalizer(bucket_numel=200),
+        ),
         leaves=MATRICES,
         bitwise=NEWTON_SCHULZ,
         skip=IN_MUON,
+    ),
+    Entry(
+        "orthogonalize(a GPU's form)",
+        lambda: muonfn.orthogonalize(
+            muonfn.NewtonSchulz(dtype=torch.bfloat16),
+            views=VIEWS,
+            orthogonalizer=muonfn.LocalOrthogonalizer(gpu_form=True),
+            overwrite_input=True,
+        ),
+        leaves=MATRICES,
+        bitwise=NEWTON_SCHULZ,
+        skip={
+            "compile": "a GPU's form is eager; traced, the stack's (tests/test_cuda.py compiles it on a GPU)",
+            "vmap": "vmapped, the stack's form, which a bf16 iteration rounds apart from a GPU's",
+        },
+    ),
+    Entry(
+        "descent",
+        lambda: muonfn.descent(0.02, 0.1, ns=muonfn.NewtonSchulz("cesista"), views=VIEWS, mask={"conv.weight": False}),
+        leaves=MATRICES,
+        bitwise=NEWTON_SCHULZ,
+        skip=IN_MUON,
+    ),
+    Entry(
+        # a schedule's rate is a number in an eager step, taken by the shape scale's own product;
+        # one rate per member (vmapped or stacked) or a traced one is a tensor, a product of its own
+        "descent(no Newton–Schulz, schedule, tensor decay)",
+        lambda: muonfn.descent(
+            lambda count: 0.02 / (1 + count), torch.tensor(0.1), scale="spectral", views=VIEWS, mask="matrices"
+        ),
+        leaves=MATRICES,
+        bitwise=frozenset({"missing"}),
+        skip={"compile": "traced, the rate and decay are tensors: passes of their own, to eager's rounding"},
     ),
     Entry(
         "scale_by_shape",
@@ -436,8 +481,8 @@ def warmed_up(entry: Entry, **kwargs: bool) -> tuple[Transform, TensorDict, Tens
 
 
 def belongs_to(state_key: Key, leaf: Key) -> bool:
-    """Whether a state entry is the leaf's own (``("adamw", "step", "mlp", "bias")`` is ``mlp.bias``'s)."""
-    return state_key[len(state_key) - len(leaf) :] == leaf
+    """Whether a state entry is the leaf's own (``("adamw", "step", "mlp.bias")`` is ``mlp.bias``'s)."""
+    return state_key[-1] == dotted(leaf)
 
 
 # --- 1. purity ---------------------------------------------------------------------------------------
@@ -590,7 +635,8 @@ UNKNOWN: Key = ("mlp", "upp")
 
 
 def corrupt(grads: TensorDictBase, probe: Key, case: str) -> TensorDictBase:
-    """``grads`` with one defect: ``probe``'s gradient of another shape, dtype, or complex;
+    """``grads`` with one defect: ``probe``'s gradient of another shape, dtype, complex, or on
+    another device;
     a gradient for no parameter; or a batch size the state does not have."""
     bad = grads.clone()
     g = grads.get(probe)
@@ -600,6 +646,8 @@ def corrupt(grads: TensorDictBase, probe: Key, case: str) -> TensorDictBase:
         bad.set(probe, g.double())
     elif case == "complex":
         bad.set(probe, torch.complex(g, torch.zeros_like(g)))
+    elif case == "device":  # (the meta device stands for another one: a step there would compute nothing)
+        bad.set(probe, g.to("meta"))
     elif case == "unknown_key":
         bad.set(UNKNOWN, torch.ones(SHAPES[("mlp", "up")]))
     elif case == "batch_size":

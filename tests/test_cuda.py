@@ -24,9 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import muonfn
 import muonfn.optim
-from muonfn import MatrixView
-from muonfn.linalg import _newton_schulz, default_ns_dtype
-from muonfn.linalg._newton_schulz import CPU_NS_DTYPE_VARIABLE
+from muonfn import MatrixView, _devices
+from muonfn.linalg import cpu_bf16_probe, default_ns_dtype
 
 # the benchmarks' parameter sets, contenders and peak-memory helper, so that the memory check
 # measures what benchmarks/run.py reports
@@ -94,16 +93,19 @@ def static_step(
 # --- Newton–Schulz dtype ---------------------------------------------------------------------------
 
 
-def test_default_ns_dtype_follows_the_device_type(monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16 on CUDA whatever the input; on a CPU whose bf16 matmuls are not faster the input's dtype,
-    at least fp32 (a pure function; the rule for CPUs where they are: tests/test_newton_schulz.py)."""
-    monkeypatch.setenv(CPU_NS_DTYPE_VARIABLE, "auto")
-    slower = _newton_schulz.CpuBf16Probe(fp32_seconds=1.0, bf16_seconds=2.0)
-    monkeypatch.setattr(_newton_schulz, "cpu_bf16_probe", lambda: slower)
+def test_default_ns_dtype_follows_the_device_type() -> None:
+    """bf16 on CUDA whatever the input and whatever the CPU's rule; on a CPU under the fp32 rule the
+    input's dtype, at least fp32, and under the measured rule bf16 where the probe found bf16 faster
+    (a pure function; the rule for CPUs in detail: tests/test_newton_schulz.py)."""
+    bf16_faster = cpu_bf16_probe().bf16_faster
     for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
-        assert default_ns_dtype(CUDA, dtype) == torch.bfloat16
-        assert default_ns_dtype(torch.device("cuda", 0), dtype) == torch.bfloat16
-        assert default_ns_dtype(torch.device("cpu"), dtype) == torch.promote_types(dtype, torch.float32)
+        wide = torch.promote_types(dtype, torch.float32)
+        for rule in ("auto", "float32", "bfloat16"):
+            assert default_ns_dtype(CUDA, dtype, rule=rule) == torch.bfloat16
+            assert default_ns_dtype(torch.device("cuda", 0), dtype, rule=rule) == torch.bfloat16
+        assert default_ns_dtype(torch.device("cpu"), dtype, rule="float32") == wide
+        measured = torch.bfloat16 if bf16_faster and dtype != torch.float64 else wide
+        assert default_ns_dtype(torch.device("cpu"), dtype, rule="auto") == measured
 
 
 @requires_cuda
@@ -117,7 +119,9 @@ def test_newton_schulz_and_muon_run_in_bf16_by_default_on_cuda() -> None:
     # the preset, and so the shim, take the same default
     params = make_params(CUDA)
     grads = randn_like(params, 1)
-    default, bf16 = (muonfn.muon(lr=0.02, **OPTIONS, **kw) for kw in ({}, {"ns_dtype": torch.bfloat16}))
+    default, bf16 = (
+        muonfn.muon(lr=0.02, **OPTIONS, **kw) for kw in ({}, {"ns": muonfn.NewtonSchulz(dtype=torch.bfloat16)})
+    )
     u_default, _ = default.update(grads, default.init(params), params)
     u_bf16, _ = bf16.update(grads, bf16.init(params), params)
     for key in u_default.keys(True, True):
@@ -130,13 +134,15 @@ def test_fp32_norms_accumulate_in_fp64_on_cuda_alike_batched_vmapped_or_alone() 
     rounding of the exact norm, finite for entries near fp32's maximum, and each matrix's own
     bits in any batch and under ``vmap``; the normalised bf16 input keeps ``f(2ᵏG) = f(G)``."""
     x = torch.randn(3, 4, 48, 80, device=CUDA)
-    norms = _newton_schulz._fp64_norms(x)
-    exact = torch.linalg.vector_norm(x.double(), dim=(-2, -1), keepdim=True)
+    matrices = list(x.reshape(12, 48, 80))
+    norms = _devices._fp64_norms(matrices)  # (12, 1, 1)
+    exact = torch.linalg.vector_norm(x.double(), dim=(-2, -1), keepdim=True).view(12, 1, 1)
     torch.testing.assert_close(norms, exact, atol=0, rtol=1e-13)
-    assert torch.equal(torch.vmap(_newton_schulz._fp64_norms)(x), norms)
-    alone = torch.cat([_newton_schulz._fp64_norms(m[None]) for m in x.reshape(12, 48, 80)])
-    assert torch.equal(alone.view(3, 4, 1, 1), norms)
-    assert torch.isfinite(_newton_schulz._fp64_norms(torch.full((1, 64, 64), 3e38, device=CUDA))).all()
+    vmapped = torch.vmap(lambda batch: _devices._fp64_norms(list(batch)))(x)  # (3, 4, 1, 1)
+    assert torch.equal(vmapped.reshape(12, 1, 1), norms)
+    alone = torch.cat([_devices._fp64_norms([m]) for m in matrices])
+    assert torch.equal(alone, norms)
+    assert torch.isfinite(_devices._fp64_norms([torch.full((64, 64), 3e38, device=CUDA)])).all()
     f = muonfn.NewtonSchulz()
     assert f.dtype is None and torch.equal(f(x * 2.0**40), f(x))
 

@@ -1,4 +1,4 @@
-"""The matrix branch's tail as one rule: ``u = (-ηs)·x + (-ηλ)·p``, or the chain's passes."""
+"""A matrix branch's last stage: ``u = -η(s·NS(u) + λp)``, computed as ``(-ηs)·NS(u) + (-ηλ)·p``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from _strategies import assert_td_equal, gaussian
 from tensordict import TensorDict
 
 import muonfn
-from muonfn.transforms import _descent, descent
 
 LR, WD = 0.02, 0.1
 SHAPES = {"wide": (12, 20), "tall": (20, 12), "square": (8, 8)}
@@ -26,12 +25,8 @@ def match_rms(rows: int, cols: int) -> float:
     return 0.2 * math.sqrt(max(rows, cols))
 
 
-def chained(tail: muonfn.Transform, lr, wd, mask=None) -> muonfn.Transform:
-    return muonfn.chain(
-        tail,
-        muonfn.add_decayed_weights(wd, mask=mask, inplace=True),
-        muonfn.scale_by_learning_rate(lr, inplace=True),
-    )
+def chained(last: muonfn.Transform, lr, wd, mask=None) -> muonfn.Transform:
+    return muonfn.chain(last, muonfn.add_decayed_weights(wd, mask=mask), muonfn.scale_by_learning_rate(lr))
 
 
 def step(tx: muonfn.Transform, params: TensorDict, grads: TensorDict) -> tuple[TensorDict, TensorDict]:
@@ -46,7 +41,7 @@ def test_numbers_give_minus_lr_times_the_scale_to_newton_schulz_and_decay_in_one
     params, grads = params_and_grads()
     ns = muonfn.NewtonSchulz(dtype=torch.float32)
     lr, wd = (torch.tensor(LR, dtype=torch.float64), torch.tensor(WD, dtype=torch.float64)) if as_tensors else (LR, WD)
-    tx = descent(muonfn.orthogonalize(ns=ns, scale="match_rms_adamw"), lr, wd, mask={"square": False})
+    tx = muonfn.descent(lr, wd, ns=ns, scale="match_rms_adamw", mask={"square": False})
     updates, _ = step(tx, params, grads)
     for key, g in grads.items():
         expected = ns.orthogonalize(g, scale=-LR * match_rms(*g.shape))
@@ -58,31 +53,43 @@ def test_numbers_give_minus_lr_times_the_scale_to_newton_schulz_and_decay_in_one
 def test_a_map_of_ones_own_is_scaled_after_it() -> None:
     """A map that is not Newton–Schulz is multiplied by ``-ηs`` once, after it."""
     params, grads = params_and_grads()
-    tx = descent(muonfn.orthogonalize(ns=muonfn.polar, scale="spectral"), LR, WD)
+    tx = muonfn.descent(LR, WD, ns=muonfn.polar, scale="spectral")
     updates, _ = step(tx, params, grads)
     for key, g in grads.items():
         expected = muonfn.polar(g[None])[0].mul(-LR * math.sqrt(max(g.shape)))
         assert torch.equal(updates[key], torch.add(expected, params[key], alpha=-LR * WD)), key
 
 
-def test_a_tensor_that_stays_a_tensor_takes_the_chains_passes(monkeypatch) -> None:
-    """A tensor on a device (forced here: no tensor is read as a number) or a traced one: the
-    bits of ``chain(orthogonalize, add_decayed_weights, scale_by_learning_rate)``."""
-    monkeypatch.setattr(_descent, "eager_number", lambda value: None)
+@pytest.mark.parametrize("ns", ["newton_schulz", "none"])
+def test_a_rate_that_stays_a_tensor_takes_a_pass_of_its_own(ns: str) -> None:
+    """A rate that stays a tensor (here one autograd records; on a device, one per ensemble
+    member, or traced alike): ``(s·O)·(-η) + p·(-ηλ)``, the rate's product and the decay's each a
+    pass of its own; recorded, so the update is differentiated with respect to it."""
     params, grads = params_and_grads()
-    lr = torch.tensor(LR)
-    ns = muonfn.NewtonSchulz(dtype=torch.float32)
-    got, _ = step(descent(muonfn.orthogonalize(ns=ns, scale="original"), lr, WD), params, grads)
-    expected, _ = step(chained(muonfn.orthogonalize(ns=ns, scale="original"), lr, WD), params, grads)
-    assert_td_equal(got, expected)
-    got, _ = step(descent(muonfn.scale_by_shape("original"), lr, WD), params, grads)
-    expected, _ = step(chained(muonfn.scale_by_shape("original"), lr, WD), params, grads)
-    assert_td_equal(got, expected)
+    newton_schulz = muonfn.NewtonSchulz(dtype=torch.float32)
+    lr = torch.tensor(LR, requires_grad=True)
+    tx = muonfn.descent(lr, WD, ns=newton_schulz if ns == "newton_schulz" else "none", scale="original")
+    with torch.enable_grad():
+        updates, _ = step(tx, params, grads)
+    assert all(u.requires_grad for u in updates.values())
+    rate = lr.detach()
+    for key, g in grads.items():
+        scale = math.sqrt(max(1.0, g.shape[0] / g.shape[1]))
+        scaled = newton_schulz.orthogonalize(g, scale=scale) if ns == "newton_schulz" else g.mul(scale)
+        expected = scaled * rate.neg() + params[key] * (rate.neg() * WD)
+        assert torch.equal(updates[key].detach(), expected), key
+    # to rounding, the number's update
+    number, _ = step(
+        muonfn.descent(LR, WD, ns=newton_schulz if ns == "newton_schulz" else "none", scale="original"), params, grads
+    )
+    for key in grads.keys():
+        torch.testing.assert_close(updates[key].detach(), number[key], rtol=1e-6, atol=1e-8)
 
 
-def test_the_shape_scales_pass_takes_minus_lr_too() -> None:
+def test_without_newton_schulz_the_shape_scales_pass_takes_minus_lr_too() -> None:
     params, grads = params_and_grads()
-    updates, _ = step(descent(muonfn.scale_by_shape("match_rms_adamw", extra_scale=0.5), LR, WD), params, grads)
+    tx = muonfn.descent(LR, WD, ns="none", scale="match_rms_adamw", extra_scale=0.5)
+    updates, _ = step(tx, params, grads)
     for key, g in grads.items():
         expected = g.mul(-LR * (match_rms(*g.shape) * 0.5))
         assert torch.equal(updates[key], torch.add(expected, params[key], alpha=-LR * WD)), key
@@ -98,7 +105,7 @@ def test_the_state_is_the_chains_and_a_schedule_counts_once_per_update() -> None
         seen.append(int(count))
         return LR * 0.5**count
 
-    tx = descent(muonfn.scale_by_shape("match_rms_adamw"), schedule, WD)
+    tx = muonfn.descent(schedule, WD, ns="none", scale="match_rms_adamw")
     reference = chained(muonfn.scale_by_shape("match_rms_adamw"), schedule, WD)
     state = tx.init(params)
     assert_td_equal(state, reference.init(params))
@@ -113,12 +120,14 @@ def test_the_state_is_the_chains_and_a_schedule_counts_once_per_update() -> None
 
 def test_zero_decay_adds_nothing_and_needs_no_params() -> None:
     params, grads = params_and_grads()
-    tx = descent(muonfn.scale_by_shape("none"), LR, 0.0)
+    tx = muonfn.descent(LR, 0.0, ns="none", scale="none")
     updates, _ = tx.update(grads, tx.init(params))
     assert_td_equal(updates, grads.apply(lambda g: g.mul(-LR)))
+    with pytest.raises(ValueError, match="descent needs params"):
+        muonfn.descent(LR, WD, ns="none").update(grads, tx.init(params))
 
 
-def test_the_presets_take_the_fused_tail_without_caution_and_the_chain_with_it() -> None:
+def test_the_presets_take_descent_without_caution_and_the_chain_with_it() -> None:
     """``muonfn.muon``'s matrices: ``(-ηs)`` in Newton–Schulz and one decay multiply-add; with
     cautious weight decay the chain, whose decay reads the direction first."""
     params, grads = params_and_grads()
@@ -138,9 +147,11 @@ def test_the_presets_take_the_fused_tail_without_caution_and_the_chain_with_it()
         torch.testing.assert_close(updates[key], expected, atol=1e-7, rtol=0, msg=key)
 
 
-def test_a_step_without_a_shape_scale_is_refused() -> None:
-    with pytest.raises(TypeError, match="must end in a shape scale"):
-        descent(muonfn.ema_momentum(0.9), LR, WD)
+def test_an_ns_that_names_no_map_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"ns must be a muonfn\.NewtonSchulz"):
+        muonfn.descent(LR, WD, ns="cholesky")
+    with pytest.raises(TypeError, match=r"ns must be a muonfn\.NewtonSchulz"):
+        muonfn.descent(LR, WD, ns=3)
 
 
 def test_under_vmap_a_host_tensor_is_read_as_the_number_it_holds() -> None:
@@ -153,7 +164,7 @@ def test_under_vmap_a_host_tensor_is_read_as_the_number_it_holds() -> None:
     ns = muonfn.NewtonSchulz(dtype=torch.float32)
 
     def run(lr, wd, vmapped: bool) -> TensorDict:
-        tx = descent(muonfn.orthogonalize(ns=ns, scale="original"), lr, wd)
+        tx = muonfn.descent(lr, wd, ns=ns, scale="original")
         if vmapped:
             return torch.vmap(lambda g, p: tx.update(g, tx.init(p), p)[0])(stacked_grads, stacked_params)
         return tx.update(stacked_grads, tx.init(stacked_params), stacked_params)[0]
@@ -161,3 +172,19 @@ def test_under_vmap_a_host_tensor_is_read_as_the_number_it_holds() -> None:
     host = torch.tensor(LR, dtype=torch.float64), torch.tensor(WD, dtype=torch.float64)
     for vmapped in (False, True):
         assert_td_equal(run(*host, vmapped), run(LR, WD, vmapped))
+
+
+def test_overwrite_input_stores_the_results_in_the_updates_given() -> None:
+    """``overwrite_input=True``: the updates given are the step's temporaries, and in a GPU's form
+    (asked for here) a wide matrix's result goes into its memory, the bits of a new tensor."""
+    params, grads = params_and_grads()
+    options = {
+        "ns": muonfn.NewtonSchulz(dtype=torch.bfloat16),
+        "orthogonalizer": muonfn.LocalOrthogonalizer(gpu_form=True),
+    }
+    expected, _ = step(muonfn.descent(LR, WD, **options), params, grads)
+    given = grads.clone()
+    tx = muonfn.descent(LR, WD, overwrite_input=True, **options)
+    updates, _ = tx.update(given, tx.init(params), params)
+    assert_td_equal(updates, expected)
+    assert updates["wide"].data_ptr() == given["wide"].data_ptr()

@@ -173,7 +173,7 @@ GPU_ROWS = {
     "pytorch-optimizer Muon": "pytorch-optimizer Muon",
     "muonfn shim, one part (`chunk_numel=None`)": "muonfn shim one part",
     "muonfn donated (`donate_state=True` + `apply_updates_`)": "muonfn donated",
-    'muonfn gram (`ns_method="gram"`, functional)': "muonfn gram",
+    'muonfn gram (`ns="gram"`, functional)': "muonfn gram",
     "muonfn functional (`update` + `apply_updates`)": "muonfn",
     "muonfn shim (`muonfn.optim.Muon`, defaults)": "muonfn shim",
     "torch Muon + foreach AdamW": "torch Muon+AdamW",
@@ -183,7 +183,7 @@ GPU_ROWS = {
 }
 CPU_ROWS = {
     "pytorch-optimizer Muon": "pytorch-optimizer Muon",
-    'muonfn gram (`ns_method="gram"`)': "muonfn gram",
+    'muonfn gram (`ns="gram"`)': "muonfn gram",
     "torch Muon + foreach AdamW": "torch Muon+AdamW",
     "muonfn donated (`donate_state=True` + `apply_updates_`)": "muonfn donated",
     "timm Muon": "timm Muon",

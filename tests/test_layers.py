@@ -1,6 +1,6 @@
-"""The dependency rule, read from the imports: linalg ← transforms ← presets ← optim, distributed → linalg,
-testing → linalg; and docs/architecture.md, its map, held to it: every module in its tree, its layer table
-these rules."""
+"""The dependency rule, read from the imports: transforms ← steps ← presets ← optim, steps → linalg → _devices,
+distributed, qk_clip and testing → linalg, reference → nothing; and docs/architecture.md, its map, held to it:
+every module in its tree, its layer table these rules."""
 
 from __future__ import annotations
 
@@ -10,30 +10,36 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "muonfn"
 
-FOUNDATION = {"_keys", "_tree", "_validation", "_multi_tensor", "_gc_pause", "_kernels"}
-#: what each layer may import from muonfn (besides itself)
+#: what each layer (a root module or a package) may import from muonfn (besides itself)
 ALLOWED = {
-    "_keys": set(),
-    "_tree": {"_keys"},
-    "_validation": {"_keys"},
-    "_multi_tensor": set(),
-    "_gc_pause": set(),
-    # Triton kernels as custom ops on plain tensors: passes of the linear algebra and of the transforms
-    "_kernels": set(),
-    "_checkpoint": {"_keys", "_tree"},
-    "linalg": {"_keys", "_kernels"},
-    "transforms": {"linalg"} | FOUNDATION,
-    # presets build the sharded orthogonalizer that `collectives=` asks for
-    "presets": {"transforms", "linalg", "distributed"} | FOUNDATION,
-    "optim": {"presets", "transforms", "linalg"} | FOUNDATION,
+    "_tree": set(),
+    "_validation": set(),
+    # a GPU's forms and the default Newton–Schulz dtype: what a device needs apart from the math
+    "_devices": {"_tree"},
+    "_checkpoint": {"_tree"},
+    "linalg": {"_devices"},
+    # the contract and its combinators know no math
+    "transforms": {"_tree", "_validation"},
+    "steps": {"transforms", "linalg", "_devices", "_tree", "_validation"},
+    # a sharded orthogonalizer is a value handed in (orthogonalizer=): presets need not import distributed
+    "presets": {"steps", "transforms", "linalg", "_tree", "_validation"},
+    "qk_clip": {"linalg", "_tree"},
+    "optim": {"presets", "steps", "transforms", "linalg", "_tree", "_validation"},
     "distributed": {"linalg", "_tree"},
     # hypothesis strategies and invariant checks for users' orthogonalizers (hypothesis is an optional extra)
-    "testing": {"linalg", "_keys", "_tree"},
+    "testing": {"linalg"},
     # one step in plain PyTorch, the oracle the fast paths are tested against: it shares no code with them
     "reference": set(),
 }
 #: third-party packages a layer must not need
-FORBIDDEN_EXTERNAL = {"linalg": {"tensordict", "torch.distributed"}, "distributed": {"tensordict"}}
+FORBIDDEN_EXTERNAL = {
+    "_devices": {"torch.distributed"},
+    "linalg": {"tensordict", "torch.distributed"},
+    "distributed": {"tensordict"},
+    "reference": {"tensordict", "torch.distributed"},
+}
+#: the layers that compute a step on one process: none may reach the distributed package
+MATH = {"_devices", "linalg", "transforms", "steps", "presets", "qk_clip"}
 
 
 def module_name(path: Path) -> str:
@@ -94,6 +100,15 @@ def test_each_layer_imports_only_the_layers_below_it() -> None:
                 if name == forbidden or name.startswith(forbidden + "."):
                     violations.append(f"{module_name(path)} imports {name}")
     assert not violations, "\n".join(violations)
+
+
+def test_the_rules_keep_the_math_one_process_and_the_reference_alone() -> None:
+    """The table itself may not be loosened where the design rests on it: the math never imports
+    ``distributed`` (sharded parameters reach it as an orthogonalizer), linalg works on plain tensors,
+    and the reference shares nothing with the code it checks."""
+    assert all("distributed" not in ALLOWED[name] for name in MATH), {n: ALLOWED[n] for n in MATH}
+    assert {"tensordict", "torch.distributed"} <= FORBIDDEN_EXTERNAL["linalg"]
+    assert ALLOWED["reference"] == set()
 
 
 def test_no_import_cycles() -> None:

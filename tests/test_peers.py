@@ -15,6 +15,7 @@ from tensordict import TensorDict
 import muonfn
 
 F64 = torch.float64
+NS_F64 = muonfn.NewtonSchulz(dtype=F64)
 SHAPES = {"w": (6, 10), "v": (9, 5), "b": (7,)}
 
 
@@ -101,7 +102,7 @@ def test_bias_corrected_momentum_and_additive_eps_match_optax_muon(optax, nester
     grads = grads_seq(5, shapes=shapes)
     tx = muonfn.chain(
         muonfn.ema_momentum(0.95, nesterov=nesterov, bias_correction=True),
-        muonfn.orthogonalize("keller", eps=1e-8, eps_mode="add", dtype=F64),
+        muonfn.orthogonalize(muonfn.NewtonSchulz("keller", eps=1e-8, dtype=F64, eps_mode="add")),
     )
     ours = run_muonfn(tx, grads)
     theirs = run_optax(
@@ -210,7 +211,7 @@ def test_additive_eps_is_the_direct_formula(scale):
 def test_matrix_maps_match_heavyball(heavyball_utils, mode):
     g = torch.randn(3, 8, 8, generator=torch.Generator().manual_seed(1), dtype=F64)
     params = TensorDict({"w": torch.zeros(3, 8, 8, dtype=F64)}, [])
-    tx = muonfn.orthogonalize(ns_method=mode, views={"w": muonfn.MatrixView(batch_dims=1)})
+    tx = muonfn.orthogonalize(mode, views={"w": muonfn.MatrixView(batch_dims=1)})
     ours, _ = tx.update(TensorDict({"w": g}, []), tx.init(params), params)
     for i in range(3):
         theirs = heavyball_utils.inplace_orthogonal_(g[i].clone(), mode=mode, scale_mode="none")
@@ -255,7 +256,7 @@ def moved(ours: TensorDict, theirs: dict, start: dict) -> float:
 
 
 def all_muon(**kwargs):
-    return muonfn.muon(labels=lambda p: {k: "muon" for k in p.keys(True, True)}, ns_dtype=F64, **kwargs)
+    return muonfn.muon(labels=lambda p: {k: "muon" for k in p.keys(True, True)}, ns=NS_F64, **kwargs)
 
 
 @pytest.fixture
@@ -296,7 +297,7 @@ def test_normuon_matches_pytorch_optimizer(fp64_pytorch_optimizer, foreach, upda
         weight_decay=0.1,
         rescale=rescale,
         scale=scale,
-        ns_dtype=F64,
+        ns=NS_F64,
         labels=lambda p: {k: "muon" for k in p.keys(True, True)},
     )
     assert moved(step_muonfn(tx, start, grads), theirs, start) <= 1e-10
@@ -317,14 +318,12 @@ def test_adamuon_matches_pytorch_optimizer(fp64_pytorch_optimizer, foreach):
         weight_decay=0.1,
         sign_momentum=False,
         second_moment_bias_correction=True,
-        ns_dtype=F64,
+        ns=NS_F64,
         labels=lambda p: {k: "muon" for k in p.keys(True, True)},
     )
     assert moved(step_muonfn(tx, start, grads), theirs, start) <= 1e-10
     # the paper's sign-stabilised update is another rule
-    paper = muonfn.adamuon(
-        0.02, weight_decay=0.1, ns_dtype=F64, labels=lambda p: {k: "muon" for k in p.keys(True, True)}
-    )
+    paper = muonfn.adamuon(0.02, weight_decay=0.1, ns=NS_F64, labels=lambda p: {k: "muon" for k in p.keys(True, True)})
     assert moved(step_muonfn(paper, start, grads), theirs, start) > 1e-3
 
 
@@ -427,8 +426,7 @@ def test_muon_matches_timm(timm_muon, monkeypatch, nesterov):
         momentum=0.95,
         nesterov=nesterov,
         weight_decay=0.1,
-        ns_coefficients="cesista",
-        ns_dtype=F64,
+        ns=muonfn.NewtonSchulz("cesista", dtype=F64),
         adamw_eps=1e-7,  # timm's fallback AdamW takes the group's eps, Newton–Schulz's 1e-7
         adamw_nesterov="timm" if nesterov else False,  # timm's NAdamW: (b1 m + (1 - b1) g) / (1 - b1^t)
     )

@@ -86,9 +86,8 @@ def muon_pair(model: torch.nn.Module, adjust_lr_fn: str | None, ns_dtype: torch.
         weight_decay=wd,
         momentum=0.9,
         nesterov=True,
-        ns_coefficients="keller",
+        ns=muonfn.NewtonSchulz("keller", dtype=ns_dtype),
         scale=adjust_lr_fn or "original",
-        ns_dtype=ns_dtype,
         **kw,
     )
     return optimizer, tx
@@ -167,30 +166,43 @@ def test_muon_matrix_update_formula(monkeypatch, rule: str) -> None:
     assert state["adamw", "step", "b"] == 2
 
 
+class RecordingOrthogonalizer:
+    """A GPU's form of the local orthogonalizer (asked for on the CPU), recording for each call whether it
+    was told its input is the step's own temporary and whether a result took an input's memory;
+    ``overwrite_input=False`` to every call with ``forbid``."""
+
+    def __init__(self, *, forbid: bool = False) -> None:
+        self.inner = muonfn.LocalOrthogonalizer(gpu_form=True)
+        self.forbid = forbid
+        self.calls: list[tuple[bool, bool]] = []
+
+    def __call__(self, names, tensors, views, ns, scale, *, overwrite_input=False):
+        overwrite_input = overwrite_input and not self.forbid
+        addresses = {t.untyped_storage().data_ptr() for t in tensors}
+        out = self.inner(names, tensors, views, ns, scale, overwrite_input=overwrite_input)
+        self.calls.append((overwrite_input, any(o.untyped_storage().data_ptr() in addresses for o in out)))
+        return out
+
+
 @pytest.mark.parametrize("preset", [muonfn.muon, muonfn.normuon])
 @pytest.mark.parametrize("donate", [False, True])
 @pytest.mark.parametrize(("nesterov", "corrected"), [(True, False), (False, False), ("add", False), (False, True)])
 def test_newton_schulz_writes_its_results_only_over_the_momentums_own_look_ahead(
-    monkeypatch, nesterov: object, corrected: bool, donate: bool, preset
+    nesterov: object, corrected: bool, donate: bool, preset
 ) -> None:
-    """Off the CPU (forced here) ``muon`` and NorMuon let Newton–Schulz store a wide matrix's
-    result in the memory of the update the momentum hands it when that update is the step's own
-    (the look-ahead, its sum, the corrected momentum), never in the momentum itself
-    (``nesterov=False``): the state and the gradients hold what they held, and the update is the
-    same bits with the stores forbidden."""
-    from muonfn.linalg import LocalOrthogonalizer, _newton_schulz
-
-    monkeypatch.setattr(_newton_schulz, "cpu_passes", lambda t: False)
+    """A GPU's form (asked for on the CPU) lets Newton–Schulz store a wide matrix's result in the
+    memory of the update the momentum hands it when that update is the step's own (the look-ahead,
+    its sum, the corrected momentum), never in the momentum itself (``nesterov=False``): the state
+    and the gradients hold what they held, and the update is the same bits with the stores forbidden."""
     params = TensorDict({"w": gaussian(12, 20, seed=71), "t": gaussian(20, 12, seed=72)}, batch_size=[])
     grads = random_like(params, 73)
-    options = {"nesterov": nesterov, "momentum_bias_correction": corrected, "ns_dtype": torch.bfloat16}
-    stored = []
-    original = _newton_schulz._stored
-    monkeypatch.setattr(_newton_schulz, "_stored", lambda *args: stored.append(args[-1]) or original(*args))
+    options = {"nesterov": nesterov, "momentum_bias_correction": corrected}
+    options["ns"] = muonfn.NewtonSchulz(dtype=torch.bfloat16)
+    fresh = nesterov is not False or corrected
     results = {}
-    for overwrites in (True, False):
-        monkeypatch.setattr(LocalOrthogonalizer, "overwrites_input", overwrites)
-        tx = preset(lr=0.02, weight_decay=0.1, donate_state=donate, **options)
+    for forbid in (False, True):
+        orthogonalizer = RecordingOrthogonalizer(forbid=forbid)
+        tx = preset(lr=0.02, weight_decay=0.1, donate_state=donate, orthogonalizer=orthogonalizer, **options)
         state = tx.init(params)
         _, state = tx.update(grads, state, params)  # (a momentum to keep)
         before, given = state.clone(), grads.clone()
@@ -199,8 +211,9 @@ def test_newton_schulz_writes_its_results_only_over_the_momentums_own_look_ahead
             expected = before["muon", "momentum", key].lerp(grads[key], 1 - 0.95)
             assert torch.equal(state["muon", "momentum", key], expected)
         assert torch.equal(given["w"], grads["w"]) and torch.equal(given["t"], grads["t"])
-        results[overwrites] = updates
-    assert stored[:2] == [nesterov is not False or corrected] * 2 and not any(stored[2:])
+        # told so only for the momentum's own tensors, and then the wide result took the input's memory
+        assert orthogonalizer.calls == [(fresh and not forbid, fresh and not forbid)] * 2
+        results[forbid] = updates
     for key in ("w", "t"):
         assert torch.equal(results[True][key], results[False][key])
 
@@ -304,7 +317,7 @@ def test_labels_from_module_by_type() -> None:
     assert list(tied) == [name for name, _ in model.named_parameters()]
     assert tied["embed_tokens.weight"] == "adamw" and "lm_head.weight" not in tied
     state = muonfn.muon(labels=tied).init(TensorDict.from_module(model).detach().exclude(("lm_head", "weight")))
-    assert ("adamw", "exp_avg", "embed_tokens", "weight") in state.keys(True, True)
+    assert ("adamw", "exp_avg", "embed_tokens.weight") in state.keys(True, True)
     assert muonfn.views_from_module(model) == {"attn.weight": MatrixView(transposed=True)}
 
 
@@ -345,14 +358,14 @@ def test_muon_state_layout_and_a_step_on_a_language_model() -> None:
     tx = muonfn.muon(lr=0.02, labels=muonfn.labels_from_module(model), views=muonfn.views_from_module(model))
     state = tx.init(params)
     muon_keys = {k for k, v in EXPECTED_LABELS.items() if v == "muon"}
-    assert {".".join(k[2:]) for k in state.keys(True, True) if k[0] == "muon"} == muon_keys
+    assert {k[2] for k in state.keys(True, True) if k[0] == "muon"} == muon_keys
     assert {k[:2] for k in state.keys(True, True)} == {
         ("muon", "momentum"),
         ("adamw", "step"),
         ("adamw", "exp_avg"),
         ("adamw", "exp_avg_sq"),
     }
-    assert state["muon", "momentum", "attn", "weight"].shape == (8, 24)
+    assert state["muon", "momentum", "attn.weight"].shape == (8, 24)
     tokens = torch.randint(0, 11, (4, 5))
 
     def loss(p: TensorDict) -> torch.Tensor:
@@ -601,24 +614,44 @@ def test_unit_dimensions_do_not_make_a_matrix() -> None:
 # ---------------------------------------------------------------------------- the Newton–Schulz setting
 
 
+def by_hand(preset, ns) -> muonfn.Transform:
+    """A preset's matrix branch at its defaults (lr=0.02, weight_decay=0.1), chained from the building blocks."""
+    if preset is muonfn.muon:
+        return muonfn.chain(muonfn.ema_momentum(0.95), muonfn.descent(0.02, 0.1, ns=ns, overwrite_input=True))
+    if preset is muonfn.normuon:
+        head = [muonfn.ema_momentum(0.95), muonfn.orthogonalize(ns, overwrite_input=True)]
+        adapt = muonfn.scale_by_neuron_norm(0.95, eps=1e-10, rescale="orthogonal")
+    else:
+        head = [
+            muonfn.ema_momentum(0.9, nesterov=False),
+            muonfn.scale_by_sign(),
+            muonfn.orthogonalize(ns, overwrite_input=True),
+        ]
+        adapt = muonfn.scale_by_element_rms(0.95, eps=1e-10, rescale="orthogonal")
+    return muonfn.chain(*head, adapt, muonfn.descent(0.02, 0.1))
+
+
 @pytest.mark.parametrize("preset", [muonfn.muon, muonfn.normuon, muonfn.adamuon])
-def test_one_newton_schulz_setting_equals_its_flat_spellings(preset) -> None:
-    params = TensorDict({"w": torch.randn(6, 10), "v": torch.randn(10, 6), "b": torch.randn(6)}, [])
-    grads = TensorDict({k: torch.randn_like(p) for k, p in params.items()}, [])
-    flat = preset(
-        lr=0.02, ns_coefficients="cesista", ns_steps=4, ns_dtype=torch.float64, ns_eps=1e-6, ns_eps_mode="add"
-    )
-    whole = preset(lr=0.02, ns=muonfn.NewtonSchulz("cesista", steps=4, eps=1e-6, dtype=torch.float64, eps_mode="add"))
-    expected, _ = flat.update(grads, flat.init(params), params)
+def test_the_newton_schulz_setting_reaches_each_preset_as_its_building_blocks_take_it(preset) -> None:
+    """``ns=NewtonSchulz(...)``, every field set apart from its default, is the map of the preset's
+    matrix branch: the same bits as the building blocks given it, and not the default map's."""
+    gen = torch.Generator().manual_seed(0)
+    params = TensorDict({"w": torch.randn(6, 10, generator=gen), "v": torch.randn(10, 6, generator=gen)}, [])
+    grads = TensorDict({k: torch.randn(p.shape, generator=gen) for k, p in params.items()}, [])
+    ns = muonfn.NewtonSchulz("cesista", steps=4, eps=1e-6, dtype=torch.float64, eps_mode="add")
+    whole, default, parts = preset(lr=0.02, ns=ns), preset(lr=0.02), by_hand(preset, ns)
     got, _ = whole.update(grads, whole.init(params), params)
-    for key in ("w", "v", "b"):
+    expected, _ = parts.update(grads, parts.init(params), params)
+    otherwise, _ = default.update(grads, default.init(params), params)
+    for key in ("w", "v"):
         assert torch.equal(got[key], expected[key]), key
+        assert not torch.equal(got[key], otherwise[key]), key
 
 
 def test_a_map_given_as_ns_is_the_method_it_replaces() -> None:
     params = TensorDict({"w": torch.randn(6, 10, dtype=torch.float64)}, [])
     grads = TensorDict({"w": torch.randn(6, 10, dtype=torch.float64)}, [])
-    by_name = muonfn.muon(lr=0.02, ns_method="svd")
+    by_name = muonfn.muon(lr=0.02, ns="svd")
     by_value = muonfn.muon(lr=0.02, ns=muonfn.polar)
     expected, _ = by_name.update(grads, by_name.init(params), params)
     got, _ = by_value.update(grads, by_value.init(params), params)
@@ -626,19 +659,21 @@ def test_a_map_given_as_ns_is_the_method_it_replaces() -> None:
 
 
 @pytest.mark.parametrize(
-    "build",
+    ("build", "keyword"),
     [
-        lambda ns: muonfn.muon(ns=ns, ns_steps=3),
-        lambda ns: muonfn.normuon(ns=ns, ns_dtype=torch.float32),
-        lambda ns: muonfn.adamuon(ns=ns, ns_method="gram"),
-        lambda ns: muonfn.scale_by_muon(ns=ns, ns_coefficients="cesista"),
-        lambda ns: muonfn.orthogonalize(ns=ns, steps=2),
+        (lambda: muonfn.muon(ns_steps=3), "ns_steps"),
+        (lambda: muonfn.normuon(ns_dtype=torch.float32), "ns_dtype"),
+        (lambda: muonfn.adamuon(ns_method="gram"), "ns_method"),
+        (lambda: muonfn.scale_by_muon(ns_coefficients="cesista"), "ns_coefficients"),
+        (lambda: muonfn.orthogonalize(steps=2), "steps"),
     ],
     ids=["muon", "normuon", "adamuon", "scale_by_muon", "orthogonalize"],
 )
-def test_ns_with_a_flat_spelling_too_is_refused_naming_the_spelling(build) -> None:
-    with pytest.raises(ValueError, match=r"ns_(steps|dtype|method|coefficients)=.* would be ignored"):
-        build(muonfn.NewtonSchulz())
+def test_a_flat_newton_schulz_spelling_is_refused_naming_it(build, keyword) -> None:
+    """One spelling: the Newton–Schulz settings travel as ``ns=NewtonSchulz(...)``; 0.1.0's flat
+    keywords are no longer taken, and the error names the one given."""
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{keyword}'"):
+        build()
 
 
 def test_ns_of_the_wrong_type_is_refused() -> None:
@@ -653,14 +688,79 @@ def test_a_newton_schulz_setting_resolves_its_schedule_once() -> None:
     assert ns == muonfn.NewtonSchulz("polar_express", steps=10)  # the resolved schedule is no part of its identity
 
 
+class CountingOrthogonalizer(muonfn.LocalOrthogonalizer):
+    calls = 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return super().__call__(*args, **kwargs)
+
+
+#: for each keyword of the presets, a value other than its default (one that acts on the leaves below)
+OTHER_VALUES = {
+    "lr": 0.5,
+    "momentum": 0.5,
+    "nesterov": "add",
+    "momentum_bias_correction": True,
+    "weight_decay": 0.5,
+    "cautious_weight_decay": True,
+    "cautious_mode": "heavyball",
+    "ns": "svd",
+    "scale": "original",
+    "extra_scale": 2.0,
+    "adamw_lr": 0.5,
+    "adamw_betas": (0.5, 0.6),
+    "adamw_eps": 1e-2,
+    "adamw_weight_decay": 0.5,
+    "adamw_nesterov": True,
+    "labels": {"w": "adamw", "e": "muon", "b": "adamw"},
+    "views": {"e": MatrixView(batch_dims=1)},
+    "weight_decay_mask": {"w": False},
+    "orthogonalizer": CountingOrthogonalizer,
+    "donate_state": True,
+    "beta2": 0.5,
+    "adaptive_eps": 1e-2,
+    "rescale": "none",
+    "sign_momentum": False,
+    "second_moment_bias_correction": True,
+}
+
+
+def two_steps(tx: muonfn.Transform, params: TensorDict) -> tuple[list[TensorDict], TensorDict, TensorDict]:
+    """Both steps' updates, the state given to the second and the state it returned."""
+    state, out = tx.init(params), []
+    for seed in (1, 2):
+        given = state
+        updates, state = tx.update(random_like(params, seed), given, params)
+        out.append(updates)
+    return out, given, state
+
+
+@pytest.mark.parametrize("keyword", list(OTHER_VALUES))
 @pytest.mark.parametrize("preset", [muonfn.muon, muonfn.normuon, muonfn.adamuon])
-def test_every_keyword_of_a_preset_reaches_its_branches(preset) -> None:
-    """A keyword the assembly does not forward would be silently ignored: each is in one of its tables."""
+def test_every_keyword_of_a_preset_reaches_its_branches(preset, keyword) -> None:
+    """A keyword the preset does not forward would be silently ignored: each one given another value
+    changes the updates, the state, or (an orthogonalizer, donation) what runs; and every keyword of
+    the presets is in the table."""
     import inspect
 
-    from muonfn.presets import _branch
-
-    forwarded = {*_branch.NEWTON_SCHULZ_SPELLINGS, *_branch.BRANCH_OPTIONS, *_branch.ADAMW_OPTIONS, "ns"}
-    distributed = {"collectives", "strategy", "shard_specs", "replicated", "overlap"}  # build the orthogonalizer
-    unread = set(inspect.signature(preset).parameters) - forwarded - distributed
-    assert not unread, f"{preset.__name__} takes {sorted(unread)}, which assemble() does not forward"
+    keywords = {name for p in (muonfn.muon, muonfn.normuon, muonfn.adamuon) for name in inspect.signature(p).parameters}
+    assert keywords - {"options"} == set(OTHER_VALUES)
+    if keyword not in inspect.signature(preset).parameters and keyword in muonfn.presets.VARIANT_OPTIONS:
+        pytest.skip(f"{preset.__name__} does not take {keyword}")
+    params = TensorDict({"w": gaussian(6, 10, seed=1), "e": gaussian(2, 4, 6, seed=2), "b": gaussian(6, seed=3)}, [])
+    value = OTHER_VALUES[keyword]
+    value = value() if isinstance(value, type) else value
+    default = {"lr": 0.1}
+    given_value = {**default, keyword: value}
+    updates, given, state = two_steps(preset(**default), params)
+    other_updates, other_given, other_state = two_steps(preset(**given_value), params)
+    if keyword == "orthogonalizer":
+        assert value.calls == 2
+    elif keyword == "donate_state":  # the state given to a step is the one it wrote, in place
+        assert (other_given == other_state).all()
+        assert not (given == state).all()
+    else:
+        changed = [not (a == b).all() for a, b in zip(updates, other_updates)]
+        layouts = (set(preset(**default).init(params).keys(True, True)), set(other_state.keys(True, True)))
+        assert any(changed) or layouts[0] != layouts[1]

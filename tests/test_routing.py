@@ -246,9 +246,9 @@ def test_the_lora_recipe_runs_muon_on_the_adapters(routing_warnings_are_errors):
 
 
 def test_the_default_update_is_0_2_sqrt_128_times_torch_muons_default_on_a_square_matrix():
-    """getting-started: at the same lr, ``scale="match_rms_adamw"`` (0.2·√max(A, B) = 2.26 at 128×128)
-    against torch.optim.Muon's default ``adjust_lr_fn`` ("original": √max(1, A/B) = 1 when square);
-    the two Newton–Schulz iterations round apart (torch's runs in bf16), so to 1 %."""
+    """getting-started: at the same lr, the shim's default ``adjust_lr_fn="match_rms_adamw"`` (0.2·√max(A, B)
+    = 2.26 at 128×128) against torch.optim.Muon's default ``adjust_lr_fn`` ("original": √max(1, A/B) = 1
+    when square); the two Newton–Schulz iterations round apart (torch's runs in bf16), so to 1 %."""
     torch.manual_seed(0)
     weight, grad = torch.randn(128, 128), torch.randn(128, 128)
 
@@ -260,7 +260,9 @@ def test_the_default_update_is_0_2_sqrt_128_times_torch_muons_default_on_a_squar
 
     theirs = displacement(lambda ps: torch.optim.Muon(ps, lr=0.02, weight_decay=0.0))
     ours = displacement(lambda ps: Muon(ps, lr=0.02, weight_decay=0.0, labels={"0": "muon"}))
-    original = displacement(lambda ps: Muon(ps, lr=0.02, weight_decay=0.0, labels={"0": "muon"}, scale="original"))
+    original = displacement(
+        lambda ps: Muon(ps, lr=0.02, weight_decay=0.0, labels={"0": "muon"}, adjust_lr_fn="original")
+    )
     assert float(ours.norm() / theirs.norm()) == pytest.approx(0.2 * math.sqrt(128), rel=0.01)
     assert 0.2 * math.sqrt(128) == pytest.approx(2.26, abs=0.005)
     assert float(original.norm() / theirs.norm()) == pytest.approx(1.0, rel=0.01)
@@ -284,7 +286,7 @@ def test_the_recipe_for_loops_that_set_one_rate_keeps_each_groups_own_rate():
     assert lr_factor(namespace["max_iters"]) == pytest.approx(0.1)  # nanoGPT's min_lr = learning_rate / 10
 
     model = namespace["model"]
-    again = Muon(model.named_parameters(), lr=0.02, adamw_lr=3e-4, scale="original", labels=namespace["labels"])
+    again = Muon(model.named_parameters(), lr=0.02, adamw_lr=3e-4, adjust_lr_fn="original", labels=namespace["labels"])
     scheduler = torch.optim.lr_scheduler.LambdaLR(again, lr_factor)
     for it in range(namespace["max_iters"]):
         expected = [group["initial_lr"] * lr_factor(it) for group in again.param_groups]

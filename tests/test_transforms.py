@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from _bitwise import assert_bitwise
 from _strategies import (
     assert_batched_as_alone,
     assert_td_equal,
@@ -14,6 +15,8 @@ from _strategies import (
     iteration_dtype,
     random_like,
 )
+from hypothesis import given
+from hypothesis import strategies as st
 from tensordict import TensorDict
 
 import muonfn
@@ -63,6 +66,63 @@ def test_ema_momentum_keeps_the_param_dtype_and_reads_a_tensor_momentum_each_ste
     assert torch.equal(updates["w"], torch.full((2, 3), 3.0, dtype=torch.bfloat16, device=device))
 
 
+# --- elementwise arithmetic: the bits of one op per leaf -----------------------------------------------
+
+NUMBERS = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, allow_subnormal=False).filter(lambda v: v != 0)
+SHAPES = [(), (1,), (7,), (3, 5), (17, 9), (2, 3, 4)]
+
+
+def leaves(dtype: torch.dtype, seed: int = 0) -> TensorDict:
+    g = torch.Generator().manual_seed(seed)
+    return td(**{f"l{i}": torch.randn(s, generator=g, dtype=F64).mul(10).to(dtype) for i, s in enumerate(SHAPES)})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@given(value=NUMBERS)
+def test_a_number_gives_the_bits_of_one_op_per_leaf(dtype: torch.dtype, value: float) -> None:
+    """The learning rate's product and the decay's multiply-add run for all leaves in one
+    multi-tensor call: each leaf gets the bits of its own op with the number."""
+    grads, params = leaves(dtype), leaves(dtype, seed=1)
+    scaled, _ = step(muonfn.scale_by_learning_rate(abs(value)), grads, TensorDict())
+    assert_bitwise(scaled, grads.apply(lambda g: g.mul(-abs(value))))
+    decayed, _ = step(muonfn.add_decayed_weights(abs(value)), grads, TensorDict(), params)
+    assert_bitwise(decayed, grads.apply(lambda g, p: g.add(p, alpha=abs(value)), params))
+
+
+@given(value=NUMBERS)
+def test_a_double_zero_dim_tensor_meets_fp32_leaves_as_the_number_it_holds(value: float) -> None:
+    """fp32 leaves and an fp64 0-d tensor (the shim's hyperparameters): the bits of the Python
+    number, a 0-d leaf included (which the tensor alone would promote to fp64)."""
+    grads, params = leaves(torch.float32, seed=1), leaves(torch.float32, seed=2)
+    rate = torch.tensor(abs(value), dtype=F64)
+    scaled, _ = step(muonfn.scale_by_learning_rate(rate), grads, TensorDict())
+    assert_bitwise(scaled, grads.apply(lambda g: g.mul(-abs(value))))
+    decayed, _ = step(muonfn.add_decayed_weights(rate), grads, TensorDict(), params)
+    assert_bitwise(decayed, grads.apply(lambda g, p: g.add(p, alpha=abs(value)), params))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@given(momentum=st.floats(min_value=0.0, max_value=0.999))
+def test_momentum_is_one_lerp_per_leaf_for_a_number_or_a_host_tensor(dtype: torch.dtype, momentum: float) -> None:
+    """``b.lerp(g, 1 - μ)`` and the look-ahead ``g.lerp(b, μ)`` in one multi-tensor call each: the
+    bits of one lerp per leaf; a float64 0-d tensor on the host holding μ gives the same bits."""
+    params = leaves(dtype)
+    first, second = leaves(dtype, seed=2), leaves(dtype, seed=3)
+    for mu in (momentum, torch.tensor(momentum, dtype=F64)):
+        tx = muonfn.ema_momentum(mu)
+        _, state = step(tx, first, tx.init(params))
+        updates, new = step(tx, second, state)
+        buffer = state["momentum"].apply(lambda b, g: b.lerp(g, 1 - momentum), second)
+        assert_bitwise(new["momentum"], buffer)
+        assert_bitwise(updates, second.apply(lambda g, b: g.lerp(b, momentum), buffer))
+
+
+def test_leaves_of_several_dtypes_keep_their_own_arithmetic() -> None:
+    grads = td(a=torch.ones(3), b=torch.ones(3, dtype=F64), c=torch.ones(3, dtype=torch.bfloat16))
+    out, _ = step(muonfn.scale_by_learning_rate(0.1), grads, TensorDict())
+    assert_bitwise(out, grads.apply(lambda g: g.mul(-0.1)))
+
+
 # --- orthogonalize -----------------------------------------------------------------------------------
 
 
@@ -70,7 +130,7 @@ def test_orthogonalize_is_newton_schulz_per_leaf() -> None:
     bitwise = bmm_batch_consistent(16, 24, 3)
     grads = td(a=gaussian(16, 24, seed=1), b=gaussian(16, 24, seed=2), c=gaussian(24, 16, seed=3))
     for name in ("keller", "polar_express"):
-        tx = muonfn.orthogonalize(name, steps=4)
+        tx = muonfn.orthogonalize(muonfn.NewtonSchulz(name, steps=4))
         out, _ = step(tx, grads, tx.init(grads))
         for key in ("a", "b", "c"):  # a and b share a batched call; c's orientation differs
             assert_batched_as_alone(out[key], newton_schulz(grads[key], name, steps=4), bitwise=bitwise)
@@ -81,30 +141,35 @@ def test_orthogonalize_buckets_do_not_change_the_result() -> None:
     bitwise = all(bmm_batch_consistent(16, 24, batch) for batch in (5, 2))  # buckets of 1 and 2 against 5
     whole, _ = step(muonfn.orthogonalize(), grads, TensorDict())
     for cap in (1, 16 * 24 * 2):
-        chunked, _ = step(muonfn.orthogonalize(bucket_numel=cap), grads, TensorDict())
+        tx = muonfn.orthogonalize(orthogonalizer=muonfn.LocalOrthogonalizer(bucket_numel=cap))
+        chunked, _ = step(tx, grads, TensorDict())
         for key, value in whole.items():
             assert_batched_as_alone(chunked[key], value, bitwise=bitwise)
 
 
-def test_orthogonalize_may_store_its_results_in_the_updates_it_is_given(monkeypatch) -> None:
-    """``overwrite_input=True``: off the CPU (forced here) a wide matrix's result is written into
-    the update it came from and returned as it, with the bits of a new tensor; not under ``vmap``,
-    not where autograd records the updates, and not without the option. Any other value than a
-    bool is refused."""
-    from muonfn.linalg import _newton_schulz
-
-    monkeypatch.setattr(_newton_schulz, "cpu_passes", lambda t: False)
+def test_orthogonalize_may_store_its_results_in_the_updates_it_is_given() -> None:
+    """``overwrite_input=True``: in a GPU's form (asked for here on the CPU) a wide matrix's result
+    is written into the update it came from and returned as it, with the bits of a new tensor; not
+    under ``vmap``, not where autograd records the updates, and not without the option. Any other
+    value than a bool is refused."""
+    gpu = muonfn.LocalOrthogonalizer(gpu_form=True)
+    ns = muonfn.NewtonSchulz(dtype=torch.bfloat16)
     grads = td(w=gaussian(12, 20, seed=61), t=gaussian(20, 12, seed=62), conv=gaussian(8, 4, 3, 3, seed=63))
-    expected, _ = step(muonfn.orthogonalize(dtype=torch.bfloat16), grads, TensorDict())
+    expected, _ = step(muonfn.orthogonalize(ns, orthogonalizer=gpu), grads, TensorDict())
     given = grads.clone()
-    tx = muonfn.orthogonalize(dtype=torch.bfloat16, overwrite_input=True)
+    tx = muonfn.orthogonalize(ns, orthogonalizer=gpu, overwrite_input=True)
     out, _ = step(tx, given, TensorDict())
     assert_td_equal(out, expected)
     assert out["w"].data_ptr() == given["w"].data_ptr()  # (the tall one's copy back would take a kernel per matrix)
+    given = grads.clone()
+    out, _ = step(muonfn.orthogonalize(ns, orthogonalizer=gpu), given, TensorDict())
+    assert out["w"].data_ptr() != given["w"].data_ptr() and torch.equal(given["w"], grads["w"])
     given = grads.clone().requires_grad_()
     with torch.enable_grad():
         out, _ = step(tx, given, TensorDict())
     assert out["w"].data_ptr() != given["w"].data_ptr() and torch.equal(given["w"], grads["w"])
+    assert out["w"].requires_grad
+    assert_td_equal(out.detach(), expected)  # (recorded, the product is rounded as it is when stored)
     members = torch.stack([grads, grads.apply(lambda x: -x)])
     mapped = members.clone()
     out = torch.vmap(lambda g: tx.update(g, TensorDict(), None)[0])(mapped)
@@ -147,7 +212,7 @@ def test_a_map_that_hands_its_input_back_leaves_the_state_and_gradients_alone(ne
     experts, grads = gaussian(3, 12, 20, seed=5), td(moe=gaussian(3, 12, 20, seed=6))
     kept = grads.clone()
     tx = muonfn.muon(
-        lr=0.1, weight_decay=0.1, nesterov=nesterov, ns_method=lambda x: x, views={"moe": MatrixView(batch_dims=1)}
+        lr=0.1, weight_decay=0.1, nesterov=nesterov, ns=lambda x: x, views={"moe": MatrixView(batch_dims=1)}
     )
     state = tx.init(td(moe=experts))
     updates, state = tx.update(grads, state, td(moe=experts))
@@ -223,12 +288,11 @@ def test_scale_by_muon_is_momentum_then_newton_schulz_then_shape_scale(
     scale: str, ns_dtype: torch.dtype, device: torch.device
 ) -> None:
     params = model_like().to(device)
-    fused = muonfn.scale_by_muon(
-        0.9, nesterov=True, ns_coefficients="cesista", scale=scale, extra_scale=0.7, views=VIEWS, ns_dtype=ns_dtype
-    )
+    ns = muonfn.NewtonSchulz("cesista", dtype=ns_dtype)
+    fused = muonfn.scale_by_muon(0.9, nesterov=True, ns=ns, scale=scale, extra_scale=0.7, views=VIEWS)
     parts = muonfn.chain(
         muonfn.ema_momentum(0.9, nesterov=True),
-        muonfn.orthogonalize("cesista", views=VIEWS, dtype=ns_dtype),
+        muonfn.orthogonalize(ns, views=VIEWS),
         muonfn.scale_by_shape(scale, extra_scale=0.7, views=VIEWS),
     )
     s1, s2 = fused.init(params), parts.init(params)
@@ -261,7 +325,7 @@ def test_scale_by_adam_matches_the_formula_with_per_leaf_steps(device: torch.dev
         if t in (1, 2):  # "b" has no gradient on two steps
             grads = grads.exclude("b")
         updates, state = step(tx, grads, state)
-        for key in grads.keys():  # noqa: SIM118 (iterating a TensorDict walks its batch dimension)
+        for key in grads.keys():  # (iterating a TensorDict walks its batch dimension)
             seen[key].append(grads[key])
             n = len(seen[key])
             m = sum((1 - b1) * b1 ** (n - 1 - i) * g for i, g in enumerate(seen[key]))
@@ -315,42 +379,32 @@ def test_decayed_weights_and_masks(device: torch.device) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_decay_is_one_multiply_add_in_the_leaf_dtype(dtype: torch.dtype) -> None:
-    """u + λp rounded once, with λ rounded to the leaf's dtype: a number, a float64 tensor
-    holding it, in place or not, all give the same bits."""
-    g = torch.Generator().manual_seed(5)
-    params = td(w=torch.randn(64, 32, generator=g), b=torch.randn(32, generator=g)).to(dtype)
-    grads = params.apply(lambda p: torch.randn(p.shape, generator=g).to(dtype))
-    lam = torch.tensor(0.1, dtype=torch.float64).to(dtype)
-    expected = grads.apply(lambda u, p: torch.addcmul(u, p, lam), params)
-    for wd in (0.1, torch.tensor(0.1, dtype=torch.float64)):
-        for inplace in (False, True):
-            out, _ = step(muonfn.add_decayed_weights(wd, inplace=inplace), grads.clone(), TensorDict(), params)
-            assert_td_equal(out, expected)
-    if dtype == torch.float64:  # and λ itself is not rounded to fp32 on the way
-        torch.testing.assert_close(expected, grads + params * 0.1, rtol=1e-15, atol=1e-15)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_off_the_cpu_the_decay_is_one_multiply_add_for_a_number_and_a_host_tensor(monkeypatch, dtype) -> None:
-    """Off the CPU (forced here) λ a number, or eager a 0-d tensor on the host (the shim's), is
-    one fused ``add(alpha=λ)``: one rounding, in place or not. A tensor that stays a tensor
-    (on the device, or traced) has λp written out, rounded, and added."""
-    from muonfn import _multi_tensor
-
-    monkeypatch.setattr(_multi_tensor, "off_cpu", lambda t: True)
+def test_decay_is_one_multiply_add(dtype: torch.dtype) -> None:
+    """u + λp is one ``add(alpha=λ)``, rounded once: λ a number, or a float64 0-d tensor on the
+    host holding it (the shim's, refilled each step, read as the number), give the same bits, so
+    the shim gives the functional update's bits."""
     g = torch.Generator().manual_seed(5)
     params = td(w=torch.randn(64, 32, generator=g), b=torch.randn(32, generator=g)).to(dtype)
     grads = params.apply(lambda p: torch.randn(p.shape, generator=g).to(dtype))
     expected = grads.apply(lambda u, p: torch.add(u, p, alpha=0.1), params)
     for wd in (0.1, torch.tensor(0.1, dtype=torch.float64)):
-        for inplace in (False, True):
-            out, _ = step(muonfn.add_decayed_weights(wd, inplace=inplace), grads.clone(), TensorDict(), params)
-            assert_td_equal(out, expected)
-    monkeypatch.setattr(_multi_tensor, "host_number", lambda weight, leaves: weight)
-    wd = torch.tensor(0.1, dtype=torch.float64)
-    out, _ = step(muonfn.add_decayed_weights(wd), grads.clone(), TensorDict(), params)
-    assert_td_equal(out, grads.apply(lambda u, p: u + p * wd, params))
+        out, _ = step(muonfn.add_decayed_weights(wd), grads.clone(), TensorDict(), params)
+        assert_td_equal(out, expected)
+    if dtype == torch.float64:  # and λ itself is not rounded to fp32 on the way
+        torch.testing.assert_close(expected, grads + params * 0.1, rtol=1e-15, atol=1e-15)
+
+
+def test_a_decay_that_autograd_records_is_written_out_and_added() -> None:
+    """A λ that stays a tensor (here one that autograd records) has λp written out, rounded, and
+    added, and the update records it."""
+    g = torch.Generator().manual_seed(5)
+    params = td(w=torch.randn(64, 32, generator=g), b=torch.randn(32, generator=g))
+    grads = params.apply(lambda p: torch.randn(p.shape, generator=g))
+    wd = torch.tensor(0.1, requires_grad=True)
+    with torch.enable_grad():
+        out, _ = step(muonfn.add_decayed_weights(wd), grads.clone(), TensorDict(), params)
+    assert all(u.requires_grad for u in out.values())
+    assert_td_equal(out.detach(), grads.apply(lambda u, p: u + p * wd.detach(), params))
 
 
 def test_decay_only_touches_leaves_with_gradients() -> None:
@@ -359,14 +413,13 @@ def test_decay_only_touches_leaves_with_gradients() -> None:
     assert set(out.keys()) == {"w"} and out["w"].unique().tolist() == [1.0]
 
 
-@pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("cautious", [False, True])
 @pytest.mark.parametrize("weight_decay", [0.1, torch.tensor(0.1), torch.tensor(0.1, dtype=torch.float64)])
-def test_a_scalar_leaf_keeps_its_dtype_whatever_the_weight_decay(weight_decay, cautious: bool, inplace: bool) -> None:
+def test_a_scalar_leaf_keeps_its_dtype_whatever_the_weight_decay(weight_decay, cautious: bool) -> None:
     half = torch.bfloat16
     grads = td(gain=torch.tensor(0.3, dtype=half), w=torch.full((3,), 0.3, dtype=half))
     params = td(gain=torch.tensor(0.7, dtype=half), w=torch.full((3,), 0.7, dtype=half))
-    tx = muonfn.add_decayed_weights(weight_decay, cautious=cautious, inplace=inplace)
+    tx = muonfn.add_decayed_weights(weight_decay, cautious=cautious)
     out, _ = tx.update(grads.clone(), tx.init(params), params)
     assert out["gain"].dtype == half and out["w"].dtype == half
     assert torch.equal(out["gain"], out["w"][0])
@@ -375,15 +428,14 @@ def test_a_scalar_leaf_keeps_its_dtype_whatever_the_weight_decay(weight_decay, c
 # --- scale_by_learning_rate --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize(
     "lr", [0.1, torch.tensor(0.1), torch.tensor(0.1, dtype=torch.float64), lambda count: 0.1 / (1 + count)]
 )
-def test_a_scalar_leaf_keeps_its_dtype_whatever_the_learning_rate(lr, inplace: bool) -> None:
+def test_a_scalar_leaf_keeps_its_dtype_whatever_the_learning_rate(lr) -> None:
     """A 0-d bf16 update meets a 0-d fp32/fp64 learning rate as an equal, and torch would promote
     it; the update keeps the leaf's dtype, with the bits of the in-place product."""
     grads = td(gain=torch.tensor(0.3, dtype=torch.bfloat16), w=torch.full((3,), 0.3, dtype=torch.bfloat16))
-    tx = muonfn.scale_by_learning_rate(lr, inplace=inplace)
+    tx = muonfn.scale_by_learning_rate(lr)
     out, _ = step(tx, grads.clone(), tx.init(grads))
     assert out["gain"].dtype == torch.bfloat16 and out["w"].dtype == torch.bfloat16
     assert torch.equal(out["gain"], out["w"][0])

@@ -1,4 +1,5 @@
-"""The flat form of TensorDicts the transforms compute on, and the rebuild at the API boundary."""
+"""The flat form updates compute on: nested input read by dotted names once, at the entry, and the
+updates rebuilt in the input's nesting."""
 
 from __future__ import annotations
 
@@ -6,122 +7,154 @@ import pickle
 
 import pytest
 import torch
+from _bitwise import assert_bitwise
 from tensordict import TensorDict
 
-from muonfn import _tree
+import muonfn
 
 
 def _nested() -> TensorDict:
     return TensorDict(
         {
-            "muon": {"momentum": {"h": {"0": {"w": torch.ones(2, 3)}, "1": {"w": torch.zeros(2, 3)}}}},
-            "adamw": {"step": {"b": torch.zeros((), dtype=torch.int64)}, "exp_avg": {"b": torch.ones(3)}},
-            "scale_by_shape": {},
+            "h": {"0": {"w": torch.ones(2, 3)}, "1": {"w": torch.zeros(2, 3)}},
+            "b": torch.ones(3),
+            "empty": {},
         },
         batch_size=[],
     )
 
 
-def test_flatten_keeps_insertion_order_and_empty_nodes_on_request() -> None:
-    td = _nested()
-    flat = _tree.flatten(td, keep_empty=True)
-    assert list(flat) == [
-        ("muon", "momentum", "h", "0", "w"),
-        ("muon", "momentum", "h", "1", "w"),
-        ("adamw", "step", "b"),
-        ("adamw", "exp_avg", "b"),
-        ("scale_by_shape",),
-    ]
-    assert isinstance(flat[("scale_by_shape",)], TensorDict) and flat[("scale_by_shape",)].is_empty()
-    assert ("scale_by_shape",) not in _tree.flatten(td)
-    assert flat[("muon", "momentum", "h", "0", "w")] is td["muon", "momentum", "h", "0", "w"]
+def _flattened(td: TensorDict) -> TensorDict:
+    """``td`` keyed by dotted names, as a user would write it (empty nodes hold no leaf)."""
+    return TensorDict(dict(td.flatten_keys(".").items()), batch_size=td.batch_size)
 
 
-def test_a_node_with_only_empty_children_is_kept_whole() -> None:
+def test_the_state_keeps_each_leaf_under_its_dotted_name_in_the_order_given() -> None:
+    params = _nested()
+    tx = muonfn.ema_momentum(0.5, nesterov=False)
+    state = tx.init(params)
+    assert list(state["momentum"].keys()) == ["h.0.w", "h.1.w", "b"]
+    assert state["momentum"]["h.0.w"] is not params["h", "0", "w"]
+    grads = params.apply(lambda p: p + 1)
+    updates, state = tx.update(grads, state, params)
+    assert list(updates.keys(True, True)) == [("h", "0", "w"), ("h", "1", "w"), "b"]
+    assert torch.equal(updates["h", "1", "w"], torch.full((2, 3), 0.5))
+    assert torch.equal(state["momentum"]["h.1.w"], torch.full((2, 3), 0.5))
+
+
+def test_nested_and_flat_input_give_the_same_state_and_updates() -> None:
+    """A tree and the same leaves keyed by their dotted names are one input: the same state, and
+    the same updates, each in its own nesting."""
+    params = _nested()
+    flat = _flattened(params)
+    tx = muonfn.muon(lr=0.1, weight_decay=0.1)
+    state_nested, state_flat = tx.init(params), tx.init(flat)
+    assert_bitwise(state_nested, state_flat)
+    grads = params.apply(lambda p: p * 0.5 + 0.25)
+    updates_nested, state_nested = tx.update(grads, state_nested, params)
+    updates_flat, state_flat = tx.update(_flattened(grads), state_flat, flat)
+    assert_bitwise(_flattened(updates_nested), updates_flat)
+    assert_bitwise(state_nested, state_flat)
+    assert not any(isinstance(v, TensorDict) for v in updates_flat.values())
+
+
+def test_empty_nodes_get_no_update_and_no_state() -> None:
     td = TensorDict({"a": {"b": {}, "c": {}}, "d": torch.ones(1)}, batch_size=[])
-    flat = _tree.flatten(td, keep_empty=True)
-    assert list(flat) == [("a",), ("d",)]
-    assert list(_tree.flatten(td)) == [("d",)]
+    tx = muonfn.scale_by_adam()
+    state = tx.init(td)
+    assert list(state["exp_avg"].keys()) == ["d"]
+    updates, _ = tx.update(td, state, td)
+    assert list(updates.keys(True, True)) == ["d"]
 
 
-def test_unflatten_round_trips_and_builds_ordinary_tensordicts() -> None:
-    td = _nested()
-    rebuilt = _tree.unflatten(_tree.flatten(td, keep_empty=True), td.batch_size)
-    assert list(rebuilt.keys(True, True)) == list(td.keys(True, True))
-    assert (rebuilt == td).all()
-    # every node behaves as one made by the constructor: cloned, pickled, locked, extended
-    for node in (rebuilt, rebuilt["muon"], rebuilt["muon", "momentum", "h"]):
+def test_rebuilt_updates_are_ordinary_tensordicts() -> None:
+    """Every node of the updates behaves as one made by the constructor: cloned, pickled, locked,
+    extended, with the input's batch size at every node."""
+    params = _nested()
+    tx = muonfn.scale_by_learning_rate(0.5)
+    rebuilt, _ = tx.update(params, tx.init(params))
+    expected = params.exclude("empty").apply(lambda p: p * -0.5)
+    for node in (rebuilt, rebuilt["h"], rebuilt["h", "0"]):
         assert type(node) is TensorDict and node.batch_size == torch.Size([]) and node.device is None
-    assert (rebuilt.clone() == td).all()
-    assert (pickle.loads(pickle.dumps(rebuilt)) == td).all()
-    rebuilt["muon", "momentum", "h", "2", "w"] = torch.full((2, 3), 2.0)
-    assert rebuilt["muon", "momentum", "h"].keys() == {"0", "1", "2"}
+    assert (rebuilt == expected).all()
+    assert (rebuilt.clone() == expected).all()
+    assert (pickle.loads(pickle.dumps(rebuilt)) == expected).all()
+    rebuilt["h", "2", "w"] = torch.full((2, 3), 2.0)
+    assert rebuilt["h"].keys() == {"0", "1", "2"}
     rebuilt.lock_()
-    assert rebuilt["muon"].is_locked
+    assert rebuilt["h"].is_locked
 
 
-def test_unflatten_gives_a_batched_tree_its_batch_size_at_every_node() -> None:
-    flat = {("a", "b"): torch.zeros(4, 2), ("c",): torch.zeros(4)}
-    td = _tree.unflatten(flat, torch.Size([4]))
-    assert td.batch_size == torch.Size([4]) and td["a"].batch_size == torch.Size([4])
-    assert td[1]["a", "b"].shape == (2,)
+def test_a_batched_tree_keeps_its_batch_size_at_every_node() -> None:
+    params = TensorDict({"a": {"b": torch.zeros(4, 2)}, "c": torch.zeros(4)}, batch_size=[4])
+    tx = muonfn.scale_by_learning_rate(0.5)
+    updates, _ = tx.update(params.apply(torch.ones_like), tx.init(params))
+    assert updates.batch_size == torch.Size([4]) and updates["a"].batch_size == torch.Size([4])
+    assert updates[1]["a", "b"].shape == (2,)
 
 
-def _mutations() -> list[tuple[str, object]]:
+def test_a_key_holding_a_dot_in_a_tree_is_refused_naming_it() -> None:
+    """In a nested tree a dot would make two leaves one dotted name."""
+    bad = TensorDict({"a.b": torch.ones(1), "c": {"d": torch.ones(1)}}, batch_size=[])
+    tx = muonfn.scale_by_learning_rate(0.5)
+    with pytest.raises(ValueError, match=r"key 'a\.b' holds a dot"):
+        tx.init(bad)
+    with pytest.raises(ValueError, match=r"key 'a\.b' holds a dot"):
+        tx.update(bad, TensorDict())
+
+
+def _structures() -> list[tuple[str, object]]:
+    """Changes of a tree's structure between two updates of one transform."""
+
     def add_leaf(td: TensorDict) -> None:
-        td["muon", "momentum", "h", "2", "w"] = torch.ones(2, 3)
-
-    def leaf_to_node(td: TensorDict) -> None:
-        td["adamw", "exp_avg", "b"] = TensorDict({"c": torch.ones(3)}, batch_size=[])
-
-    def node_to_leaf(td: TensorDict) -> None:
-        td["muon", "momentum", "h", "1"] = torch.ones(2)
+        td["h", "2", "w"] = torch.full((2, 3), 3.0)
 
     def drop_leaf(td: TensorDict) -> None:
-        del td["adamw", "exp_avg", "b"]
-
-    def fill_empty(td: TensorDict) -> None:
-        td["scale_by_shape", "count"] = torch.zeros((), dtype=torch.int64)
+        del td["b"]
 
     def reorder(td: TensorDict) -> None:
-        momentum = td["muon", "momentum", "h"]
-        reordered = TensorDict({"1": momentum["1"], "0": momentum["0"]}, batch_size=[])
-        td["muon", "momentum", "h"] = reordered
-
-    def replace_leaf(td: TensorDict) -> None:
-        td["adamw", "exp_avg", "b"] = torch.full((3,), 7.0)
+        td["h"] = TensorDict({"1": td["h", "1"], "0": td["h", "0"]}, batch_size=[])
 
     def rename(td: TensorDict) -> None:
-        td["adamw", "step", "c"] = td["adamw", "step"].pop("b")
+        td["c"] = td.pop("b")
 
-    mutations = (add_leaf, leaf_to_node, node_to_leaf, drop_leaf, fill_empty, reorder, replace_leaf, rename)
-    return [(f.__name__, f) for f in mutations]
+    def leaf_to_node(td: TensorDict) -> None:
+        td["b"] = TensorDict({"c": torch.ones(3)}, batch_size=[])
 
+    def node_to_leaf(td: TensorDict) -> None:
+        td["h", "1"] = torch.ones(2)
 
-@pytest.mark.parametrize(("name", "mutate"), _mutations())
-@pytest.mark.parametrize("keep_empty", [True, False])
-def test_a_structure_changed_since_it_was_flattened_is_read_anew(name, mutate, keep_empty: bool) -> None:
-    """A structure seen before is read through its plan, which checks every name and leaf
-    type: whatever changed in between, the result is the walk's."""
-    td = _nested()
-    first = _tree.flatten(td, keep_empty=keep_empty)
-    again = _tree.flatten(td, keep_empty=keep_empty)
-    assert list(again) == list(first) and all(a is b for a, b in zip(again.values(), first.values()))
-    assert all(a is b for a, b in zip(again, first))  # the plan's key tuples, not new ones
-    mutate(td)
-    flat = _tree.flatten(td, keep_empty=keep_empty)
-    walked = _tree._walked(td, keep_empty)
-    assert list(flat) == list(walked) and all(a is b for a, b in zip(flat.values(), walked.values()))
+    return [(f.__name__, f) for f in (add_leaf, drop_leaf, reorder, rename, leaf_to_node, node_to_leaf)]
 
 
-@pytest.mark.parametrize("keep_empty", [True, False])
-def test_unflatten_through_a_plan_builds_what_the_walk_builds(keep_empty: bool) -> None:
-    td = _nested()
-    flat = _tree.flatten(td, keep_empty=keep_empty)
-    _tree.flatten(td, keep_empty=keep_empty)  # a plan exists now
-    rebuilt = _tree.unflatten(flat, td.batch_size)
-    assert list(rebuilt.keys(True, True)) == [k for k in td.keys(True, True) if keep_empty or k != "scale_by_shape"]
-    assert all(rebuilt.get(k) is v for k, v in flat.items())
-    # the same keys in another order: the tree follows the order given, as without a plan
-    reordered = dict(reversed(list(flat.items())))
-    assert list(_tree.unflatten(reordered, td.batch_size).keys()) == list(dict.fromkeys(k[0] for k in reordered))
+@pytest.mark.parametrize(("name", "mutate"), _structures())
+def test_one_transform_serves_trees_of_several_structures(name, mutate) -> None:
+    """What a transform learns of a structure (its routes, its expected state) is kept per
+    structure: after one tree, a changed one gets what a fresh transform gives it, in its order."""
+
+    def make() -> muonfn.Transform:
+        labels = lambda p: {k: "m" if v.ndim == 2 else "a" for k, v in p.items()}  # noqa: E731
+        return muonfn.partition(
+            {"m": muonfn.ema_momentum(0.5), "a": muonfn.chain(muonfn.scale_by_adam(), muonfn.scale_by_sign())},
+            labels,
+        )
+
+    tx = make()
+    params = _nested()
+    tx.update(params, tx.init(params), params)
+    mutate(params)
+    fresh = make()
+    got, got_state = tx.update(params, tx.init(params), params)
+    expected, expected_state = fresh.update(params, fresh.init(params), params)
+    assert list(got.keys(True, True)) == list(expected.keys(True, True)) == list(params.keys(True, True))
+    assert_bitwise(got, expected)
+    assert_bitwise(got_state, expected_state)
+
+
+def test_apply_updates_keeps_the_params_nesting_and_their_leaves_without_an_update() -> None:
+    params = _nested().exclude("empty")
+    updates = TensorDict({"h": {"1": {"w": torch.ones(2, 3)}}}, batch_size=[])
+    new = muonfn.apply_updates(params, updates)
+    assert list(new.keys(True, True)) == list(params.keys(True, True))
+    assert new["h", "0", "w"] is params["h", "0", "w"] and new["b"] is params["b"]
+    assert torch.equal(new["h", "1", "w"], torch.ones(2, 3))

@@ -268,8 +268,9 @@ def orthogonalize_blocks(
     for t, view, n in zip(tensors, views, counts):
         if not n:
             out.append(torch.empty_like(t))
-        elif done[at].ndim == 2 and t.ndim == 2 and view == DEFAULT_VIEW:
-            out.append(done[at])
+        elif done[at].ndim == 2 and t.ndim == 2 and view == DEFAULT_VIEW:  # (a map of one's own may transpose)
+            contiguous = done[at].is_contiguous() or not t.is_contiguous()
+            out.append(done[at] if contiguous else done[at].contiguous())
         else:
             result = view.from_matrices(done[at : at + n], t.shape)
             out.append(result.contiguous() if t.is_contiguous() else result)
@@ -312,7 +313,7 @@ def _call(
     turns = isinstance(ns, NewtonSchulz)
     tall = [turns and m.size(-2) > m.size(-1) for m in matrices]
     order = sorted(range(len(matrices)), key=lambda k: (matrices[k].ndim != 2, tall[k]))
-    pieces = [matrices[k].mT if tall[k] else matrices[k] for k in order]
+    pieces = [_devices.apart(matrices[k].mT) if tall[k] else matrices[k] for k in order]
     turned = sum(1 for k in order if tall[k] and matrices[k].ndim == 2)
     flat = all(m.ndim == 2 for m in matrices)
     if isinstance(ns, NewtonSchulz) and flat:
@@ -323,7 +324,7 @@ def _call(
             stack = torch.stack(pieces)
             wide = ns.orthogonalize(stack, scale=scale, overwrite_input=True)
             kept = len(pieces) - turned
-            results = [*wide[:kept].unbind(0), *(w.mT.contiguous() for w in wide[kept:].unbind(0))]
+            results = [*wide[:kept].unbind(0), *(_devices.apart(w.mT).contiguous() for w in wide[kept:].unbind(0))]
     else:
         stack = torch.cat([p.unsqueeze(0) if p.ndim == 2 else p for p in pieces])
         own = len(pieces) > 1 or pieces[0].ndim == 2  # (a stack built here)
@@ -337,7 +338,8 @@ def _call(
         sizes = [1 if p.ndim == 2 else p.size(0) for p in pieces]
         results = [r.squeeze(0) if p.ndim == 2 else r for r, p in zip(result.split(sizes), pieces)]
         results = [
-            r.mT.contiguous() if r.ndim == 2 and tall[k] else r.mT if tall[k] else r for r, k in zip(results, order)
+            _devices.apart(r.mT).contiguous() if r.ndim == 2 and tall[k] else _devices.apart(r.mT) if tall[k] else r
+            for r, k in zip(results, order)
         ]
     out: list[torch.Tensor] = [torch.empty(0)] * len(matrices)
     for k, result in zip(order, results):
