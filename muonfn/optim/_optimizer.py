@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import itertools
 import math
 import types
@@ -20,7 +21,7 @@ from .. import transforms
 from .._tree import build, named_table
 from .._validation import Scalar, flag, positive, unit_interval
 from ..linalg import Orthogonalizer
-from ..presets import MUON, VARIANT_OPTIONS, adaptation, label_params, matrix_branch
+from ..presets import MUON, VARIANT_OPTIONS, adaptation, label_params, matrix_branch, warn_routing
 from ..steps import AdamNesterov, NesterovLike, Rescale, ViewsLike, adamw
 from ..transforms import CautiousMode, LabelsLike, MaskLike, Transform, check_input
 from . import _groups, _migration, _routing
@@ -131,6 +132,10 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"chunk_numel must be a positive int, 'auto' or None, got {chunk_numel!r}")
         if not isinstance(compile, bool | Mapping):
             raise TypeError(f"Muon(compile=...) takes a bool or a mapping of torch.compile's keywords, got {compile!r}")
+        known = sorted(set(inspect.signature(torch.compile).parameters) - {"model"})
+        unknown = [k for k in compile if k not in known] if isinstance(compile, Mapping) else []
+        if unknown:
+            raise TypeError(f"Muon(compile=...): torch.compile has no keyword {unknown[0]!r}; its keywords are {known}")
         if compile and getattr(orthogonalizer, "sum_shards", None) is not None:
             raise ValueError(
                 "Muon(compile=...): a sharded orthogonalizer exchanges data between ranks in Python, which cannot "
@@ -164,7 +169,7 @@ class Muon(torch.optim.Optimizer):
         self._compiled: dict[Any, Callable[..., Any]] = {}
         self._undo: list[tuple[dict[Any, Any], Any, Any]] | None = None  # (what a failed step puts back)
         self._keys: dict[torch.Tensor, str] = {}  # (a parameter given without a name: its position among them)
-        self._warned_compiled = False
+        self._warned_compiled = self._warned_unnamed = False
         super().__init__(params, muon_defaults)
         # the tables' names checked against every parameter's, as muonfn.muon(...).init checks them
         leaves = {n: _meta(p) for g, ns in zip(self.param_groups, self._names()) for n, p in zip(ns, g["params"])}
@@ -177,7 +182,7 @@ class Muon(torch.optim.Optimizer):
                 named_table(table, leaves, name)
         idle = _routing.idle_muon(self.param_groups)
         if idle is not None:
-            _routing.warn_routing(idle)
+            warn_routing(idle)
 
     # ------------------------------------------------------------------------------------------ groups
 
@@ -201,7 +206,10 @@ class Muon(torch.optim.Optimizer):
                 unnamed = "" if names else " (parameters given without names are keyed by position)"
                 raise ValueError(f"{error}{unnamed}") from None
             parts = [(kind, [i for i, k in enumerate(keys) if (routes[k] == MUON) == kind]) for kind in (True, False)]
-            _routing.warn_if_routed_blind(self, labels, names, [tensors[i] for i in parts[0][1]])
+            blind = _routing.routed_without_names(labels, names, [tensors[i] for i in parts[0][1]])
+            if blind is not None and not self._warned_unnamed:  # (once per optimizer)
+                self._warned_unnamed = True
+                warn_routing(blind)
         elif isinstance(use_muon, bool):
             parts = [(use_muon, list(range(len(tensors))))]
         else:
@@ -471,6 +479,8 @@ class Muon(torch.optim.Optimizer):
         groups: dict[int, int] = {}
         seen: dict[torch.Tensor, int] = {}
         work: list[tuple[Any, ...]] = []
+        total = sum(p.numel() for g in self.param_groups for p in g["params"] if p.grad is not None)
+        cap = max(AUTO_MIN_CHUNK, math.ceil(total / AUTO_PARTS)) if self._chunk_numel == "auto" else self._chunk_numel
         for i, (group, names) in enumerate(zip(self.param_groups, self._names())):
             if groups.setdefault(id(group), i) != i:
                 raise ValueError(f"param group {i} is param group {groups[id(group)]} again; a group is stepped once")
@@ -482,7 +492,7 @@ class Muon(torch.optim.Optimizer):
             branch = self._branch(i, group)
             stepped = [(n, p) for n, p in zip(names, group["params"]) if p.grad is not None]
             if stepped:
-                parts = [self._inputs(branch, part) for part in self._parts(stepped)]
+                parts = [self._inputs(branch, part) for part in _parts(stepped, cap)]
                 whole = parts[0] if len(parts) == 1 else self._inputs(branch, stepped)  # (checked whole)
                 self._check_part(i, whole)
                 work += parts
@@ -509,31 +519,6 @@ class Muon(torch.optim.Optimizer):
                 if problem is not None:
                     raise problem from None
             raise _renamed(f"param group {index}", self._labels_of()[index], error) from None
-
-    def _parts(self, stepped: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
-        """``stepped`` in parts of at most ``chunk_numel`` elements, the parameters of one Newton–Schulz
-        call (a shape; a 2-D one with its transpose) together where they fit, which keeps the call's bits."""
-        total = sum(p.numel() for _, p in stepped)
-        cap = max(AUTO_MIN_CHUNK, math.ceil(total / AUTO_PARTS)) if self._chunk_numel == "auto" else self._chunk_numel
-        if cap is None or total <= cap:
-            return [stepped]
-        kinds: dict[Any, list[tuple[str, torch.Tensor]]] = {}
-        for n, p in stepped:
-            kinds.setdefault((p.dtype, tuple(sorted(p.shape)) if p.ndim == 2 else tuple(p.shape)), []).append((n, p))
-        parts: list[list[tuple[str, torch.Tensor]]] = [[]]
-        size = 0
-        for members in kinds.values():
-            whole = sum(p.numel() for _, p in members)
-            if parts[-1] and whole <= cap < size + whole:  # a call that fits in a part starts one
-                parts.append([])
-                size = 0
-            for n, p in members:
-                if parts[-1] and size + p.numel() > cap:
-                    parts.append([])
-                    size = 0
-                parts[-1].append((n, p))
-                size += p.numel()
-        return parts
 
     def _compiled_run(self, work: list[Any]) -> Callable[..., Any]:
         signature = tuple((id(w[1]), tuple(w[2]), tuple((p.shape, p.dtype) for p in w[3])) for w in work)
@@ -649,7 +634,9 @@ class Muon(torch.optim.Optimizer):
         this optimizer's Muon groups take the Muon state_dict's groups in order, its AdamW groups the AdamW
         state_dict's, parameter by parameter (checked by shape, and by name where both have names), every
         group key carried. A mismatch raises naming the group or parameter and changes nothing."""
-        self.load_state_dict(_migration.shim_state_dict(self, muon_state_dict, adamw_state_dict))
+        self.load_state_dict(
+            _migration.shim_state_dict(self.param_groups, self._names(), muon_state_dict, adamw_state_dict)
+        )
 
     def torch_state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(muon_state_dict, adamw_state_dict)`` for ``torch.optim.Muon`` and ``torch.optim.AdamW``
@@ -657,7 +644,7 @@ class Muon(torch.optim.Optimizer):
         torch's optimizers cannot run."""
         for i, group in enumerate(self.param_groups):
             self._branch(i, group)
-        return _migration.torch_state_dicts(self)
+        return _migration.torch_state_dicts(self.param_groups, self._names(), self.state, self._views, self._mask)
 
     def _sync(self) -> None:
         """Lays out the state of groups whose settings changed it, now, as their next step would."""
@@ -681,8 +668,34 @@ def _run(work: list[Any]) -> list[tuple[list[str], list[torch.Tensor], TensorDic
         for tx, names, params, grads, state, leaves in work:
             updates, new_state = tx.update(grads, state, leaves)
             torch._foreach_add_(params, list(updates.values()))
+            del updates  # (freed before the next part's are computed: the step's peak holds one part's)
             out.append((names, params, new_state))
     return out
+
+
+def _parts(stepped: list[tuple[str, torch.Tensor]], cap: int | None) -> list[list[tuple[str, torch.Tensor]]]:
+    """``stepped`` in parts of at most ``cap`` elements (``None``: one part), the parameters of one
+    Newton–Schulz call (a shape; a 2-D one with its transpose) together where they fit in one, which
+    keeps the call's bits."""
+    if cap is None or sum(p.numel() for _, p in stepped) <= cap:
+        return [stepped]
+    kinds: dict[Any, list[tuple[str, torch.Tensor]]] = {}
+    for n, p in stepped:
+        kinds.setdefault((p.dtype, tuple(sorted(p.shape)) if p.ndim == 2 else tuple(p.shape)), []).append((n, p))
+    parts: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for members in kinds.values():
+        whole = sum(p.numel() for _, p in members)
+        if parts[-1] and whole <= cap < size + whole:  # a call that fits in a part starts one
+            parts.append([])
+            size = 0
+        for n, p in members:
+            if parts[-1] and size + p.numel() > cap:
+                parts.append([])
+                size = 0
+            parts[-1].append((n, p))
+            size += p.numel()
+    return parts
 
 
 def _check(where: str, label: str, tx: Transform, grads: TensorDictBase, state: Any, leaves: TensorDictBase) -> None:
