@@ -6,6 +6,7 @@ import ast
 import collections
 import copy
 import io
+import pickle
 import re
 
 import pytest
@@ -919,6 +920,24 @@ def test_functional_state_assignment_is_checked():
     del opt.state[model[1].bias]  # forgotten: made anew at its next step
     assert model[1].bias not in opt.state and dict(opt.state[model[1].bias]) == {}
     assert int(opt.state[model[0].bias]["step"]) == 1
+
+
+def test_an_optimizer_pickled_with_its_model_continues_bit_for_bit():
+    """Pickled (or deep-copied) with its model, an optimizer continues the run bit for bit: its groups,
+    its state and the names of its parameters come along; a bias correction turned on in param_groups
+    before pickling lays out the state as the next step would (the momentum starts anew with its count)."""
+    data = batches(5)
+    model = mlp()
+    opt = Muon(model.parameters(), **HP)  # (unnamed: its parameters are named by position)
+    shim_steps(model, opt, data[:2])
+    opt.param_groups[0]["momentum_bias_correction"] = True
+    copied = pickle.loads(pickle.dumps({"model": model, "opt": opt}))
+    shim_steps(model, opt, data[2:])
+    shim_steps(copied["model"], copied["opt"], data[2:])
+    assert_bitwise(TensorDict.from_module(copied["model"]), TensorDict.from_module(model))
+    assert_bitwise(copied["opt"].functional_state, opt.functional_state)
+    assert list(copied["opt"].functional_state["muon", "step"].keys()) == ["0", "4", "6"]
+    assert int(copied["opt"].state[copied["model"][0].weight]["step"]) == 3
 
 
 def test_deepcopy_is_independent():
