@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeAlias
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import MemoryMappedTensor, TensorDictBase
 
 from . import _devices
 from ._tree import build, named_table
@@ -217,7 +217,7 @@ def ema_momentum(
         names, g = list(grads.keys()), list(grads.values())
         held = state["momentum"]
         if donate_state:
-            _refuse_memory_mapped("ema_momentum", held)
+            _refuse_memory_mapped("ema_momentum", "momentum", held)
         mu = _number(momentum)
         buf = _lerp([held[n] for n in names], g, 1 - mu, inplace=donate_state)  # b ← μ b + (1 − μ) g
         new = {"momentum": _replaced(held, names, buf)}
@@ -243,13 +243,17 @@ def ema_momentum(
     return transform(init, update, donates_state=donate_state)
 
 
-def _refuse_memory_mapped(where: str, held: TensorDictBase) -> None:
-    """A donated update writes the state in place: a memory-mapped one would rewrite its checkpoint."""
-    if held.is_memmap():
-        raise ValueError(
-            f"{where}: donate_state=True would write the state in place, and this one is memory-mapped: the "
-            "checkpoint it was loaded from would change. Load it into memory first (state.to_tensordict())"
-        )
+def _refuse_memory_mapped(where: str, field: str, held: TensorDictBase) -> None:
+    """A donated update writes the state in place: a memory-mapped one (``TensorDict.load_memmap``, whose
+    TensorDict need not say so: its leaves do) would rewrite its checkpoint. Type checks only: traceable."""
+    for name, t in held.items():
+        # (_filename: the public property raises for a memory-mapped tensor in anonymous shared memory)
+        filename = t._filename if isinstance(t, MemoryMappedTensor) else None
+        if filename is not None:
+            raise ValueError(
+                f"{where}: state '{field}.{name}' is memory-mapped from {filename!r}; donate_state=True would write "
+                "the step into that checkpoint. Load the state into memory first: state = state.to_tensordict()"
+            )
 
 
 def fresh_updates(nesterov: object, bias_correction: bool) -> bool:
@@ -659,7 +663,7 @@ def _adam_moments(
     names, g, b1 = list(grads.keys()), list(grads.values()), _number(b1)
     held_m, held_v = state["exp_avg"], state["exp_avg_sq"]
     if donate:
-        _refuse_memory_mapped("adam", held_m)
+        _refuse_memory_mapped("adam", "exp_avg", held_m)
     counts, t = _counted([state["step"][n] for n in names], donate)
     m = _lerp([held_m[n] for n in names], g, 1.0 - b1, inplace=donate)
     v = _foreach("mul", [held_v[n] for n in names], b2, inplace=donate)

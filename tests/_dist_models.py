@@ -171,7 +171,8 @@ def shim_reference_run(steps: int = STEPS) -> Reference:
 def make_shim(model: nn.Module, **distributed: Any) -> torch.optim.Optimizer:
     from muonfn.optim import Muon
 
-    return Muon(model.named_parameters(), lr=0.05, weight_decay=0.1, ns_dtype=torch.float32, views=VIEWS, **distributed)
+    ns = muonfn.NewtonSchulz(dtype=torch.float32)
+    return Muon(model.named_parameters(), lr=0.05, weight_decay=0.1, ns=ns, views=VIEWS, **distributed)
 
 
 def adamw_kernel_takes_on_cpu(tensors: Any, members: int, factors: Any) -> bool:

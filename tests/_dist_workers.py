@@ -226,8 +226,9 @@ def cautious_runs(rank: int, world: int, references: dict[str, Reference]) -> No
 
 
 def shim_run(model: nn.Module, collectives: TorchCollectives, reference: Reference, what: str) -> None:
-    """``muonfn.optim.Muon(..., collectives=...)`` on a sharded model: bitwise the single-process shim."""
-    opt = make_shim(model, collectives=collectives)
+    """``muonfn.optim.Muon(..., orthogonalizer=sharded_orthogonalizer(...))`` on a sharded model: bitwise
+    the single-process shim."""
+    opt = make_shim(model, orthogonalizer=sharded_orthogonalizer(collectives))
     for step in range(STEPS):
         opt.zero_grad()
         grads = reference.grads[step]

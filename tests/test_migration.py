@@ -22,6 +22,7 @@ import muonfn
 import muonfn.optim
 
 KELLER = (3.4445, -4.7750, 2.0315)
+FP32_NS = muonfn.NewtonSchulz(dtype=torch.float32)
 SHAPES = {"wide": (8, 24), "tall": (24, 8), "square": (16, 16)}
 STEPS = 4
 
@@ -103,7 +104,7 @@ def adamw_reference(p, g, state, t, key, lr, betas, eps, wd):
 
 @pytest.mark.parametrize("adjust_lr_fn, scale", [(None, "original"), ("match_rms_adamw", "match_rms_adamw")])
 def test_torch_optim_muon(adjust_lr_fn, scale):
-    """torch.optim.Muon(lr, wd, μ, nesterov, adjust_lr_fn) == muonfn.muon(same, scale=..., ns_dtype=bf16).
+    """torch.optim.Muon(lr, wd, μ, nesterov, adjust_lr_fn) == muonfn.muon(same, scale=..., ns=NewtonSchulz(dtype=bf16)).
 
     torch runs Newton–Schulz in bf16 (normalisation included); muonfn normalises in fp32 and
     then casts, so the parameters agree to bf16 accuracy and the momentum buffers exactly.
@@ -114,7 +115,8 @@ def test_torch_optim_muon(adjust_lr_fn, scale):
     lr, wd = 0.02, 0.1
     torch_params = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
     theirs = torch.optim.Muon(list(torch_params.values()), lr=lr, weight_decay=wd, adjust_lr_fn=adjust_lr_fn)
-    tx = muonfn.muon(lr=lr, weight_decay=wd, scale=scale, ns_dtype=torch.bfloat16, labels=all_muon(shapes))
+    ns = muonfn.NewtonSchulz(dtype=torch.bfloat16)
+    tx = muonfn.muon(lr=lr, weight_decay=wd, scale=scale, ns=ns, labels=all_muon(shapes))
     ours = TensorDict({k: v.clone() for k, v in params.items()})
     state = tx.init(ours)
     for t, g in enumerate(grads, start=1):
@@ -387,11 +389,11 @@ def test_torch_muon_and_adamw_run_continues_in_the_shim(monkeypatch: pytest.Monk
     model = small_net()
     model.load_state_dict(theirs_model.state_dict())
     # hyperparameters and state both come from the state_dicts
-    shim = muonfn.optim.Muon(model.named_parameters(), lr=1.0, labels=by_ndim(model), ns_dtype=torch.float32)
+    shim = muonfn.optim.Muon(model.named_parameters(), lr=1.0, labels=by_ndim(model), ns=FP32_NS)
     shim.load_torch_state_dicts(muon.state_dict(), adamw.state_dict())
     muon_group, adamw_group = shim.param_groups
     assert (muon_group["lr"], muon_group["momentum"], muon_group["weight_decay"]) == (0.02, 0.9, 0.1)
-    assert muon_group["scale"] == (adjust_lr_fn or "original") and muon_group["ns_eps"] == 1e-7
+    assert muon_group["adjust_lr_fn"] == (adjust_lr_fn or "original") and muon_group["eps"] == 1e-7
     assert muon_group["ns_coefficients"] == muonfn.COEFFICIENTS["keller"].triples
     assert (adamw_group["lr"], adamw_group["momentum"], adamw_group["beta2"], adamw_group["eps"]) == (
         3e-3,
@@ -418,8 +420,8 @@ def test_shim_run_continues_in_torch_muon_and_adamw(monkeypatch: pytest.MonkeyPa
         lr=0.02,
         momentum=0.9,
         weight_decay=0.1,
-        scale="original",
-        ns_dtype=torch.float32,
+        adjust_lr_fn="original",
+        ns=FP32_NS,
         adamw_lr=3e-3,
         adamw_weight_decay=0.01,
         labels=by_ndim(model),
@@ -449,7 +451,13 @@ def test_shim_run_continues_in_torch_muon_and_adamw(monkeypatch: pytest.MonkeyPa
 
 def test_torch_state_dicts_round_trip_resumes_bitwise(tmp_path):
     """shim → torch's state_dicts, saved and loaded weights-only → shim: the uninterrupted run, bit for bit."""
-    settings = {"lr": 0.02, "momentum": 0.9, "scale": "original", "adamw_lr": 3e-3, "ns_coefficients": (3.4, -4.7, 2.0)}
+    settings = {
+        "lr": 0.02,
+        "momentum": 0.9,
+        "adjust_lr_fn": None,
+        "adamw_lr": 3e-3,
+        "ns_coefficients": (3.4, -4.7, 2.0),
+    }
 
     def shim_for(model: torch.nn.Module, **overrides) -> muonfn.optim.Muon:
         return muonfn.optim.Muon(model.named_parameters(), **{**settings, **overrides}, labels=by_ndim(model))
@@ -490,7 +498,7 @@ def test_group_entries_of_schedulers_and_users_go_along_to_torch():
     ``KeyError: param 'initial_lr' is not specified``. Resumed alike on both sides, schedulers
     now set the same rates."""
     model = small_net()
-    shim = muonfn.optim.Muon(model.named_parameters(), lr=0.02, adamw_lr=3e-3, scale="original", labels=by_ndim(model))
+    shim = muonfn.optim.Muon(model.named_parameters(), lr=0.02, adamw_lr=3e-3, adjust_lr_fn=None, labels=by_ndim(model))
     scheduler = _cosine(shim)
     for g in fixed_grads(model, 4):
         step_with(model, g, shim)
@@ -522,7 +530,7 @@ def test_group_entries_of_schedulers_and_users_come_along_from_torch():
             scheduler.step()
     adamw.param_groups[0]["tag"] = "no decay"
     model = small_net()
-    shim = muonfn.optim.Muon(model.named_parameters(), lr=1.0, scale="original", labels=by_ndim(model))
+    shim = muonfn.optim.Muon(model.named_parameters(), lr=1.0, adjust_lr_fn=None, labels=by_ndim(model))
     shim.load_torch_state_dicts(muon.state_dict(), adamw.state_dict())
     assert [g["initial_lr"] for g in shim.param_groups] == [0.02, 3e-3] and shim.param_groups[1]["tag"] == "no decay"
     again = torch_pair(small_net(), lr=1.0)
@@ -553,12 +561,15 @@ def test_torch_state_dict_conversion_refuses_what_does_not_carry_over(monkeypatc
     cases = [
         (
             (two_groups.state_dict(), adamw.state_dict()),
-            r"Muon state_dict has 2 parameter groups, this optimizer 1 Muon",
+            r"the torch.optim.Muon state_dict has 2 groups, this optimizer 1$",
         ),
-        ((shorter.state_dict(), adamw.state_dict()), r"param group 0 .*: 3 parameters here, 2 there"),
+        (
+            (shorter.state_dict(), adamw.state_dict()),
+            r"param group 0: 3 parameters here, 2 in the torch.optim.Muon group",
+        ),
         ((wrong_names.state_dict(), adamw.state_dict()), r"parameter '0.weight' here is 'x0.weight' there"),
-        ((muon.state_dict(), amsgrad.state_dict()), r"param group 1 .* has amsgrad=True"),
-        ((muon.state_dict(), None), r"this optimizer has AdamW parameters \['0.bias', '1.weight'"),
+        ((muon.state_dict(), amsgrad.state_dict()), r"param group 1 has amsgrad=True"),
+        ((muon.state_dict(), None), r"this optimizer has torch.optim.AdamW parameters \['0.bias', '1.weight'"),
     ]
     for args, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -573,27 +584,34 @@ def test_torch_state_dict_conversion_refuses_what_does_not_carry_over(monkeypatc
         with pytest.raises(ValueError, match=match):
             opt.torch_state_dicts()
 
-    refused(r"param group 0: .*one \(a, b, c\).*norm_factor=1.01", ns_coefficients="polar_express")
-    refused(r"param group 0: .*scale='spectral'", scale="spectral")
-    refused(r"param group 0: .*scale='match_rms_adamw', extra_scale=0.5", extra_scale=0.5)
     refused(
-        r"param group 0: .*reads '3.weight' as it is stored", views={"3.weight": muonfn.MatrixView(transposed=True)}
+        r"param group 0: torch.optim.Muon runs one \(a, b, c\) for every step, not 'polar_express'",
+        ns_coefficients="polar_express",
+    )
+    refused(r"param group 0: torch.optim.Muon does not run adjust_lr_fn='spectral'", adjust_lr_fn="spectral")
+    refused(r"param group 0: torch.optim.Muon does not run extra_scale=0.5", extra_scale=0.5)
+    refused(
+        r"param group 0: views= read parameters as other matrices than torch.optim.Muon does",
+        views={"3.weight": muonfn.MatrixView(transposed=True)},
     )
     refused(r"param group 1: weight_decay_mask exempts \['1.weight'\]", weight_decay_mask={"1.weight": False})
     conv = torch.nn.Conv1d(2, 4, 3)
-    with pytest.raises(ValueError, match=r"param group 0: torch.optim.Muon takes 2-D parameters only; 'weight'"):
+    with pytest.raises(ValueError, match=r"param group 0: parameter 'weight' is 3-D; torch.optim.Muon takes 2-D param"):
         muonfn.optim.Muon(conv.named_parameters()).torch_state_dicts()
 
 
 def test_shim_takes_torch_optim_muon_spellings():
-    """adjust_lr_fn, eps and one (a, b, c) with ns_steps, as torch.optim.Muon takes them."""
+    """adjust_lr_fn, eps and one (a, b, c) with ns_steps, as torch.optim.Muon takes them: the run of the
+    NewtonSchulz they spell, kept in the groups under torch's names; ns_steps is torch's 5 when not given."""
     triple = (3.4445, -4.7750, 2.0315)
     spelled = {"adjust_lr_fn": None, "eps": 1e-6, "ns_coefficients": triple, "ns_steps": 4}
-    ours = {"scale": "original", "ns_eps": 1e-6, "ns_coefficients": [triple] * 4, "ns_steps": 4}
+    ours = {"adjust_lr_fn": "original", "ns": muonfn.NewtonSchulz([triple], 4, 1e-6)}
     models = [small_net(), small_net()]
     opts = [muonfn.optim.Muon(m.named_parameters(), lr=0.02, **kw) for m, kw in zip(models, (spelled, ours))]
-    settings = [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in opts]
-    assert settings[0] == settings[1]
+    group = opts[0].param_groups[0]
+    assert (group["adjust_lr_fn"], group["eps"], group["ns_coefficients"], group["ns_steps"]) == (
+        "original", 1e-6, (triple,) * 4, None
+    )  # fmt: skip
     for g in fixed_grads(models[0], 3):
         for m, o in zip(models, opts):
             step_with(m, g, o)
@@ -601,13 +619,14 @@ def test_shim_takes_torch_optim_muon_spellings():
 
     net = small_net()
     opt = muonfn.optim.Muon(net.named_parameters(), adjust_lr_fn="match_rms_adamw", ns_coefficients=triple)
-    assert opt.defaults["scale"] == "match_rms_adamw"  # and torch's 5 steps when ns_steps is not given:
+    assert opt.defaults["adjust_lr_fn"] == "match_rms_adamw"  # and torch's 5 steps when ns_steps is not given:
     assert opt.defaults["ns_coefficients"] == muonfn.COEFFICIENTS["keller"].triples
-    assert muonfn.optim.Muon(net.named_parameters(), scale="original", adjust_lr_fn="original").defaults["scale"]
     for kwargs, match in [
-        ({"scale": "spectral", "adjust_lr_fn": "original"}, r"adjust_lr_fn is torch's spelling of scale='original'"),
-        ({"ns_eps": 1e-6, "eps": 1e-5}, r"eps is torch.optim.Muon's spelling of ns_eps"),
-        ({"adjust_lr_fn": "rms"}, r"adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got 'rms'"),
+        (
+            {"ns": muonfn.NewtonSchulz(), "eps": 1e-5},
+            r"ns= is the whole Newton–Schulz setting: .*; beside ns=NewtonSchulz\(.*\), eps=1e-05 would be ignored",
+        ),
+        ({"adjust_lr_fn": "rms"}, r"adjust_lr_fn must be None or one of \[.*'match_rms_adamw'.*\], got 'rms'"),
     ]:
         with pytest.raises(ValueError, match=match):
             muonfn.optim.Muon(net.named_parameters(), **kwargs)
@@ -618,7 +637,7 @@ def test_a_partly_stepped_run_migrates_the_stepped_parameters_state_only(monkeyp
     parameter that never had a gradient has no entry in ``torch_state_dicts()``, as in torch's
     own state_dicts after the same steps, and none in the shim loaded from them."""
     monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", fp32_newton_schulz)
-    settings = {"lr": 0.02, "momentum": 0.9, "weight_decay": 0.1, "scale": "original", "ns_dtype": torch.float32}
+    settings = {"lr": 0.02, "momentum": 0.9, "weight_decay": 0.1, "adjust_lr_fn": "original", "ns": FP32_NS}
     model, theirs_model = small_net(), small_net()
     shim = muonfn.optim.Muon(
         model.named_parameters(), **settings, adamw_lr=3e-3, adamw_weight_decay=0.01, labels=by_ndim(model)

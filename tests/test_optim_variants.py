@@ -9,7 +9,7 @@ import pytest
 import torch
 from _bitwise import assert_bitwise
 from tensordict import TensorDict
-from test_optim import assert_unchanged, batches, functional_steps, mlp, params_of, shim_steps, snapshot
+from test_optim import assert_unchanged, batches, functional_steps, loss_of, mlp, params_of, shim_steps, snapshot
 
 import muonfn
 from muonfn.optim import Muon
@@ -145,7 +145,7 @@ def test_state_dict_round_trip_continues_bit_for_bit(variant, options, names):
     assert list(opt.state[weight]) == names
     for name, field in (("row_second_moment", "row_second_moment"), ("exp_avg_sq", "exp_avg_sq"), ("step", "step")):
         if name in names:  # the view shows the functional state's own tensors
-            assert opt.state[weight][name] is opt.functional_state["muon", field, "0", "weight"]
+            assert opt.state[weight][name] is opt.functional_state["muon", field, "0.weight"]
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
     shim_steps(model, opt, data[4:])
@@ -198,21 +198,34 @@ def test_the_fp32_second_moments_of_fp16_parameters_round_trip(variant, tmp_path
     assert_bitwise(resumed_opt.functional_state, opt.functional_state)
 
 
-def test_param_state_of_a_variant_writes_through_and_checks():
+def test_param_state_of_a_variant_is_read_and_checked_at_the_next_step():
     model = mlp()
     opt = Muon(model.named_parameters(), variant="normuon", **HP)
     shim_steps(model, opt, batches(2))
     weight = model[0].weight
     opt.state[weight]["row_second_moment"] = torch.full((12, 1), 3.0)
-    assert torch.equal(opt.functional_state["muon", "row_second_moment", "0", "weight"], torch.full((12, 1), 3.0))
-    before = snapshot(model, opt)
-    with pytest.raises(ValueError, match=r"'muon.row_second_moment.0.weight' has shape \(12, 6\), expected \(12, 1\)"):
-        opt.state[weight]["row_second_moment"] = torch.zeros(12, 6)
-    with pytest.raises(ValueError, match=r"state of '0.weight' has no entry 'exp_avg_sq'; its entries are"):
-        opt.state[weight].update(momentum_buffer=torch.zeros(12, 6), exp_avg_sq=torch.zeros(12, 6))
-    assert_unchanged(model, opt, before)
+    assert torch.equal(opt.functional_state["muon", "row_second_moment", "0.weight"], torch.full((12, 1), 3.0))
+    for bad, match in [
+        (
+            {"row_second_moment": torch.zeros(12, 6)},
+            r"'muon.row_second_moment.0.weight' is a torch.float32 tensor of sh",
+        ),
+        (
+            {"exp_avg_sq": torch.zeros(12, 6)},
+            r"^the state of parameter '0.weight' has no entry 'exp_avg_sq'; its entries",
+        ),
+    ]:
+        held = dict(opt.state[weight])
+        opt.state[weight].update(bad)
+        opt.zero_grad()
+        loss_of(model, *batches(1, seed=4)[0]).backward()
+        before = params_of(model)
+        with pytest.raises(ValueError, match=match):
+            opt.step()
+        assert_bitwise(TensorDict.from_module(model), before)
+        opt.state[weight] = held
     opt.state[weight].clear()  # forgotten: made anew at its next step
-    assert weight not in opt.state and dict(opt.state[weight]) == {}
+    assert dict(opt.state[weight]) == {} and 0 not in opt.state_dict()["state"]
 
 
 @pytest.mark.parametrize(
@@ -221,21 +234,24 @@ def test_param_state_of_a_variant_writes_through_and_checks():
         (
             {"variant": "normuon"},
             {},
-            r"parameter '0.weight' \(index 0\) has state \['momentum_buffer', 'row_second_moment'\], "
-            r"expected \['momentum_buffer'\] \(saved with variant='normuon', this optimizer's group has "
+            r"^load_state_dict: parameter group 0 keeps state \['momentum_buffer'\] here and \['momentum_buffer', "
+            r"'row_second_moment'\] in the state_dict \(saved with variant='normuon', this optimizer's group has "
             r"variant='muon'\)",
         ),
-        ({}, {"variant": "adamuon"}, r"parameter '0.weight' \(index 0\) has state \['momentum_buffer'\], expected"),
+        ({}, {"variant": "adamuon"}, r"parameter group 0 keeps state \['momentum_buffer', 'exp_avg_sq'\] here"),
         (
             {"variant": "adamuon", "second_moment_bias_correction": True},
             {"variant": "adamuon"},
-            r"parameter '0.weight' \(index 0\) has state \['exp_avg_sq', 'momentum_buffer', 'step'\].*"
-            r"saved with second_moment_bias_correction=True",
+            r"\['momentum_buffer', 'exp_avg_sq', 'step'\] in the state_dict \(saved with "
+            r"second_moment_bias_correction=True",
         ),
-        ({"variant": "normuon"}, {"variant": "adamuon"}, r"'0.weight' \(index 0\).*'row_second_moment'"),
+        ({"variant": "normuon"}, {"variant": "adamuon"}, r"parameter group 0 .*'row_second_moment'"),
     ],
 )
 def test_a_state_dict_of_another_variant_does_not_load(saved, loading, match):
+    """A group's variant and bias corrections are chosen where it is built (its state's entries follow
+    them): a state dict saved with others is refused, naming the group and the setting, before anything
+    changes (its other settings, lr to beta2, are the saved ones, as in torch)."""
     source_model = mlp()
     source = Muon(source_model.named_parameters(), **HP, **saved)
     shim_steps(source_model, source, batches(1))
@@ -265,16 +281,17 @@ def test_changing_a_groups_variant_lays_out_its_state_anew():
     params = params_of(ref)
     params, state = functional_steps(ref, muonfn.muon(**HP), params, muonfn.muon(**HP).init(params), data[:3])
     shim_steps(model, opt, data[:3])
-    momentum = opt.functional_state["muon", "momentum", "0", "weight"]
+    momentum = opt.functional_state["muon", "momentum", "0.weight"]
 
-    opt.param_groups[0]["variant"] = "normuon"
-    assert list(opt.state[model[0].weight]) == ["momentum_buffer", "row_second_moment"]
-    assert opt.state[model[0].weight]["momentum_buffer"] is momentum
+    opt.param_groups[0]["variant"] = "normuon"  # (laid out at the next step, or a read of the state)
+    assert list(opt.state_dict()["state"][0]) == ["momentum_buffer"]
     handed = muonfn.normuon(**HP).init(params)
     handed["muon", "momentum"] = state["muon", "momentum"]
     handed["adamw"] = state["adamw"]
     params, state = functional_steps(ref, muonfn.normuon(**HP), params, handed, data[3:6])
     shim_steps(model, opt, data[3:6])
+    assert list(opt.state[model[0].weight]) == ["momentum_buffer", "row_second_moment"]
+    assert opt.state[model[0].weight]["momentum_buffer"] is momentum  # (donated: updated in place)
     assert_bitwise(opt.functional_state, state)
 
     # a setting of the variant changed in param_groups rebuilds the transform at the next step
@@ -325,9 +342,9 @@ def test_a_variant_changed_before_a_parameters_first_step_gives_it_the_new_varia
     handed["muon", "momentum"] = state["muon", "momentum"]
     handed["adamw"] = state["adamw"]
     state = handed
-    assert list(opt.state[model["a"].weight]) == ["momentum_buffer", "row_second_moment"]
     for head in "bab":
         step(muonfn.normuon(**HP), head)
+    assert list(opt.state[model["a"].weight]) == ["momentum_buffer", "row_second_moment"]
     assert_bitwise(TensorDict.from_module(model), params)
     assert_bitwise(opt.functional_state, state)
 
@@ -376,18 +393,17 @@ def test_toggling_second_moment_bias_correction_hands_off_a_consistent_state():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"beta2": 0.9}, r"^Muon\(variant='muon'\): beta2 does not apply to variant 'muon'; it is an option of "),
+        ({"beta2": 0.9}, r"^param group 0: beta2 does not apply to variant 'muon'; it is an option of "),
         (
             {"variant": "normuon", "sign_momentum": False},
-            r"^Muon\(variant='normuon'\): sign_momentum does not apply to variant 'normuon'; it is an option of "
-            r"'adamuon'$",
+            r"^param group 0: sign_momentum does not apply to variant 'normuon'; it is an option of 'adamuon'$",
         ),
         ({"variant": "normuon", "second_moment_bias_correction": True}, r"second_moment_bias_correction does not"),
-        ({"variant": "adamw"}, r"^Muon\(\.\.\.\): unknown variant 'adamw'; choose one of \['muon', 'normuon'"),
-        ({"variant": "normuon", "beta2": 1.0}, r"^param group 0: beta2 must be in \[0, 1\), got 1.0$"),
-        ({"variant": "adamuon", "adaptive_eps": 0.0}, r"^param group 0: adaptive_eps must be finite and > 0"),
-        ({"variant": "normuon", "rescale": "rms"}, r"^param group 0: unknown rescale 'rms'; choose one of"),
-        ({"variant": "adamuon", "sign_momentum": 1}, r"^param group 0: sign_momentum must be True or False"),
+        ({"variant": "adamw"}, r"^param group 0: unknown variant 'adamw'; choose one of \['muon', 'normuon'"),
+        ({"variant": "normuon", "beta2": 1.0}, r"^param group 0: normuon: beta2 must be in \[0, 1\), got 1.0$"),
+        ({"variant": "adamuon", "adaptive_eps": 0.0}, r"^param group 0: adamuon: adaptive_eps must be finite and > 0"),
+        ({"variant": "normuon", "rescale": "rms"}, r"^param group 0: .*unknown rescale 'rms'; choose one of"),
+        ({"variant": "adamuon", "sign_momentum": 1}, r"^param group 0: adamuon: sign_momentum must be True or False"),
     ],
 )
 def test_bad_variant_options_raise_naming_the_culprit(kwargs, match):
@@ -412,27 +428,28 @@ def test_group_options_are_checked_against_the_groups_variant():
     assert (opt.param_groups[0]["sign_momentum"], opt.param_groups[0]["momentum"]) == (False, 0.9)
 
 
-def test_collectives_are_refused_with_a_variant():
+def test_a_sharded_orthogonalizer_is_refused_with_a_variant():
+    from muonfn.distributed import sharded_orthogonalizer
     from muonfn.testing import simulate
 
     def build(collectives) -> list[str]:
+        sharded = sharded_orthogonalizer(collectives)
         messages = []
         for make in (
-            lambda: Muon(mlp().named_parameters(), variant="normuon", collectives=collectives),
-            lambda: Muon([{"params": mlp().parameters(), "variant": "adamuon"}], collectives=collectives),
+            lambda: Muon(mlp().named_parameters(), variant="normuon", orthogonalizer=sharded),
+            lambda: Muon([{"params": mlp().parameters(), "variant": "adamuon"}], orthogonalizer=sharded),
         ):
-            with pytest.raises(ValueError, match="collectives= is not supported") as error:
+            with pytest.raises(ValueError, match="sharded orthogonalizers return shards") as error:
                 make()
             messages.append(str(error.value))
-        opt = Muon(mlp().named_parameters(), collectives=collectives)  # Muon itself runs sharded
+        opt = Muon(mlp().named_parameters(), orthogonalizer=sharded)  # Muon itself runs sharded
         opt.param_groups[0]["variant"] = "normuon"
-        with pytest.raises(ValueError, match=r"^param group 0: variant='normuon': collectives= is not supported"):
+        with pytest.raises(ValueError, match=r"^param group 0: the adapted variants need each whole orthogonalized"):
             opt.transform  # noqa: B018
         return messages
 
     (messages, *_) = simulate(1, build)
-    assert messages[0].startswith("Muon(variant='normuon'): collectives=")
-    assert messages[1].startswith("param group 0: variant='adamuon': collectives=")
+    assert all(message.startswith("param group 0: the adapted variants") for message in messages)
 
 
 def test_torch_state_dicts_refuse_a_variant_group():
@@ -440,8 +457,7 @@ def test_torch_state_dicts_refuse_a_variant_group():
     opt = Muon(model.named_parameters(), variant="normuon", **HP)
     with pytest.raises(
         ValueError,
-        match=r"^torch_state_dicts: param group 0: torch.optim.Muon runs variant='muon'; this group has "
-        r"variant='normuon' \(state \['momentum_buffer', 'row_second_moment'\]\)$",
+        match=r"^torch_state_dicts: param group 0: torch.optim.Muon does not run variant='normuon' \(it runs 'muon'\)$",
     ):
         opt.torch_state_dicts()
     torch_model = mlp()

@@ -3,7 +3,7 @@
 Three kinds of comparison, each test named for its kind:
 
 - ``..._bitwise_with_the_same_newton_schulz``: the fast path runs the reference's own
-  Newton–Schulz on each matrix alone (``ns_method=``), so both sides do the same arithmetic
+  Newton–Schulz on each matrix alone (``ns=``), so both sides do the same arithmetic
   in the same order: the Muon parameters and all moments are equal bit for bit. What
   is left to differ is how the fast paths stack, bucket, shard, transpose, scale, decay and
   apply, which must not change a bit.
@@ -81,7 +81,7 @@ def reference_ns(M: torch.Tensor) -> torch.Tensor:
 
 
 def per_matrix_ns(X: torch.Tensor) -> torch.Tensor:
-    """:func:`reference_ns` on every matrix of a ``(count, m, n)`` batch alone: the fast paths' ``ns_method``.
+    """:func:`reference_ns` on every matrix of a ``(count, m, n)`` batch alone: the fast paths' ``ns=``.
 
     Each matrix is copied out of the stack first, as the reference has it: in memory of its own
     (an sgemm may round a matrix at another alignment differently)."""
@@ -255,7 +255,7 @@ def test_muonfn_adamw_at_a_learning_rate_of_zero_leaves_the_parameters_as_they_a
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_functional_equals_reference_bitwise_with_the_same_newton_schulz(variant: str, scale: str) -> None:
     preset, options = VARIANTS[variant]
-    tx = preset(lr=LR, scale=scale, ns_method=per_matrix_ns)
+    tx = preset(lr=LR, scale=scale, ns=per_matrix_ns)
     params, state = functional_run(tx)
     expected, expected_state = reference_run(ns=reference_ns, scale=scale, **options)
     assert_bitwise(params, expected, MATRICES)
@@ -271,7 +271,7 @@ def test_functional_equals_reference_bitwise_with_the_same_newton_schulz(variant
 def test_donated_equals_reference_bitwise_with_the_same_newton_schulz(variant: str) -> None:
     """``donate_state=True`` and ``apply_updates_``: the state and the parameters updated in place."""
     preset, options = VARIANTS[variant]
-    params, state = functional_run(preset(lr=LR, ns_method=per_matrix_ns, donate_state=True), donated=True)
+    params, state = functional_run(preset(lr=LR, ns=per_matrix_ns, donate_state=True), donated=True)
     expected, expected_state = reference_run(ns=reference_ns, **options)
     assert_bitwise(params, expected, MATRICES)
     assert_adamw_close(params, expected)
@@ -283,7 +283,7 @@ def test_donated_equals_reference_bitwise_with_the_same_newton_schulz(variant: s
 def test_shim_equals_reference_bitwise_with_the_same_newton_schulz(variant: str, chunk_numel: int | None) -> None:
     """``muonfn.optim.Muon``: hyperparameters as tensors, donated state, one part or parts of 300 elements."""
     _, options = VARIANTS[variant]
-    params = shim_run(ns_method=per_matrix_ns, chunk_numel=chunk_numel, **options)
+    params = shim_run(ns=per_matrix_ns, chunk_numel=chunk_numel, **options)
     expected, _ = reference_run(ns=reference_ns, **options)
     assert_bitwise(params, expected, MATRICES)
     assert_adamw_close(params, expected)
@@ -291,7 +291,8 @@ def test_shim_equals_reference_bitwise_with_the_same_newton_schulz(variant: str,
 
 def test_buckets_equal_reference_bitwise_with_the_same_newton_schulz() -> None:
     """``bucket_numel`` below one matrix: every Newton–Schulz call holds one matrix."""
-    params, _ = functional_run(muonfn.muon(lr=LR, ns_method=per_matrix_ns, bucket_numel=100))
+    local = muonfn.LocalOrthogonalizer(bucket_numel=100)
+    params, _ = functional_run(muonfn.muon(lr=LR, ns=per_matrix_ns, orthogonalizer=local))
     expected, _ = reference_run(ns=reference_ns)
     assert_bitwise(params, expected, MATRICES)
 
@@ -328,7 +329,7 @@ def gathered(ranks: list[Params], sharded: bool) -> Params:
 def test_distributed_simulation_equals_reference_bitwise_with_the_same_newton_schulz(
     strategy: str, world: int, sharded: bool
 ) -> None:
-    ranks = simulate(world, sharded_run, strategy, sharded, ns_method=per_matrix_ns)
+    ranks = simulate(world, sharded_run, strategy, sharded, ns=per_matrix_ns)
     params = gathered(ranks, sharded)
     expected, _ = reference_run(ns=reference_ns)
     assert_bitwise(params, expected, MATRICES)
@@ -337,13 +338,13 @@ def test_distributed_simulation_equals_reference_bitwise_with_the_same_newton_sc
 
 def test_default_newton_schulz_one_matrix_per_call_equals_reference_bitwise() -> None:
     """muonfn's own Newton–Schulz inside the reference, against the fast path with one matrix
-    per call (``bucket_numel=1``): the same products on the same matrices, whatever the BLAS.
+    per call (``LocalOrthogonalizer(bucket_numel=1)``): the same products on the same matrices, whatever the BLAS.
     The fast path hands ``-η·s`` to the last Newton–Schulz step, so the reference's map takes
     ``η·s`` there, and the reference runs at a learning rate of 1 (its update is then that
     result negated, exactly) and a decay of ``η·λ`` (the same ``-ηλ`` multiply-add)."""
     ns = muonfn.NewtonSchulz(dtype=torch.float32)
     scale = reference.SCALES["match_rms_adamw"]
-    params, _ = functional_run(muonfn.muon(lr=LR, ns_dtype=torch.float32, bucket_numel=1))
+    params, _ = functional_run(muonfn.muon(lr=LR, ns=ns, orthogonalizer=muonfn.LocalOrthogonalizer(bucket_numel=1)))
     expected, _ = reference_run(
         ns=lambda M: ns.orthogonalize(M, scale=LR * scale(*M.shape)), scale="none", lr=1.0, weight_decay=LR * 0.1
     )
@@ -358,7 +359,7 @@ def test_vmapped_ensemble_matches_reference_within_batched_matmul_rounding() -> 
     Newton–Schulz then runs every matmul as one ``bmm`` over the members: elementwise the same
     arithmetic, but a BLAS may round a batch differently from one matrix."""
     members = 3
-    params, _ = functional_run(muonfn.muon(lr=LR, ns_method=per_matrix_ns), members=members)
+    params, _ = functional_run(muonfn.muon(lr=LR, ns=per_matrix_ns), members=members)
     grads = gradients(members)
     for i in range(members):
         member = {k: v[i] for k, v in model(members).items()}
@@ -367,12 +368,15 @@ def test_vmapped_ensemble_matches_reference_within_batched_matmul_rounding() -> 
         assert_adamw_close(params[i], expected)
 
 
+FP32_NS = muonfn.NewtonSchulz(dtype=torch.float32)
 DEFAULT_PATHS: dict[str, Callable[[], Any]] = {
-    "functional": lambda: functional_run(muonfn.muon(lr=LR, ns_dtype=torch.float32))[0],
-    "donated": lambda: functional_run(muonfn.muon(lr=LR, ns_dtype=torch.float32, donate_state=True), donated=True)[0],
-    "bucketed": lambda: functional_run(muonfn.muon(lr=LR, ns_dtype=torch.float32, bucket_numel=600))[0],
-    "shim": lambda: shim_run(ns_dtype=torch.float32),
-    "fsdp3": lambda: gathered(simulate(3, sharded_run, "owner", True, ns_dtype=torch.float32), True),
+    "functional": lambda: functional_run(muonfn.muon(lr=LR, ns=FP32_NS))[0],
+    "donated": lambda: functional_run(muonfn.muon(lr=LR, ns=FP32_NS, donate_state=True), donated=True)[0],
+    "bucketed": lambda: functional_run(
+        muonfn.muon(lr=LR, ns=FP32_NS, orthogonalizer=muonfn.LocalOrthogonalizer(bucket_numel=600))
+    )[0],
+    "shim": lambda: shim_run(ns=FP32_NS),
+    "fsdp3": lambda: gathered(simulate(3, sharded_run, "owner", True, ns=FP32_NS), True),
 }
 
 

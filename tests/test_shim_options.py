@@ -1,9 +1,10 @@
-"""The shim takes exactly the presets' options, each with the preset's meaning, state and checkpoints.
+"""The shim takes the presets' options, each with the preset's meaning, state and checkpoints.
 
-``muonfn.optim._groups`` says where the shim keeps each keyword of ``muonfn.muon``, ``normuon``
-and ``adamuon`` (per group, scheduled or read when the transform is built; per optimizer); the
-first tests fail the day the presets, that table and the shim's signature differ. The others run
-the options through the shim, bit for bit against the presets.
+Every keyword of ``muonfn.muon``, ``normuon`` and ``adamuon`` has its place in the shim, kept by
+the groups it acts on (under the name the group keeps it by) or by the optimizer, or a replacement
+the shim's page documents (torch.optim.Muon's spelling of it); the shim takes exactly those and its
+own. The first tests fail the day the presets and the shim's signature differ. The others run the
+options through the shim, bit for bit against the presets.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from test_optim import assert_unchanged, batches, functional_steps, mlp, params_
 
 import muonfn
 from muonfn import NewtonSchulz
-from muonfn.optim import Muon, _groups
+from muonfn.optim import Muon
 from muonfn.presets import VARIANT_DEFAULTS, VARIANT_OPTIONS
 
 PRESETS: dict[str, Callable[..., muonfn.Transform]] = {
@@ -32,6 +33,33 @@ PRESETS: dict[str, Callable[..., muonfn.Transform]] = {
     "adamuon": muonfn.adamuon,
 }
 HP = {"lr": 0.02, "weight_decay": 0.05, "adamw_lr": 0.004, "adamw_betas": (0.85, 0.97)}
+SHIM_PAGE = (pathlib.Path(__file__).parents[1] / "docs" / "shim.md").read_text()
+
+#: The presets' keywords the shim spells as torch.optim.Muon does (docs/shim.md says so).
+REPLACED = {"scale": "adjust_lr_fn"}
+#: The shim's own keywords: torch.optim.Muon's Newton–Schulz spellings (``ns=`` holds the rest), the
+#: Muon groups' rule, and how it steps.
+SHIM_OWN = {"adjust_lr_fn", "ns_coefficients", "ns_steps", "eps", "variant", "chunk_numel", "compile"}
+#: Where a group keeps each keyword that acts per group, with a value other than the default: a Muon
+#: group under the keyword's name (``ns=`` as the ns_* entries), an AdamW group under these entries.
+MUON_GROUP_KEYWORDS: dict[str, Any] = {
+    "lr": 0.05, "momentum": 0.8, "nesterov": False, "weight_decay": 0.2, "momentum_bias_correction": True,
+    "cautious_weight_decay": True, "cautious_mode": "heavyball", "extra_scale": 0.5, "adjust_lr_fn": "spectral",
+    "ns_coefficients": "cesista", "ns_steps": 3, "eps": 1e-5,
+}  # fmt: skip
+VARIANT_KEYWORDS: dict[str, dict[str, Any]] = {
+    "normuon": {"beta2": 0.9, "adaptive_eps": 1e-8, "rescale": "none"},
+    "adamuon": {"sign_momentum": False, "second_moment_bias_correction": True},
+}
+ADAMW_GROUP_KEYWORDS: dict[str, tuple[Any, dict[str, Any]]] = {
+    "adamw_lr": (3e-3, {"lr": 3e-3}),
+    "adamw_betas": ((0.8, 0.9), {"momentum": 0.8, "beta2": 0.9}),
+    "adamw_eps": (1e-6, {"eps": 1e-6}),
+    "adamw_weight_decay": (0.01, {"weight_decay": 0.01}),
+    "adamw_nesterov": ("timm", {"nesterov": "timm"}),
+}
+#: The optimizer's, given once
+PER_OPTIMIZER = {"labels", "views", "weight_decay_mask", "orthogonalizer", "donate_state", "chunk_numel", "compile"}
 
 #: The shim's defaults that deliberately differ from the presets', and why.
 DIFFERENT_DEFAULTS = {
@@ -39,18 +67,19 @@ DIFFERENT_DEFAULTS = {
     "momentum": "the variant's",
     "nesterov": "the variant's",
     **dict.fromkeys(VARIANT_OPTIONS, "the variant's"),
-    # None: the preset's default, unless torch.optim.Muon's spelling (adjust_lr_fn, eps) gives it
-    "scale": "the preset's, or torch's spelling's",
-    "ns_eps": "the preset's, or torch's spelling's",
     # the state is updated in place, as torch.optim's is
     "donate_state": "True",
 }
 
 
 def keywords(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
-    """The keywords ``fn`` takes (``lr`` included), its operands left out."""
+    """The keywords ``fn`` takes (``lr`` included), its operands and ``**options`` left out."""
     parameters = inspect.signature(fn).parameters
-    return {name: p for name, p in parameters.items() if name not in ("self", "params")}
+    return {
+        name: p
+        for name, p in parameters.items()
+        if name not in ("self", "params") and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    }
 
 
 def preset_keywords() -> set[str]:
@@ -66,24 +95,34 @@ def assert_same(name: str, these: set[str], those: set[str]) -> None:
 # ---------------------------------------------------------------------------- the keywords, by construction
 
 
-def test_the_table_holds_exactly_the_presets_keywords():
-    """Each keyword of a preset has its place in the shim (kept per group, per optimizer, or as the
-    ``ns_*`` entries for ``ns=``), and the table names nothing else but the shim's own."""
-    table = {
-        *_groups.SCHEDULED,
-        *_groups.MUON_SETTINGS,
-        *_groups.ADAMW_KEYWORDS,  # kept in the AdamW groups under the names ADAMW_KEYWORDS gives
-        *_groups.PER_OPTIMIZER,
-        _groups.WHOLE_NEWTON_SCHULZ,  # "ns", kept in a group as its NEWTON_SCHULZ entries
-    }
-    assert_same("presets vs table", preset_keywords(), table - set(_groups.SHIM_OWN))
-    assert set(_groups.GROUP_SETTINGS) == table - {*_groups.PER_OPTIMIZER, *_groups.SPLIT_ONLY, "ns"}
-    # every setting of an AdamW group is set by a keyword
-    adamw_entries = {name for names in _groups.ADAMW_KEYWORDS.values() for name in names}
-    assert adamw_entries | {"cautious_weight_decay"} == set(_groups.SETTINGS_OF[False])
-    # the adapted variants add their options and take no sharded parameters
+def test_the_shim_takes_the_presets_keywords_but_the_replaced_and_its_own():
+    """The day a preset gains an option the shim lacks (or the shim one no preset takes, beyond its
+    own), this fails naming it; each replacement is on the shim's page, beside the keyword it replaces."""
+    assert_same("shim vs presets + own", set(keywords(Muon)), (preset_keywords() - set(REPLACED)) | SHIM_OWN)
+    for replaced, spelling in REPLACED.items():
+        assert re.search(rf"`{spelling}`[^|]*\|[^|]*`{replaced}`", SHIM_PAGE), (replaced, spelling)
+    # the adapted variants add their options
     variants = (set(keywords(muonfn.normuon)) | set(keywords(muonfn.adamuon))) - set(keywords(muonfn.muon))
     assert variants == set(VARIANT_OPTIONS)
+
+
+def test_each_keyword_has_its_place_in_the_groups_or_the_optimizer():
+    """Each keyword given a value other than its default shows in the groups it acts on, under the
+    name they keep it by (``lr``, ``momentum`` and ``weight_decay`` scheduled there), or is the
+    optimizer's; the table names every keyword."""
+    per_group = {*MUON_GROUP_KEYWORDS, *ADAMW_GROUP_KEYWORDS, "variant", "ns"} | set(VARIANT_OPTIONS)
+    assert_same("keywords vs places", set(keywords(Muon)), per_group | PER_OPTIMIZER)
+    for name, value in MUON_GROUP_KEYWORDS.items():
+        muon_group, adamw_group = Muon(mlp().named_parameters(), **{name: value}).param_groups
+        assert muon_group[name] == value, name
+        if name in ("lr", "weight_decay", "cautious_weight_decay"):  # (AdamW's too, unless adamw_* says otherwise)
+            assert adamw_group[name] == value, name
+    for variant, options in VARIANT_KEYWORDS.items():
+        muon_group = Muon(mlp().named_parameters(), variant=variant, **options).param_groups[0]
+        assert {k: muon_group[k] for k in ("variant", *options)} == {"variant": variant, **options}
+    for name, (value, entries) in ADAMW_GROUP_KEYWORDS.items():
+        adamw_group = Muon(mlp().named_parameters(), **{name: value}).param_groups[1]
+        assert {k: adamw_group[k] for k in entries} == entries, name
 
 
 def test_the_presets_spell_their_shared_keywords_alike():
@@ -103,49 +142,41 @@ def test_the_presets_spell_their_shared_keywords_alike():
     assert keywords(muonfn.adamuon)["momentum"].default != keywords(muonfn.muon)["momentum"].default
 
 
-def test_the_shim_takes_the_presets_keywords_and_its_own():
-    """The day a preset gains an option the shim lacks (or the shim one no preset takes, beyond
-    its own: ``variant``, ``chunk_numel``, ``compile`` and torch.optim.Muon's ``adjust_lr_fn`` and
-    ``eps``), this fails naming it."""
-    assert_same("shim vs presets + own", set(keywords(Muon)), preset_keywords() | set(_groups.SHIM_OWN))
-
-
 def test_the_shims_defaults_are_the_presets_but_those_named():
-    """Every default the shim shares with a preset is that preset's, but ``DIFFERENT_DEFAULTS``.
-    (Also deliberate, in kind rather than default: ``lr`` and ``adamw_lr`` take numbers, for
-    ``torch.optim.lr_scheduler``, not the presets' schedule functions; ``ns_coefficients`` also
-    takes torch.optim.Muon's one triple.)"""
+    """Every default the shim shares with a preset is that preset's, but ``DIFFERENT_DEFAULTS``; a
+    replacement's default is that of the keyword it replaces. (Also deliberate, in kind rather than
+    default: ``lr`` and ``adamw_lr`` take numbers, for ``torch.optim.lr_scheduler``, not the presets'
+    schedule functions; ``ns_coefficients`` also takes torch.optim.Muon's one triple.)"""
     shim = keywords(Muon)
     for name in sorted(preset_keywords()):
         for preset_name, preset in PRESETS.items():
             theirs = keywords(preset).get(name)
             if theirs is None or name in DIFFERENT_DEFAULTS:
                 continue
-            assert shim[name].default == theirs.default, (
-                f"{name}: shim {shim[name].default!r}, {preset_name} {theirs.default!r}"
-            )
+            mine = shim[REPLACED.get(name, name)]
+            assert mine.default == theirs.default, f"{name}: shim {mine.default!r}, {preset_name} {theirs.default!r}"
     for name in DIFFERENT_DEFAULTS:
         assert shim[name].default is (True if name == "donate_state" else None), name
-    # the None defaults resolve to the presets'
+    # the None defaults resolve to the presets', torch's Newton–Schulz spellings to NewtonSchulz()'s
     for variant, preset in PRESETS.items():
         group = Muon(mlp().named_parameters(), variant=variant).param_groups[0]
-        for name in ("momentum", "nesterov", "scale", "ns_eps", *VARIANT_DEFAULTS[variant]):
+        for name in ("momentum", "nesterov", *VARIANT_DEFAULTS[variant]):
             assert group[name] == keywords(preset)[name].default, (variant, name)
+        ns = NewtonSchulz()
+        assert (group["ns_coefficients"], group["ns_steps"], group["eps"]) == (ns.coefficients, ns.steps, ns.eps)
 
 
 #: The shim's annotations that differ from the presets' (but ``X | None`` for the ``None`` defaults above), and why.
 DIFFERENT_TYPES = {
     "lr": "a number, for torch.optim.lr_scheduler: no schedule function",
     "adamw_lr": "a number, for torch.optim.lr_scheduler: no schedule function",
-    "nesterov": "the presets' private alias spelled out",
-    "adamw_nesterov": "the presets' private alias spelled out",
 }
 
 
 def test_the_shims_types_are_the_presets_but_those_named():
     shim = keywords(Muon)
     for name, theirs in {**keywords(muonfn.adamuon), **keywords(muonfn.muon)}.items():
-        if name in DIFFERENT_TYPES:
+        if name in DIFFERENT_TYPES or name in REPLACED:
             continue
         optional = name in DIFFERENT_DEFAULTS and shim[name].default is None
         expected = f"{theirs.annotation} | None" if optional else theirs.annotation
@@ -153,8 +184,7 @@ def test_the_shims_types_are_the_presets_but_those_named():
 
 
 def test_the_shim_page_lists_every_keyword():
-    text = (pathlib.Path(__file__).parents[1] / "docs" / "shim.md").read_text()
-    rows = text.split("| argument | meaning |")[1].split("\n\n")[0].splitlines()[2:]
+    rows = SHIM_PAGE.split("| argument | meaning |")[1].split("\n\n")[0].splitlines()[2:]
     listed = {name for row in rows for name in re.findall(r"`(\w+)", row.split("|")[1])}
     assert_same("shim keywords vs docs/shim.md", set(keywords(Muon)), listed)
 
@@ -166,14 +196,22 @@ def own_map(x: torch.Tensor) -> torch.Tensor:
     return muonfn.polar(x)
 
 
-#: (variant, options) the shim and the preset both take; each differs from the defaults somewhere.
+#: (variant, options) the shim and the preset both take (the shim's own spellings as the preset's, by
+#: :func:`preset_options`); each differs from the defaults somewhere.
 CASES = {
     "momentum_bias_correction": ("muon", {"momentum_bias_correction": True}),
     "cautious_weight_decay": ("muon", {"cautious_weight_decay": True}),
     "cautious_mode heavyball": ("muon", {"cautious_mode": "heavyball"}),
     "cautious_mode pytorch_optimizer": ("muon", {"cautious_mode": "pytorch_optimizer", "cautious_weight_decay": True}),
-    "ns_eps_mode": ("muon", {"ns_eps_mode": "add", "ns_eps": 1e-3}),
-    "ns_restarts": ("muon", {"ns_method": "gram", "ns_restarts": (2,)}),
+    "ns eps_mode": ("muon", {"ns": NewtonSchulz(eps_mode="add", eps=1e-3)}),
+    "ns restarts": ("muon", {"ns": NewtonSchulz(method="gram", restarts=(2,))}),
+    "adjust_lr_fn": ("muon", {"adjust_lr_fn": "spectral"}),
+    "adjust_lr_fn None": ("muon", {"adjust_lr_fn": None}),
+    "torch's Newton-Schulz spellings": (
+        "muon",
+        {"ns_coefficients": (3.4445, -4.7750, 2.0315), "ns_steps": 4, "eps": 1e-6},
+    ),
+    "named coefficients": ("muon", {"ns_coefficients": "polar_express", "ns_steps": 6}),
     "adamw_nesterov": ("muon", {"adamw_nesterov": True}),
     "adamw_nesterov timm": ("muon", {"adamw_nesterov": "timm"}),
     "ns NewtonSchulz": ("muon", {"ns": NewtonSchulz("cesista", eps=1e-4, eps_mode="add")}),
@@ -184,12 +222,26 @@ CASES = {
 }
 
 
+def preset_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The shim's options as the presets spell them: ``adjust_lr_fn`` as ``scale``, torch's
+    Newton–Schulz spellings as ``ns=``."""
+    out = {k: v for k, v in options.items() if k not in ("adjust_lr_fn", "ns_coefficients", "ns_steps", "eps")}
+    if "adjust_lr_fn" in options:
+        out["scale"] = options["adjust_lr_fn"] or "original"
+    if {"ns_coefficients", "ns_steps", "eps"} & set(options):
+        coefficients = options.get("ns_coefficients", "keller")
+        coefficients = [coefficients] if isinstance(coefficients, tuple) else coefficients
+        steps = options.get("ns_steps", 5 if isinstance(coefficients, list) else None)
+        out["ns"] = NewtonSchulz(coefficients, steps, options.get("eps", 1e-7))
+    return out
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_an_option_steps_saves_and_hands_off_as_the_preset(case):
     """Each option steps the preset's bits; the state_dict (read with ``weights_only=True``) and
     the functional state handed over continue them."""
     variant, options = CASES[case]
-    preset = PRESETS[variant](**HP, **options)
+    preset = PRESETS[variant](**HP, **preset_options(options))
     data = batches(7)
     model, ref = mlp(), mlp()
     opt = Muon(model.named_parameters(), variant=variant, **HP, **options)
@@ -245,15 +297,13 @@ def test_the_counts_show_in_opt_state_and_the_state_dict(variant, options, names
     if "second_moment_step" in names:
         fields["exp_avg_sq"] = ("second_moment", "exp_avg_sq")
     for name, field in fields.items():
-        if name in names:  # the view shows the functional state's own tensors
-            assert opt.state[weight][name] is opt.functional_state["muon", *field, "0", "weight"]
+        if name in names:  # the functional state holds the same tensors
+            assert opt.state[weight][name] is opt.functional_state["muon", *field, "0.weight"]
     for name in ("step", "second_moment_step"):
         if name in names:
             assert opt.state[weight][name].dtype == torch.int64 and int(opt.state[weight][name]) == 3
     saved = opt.state_dict()["state"][0]
     assert sorted(saved) == sorted(names)
-    with pytest.raises(ValueError, match=r"state\['0.weight'\]\['step'\] must be a count >= 0, got -1"):
-        opt.state[weight]["step"] = -1
     count = [name for name in names if name.endswith("step")][-1]
     saved = {**saved, count: torch.tensor(2.5)}
     with pytest.raises(ValueError, match=rf"parameter '0.weight' \(index 0\) has {count} tensor\(2.5000\); expected"):
@@ -269,8 +319,8 @@ def test_a_state_dict_saved_without_the_momentums_count_does_not_load():
     before = snapshot(model, opt)
     with pytest.raises(
         ValueError,
-        match=r"parameter '0.weight' \(index 0\) has state \['momentum_buffer'\], expected \['momentum_buffer', "
-        r"'step'\] \(saved with momentum_bias_correction=False, this optimizer's group has "
+        match=r"parameter group 0 keeps state \['momentum_buffer', 'step'\] here and \['momentum_buffer'\] in the "
+        r"state_dict \(saved with momentum_bias_correction=False, this optimizer's group has "
         r"momentum_bias_correction=True\)",
     ):
         opt.load_state_dict(source.state_dict())
@@ -305,9 +355,9 @@ def test_toggling_momentum_bias_correction_hands_off_a_consistent_state():
     shim_steps(model, opt, data[:3])
 
     opt.param_groups[0]["momentum_bias_correction"] = True
-    assert list(opt.state[model[0].weight]) == ["momentum_buffer", "step"]
     params, state = functional_steps(ref, muon(True), params, hand_off(muon(True), params, state, {}), data[3:6])
     shim_steps(model, opt, data[3:6])
+    assert list(opt.state[model[0].weight]) == ["momentum_buffer", "step"]
     assert_bitwise(TensorDict.from_module(model), params)
     assert_bitwise(opt.functional_state, state)
     assert int(opt.state[model[0].weight]["step"]) == 3
@@ -359,15 +409,16 @@ def test_counting_the_momentum_too_nests_adamuons_counted_second_moment():
 
 
 @pytest.mark.parametrize(
-    ("name", "value", "groups"),
+    ("name", "value", "groups", "preset"),
     [
-        ("cautious_mode", "heavyball", [0]),
-        ("cautious_weight_decay", True, [0, 1]),  # both branches, as muonfn.muon's
-        ("ns_eps_mode", "add", [0]),
-        ("adamw_nesterov", "timm", [1]),
+        ("cautious_mode", "heavyball", [0], {"cautious_mode": "heavyball"}),
+        ("cautious_weight_decay", True, [0, 1], {"cautious_weight_decay": True}),  # both branches, as muonfn.muon's
+        ("ns_eps_mode", "add", [0], {"ns": NewtonSchulz(eps_mode="add")}),
+        ("adjust_lr_fn", "unit_rms_norm", [0], {"scale": "unit_rms_norm"}),
+        ("nesterov", "timm", [1], {"adamw_nesterov": "timm"}),
     ],
 )
-def test_a_setting_changed_in_param_groups_takes_effect_at_the_next_step(name, value, groups):
+def test_a_setting_changed_in_param_groups_takes_effect_at_the_next_step(name, value, groups, preset):
     """Set in the groups whose branch reads it, the state carried over: the preset with it from then on."""
     data = batches(5)
     model, ref = mlp(), mlp()
@@ -375,9 +426,9 @@ def test_a_setting_changed_in_param_groups_takes_effect_at_the_next_step(name, v
     params = params_of(ref)
     params, state = functional_steps(ref, muonfn.muon(**HP), params, muonfn.muon(**HP).init(params), data[:2])
     shim_steps(model, opt, data[:2])
-    for i in groups:  # (an AdamW group holds adamw_nesterov as its nesterov)
-        opt.param_groups[i][name.removeprefix("adamw_")] = value
-    params, state = functional_steps(ref, muonfn.muon(**HP, **{name: value}), params, state, data[2:])
+    for i in groups:
+        opt.param_groups[i][name] = value
+    params, state = functional_steps(ref, muonfn.muon(**HP, **preset), params, state, data[2:])
     shim_steps(model, opt, data[2:])
     assert_bitwise(TensorDict.from_module(model), params)
     assert_bitwise(opt.functional_state, state)
@@ -389,12 +440,13 @@ def test_a_setting_changed_in_param_groups_takes_effect_at_the_next_step(name, v
 def test_ns_is_kept_in_the_groups_as_plain_entries():
     setting = NewtonSchulz("cesista", 4, 1e-5, torch.float64, "gram", "add", (2,))
     opt = Muon(mlp().named_parameters(), ns=setting)
-    entries = {name: opt.param_groups[0][name] for name in _groups.NEWTON_SCHULZ}
+    names = ("ns_coefficients", "ns_steps", "ns_dtype", "eps", "ns_method", "ns_eps_mode", "ns_restarts")
+    entries = {name: opt.param_groups[0][name] for name in names}
     assert entries == {
         "ns_coefficients": "cesista",
         "ns_steps": 4,
         "ns_dtype": torch.float64,
-        "ns_eps": 1e-5,
+        "eps": 1e-5,
         "ns_method": "gram",
         "ns_eps_mode": "add",
         "ns_restarts": (2,),
@@ -404,15 +456,15 @@ def test_ns_is_kept_in_the_groups_as_plain_entries():
         group = Muon(mlp().named_parameters(), ns=ns).param_groups[0]
         assert group["ns_method"] is method or group["ns_method"] == method
         assert (group["ns_steps"], group["ns_coefficients"], group["ns_eps_mode"]) == (None, "keller", "clamp")
-    # a group dict's ns replaces the constructor's ns_* settings for that group
+    # a group dict's ns replaces the constructor's Newton–Schulz settings for that group
     named = list(mlp().named_parameters())
     opt = Muon(
         [{"params": named[:1], "use_muon": True, "ns": NewtonSchulz(steps=3)}, {"params": named[1:]}],
         ns_steps=2,
-        ns_eps_mode="add",
+        eps=1e-5,
     )
-    assert (opt.param_groups[0]["ns_steps"], opt.param_groups[0]["ns_eps_mode"]) == (3, "clamp")
-    assert (opt.param_groups[1]["ns_steps"], opt.param_groups[1]["ns_eps_mode"]) == (2, "add")
+    assert (opt.param_groups[0]["ns_steps"], opt.param_groups[0]["eps"]) == (3, 1e-7)
+    assert (opt.param_groups[1]["ns_steps"], opt.param_groups[1]["eps"]) == (2, 1e-5)
 
 
 def test_a_map_of_ones_own_is_left_out_of_the_state_dict_and_kept_by_the_loading_optimizer():
@@ -432,7 +484,7 @@ def test_a_map_of_ones_own_is_left_out_of_the_state_dict_and_kept_by_the_loading
 
     resumed = mlp(seed=7)
     resumed.load_state_dict(checkpoint["model"])
-    resumed_opt = Muon(resumed.named_parameters(), ns_method=own_map)
+    resumed_opt = Muon(resumed.named_parameters(), ns=own_map)
     resumed_opt.load_state_dict(checkpoint["optimizer"])
     assert resumed_opt.param_groups[0]["ns_method"] is own_map and resumed_opt.param_groups[0]["lr"] == HP["lr"]
     shim_steps(resumed, resumed_opt, data[3:])
@@ -446,22 +498,22 @@ def test_a_map_of_ones_own_is_left_out_of_the_state_dict_and_kept_by_the_loading
         (
             lambda params: Muon(params, ns=NewtonSchulz(), ns_steps=3),
             ValueError,
-            r"^Muon\(\.\.\.\): ns=NewtonSchulz\(.*\) is the whole Newton–Schulz setting, so ns_steps=3 would be",
+            r"^Muon\(\.\.\.\): ns= is the whole Newton–Schulz setting: .*; beside ns=NewtonSchulz\(.*\), ns_steps=3 wo",
         ),
         (
             lambda params: Muon(params, ns=muonfn.polar, eps=1e-3),
             ValueError,
-            r"^Muon\(\.\.\.\): ns=<function polar .*>.*, so ns_eps=0.001 would be ignored",
+            r"^Muon\(\.\.\.\): ns= is the whole Newton–Schulz setting: .*; beside ns=<function polar .*>, eps=0.001 w",
         ),
         (
             lambda params: Muon(params, ns="keller"),
             TypeError,
-            r"^Muon\(\.\.\.\): ns must be a muonfn.NewtonSchulz or a map .*, got str",
+            r"^Muon\(\.\.\.\): ns must be a muonfn.NewtonSchulz, 'svd', 'qr', 'gram' or a map .*, got 'keller'",
         ),
         (
             lambda params: Muon([{"params": params, "ns": NewtonSchulz(), "ns_eps_mode": "add"}]),
             ValueError,
-            r"^param group 0: ns=NewtonSchulz\(.*\) is the whole Newton–Schulz setting, so ns_eps_mode='add' would",
+            r"^param group 0: ns= is the whole Newton–Schulz setting: .*; beside ns=NewtonSchulz.*, ns_eps_mode='add'",
         ),
     ],
 )
@@ -489,10 +541,10 @@ def test_ns_written_into_param_groups_is_refused_at_the_step_changing_nothing():
     [
         ({"momentum_bias_correction": 1}, TypeError, r"^param group 0: momentum_bias_correction must be True or False"),
         ({"cautious_weight_decay": None}, TypeError, r"^param group 0: cautious_weight_decay must be True or False"),
-        ({"cautious_mode": "always"}, ValueError, r"^param group 0: unknown cautious_mode 'always'; choose None or"),
+        ({"cautious_mode": "always"}, ValueError, r"^param group 0: unknown cautious mode 'always'; choose None or"),
         ({"adamw_nesterov": "yes"}, ValueError, r"^param group 1: nesterov must be True, False or 'timm' \(AdamW's\)"),
-        ({"ns_eps_mode": "max"}, ValueError, r"eps_mode"),
-        ({"ns_restarts": (2,)}, ValueError, r"restarts apply to (method|ns_method)='gram'"),
+        ({"adjust_lr_fn": "rms"}, ValueError, r"^param group 0: adjust_lr_fn must be None or one of \["),
+        ({"ns_coefficients": 3.4}, TypeError, r"Newton–Schulz coefficients must be a set name"),
     ],
 )
 def test_bad_options_raise_naming_the_culprit(options, error, match):
@@ -505,8 +557,11 @@ def test_bad_options_raise_naming_the_culprit(options, error, match):
     [
         (0, "momentum_bias_correction", "yes", r"^param group 0: momentum_bias_correction must be True or False"),
         (1, "cautious_weight_decay", 0, r"^param group 1: cautious_weight_decay must be True or False"),
-        (0, "cautious_mode", "Heavyball", r"^param group 0: unknown cautious_mode 'Heavyball'"),
+        (0, "cautious_mode", "Heavyball", r"^param group 0: unknown cautious mode 'Heavyball'"),
         (1, "nesterov", None, r"^param group 1: nesterov must be True, False or 'timm' \(AdamW's\), got None"),
+        (0, "ns_eps_mode", "max", r"^param group 0: Newton–Schulz eps_mode must be one of"),
+        (0, "ns_restarts", (2,), r"^param group 0: Newton–Schulz restarts apply to method='gram' only"),
+        (0, "ns_method", "cholesky", r"^param group 0: unknown ns_method 'cholesky'; choose 'standard', 'gram', 'svd'"),
     ],
 )
 def test_bad_options_set_in_param_groups_are_refused_at_the_step_changing_nothing(group, name, value, match):
@@ -526,9 +581,12 @@ def test_bad_options_set_in_param_groups_are_refused_at_the_step_changing_nothin
         ({"momentum_bias_correction": True}, r"param group 0: torch.optim.Muon does not run momentum_bias_correction"),
         ({"cautious_mode": "heavyball"}, r"param group 0: torch.optim.Muon does not run cautious_mode='heavyball'"),
         ({"cautious_weight_decay": True}, r"param group 0: torch.optim.Muon does not run cautious_weight_decay=True"),
-        ({"ns_eps_mode": "add"}, r"param group 0: torch.optim.Muon does not run ns_eps_mode='add' \(it runs 'clamp'\)"),
+        (
+            {"ns": NewtonSchulz(eps_mode="add")},
+            r"param group 0: torch.optim.Muon does not run ns_eps_mode='add' \(it runs 'clamp'\)",
+        ),
         ({"ns": muonfn.polar}, r"param group 0: torch.optim.Muon does not run ns_method='svd' \(it runs 'standard' or"),
-        ({"ns_method": own_map}, r"param group 0: torch.optim.Muon does not run ns_method=own_map"),
+        ({"ns": own_map}, r"param group 0: torch.optim.Muon does not run ns_method=own_map"),
         ({"adamw_nesterov": True}, r"param group 1: torch.optim.AdamW does not run nesterov=True"),
     ],
 )

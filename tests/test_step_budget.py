@@ -51,9 +51,9 @@ CEILINGS: dict[str, Any] = {
     "core_code_lines": 2815,
     "muon_keywords": 20,
     "functional_cpu": {"lines": 360, "functions": 96, "files": 6},
-    "shim_cpu": {"lines": 464, "functions": 131, "files": 8},
+    "shim_cpu": {"lines": 428, "functions": 121, "files": 7},
     "functional_meta": {"lines": 350, "functions": 102, "files": 6},
-    "shim_meta": {"lines": 449, "functions": 135, "files": 8},
+    "shim_meta": {"lines": 414, "functions": 123, "files": 7},
 }
 
 #: The issue's targets (the meta device's are the CPU's).

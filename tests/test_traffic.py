@@ -228,15 +228,11 @@ BEFORE_THE_REDESIGN = {
     "muonfn donated": (77, 8_011_552_000, 764_412_288),  # 77, 8.01 GB, 729 MB
     "muonfn shim": (249, 8_011_552_040, 154_389_516),  # 249, 8.01 GB, 147 MB
 }
-#: What the shim adds to the donated step's figures (422 kernel ops, 9.98 GB, 442 MB): it makes its
-#: state's layout again at every step, twice a part (``tx.init`` of meta probes, whose fills the meta
-#: device counts as a GPU's), and its ``chunk_numel="auto"`` parts are a tenth of each group (0.1.0: of
-#: the model) that split same-shape matrices across parts (0.1.0 kept them in one): 14 Newton–Schulz
-#: calls where 0.1.0 made 9.
-SHIM = (
-    "not met by the shim of 0.2.0: its state's layout made again at every step, and parts that split "
-    "same-shape matrices (see the comment above)"
-)
+#: The shim's parts are 0.1.0's (a tenth of the model, same-shape matrices together: 9 Newton–Schulz
+#: calls) and in one part it adds only its 6 scalar fills to the donated step (84 kernel ops against
+#: 77); in parts the core's Newton–Schulz copies 3 results more, and a _foreach_copy_ 3 times more,
+#: than 0.1.0's did (256 kernel ops against 249).
+SHIM = "not met by the shim of 0.2.0: the core's Newton–Schulz copies more results in the step's parts (see above)"
 
 
 @pytest.mark.xfail(strict=True, reason=KERNELS_REMOVED)
@@ -254,7 +250,6 @@ def test_shim_step_runs_at_most_120_kernel_ops(gpt2_small) -> None:
     assert gpt2_small["muonfn shim"].kernel_ops <= 120
 
 
-@pytest.mark.xfail(strict=True, reason=SHIM)
 def test_shim_temporaries_within_10_percent_of_torch_foreach(gpt2_small) -> None:
     ours = gpt2_small["muonfn shim"].temporaries_peak_bytes
     theirs = gpt2_small["torch Muon + AdamW foreach"].temporaries_peak_bytes
@@ -267,8 +262,10 @@ def test_the_donated_step_is_no_worse_than_before_the_redesign(gpt2_small, figur
     assert getattr(gpt2_small["muonfn donated"], figure) <= before[figure]
 
 
-@pytest.mark.xfail(strict=True, reason=SHIM)
-@pytest.mark.parametrize("figure", FIGURES)
+@pytest.mark.parametrize(
+    "figure",
+    [pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=SHIM)) if f == "kernel_ops" else f for f in FIGURES],
+)
 def test_the_shims_step_is_no_worse_than_before_the_redesign(gpt2_small, figure: str) -> None:
     before = dict(zip(FIGURES, BEFORE_THE_REDESIGN["muonfn shim"]))
     assert getattr(gpt2_small["muonfn shim"], figure) <= before[figure]

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .._tree import build
 from ..linalg import ns_schedule
-
-if TYPE_CHECKING:
-    from ._optimizer import Muon
+from ..steps import second_moment_dtype
+from ..transforms import MaskLike, selected
+from ._groups import ADAMW_SETTINGS, COUNTS, MUON_SETTINGS, SECOND_MOMENTS, is_torch_triple
 
 KINDS = {True: "torch.optim.Muon", False: "torch.optim.AdamW"}
 #: The settings torch's optimizers run at these values only (the shim's key -> values torch runs).
@@ -34,26 +34,73 @@ SHIM_ONLY = {"use_muon", "variant", "momentum_bias_correction", "cautious_weight
              "ns_method", "ns_eps_mode", "ns_restarts", "extra_scale", "nesterov_adamw"}  # fmt: skip
 
 
-def is_torch_triple(coefficients: Any) -> bool:
-    """torch.optim.Muon's ``ns_coefficients``: one ``(a, b, c)``."""
-    return (
-        isinstance(coefficients, Sequence)
-        and not isinstance(coefficients, str)
-        and len(coefficients) == 3
-        and all(isinstance(v, int | float) and not isinstance(v, bool) for v in coefficients)
-    )
+#: 0.1.0's spellings of a Muon group's entries
+LEGACY_SPELLINGS = {"scale": "adjust_lr_fn", "ns_eps": "eps"}
+
+
+def current_group(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """A saved group as the shim keeps one (a copy): 0.1.0's ``scale`` and ``ns_eps`` as ``adjust_lr_fn``
+    and ``eps``; a group saved when every group held both kinds' settings keeps its own kind's (an
+    AdamW group's betas, eps and nesterov from its ``adamw_betas``, ``adamw_eps``, ``adamw_nesterov``)."""
+    group = dict(saved)
+    if group.get("use_muon"):
+        for old, new in LEGACY_SPELLINGS.items():
+            if old in group:
+                group[new] = group.pop(old)
+        return {k: v for k, v in group.items() if not k.startswith("adamw_")}
+    if "variant" not in group:
+        return group
+    beta1, beta2 = group.pop("adamw_betas", (group.get("momentum"), group.get("beta2")))
+    eps, nesterov = group.pop("adamw_eps", group.get("eps")), group.pop("adamw_nesterov", group.get("nesterov"))
+    muon_only = {*MUON_SETTINGS, *LEGACY_SPELLINGS} - set(ADAMW_SETTINGS)
+    kept = {k: v for k, v in group.items() if k not in muon_only and not k.startswith("adamw_")}
+    return {**kept, "momentum": beta1, "beta2": beta2, "eps": eps, "nesterov": nesterov}
+
+
+def loaded_entries(
+    where: str, entries: Mapping[str, Any], layout: Mapping[str, Any], p: torch.Tensor
+) -> dict[str, Any]:
+    """A saved parameter's state as the shim keeps it: the entries of its group's ``layout``, each
+    copied to the parameter's device in its dtype (a count an exact int64, the second moment of an fp16
+    parameter fp32); raises naming ``where`` and what does not fit."""
+    if set(entries) != set(layout):
+        raise ValueError(f"{where} has state {sorted(entries)}, expected {sorted(layout)}")
+    out = {}
+    for name in layout:
+        value = entries[name]
+        if name in COUNTS:
+            count = float(value) if not isinstance(value, torch.Tensor) or value.numel() == 1 else math.nan
+            if not (math.isfinite(count) and count >= 0 and count == math.floor(count)):
+                raise ValueError(f"{where} has {name} {value!r}; expected a count >= 0")
+            out[name] = torch.tensor(int(count), dtype=torch.int64, device=p.device)
+        elif not isinstance(value, torch.Tensor):
+            raise TypeError(f"{where}: {name} is a {type(value).__name__}, not a tensor")
+        else:
+            dtype = second_moment_dtype(p.dtype) if name in SECOND_MOMENTS else p.dtype
+            out[name] = value.to(device=p.device, dtype=dtype, copy=True)
+    return out
 
 
 def shim_state_dict(
-    opt: Muon, muon_state_dict: Mapping[str, Any], adamw_state_dict: Mapping[str, Any] | None
+    param_groups: Sequence[Mapping[str, Any]],
+    names_of: Sequence[Sequence[str]],
+    muon_state_dict: Mapping[str, Any],
+    adamw_state_dict: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
-    """torch's two state_dicts as one of the shim's, for ``opt``'s groups; changes nothing."""
+    """torch's two state_dicts as one of the shim's for its ``param_groups`` (their parameters named
+    ``names_of``); changes nothing."""
     sources = {True: muon_state_dict, False: adamw_state_dict}
     saved_groups = {kind: list(sd["param_groups"]) if sd is not None else [] for kind, sd in sources.items()}
+    for kind, saved_list in saved_groups.items():
+        ours = sum(bool(g["use_muon"]) == kind for g in param_groups)
+        if sources[kind] is not None and len(saved_list) != ours:
+            raise ValueError(
+                f"load_torch_state_dicts: the {KINDS[kind]} state_dict has {len(saved_list)} groups, this optimizer "
+                f"{ours}"
+            )
     groups, state, taken = [], {}, {True: 0, False: 0}
     position = 0
-    names_of = opt._names()
-    for i, (group, names) in enumerate(zip(opt.param_groups, names_of)):
+    for i, (group, names) in enumerate(zip(param_groups, names_of)):
         kind = bool(group["use_muon"])
         where = f"load_torch_state_dicts: param group {i}"
         for key, values in TORCH_RUNS[kind].items():
@@ -73,11 +120,6 @@ def shim_state_dict(
                 raise ValueError(f"{where}: this optimizer has {KINDS[kind]} parameters {names}; pass that state_dict")
             groups.append(mine)
             continue
-        if nth >= len(saved_groups[kind]):
-            raise ValueError(
-                f"{where}: the {KINDS[kind]} state_dict has {len(saved_groups[kind])} groups, fewer than this "
-                "optimizer's"
-            )
         saved = saved_groups[kind][nth]
         if len(saved["params"]) != len(indices):
             raise ValueError(
@@ -87,21 +129,15 @@ def shim_state_dict(
             if group.get("param_names") and name != theirs:
                 raise ValueError(f"{where}: parameter {name!r} here is {theirs!r} there")
         mine.update(_settings(saved, kind, where))
-        for index, theirs, p, name in zip(indices, saved["params"], group["params"], names):
+        for index, theirs, name in zip(indices, saved["params"], names):
             entry = sd["state"].get(theirs)
             if entry:
                 if "max_exp_avg_sq" in entry:
                     raise ValueError(
                         f"{where}: parameter {name!r} has amsgrad's state, which muonfn's AdamW does not run"
                     )
-                state[index] = {k: _shim_value(k, v, p) for k, v in entry.items()}
+                state[index] = dict(entry)  # (torch's float step: loaded as an exact int64 count)
         groups.append(mine)
-    for kind, saved in saved_groups.items():
-        if len(saved) > taken[kind]:
-            raise ValueError(
-                f"load_torch_state_dicts: the {KINDS[kind]} state_dict has {len(saved)} groups, this optimizer "
-                f"{taken[kind]}"
-            )
     return {"state": state, "param_groups": groups}
 
 
@@ -128,29 +164,30 @@ def _settings(saved: Mapping[str, Any], kind: bool, where: str) -> dict[str, Any
     return out
 
 
-def _shim_value(name: str, value: Any, p: torch.Tensor) -> Any:
-    if name == "step":  # torch's float count, the shim's exact int64
-        count = float(value)
-        if not (count >= 0 and count == math.floor(count)):
-            raise ValueError(f"step {count!r} is no count")
-        return torch.tensor(int(count), dtype=torch.int64, device=p.device)
-    return value.clone() if isinstance(value, torch.Tensor) else value
-
-
-def torch_state_dicts(opt: Muon) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The shim's state as ``torch.optim.Muon``'s and ``torch.optim.AdamW``'s state_dicts."""
+def torch_state_dicts(
+    param_groups: Sequence[Mapping[str, Any]],
+    names_of: Sequence[Sequence[str]],
+    state: Mapping[Any, Any],
+    views: Any,
+    mask: MaskLike,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The shim's ``state`` as ``torch.optim.Muon``'s and ``torch.optim.AdamW``'s state_dicts, for its
+    ``param_groups`` (their parameters named ``names_of``; its ``views`` and ``weight_decay_mask``
+    ``mask``, which torch's optimizers cannot run but at their defaults)."""
     out: dict[bool, dict[str, Any]] = {kind: {"state": {}, "param_groups": []} for kind in (True, False)}
     count = {True: 0, False: 0}
-    for i, (group, names) in enumerate(zip(opt.param_groups, opt._names())):
+    for i, (group, names) in enumerate(zip(param_groups, names_of)):
         kind = bool(group["use_muon"])
         where = f"torch_state_dicts: param group {i}"
         for key, values in TORCH_RUNS[kind].items():
             if key in group and group[key] not in values:
-                raise ValueError(f"{where} has {key}={group[key]!r}, which {KINDS[kind]} does not run")
-        if opt._views is not None:
+                runs = " or ".join(map(repr, values))
+                raise ValueError(f"{where}: {KINDS[kind]} does not run {key}={_shown(group[key])} (it runs {runs})")
+        if views is not None:
             raise ValueError(f"{where}: views= read parameters as other matrices than torch.optim.Muon does")
-        if opt._mask is not None and float(group["weight_decay"]) != 0:
-            decayed = set(_decayed(opt, names, group["params"]))
+        if mask is not None and float(group["weight_decay"]) != 0:
+            leaves = build({n: p.detach() for n, p in zip(names, group["params"])}, torch.Size([]))
+            decayed = set(selected(mask, leaves, "weight_decay_mask"))
             exempt = [n for n in names if n not in decayed]
             if exempt:
                 raise ValueError(
@@ -179,7 +216,7 @@ def torch_state_dicts(opt: Muon) -> tuple[dict[str, Any], dict[str, Any]]:
         theirs["params"] = indices
         out[kind]["param_groups"].append(theirs)
         for index, p in zip(indices, group["params"]):
-            entry = opt.state.get(p)
+            entry = state.get(p)
             if entry:
                 out[kind]["state"][index] = {
                     k: v.to(torch.float32) if k == "step" else v.clone()
@@ -189,9 +226,5 @@ def torch_state_dicts(opt: Muon) -> tuple[dict[str, Any], dict[str, Any]]:
     return out[True], out[False]
 
 
-def _decayed(opt: Muon, names: list[str], params: list[torch.Tensor]) -> list[str]:
-    from ..transforms import selected
-
-    return selected(
-        opt._mask, build({n: p.detach() for n, p in zip(names, params)}, torch.Size([])), "weight_decay_mask"
-    )
+def _shown(value: Any) -> str:
+    return getattr(value, "__name__", repr(value)) if callable(value) else repr(value)

@@ -1,86 +1,79 @@
-"""The ``torch.optim.Optimizer`` shim: param groups translated into the presets' branches, the state
-kept as torch keeps it (``opt.state[p]``, under torch's names) and handed to ``Transform.update``
-as a TensorDict."""
+"""The ``torch.optim.Optimizer`` shim: each param group translated into a preset's branch, the state kept
+as torch keeps it (``opt.state[p]``: plain dicts under torch's names, made at a parameter's first
+gradient) and handed to ``Transform.update`` as a TensorDict."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import inspect
+import itertools
 import math
+import types
+import warnings
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from tensordict import TensorDictBase
 
 from .. import transforms
 from .._tree import build, named_table
-from .._validation import flag, non_negative, positive, unit_interval
-from ..linalg import SCALE_MODES, NewtonSchulz, Orthogonalizer, ns_schedule, polar, qr_orthogonal
-from ..presets import (
-    MUON,
-    VARIANT_DEFAULTS,
-    VARIANT_OPTIONS,
-    VARIANTS,
-    adaptation,
-    label_params,
-    matrix_branch,
-    warn_routing,
-)
-from ..steps import adamw
-from ..transforms import LabelsLike, MaskLike, Transform, check_input
-from . import _migration, _routing
+from .._validation import Scalar, flag, positive, unit_interval
+from ..linalg import Orthogonalizer
+from ..presets import MUON, VARIANT_OPTIONS, adaptation, label_params, matrix_branch, warn_routing
+from ..steps import AdamNesterov, NesterovLike, Rescale, ViewsLike, adamw
+from ..transforms import CautiousMode, LabelsLike, MaskLike, Transform, check_input
+from . import _groups, _migration, _routing
+from ._groups import ADAMW_SETTINGS, MUON_SETTINGS, NS_DEFAULTS, SCHEDULED, SHAPING
 
-#: A Muon group's settings besides the scheduled ones, and what a change of them rebuilds.
-MUON_SETTINGS = (
-    "nesterov", "variant", "momentum_bias_correction", "cautious_weight_decay", "cautious_mode", "ns_coefficients",
-    "ns_steps", "eps", "ns_dtype", "ns_method", "ns_eps_mode", "ns_restarts", "adjust_lr_fn", "extra_scale",
-)  # fmt: skip
-#: An AdamW group's settings besides the scheduled ones. Its β₁ is ``momentum``: torch's schedulers that
-#: cycle momentum (OneCycleLR, CyclicLR) write ``"momentum"`` into every group unless ``"betas"`` is a
-#: default, so they move Muon's momentum and AdamW's β₁ alike.
-ADAMW_SETTINGS = ("beta2", "eps", "nesterov", "cautious_weight_decay")
-#: The settings a scheduler may change every step: refilled into the transform's 0-d tensors.
-SCHEDULED = {True: ("lr", "momentum", "weight_decay"), False: ("lr", "momentum", "weight_decay")}
-#: The state entries under torch's names, by their place in a group's functional state.
-TORCH_NAMES = {
-    ("momentum",): "momentum_buffer",
-    ("second_moment", "exp_avg_sq"): "exp_avg_sq",
-    ("second_moment", "step"): "second_moment_step",
-}
 #: ``chunk_numel="auto"``: about this many parts, each of at least ``AUTO_MIN_CHUNK`` elements
 AUTO_PARTS, AUTO_MIN_CHUNK = 10, 2**18
+#: The structures of a step one optimizer compiles; a step of another runs eagerly
+MAX_COMPILED_STRUCTURES = 8
+SIZE = torch.Size([])
+
+
+class Branch(NamedTuple):
+    """A group's branch, built from its settings (``signature``): its 0-d scheduled tensors, refilled
+    before every step, and the entries of its parameters' state (``layout``, by ``shaping`` settings)."""
+
+    group: dict[str, Any]
+    signature: tuple[Any, ...]
+    tx: Transform
+    scalars: dict[str, torch.Tensor]
+    shaping: dict[str, Any]
+    layout: dict[str, tuple[str, ...]]
 
 
 class Muon(torch.optim.Optimizer):
     r"""Muon (or NorMuon, AdaMuon) for matrices and AdamW for the rest, as a ``torch.optim.Optimizer``.
 
     It takes torch.optim.Muon's keywords with their meaning (``ns_coefficients`` one ``(a, b, c)`` for
-    each of ``ns_steps``, or a schedule's name; ``eps``; ``adjust_lr_fn``: ``None`` or ``"original"``,
-    ``"match_rms_adamw"``, and muonfn's other scale modes), and :func:`muonfn.muon`'s others. See
-    :mod:`muonfn.optim` for how groups and state are laid out.
+    each of ``ns_steps``, or a schedule; ``eps``, Newton–Schulz's; ``adjust_lr_fn``: ``None`` or
+    ``"original"``, ``"match_rms_adamw"``, and muonfn's other scale modes) and :func:`muonfn.muon`'s others.
+    See :mod:`muonfn.optim` for how groups and state are laid out.
 
     Args:
         params: ``model.named_parameters()`` (names drive ``labels``), tensors, or param-group dicts.
             A dict may set any group setting, ``"use_muon": True/False`` to route the whole group, or,
-            leaving routing to ``labels``, ``adamw_lr`` and ``adamw_weight_decay`` for its AdamW half.
+            leaving routing to ``labels``, the ``adamw_*`` keywords for its AdamW half.
         lr, weight_decay, momentum, nesterov: as torch.optim.Muon's (``None``: the variant's default:
             0.95 and ``True`` for Muon and NorMuon, 0.9 and ``False`` for AdaMuon).
         variant: the Muon groups' rule: ``"muon"``, ``"normuon"`` or ``"adamuon"`` (:func:`muonfn.normuon`,
             :func:`muonfn.adamuon`); ``beta2``, ``adaptive_eps``, ``rescale``, ``sign_momentum`` and
             ``second_moment_bias_correction`` are their options (``None``: the variant's default).
-        ns: Newton–Schulz settings beyond torch's spellings, a :class:`~muonfn.NewtonSchulz` (its
-            ``dtype``, ``method``, ``eps_mode``, ``restarts``), or ``"svd"``, ``"qr"``, a map of one's own.
-        adjust_lr_fn: the shape scale (``"match_rms_adamw"`` by default: start from AdamW's learning rate).
+        ns: Newton–Schulz beyond torch's spellings: a :class:`~muonfn.NewtonSchulz` (its ``dtype``,
+            ``method``, ``eps_mode``, ``restarts``), ``"svd"``, ``"qr"``, or a map of one's own.
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, adamw_nesterov: the AdamW groups'
             ``lr``, ``(momentum, beta2)``, ``eps``, ``weight_decay``, ``nesterov`` (``None``: the Muon value).
-            An AdamW group's β₁ is its ``momentum``, so that schedulers cycling momentum move it too.
         labels, views, weight_decay_mask, orthogonalizer: as :func:`muonfn.muon`'s, given once.
         donate_state: the state is updated in place (``True``), as torch.optim's is.
         chunk_numel: step the parameters in parts of at most this many elements, each part's update
-            added before the next is computed (the step's temporaries hold one part: peak memory near
-            torch.optim's); ``"auto"``: a tenth of the parameters, at least 2**18; ``None``: one part.
+            added before the next is computed (the step's temporaries hold one part); ``"auto"``: a
+            tenth of the parameters, at least 2**18; ``None``: one part.
         compile: run the step's arithmetic as one ``torch.compile(fullgraph=True)`` graph (a mapping:
-            ``torch.compile``'s keywords), recompiled only when its structure changes; the checks run
-            eagerly before it.
+            ``torch.compile``'s keywords), compiled anew only when its structure changes.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
@@ -94,77 +87,99 @@ class Muon(torch.optim.Optimizer):
         params: Iterable[Any],
         lr: float = 1e-3,
         *,
-        weight_decay: float = 0.1,
-        momentum: float | None = None,
-        nesterov: bool | Literal["add"] | None = None,
+        weight_decay: Scalar = 0.1,
+        momentum: Scalar | None = None,
+        nesterov: NesterovLike | None = None,
         ns_coefficients: Any = "keller",
         eps: float = 1e-7,
         ns_steps: int | None = None,
         adjust_lr_fn: str | None = "match_rms_adamw",
         variant: str = "muon",
-        beta2: float | None = None,
+        beta2: Scalar | None = None,
         adaptive_eps: float | None = None,
-        rescale: str | None = None,
+        rescale: Rescale | None = None,
         sign_momentum: bool | None = None,
         second_moment_bias_correction: bool | None = None,
         momentum_bias_correction: bool = False,
         cautious_weight_decay: bool = False,
-        cautious_mode: str | None = None,
+        cautious_mode: CautiousMode | None = None,
         ns: Any = None,
         extra_scale: float = 1.0,
         adamw_lr: float | None = None,
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
-        adamw_weight_decay: float | None = None,
-        adamw_nesterov: bool | str = False,
+        adamw_weight_decay: Scalar | None = None,
+        adamw_nesterov: AdamNesterov = False,
         labels: LabelsLike | None = None,
-        views: Any = None,
+        views: ViewsLike = None,
         weight_decay_mask: MaskLike = None,
         orthogonalizer: Orthogonalizer | None = None,
         donate_state: bool = True,
         chunk_numel: int | Literal["auto"] | None = "auto",
         compile: bool | Mapping[str, Any] = False,
     ) -> None:
+        where = "Muon(...)"
         for name, value in (("lr", lr), ("adamw_lr", adamw_lr)):
             if callable(value) and not isinstance(value, torch.Tensor):
-                raise TypeError(f"Muon({name}=...) takes a number; schedule it with torch.optim.lr_scheduler")
-        flag("Muon(...): donate_state", donate_state)
+                raise TypeError(f"{where}: {name} takes a number; schedule it with torch.optim.lr_scheduler")
+        flag(f"{where}: donate_state", donate_state)
         if labels is not None:
-            transforms.check_table("Muon(...): labels", labels)
-        transforms.check_mask("Muon(...): weight_decay_mask", weight_decay_mask)
+            transforms.check_table(f"{where}: labels", labels)
+        transforms.check_mask(f"{where}: weight_decay_mask", weight_decay_mask)
         if chunk_numel not in (None, "auto") and (
             isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel < 1
         ):
             raise ValueError(f"chunk_numel must be a positive int, 'auto' or None, got {chunk_numel!r}")
         if not isinstance(compile, bool | Mapping):
-            raise TypeError(f"compile must be True, False or a mapping of torch.compile's keywords, got {compile!r}")
+            raise TypeError(f"Muon(compile=...) takes a bool or a mapping of torch.compile's keywords, got {compile!r}")
+        known = sorted(set(inspect.signature(torch.compile).parameters) - {"model"})
+        unknown = [k for k in compile if k not in known] if isinstance(compile, Mapping) else []
+        if unknown:
+            raise TypeError(f"Muon(compile=...): torch.compile has no keyword {unknown[0]!r}; its keywords are {known}")
+        if compile and getattr(orthogonalizer, "sum_shards", None) is not None:
+            raise ValueError(
+                "Muon(compile=...): a sharded orthogonalizer exchanges data between ranks in Python, which cannot "
+                "be compiled; leave compile off with it"
+            )
+        if not (isinstance(adamw_betas, tuple | list) and len(adamw_betas) == 2):
+            raise ValueError(f"adamw_betas must be a pair (beta1, beta2), got {adamw_betas!r}")
+        unit_interval("adamw_betas[1]", adamw_betas[1])
+        positive("adamw_eps", adamw_eps)
         self._labels, self._views, self._mask = labels, views, weight_decay_mask
         self._orthogonalizer, self._donate = orthogonalizer, donate_state
         self._chunk_numel, self._compile = chunk_numel, compile
-        self._muon_defaults = {
-            "lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov, "variant": variant,
+        muon_defaults = {
+            "lr": lr, "momentum": momentum, "weight_decay": weight_decay, "variant": variant, "nesterov": nesterov,
             "momentum_bias_correction": momentum_bias_correction, "cautious_weight_decay": cautious_weight_decay,
-            "cautious_mode": cautious_mode, **_ns_entries(ns, ns_coefficients, ns_steps, eps),
-            "adjust_lr_fn": adjust_lr_fn, "extra_scale": extra_scale, "beta2": beta2, "adaptive_eps": adaptive_eps,
-            "rescale": rescale, "sign_momentum": sign_momentum,
+            "cautious_mode": cautious_mode, **_groups.ns_entries(where, ns, ns_coefficients, ns_steps, eps),
+            "adjust_lr_fn": adjust_lr_fn or "original", "extra_scale": extra_scale, "beta2": beta2,
+            "adaptive_eps": adaptive_eps, "rescale": rescale, "sign_momentum": sign_momentum,
             "second_moment_bias_correction": second_moment_bias_correction,
         }  # fmt: skip
-        self._adamw_defaults = {
-            "lr": lr if adamw_lr is None else adamw_lr,
-            "weight_decay": weight_decay if adamw_weight_decay is None else adamw_weight_decay,
-            "momentum": adamw_betas[0], "beta2": adamw_betas[1], "eps": adamw_eps, "nesterov": adamw_nesterov,
-            "cautious_weight_decay": cautious_weight_decay,
+        adamw_defaults = {
+            "lr": lr if adamw_lr is None else adamw_lr, "momentum": adamw_betas[0], "beta2": adamw_betas[1],
+            "eps": adamw_eps, "weight_decay": weight_decay if adamw_weight_decay is None else adamw_weight_decay,
+            "nesterov": adamw_nesterov, "cautious_weight_decay": cautious_weight_decay,
         }  # fmt: skip
-        self._split_halves = {"adamw_lr": adamw_lr, "adamw_weight_decay": adamw_weight_decay}
-        self._given_variant_options = {
-            k: v for k, v in self._muon_defaults.items() if k in VARIANT_OPTIONS and v is not None
-        }
-        self._transforms: dict[int, tuple[Any, Transform, dict[str, torch.Tensor]]] = {}
-        self._layouts: dict[Transform, dict[tuple[str, ...], str]] = {}
+        self._constructor = _groups.Constructor(
+            muon_defaults, adamw_defaults, {"adamw_lr": adamw_lr, "adamw_weight_decay": adamw_weight_decay},
+            {k for k in VARIANT_OPTIONS if muon_defaults[k] is not None},
+        )  # fmt: skip
+        self._branches: dict[int, Branch] = {}  # (by the group's identity)
         self._compiled: dict[Any, Callable[..., Any]] = {}
-        super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
-        for i, group in enumerate(self.param_groups):
-            self._transform(i, group)  # every group's settings checked now
+        self._undo: list[tuple[dict[Any, Any], Any, Any]] | None = None  # (what a failed step puts back)
+        self._keys: dict[torch.Tensor, str] = {}  # (a parameter given without a name: its position among them)
+        self._warned_compiled = self._warned_unnamed = False
+        super().__init__(params, muon_defaults)
+        # the tables' names checked against every parameter's, as muonfn.muon(...).init checks them
+        leaves = {n: _meta(p) for g, ns in zip(self.param_groups, self._names()) for n, p in zip(ns, g["params"])}
+        if callable(weight_decay_mask) and not isinstance(weight_decay_mask, Mapping):
+            weight_decay_mask = transforms.table_of(weight_decay_mask, build(leaves, SIZE), "weight_decay_mask")
+            transforms.check_mask(f"{where}: weight_decay_mask", weight_decay_mask)
+        tables = {"labels": labels, "views": views, "weight_decay_mask": weight_decay_mask}
+        for name, table in {**tables, "shard_specs": getattr(orthogonalizer, "shard_specs", None)}.items():
+            if isinstance(table, Mapping):
+                named_table(table, leaves, name)
         idle = _routing.idle_muon(self.param_groups)
         if idle is not None:
             warn_routing(idle)
@@ -174,213 +189,256 @@ class Muon(torch.optim.Optimizer):
     @torch._disable_dynamo
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds parameters; a group without ``"use_muon"`` is split by ``labels`` into a Muon group and an
-        AdamW group (both kept, even when empty). Checked before anything changes."""
+        AdamW group (both kept, even when empty). A parameter added again (after ``opt.param_groups = []``)
+        keeps its state where its new group keeps the same entries. Checked before anything changes."""
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
-        params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else params
-        if isinstance(params, set):
-            raise TypeError("optimizer parameters need a deterministic order: pass a list, not a set")
-        params = list(params)
-        named = [isinstance(p, tuple) for p in params]
-        if any(named) and not all(named):
-            raise ValueError("all optimizer params should be with or without names; some names are missing")
-        names = [n for n, _ in params] if params and all(named) else None
-        tensors = [p for _, p in params] if names is not None else params
-        for p in tensors:
-            if isinstance(p, torch.Tensor) and not p.is_floating_point():
-                raise TypeError(f"parameter of dtype {p.dtype}: only floating-point tensors train")
+        tensors, names = _read_params(param_group["params"], self.param_groups)
+        positions = (str(i) for i in itertools.count(len(self._keys)))
+        keys = names or [self._keys[p] if p in self._keys else next(positions) for p in tensors]
+        self._check_new(tensors, keys)
         use_muon = param_group.get("use_muon")
         if use_muon is None:
-            positions = len([p for g in self.param_groups for p in g["params"]])
-            keys = names or [str(positions + i) for i in range(len(tensors))]
-            detached = build({k: p.detach() for k, p in zip(keys, tensors)}, torch.Size([]))
-            routes = transforms.route(self._labels or label_params, detached, (MUON, "adamw"))
-            parts = [(True, [i for i, k in enumerate(keys) if routes[k] == MUON])]
-            parts.append((False, [i for i, k in enumerate(keys) if routes[k] != MUON]))
-            _routing.warn_if_routed_blind(self, self._labels or label_params, names, [tensors[i] for i in parts[0][1]])
+            labels = self._labels or label_params
+            try:
+                routes = transforms.route(labels, build(dict(zip(keys, map(_meta, tensors))), SIZE), (MUON, "adamw"))
+            except ValueError as error:
+                unnamed = "" if names else " (parameters given without names are keyed by position)"
+                raise ValueError(f"{error}{unnamed}") from None
+            parts = [(kind, [i for i, k in enumerate(keys) if (routes[k] == MUON) == kind]) for kind in (True, False)]
+            blind = _routing.routed_without_names(labels, names, [tensors[i] for i in parts[0][1]])
+            if blind is not None and not self._warned_unnamed:  # (once per optimizer)
+                self._warned_unnamed = True
+                warn_routing(blind)
         elif isinstance(use_muon, bool):
-            for half in self._split_halves:
-                if half in param_group:
-                    raise ValueError(
-                        f"{half!r} sets the AdamW half of a group split by labels; this group has use_muon={use_muon}"
-                    )
             parts = [(use_muon, list(range(len(tensors))))]
         else:
             raise TypeError(f"use_muon must be True or False, got {use_muon!r}")
-        new = [self._group(param_group, route, [tensors[i] for i in members], names and [names[i] for i in members])
-               for route, members in parts]  # fmt: skip
-        count = len(self.param_groups)
-        try:
-            for group in new:
-                super().add_param_group(group)
-                self._transform(len(self.param_groups) - 1, group)
-        except Exception:
-            del self.param_groups[count:]
-            raise
-
-    def _group(
-        self, given: Mapping[str, Any], use_muon: bool, tensors: list[Any], names: list[str] | None
-    ) -> dict[str, Any]:
-        """A group of one kind from a group dict: the settings that act on it, the others refused."""
-        defaults = self._muon_defaults if use_muon else self._adamw_defaults
-        own = {k: v for k, v in given.items() if k not in ("params", "param_names", "use_muon", *self._split_halves)}
-        if not use_muon and "use_muon" not in given:  # the AdamW half of a split group
-            own = {k: v for k, v in own.items() if k in ("lr", "weight_decay", "cautious_weight_decay")}
-            for half, key in (("adamw_lr", "lr"), ("adamw_weight_decay", "weight_decay")):
-                value = given.get(half, self._split_halves[half])
-                if value is not None:
-                    own[key] = value
-        if use_muon and "ns" in own:
-            own.update(
-                _ns_entries(
-                    own.pop("ns"), own.pop("ns_coefficients", "keller"), own.pop("ns_steps", None), own.pop("eps", 1e-7)
-                )
-            )
-        unknown = set(own) - set(defaults) - {"initial_lr"}
-        if unknown and (use_muon or "use_muon" in given):
-            raise ValueError(f"param group: {sorted(unknown)} set nothing in a {'Muon' if use_muon else 'AdamW'} group")
-        group: dict[str, Any] = {**defaults, **own, "params": tensors, "use_muon": use_muon}
-        if names is not None:
-            group["param_names"] = names
-        if use_muon:
-            _resolve_variant(group, set(own) | set(self._given_variant_options))
-        return group
-
-    def _transform(self, index: int, group: dict[str, Any]) -> Transform:
-        """The group's branch, rebuilt when a setting that shapes it changed; its scheduled values refilled."""
-        where = f"param group {index}"
-        kind = bool(group.get("use_muon"))
-        if kind != ("variant" in group):
-            raise ValueError(f"{where}: use_muon={group.get('use_muon')!r} does not match its settings")
-        settings = MUON_SETTINGS if kind else ADAMW_SETTINGS
-        signature = (
-            kind,
-            *(_comparable(group.get(k)) for k in settings),
-            *(_comparable(group.get(k)) for k in VARIANT_OPTIONS),
-        )
-        cached = self._transforms.get(index)
-        for name in SCHEDULED[kind]:
-            value = _number(where, name, group[name])
-            (unit_interval if name == "momentum" else non_negative)(f"{where}: {name}", value)
-        if cached is None or cached[0] != signature:
-            scalars = {
-                name: torch.tensor(_number(where, name, group[name]), dtype=torch.float64) for name in SCHEDULED[kind]
-            }
-            try:
-                tx = self._branch(group, scalars)
+        new: list[dict[str, Any]] = []
+        for i, (kind, members) in enumerate(parts, len(self.param_groups)):
+            group = _groups.group_of(f"param group {i}", param_group, kind, self._constructor)
+            group.update(params=[tensors[k] for k in members], use_muon=kind)
+            if names is not None:
+                group["param_names"] = [names[k] for k in members]
+            for key in SCHEDULED:  # the halves of one dict are two groups to a scheduler: no tensor couples them
+                if new and isinstance(group[key], torch.Tensor) and group[key] is new[0][key]:
+                    group[key] = group[key].clone()
+            branch = self._branch(i, group)
+            try:  # what init checks (each Muon parameter a matrix of its view), on the parameters' shapes
+                branch.tx.init(build({keys[k]: _meta(tensors[k]) for k in members}, SIZE))
             except (ValueError, TypeError) as error:
-                raise type(error)(f"{where}: {error}") from error
-            cached = self._transforms[index] = (signature, tx, scalars)
-        for name, tensor in cached[2].items():
-            tensor.fill_(_number(where, name, group[name]))
-        return cached[1]
+                raise type(error)(f"param group {i}: {error}") from None
+            new.append(group)
+        self.param_groups.extend(new)  # (torch's add_param_group would fill an AdamW group with Muon's defaults)
+        self._keys.update(zip(tensors, keys))
+        for group in new:  # a parameter added again keeps its state where its new group keeps the same entries
+            for p in group["params"]:
+                if self.state.get(p) and set(self.state[p]) != set(_groups.layout(group)):
+                    del self.state[p]
 
-    def _branch(self, group: Mapping[str, Any], scalars: Mapping[str, torch.Tensor]) -> Transform:
-        lr, wd = scalars["lr"], scalars["weight_decay"]
+    def _check_new(self, tensors: list[torch.Tensor], keys: list[str]) -> None:
+        """Tensors to add: each once, in no group yet, under a name no other parameter has."""
+        held = {
+            p: (i, n)
+            for i, (g, ns) in enumerate(zip(self.param_groups, self._names()))
+            for p, n in zip(g["params"], ns)
+        }
+        taken = {n: i for i, n in held.values()}
+        first: dict[torch.Tensor, str] = {}
+        for p, key in zip(tensors, keys):
+            if p in held:
+                again = f" (given again as {key!r})" if held[p][1] != key else ""
+                raise ValueError(f"parameter {held[p][1]!r}{again} is already in parameter group {held[p][0]}")
+            if p in first:
+                raise ValueError(f"parameter {key!r} is the same tensor as {first[p]!r}")
+            if key in taken:
+                raise ValueError(f"another parameter is named {key!r} (in parameter group {taken[key]})")
+            first[p], taken[key] = key, len(self.param_groups)
+
+    def _branch(self, index: int, group: dict[str, Any]) -> Branch:
+        """The group's branch, rebuilt when a setting of it changed (its state laid out anew where its
+        entries change), its scheduled values refilled. Raises naming the group."""
+        where = f"param group {index}"
+        values = {name: _scheduled(where, name, group[name]) for name in SCHEDULED if name in group}
+        signature = tuple((k, repr(v)) for k, v in group.items() if k not in ("params", "param_names", *SCHEDULED))
+        branch = self._branches.get(id(group))
+        if branch is None or branch.group is not group or branch.signature != signature:
+            branch = self._built(where, group, signature, values)
+            old = self._branches.get(id(group))
+            if old is not None and old.group is group and old.layout != branch.layout:
+                self._relay(group, old.shaping, branch.shaping)
+            if self._undo is not None:
+                self._undo.append((self._branches, id(group), old))
+            self._branches[id(group)] = branch
+        for name, tensor in branch.scalars.items():
+            tensor.fill_(values[name])
+        return branch
+
+    def _built(self, where: str, group: dict[str, Any], signature: tuple[Any, ...], values: dict[str, float]) -> Branch:
+        kind = group.get("use_muon")
+        stray = next((k for k in group if k == "ns" or k.startswith("adamw_")), None)
+        if stray == "ns":
+            raise ValueError(f"{where} holds 'ns'; a group keeps its Newton–Schulz setting as {list(NS_DEFAULTS)}")
+        if stray is not None:
+            held = list(ADAMW_SETTINGS)
+            raise ValueError(f"{where} holds {stray!r}, a keyword of the constructor; an AdamW group holds {held}")
+        if not isinstance(kind, bool) or kind != ("variant" in group):
+            raise ValueError(
+                f"{where}: use_muon={kind!r}, but its settings are {'a Muon' if 'variant' in group else 'an AdamW'} "
+                "group's: a group's use_muon is fixed when it is added (add groups with add_param_group)"
+            )
+        missing = [k for k in (MUON_SETTINGS if kind else ADAMW_SETTINGS) if k not in group]
+        if missing:
+            raise ValueError(f"{where} lacks {missing}; add groups with add_param_group, which fills them in")
+        scalars = {name: torch.tensor(value, dtype=torch.float64) for name, value in values.items()}
+        try:
+            tx = self._translated(group, scalars)
+        except (ValueError, TypeError) as error:
+            raise type(error)(f"{where}: {error}") from None
+        return Branch(
+            group, signature, tx, scalars, {k: group.get(k) for k in ("use_muon", *SHAPING)}, _groups.layout(group)
+        )
+
+    def _translated(self, group: dict[str, Any], scalars: dict[str, torch.Tensor]) -> Transform:
+        """The preset's branch a group's settings make (the scheduled ones ``scalars``)."""
+        lr, momentum, wd = scalars["lr"], scalars["momentum"], scalars["weight_decay"]
+        flag("cautious_weight_decay", group["cautious_weight_decay"])
         if not group["use_muon"]:
+            unit_interval("beta2", group["beta2"])
             positive("eps", group["eps"])
-            betas = (scalars["momentum"], group["beta2"])
-            return adamw(lr, betas=betas, eps=group["eps"], weight_decay=wd, weight_decay_mask=self._mask,
-                         nesterov=group["nesterov"], cautious_weight_decay=group["cautious_weight_decay"],
-                         donate_state=self._donate)  # fmt: skip
-        variant = group["variant"]
-        options = {k: group[k] for k in VARIANT_OPTIONS if k in group}
-        adapt = adaptation(variant, momentum_bias_correction=group["momentum_bias_correction"], **options)
+            if group["nesterov"] not in (True, False, "timm"):
+                raise ValueError(f"nesterov must be True, False or 'timm' (AdamW's), got {group['nesterov']!r}")
+            return adamw(lr, betas=(momentum, group["beta2"]), eps=group["eps"], weight_decay=wd,
+                         weight_decay_mask=self._mask, nesterov=group["nesterov"],
+                         cautious_weight_decay=group["cautious_weight_decay"], donate_state=self._donate)  # fmt: skip
+        flag("momentum_bias_correction", group["momentum_bias_correction"])
+        options = {k: group[k] for k in VARIANT_OPTIONS if group[k] is not None}
+        adapt = adaptation(group["variant"], momentum_bias_correction=group["momentum_bias_correction"], **options)
         return matrix_branch(
-            adapt, lr, scalars["momentum"], group["nesterov"], group["momentum_bias_correction"], wd,
-            group["cautious_weight_decay"], group["cautious_mode"], _ns_of(group), _scale_of(group["adjust_lr_fn"]),
-            group["extra_scale"], self._views, self._mask, self._orthogonalizer, self._donate,
+            adapt, lr, momentum, group["nesterov"], group["momentum_bias_correction"], wd,
+            group["cautious_weight_decay"], group["cautious_mode"], _groups.ns_of(group),
+            _groups.scale_of(group["adjust_lr_fn"]), group["extra_scale"], self._views, self._mask,
+            self._orthogonalizer, self._donate,
         )  # fmt: skip
+
+    def _relay(self, group: dict[str, Any], before: Mapping[str, Any], after: Mapping[str, Any]) -> None:
+        """The state of a group whose variant or bias corrections changed, laid out for the new ones."""
+        for p in group["params"]:
+            held = self.state.get(p)
+            if held:
+                if self._undo is not None:
+                    self._undo.append((self.state, p, held))
+                self.state[p] = _groups.relaid(held, before, after)
+                if not self.state[p]:
+                    del self.state[p]
 
     @property
     def transform(self) -> Transform:
-        """The one-group optimizer's branch (:func:`muonfn.transforms.partition` of the groups' otherwise)."""
-        branches = {
-            label: self._transform(i, g) for i, (label, g) in enumerate(zip(self._labels_of(), self.param_groups))
-        }
-        names = {n: label for label, g, ns in zip(self._labels_of(), self.param_groups, self._names()) for n in ns}
-        return transforms.partition(branches, names)
-
-    # ------------------------------------------------------------------------------------------ state
+        """The groups' branches as one transform (:func:`muonfn.partition` by their labels): its ``init``
+        makes the functional state of every parameter."""
+        labels = self._labels_of()
+        branches = {label: self._branch(i, g).tx for i, (label, g) in enumerate(zip(labels, self.param_groups))}
+        return transforms.partition(branches, {n: label for label, ns in zip(labels, self._names()) for n in ns})
 
     def _labels_of(self) -> list[str]:
         """``"muon"``, ``"adamw"``, ``"muon_1"``, ...: the k-th group of a kind is labelled with suffix k."""
         seen = {True: 0, False: 0}
         out = []
         for group in self.param_groups:
-            kind = group["use_muon"]
+            kind = bool(group.get("use_muon"))
             out.append(("muon" if kind else "adamw") + (f"_{seen[kind]}" if seen[kind] else ""))
             seen[kind] += 1
         return out
 
     def _names(self) -> list[list[str]]:
-        """Every group's parameter names: ``param_names``, or positions across groups."""
-        out, position = [], 0
-        for group in self.param_groups:
-            names = group.get("param_names") or [str(position + i) for i in range(len(group["params"]))]
-            out.append(list(names))
-            position += len(group["params"])
-        return out
+        """Every group's parameter names, as each was given (a tensor given without a name, or put in
+        ``params`` by hand, named by its position): a group's order may change."""
+        keys = self._keys
+        return [[keys.setdefault(p, str(len(keys))) for p in group["params"]] for group in self.param_groups]
 
-    def _layout(self, tx: Transform, p: torch.Tensor) -> dict[tuple[str, ...], str]:
-        """Where a parameter's entries sit in its group's functional state -> their torch names (by the
-        transform's ``init`` of a meta matrix, once per transform)."""
-        layout = self._layouts.get(tx)
-        if layout is None:
-            probe = build({"p": torch.empty((2, 2), device="meta")}, torch.Size([]))
-            paths = [path[:-1] for path, _ in transforms._state_leaves(tx.init(probe), ()) if path[-1] == "p"]
-            layout = self._layouts[tx] = {path: TORCH_NAMES.get(path, "_".join(path)) for path in paths}
-        return layout
+    # ------------------------------------------------------------------------------------------ state
 
-    def _group_state(self, tx: Transform, names: list[str], params: list[torch.Tensor], fresh: bool) -> TensorDictBase:
-        """The functional state of ``params`` (named ``names``) from ``opt.state``; a parameter without
-        state (or with another layout's) gets what ``init`` makes (``fresh``: all of them do)."""
-        layout = self._layout(tx, params[0]) if params else {}
-        missing = [i for i, p in enumerate(params) if fresh or not set(layout.values()) <= set(self.state[p])]
-        made = tx.init(build({names[i]: params[i].detach() for i in missing}, torch.Size([]))) if missing else None
-        made_at = set(missing)
+    @property
+    def state(self) -> collections.defaultdict[Any, dict[str, Any]]:
+        """Each parameter's state, as torch keeps it (see :mod:`muonfn.optim`)."""
+        return self.__dict__["state"]
+
+    @state.setter
+    def state(self, state: Mapping[Any, Any]) -> None:
+        if not isinstance(state, Mapping):
+            raise TypeError(f"opt.state must be a mapping of parameters to their state, got {type(state).__name__}")
+        self.__dict__["state"] = collections.defaultdict(dict, state)
+
+    def _group_state(self, layout: Mapping[str, Any], tx: Transform | None, names: list[str], params: list[Any]) -> Any:
+        """The functional state of ``params`` (named ``names``) from ``opt.state``, laid out by ``layout``;
+        the entries a parameter lacks (all of them where it has none) as ``tx.init`` makes them."""
+        state = self.__dict__["state"]
+        held = [state.get(p) or {} for p in params]
+        for name, h in zip(names, held):
+            if tx is not None and not h.keys() <= layout.keys():
+                unknown = next(k for k in h if k not in layout)
+                raise ValueError(
+                    f"the state of parameter {name!r} has no entry {unknown!r}; its entries are {list(layout)}"
+                )
+        lacking = [i for i, h in enumerate(held) if len(h) < len(layout)] if tx is not None else []
+        init = (
+            tx.init(build({names[i]: params[i].detach() for i in lacking}, SIZE))
+            if lacking and tx is not None
+            else None
+        )
         entries: dict[str, Any] = {}
-        for path, torch_name in layout.items():
-            leaves = {}
-            for i, (name, p) in enumerate(zip(names, params)):
-                leaves[name] = made.get((*path, name)) if i in made_at else self.state[p][torch_name]  # type: ignore[union-attr]
+        for torch_name, path in layout.items():
             node = entries
             for part in path[:-1]:
                 node = node.setdefault(part, {})
-            node[path[-1]] = build(leaves, torch.Size([]))
+            made = {} if init is None else init.get(path)
+            leaves = {n: h[torch_name] if torch_name in h else made.get(n) for n, h in zip(names, held)}
+            node[path[-1]] = build({n: t for n, t in leaves.items() if t is not None}, SIZE)
         return _nested(entries)
-
-    def _write_state(self, tx: Transform, names: list[str], params: list[torch.Tensor], state: TensorDictBase) -> None:
-        for path, torch_name in (self._layout(tx, params[0]) if params else {}).items():
-            held = state.get(path)
-            for name, p in zip(names, params):
-                self.state[p][torch_name] = held[name]
 
     @property
     def functional_state(self) -> TensorDictBase:
         """The state as ``Transform.update`` takes it: ``{label: group state}``, per-leaf entries keyed by
-        parameter name (parameters that have not stepped yet at their initial values). Assigning one
-        (from this optimizer, or ``muonfn.muon(...).init``/``update`` for the same parameters) replaces
-        the state after checking its entries, shapes, dtypes and devices; on a mismatch nothing changes."""
+        parameter name, of the parameters that have state. Assigning one (from this optimizer, or
+        ``muonfn.muon(...).init``/``update`` for some or all of the parameters) replaces the whole state
+        after checking it: each parameter's entries, all of them or none, shapes, dtypes and devices."""
+        self._sync()
         out = {}
-        for i, (label, group, names) in enumerate(zip(self._labels_of(), self.param_groups, self._names())):
-            out[label] = self._group_state(self._transform(i, group), names, group["params"], fresh=False)
-        return build(out, torch.Size([]))
+        for label, group, names in zip(self._labels_of(), self.param_groups, self._names()):
+            held = [(n, p) for n, p in zip(names, group["params"]) if self.state.get(p)]
+            out[label] = self._group_state(_groups.layout(group), None, [n for n, _ in held], [p for _, p in held])
+        return build(out, SIZE)
 
     @functional_state.setter
     def functional_state(self, state: TensorDictBase) -> None:
-        pending = []
-        for i, (label, group, names) in enumerate(zip(self._labels_of(), self.param_groups, self._names())):
-            tx, params = self._transform(i, group), group["params"]
-            held = state.get(label) if isinstance(state, TensorDictBase) else None
-            if held is None:
-                raise ValueError(f"functional_state: missing {label!r}")
-            check_input(tx.init, build({n: p.detach() for n, p in zip(names, params)}, torch.Size([])), held,
-                        build({n: p.detach() for n, p in zip(names, params)}, torch.Size([])))  # fmt: skip
-            pending.append((tx, names, params, held))
-        for tx, names, params, held in pending:
-            self._write_state(tx, names, params, held)
+        where = "functional_state"
+        if not isinstance(state, TensorDictBase):
+            raise TypeError(f"{where} must be a TensorDict, got {type(state).__name__}")
+        labels, pending = self._labels_of(), {}
+        unexpected = [label for label in state.keys() if label not in labels]
+        if unexpected:
+            raise ValueError(f"{where}: unexpected {unexpected[0]!r}")
+        for i, (label, group, names) in enumerate(zip(labels, self.param_groups, self._names())):
+            branch, part = self._branch(i, group), state.get(label, build({}, SIZE))
+            given = {".".join((label, *key)): v for key, v in part.items(True, True)}
+            held = []
+            for name, p in zip(names, group["params"]):
+                keys = {torch_name: ".".join((label, *path, name)) for torch_name, path in branch.layout.items()}
+                present = [k for k in keys.values() if k in given]
+                if present and len(present) < len(keys):
+                    lost = next(k for k in keys.values() if k not in given)
+                    raise ValueError(f"{where}: missing {lost!r} of parameter {name!r}, which has {present}")
+                pending[p] = {t: given.pop(k) for t, k in keys.items()} if present else None
+                held += [(name, p)] if present else []
+            if given:
+                raise ValueError(f"{where}: unexpected {next(iter(given))!r}")
+            leaves = build({n: p.detach() for n, p in held}, SIZE)
+            _check(where, label, branch.tx, leaves, part, leaves)
+        for p, entries in pending.items():
+            if entries is None:
+                self.state.pop(p, None)
+            else:
+                self.state[p] = entries
 
     # ------------------------------------------------------------------------------------------ step
 
@@ -394,136 +452,180 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         with torch.no_grad():
-            work = self._checked_work()
-            if work:
-                run = self._compiled_run(work) if self._compile else _run
-                for tx, names, params, new_state in run(work):
-                    self._write_state(tx, names, params, new_state)
+            self._undo = []
+            try:
+                work = self._checked_work()
+            except BaseException:
+                for mapping, key, held in reversed(self._undo):  # (a failed step leaves everything as it was)
+                    if held is None:
+                        mapping.pop(key, None)
+                    else:
+                        mapping[key] = held
+                raise
+            finally:
+                self._undo = None
+            run = self._compiled_run(work) if self._compile and work else _run
+            state = self.state
+            for (branch, *_), (names, params, new_state) in zip(work, run([w[1:] for w in work])):
+                for torch_name, path in branch.layout.items():
+                    held = new_state.get(path)
+                    for name, p in zip(names, params):
+                        state[p][torch_name] = held[name]
         return loss
 
-    def _checked_work(self) -> list[tuple[Transform, list[str], list[torch.Tensor], TensorDictBase, TensorDictBase]]:
-        """Every part's transform, names, parameters, gradients and state, all checked."""
+    def _checked_work(self) -> list[tuple[Any, ...]]:
+        """Every part's branch, transform, names, parameters, gradients, state and parameters as leaves,
+        all checked: the whole step's input before any part runs."""
+        groups: dict[int, int] = {}
         seen: dict[torch.Tensor, int] = {}
-        work = []
+        work: list[tuple[Any, ...]] = []
+        total = sum(p.numel() for g in self.param_groups for p in g["params"] if p.grad is not None)
+        cap = max(AUTO_MIN_CHUNK, math.ceil(total / AUTO_PARTS)) if self._chunk_numel == "auto" else self._chunk_numel
         for i, (group, names) in enumerate(zip(self.param_groups, self._names())):
-            for p in group["params"]:
-                if seen.setdefault(p, i) != i:
-                    raise ValueError(
-                        f"param group {i} holds a parameter of param group {seen[p]}; a parameter steps in one group"
-                    )
-            tx = self._transform(i, group)
+            if groups.setdefault(id(group), i) != i:
+                raise ValueError(f"param group {i} is param group {groups[id(group)]} again; a group is stepped once")
+            for name, p in zip(names, group["params"]):
+                if p in seen:
+                    again = "in its params twice" if seen[p] == i else f"also in param group {seen[p]}"
+                    raise ValueError(f"param group {i}: parameter {name!r} is {again}")
+                seen[p] = i
+            branch = self._branch(i, group)
             stepped = [(n, p) for n, p in zip(names, group["params"]) if p.grad is not None]
-            parts = [self._inputs(tx, part) for part in self._parts(stepped)]
-            if len(parts) > 1:  # (checked as one, then stepped in parts)
-                checked = self._inputs(tx, stepped)
-            elif parts:
-                checked = parts[0]
-            else:
-                continue
-            try:
-                check_input(tx.init, checked[3], checked[4], checked[5])
-            except ValueError as error:
-                raise ValueError(f"param group {i}: {error}") from None
-            work += parts
+            if stepped:
+                parts = [self._inputs(branch, part) for part in _parts(stepped, cap)]
+                whole = parts[0] if len(parts) == 1 else self._inputs(branch, stepped)  # (checked whole)
+                self._check_part(i, whole)
+                work += parts
+        if len(self._branches) > len(self.param_groups):  # (groups removed from param_groups)
+            self._branches = {k: b for k, b in self._branches.items() if any(b.group is g for g in self.param_groups)}
         return work
 
-    def _inputs(self, tx: Transform, part: list[tuple[str, torch.Tensor]]) -> tuple[Any, ...]:
-        """A part's transform, names, parameters, gradients, state and parameters as leaves."""
+    def _inputs(self, branch: Branch, part: list[tuple[str, torch.Tensor]]) -> tuple[Any, ...]:
         names, params = [n for n, _ in part], [p for _, p in part]
-        grads = build({n: p.grad for n, p in part}, torch.Size([]))
-        leaves = build({n: p.detach() for n, p in part}, torch.Size([]))
-        return tx, names, params, grads, self._group_state(tx, names, params, fresh=False), leaves
+        grads = build({n: p.grad for n, p in part}, SIZE)
+        leaves = build({n: p.detach() for n, p in part}, SIZE)
+        state = self._group_state(branch.layout, branch.tx, names, params)
+        return branch, branch.tx, names, params, grads, state, leaves
 
-    def _parts(self, stepped: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
-        """``stepped`` in parts of at most ``chunk_numel`` elements, same shapes kept together (a
-        Newton–Schulz call that fits a part keeps its bits)."""
-        if not stepped or self._chunk_numel is None:
-            return [stepped] if stepped else []
-        total = sum(p.numel() for _, p in stepped)
-        cap = max(AUTO_MIN_CHUNK, math.ceil(total / AUTO_PARTS)) if self._chunk_numel == "auto" else self._chunk_numel
-        kinds: dict[Any, list[tuple[str, torch.Tensor]]] = {}
-        for n, p in stepped:
-            kinds.setdefault((p.dtype, tuple(sorted(p.shape)) if p.ndim == 2 else tuple(p.shape)), []).append((n, p))
-        parts: list[list[tuple[str, torch.Tensor]]] = [[]]
-        size = 0
-        for members in kinds.values():
-            for n, p in members:
-                if parts[-1] and size + p.numel() > cap:
-                    parts.append([])
-                    size = 0
-                parts[-1].append((n, p))
-                size += p.numel()
-        return parts
+    def _check_part(self, index: int, work: tuple[Any, ...]) -> None:
+        """A group's gradients and state checked; a state that is stale (on another device or of another
+        dtype than its parameter) named with its remedies."""
+        _, tx, names, params, grads, state, leaves = work
+        try:
+            check_input(tx.init, grads, state, leaves)
+        except ValueError as error:
+            for name, p in zip(names, params):
+                problem = _groups.stale(name, p, self.state.get(p) or {})
+                if problem is not None:
+                    raise problem from None
+            raise _renamed(f"param group {index}", self._labels_of()[index], error) from None
 
     def _compiled_run(self, work: list[Any]) -> Callable[..., Any]:
-        signature = tuple((id(w[0]), tuple(w[1]), tuple((p.shape, p.dtype) for p in w[2])) for w in work)
+        signature = tuple((id(w[1]), tuple(w[2]), tuple((p.shape, p.dtype) for p in w[3])) for w in work)
         if signature not in self._compiled:
-            if len(self._compiled) >= 8:
+            if len(self._compiled) >= MAX_COMPILED_STRUCTURES:
+                if not self._warned_compiled:
+                    self._warned_compiled = True
+                    warnings.warn(
+                        f"muonfn.optim.Muon: {len(self._compiled)} structures of the step (which parameters have "
+                        "gradients, the groups' settings) are compiled; steps of other structures run eagerly",
+                        UserWarning,
+                        stacklevel=3,
+                    )
                 return _run
             options = {"fullgraph": True, **(self._compile if isinstance(self._compile, Mapping) else {})}
-            self._compiled[signature] = torch.compile(_run, **options)
+            # a code object of its own: dynamo limits each one's recompilations, and a structure is none
+            own = types.FunctionType(_run.__code__.replace(), _run.__globals__, "_run")
+            self._compiled[signature] = torch.compile(own, **options)
         return self._compiled[signature]
 
     # ------------------------------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's format, ``{"state": {index: {name: tensor}}, "param_groups": [...]}``; loads with
-        ``torch.load(weights_only=True)`` (a map of one's own as ``ns_method`` is left out)."""
-        packed = super().state_dict()
+        """torch's format, ``{"state": {index: {name: tensor}}, "param_groups": [...]}``, describing
+        ``param_groups`` as they are; loads with ``torch.load(weights_only=True)`` (a map of one's own
+        as ``ns_method`` is left out). The state of a tensor removed from the groups is left out."""
+        self._sync()
+        held = self.__dict__["state"]
+        members = {p: n for g, ns in zip(self.param_groups, self._names()) for p, n in zip(g["params"], ns)}
+        for p, name in members.items():
+            if not p.is_meta and any(isinstance(t, torch.Tensor) and t.is_meta for t in (held.get(p) or {}).values()):
+                raise ValueError(
+                    f"state_dict: the state of parameter {name!r} is on meta, which holds no values, and the parameter "
+                    f"on {p.device} (stepped on meta, then materialised): drop it with del opt.state[p] "
+                    "(opt.state.clear() for every parameter); the next step makes it anew"
+                )
+        stray = next((k for k, v in held.items() if isinstance(k, torch.Tensor) and v and k not in self._keys), None)
+        if stray is not None:
+            raise ValueError(
+                f"state_dict: opt.state has an entry under a tensor of shape {tuple(stray.shape)} that is not a "
+                "parameter of this optimizer; a state_dict numbers parameters, so store it under a string key"
+            )
+        # as torch's: the parameters of param_groups, each with its state (none for one never stepped)
+        self.__dict__["state"] = {
+            k: v for k, v in held.items() if not isinstance(k, torch.Tensor) or (k in members and v)
+        }
+        try:
+            packed = super().state_dict()
+        finally:
+            self.__dict__["state"] = held
         for group in packed["param_groups"]:
             if callable(group.get("ns_method")):
-                group["ns_method"] = "standard"
+                del group["ns_method"]
         return packed
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a :meth:`state_dict`: the saved settings and state replace these; a mismatch raises
-        naming the parameter and changes nothing. State tensors go to their parameter's device (the
-        step counts stay exact int64, the second moments of fp16 parameters fp32)."""
-        saved = state_dict["param_groups"]
+        """Loads a :meth:`state_dict` as torch's optimizers do (the saved settings replace these but for a
+        Muon group's variant and bias corrections, which must match), checked first: a mismatch raises
+        naming the group or parameter and changes nothing. State tensors are copied to their parameter's
+        device, in its dtype (counts exact int64, the second moments of fp16 parameters fp32)."""
+        saved = [_migration.current_group(g) for g in state_dict["param_groups"]]
         if len(saved) != len(self.param_groups):
-            raise ValueError(f"load_state_dict: {len(saved)} param groups saved, {len(self.param_groups)} here")
-        for i, (ours, theirs) in enumerate(zip(self.param_groups, saved)):
-            if len(ours["params"]) != len(theirs["params"]) or bool(ours["use_muon"]) != bool(theirs.get("use_muon")):
-                raise ValueError(
-                    f"load_state_dict: param group {i} does not match the saved one (its size or use_muon)"
-                )
-        callables = [g.get("ns_method") for g in self.param_groups]
-        before = [dict(g) for g in self.param_groups], {p: dict(s) for p, s in self.state.items()}
-        try:
-            super().load_state_dict(state_dict)
-            for group, method in zip(self.param_groups, callables):
-                if callable(method) and group.get("ns_method") == "standard":
-                    group["ns_method"] = method
-            self._check_loaded()
-        except Exception:
-            for group, kept in zip(self.param_groups, before[0]):
-                group.clear()
-                group.update(kept)
-            self.state.clear()
-            self.state.update(before[1])
-            raise
-
-    def _check_loaded(self) -> None:
-        """The loaded state of every parameter, cast back where torch's load cast it, checked."""
-        for i, (group, names) in enumerate(zip(self.param_groups, self._names())):
-            tx = self._transform(i, group)
-            params = [p for p in group["params"] if self.state.get(p)]
-            if not params:
-                continue
-            expected = tx.init(
-                build({n: p.detach() for n, p in zip(names, group["params"]) if p in params}, torch.Size([]))
+            raise ValueError(
+                f"load_state_dict: the state_dict has {len(saved)} parameter groups, this optimizer "
+                f"{len(self.param_groups)}"
             )
-            for path, torch_name in self._layout(tx, params[0]).items():
-                for name, p in zip(names, group["params"]):
-                    if p in params and torch_name in self.state[p]:
-                        like = expected.get((*path, name))
-                        value = self.state[p][torch_name]
-                        if value.shape != like.shape:
-                            raise ValueError(
-                                f"load_state_dict: state {torch_name!r} of parameter {name!r} has shape "
-                                f"{tuple(value.shape)}, expected {tuple(like.shape)}"
-                            )
-                        self.state[p][torch_name] = value.to(dtype=like.dtype, device=like.device)
+        index: dict[Any, tuple[str, torch.Tensor, dict[str, tuple[str, ...]]]] = {}
+        for i, (ours, theirs, names) in enumerate(zip(self.param_groups, saved, self._names())):
+            where = f"load_state_dict: parameter group {i}"
+            if len(ours["params"]) != len(theirs["params"]) or ours["use_muon"] != theirs.get("use_muon"):
+                raise ValueError(
+                    f"{where} has {len(theirs['params'])} parameters of use_muon={theirs.get('use_muon')!r} saved, "
+                    f"{len(ours['params'])} of use_muon={ours['use_muon']} here"
+                )
+            layout = _groups.layout(theirs)
+            if layout != _groups.layout(ours):  # (chosen when the optimizer is built: its state follows them)
+                setting = next(k for k in _groups.SHAPING if ours.get(k) != theirs.get(k))
+                raise ValueError(
+                    f"{where} keeps state {list(_groups.layout(ours))} here and {list(layout)} in the state_dict "
+                    f"(saved with {setting}={theirs.get(setting)!r}, this optimizer's group has "
+                    f"{setting}={ours.get(setting)!r})"
+                )
+            if callable(ours.get("ns_method")) and "ns_method" not in theirs:
+                theirs["ns_method"] = ours["ns_method"]  # (a map of one's own is not saved: the loading optimizer's)
+            index.update(
+                {k: (f"{n!r} (index {k})", p, layout) for k, n, p in zip(theirs["params"], names, ours["params"])}
+            )
+        state: dict[Any, Any] = {}
+        for k, entries in state_dict["state"].items():
+            if k not in index:
+                state[k] = entries  # (kept as torch keeps them)
+            elif entries:
+                name, p, layout = index[k]
+                state[p] = _migration.loaded_entries(f"load_state_dict: parameter {name}", entries, layout, p)
+        before = self.param_groups, self.__dict__["state"]
+        try:
+            super().load_state_dict({"state": {}, "param_groups": saved})
+            self.state = state
+            for i, (group, names) in enumerate(zip(self.param_groups, self._names())):
+                branch = self._branch(i, group)
+                held = [(n, p) for n, p in zip(names, group["params"]) if self.state.get(p)]
+                leaves = build({n: p.detach() for n, p in held}, SIZE)
+                loaded = self._group_state(branch.layout, None, [n for n, _ in held], [p for _, p in held])
+                _check(f"load_state_dict: param group {i}", self._labels_of()[i], branch.tx, leaves, loaded, leaves)
+        except Exception:
+            self.__dict__.update(param_groups=before[0], state=before[1])
+            raise
 
     def load_torch_state_dicts(
         self, muon_state_dict: dict[str, Any], adamw_state_dict: dict[str, Any] | None = None
@@ -532,126 +634,130 @@ class Muon(torch.optim.Optimizer):
         this optimizer's Muon groups take the Muon state_dict's groups in order, its AdamW groups the AdamW
         state_dict's, parameter by parameter (checked by shape, and by name where both have names), every
         group key carried. A mismatch raises naming the group or parameter and changes nothing."""
-        self.load_state_dict(_migration.shim_state_dict(self, muon_state_dict, adamw_state_dict))
+        self.load_state_dict(
+            _migration.shim_state_dict(self.param_groups, self._names(), muon_state_dict, adamw_state_dict)
+        )
 
     def torch_state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(muon_state_dict, adamw_state_dict)`` for ``torch.optim.Muon`` and ``torch.optim.AdamW``
         built with this optimizer's Muon and AdamW groups, in order; raises naming a group whose settings
         torch's optimizers cannot run."""
-        return _migration.torch_state_dicts(self)
+        for i, group in enumerate(self.param_groups):
+            self._branch(i, group)
+        return _migration.torch_state_dicts(self.param_groups, self._names(), self.state, self._views, self._mask)
+
+    def _sync(self) -> None:
+        """Lays out the state of groups whose settings changed it, now, as their next step would."""
+        for i, group in enumerate(self.param_groups):
+            with contextlib.suppress(ValueError, TypeError):  # (refused by the next step)
+                self._branch(i, group)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_transforms", "_compiled", "_layouts")}
+        self._sync()
+        return {k: v for k, v in self.__dict__.items() if k not in ("_branches", "_compiled")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self._transforms, self._compiled, self._layouts = {}, {}, {}
+        self._branches, self._compiled, self._undo = {}, {}, None
 
 
-def _run(work: list[Any]) -> list[tuple[Transform, list[str], list[torch.Tensor], TensorDictBase]]:
+def _run(work: list[Any]) -> list[tuple[list[str], list[torch.Tensor], TensorDictBase]]:
     """Each part's update, added to its parameters before the next part is computed."""
     out = []
     with transforms.entered():
         for tx, names, params, grads, state, leaves in work:
             updates, new_state = tx.update(grads, state, leaves)
             torch._foreach_add_(params, list(updates.values()))
-            out.append((tx, names, params, new_state))
+            del updates  # (freed before the next part's are computed: the step's peak holds one part's)
+            out.append((names, params, new_state))
     return out
 
 
+def _parts(stepped: list[tuple[str, torch.Tensor]], cap: int | None) -> list[list[tuple[str, torch.Tensor]]]:
+    """``stepped`` in parts of at most ``cap`` elements (``None``: one part), the parameters of one
+    Newton–Schulz call (a shape; a 2-D one with its transpose) together where they fit in one, which
+    keeps the call's bits."""
+    if cap is None or sum(p.numel() for _, p in stepped) <= cap:
+        return [stepped]
+    kinds: dict[Any, list[tuple[str, torch.Tensor]]] = {}
+    for n, p in stepped:
+        kinds.setdefault((p.dtype, tuple(sorted(p.shape)) if p.ndim == 2 else tuple(p.shape)), []).append((n, p))
+    parts: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for members in kinds.values():
+        whole = sum(p.numel() for _, p in members)
+        if parts[-1] and whole <= cap < size + whole:  # a call that fits in a part starts one
+            parts.append([])
+            size = 0
+        for n, p in members:
+            if parts[-1] and size + p.numel() > cap:
+                parts.append([])
+                size = 0
+            parts[-1].append((n, p))
+            size += p.numel()
+    return parts
+
+
+def _check(where: str, label: str, tx: Transform, grads: TensorDictBase, state: Any, leaves: TensorDictBase) -> None:
+    try:
+        check_input(tx.init, grads, state, leaves)
+    except ValueError as error:
+        raise _renamed(where, label, error) from None
+
+
+def _renamed(where: str, label: str, error: ValueError) -> ValueError:
+    """``check_input``'s error for a group's part of the state, naming ``where`` and the entry by its label."""
+    message = str(error).removeprefix("update: ").replace("state entry '", f"state entry '{label}.")
+    return ValueError(f"{where}: {message}")
+
+
+def _read_params(params: Any, groups: list[dict[str, Any]]) -> tuple[list[torch.Tensor], list[str] | None]:
+    """A group dict's tensors and their names (``None`` for tensors given without), as torch reads them:
+    floating-point leaves, all named or none, as the optimizer's are."""
+    params = [params] if isinstance(params, torch.Tensor) else params
+    if isinstance(params, set):
+        raise TypeError("optimizer parameters need a deterministic order: pass a list, not a set")
+    params = list(params)
+    named = [isinstance(p, tuple) for p in params]
+    if any(named) and not all(named):
+        raise ValueError("all optimizer params should be with or without names; some names are missing")
+    names = [n for n, _ in params] if params and all(named) else None
+    tensors = [p for _, p in params] if names is not None else params
+    if groups and params and (names is None) != ("param_names" not in groups[0]):
+        given, theirs = ("without", "with") if names is None else ("with", "without")
+        raise ValueError(f"parameters given {given} names to an optimizer of parameters {theirs}: name all or none")
+    for p in tensors:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"optimizer can only optimize Tensors, but one of the params is {torch.typename(p)}")
+        if not p.is_floating_point():
+            raise TypeError(f"parameter of dtype {p.dtype}: only floating-point tensors train")
+        if not (p.is_leaf or p.retains_grad):
+            raise ValueError("can't optimize a non-leaf Tensor")
+    return tensors, names
+
+
+def _meta(p: torch.Tensor) -> torch.Tensor:
+    return torch.empty(p.shape, dtype=p.dtype, device="meta")
+
+
 def _nested(entries: dict[str, Any]) -> TensorDictBase:
-    return build({k: _nested(v) if isinstance(v, dict) else v for k, v in entries.items()}, torch.Size([]))
+    return build({k: _nested(v) if isinstance(v, dict) else v for k, v in entries.items()}, SIZE)
 
 
-def _number(where: str, name: str, value: Any) -> float:
-    """A group's number; like torch, a one-element real tensor is one."""
+def _scheduled(where: str, name: str, value: Any) -> float:
+    """A group's ``lr``, ``momentum`` or ``weight_decay``: a real number (as in torch, a one-element real
+    tensor is one), finite and >= 0, a momentum below 1."""
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex() or value.is_meta:
-            raise ValueError(f"{where}: {name} must be a real number, got a tensor {value!r}")
-        return float(value)
-    if isinstance(value, bool) or not isinstance(value, int | float):
+        if value.dtype == torch.bool or value.is_complex():
+            raise TypeError(f"{where}: {name} must be a real number, got a {value.dtype} tensor")
+        if value.is_meta:
+            raise ValueError(f"{where}: {name} is a tensor on the meta device, which holds no value")
+        if value.numel() != 1:
+            raise ValueError(f"{where}: {name} must be a number, got a tensor of shape {tuple(value.shape)}")
+    elif isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{where}: {name} must be a number, got {type(value).__name__}")
-    return float(value)
-
-
-def _comparable(value: Any) -> Any:
-    return float(value) if isinstance(value, torch.Tensor) else (type(value), repr(value))
-
-
-def _resolve_variant(group: dict[str, Any], given: set[str]) -> None:
-    """A Muon group's ``None`` settings take its variant's defaults; an option its variant does not take
-    is an error where given, and dropped where inherited from defaults meant for another variant."""
-    variant = group["variant"]
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown variant {variant!r}; choose one of {list(VARIANTS)}")
-    defaults = VARIANT_DEFAULTS[variant]
-    for name in ("momentum", "nesterov", *VARIANT_OPTIONS):
-        if name not in defaults:
-            if group.get(name) is not None and name in given:
-                takers = [v for v in VARIANTS if name in VARIANT_DEFAULTS[v]]
-                raise ValueError(
-                    f"{name} does not apply to variant {variant!r}; it is an option of "
-                    f"{' and '.join(map(repr, takers))}"
-                )
-            group.pop(name, None)
-        elif group.get(name) is None:
-            group[name] = defaults[name]
-
-
-def _ns_entries(ns: Any, coefficients: Any, steps: int | None, eps: float) -> dict[str, Any]:
-    """A group's Newton–Schulz entries, data a state_dict holds: torch's spellings (one triple for each
-    of ``steps``, 5 when not given), or a whole ``ns`` (a :class:`~muonfn.NewtonSchulz`, ``"svd"``,
-    ``"qr"``, a map of one's own as ``ns_method``) with torch's spellings at their defaults."""
-    if ns is not None:
-        if coefficients != "keller" or steps is not None or eps != 1e-7:
-            raise ValueError(
-                "ns= is the whole Newton–Schulz setting: leave ns_coefficients, ns_steps and eps out with it"
-            )
-        if isinstance(ns, NewtonSchulz):
-            return {
-                "ns_coefficients": _plain(ns.coefficients), "ns_steps": ns.steps, "eps": ns.eps, "ns_dtype": ns.dtype,
-                "ns_method": ns.method, "ns_eps_mode": ns.eps_mode, "ns_restarts": ns.restarts,
-            }  # fmt: skip
-        method = "svd" if ns is polar else "qr" if ns is qr_orthogonal else ns
-        return {**_ns_entries(None, "keller", None, 1e-7), "ns_method": method}
-    if _migration.is_torch_triple(coefficients):
-        coefficients, steps = ((tuple(float(v) for v in coefficients),) * (5 if steps is None else steps)), None
-    ns_schedule(coefficients, steps)
-    return {"ns_coefficients": _plain(coefficients), "ns_steps": steps, "eps": eps, "ns_dtype": None,
-            "ns_method": "standard", "ns_eps_mode": "clamp", "ns_restarts": None}  # fmt: skip
-
-
-def _plain(coefficients: Any) -> Any:
-    """A schedule as data ``torch.load(weights_only=True)`` reads: a name, or triples (a norm factor
-    other than 1 in front as ``("norm_factor", c)``)."""
-    if isinstance(coefficients, str):
-        return coefficients
-    schedule = ns_schedule(coefficients)
-    plain = tuple(tuple(t) for t in schedule.triples)
-    return (("norm_factor", schedule.norm_factor), *plain) if schedule.norm_factor != 1.0 else plain
-
-
-def _ns_of(group: Mapping[str, Any]) -> Any:
-    method = group["ns_method"]
-    if method in ("svd", "qr") or callable(method):
-        return {"svd": polar, "qr": qr_orthogonal}.get(method, method) if isinstance(method, str) else method
-    coefficients = group["ns_coefficients"]
-    if isinstance(coefficients, tuple) and coefficients and coefficients[0][:1] == ("norm_factor",):
-        from ..linalg import Coefficients
-
-        coefficients = Coefficients(tuple(coefficients[1:]), coefficients[0][1])
-    restarts = group["ns_restarts"]
-    return NewtonSchulz(coefficients, group["ns_steps"], group["eps"], group["ns_dtype"], method,
-                        group["ns_eps_mode"], None if restarts is None else tuple(restarts))  # fmt: skip
-
-
-def _scale_of(adjust_lr_fn: Any) -> Any:
-    """torch's ``adjust_lr_fn`` (``None``: ``"original"``) or one of muonfn's scale modes."""
-    if adjust_lr_fn is None:
-        return "original"
-    if not isinstance(adjust_lr_fn, str) or adjust_lr_fn not in SCALE_MODES:
-        raise ValueError(f"adjust_lr_fn must be None or one of {sorted(SCALE_MODES)}, got {adjust_lr_fn!r}")
-    return adjust_lr_fn
-
-
-_ = named_table
+    number = float(value)
+    if not 0 <= number < (1 if name == "momentum" else math.inf):
+        expected = "in [0, 1)" if name == "momentum" else "finite and >= 0"
+        raise ValueError(f"{where}: {name} must be {expected}, got {number!r}")
+    return number

@@ -8,14 +8,15 @@ from typing import Any
 
 import torch
 
-from ..presets import DEFAULT_EXCLUDE, label_params, matching_fragments, shown, warn_routing
+from ..presets import DEFAULT_EXCLUDE, label_params, matching_fragments, shown
 
 
-def warn_if_routed_blind(opt: Any, labels: Any, names: Any, muon: Sequence[torch.Tensor]) -> None:
-    """Once per optimizer: parameters given without names that the default labels sent to Muon."""
-    if names is None and muon and by_shape_and_name(labels) and not getattr(opt, "_warned_unnamed", False):
-        opt._warned_unnamed = True
-        warn_routing(routed_blind([p.shape for p in muon]))
+def routed_without_names(labels: Any, names: Any, muon: Sequence[torch.Tensor]) -> str | None:
+    """The warning for parameters given without names (``names`` is ``None``) that the default labels
+    sent to Muon (``muon``) by shape alone; ``None`` where there is none to give."""
+    if names is None and muon and by_shape_and_name(labels):
+        return routed_blind([p.shape for p in muon])
+    return None
 
 
 def by_shape_and_name(labels: Any) -> bool:

@@ -1,0 +1,261 @@
+"""What a param group holds: the settings of its kind, read from a group dict and the constructor's
+keywords; its Newton–Schulz entries, as data a state_dict keeps; the branch it translates into; and
+the entries of each parameter's state, under torch's names, laid out as the presets keep them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+from ..linalg import SCALE_MODES, Coefficients, NewtonSchulz, ns_schedule, polar, qr_orthogonal
+from ..presets import VARIANT_DEFAULTS, VARIANT_OPTIONS, VARIANTS
+from ..steps import second_moment_dtype
+
+#: A Muon group's settings (``eps``: Newton–Schulz's, as torch.optim.Muon's; ``adjust_lr_fn``: the shape scale)
+MUON_SETTINGS = (
+    "lr", "momentum", "weight_decay", "variant", "nesterov", "momentum_bias_correction", "cautious_weight_decay",
+    "cautious_mode", "ns_coefficients", "ns_steps", "eps", "ns_dtype", "ns_method", "ns_eps_mode", "ns_restarts",
+    "adjust_lr_fn", "extra_scale", *VARIANT_OPTIONS,
+)  # fmt: skip
+#: An AdamW group's settings: its β₁ is ``momentum``, so that torch's schedulers that cycle momentum
+#: (OneCycleLR, CyclicLR: ``"momentum"`` into every group unless ``"betas"`` is a default) move it too.
+ADAMW_SETTINGS = ("lr", "momentum", "beta2", "eps", "weight_decay", "nesterov", "cautious_weight_decay")
+#: The settings a scheduler changes: 0-d tensors of the branch, refilled before every step.
+SCHEDULED = ("lr", "momentum", "weight_decay")
+#: The settings that choose a Muon group's state entries
+SHAPING = ("variant", "momentum_bias_correction", "second_moment_bias_correction")
+#: What a split group's AdamW half takes from the group dict besides the adamw_* keywords
+SHARED = ("lr", "weight_decay", "cautious_weight_decay")
+#: The constructor's spellings of an AdamW group's entries, which a ``use_muon=False`` group dict may use
+ADAMW_SPELLINGS = {"adamw_betas": ("momentum", "beta2"), "adamw_eps": ("eps",), "adamw_nesterov": ("nesterov",)}
+#: A split group's AdamW half: its ``lr`` and ``weight_decay``
+SPLIT_HALVES = {"adamw_lr": "lr", "adamw_weight_decay": "weight_decay"}
+#: A group's Newton–Schulz entries at their defaults (``ns_method`` besides: "standard", "gram", "svd", "qr", a map)
+NS_DEFAULTS = {"ns_coefficients": "keller", "ns_steps": None, "eps": 1e-7, "ns_dtype": None, "ns_eps_mode": "clamp",
+               "ns_restarts": None}  # fmt: skip
+#: The entries of a state that are counts (exact int64) and second moments (fp32 for fp16 parameters)
+COUNTS, SECOND_MOMENTS = ("step", "second_moment_step"), ("exp_avg_sq", "row_second_moment")
+
+
+class Constructor(NamedTuple):
+    """What a group dict does not set: the constructor's settings of each kind, its ``adamw_lr`` and
+    ``adamw_weight_decay`` for a split dict's AdamW half, and the variants' options it was given."""
+
+    muon: dict[str, Any]
+    adamw: dict[str, Any]
+    split: dict[str, Any]
+    options: set[str]
+
+
+def group_of(where: str, given: Mapping[str, Any], use_muon: bool, constructor: Constructor) -> dict[str, Any]:
+    """The settings of a group of one kind (no ``params``) from a group dict: its kind's, given or the
+    constructor's, and entries of one's own (``initial_lr``, a tag). A group dict without ``use_muon`` is
+    split: its AdamW half takes the shared settings and the ``adamw_*`` keywords; the other kind's
+    settings are refused where the dict has a kind."""
+    own = {k: v for k, v in given.items() if k not in ("params", "param_names", "use_muon")}
+    split = "use_muon" not in given
+    if split and "eps" in own:
+        raise ValueError(f"{where}: 'eps' in a group split by labels; set its AdamW half's as adamw_eps")
+    if use_muon:
+        stray = [k for k in own if k.startswith("adamw_")]
+        if stray and not split:
+            raise ValueError(f"{where}: {stray[0]!r} sets AdamW groups; this group has use_muon=True")
+        own = {k: v for k, v in own.items() if k not in stray}
+        if "ns" in own:
+            flat = {k.removeprefix("ns_"): own.pop(k) for k in NS_DEFAULTS if k in own}
+            own.update(ns_entries(where, own.pop("ns"), **flat))
+        elif "ns_coefficients" in own:  # (torch's one triple, for each of ns_steps)
+            own.update(ns_entries(where, None, own["ns_coefficients"], own.get("ns_steps"), own.get("eps", 1e-7)))
+        # a group of its own variant inherits the constructor's options, the others are given them
+        given_options = set(own) if "variant" in own else set(own) | constructor.options
+        return resolve_variant(where, {**constructor.muon, **own}, given_options)
+    if split:
+        own = {k: v for k, v in own.items() if k in SHARED or k not in (*MUON_SETTINGS, "ns")}
+        halves = {key: own.pop(half, constructor.split[half]) for half, key in SPLIT_HALVES.items()}
+        own.update({key: v for key, v in halves.items() if v is not None})
+    for key in own:
+        if key == "ns" or (key in MUON_SETTINGS and key not in ADAMW_SETTINGS):
+            raise ValueError(f"{where}: {key!r} is a Muon setting; this group has use_muon=False")
+        if key in SPLIT_HALVES:
+            raise ValueError(f"{where}: {key!r} sets the AdamW half of a group split by labels")
+    for spelling, keys in ADAMW_SPELLINGS.items():
+        if spelling in own:
+            value = own.pop(spelling)
+            values = tuple(value) if len(keys) == 2 and isinstance(value, tuple | list) else (value,)
+            if len(values) != len(keys):
+                raise ValueError(f"{where}: {spelling} must be a pair (beta1, beta2), got {value!r}")
+            for key, v in zip(keys, values):
+                if key in own:
+                    raise ValueError(f"{where}: {key!r} is given twice, as {key} and in {spelling}")
+                own[key] = v
+    return {**constructor.adamw, **own}
+
+
+def resolve_variant(where: str, group: dict[str, Any], given: set[str]) -> dict[str, Any]:
+    """``group`` with its ``None`` settings at its variant's defaults; an option its variant does not take
+    is an error where ``given``, and dropped (``None``) where inherited from settings for another variant."""
+    variant = group["variant"]
+    if variant not in VARIANTS:
+        raise ValueError(f"{where}: unknown variant {variant!r}; choose one of {list(VARIANTS)}")
+    defaults = VARIANT_DEFAULTS[variant]
+    for name in ("momentum", "nesterov", *VARIANT_OPTIONS):
+        if name not in defaults:
+            if group.get(name) is not None and name in given:
+                takers = " and ".join(repr(v) for v in VARIANTS if name in VARIANT_DEFAULTS[v])
+                raise ValueError(f"{where}: {name} does not apply to variant {variant!r}; it is an option of {takers}")
+            group[name] = None
+        elif group.get(name) is None:
+            group[name] = defaults[name]
+    return group
+
+
+# ---------------------------------------------------------------------------------------------- Newton–Schulz
+
+
+def ns_entries(
+    where: str, ns: Any, coefficients: Any = "keller", steps: Any = None, eps: Any = 1e-7, **flat: Any
+) -> dict[str, Any]:
+    """A group's Newton–Schulz entries, data a state_dict holds: torch's spellings (one ``(a, b, c)`` for
+    each of ``steps``, 5 when not given), or a whole ``ns`` (a :class:`~muonfn.NewtonSchulz` as its
+    fields, ``"svd"``/:func:`~muonfn.polar`, ``"qr"``, ``"gram"``, a map of one's own as ``ns_method``),
+    beside which the other settings (``flat``: a group dict's ``ns_*`` entries) must keep their defaults."""
+    if ns is None:
+        if is_torch_triple(coefficients):
+            coefficients, steps = (tuple(float(v) for v in coefficients),) * (5 if steps is None else steps), None
+        ns_schedule(coefficients, steps)
+        return {**NS_DEFAULTS, "ns_coefficients": _plain(coefficients), "ns_steps": steps, "eps": eps,
+                "ns_method": "standard"}  # fmt: skip
+    given = {"ns_coefficients": coefficients, "ns_steps": steps, "eps": eps, **{f"ns_{k}": v for k, v in flat.items()}}
+    ignored = [f"{k}={v!r}" for k, v in given.items() if v is not None and v != NS_DEFAULTS[k]]
+    if ignored:
+        raise ValueError(
+            f"{where}: ns= is the whole Newton–Schulz setting: leave ns_coefficients, ns_steps and eps (and a "
+            f"group's other ns_* entries) out with it; beside ns={ns!r}, {', '.join(ignored)} would be ignored"
+        )
+    if isinstance(ns, NewtonSchulz):
+        return {"ns_coefficients": _plain(ns.coefficients), "ns_steps": ns.steps, "eps": ns.eps, "ns_dtype": ns.dtype,
+                "ns_method": ns.method, "ns_eps_mode": ns.eps_mode, "ns_restarts": ns.restarts}  # fmt: skip
+    if ns not in ("svd", "qr", "gram") and (isinstance(ns, str) or not callable(ns)):
+        raise TypeError(
+            f"{where}: ns must be a muonfn.NewtonSchulz, 'svd', 'qr', 'gram' or a map of (count, m, n) batches, "
+            f"got {ns!r}"
+        )
+    return {**NS_DEFAULTS, "ns_method": "svd" if ns is polar else "qr" if ns is qr_orthogonal else ns}
+
+
+def is_torch_triple(coefficients: Any) -> bool:
+    """torch.optim.Muon's ``ns_coefficients``: one ``(a, b, c)``."""
+    return (
+        isinstance(coefficients, tuple | list)
+        and len(coefficients) == 3
+        and all(isinstance(v, int | float) and not isinstance(v, bool) for v in coefficients)
+    )
+
+
+def _plain(coefficients: Any) -> Any:
+    """A schedule as data ``torch.load(weights_only=True)`` reads: a name, or triples (a norm factor
+    other than 1 in front as ``("norm_factor", c)``)."""
+    if isinstance(coefficients, str):
+        return coefficients
+    schedule = ns_schedule(coefficients)
+    plain = tuple(tuple(t) for t in schedule.triples)
+    return (("norm_factor", schedule.norm_factor), *plain) if schedule.norm_factor != 1.0 else plain
+
+
+def ns_of(group: Mapping[str, Any]) -> Any:
+    """The group's map of ``(count, m, n)`` batches; settings that a map without Newton–Schulz would
+    ignore are refused."""
+    method = group["ns_method"]
+    if method in ("standard", "gram"):
+        coefficients = group["ns_coefficients"]
+        if isinstance(coefficients, tuple) and coefficients and coefficients[0][:1] == ("norm_factor",):
+            coefficients = Coefficients(tuple(coefficients[1:]), coefficients[0][1])
+        restarts = None if group["ns_restarts"] is None else tuple(group["ns_restarts"])
+        return NewtonSchulz(coefficients, group["ns_steps"], group["eps"], group["ns_dtype"], method,
+                            group["ns_eps_mode"], restarts)  # fmt: skip
+    if isinstance(method, str) and method not in ("svd", "qr"):
+        raise ValueError(f"unknown ns_method {method!r}; choose 'standard', 'gram', 'svd', 'qr' or a map of one's own")
+    ignored = [f"{k}={group[k]!r}" for k, default in NS_DEFAULTS.items() if group[k] != default]
+    if ignored:
+        shown = repr(method) if isinstance(method, str) else getattr(method, "__name__", repr(method))
+        raise ValueError(f"ns_method={shown} does not run Newton–Schulz, so {', '.join(ignored)} would be ignored")
+    return {"svd": polar, "qr": qr_orthogonal}.get(method, method)
+
+
+def scale_of(adjust_lr_fn: Any) -> Any:
+    """torch's ``adjust_lr_fn`` (``None``: ``"original"``) as muonfn's scale mode."""
+    if adjust_lr_fn is None:
+        return "original"
+    if not isinstance(adjust_lr_fn, str) or adjust_lr_fn not in SCALE_MODES:
+        raise ValueError(f"adjust_lr_fn must be None or one of {sorted(SCALE_MODES)}, got {adjust_lr_fn!r}")
+    return adjust_lr_fn
+
+
+# ---------------------------------------------------------------------------------------------- state
+
+
+def layout(group: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
+    """A parameter's state entries under torch's names -> their place in its group's functional state
+    (as ``muonfn.muon``, ``normuon``, ``adamuon`` and ``adamw`` keep it), from the group's settings."""
+    if not group.get("use_muon"):
+        return {"step": ("step",), "exp_avg": ("exp_avg",), "exp_avg_sq": ("exp_avg_sq",)}
+    counted = counts(group)
+    moment = {"normuon": "row_second_moment", "adamuon": "exp_avg_sq"}.get(group.get("variant", ""))
+    nested = len(counted) == 2  # (AdaMuon counting both keeps its second moment under "second_moment")
+    entries: dict[str, tuple[str, ...]] = {"momentum_buffer": ("momentum",)}
+    if "momentum_buffer" in counted:
+        entries["step"] = ("step",)
+    if moment is not None:
+        entries[moment] = ("second_moment", moment) if nested else (moment,)
+        if moment in counted:
+            entries[counted[moment]] = ("second_moment", "step") if nested else ("step",)
+    return entries
+
+
+def counts(group: Mapping[str, Any]) -> dict[str, str]:
+    """The bias-corrected entries of a Muon group's state (torch's names) -> the count that corrects each."""
+    counted = {"momentum_buffer": "step"} if group.get("momentum_bias_correction") else {}
+    if group.get("variant") == "adamuon" and group.get("second_moment_bias_correction"):
+        counted["exp_avg_sq"] = "second_moment_step" if counted else "step"
+    return counted
+
+
+def relaid(held: Mapping[str, Any], before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
+    """A parameter's state ``held`` for a group whose settings changed from ``before`` to ``after`` (its
+    variant, a bias correction), as a functional hand-off to them lays it out: the entries both keep are
+    kept, with their counts where both count them; an entry whose bias correction starts now starts anew
+    with its count (a trained moment divided by ``1 - β`` would grow the update several times over). What
+    is not kept is made at the parameter's next step."""
+    old, new = counts(before), counts(after)
+    wanted = set(layout(after)) - set(new.values())
+    kept = {}
+    for name in [n for n in held if n in wanted and (n not in new or n in old)]:
+        kept[name] = held[name]
+        if name in new and old[name] in held:
+            kept[new[name]] = held[old[name]]
+    return kept
+
+
+def stale(name: str, p: torch.Tensor, held: Mapping[str, Any]) -> Exception | None:
+    """What is wrong with the state ``held`` of parameter ``p`` (named ``name``) that the step cannot take,
+    an entry on another device or of another dtype named with the remedies; ``None`` if nothing is."""
+    drop = "drop it with del opt.state[p] (opt.state.clear() for every parameter); the next step makes it anew"
+    cast = "opt.load_state_dict(opt.state_dict()), which casts every state tensor to its parameter's device and dtype"
+    for entry, t in held.items():
+        where = f"the state of parameter {name!r} ({entry})"
+        if not isinstance(t, torch.Tensor):
+            return TypeError(f"{where} must be a tensor, got {type(t).__name__}")
+        if t.device != p.device:
+            remedy = f"a state on meta holds no values: {drop}" if t.is_meta else f"move it with {cast}, or {drop}"
+            return ValueError(
+                f"{where} is on {t.device}, the parameter on {p.device} (moved after its state was made); {remedy}"
+            )
+        dtype = second_moment_dtype(p.dtype) if entry in SECOND_MOMENTS else p.dtype
+        if entry not in COUNTS and t.dtype != dtype:
+            cast_after = "(cast after its state was made)"
+            return ValueError(
+                f"{where} is {t.dtype}, the parameter {p.dtype} {cast_after}; cast it with {cast}, or {drop}"
+            )
+    return None
