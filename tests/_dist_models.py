@@ -9,6 +9,7 @@ weight stored transposed.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -63,12 +64,22 @@ DISTRIBUTED = ("strategy", "shard_specs", "bucket_numel", "replicated", "overlap
 NS = muonfn.NewtonSchulz(dtype=torch.float32)
 
 
-def make_tx(collectives: Any = None, **options: Any) -> muonfn.Transform:
-    """The run's Muon; with ``collectives``, over ``sharded_orthogonalizer(collectives, **distributed options)``."""
+def make_tx(collectives: Any = None, *, fused_adamw: bool = False, **options: Any) -> muonfn.Transform:
+    """The run's Muon; with ``collectives``, over ``sharded_orthogonalizer(collectives, **distributed options)``.
+    ``fused_adamw``: the same optimizer from its building blocks, its AdamW leaves through torch's fused
+    kernel (``muonfn.adamw(fused=True)``, a GPU's route, on any device)."""
     distributed = {k: options.pop(k) for k in DISTRIBUTED if k in options}
     if collectives is not None:
         options["orthogonalizer"] = sharded_orthogonalizer(collectives, **distributed)
-    return muonfn.muon(lr=0.05, weight_decay=0.1, ns=NS, views=VIEWS, **options)
+    if not fused_adamw:
+        return muonfn.muon(lr=0.05, weight_decay=0.1, ns=NS, views=VIEWS, **options)
+    donate = options.pop("donate_state", False)
+    descent = muonfn.descent(0.05, 0.1, ns=NS, views=VIEWS, overwrite_input=True, **options)
+    matrices = muonfn.chain(muonfn.ema_momentum(0.95, donate_state=donate), descent)
+    others = muonfn.adamw(0.05, betas=(0.9, 0.95), weight_decay=0.1, donate_state=donate, fused=True)
+    shards = tuple(getattr(options.get("orthogonalizer"), "shard_specs", ()))
+    labels = functools.partial(muonfn.label_params, shards=shards)
+    return muonfn.partition({"muon": matrices, "adamw": others}, labels)
 
 
 def batches(steps: int = STEPS, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -173,15 +184,3 @@ def make_shim(model: nn.Module, **distributed: Any) -> torch.optim.Optimizer:
 
     ns = muonfn.NewtonSchulz(dtype=torch.float32)
     return Muon(model.named_parameters(), lr=0.05, weight_decay=0.1, ns=ns, views=VIEWS, **distributed)
-
-
-def adamw_kernel_takes_on_cpu(tensors: Any, members: int, factors: Any) -> bool:
-    """A GPU's rule for torch's fused AdamW kernel, read on the CPU (it replaces
-    ``muonfn._devices.adamw_kernel_takes`` to force that route): one model's contiguous fp32
-    leaves, the learning rate and decay numbers."""
-    return (
-        bool(tensors)
-        and not members
-        and not factors
-        and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
-    )

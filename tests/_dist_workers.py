@@ -25,7 +25,6 @@ from _dist_models import (
     STEPS,
     Net,
     Reference,
-    adamw_kernel_takes_on_cpu,
     batches,
     loss_of,
     make_net,
@@ -459,7 +458,6 @@ def torch_kernel_run(rank: int, world: int, reference: Reference) -> None:
     takes it), donated or not, against the single-process run through the same kernel: to
     rounding, as the CPU's kernel rounds an element by where it falls in its tensor (vector body
     or scalar tail), which a shard moves; CUDA's computes every element alike."""
-    muonfn._devices.adamw_kernel_takes = adamw_kernel_takes_on_cpu  # (this worker process only)
     calls = []
     kernel = torch._fused_adamw_
     torch._fused_adamw_ = lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs)
@@ -467,7 +465,7 @@ def torch_kernel_run(rank: int, world: int, reference: Reference) -> None:
     collectives = torch_collectives(mesh)
     for donate in (False, True):
         model = fsdp(make_net(), mesh)
-        tx = make_tx(collectives, donate_state=donate)
+        tx = make_tx(collectives, fused_adamw=True, donate_state=donate)
         state = tx.init(TensorDict.from_module(model).detach())
         for step in range(STEPS):
             state = train_step(model, tx, state, step, reference, slice(None), in_place=donate)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist_harness import run, run_interpreters
-from _dist_models import Reference, adamw_kernel_takes_on_cpu, reference_run, shim_reference_run
+from _dist_models import Reference, reference_run, shim_reference_run
 
 import muonfn
 import muonfn._devices
@@ -63,14 +63,11 @@ def test_fsdp2_donated_state(reference: Reference) -> None:
     run(workers.donated_state_run, 2, reference)
 
 
-def test_fsdp2_adamw_through_torchs_kernel_matches_single_process(
-    reference: Reference, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_fsdp2_adamw_through_torchs_kernel_matches_single_process(reference: Reference) -> None:
     """A GPU's AdamW route (torch's fused kernel, forced on the CPU) takes DTensor shards: the run
     is the single-process run through it (which rounds otherwise than the rule's own passes), to
     the CPU kernel's rounding (see ``_dist_workers.torch_kernel_run``)."""
-    monkeypatch.setattr(muonfn._devices, "adamw_kernel_takes", adamw_kernel_takes_on_cpu)
-    through_kernel = reference_run()
+    through_kernel = reference_run(fused_adamw=True)
     assert not torch.equal(through_kernel.params[-1]["embed.weight"], reference.params[-1]["embed.weight"])
     run(workers.torch_kernel_run, 2, through_kernel)
 
