@@ -732,3 +732,18 @@ def test_a_batch_built_from_matrices_norms_each_in_its_own_memory() -> None:
         members_wide.transpose(0, 1).contiguous(), members_tall
     )
     assert torch.equal(turned, alone)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_term_weighted_zero_leaves_nothing_behind_in_16_bit(dtype: torch.dtype) -> None:
+    """A step whose c is 0, and a last step scaled by 0 (a learning rate of 0), in bf16 and fp16: the
+    zero-weighted product is left out (torch's CPU baddbmm returns wrong values for alpha=0 in bf16)."""
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    cubic = newton_schulz(x, [(1.5, -0.5, 0.0)], steps=12, dtype=dtype)
+    assert cubic.isfinite().all()
+    expected = newton_schulz(x, [(1.5, -0.5, 0.0)], steps=12, dtype=torch.float32)
+    torch.testing.assert_close(cubic, expected, atol=0.1, rtol=0)
+    params = TensorDict({"w": x.clone()}, [])
+    tx = muonfn.muon(lr=0.0, weight_decay=0.0, ns_dtype=dtype)
+    updates, _ = tx.update(TensorDict({"w": torch.randn_like(x)}, []), tx.init(params), params)
+    assert torch.equal(muonfn.apply_updates(params, updates)["w"], x)

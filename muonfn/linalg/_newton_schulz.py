@@ -459,8 +459,10 @@ def _step(
         P = torch.baddbmm(A, A, A, beta=b * s, alpha=c * s, out=factor)
         P.diagonal(dim1=-2, dim2=-1).add_(a * s)
         return torch.bmm(P, X, out=out)
-    B = torch.baddbmm(A, A, A, beta=b, alpha=c, out=factor)
-    return torch.baddbmm(X, B, X, beta=a * s, alpha=s, out=out)
+    # a product weighted 0 is left out: torch's CPU baddbmm in bf16 returns wrong values with alpha=0
+    # (matrices of 12×12 and up, torch 2.13), where the term is 0 anyway
+    B = torch.mul(A, b, out=factor) if c == 0 else torch.baddbmm(A, A, A, beta=b, alpha=c, out=factor)
+    return torch.mul(X, a * s, out=out) if s == 0 else torch.baddbmm(X, B, X, beta=a * s, alpha=s, out=out)
 
 
 def may_write_into(X: torch.Tensor) -> bool:
