@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from _strategies import iteration_dtype
 from tensordict import TensorDict
 
 import muonfn
@@ -99,7 +100,11 @@ def test_half_precision_updates_are_finite_and_close_to_fp32(variant, dtype):
         for key, u in updates.items():
             assert u.dtype == dtype, key
             assert torch.isfinite(u).all(), f"step {t + 1}, {key!r}: {int((~torch.isfinite(u)).sum())} non-finite"
-    tolerance = ROUNDINGS * UNIT_ROUNDOFF[dtype]
+    # each rounding to the leaf's dtype, or to the Newton–Schulz iteration's where that is coarser
+    # (bf16 where the run's CPU rule forces it: the two runs' inputs to it then round apart)
+    matrices = [t.shape for t in params.values() if t.ndim == 2] if preset is not muonfn.adamw else []
+    iteration = iteration_dtype(*matrices)
+    tolerance = ROUNDINGS * max(UNIT_ROUNDOFF[dtype], torch.finfo(iteration).eps / 2)
     if not signs:
         for t, (got, expected) in enumerate(zip(narrow, wide)):
             for key, u in got.items():

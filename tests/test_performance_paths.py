@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 from _steps import compiled_donated_beside_eager, stepper
+from _strategies import assert_td_close_to_iteration, iteration_dtype
 from tensordict import TensorDict, TensorDictBase
 from torch.overrides import TorchFunctionMode
 
@@ -404,8 +405,9 @@ def test_compiled_update_fullgraph_matches_eager():
     eager_tx, donating_tx = muonfn.muon(**options), muonfn.muon(**options, donate_state=True)
 
     params_e, state_e, params_c, state_c = compiled_donated_beside_eager(eager_tx, donating_tx, grads, params, lr)
-    for key in params.keys(True, True):
-        torch.testing.assert_close(params_c[key], params_e[key], rtol=1e-5, atol=1e-6)
+    # fp32's rounding, or a 16-bit iteration's where the run's CPU rule forces it (tests/_strategies.py)
+    iteration = iteration_dtype(*(t.shape[-2:] for t in params.values(True, True) if t.ndim >= 2))
+    assert_td_close_to_iteration(params_c, params_e, atol=1e-6, iteration=iteration, initial=params)
     torch.testing.assert_close(state_c["adamw", "step", "norm"], state_e["adamw", "step", "norm"])
 
 
