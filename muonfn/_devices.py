@@ -227,23 +227,19 @@ def _fp64_norms(matrices: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def adamw_kernel_takes(
-    tensors: Sequence[torch.Tensor], members: int, factors: Sequence[Any], forced: bool | None = None
+    tensors: Sequence[torch.Tensor], members: int, factors: Sequence[Any], forced: bool | None
 ) -> bool:
     """Whether an AdamW update goes through ``torch._fused_adamw_`` (``torch.optim.AdamW(fused=True)``'s
-    kernel): one model (no ensemble) whose gradients, moments and decayed parameters are contiguous
-    fp32 tensors on one CUDA (or meta) device, eager, outside ``torch.func`` transforms, with nothing
-    autograd records; plain tensors, the learning rate and decay numbers or 0-d tensors on their
-    device (``factors``: those given as tensors; a schedule's rate), or all DTensors, with both
-    numbers; ``forced``: on any device."""
-    if (
-        members
-        or not tensors
-        or not _plain_eager([])
-        or (torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *factors)))
-    ):
+    kernel): one model (no ensemble) whose gradients and parameters are contiguous fp32 tensors on one
+    CUDA (or meta) device (``forced``: ``True`` on any device, ``False`` never), eager, outside
+    ``torch.func`` transforms, with nothing autograd records; plain tensors with the learning rate and
+    decay numbers or 0-d tensors on their device (``factors``: the hyperparameters, β₁ a number), or
+    all DTensors with numbers."""
+    if forced is False or members or not tensors or (not forced and tensors[0].device.type not in ("cuda", "meta")):
         return False
     device = tensors[0].device
-    if device.type not in ("cuda", "meta") and not forced:
+    factors = [f for f in factors if isinstance(f, torch.Tensor)]
+    if not _plain_eager([]) or (torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *factors))):
         return False
     if not all(t.dtype == torch.float32 and t.device == device and t.is_contiguous() for t in tensors):
         return False

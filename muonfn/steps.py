@@ -68,15 +68,8 @@ def _foreach(op: str, tensors: Sequence[torch.Tensor], *operands: Any, inplace: 
     fused kernels round otherwise than the out-of-place ones)."""
     if not tensors:
         return []
-    numbers = any(isinstance(v, int | float) for v in (*operands, *kw.values()))
-    narrow = inplace and numbers and any(t.dtype.itemsize < 4 for t in tensors)
-    # DTensors meet a tensor, or a list of plain ones, one at a time: a fused op would put the plain
-    # tensors on the first leaf's mesh, and leaves may live on several meshes (TP beside FSDP2)
-    firsts = [v[0] if isinstance(v, list | tuple) and v else None for v in operands]
-    plain = [isinstance(f, torch.Tensor) and not hasattr(f, "placements") for f in firsts]
-    mixed = hasattr(tensors[0], "placements") and any(isinstance(v, torch.Tensor) or p for v, p in zip(operands, plain))
     mapped = torch._C._are_functorch_transforms_active()
-    if narrow or mixed or mapped:
+    if mapped or (inplace and _narrow_with_number(tensors, operands, kw)) or _dtensors_meet_plain(tensors, operands):
         lists = [v if isinstance(v, list | tuple) else [v] * len(tensors) for v in operands]
         name = f"{op}_" if inplace else op
         return [
@@ -87,6 +80,20 @@ def _foreach(op: str, tensors: Sequence[torch.Tensor], *operands: Any, inplace: 
         ]
     result = getattr(torch, f"_foreach_{op}_" if inplace else f"_foreach_{op}")(list(tensors), *operands, **kw)
     return list(tensors) if inplace else list(result)
+
+
+def _narrow_with_number(tensors: Sequence[torch.Tensor], operands: Sequence[Any], kw: dict[str, Any]) -> bool:
+    numbers = any(isinstance(v, int | float) for v in (*operands, *kw.values()))
+    return numbers and any(t.dtype.itemsize < 4 for t in tensors)
+
+
+def _dtensors_meet_plain(tensors: Sequence[torch.Tensor], operands: Sequence[Any]) -> bool:
+    """DTensors meeting a tensor, or a list of plain ones: a fused op would put the plain tensors on the
+    first leaf's mesh, and leaves may live on several meshes (TP beside FSDP2)."""
+    if not hasattr(tensors[0], "placements"):
+        return False
+    firsts = [v[0] if isinstance(v, list | tuple) and v else v for v in operands]
+    return any(isinstance(f, torch.Tensor) and not hasattr(f, "placements") for f in firsts)
 
 
 def _narrow_meets_wide(t: torch.Tensor, operands: Sequence[Any]) -> bool:
@@ -351,9 +358,9 @@ def _orthogonalized(
 ) -> list[torch.Tensor]:
     names, values = list(grads.keys()), list(grads.values())
     leaf_views = resolve_views(views, names, values, grads.batch_dims)
-    check = getattr(orthogonalizer, "check", None)
-    if callable(check):
-        check(names, values, leaf_views)
+    refuse = getattr(orthogonalizer, "check", None)
+    if callable(refuse):  # (a stateless transform may be stepped without init: a sharded leaf is refused here)
+        refuse(names, values, leaf_views)
     options = {"overwrite_input": True} if fresh and _may_overwrite(values) else {}
     return orthogonalizer(names, values, leaf_views, ns, scale, **options)
 
@@ -827,14 +834,16 @@ def adamw(
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
         rate, new = _rate(lr, state, grads)
         lam, g, members = _number(weight_decay), list(grads.values()), grads.batch_dims
-        decayed = [] if params is None else selected(weight_decay_mask, params.select(*grads.keys()), "adamw: mask")
-        operands = [*g, *(params[n] for n in decayed)] if params is not None else g
-        factors = [f for f in (rate, lam) if isinstance(f, torch.Tensor)]
-        takes = fused is not False and not nesterov and not isinstance(_number(b1), torch.Tensor)
-        if takes and _devices.adamw_kernel_takes(operands, members, factors, fused):
-            kernel_b1 = _number(b1)
+        beta1 = _number(b1)
+        numbers = not nesterov and not isinstance(beta1, torch.Tensor)  # (the kernel takes β₁ as a number)
+        if (
+            numbers
+            and params is not None
+            and _devices.adamw_kernel_takes([*g, *params.select(*grads.keys()).values()], members, (rate, lam), fused)
+        ):
+            decayed = selected(weight_decay_mask, params.select(*grads.keys()), "adamw: mask")
             updates, moments = _devices.adamw_kernel(
-                grads, state, params, decayed, rate, lam, kernel_b1, b2, eps, donate_state
+                grads, state, params, decayed, rate, lam, beta1, b2, eps, donate_state
             )
             return updates, build({**moments, **new}, state.batch_size)
         m, v, t, moments = _adam_moments(grads, state, b1, b2, donate_state)
