@@ -250,6 +250,7 @@ def muon(
     views: ViewsLike = None,
     weight_decay_mask: MaskLike = None,
     orthogonalizer: Orthogonalizer | None = None,
+    state_dtype: torch.dtype | None = None,
     donate_state: bool = False,
 ) -> Transform:
     r"""Muon for matrices, AdamW for everything else.
@@ -281,6 +282,9 @@ def muon(
             leaves of two or more dimensions (biases and norm gains undecayed).
         orthogonalizer: who runs Newton–Schulz: ``LocalOrthogonalizer(bucket_numel=...)``, or for
             sharded and replicated parameters :func:`muonfn.distributed.sharded_orthogonalizer`.
+        state_dtype: the dtype of the momentum and of AdamW's moments: ``None`` (the parameters'),
+            ``torch.float32``, or ``torch.bfloat16`` (half the bytes; computed in fp32 and stored
+            rounded stochastically, the same bits on every layout: see :func:`ema_momentum`).
         donate_state: update the state in place (the state given to ``update`` is consumed).
 
     ``init`` checks every name in ``labels``, ``views`` and ``weight_decay_mask`` against the
@@ -300,7 +304,8 @@ def muon(
         cautious_weight_decay=cautious_weight_decay, cautious_mode=cautious_mode, ns=ns, scale=scale,
         extra_scale=extra_scale, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
         adamw_weight_decay=adamw_weight_decay, adamw_nesterov=adamw_nesterov, labels=labels, views=views,
-        weight_decay_mask=weight_decay_mask, orthogonalizer=orthogonalizer, donate_state=donate_state,
+        weight_decay_mask=weight_decay_mask, orthogonalizer=orthogonalizer, state_dtype=state_dtype,
+        donate_state=donate_state,
     )  # fmt: skip
     return _preset(None, lr, momentum, nesterov, **options)
 
@@ -452,6 +457,7 @@ def _preset(
     views: ViewsLike = None,
     weight_decay_mask: MaskLike = None,
     orthogonalizer: Orthogonalizer | None = None,
+    state_dtype: torch.dtype | None = None,
     donate_state: bool = False,
 ) -> Transform:
     """A preset: its matrix branch beside :func:`adamw`; names in ``views``, ``weight_decay_mask`` and
@@ -466,7 +472,7 @@ def _preset(
     lr, adamw_lr = schedules.get(MUON, rates[MUON]), schedules.get(ADAMW, rates[ADAMW])
     branch = matrix_branch(
         adaptation, lr, momentum, nesterov, momentum_bias_correction, weight_decay, cautious_weight_decay,
-        cautious_mode, ns, scale, extra_scale, views, weight_decay_mask, orthogonalizer, donate_state,
+        cautious_mode, ns, scale, extra_scale, views, weight_decay_mask, orthogonalizer, donate_state, state_dtype,
     )  # fmt: skip
     other = adamw(
         adamw_lr,
@@ -476,6 +482,7 @@ def _preset(
         weight_decay_mask=weight_decay_mask,
         nesterov=adamw_nesterov,
         cautious_weight_decay=cautious_weight_decay,
+        state_dtype=state_dtype,
         donate_state=donate_state,
     )
     if labels is not None:
@@ -558,6 +565,7 @@ def matrix_branch(
     weight_decay_mask: MaskLike,
     orthogonalizer: Orthogonalizer | None,
     donate_state: bool,
+    state_dtype: torch.dtype | None = None,
 ) -> Transform:
     r"""The matrix branch of a preset: the momentum, Newton–Schulz (and ``adaptation`` after it), then
     :func:`descent`. With caution, the chain of building blocks: caution reads the direction before
@@ -568,7 +576,13 @@ def matrix_branch(
     check_mask("weight_decay_mask", weight_decay_mask)
     check_views("views", views)
     steps = [
-        ema_momentum(momentum, nesterov=nesterov, bias_correction=momentum_bias_correction, donate_state=donate_state)
+        ema_momentum(
+            momentum,
+            nesterov=nesterov,
+            bias_correction=momentum_bias_correction,
+            state_dtype=state_dtype,
+            donate_state=donate_state,
+        )
     ]
     fresh = fresh_updates(nesterov, momentum_bias_correction)  # (the look-ahead: this step's own tensors)
     adapted: list[Transform] = []
