@@ -211,7 +211,7 @@ def stochastic_round(x: torch.Tensor, key: torch.Tensor | int) -> torch.Tensor:
     return ((bits + (h & 0xFFFF)) & -0x10000).view(torch.float32).to(torch.bfloat16)
 
 
-def rounding_key(field: str, name: str, count: torch.Tensor, trailing: int) -> torch.Tensor:
+def rounding_key(field: str, name: str, count: Any, trailing: int) -> torch.Tensor:
     """The key of ``stochastic_round`` for state entry ``field`` of leaf ``name`` at update ``count``:
     an int32 mixing the update count with a hash of the two names, shaped to broadcast over the leaf."""
     count = count.to_local() if hasattr(count, "placements") else count  # (replicated DTensor counts)
