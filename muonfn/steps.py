@@ -215,9 +215,14 @@ def rounding_key(field: str, name: str, count: Any, trailing: int) -> torch.Tens
     """The key of ``stochastic_round`` for state entry ``field`` of leaf ``name`` at update ``count``:
     an int32 mixing the update count with a hash of the two names, shaped to broadcast over the leaf."""
     count = count.to_local() if hasattr(count, "placements") else count  # (replicated DTensor counts)
-    key = count.mul(0x9E3779B9).add(zlib.crc32(f"{field}:{name}".encode())).bitwise_and(0xFFFFFFFF)
+    key = count.mul(0x9E3779B9).add(_name_hash(f"{field}:{name}")).bitwise_and(0xFFFFFFFF)
     key = key.to(torch.int32)
     return key.reshape(*key.shape, *[1] * trailing)
+
+
+@torch.compiler.assume_constant_result  # (a traced step takes the number: dynamo cannot trace zlib)
+def _name_hash(name: str) -> int:
+    return zlib.crc32(name.encode())
 
 
 def _widened_state(held: TensorDictBase, names: Sequence[str]) -> list[torch.Tensor]:

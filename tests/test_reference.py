@@ -289,6 +289,25 @@ def test_shim_equals_reference_bitwise_with_the_same_newton_schulz(variant: str,
     assert_adamw_close(params, expected)
 
 
+@pytest.mark.parametrize("donated", [False, True])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_state_dtype_equals_reference_bitwise_with_the_same_newton_schulz(
+    state_dtype: torch.dtype, donated: bool
+) -> None:
+    """``state_dtype``: the momentum and AdamW's moments computed in fp32 and kept as ``reference.kept``
+    keeps them (bf16: rounded stochastically, keyed by the step and the names) are the reference's bits,
+    and so are the Muon parameters, which take the unrounded values."""
+    tx = muonfn.muon(lr=LR, ns=per_matrix_ns, state_dtype=state_dtype, donate_state=donated)
+    params, state = functional_run(tx, donated=donated)
+    expected, expected_state = reference_run(ns=reference_ns, state_dtype=state_dtype)
+    assert_bitwise(params, expected, MATRICES)
+    assert_adamw_close(params, expected)
+    assert state["muon", "momentum", MATRICES[0]].dtype == state_dtype
+    assert_bitwise(state["muon", "momentum"], expected_state["momentum"], MATRICES)
+    for entry in ("exp_avg", "exp_avg_sq"):
+        assert_bitwise(state["adamw", entry], expected_state[entry], VECTORS)
+
+
 def test_buckets_equal_reference_bitwise_with_the_same_newton_schulz() -> None:
     """``bucket_numel`` below one matrix: every Newton–Schulz call holds one matrix."""
     local = muonfn.LocalOrthogonalizer(bucket_numel=100)
