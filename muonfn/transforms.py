@@ -440,7 +440,7 @@ def apply_if_finite(tx: Transform, *, sum_shards: Any = None) -> Transform:
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
         members = grads.batch_dims
         finite = _all_finite(list(grads.keys()), list(grads.values()), members, sum_shards, grads.batch_size)
-        inner = state.exclude(NOTFINITE_COUNT)
+        inner = build({k: v for k, v in state.items() if k != NOTFINITE_COUNT}, state.batch_size)  # (traceable)
         kept = inner.clone() if donates_state(tx) else inner
         updates, new = tx.update(grads, inner, params)
         chosen = new.apply(lambda n, o: _where(finite, n, o, members), kept)
