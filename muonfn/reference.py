@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["KELLER", "SCALES", "adamw_step", "init", "newton_schulz", "step", "stochastic_round"]
+__all__ = ["KELLER", "SCALES", "adamw_step", "init", "kept", "newton_schulz", "step", "stochastic_round"]
 
 Tensor = torch.Tensor
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 import muonfn
-from muonfn.steps import stochastic_round
+from muonfn import stochastic_round
 
 BF16 = torch.bfloat16
 
