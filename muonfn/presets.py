@@ -371,7 +371,7 @@ def adamuon(
 
 #: NorMuon's or AdaMuon's adaptation, made for a preset's views and donation: whether the momentum's
 #: sign goes into Newton–Schulz, and the transform that adapts its result
-Adaptation: TypeAlias = Callable[[ViewsLike, bool], tuple[bool, Transform]]
+Adaptation: TypeAlias = Callable[[ViewsLike, bool, torch.dtype | None], tuple[bool, Transform]]
 
 
 #: Each variant's defaults for the settings whose defaults differ between variants; an option the
@@ -417,7 +417,7 @@ def adaptation(
     if variant == "normuon" and (sign_momentum or second_moment_bias_correction):
         raise ValueError("normuon: sign_momentum and second_moment_bias_correction are AdaMuon's options")
 
-    def adapt(views: ViewsLike, donate_state: bool) -> tuple[bool, Transform]:
+    def adapt(views: ViewsLike, donate_state: bool, state_dtype: torch.dtype | None) -> tuple[bool, Transform]:
         if variant == "normuon":
             rows = scale_by_neuron_norm(
                 beta2, eps=adaptive_eps, rescale=rescale, views=views, donate_state=donate_state
@@ -425,10 +425,12 @@ def adaptation(
             return False, rows
         rms = scale_by_element_rms(
             beta2, eps=adaptive_eps, bias_correction=second_moment_bias_correction, rescale=rescale, views=views,
-            donate_state=donate_state,
+            state_dtype=state_dtype, donate_state=donate_state,
         )  # fmt: skip
-        # with both corrections each keeps its count: the momentum's under "step", this one's nested
-        both = momentum_bias_correction and second_moment_bias_correction
+        # where both count their updates (a correction each, or a bf16 state), the momentum's count is
+        # "step" and this one's nested
+        narrow = state_dtype == torch.bfloat16
+        both = (momentum_bias_correction or narrow) and (second_moment_bias_correction or narrow)
         return sign_momentum, named("second_moment", rms) if both else rms
 
     adapt.variant = variant  # type: ignore[attr-defined]
@@ -592,7 +594,7 @@ def matrix_branch(
                 "the adapted variants need each whole orthogonalized matrix on the rank that holds its state, "
                 "and sharded orthogonalizers return shards: use muonfn.muon for sharded parameters"
             )
-        sign, adapt = adaptation(views, donate_state)
+        sign, adapt = adaptation(views, donate_state, state_dtype)
         steps += [scale_by_sign()] if sign else []
         fresh = fresh or sign
         adapted = [adapt]

@@ -120,8 +120,11 @@ def step(
             v = state["row_second_moment"].setdefault(name, M.new_zeros(len(M), 1))
             ortho = adapted(ortho, v.lerp_(ortho.square().mean(-1, keepdim=True), 1 - beta2), adaptive_eps)
         elif variant == "adamuon":  # AdaMuon: each entry over the root of an EMA of its square
-            v = state["exp_avg_sq"].setdefault(name, torch.zeros_like(M))
-            ortho = adapted(ortho, v.lerp_(ortho * ortho, 1 - beta2), adaptive_eps)
+            v = state["exp_avg_sq"].setdefault(name, torch.zeros_like(M, dtype=state_dtype))
+            v = kept(
+                v, (v.float() if state_dtype else v).lerp_(ortho * ortho, 1 - beta2), "exp_avg_sq", name, state["step"]
+            )
+            ortho = adapted(ortho, v, adaptive_eps)
         # -η(s·O + λp), as muonfn rounds it: (-ηs)·O, then one multiply-add of (-ηλ)·p, then added to p
         update = ortho.mul(-lr * SCALES[scale](*M.shape)).add_(p.reshape(M.shape), alpha=-lr * weight_decay)
         p.add_(update.reshape(p.shape))

@@ -1082,6 +1082,7 @@ def scale_by_element_rms(
     bias_correction: bool = False,
     rescale: Rescale = "orthogonal",
     views: ViewsLike = None,
+    state_dtype: torch.dtype | None = None,
     donate_state: bool = False,
 ) -> Transform:
     r"""AdaMuon's element-wise adaptation of an orthogonalized update :math:`O` (Si et al., 2025):
@@ -1091,10 +1092,11 @@ def scale_by_element_rms(
 
     with :math:`c_t = 1 - \beta^t` under ``bias_correction`` (pytorch-optimizer's; else 1) and
     :math:`\rho` as in :func:`scale_by_neuron_norm` (default ``"orthogonal"``). fp16 leaves in fp32;
-    sharded leaves are refused.
+    sharded leaves are refused. ``state_dtype`` keeps :math:`V` as :func:`ema_momentum` keeps its momentum.
 
     Returns:
-        A :class:`Transform` with state ``{"exp_avg_sq": V}`` (and ``"step"`` with ``bias_correction``).
+        A :class:`Transform` with state ``{"exp_avg_sq": V}`` (and ``"step"`` with ``bias_correction``
+        or a bf16 ``state_dtype``).
 
     Example:
         >>> params = TensorDict({"w": torch.zeros(2, 2)}, [])
@@ -1106,25 +1108,32 @@ def scale_by_element_rms(
     """
     eps = _check_adaptation("scale_by_element_rms", beta, eps, rescale, views, donate_state)
     flag("scale_by_element_rms: bias_correction", bias_correction)
+    check_state_dtype("scale_by_element_rms", state_dtype)
+    counted = bias_correction or state_dtype == torch.bfloat16
 
     def init(params: TensorDictBase) -> TensorDictBase:
         names, values = list(params.keys()), list(params.values())
         for name, p, view in zip(names, values, resolve_views(views, names, values, params.batch_dims)):
             view.check(name, p.shape)
-        state = {"exp_avg_sq": _zeros(params, second_moment_dtype)}
-        return build({**state, "step": _counts(params)} if bias_correction else state, params.batch_size)
+        state = {"exp_avg_sq": _zeros(params, lambda d: state_dtype or second_moment_dtype(d))}
+        return build({**state, "step": _counts(params)} if counted else state, params.batch_size)
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
         names, given = list(grads.keys()), list(grads.values())
         _refuse_sharded(names, given)
-        values = [o.float() if o.dtype == torch.float16 else o for o in given]
+        values = [o.float() if o.dtype == torch.float16 or state_dtype is not None else o for o in given]
         held = state["exp_avg_sq"]
-        v = _lerp([held[n] for n in names], _foreach("mul", values, values), 1 - _number(beta), inplace=donate_state)
-        new = {"exp_avg_sq": _replaced(held, names, v)}
+        if counted:
+            counts, t = _counted([state["step"][n] for n in names], donate_state)
+        starts = _widened_state(held, names) if state_dtype is not None else [held[n] for n in names]
+        writable = donate_state or state_dtype == torch.bfloat16
+        v = _lerp(starts, _foreach("mul", values, values), 1 - _number(beta), inplace=writable)
+        kept = _kept("exp_avg_sq", held, names, v, counts, donate_state) if state_dtype == torch.bfloat16 else v
+        new = {"exp_avg_sq": _replaced(held, names, kept)}
+        if counted:
+            new["step"] = _replaced(state["step"], names, counts)
         root = v
         if bias_correction:
-            counts, t = _counted([state["step"][n] for n in names], donate_state)
-            new["step"] = _replaced(state["step"], names, counts)
             root = _foreach("div", v, _per_leaf(_corrections(t, _number(beta)), v, grads.batch_dims))
         adapted = _foreach("div", values, _foreach("add", _foreach("sqrt", root), eps))
         out = []
