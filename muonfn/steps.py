@@ -299,8 +299,8 @@ def ema_momentum(
         if state_dtype is None:
             buf = kept = _lerp([held[n] for n in names], g, 1 - mu, inplace=donate_state)  # b ← μ b + (1 − μ) g
         else:  # computed in fp32, kept in state_dtype
-            writable = donate_state or state_dtype != torch.float32
-            buf = _lerp(_widened_state(held, names), [x.float() for x in g], 1 - mu, inplace=writable)
+            g, writable = [x.float() for x in g], donate_state or state_dtype != torch.float32
+            buf = _lerp(_widened_state(held, names), g, 1 - mu, inplace=writable)
             narrow = state_dtype == torch.bfloat16
             kept = _kept("momentum", held, names, buf, counts, donate_state) if narrow else buf
         new = {"momentum": _replaced(held, names, kept)}
@@ -320,7 +320,7 @@ def ema_momentum(
             u = _lerp(g, buf, mu, inplace=False)  # μ b + (1 − μ) g
         else:
             u = buf
-        return build(dict(zip(names, u)), grads.batch_size), build(new, state.batch_size)
+        return build(dict(zip(names, _cast(u, list(grads.values())))), grads.batch_size), build(new, state.batch_size)
 
     return transform(init, update, donates_state=donate_state)
 

@@ -165,3 +165,19 @@ def test_save_and_load_round_trip_the_bf16_state_bit_for_bit(tmp_path) -> None:
     assert (loaded == state).all()
     # and the run continues from it as from the state in memory
     assert (tx.update(grads[0], loaded, params)[1] == tx.update(grads[0], state, params)[1]).all()
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("make", [muonfn.muon, muonfn.adamuon], ids=lambda f: f.__name__)
+def test_bf16_parameters_keep_the_state_in_state_dtype_and_their_updates_in_their_own(make, state_dtype) -> None:
+    """A bf16 model with an fp32 state (a master state) or a bf16 one: the state in ``state_dtype``,
+    computed in fp32; the updates in the parameters' dtype."""
+    params, grads = params_and_grads(3)
+    params, grads = params.to(BF16), [g.to(BF16) for g in grads]
+    options = {"second_moment_bias_correction": True} if make is muonfn.adamuon else {}
+    tx = make(lr=0.02, state_dtype=state_dtype, **options)
+    state = tx.init(params)
+    for g in grads:
+        updates, state = tx.update(g, state, params)
+        assert all(u.dtype == BF16 and u.isfinite().all() for u in updates.values(True, True))
+    assert state["muon", "momentum", "h.0.w"].dtype == state["adamw", "exp_avg_sq", "norm"].dtype == state_dtype

@@ -201,16 +201,19 @@ def layout(group: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
     (as ``muonfn.muon``, ``normuon``, ``adamuon`` and ``adamw`` keep it), from the group's settings."""
     if not group.get("use_muon"):
         return {"step": ("step",), "exp_avg": ("exp_avg",), "exp_avg_sq": ("exp_avg_sq",)}
-    counted = counts(group)
+    counted, narrow = counts(group), group.get("state_dtype") is torch.bfloat16
     moment = {"normuon": "row_second_moment", "adamuon": "exp_avg_sq"}.get(group.get("variant", ""))
-    nested = len(counted) == 2  # (AdaMuon counting both keeps its second moment under "second_moment")
+    # a bf16 momentum and AdaMuon's bf16 second moment count their updates too (the rounding's key);
+    # where both count, the second moment and its count are kept under "second_moment"
+    moment_counts = moment in counted or (narrow and moment == "exp_avg_sq")
+    nested = moment_counts and ("momentum_buffer" in counted or narrow)
     entries: dict[str, tuple[str, ...]] = {"momentum_buffer": ("momentum",)}
-    if "momentum_buffer" in counted or group.get("state_dtype") is torch.bfloat16:  # (a bf16 one's rounding key)
+    if "momentum_buffer" in counted or narrow:
         entries["step"] = ("step",)
     if moment is not None:
         entries[moment] = ("second_moment", moment) if nested else (moment,)
-        if moment in counted:
-            entries[counted[moment]] = ("second_moment", "step") if nested else ("step",)
+        if moment_counts:
+            entries["second_moment_step" if nested else "step"] = ("second_moment", "step") if nested else ("step",)
     return entries
 
 
@@ -218,7 +221,8 @@ def counts(group: Mapping[str, Any]) -> dict[str, str]:
     """The bias-corrected entries of a Muon group's state (torch's names) -> the count that corrects each."""
     counted = {"momentum_buffer": "step"} if group.get("momentum_bias_correction") else {}
     if group.get("variant") == "adamuon" and group.get("second_moment_bias_correction"):
-        counted["exp_avg_sq"] = "second_moment_step" if counted else "step"
+        nested = counted or group.get("state_dtype") is torch.bfloat16
+        counted["exp_avg_sq"] = "second_moment_step" if nested else "step"
     return counted
 
 
@@ -242,9 +246,10 @@ def relaid(held: dict[str, Any], before: dict[str, Any], after: dict[str, Any], 
 
 def kept_dtype(group: Mapping[str, Any], entry: str, p: torch.Tensor) -> torch.dtype:
     """The dtype ``group`` keeps parameter ``p``'s state ``entry`` (not a count) in: its ``state_dtype``
-    for the momentum and AdamW's moments, else the parameter's (fp32 for an fp16 one's second moments)."""
+    for the momentum, AdamW's and AdaMuon's moments, else the parameter's (fp32 for an fp16 one's second moments)."""
     own = second_moment_dtype(p.dtype) if entry in SECOND_MOMENTS else p.dtype
-    return group.get("state_dtype") or own if entry == "momentum_buffer" or not group.get("use_muon") else own
+    follows = entry in ("momentum_buffer", "exp_avg_sq") or not group.get("use_muon")  # (NorMuon's rows: own)
+    return group.get("state_dtype") or own if follows else own
 
 
 def stale(name: str, p: torch.Tensor, held: Mapping[str, Any], group: Mapping[str, Any]) -> Exception | None:
