@@ -205,9 +205,11 @@ def stochastic_round(x: torch.Tensor, key: torch.Tensor | int) -> torch.Tensor:
     """
     bits = x.view(torch.int32)
     h = bits ^ key
-    h = (h ^ ((h >> 16) & 0xFFFF)) * 0x7FEB352D  # (lowbias32: logical shifts from arithmetic ones)
-    h = (h ^ ((h >> 15) & 0x1FFFF)) * -0x7B935975
-    h = h ^ ((h >> 16) & 0xFFFF)
+    # lowbias32, its logical shifts from arithmetic ones; bitwise_right_shift, not ``>>``: a DTensor's
+    # ``>>`` returns its input unshifted (torch 2.13), so a shard would round otherwise than its whole tensor
+    h = (h ^ (h.bitwise_right_shift(16) & 0xFFFF)) * 0x7FEB352D
+    h = (h ^ (h.bitwise_right_shift(15) & 0x1FFFF)) * -0x7B935975
+    h = h ^ (h.bitwise_right_shift(16) & 0xFFFF)
     return ((bits + (h & 0xFFFF)) & -0x10000).view(torch.float32).to(torch.bfloat16)
 
 
@@ -217,7 +219,9 @@ def rounding_key(field: str, name: str, count: Any, trailing: int) -> torch.Tens
     count = count.to_local() if hasattr(count, "placements") else count  # (replicated DTensor counts)
     key = count.mul(0x9E3779B9).add(_name_hash(f"{field}:{name}")).bitwise_and(0xFFFFFFFF)
     key = key.to(torch.int32)
-    return key.reshape(*key.shape, *[1] * trailing)
+    # a single count stays 0-dim: a DTensor takes it as a scalar, where a (1, 1) tensor would be made a
+    # replicated DTensor (with a warning) at every operation of the hash
+    return key.reshape(*key.shape, *[1] * trailing) if key.ndim else key
 
 
 @torch.compiler.assume_constant_result  # (a traced step takes the number: dynamo cannot trace zlib)
