@@ -282,9 +282,10 @@ def muon(
             leaves of two or more dimensions (biases and norm gains undecayed).
         orthogonalizer: who runs Newton–Schulz: ``LocalOrthogonalizer(bucket_numel=...)``, or for
             sharded and replicated parameters :func:`muonfn.distributed.sharded_orthogonalizer`.
-        state_dtype: the dtype of the momentum and of AdamW's moments: ``None`` (the parameters'),
-            ``torch.float32``, or ``torch.bfloat16`` (half the bytes; computed in fp32 and stored
-            rounded stochastically, the same bits on every layout: see :func:`ema_momentum`).
+        state_dtype: the dtype of the momentum, of AdamW's moments (and of AdaMuon's second moment):
+            ``None`` (the parameters'), ``torch.float32``, or ``torch.bfloat16`` (half the bytes;
+            computed in fp32 and stored rounded stochastically, the same bits on every layout: see
+            :func:`ema_momentum`).
         donate_state: update the state in place (the state given to ``update`` is consumed).
 
     ``init`` checks every name in ``labels``, ``views`` and ``weight_decay_mask`` against the
