@@ -28,6 +28,12 @@ demo: $(STAMP)
 study: $(STAMP)
 	$(PY) examples/study.py --resume
 
+# fp32 against bf16 optimizer state (state_dtype), Muon and AdamW at the study's tuned rates, 3 seeds of 300 steps
+# (docs/study.md): about 12 minutes on one idle core; interrupted, the same command continues it
+.PHONY: state-study
+state-study: $(STAMP)
+	$(PY) examples/state_study.py --resume
+
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .

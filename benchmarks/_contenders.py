@@ -129,15 +129,21 @@ def _matrix_params_2d(ps: ParamSet, grads: list[torch.Tensor] | None = None) -> 
     return out
 
 
-def make_torch_muon(ps: ParamSet, fused: bool = False) -> Step:
-    """torch.optim.Muon on the matrices + torch.optim.AdamW on the rest (``foreach=True``, or
-    ``fused=True``)."""
+def torch_muon_optimizers(ps: ParamSet, fused: bool = False) -> tuple[torch.optim.Muon, torch.optim.AdamW]:
+    """torch.optim.Muon on the matrices and torch.optim.AdamW on the rest (``foreach=True``, or ``fused=True``)."""
     muon = torch.optim.Muon(
         _matrix_params_2d(ps), lr=LR, momentum=MOMENTUM, weight_decay=WD, adjust_lr_fn="match_rms_adamw"
     )
     others = [p for _, p in ps.other_params()]
     kernel = {"fused": True} if fused else {"foreach": True}
     adamw = torch.optim.AdamW(others, lr=ADAM_LR, betas=BETAS, eps=ADAM_EPS, weight_decay=WD, **kernel)
+    return muon, adamw
+
+
+def make_torch_muon(ps: ParamSet, fused: bool = False) -> Step:
+    """torch.optim.Muon on the matrices + torch.optim.AdamW on the rest (``foreach=True``, or
+    ``fused=True``)."""
+    muon, adamw = torch_muon_optimizers(ps, fused)
 
     def step() -> None:
         muon.step()

@@ -67,6 +67,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import importlib.metadata
 import json
 import math
 import sys
@@ -376,13 +377,17 @@ def with_cpu_adamw_params(ps: _sets.ParamSet) -> _sets.ParamSet:
 
 
 def contenders(ps: _sets.ParamSet, muonfn_options: dict[str, Any]) -> dict[str, Callable[[], C.Step]]:
-    """Builders of every contender's step on ``ps`` (``muonfn_options``: given to muonfn's)."""
+    """Builders of every contender's step on ``ps`` (``muonfn_options``: given to muonfn's; the shim,
+    which takes no ``state_dtype``, is left out when they name one)."""
     on_meta = next(ps.model.parameters()).device.type == "meta"
     out: dict[str, Callable[[], C.Step]] = {
         "muonfn donated": lambda: C.make_donated(ps, **muonfn_options),
         "muonfn functional": lambda: C.make_functional(ps, **muonfn_options),
-        "muonfn shim": lambda: C.make_shim(ps, **muonfn_options),
-        "muonfn shim, one part": lambda: C.make_shim(ps, chunk_numel=None, **muonfn_options),
+    }
+    if "state_dtype" not in muonfn_options:
+        out["muonfn shim"] = lambda: C.make_shim(ps, **muonfn_options)
+        out["muonfn shim, one part"] = lambda: C.make_shim(ps, chunk_numel=None, **muonfn_options)
+    out |= {
         "torch Muon + AdamW foreach": lambda: C.make_torch_muon(ps),
         "torch Muon + AdamW fused": lambda: C.make_torch_muon(with_cpu_adamw_params(ps) if on_meta else ps, fused=True),
     }
@@ -390,6 +395,118 @@ def contenders(ps: _sets.ParamSet, muonfn_options: dict[str, Any]) -> dict[str, 
         if peer.package == "pytorch_optimizer":
             out[peer.name] = peer.entry_make(ps)
     return out
+
+
+# --- the state's memory -------------------------------------------------------------------------------
+
+
+def _bytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def muonfn_state_bytes(ps: _sets.ParamSet, muonfn_options: dict[str, Any]) -> dict[str, int]:
+    """The bytes of muonfn's state after one donated step, by group: ``"muon"`` (the matrices'
+    momentum, and its step counts with a bf16 ``state_dtype``) and ``"adamw"`` (the other leaves'
+    two moments and step counts)."""
+    tx = C.muonfn_tx(ps, donate_state=True, **muonfn_options)
+    params, grads = C.tensordicts(ps)
+    _, state = tx.update(grads, tx.init(params), params)
+    groups = {group: _bytes(state[group].values(include_nested=True, leaves_only=True)) for group in state.keys()}
+    if set(groups) != {"muon", "adamw"}:
+        raise RuntimeError(f"muonfn's state holds groups {sorted(groups)}, expected 'muon' and 'adamw'")
+    return groups
+
+
+def torch_state_bytes(ps: _sets.ParamSet) -> dict[str, int]:
+    """The bytes of torch.optim.Muon's state (``"muon"``: a momentum buffer per matrix) and torch.optim.AdamW's
+    (``"adamw"``: two moments and a 0-d step per leaf, the step on the host) after one step (foreach)."""
+    muon, adamw = C.torch_muon_optimizers(ps)
+    groups = {}
+    for group, opt in (("muon", muon), ("adamw", adamw)):
+        opt.step()
+        groups[group] = _bytes(t for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor))
+    return groups
+
+
+def bitsandbytes_state_bytes(ps: _sets.ParamSet) -> dict[str, int] | str:
+    """The bytes of bitsandbytes' ``AdamW8bit`` state on the CPU (real tensors of ``ps``'s shapes; its
+    defaults: 8-bit blockwise moments for leaves of at least 4096 entries, fp32 for smaller ones), over the
+    AdamW leaves and, as if it trained them too, over the Muon matrices; or why it could not be counted."""
+    try:
+        import bitsandbytes as bnb  # type: ignore[import-not-found]
+    except ImportError as error:
+        return f"not installed ({error})"
+    groups = {}
+    for group, named in (("muon", ps.matrix_params()), ("adamw", ps.other_params())):
+        params = [torch.nn.Parameter(torch.zeros(p.shape, dtype=p.dtype)) for _, p in named]
+        for q in params:
+            q.grad = torch.ones_like(q)
+        try:
+            opt = bnb.optim.AdamW8bit(params, lr=C.ADAM_LR, betas=C.BETAS, eps=C.ADAM_EPS, weight_decay=C.WD)
+            opt.step()
+        except Exception as error:  # a build without a CPU optimizer fails at its first step
+            return f"no CPU step ({type(error).__name__}: {error})"
+        held = {t.untyped_storage().data_ptr(): t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)}
+        groups[group] = _bytes(held.values())  # its quantization maps are one tensor shared by every leaf
+    return groups
+
+
+def memory(ps: _sets.ParamSet, muonfn_options: dict[str, Any], bitsandbytes: bool) -> dict[str, dict[str, Any]]:
+    """Per contender: the state's bytes by group and per trainable parameter of the group, and the peak of the
+    step's temporaries (above the parameters, gradients and state; :class:`TrafficCounter`)."""
+    numel = {
+        "muon": sum(p.numel() for _, p in ps.matrix_params()),
+        "adamw": sum(p.numel() for _, p in ps.other_params()),
+    }
+    rows: dict[str, dict[str, Any]] = {}
+
+    def row(state: dict[str, int], steps: dict[str, Callable[[], C.Step]]) -> dict[str, Any]:
+        temporaries = {name: count_contender(make).temporaries_peak_bytes for name, make in steps.items()}
+        per_param = {group: state[group] / numel[group] for group in numel}
+        return {"state_bytes": state, "bytes_per_param": per_param, "temporaries_peak_bytes": temporaries}
+
+    for state_dtype in (None, torch.bfloat16):
+        options = muonfn_options if state_dtype is None else {**muonfn_options, "state_dtype": state_dtype}
+        label = "params' dtype" if state_dtype is None else "bf16"
+        rows[f"muonfn, state_dtype {label}"] = row(
+            muonfn_state_bytes(ps, options),
+            {
+                "donated": lambda options=options: C.make_donated(ps, **options),  # type: ignore[misc]
+                "functional": lambda options=options: C.make_functional(ps, **options),  # type: ignore[misc]
+            },
+        )
+    rows["torch Muon + AdamW"] = row(torch_state_bytes(ps), {"foreach": lambda: C.make_torch_muon(ps)})
+    if bitsandbytes:
+        counted = bitsandbytes_state_bytes(ps)
+        rows["bitsandbytes AdamW8bit"] = (
+            {"skipped": counted}
+            if isinstance(counted, str)
+            else {
+                "version": importlib.metadata.version("bitsandbytes"),
+                "state_bytes": counted,
+                "bytes_per_param": {g: counted[g] / numel[g] for g in numel},
+            }
+        )
+    return rows
+
+
+def memory_table(rows: dict[str, dict[str, Any]]) -> str:
+    """The state's bytes per parameter, its MB, the step's temporaries and the two together (MB)."""
+    lines = [
+        "| optimizer | Muon matrices, bytes / param | AdamW leaves, bytes / param | state MB "
+        "| step temporaries MB | state + temporaries MB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in rows.items():
+        if "skipped" in r:
+            lines.append(f"| {name} | skipped: {r['skipped']} | | | | |")
+            continue
+        per, state = r["bytes_per_param"], sum(r["state_bytes"].values())
+        temporaries = r.get("temporaries_peak_bytes", {})
+        each = ", ".join(f"{how} {b / MB:.0f}" for how, b in temporaries.items()) or "not counted"
+        total = ", ".join(f"{how} {(state + b) / MB:.0f}" for how, b in temporaries.items()) or "-"
+        lines.append(f"| {name} | {per['muon']:.6f} | {per['adamw']:.6f} | {state / MB:.1f} | {each} | {total} |")
+    return "\n".join(lines)
 
 
 def count_contender(make: Callable[[], C.Step], warmup: int = 1) -> Summary:
@@ -430,6 +547,13 @@ def main() -> None:
         "--ns-dtype", default=None, help="muonfn's Newton–Schulz dtype (default: bfloat16 on meta, else the device's)"
     )
     p.add_argument("--dtype", default="float32", help="the parameters' dtype (bfloat16: a bf16 model)")
+    p.add_argument("--state-dtype", help="muonfn's state_dtype (float32 or bfloat16; default: the parameters')")
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="instead: the state's bytes per parameter and the step's temporaries, muonfn's state in the "
+        "parameters' dtype and in bf16, torch.optim.Muon + AdamW, bitsandbytes' AdamW8bit where it imports",
+    )
     p.add_argument("--only", nargs="*", help="count only these contenders")
     p.add_argument("--top", type=int, default=12, help="rows of the donated step's per-op table")
     p.add_argument("--out", type=Path, help="write the figures here as JSON")
@@ -437,6 +561,17 @@ def main() -> None:
     ns_dtype = args.ns_dtype or ("bfloat16" if args.device == "meta" else None)
     options = {"ns": muonfn.NewtonSchulz(dtype=getattr(torch, ns_dtype))} if ns_dtype else {}
     ps = _sets.gpt2(args.set, device=args.device, dtype=getattr(torch, args.dtype))
+    if args.memory:
+        rows = memory(ps, options, bitsandbytes=True)
+        print(f"\n{ps.description}, {ps.numel() / 1e6:.1f} M parameters, device {args.device}\n")
+        print(memory_table(rows))
+        if args.out:
+            record = {"set": ps.description, "device": args.device, "torch": torch.__version__, "memory": rows}
+            args.out.write_text(json.dumps(record, indent=2) + "\n")
+            print(f"wrote {args.out}")
+        return
+    if args.state_dtype:
+        options["state_dtype"] = getattr(torch, args.state_dtype)
     builders = contenders(ps, options)
     results = {}
     for name, make in builders.items():
@@ -462,6 +597,7 @@ def main() -> None:
             "params": ps.numel(),
             "param_dtype": args.dtype,
             "muonfn_ns_dtype": ns_dtype,
+            "muonfn_state_dtype": args.state_dtype,
             "floor_bytes": floor,
             "contenders": {name: s.record() for name, s in results.items()},
         }

@@ -151,14 +151,18 @@ MUON_FAMILY: dict[str, Callable[..., muonfn.Transform]] = {
 }
 
 
-def make_optimizer(kind: str, lr: float, steps: int, warmup: int, model: nn.Module) -> muonfn.Transform:
+def make_optimizer(
+    kind: str, lr: float, steps: int, warmup: int, model: nn.Module, state_dtype: torch.dtype | None = None
+) -> muonfn.Transform:
+    """``state_dtype``: the dtype of the momentum and of AdamW's moments (None: the parameters')."""
     lr_at = schedule(lr, steps, warmup)
     if kind in MUON_FAMILY:
-        return MUON_FAMILY[kind](lr=lr_at, weight_decay=0.1, labels=muonfn.labels_from_module(model))
+        labels = muonfn.labels_from_module(model)
+        return MUON_FAMILY[kind](lr=lr_at, weight_decay=0.1, labels=labels, state_dtype=state_dtype)
     if kind != "adamw":
         raise ValueError(f"unknown optimizer {kind!r}: expected 'adamw' or one of {sorted(MUON_FAMILY)}")
     # muonfn.adamw computes exactly torch.optim.AdamW's update.
-    return muonfn.adamw(lr=lr_at, betas=(0.9, 0.95), weight_decay=0.1)
+    return muonfn.adamw(lr=lr_at, betas=(0.9, 0.95), weight_decay=0.1, state_dtype=state_dtype)
 
 
 # ---------------------------------------------------------------------------------------
@@ -195,6 +199,7 @@ class Run:
     smooth_loss: float = 0.0
     done: bool = False
     step_seconds: list[float] = dataclasses.field(default_factory=list)  # every step's own time
+    state_dtype: str | None = None  # the optimizer state's dtype by name ("bfloat16"); None: the parameters'
 
     @property
     def median_step_seconds(self) -> float:
@@ -277,7 +282,8 @@ class Training:
         self.path = ckpt_dir / f"{run.name}.pt"
         torch.manual_seed(cfg.seed)
         self.model = GPT(vocab, cfg.ctx, cfg.width, cfg.depth, cfg.heads).to(device)
-        self.tx = make_optimizer(run.kind, run.lr, run.steps, cfg.warmup, self.model)
+        state_dtype = None if run.state_dtype is None else getattr(torch, run.state_dtype)
+        self.tx = make_optimizer(run.kind, run.lr, run.steps, cfg.warmup, self.model, state_dtype)
         self.params = TensorDict.from_module(self.model).detach().clone()
         self.state = self.tx.init(self.params)
         start = 0

@@ -57,6 +57,7 @@ from .steps import (
     scale_by_neuron_norm,
     scale_by_shape,
     scale_by_sign,
+    stochastic_round,
 )
 from .transforms import (
     Transform,
@@ -158,6 +159,7 @@ __all__ = [
     "scale_by_shape",
     "scale_by_sign",
     "split_buffers",
+    "stochastic_round",
     "transform",
     "views_from_module",
 ]

@@ -250,6 +250,7 @@ def muon(
     views: ViewsLike = None,
     weight_decay_mask: MaskLike = None,
     orthogonalizer: Orthogonalizer | None = None,
+    state_dtype: torch.dtype | None = None,
     donate_state: bool = False,
 ) -> Transform:
     r"""Muon for matrices, AdamW for everything else.
@@ -281,6 +282,10 @@ def muon(
             leaves of two or more dimensions (biases and norm gains undecayed).
         orthogonalizer: who runs Newton–Schulz: ``LocalOrthogonalizer(bucket_numel=...)``, or for
             sharded and replicated parameters :func:`muonfn.distributed.sharded_orthogonalizer`.
+        state_dtype: the dtype of the momentum, of AdamW's moments (and of AdaMuon's second moment):
+            ``None`` (the parameters'), ``torch.float32``, or ``torch.bfloat16`` (half the bytes;
+            computed in fp32 and stored rounded stochastically, the same bits on every layout: see
+            :func:`ema_momentum`).
         donate_state: update the state in place (the state given to ``update`` is consumed).
 
     ``init`` checks every name in ``labels``, ``views`` and ``weight_decay_mask`` against the
@@ -300,7 +305,8 @@ def muon(
         cautious_weight_decay=cautious_weight_decay, cautious_mode=cautious_mode, ns=ns, scale=scale,
         extra_scale=extra_scale, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
         adamw_weight_decay=adamw_weight_decay, adamw_nesterov=adamw_nesterov, labels=labels, views=views,
-        weight_decay_mask=weight_decay_mask, orthogonalizer=orthogonalizer, donate_state=donate_state,
+        weight_decay_mask=weight_decay_mask, orthogonalizer=orthogonalizer, state_dtype=state_dtype,
+        donate_state=donate_state,
     )  # fmt: skip
     return _preset(None, lr, momentum, nesterov, **options)
 
@@ -366,7 +372,7 @@ def adamuon(
 
 #: NorMuon's or AdaMuon's adaptation, made for a preset's views and donation: whether the momentum's
 #: sign goes into Newton–Schulz, and the transform that adapts its result
-Adaptation: TypeAlias = Callable[[ViewsLike, bool], tuple[bool, Transform]]
+Adaptation: TypeAlias = Callable[[ViewsLike, bool, torch.dtype | None], tuple[bool, Transform]]
 
 
 #: Each variant's defaults for the settings whose defaults differ between variants; an option the
@@ -412,7 +418,7 @@ def adaptation(
     if variant == "normuon" and (sign_momentum or second_moment_bias_correction):
         raise ValueError("normuon: sign_momentum and second_moment_bias_correction are AdaMuon's options")
 
-    def adapt(views: ViewsLike, donate_state: bool) -> tuple[bool, Transform]:
+    def adapt(views: ViewsLike, donate_state: bool, state_dtype: torch.dtype | None) -> tuple[bool, Transform]:
         if variant == "normuon":
             rows = scale_by_neuron_norm(
                 beta2, eps=adaptive_eps, rescale=rescale, views=views, donate_state=donate_state
@@ -420,10 +426,12 @@ def adaptation(
             return False, rows
         rms = scale_by_element_rms(
             beta2, eps=adaptive_eps, bias_correction=second_moment_bias_correction, rescale=rescale, views=views,
-            donate_state=donate_state,
+            state_dtype=state_dtype, donate_state=donate_state,
         )  # fmt: skip
-        # with both corrections each keeps its count: the momentum's under "step", this one's nested
-        both = momentum_bias_correction and second_moment_bias_correction
+        # where both count their updates (a correction each, or a bf16 state), the momentum's count is
+        # "step" and this one's nested
+        narrow = state_dtype == torch.bfloat16
+        both = (momentum_bias_correction or narrow) and (second_moment_bias_correction or narrow)
         return sign_momentum, named("second_moment", rms) if both else rms
 
     adapt.variant = variant  # type: ignore[attr-defined]
@@ -452,6 +460,7 @@ def _preset(
     views: ViewsLike = None,
     weight_decay_mask: MaskLike = None,
     orthogonalizer: Orthogonalizer | None = None,
+    state_dtype: torch.dtype | None = None,
     donate_state: bool = False,
 ) -> Transform:
     """A preset: its matrix branch beside :func:`adamw`; names in ``views``, ``weight_decay_mask`` and
@@ -466,7 +475,7 @@ def _preset(
     lr, adamw_lr = schedules.get(MUON, rates[MUON]), schedules.get(ADAMW, rates[ADAMW])
     branch = matrix_branch(
         adaptation, lr, momentum, nesterov, momentum_bias_correction, weight_decay, cautious_weight_decay,
-        cautious_mode, ns, scale, extra_scale, views, weight_decay_mask, orthogonalizer, donate_state,
+        cautious_mode, ns, scale, extra_scale, views, weight_decay_mask, orthogonalizer, donate_state, state_dtype,
     )  # fmt: skip
     other = adamw(
         adamw_lr,
@@ -476,6 +485,7 @@ def _preset(
         weight_decay_mask=weight_decay_mask,
         nesterov=adamw_nesterov,
         cautious_weight_decay=cautious_weight_decay,
+        state_dtype=state_dtype,
         donate_state=donate_state,
     )
     if labels is not None:
@@ -558,6 +568,7 @@ def matrix_branch(
     weight_decay_mask: MaskLike,
     orthogonalizer: Orthogonalizer | None,
     donate_state: bool,
+    state_dtype: torch.dtype | None = None,
 ) -> Transform:
     r"""The matrix branch of a preset: the momentum, Newton–Schulz (and ``adaptation`` after it), then
     :func:`descent`. With caution, the chain of building blocks: caution reads the direction before
@@ -568,7 +579,13 @@ def matrix_branch(
     check_mask("weight_decay_mask", weight_decay_mask)
     check_views("views", views)
     steps = [
-        ema_momentum(momentum, nesterov=nesterov, bias_correction=momentum_bias_correction, donate_state=donate_state)
+        ema_momentum(
+            momentum,
+            nesterov=nesterov,
+            bias_correction=momentum_bias_correction,
+            state_dtype=state_dtype,
+            donate_state=donate_state,
+        )
     ]
     fresh = fresh_updates(nesterov, momentum_bias_correction)  # (the look-ahead: this step's own tensors)
     adapted: list[Transform] = []
@@ -578,7 +595,7 @@ def matrix_branch(
                 "the adapted variants need each whole orthogonalized matrix on the rank that holds its state, "
                 "and sharded orthogonalizers return shards: use muonfn.muon for sharded parameters"
             )
-        sign, adapt = adaptation(views, donate_state)
+        sign, adapt = adaptation(views, donate_state, state_dtype)
         steps += [scale_by_sign()] if sign else []
         fresh = fresh or sign
         adapted = [adapt]

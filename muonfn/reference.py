@@ -23,12 +23,13 @@ norms accumulated in fp64), and the shape scale muonfn's Newton–Schulz takes i
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["KELLER", "SCALES", "adamw_step", "init", "newton_schulz", "step"]
+__all__ = ["KELLER", "SCALES", "adamw_step", "init", "kept", "newton_schulz", "step", "stochastic_round"]
 
 Tensor = torch.Tensor
 
@@ -89,10 +90,12 @@ def step(
     adamw_betas: tuple[float, float] = (0.9, 0.95),
     adamw_eps: float = 1e-8,
     adamw_names: Collection[str] = (),
+    state_dtype: torch.dtype | None = None,
 ) -> None:
     """One step, in place on ``params`` and ``state``. ``adamw_names``: matrices for AdamW
     (``muonfn.muon`` sends embeddings and output heads there by name). ``variant``: ``"normuon"``
     or ``"adamuon"`` adapt the orthogonalized update (AdaMuon's defaults: ``momentum=0.9, nesterov=False``).
+    ``state_dtype``: the momentum and AdamW's moments kept in that dtype, computed in fp32 (see :func:`kept`).
 
     Example:
         >>> params, state = {"w": torch.ones(2, 3), "b": torch.zeros(2)}, muonfn.reference.init()
@@ -104,19 +107,24 @@ def step(
     for name, p in params.items():
         g = grads[name]
         if p.ndim < 2 or name in adamw_names:
-            adamw_step(p, g, state, name, lr=lr, betas=adamw_betas, eps=adamw_eps, weight_decay=weight_decay)
+            adamw_step(p, g, state, name, lr=lr, betas=adamw_betas, eps=adamw_eps, weight_decay=weight_decay,
+                       state_dtype=state_dtype)  # fmt: skip
             continue
-        b = state["momentum"].setdefault(name, torch.zeros_like(p))
-        b.lerp_(g, 1 - momentum)  # b ← μ b + (1 − μ) g
-        u = g.lerp(b, momentum) if nesterov else b  # Nesterov: μ b + (1 − μ) g
+        b = state["momentum"].setdefault(name, torch.zeros_like(p, dtype=state_dtype))
+        wide = b.float() if state_dtype else b  # a state of its own dtype is computed in fp32
+        b = kept(b, wide.lerp_(g.to(wide.dtype), 1 - momentum), "momentum", name, state["step"])  # b ← μ b + (1 − μ) g
+        u = g.to(b.dtype).lerp(b, momentum) if nesterov else b  # Nesterov: μ b + (1 − μ) g
         M = (u.sign() if variant == "adamuon" else u).reshape(len(u), -1)  # (out, in, k…) → (out, in·k)
         ortho = ns(M)
         if variant == "normuon":  # NorMuon: each row over the root of an EMA of its mean square
             v = state["row_second_moment"].setdefault(name, M.new_zeros(len(M), 1))
             ortho = adapted(ortho, v.lerp_(ortho.square().mean(-1, keepdim=True), 1 - beta2), adaptive_eps)
         elif variant == "adamuon":  # AdaMuon: each entry over the root of an EMA of its square
-            v = state["exp_avg_sq"].setdefault(name, torch.zeros_like(M))
-            ortho = adapted(ortho, v.lerp_(ortho * ortho, 1 - beta2), adaptive_eps)
+            v = state["exp_avg_sq"].setdefault(name, torch.zeros_like(M, dtype=state_dtype))
+            v = kept(
+                v, (v.float() if state_dtype else v).lerp_(ortho * ortho, 1 - beta2), "exp_avg_sq", name, state["step"]
+            )
+            ortho = adapted(ortho, v, adaptive_eps)
         # -η(s·O + λp), as muonfn rounds it: (-ηs)·O, then one multiply-add of (-ηλ)·p, then added to p
         update = ortho.mul(-lr * SCALES[scale](*M.shape)).add_(p.reshape(M.shape), alpha=-lr * weight_decay)
         p.add_(update.reshape(p.shape))
@@ -130,14 +138,49 @@ def adapted(ortho: Tensor, v: Tensor, eps: float) -> Tensor:
 
 
 def adamw_step(
-    p: Tensor, g: Tensor, state: dict[str, Any], name: str, *, lr: float, betas: Any, eps: float, weight_decay: float
+    p: Tensor,
+    g: Tensor,
+    state: dict[str, Any],
+    name: str,
+    *,
+    lr: float,
+    betas: Any,
+    eps: float,
+    weight_decay: float,
+    state_dtype: torch.dtype | None = None,
 ) -> None:
-    """``torch.optim.AdamW``'s step of one tensor, operation for operation."""
+    """``torch.optim.AdamW``'s step of one tensor, operation for operation (with ``state_dtype``, the
+    moments computed in fp32)."""
     (b1, b2), t = betas, state["step"]
-    m = state["exp_avg"].setdefault(name, torch.zeros_like(p))
-    v = state["exp_avg_sq"].setdefault(name, torch.zeros_like(p))
+    m = state["exp_avg"].setdefault(name, torch.zeros_like(p, dtype=state_dtype))
+    v = state["exp_avg_sq"].setdefault(name, torch.zeros_like(p, dtype=state_dtype))
     p.mul_(1 - lr * weight_decay)
-    m.lerp_(g, 1 - b1)
-    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    m_wide, v_wide, g = (m.float(), v.float(), g.float()) if state_dtype else (m, v, g)
+    m = kept(m, m_wide.lerp_(g, 1 - b1), "exp_avg", name, t)
+    v = kept(v, v_wide.mul_(b2).addcmul_(g, g, value=1 - b2), "exp_avg_sq", name, t)
     denom = (v.sqrt() / (1 - b2**t) ** 0.5).add_(eps)
     p.addcdiv_(m, denom, value=-lr / (1 - b1**t))
+
+
+def kept(held: Tensor, new: Tensor, field: str, name: str, t: int) -> Tensor:
+    """``new`` (this step's value of state entry ``field`` of parameter ``name``) stored in ``held``:
+    as it is into fp32, rounded stochastically into bf16 with a key mixing the step ``t`` and the
+    names. Returns ``new``: the step itself uses the unrounded value."""
+    if held.dtype == torch.bfloat16:
+        key = (t * 0x9E3779B9 + zlib.crc32(f"{field}:{name}".encode())) & 0xFFFFFFFF
+        new_bits = stochastic_round(new, key - (1 << 32) if key >= 1 << 31 else key)  # (the key as an int32)
+        held.copy_(new_bits)
+    elif held is not new:
+        held.copy_(new)
+    return new
+
+
+def stochastic_round(x: Tensor, key: int) -> Tensor:
+    """``x`` (fp32) to bf16: 16 bits hashed from each entry's fp32 bits and ``key`` (lowbias32) added
+    below bf16's last bit, then the low 16 bits cut: rounded up with probability the cut fraction."""
+    bits = x.view(torch.int32)
+    h = bits ^ key
+    for shift, multiplier in ((16, 0x7FEB352D), (15, 0x846CA68B - (1 << 32))):
+        h = (h ^ ((h >> shift) & ((1 << (32 - shift)) - 1))) * multiplier
+    h = h ^ ((h >> 16) & 0xFFFF)
+    return ((bits + (h & 0xFFFF)) & -0x10000).view(torch.float32).to(torch.bfloat16)

@@ -13,6 +13,7 @@ given to ``update`` is then consumed, and the results are the same bits.
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeAlias
 
@@ -182,6 +183,70 @@ def _cast(updates: Sequence[torch.Tensor], like: Sequence[torch.Tensor]) -> list
     return [u if u.dtype == g.dtype else u.to(g.dtype) for u, g in zip(updates, like)]
 
 
+# ---------------------------------------------------------------------------------------------- narrowed state
+
+#: The dtypes a state may be kept in (``state_dtype``); ``None`` keeps each leaf's own.
+STATE_DTYPES: tuple[torch.dtype | None, ...] = (None, torch.float32, torch.bfloat16)
+
+
+def check_state_dtype(where: str, state_dtype: object) -> None:
+    if not any(state_dtype is d for d in STATE_DTYPES):
+        raise ValueError(f"{where}: state_dtype must be None, torch.float32 or torch.bfloat16, got {state_dtype!r}")
+
+
+def stochastic_round(x: torch.Tensor, key: torch.Tensor | int) -> torch.Tensor:
+    r"""``x`` (fp32) in bf16, rounded away from zero with a probability equal to the fraction of a bf16
+    step that truncation would drop, so that on average the stored value is ``x`` and updates smaller
+    than a bf16 step still move it.
+
+    The 16 random bits are a hash of the entry's own fp32 bits and ``key`` (an int32, or a tensor of
+    them broadcasting against ``x``): no generator is drawn, so a traced step stays pure, and since
+    the bits depend on the value alone, a shard rounds each entry as the whole parameter does.
+    """
+    bits = x.view(torch.int32)
+    h = bits ^ key
+    # lowbias32, its logical shifts from arithmetic ones; bitwise_right_shift, not ``>>``: a DTensor's
+    # ``>>`` returns its input unshifted (torch 2.13), so a shard would round otherwise than its whole tensor
+    h = (h ^ (h.bitwise_right_shift(16) & 0xFFFF)) * 0x7FEB352D
+    h = (h ^ (h.bitwise_right_shift(15) & 0x1FFFF)) * -0x7B935975
+    h = h ^ (h.bitwise_right_shift(16) & 0xFFFF)
+    return ((bits + (h & 0xFFFF)) & -0x10000).view(torch.float32).to(torch.bfloat16)
+
+
+def rounding_key(field: str, name: str, count: Any, trailing: int) -> torch.Tensor:
+    """The key of ``stochastic_round`` for state entry ``field`` of leaf ``name`` at update ``count``:
+    an int32 mixing the update count with a hash of the two names, shaped to broadcast over the leaf."""
+    count = count.to_local() if hasattr(count, "placements") else count  # (replicated DTensor counts)
+    key = count.mul(0x9E3779B9).add(_name_hash(f"{field}:{name}")).bitwise_and(0xFFFFFFFF)
+    key = key.to(torch.int32)
+    # a single count stays 0-dim: a DTensor takes it as a scalar, where a (1, 1) tensor would be made a
+    # replicated DTensor (with a warning) at every operation of the hash
+    return key.reshape(*key.shape, *[1] * trailing) if key.ndim else key
+
+
+@torch.compiler.assume_constant_result  # (a traced step takes the number: dynamo cannot trace zlib)
+def _name_hash(name: str) -> int:
+    return zlib.crc32(name.encode())
+
+
+def _widened_state(held: TensorDictBase, names: Sequence[str]) -> list[torch.Tensor]:
+    return [held[n].float() for n in names]
+
+
+def _kept(
+    field: str,
+    held: TensorDictBase,
+    names: Sequence[str],
+    wide: Sequence[torch.Tensor],
+    counts: Sequence[torch.Tensor],
+    donate: bool,
+) -> list[torch.Tensor]:
+    """The new values ``wide`` (fp32) of the bf16 state entry ``field``, rounded stochastically (see
+    :func:`stochastic_round`); donated, written into ``held``."""
+    kept = [stochastic_round(x, rounding_key(field, n, c, x.ndim - c.ndim)) for n, x, c in zip(names, wide, counts)]
+    return [held[n].copy_(k) for n, k in zip(names, kept)] if donate else kept
+
+
 # ---------------------------------------------------------------------------------------------- momentum
 
 
@@ -190,6 +255,7 @@ def ema_momentum(
     *,
     nesterov: NesterovLike = True,
     bias_correction: bool = False,
+    state_dtype: torch.dtype | None = None,
     donate_state: bool = False,
 ) -> Transform:
     r"""Exponential moving average of the gradients (torch.optim.Muon's form by default).
@@ -204,34 +270,47 @@ def ema_momentum(
     :math:`u_t = \frac{\mu b_t}{1-\mu^{t+1}} + \frac{(1-\mu) g_t}{1-\mu^t}` (Nesterov),
     :math:`u_t = b_t / (1-\mu^t)` (otherwise).
 
+    With ``state_dtype`` (``torch.float32`` or ``torch.bfloat16``) :math:`b` is kept in that dtype
+    and computed in fp32; a bf16 :math:`b_t` is stored rounded stochastically (:func:`stochastic_round`,
+    keyed by the leaf's name and update count) and :math:`u_t` takes its fp32 value.
+
     Returns:
-        A :class:`Transform` with state ``{"momentum": b}`` (the params' shapes and dtypes); with
-        ``bias_correction`` also ``{"step": int64 per leaf}``.
+        A :class:`Transform` with state ``{"momentum": b}`` (the params' shapes, their dtypes or
+        ``state_dtype``); with ``bias_correction`` or a bf16 ``state_dtype`` also ``{"step": int64 per leaf}``.
     """
     unit_interval("momentum", momentum)
     flag("ema_momentum: bias_correction", bias_correction)
     flag("ema_momentum: donate_state", donate_state)
+    check_state_dtype("ema_momentum", state_dtype)
+    counted = bias_correction or state_dtype == torch.bfloat16
     if nesterov not in (True, False, "add"):
         raise ValueError(f"ema_momentum: nesterov must be True, False or 'add', got {nesterov!r}")
     if bias_correction and nesterov == "add":
         raise ValueError("ema_momentum: bias_correction applies to nesterov=True or False, not 'add'")
 
     def init(params: TensorDictBase) -> TensorDictBase:
-        state = {"momentum": _zeros(params)}
-        return build({**state, "step": _counts(params)} if bias_correction else state, params.batch_size)
+        state = {"momentum": _zeros(params, lambda d: state_dtype or d)}
+        return build({**state, "step": _counts(params)} if counted else state, params.batch_size)
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
         names, g = list(grads.keys()), list(grads.values())
-        held = state["momentum"]
+        held, members = state["momentum"], grads.batch_dims
         if donate_state:
             _refuse_memory_mapped("ema_momentum", "momentum", held)
-        mu = _number(momentum)
-        buf = _lerp([held[n] for n in names], g, 1 - mu, inplace=donate_state)  # b ← μ b + (1 − μ) g
-        new = {"momentum": _replaced(held, names, buf)}
-        if bias_correction:
+        if counted:
             counts, t = _counted([state["step"][n] for n in names], donate_state)
+        mu = _number(momentum)
+        if state_dtype is None:
+            buf = kept = _lerp([held[n] for n in names], g, 1 - mu, inplace=donate_state)  # b ← μ b + (1 − μ) g
+        else:  # computed in fp32, kept in state_dtype
+            g, writable = [x.float() for x in g], donate_state or state_dtype != torch.float32
+            buf = _lerp(_widened_state(held, names), g, 1 - mu, inplace=writable)
+            narrow = state_dtype == torch.bfloat16
+            kept = _kept("momentum", held, names, buf, counts, donate_state) if narrow else buf
+        new = {"momentum": _replaced(held, names, kept)}
+        if counted:
             new["step"] = _replaced(state["step"], names, counts)
-            members = grads.batch_dims
+        if bias_correction:
             if nesterov:
                 moment = _per_leaf(_corrections(t, mu, 1.0).reciprocal().mul(mu), buf, members)
                 gradient = _per_leaf(_corrections(t, mu).reciprocal().mul(1 - mu), g, members)
@@ -245,7 +324,7 @@ def ema_momentum(
             u = _lerp(g, buf, mu, inplace=False)  # μ b + (1 − μ) g
         else:
             u = buf
-        return build(dict(zip(names, u)), grads.batch_size), build(new, state.batch_size)
+        return build(dict(zip(names, _cast(u, list(grads.values())))), grads.batch_size), build(new, state.batch_size)
 
     return transform(init, update, donates_state=donate_state)
 
@@ -662,22 +741,32 @@ def descent(
 
 
 def _adam_moments(
-    grads: TensorDictBase, state: TensorDictBase, b1: Scalar, b2: float, donate: bool
-) -> tuple[list[Any], list[Any], torch.Tensor, dict[str, TensorDictBase]]:
-    """Adam's moments after this update with torch.optim.AdamW's ops (so its bits):
-    ``m.lerp_(g, 1-β₁)``, ``v.mul_(β₂).addcmul_(g, g, value=1-β₂)``; the stacked fp64 counts, and the new
-    state entries."""
+    grads: TensorDictBase, state: TensorDictBase, b1: Scalar, b2: float, donate: bool, state_dtype: torch.dtype | None
+) -> tuple[list[Any], list[Any], list[Any], torch.Tensor, dict[str, TensorDictBase]]:
+    """The gradients (fp32 with ``state_dtype``) and Adam's moments after this update with
+    torch.optim.AdamW's ops (so its bits): ``m.lerp_(g, 1-β₁)``, ``v.mul_(β₂).addcmul_(g, g, value=1-β₂)``
+    (with ``state_dtype`` in fp32, kept as :func:`ema_momentum` keeps its momentum); the stacked fp64
+    counts, and the new state entries."""
     names, g, b1 = list(grads.keys()), list(grads.values()), _number(b1)
     held_m, held_v = state["exp_avg"], state["exp_avg_sq"]
     if donate:
         _refuse_memory_mapped("adam", "exp_avg", held_m)
     counts, t = _counted([state["step"][n] for n in names], donate)
-    m = _lerp([held_m[n] for n in names], g, 1.0 - b1, inplace=donate)
-    v = _foreach("mul", [held_v[n] for n in names], b2, inplace=donate)
-    v = _foreach("addcmul", v, g, g, value=1.0 - b2, inplace=donate or _may_overwrite(g))
-    new = {"step": _replaced(state["step"], names, counts), "exp_avg": _replaced(held_m, names, m)}
-    new["exp_avg_sq"] = _replaced(held_v, names, v)
-    return m, v, t, new
+    starts_m, starts_v = [held_m[n] for n in names], [held_v[n] for n in names]
+    writable = donate
+    if state_dtype is not None:  # computed in fp32
+        starts_m, starts_v, g = _widened_state(held_m, names), _widened_state(held_v, names), [x.float() for x in g]
+        writable = donate or state_dtype != torch.float32
+    m = _lerp(starts_m, g, 1.0 - b1, inplace=writable)
+    v = _foreach("mul", starts_v, b2, inplace=writable)
+    v = _foreach("addcmul", v, g, g, value=1.0 - b2, inplace=writable or _may_overwrite(g))
+    kept_m, kept_v = m, v
+    if state_dtype == torch.bfloat16:
+        kept_m = _kept("exp_avg", held_m, names, m, counts, donate)
+        kept_v = _kept("exp_avg_sq", held_v, names, v, counts, donate)
+    new = {"step": _replaced(state["step"], names, counts), "exp_avg": _replaced(held_m, names, kept_m)}
+    new["exp_avg_sq"] = _replaced(held_v, names, kept_v)
+    return g, m, v, t, new
 
 
 def _adam_direction(
@@ -725,8 +814,12 @@ def _betas(b1: Scalar, b2: Scalar, eps: float) -> tuple[Scalar, float, float]:
     return b1, unit_interval("b2", b2), float(eps)
 
 
-def _adam_init(params: TensorDictBase) -> dict[str, TensorDictBase]:
-    return {"step": _counts(params), "exp_avg": _zeros(params), "exp_avg_sq": _zeros(params, second_moment_dtype)}
+def _adam_init(params: TensorDictBase, state_dtype: torch.dtype | None) -> dict[str, TensorDictBase]:
+    first, second = (
+        _zeros(params, lambda d: state_dtype or d),
+        _zeros(params, lambda d: state_dtype or second_moment_dtype(d)),
+    )
+    return {"step": _counts(params), "exp_avg": first, "exp_avg_sq": second}
 
 
 def scale_by_adam(
@@ -735,6 +828,7 @@ def scale_by_adam(
     *,
     eps: float = 1e-8,
     nesterov: AdamNesterov = False,
+    state_dtype: torch.dtype | None = None,
     donate_state: bool = False,
 ) -> Transform:
     r"""Adam's direction with bias correction, torch.optim.AdamW's (``eps`` added to the corrected root):
@@ -744,7 +838,8 @@ def scale_by_adam(
 
     ``nesterov=True`` is optax's Nesterov-Adam (the moment and the gradient corrected each on its own),
     ``"timm"`` timm's NAdamW. ``t`` counts per leaf (per ensemble member). The second moment of an fp16
-    leaf is kept in fp32 (see :func:`second_moment_dtype`).
+    leaf is kept in fp32 (see :func:`second_moment_dtype`); ``state_dtype`` keeps both moments as
+    :func:`ema_momentum` keeps its momentum.
 
     Returns:
         A :class:`Transform` with state ``{"step": int64 per leaf, "exp_avg": m, "exp_avg_sq": v}``.
@@ -753,14 +848,19 @@ def scale_by_adam(
     if not (isinstance(nesterov, bool) or nesterov == "timm"):
         raise ValueError(f"scale_by_adam: nesterov must be True, False or 'timm', got {nesterov!r}")
     flag("scale_by_adam: donate_state", donate_state)
+    check_state_dtype("scale_by_adam", state_dtype)
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
-        g = list(grads.values())
-        m, v, t, new = _adam_moments(grads, state, b1, b2, donate_state)
+        g, m, v, t, new = _adam_moments(grads, state, b1, b2, donate_state, state_dtype)
         u = _adam_direction(g, m, v, t, b1, b2, eps, 1.0, nesterov, grads.batch_dims)
-        return build(dict(zip(grads.keys(), _cast(u, g))), grads.batch_size), build(new, state.batch_size)
+        return build(dict(zip(grads.keys(), _cast(u, list(grads.values())))), grads.batch_size), build(
+            new, state.batch_size
+        )
 
-    return transform(lambda params: build(_adam_init(params), params.batch_size), update, donates_state=donate_state)
+    def init(params: TensorDictBase) -> TensorDictBase:
+        return build(_adam_init(params, state_dtype), params.batch_size)
+
+    return transform(init, update, donates_state=donate_state)
 
 
 def adamw(
@@ -772,6 +872,7 @@ def adamw(
     weight_decay_mask: MaskLike = None,
     nesterov: AdamNesterov = False,
     cautious_weight_decay: bool = False,
+    state_dtype: torch.dtype | None = None,
     donate_state: bool = False,
     fused: bool | None = None,
 ) -> Transform:
@@ -792,6 +893,7 @@ def adamw(
             two or more dimensions).
         nesterov: Nesterov-Adam as optax's (``True``) or timm's (``"timm"``) NAdamW.
         cautious_weight_decay: decay only where the update and the parameter agree in sign.
+        state_dtype: the moments' dtype (``None``: the parameters'; see :func:`scale_by_adam`).
         donate_state: update the state in place (see :mod:`muonfn.steps`).
         fused: torch's fused kernel: ``None`` where it runs (one model's fp32 leaves on CUDA), ``True``
             on any device it has a kernel for (the CPU too), ``False`` never.
@@ -814,6 +916,7 @@ def adamw(
     check_mask("adamw: weight_decay_mask", weight_decay_mask)
     flag("adamw: donate_state", donate_state)
     flag("adamw: cautious_weight_decay", cautious_weight_decay)
+    check_state_dtype("adamw", state_dtype)
     if fused is not None:
         flag("adamw: fused", fused)
     if not (isinstance(nesterov, bool) or nesterov == "timm"):
@@ -822,20 +925,21 @@ def adamw(
         from .transforms import chain
 
         return chain(
-            scale_by_adam(b1, b2, eps=eps, nesterov=nesterov, donate_state=donate_state),
+            scale_by_adam(b1, b2, eps=eps, nesterov=nesterov, state_dtype=state_dtype, donate_state=donate_state),
             add_decayed_weights(weight_decay, mask=weight_decay_mask, cautious=True),
             scale_by_learning_rate(lr),
         )
     schedule_init = _schedule_init(lr)
 
     def init(params: TensorDictBase) -> TensorDictBase:
-        return build({**_adam_init(params), **schedule_init(params)}, params.batch_size)
+        return build({**_adam_init(params, state_dtype), **schedule_init(params)}, params.batch_size)
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
         rate, new = _rate(lr, state, grads)
         lam, g, members = _number(weight_decay), list(grads.values()), grads.batch_dims
         beta1 = _number(b1)
-        numbers = not nesterov and not isinstance(beta1, torch.Tensor)  # (the kernel takes β₁ as a number)
+        # (the kernel takes β₁ as a number, and the moments in the parameters' dtype)
+        numbers = not nesterov and not isinstance(beta1, torch.Tensor) and state_dtype is None
         if (
             numbers
             and params is not None
@@ -846,8 +950,8 @@ def adamw(
                 grads, state, params, decayed, rate, lam, beta1, b2, eps, donate_state
             )
             return updates, build({**moments, **new}, state.batch_size)
-        m, v, t, moments = _adam_moments(grads, state, b1, b2, donate_state)
-        u = _adam_direction(g, m, v, t, b1, b2, eps, -rate, nesterov, members)
+        wide, m, v, t, moments = _adam_moments(grads, state, b1, b2, donate_state, state_dtype)
+        u = _adam_direction(wide, m, v, t, b1, b2, eps, -rate, nesterov, members)
         u = _decayed(u, grads, params, -rate * lam, weight_decay_mask, "adamw", inplace=True)
         return build(dict(zip(grads.keys(), _cast(u, g))), grads.batch_size), build(
             {**moments, **new}, state.batch_size
@@ -982,6 +1086,7 @@ def scale_by_element_rms(
     bias_correction: bool = False,
     rescale: Rescale = "orthogonal",
     views: ViewsLike = None,
+    state_dtype: torch.dtype | None = None,
     donate_state: bool = False,
 ) -> Transform:
     r"""AdaMuon's element-wise adaptation of an orthogonalized update :math:`O` (Si et al., 2025):
@@ -991,10 +1096,11 @@ def scale_by_element_rms(
 
     with :math:`c_t = 1 - \beta^t` under ``bias_correction`` (pytorch-optimizer's; else 1) and
     :math:`\rho` as in :func:`scale_by_neuron_norm` (default ``"orthogonal"``). fp16 leaves in fp32;
-    sharded leaves are refused.
+    sharded leaves are refused. ``state_dtype`` keeps :math:`V` as :func:`ema_momentum` keeps its momentum.
 
     Returns:
-        A :class:`Transform` with state ``{"exp_avg_sq": V}`` (and ``"step"`` with ``bias_correction``).
+        A :class:`Transform` with state ``{"exp_avg_sq": V}`` (and ``"step"`` with ``bias_correction``
+        or a bf16 ``state_dtype``).
 
     Example:
         >>> params = TensorDict({"w": torch.zeros(2, 2)}, [])
@@ -1006,25 +1112,32 @@ def scale_by_element_rms(
     """
     eps = _check_adaptation("scale_by_element_rms", beta, eps, rescale, views, donate_state)
     flag("scale_by_element_rms: bias_correction", bias_correction)
+    check_state_dtype("scale_by_element_rms", state_dtype)
+    counted = bias_correction or state_dtype == torch.bfloat16
 
     def init(params: TensorDictBase) -> TensorDictBase:
         names, values = list(params.keys()), list(params.values())
         for name, p, view in zip(names, values, resolve_views(views, names, values, params.batch_dims)):
             view.check(name, p.shape)
-        state = {"exp_avg_sq": _zeros(params, second_moment_dtype)}
-        return build({**state, "step": _counts(params)} if bias_correction else state, params.batch_size)
+        state = {"exp_avg_sq": _zeros(params, lambda d: state_dtype or second_moment_dtype(d))}
+        return build({**state, "step": _counts(params)} if counted else state, params.batch_size)
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
         names, given = list(grads.keys()), list(grads.values())
         _refuse_sharded(names, given)
-        values = [o.float() if o.dtype == torch.float16 else o for o in given]
+        values = [o.float() if o.dtype == torch.float16 or state_dtype is not None else o for o in given]
         held = state["exp_avg_sq"]
-        v = _lerp([held[n] for n in names], _foreach("mul", values, values), 1 - _number(beta), inplace=donate_state)
-        new = {"exp_avg_sq": _replaced(held, names, v)}
+        if counted:
+            counts, t = _counted([state["step"][n] for n in names], donate_state)
+        starts = _widened_state(held, names) if state_dtype is not None else [held[n] for n in names]
+        writable = donate_state or state_dtype == torch.bfloat16
+        v = _lerp(starts, _foreach("mul", values, values), 1 - _number(beta), inplace=writable)
+        kept = _kept("exp_avg_sq", held, names, v, counts, donate_state) if state_dtype == torch.bfloat16 else v
+        new = {"exp_avg_sq": _replaced(held, names, kept)}
+        if counted:
+            new["step"] = _replaced(state["step"], names, counts)
         root = v
         if bias_correction:
-            counts, t = _counted([state["step"][n] for n in names], donate_state)
-            new["step"] = _replaced(state["step"], names, counts)
             root = _foreach("div", v, _per_leaf(_corrections(t, _number(beta)), v, grads.batch_dims))
         adapted = _foreach("div", values, _foreach("add", _foreach("sqrt", root), eps))
         out = []

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tensordict import TensorDict
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import muonfn
 from muonfn.distributed import sharded_orthogonalizer
@@ -97,13 +98,19 @@ def loss_of(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> to
 @dataclass
 class Reference:
     """The single-process run: ``params[t]`` before step ``t`` (``params[-1]`` at the end), ``grads[t]`` at step ``t``,
-    each a flat TensorDict keyed by dotted names.
+    each a flat TensorDict keyed by dotted names; ``state``: the optimizer's state at the end (its leaves keyed by
+    dotted names too), where the run keeps one.
 
     Step 3 leaves ``fc2.bias`` and ``experts`` without a gradient.
     """
 
     params: list[TensorDict]
     grads: list[TensorDict]
+    state: TensorDict | None = None
+
+
+#: the optimizer states the runs are compared in: the params' dtype (fp32), and bf16 (stochastically rounded)
+STATE_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
 
 
 NO_GRAD_STEP = 3
@@ -149,7 +156,7 @@ def _reference_run(steps: int, **options: Any) -> Reference:
         params = muonfn.apply_updates(params, updates)
         history.append(params.flatten_keys("."))
         grads_seen.append(grads)
-    return Reference(history, grads_seen)
+    return Reference(history, grads_seen, state)
 
 
 def take(full: torch.Tensor, box: Box) -> torch.Tensor:
@@ -157,6 +164,17 @@ def take(full: torch.Tensor, box: Box) -> torch.Tensor:
     out = torch.empty(tuple(length(r) for r in box), dtype=full.dtype)
     copy_out(full, box, out)
     return out
+
+
+def check_state(state: TensorDict, expected: TensorDict, boxes: Mapping[str, Box], what: str) -> None:
+    """Every entry of this rank's ``state`` (plain shards or DTensors) is its part (``boxes``, by leaf name) of the
+    single-process run's ``expected`` state bit for bit, in the same dtype; per-leaf counts whole."""
+    assert set(state.keys(True, True)) == set(expected.keys(True, True)), what
+    for key, want in expected.items(True, True):
+        got = state[key]
+        got = got.to_local() if isinstance(got, DTensor) else got
+        mine = take(want, boxes[key[-1]]) if want.ndim else want
+        assert got.dtype == want.dtype and torch.equal(got, mine), f"{what}: state {key} differs ({got.dtype})"
 
 
 def shim_reference_run(steps: int = STEPS) -> Reference:

@@ -4,7 +4,8 @@ Two kinds of check:
 
 - *exact*: after a real forward and backward, every ``.grad`` is overwritten with this
   rank's shard of the single-process gradient, so the optimizer sees bitwise the same
-  numbers; the params must then match the single-process run bitwise.
+  numbers; the params (and the state, an fp32 or a bf16 one) must then match the
+  single-process run bitwise.
 - *end to end*: real backward, real reduce-scatter of each rank's share of the batch;
   gradients differ from the single-process ones by rounding, so params are compared with
   a tolerance.
@@ -22,10 +23,12 @@ from _dist_models import (
     NO_GRAD_NAMES,
     NO_GRAD_STEP,
     NS,
+    STATE_DTYPES,
     STEPS,
     Net,
     Reference,
     batches,
+    check_state,
     loss_of,
     make_net,
     make_shim,
@@ -148,14 +151,19 @@ def exact_run(
     what: str,
     tx: muonfn.Transform | None = None,
     in_place: bool = False,
+    state_dtype: torch.dtype | None = None,
 ) -> None:
+    """Params, and with an exact strategy the state, bitwise the reference's (to rounding otherwise)."""
     check_params(model, reference.params[0], f"{what} initial layout")  # muonfn's layout is FSDP's
-    tx = make_tx(collectives, strategy=strategy) if tx is None else tx
+    tx = make_tx(collectives, strategy=strategy, state_dtype=state_dtype) if tx is None else tx
     state = tx.init(TensorDict.from_module(model).detach())
     for step in range(STEPS):
         state = train_step(model, tx, state, step, reference, slice(None), in_place)
     check_params(model, reference.params[-1], f"{what} {strategy}", exact=strategy in EXACT)
     check_state_mirrors_params(model, state)
+    if strategy in EXACT and reference.state is not None:
+        boxes = {name: my_box(p) for name, p in model.named_parameters()}
+        check_state(state, reference.state, boxes, f"{what} {strategy} on rank {dist.get_rank()}")
 
 
 def end_to_end_run(
@@ -178,12 +186,15 @@ def share_of(index: int, parts: int) -> slice:
     return slice(index * size, (index + 1) * size)
 
 
-def fsdp_cases(rank: int, world: int, reference: Reference) -> None:
-    """FSDP2 over ``world`` ranks (both strategies, exact), end to end, and, on 4 ranks, HSDP and TP + FSDP."""
+def fsdp_cases(rank: int, world: int, reference: Reference, bf16_reference: Reference) -> None:
+    """FSDP2 over ``world`` ranks (both strategies, exact), end to end, and, on 4 ranks, HSDP and TP + FSDP;
+    the exact layouts also with a bf16 state (``bf16_reference``: the single-process run with one)."""
     mesh = init_device_mesh("cpu", (world,))
     collectives = torch_collectives(mesh)
+    bf16 = torch.bfloat16
     for strategy in EXACT:
         exact_run(fsdp(make_net(), mesh), collectives, strategy, reference, f"FSDP2 on {world}")
+    exact_run(fsdp(make_net(), mesh), collectives, "owner", bf16_reference, f"FSDP2 on {world}, bf16", state_dtype=bf16)
     end_to_end_run(fsdp(make_net(), mesh), collectives, reference, share_of(rank, world), f"FSDP2 e2e on {world}")
     if world == 4:
         hsdp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -193,6 +204,8 @@ def fsdp_cases(rank: int, world: int, reference: Reference) -> None:
         for strategy in EXACT:
             exact_run(fsdp(make_net(), hsdp_mesh), hsdp, strategy, reference, "HSDP 2x2")
             exact_run(tp_fsdp(make_net(), tp_mesh), tp, strategy, reference, "TP2 + FSDP2")
+        exact_run(fsdp(make_net(), hsdp_mesh), hsdp, "gather", bf16_reference, "HSDP 2x2, bf16", state_dtype=bf16)
+        exact_run(tp_fsdp(make_net(), tp_mesh), tp, "owner", bf16_reference, "TP2 + FSDP2, bf16", state_dtype=bf16)
         exact_run(tp_fsdp(make_net(), tp_mesh), tp, "tp_gram", reference, "TP2 + FSDP2")  # to rounding
         # a DTensor on ranks the collectives do not span is refused, naming both groups
         wide = distribute_tensor(torch.ones(4, 4), tp_mesh, [Shard(0), Shard(1)], src_data_rank=None)
@@ -430,27 +443,35 @@ def tensordict_copy_run(rank: int, world: int, reference: Reference) -> None:
 def dcp_segment(
     rank: int,
     world: int,
-    reference: Reference,
+    references: dict[str, Reference],
     load: tuple[str, int] | None,
     save: tuple[str, int] | None,
 ) -> None:
-    """Trains steps ``[load step, STEPS)`` under FSDP2 on ``world`` ranks, resuming from and saving DCP checkpoints."""
+    """Trains steps ``[load step, STEPS)`` under FSDP2 on ``world`` ranks, resuming from and saving DCP checkpoints
+    (``{path}-{name}``), once for each state kept in ``STATE_DTYPES[name]``, against ``references[name]``."""
     mesh = init_device_mesh("cpu", (world,))
-    model = fsdp(make_net(seed=0 if load is None else 123), mesh)
-    tx = make_tx(torch_collectives(mesh))
-    state = tx.init(TensorDict.from_module(model).detach())
-    start = 0
-    if load is not None:
-        path, start = load
-        before = state["muon", "momentum", "fc1.weight"].to_local().clone()
-        dcp.load({"model": model.state_dict(), "optim": state.to_dict()}, checkpoint_id=path)
-        assert not torch.equal(before, state["muon", "momentum", "fc1.weight"].to_local())  # loaded in place
-        check_params(model, reference.params[start], f"params loaded on {world} ranks")
-    for step in range(start, STEPS):
-        if save is not None and step == save[1]:
-            dcp.save({"model": model.state_dict(), "optim": state.to_dict()}, checkpoint_id=save[0])
-        state = train_step(model, tx, state, step, reference, slice(None))
-    check_params(model, reference.params[-1], f"DCP resumed on {world} ranks")
+    for kept_in, reference in references.items():
+        what = f"DCP, state kept in {kept_in}, on {world} ranks"
+        model = fsdp(make_net(seed=0 if load is None else 123), mesh)
+        tx = make_tx(torch_collectives(mesh), state_dtype=STATE_DTYPES[kept_in])
+        state = tx.init(TensorDict.from_module(model).detach())
+        dtypes = {k: v.dtype for k, v in state.items(True, True)}
+        start = 0
+        if load is not None:
+            path, start = load
+            before = state["muon", "momentum", "fc1.weight"].to_local().clone()
+            dcp.load({"model": model.state_dict(), "optim": state.to_dict()}, checkpoint_id=f"{path}-{kept_in}")
+            assert not torch.equal(before, state["muon", "momentum", "fc1.weight"].to_local())  # loaded in place
+            assert {k: v.dtype for k, v in state.items(True, True)} == dtypes, what  # (a bf16 state stays bf16)
+            check_params(model, reference.params[start], f"{what}: params loaded")
+        for step in range(start, STEPS):
+            if save is not None and step == save[1]:
+                optim = state.to_dict()
+                dcp.save({"model": model.state_dict(), "optim": optim}, checkpoint_id=f"{save[0]}-{kept_in}")
+            state = train_step(model, tx, state, step, reference, slice(None))
+        check_params(model, reference.params[-1], what)
+        assert reference.state is not None
+        check_state(state, reference.state, {name: my_box(p) for name, p in model.named_parameters()}, what)
 
 
 def torch_kernel_run(rank: int, world: int, reference: Reference) -> None:

@@ -1,8 +1,9 @@
 """Distributed Muon in one process: virtual ranks (threads) exchanging real data.
 
 Every strategy and layout must reproduce the single-process optimizer bitwise (fp32
-Newton–Schulz on CPU), with uneven and empty shards, fused, expert, conv and transposed
-views, and a step where some parameters have no gradient.
+Newton–Schulz on CPU), params and state (an fp32 and a bf16 one), with uneven and empty
+shards, fused, expert, conv and transposed views, and a step where some parameters have no
+gradient.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dist_models import NS, Reference, make_tx, one_thread, reference_run, take
+from _dist_models import NS, STATE_DTYPES, Reference, check_state, make_tx, one_thread, reference_run, take
 from hypothesis import given
 from hypothesis import strategies as st
 from tensordict import TensorDict
@@ -46,9 +47,15 @@ def _one_thread() -> Iterator[None]:
         yield
 
 
+@functools.cache
+def reference_kept_in(state: str) -> Reference:
+    """The single-process run with its state in ``STATE_DTYPES[state]``."""
+    return reference_run(state_dtype=STATE_DTYPES[state])
+
+
 @pytest.fixture(scope="module")
 def reference() -> Reference:
-    return reference_run()
+    return reference_kept_in("fp32")
 
 
 def by_placements(mesh_shape: tuple[int, ...], placements_of: Callable[[str, torch.Size], tuple[Any, ...]]) -> Sharding:
@@ -171,34 +178,40 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.parametrize("state_kept_in", list(STATE_DTYPES))
 @pytest.mark.parametrize("strategy", EXACT)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_training_matches_single_process_bitwise(reference: Reference, layout: str, strategy: str) -> None:
+def test_training_matches_single_process_bitwise(layout: str, strategy: str, state_kept_in: str) -> None:
+    """Params and state (a bf16 one rounded stochastically too): each rank's part of the single-process run's."""
+    reference = reference_kept_in(state_kept_in)
     world, sharding = LAYOUTS[layout]
-    results = simulate(world, train, reference, sharding(), strategy, 1 << 26)
+    state_dtype = STATE_DTYPES[state_kept_in]
+    results = simulate(world, train, reference, sharding(), strategy, 1 << 26, state_dtype=state_dtype)
     final = reference.params[-1]
+    assert reference.state is not None
     for rank, (params, state, boxes) in enumerate(results):
         for name, value in final.items():
             assert torch.equal(params[name], take(value, boxes[name])), f"rank {rank}: {name} differs"
-        # momentum stays a shard: no rank keeps a full copy
-        for name, momentum in state["muon", "momentum"].items():
-            assert momentum.shape == params[name].shape
+        check_state(state, reference.state, boxes, f"rank {rank}")  # (shards: no rank keeps a full copy)
 
 
+@pytest.mark.parametrize("state_kept_in", list(STATE_DTYPES))
 @pytest.mark.parametrize("replicated_mode", ["split", "local"])
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("layout", ["ddp2", "hsdp2x2"])
 def test_replicated_split_and_overlap_match_single_process_bitwise(
-    reference: Reference, layout: str, overlap: bool, replicated_mode: str
+    layout: str, overlap: bool, replicated_mode: str, state_kept_in: str
 ) -> None:
     """Both opt-outs (``replicated="local"``, ``overlap=False``) and both defaults give the single-process result."""
+    reference = reference_kept_in(state_kept_in)
     world, sharding = LAYOUTS[layout]
-    results = simulate(
-        world, train, reference, sharding(), "owner", 1 << 26, replicated=replicated_mode, overlap=overlap
-    )
-    for rank, (params, _, boxes) in enumerate(results):
+    options = {"replicated": replicated_mode, "overlap": overlap, "state_dtype": STATE_DTYPES[state_kept_in]}
+    results = simulate(world, train, reference, sharding(), "owner", 1 << 26, **options)
+    assert reference.state is not None
+    for rank, (params, state, boxes) in enumerate(results):
         for name, value in reference.params[-1].items():
             assert torch.equal(params[name], take(value, boxes[name])), f"rank {rank}: {name}"
+        check_state(state, reference.state, boxes, f"rank {rank}")
 
 
 def test_small_buckets_move_in_rounds_and_stay_exact(reference: Reference) -> None:

@@ -29,14 +29,21 @@ def reference() -> Reference:
 
 
 @pytest.fixture(scope="module")
+def bf16_reference() -> Reference:
+    """The single-process run with its state in bf16 (rounded stochastically)."""
+    return reference_run(state_dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
 def shim_reference() -> Reference:
     return shim_reference_run()
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_fsdp2_matches_single_process(reference: Reference, world: int) -> None:
-    """Bitwise for both strategies (exact gradient shards), to tolerance end to end; HSDP and TP + FSDP2 on 4."""
-    run(workers.fsdp_cases, world, reference)
+def test_fsdp2_matches_single_process(reference: Reference, bf16_reference: Reference, world: int) -> None:
+    """Bitwise for both strategies (exact gradient shards), to tolerance end to end; HSDP and TP + FSDP2 on 4;
+    params and state, a bf16 state too."""
+    run(workers.fsdp_cases, world, reference, bf16_reference)
 
 
 def test_caution_counts_whole_dtensor_leaves() -> None:
@@ -85,12 +92,14 @@ def test_fsdp2_tensordict_copy_writes_the_step_back(reference: Reference) -> Non
     run(workers.tensordict_copy_run, 2, reference)
 
 
-def test_dcp_checkpoint_reshards_2_to_3_to_1(reference: Reference, tmp_path) -> None:
-    """Saved on 2 ranks at step 4, resumed on 3, saved again at step 7, resumed on 1: bitwise the uninterrupted run."""
+def test_dcp_checkpoint_reshards_2_to_3_to_1(reference: Reference, bf16_reference: Reference, tmp_path) -> None:
+    """Saved on 2 ranks at step 4, resumed on 3, saved again at step 7, resumed on 1: bitwise the uninterrupted run,
+    params and state, an fp32 and a bf16 state alike (which stays bf16)."""
+    references = {"fp32": reference, "bf16": bf16_reference}
     first, second = str(tmp_path / "two"), str(tmp_path / "three")
-    run(workers.dcp_segment, 2, reference, None, (first, 4))
-    run(workers.dcp_segment, 3, reference, (first, 4), (second, 7))
-    run(workers.dcp_segment, 1, reference, (second, 7), None)
+    run(workers.dcp_segment, 2, references, None, (first, 4))
+    run(workers.dcp_segment, 3, references, (first, 4), (second, 7))
+    run(workers.dcp_segment, 1, references, (second, 7), None)
 
 
 def test_fsdp2_run_exits_cleanly() -> None:

@@ -657,3 +657,57 @@ def test_a_partly_stepped_run_migrates_the_stepped_parameters_state_only(monkeyp
     resumed.load_torch_state_dicts(muon.state_dict(), adamw.state_dict())
     assert {name for name, p in model.named_parameters() if p not in resumed.state} == unused
     assert_same_state(resumed, model, muon, adamw, theirs_model)
+
+
+def test_a_bf16_state_goes_to_torch_widened_and_comes_back_narrowed(tmp_path):
+    """``torch_state_dicts`` widens a ``state_dtype=torch.bfloat16`` state to the parameters' fp32, as
+    torch's optimizers keep it, leaving out the momentum's count (muonfn's alone); loaded back into a
+    bf16 shim it is narrowed (exactly: it was bf16), the count from 0, and continues as the shim whose
+    count started again, bit for bit. torch's own fp32 state loads narrowed to nearest."""
+    settings = {"lr": 0.02, "momentum": 0.9, "adjust_lr_fn": None, "adamw_lr": 3e-3, "state_dtype": torch.bfloat16}
+    model = small_net()
+    opt = muonfn.optim.Muon(model.named_parameters(), **settings, labels=by_ndim(model))
+    grads = fixed_grads(model, 6)
+    for g in grads[:3]:
+        step_with(model, g, opt)
+    torch.save(opt.torch_state_dicts(), tmp_path / "torch_optimizers.pt")
+    muon_sd, adamw_sd = torch.load(tmp_path / "torch_optimizers.pt", weights_only=True)
+    assert all("state_dtype" not in g for sd in (muon_sd, adamw_sd) for g in sd["param_groups"])
+    muon_params = [p for p in model.parameters() if p.ndim == 2]
+    adamw_params = [p for p in model.parameters() if p.ndim != 2]
+    for sd, params in ((muon_sd, muon_params), (adamw_sd, adamw_params)):
+        for index, p in enumerate(params):
+            held = opt.state[p]
+            assert sd["state"][index].keys() == held.keys() - ({"step"} if p.ndim == 2 else set())
+            for key, value in sd["state"][index].items():
+                assert value.dtype == torch.float32, key
+                assert torch.equal(value, held[key].float()), key
+    muon, adamw = torch_pair(small_net(), lr=1.0)
+    muon.load_state_dict(muon_sd)
+    adamw.load_state_dict(adamw_sd)  # (torch's optimizers take them)
+
+    resumed = small_net()
+    resumed.load_state_dict(model.state_dict())
+    resumed_opt = muonfn.optim.Muon(resumed.named_parameters(), **settings, labels=by_ndim(resumed))
+    resumed_opt.load_torch_state_dicts(muon_sd, adamw_sd)
+    for p in muon_params:  # the uninterrupted run, its momentum's count started again
+        opt.state[p]["step"] = torch.zeros((), dtype=torch.int64)
+    assert_bitwise(resumed_opt.functional_state, opt.functional_state)
+    for g in grads[3:]:
+        step_with(model, g, opt)
+        step_with(resumed, g, resumed_opt)
+    assert_bitwise(TensorDict.from_module(resumed), TensorDict.from_module(model))
+    assert_bitwise(resumed_opt.functional_state, opt.functional_state)
+
+    theirs_model = small_net()
+    muon, adamw = torch_pair(theirs_model, lr=0.02, momentum=0.9)
+    for g in grads[:2]:
+        step_with(theirs_model, g, muon, adamw)
+    narrowed = muonfn.optim.Muon(theirs_model.named_parameters(), **settings, labels=by_ndim(theirs_model))
+    narrowed.load_torch_state_dicts(muon.state_dict(), adamw.state_dict())
+    for p in theirs_model.parameters():
+        torch_state = (muon if p.ndim == 2 else adamw).state[p]
+        for key in ("momentum_buffer", "exp_avg", "exp_avg_sq"):
+            if key in torch_state:
+                assert torch.equal(narrowed.state[p][key], torch_state[key].to(torch.bfloat16)), key
+        assert int(narrowed.state[p]["step"]) == (0 if p.ndim == 2 else 2)

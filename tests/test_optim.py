@@ -133,14 +133,22 @@ def test_is_a_torch_optimizer_with_two_routed_groups():
     assert len(opt.state) == 7 and list(opt.state) == [p for g in opt.param_groups for p in g["params"]]
 
 
-@pytest.mark.parametrize(("dtype", "steps"), [(torch.float32, 20), (torch.bfloat16, 5)])
-def test_matches_the_functional_loop_bit_for_bit(dtype, steps):
+@pytest.mark.parametrize(
+    ("dtype", "steps", "state_dtype"),
+    [
+        (torch.float32, 20, None),
+        (torch.bfloat16, 5, None),
+        (torch.float32, 8, torch.bfloat16),
+        (torch.float32, 5, torch.float32),
+    ],
+)
+def test_matches_the_functional_loop_bit_for_bit(dtype, steps, state_dtype):
     # the shim feeds lr, momentum and weight_decay as float64 0-d tensors, the loop as Python floats
     data = batches(steps, dtype=dtype)
     model = mlp(dtype=dtype)
-    opt = Muon(model.named_parameters(), **HP)
+    opt = Muon(model.named_parameters(), **HP, state_dtype=state_dtype)
     ref = mlp(dtype=dtype)
-    tx = muonfn.muon(**HP)
+    tx = muonfn.muon(**HP, state_dtype=state_dtype)
     params = params_of(ref)
     state = tx.init(params)
     # the layout of muonfn.muon(...).init, its entries made at each parameter's first step
@@ -149,6 +157,10 @@ def test_matches_the_functional_loop_bit_for_bit(dtype, steps):
     params, state = functional_steps(ref, tx, params, state, data)
     assert_bitwise(TensorDict.from_module(model), params)
     assert_bitwise(opt.functional_state, state)
+    # torch's names, in the state's dtype; a bf16 momentum counts its updates (the key of its rounding)
+    held = opt.state[model[0].weight]
+    assert list(held) == (["momentum_buffer", "step"] if state_dtype == torch.bfloat16 else ["momentum_buffer"])
+    assert held["momentum_buffer"].dtype == opt.state[model[0].bias]["exp_avg"].dtype == (state_dtype or dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -635,8 +647,9 @@ MUON_GROUP = {
     "lr", "momentum", "weight_decay", "variant", "nesterov", "momentum_bias_correction", "cautious_weight_decay",
     "cautious_mode", "ns_coefficients", "ns_steps", "ns_dtype", "eps", "ns_method", "ns_eps_mode", "ns_restarts",
     "adjust_lr_fn", "extra_scale", "beta2", "adaptive_eps", "rescale", "sign_momentum", "second_moment_bias_correction",
+    "state_dtype",
 }  # fmt: skip
-ADAMW_GROUP = {"lr", "momentum", "beta2", "eps", "weight_decay", "nesterov", "cautious_weight_decay"}
+ADAMW_GROUP = {"lr", "momentum", "beta2", "eps", "weight_decay", "nesterov", "cautious_weight_decay", "state_dtype"}
 
 
 def test_each_group_holds_only_the_settings_that_act_on_it():
@@ -865,6 +878,48 @@ def test_load_state_dict_keeps_bf16_step_counts_exact():
     opt2.load_state_dict(sd)
     assert opt2.state[other[0].bias]["step"].dtype == torch.int64 and int(opt2.state[other[0].bias]["step"]) == 300
     assert opt2.state[other[0].bias]["exp_avg"].dtype == torch.bfloat16
+
+
+def in_state_dtype(state: TensorDictBase, state_dtype: torch.dtype | None, dtype: torch.dtype) -> TensorDictBase:
+    """A functional state of ``muonfn.muon`` handed to ``muonfn.muon(state_dtype=state_dtype)`` (parameters of
+    ``dtype``): the momentum and AdamW's moments cast (to bf16 rounded to nearest), a bf16 momentum's count
+    from 0, dropped where the momentum is not bf16."""
+    out = state.clone()
+    for field in (("muon", "momentum"), ("adamw", "exp_avg"), ("adamw", "exp_avg_sq")):
+        out[field] = out[field].to(state_dtype or dtype)
+    counts = out["muon"].get("step", out["muon", "momentum"].apply(lambda m: torch.zeros((), dtype=torch.int64)))
+    return out.set(("muon", "step"), counts) if state_dtype == torch.bfloat16 else out.exclude(("muon", "step"))
+
+
+@pytest.mark.parametrize(("saved", "loaded"), [(None, torch.bfloat16), (torch.bfloat16, None)])
+def test_a_state_loads_into_an_optimizer_of_another_state_dtype_cast_to_it(saved, loaded):
+    """The loading optimizer keeps its ``state_dtype`` and casts the state to it: fp32 narrowed to bf16
+    rounded to nearest, the bf16 momentum counting from 0 (an fp32 state keeps no count), or widened
+    exactly, the count dropped; it continues as the preset from that state, bit for bit."""
+    data = batches(6)
+    model = mlp()
+    opt = Muon(model.named_parameters(), **HP, state_dtype=saved)
+    shim_steps(model, opt, data[:3])
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=True)
+    resumed = mlp(seed=7)
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_opt = Muon(resumed.named_parameters(), lr=1.0, state_dtype=loaded)
+    resumed_opt.load_state_dict(checkpoint["optimizer"])
+    assert [g["state_dtype"] for g in resumed_opt.param_groups] == [loaded, loaded]
+    assert resumed_opt.param_groups[0]["lr"] == HP["lr"]  # (the other settings are the saved ones)
+    state = in_state_dtype(opt.functional_state, loaded, torch.float32)
+    assert_bitwise(resumed_opt.functional_state, state)
+    momentum = resumed_opt.state[resumed[0].weight]["momentum_buffer"]
+    assert torch.equal(momentum, opt.state[model[0].weight]["momentum_buffer"].to(loaded or torch.float32))
+
+    params = params_of(model)
+    params, state = functional_steps(mlp(), muonfn.muon(**HP, state_dtype=loaded), params, state, data[3:])
+    shim_steps(resumed, resumed_opt, data[3:])
+    assert_bitwise(TensorDict.from_module(resumed), params)
+    assert_bitwise(resumed_opt.functional_state, state)
 
 
 def test_load_state_dict_mismatch_names_the_parameter_and_changes_nothing():

@@ -717,6 +717,7 @@ OTHER_VALUES = {
     "views": {"e": MatrixView(batch_dims=1)},
     "weight_decay_mask": {"w": False},
     "orthogonalizer": CountingOrthogonalizer,
+    "state_dtype": torch.bfloat16,
     "donate_state": True,
     "beta2": 0.5,
     "adaptive_eps": 1e-2,

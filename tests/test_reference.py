@@ -289,6 +289,38 @@ def test_shim_equals_reference_bitwise_with_the_same_newton_schulz(variant: str,
     assert_adamw_close(params, expected)
 
 
+@pytest.mark.parametrize("variant", ["muon", "adamuon"])
+@pytest.mark.parametrize("donated", [False, True])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_state_dtype_equals_reference_bitwise_with_the_same_newton_schulz(
+    state_dtype: torch.dtype, donated: bool, variant: str
+) -> None:
+    """``state_dtype``: the momentum, AdamW's moments and AdaMuon's second moment computed in fp32 and
+    kept as ``reference.kept`` keeps them (bf16: rounded stochastically, keyed by the step and the
+    names) are the reference's bits, and so are the Muon parameters, which take the unrounded values."""
+    preset, options = VARIANTS[variant]
+    tx = preset(lr=LR, ns=per_matrix_ns, state_dtype=state_dtype, donate_state=donated)
+    params, state = functional_run(tx, donated=donated)
+    expected, expected_state = reference_run(ns=reference_ns, state_dtype=state_dtype, **options)
+    assert_bitwise(params, expected, MATRICES)
+    assert_adamw_close(params, expected)
+    assert state["muon", "momentum", MATRICES[0]].dtype == state_dtype
+    assert_bitwise(state["muon", "momentum"], expected_state["momentum"], MATRICES)
+    for entry in ("exp_avg", "exp_avg_sq"):
+        assert_bitwise(state["adamw", entry], expected_state[entry], VECTORS)
+    if variant == "adamuon":
+        moment = (
+            state["muon", "second_moment", "exp_avg_sq"]
+            if state_dtype == torch.bfloat16
+            else state["muon", "exp_avg_sq"]
+        )
+        assert moment[MATRICES[0]].dtype == state_dtype
+        for name in MATRICES:
+            assert torch.equal(
+                moment[name].reshape(expected_state["exp_avg_sq"][name].shape), expected_state["exp_avg_sq"][name]
+            )
+
+
 def test_buckets_equal_reference_bitwise_with_the_same_newton_schulz() -> None:
     """``bucket_numel`` below one matrix: every Newton–Schulz call holds one matrix."""
     local = muonfn.LocalOrthogonalizer(bucket_numel=100)

@@ -20,7 +20,16 @@ import pytest
 import torch
 from _bitwise import assert_bitwise
 from tensordict import TensorDict
-from test_optim import assert_unchanged, batches, functional_steps, mlp, params_of, shim_steps, snapshot
+from test_optim import (
+    assert_unchanged,
+    batches,
+    functional_steps,
+    in_state_dtype,
+    mlp,
+    params_of,
+    shim_steps,
+    snapshot,
+)
 
 import muonfn
 from muonfn import NewtonSchulz
@@ -45,7 +54,7 @@ SHIM_OWN = {"adjust_lr_fn", "ns_coefficients", "ns_steps", "eps", "variant", "ch
 MUON_GROUP_KEYWORDS: dict[str, Any] = {
     "lr": 0.05, "momentum": 0.8, "nesterov": False, "weight_decay": 0.2, "momentum_bias_correction": True,
     "cautious_weight_decay": True, "cautious_mode": "heavyball", "extra_scale": 0.5, "adjust_lr_fn": "spectral",
-    "ns_coefficients": "cesista", "ns_steps": 3, "eps": 1e-5,
+    "ns_coefficients": "cesista", "ns_steps": 3, "eps": 1e-5, "state_dtype": torch.bfloat16,
 }  # fmt: skip
 VARIANT_KEYWORDS: dict[str, dict[str, Any]] = {
     "normuon": {"beta2": 0.9, "adaptive_eps": 1e-8, "rescale": "none"},
@@ -115,7 +124,7 @@ def test_each_keyword_has_its_place_in_the_groups_or_the_optimizer():
     for name, value in MUON_GROUP_KEYWORDS.items():
         muon_group, adamw_group = Muon(mlp().named_parameters(), **{name: value}).param_groups
         assert muon_group[name] == value, name
-        if name in ("lr", "weight_decay", "cautious_weight_decay"):  # (AdamW's too, unless adamw_* says otherwise)
+        if name in ("lr", "weight_decay", "cautious_weight_decay", "state_dtype"):  # (AdamW's too, unless adamw_*)
             assert adamw_group[name] == value, name
     for variant, options in VARIANT_KEYWORDS.items():
         muon_group = Muon(mlp().named_parameters(), variant=variant, **options).param_groups[0]
@@ -219,6 +228,11 @@ CASES = {
     "normuon counted and cautious": ("normuon", {"momentum_bias_correction": True, "cautious_mode": "heavyball"}),
     "adamuon momentum counted": ("adamuon", {"momentum_bias_correction": True}),
     "adamuon both counted": ("adamuon", {"momentum_bias_correction": True, "second_moment_bias_correction": True}),
+    "state_dtype bf16": ("muon", {"state_dtype": torch.bfloat16}),
+    "state_dtype fp32": ("muon", {"state_dtype": torch.float32}),
+    "state_dtype bf16 counted": ("muon", {"state_dtype": torch.bfloat16, "momentum_bias_correction": True}),
+    "normuon state_dtype bf16": ("normuon", {"state_dtype": torch.bfloat16}),
+    "adamuon state_dtype bf16": ("adamuon", {"state_dtype": torch.bfloat16, "momentum_bias_correction": True}),
 }
 
 
@@ -434,6 +448,60 @@ def test_a_setting_changed_in_param_groups_takes_effect_at_the_next_step(name, v
     assert_bitwise(opt.functional_state, state)
 
 
+@pytest.mark.parametrize("order", [(torch.bfloat16, None), (torch.float32, torch.bfloat16)])
+def test_a_state_dtype_changed_in_param_groups_casts_the_state_at_the_next_step(order):
+    """The held state is cast to the new ``state_dtype`` as a load casts it (to bf16 rounded to nearest;
+    a bf16 momentum's count from 0, dropped when the momentum is no longer bf16): the preset with the new
+    setting from that state, bit for bit; a state_dict taken between the change and the step holds it cast."""
+    data = batches(6)
+    model, ref = mlp(), mlp()
+    opt = Muon(model.named_parameters(), **HP)
+    params = params_of(ref)
+    params, state = functional_steps(ref, muonfn.muon(**HP), params, muonfn.muon(**HP).init(params), data[:2])
+    shim_steps(model, opt, data[:2])
+    for i, state_dtype in enumerate(order):
+        for group in opt.param_groups:
+            group["state_dtype"] = state_dtype
+        state = in_state_dtype(state, state_dtype, torch.float32)
+        saved = opt.state_dict()["state"]
+        assert saved[0]["momentum_buffer"].dtype == saved[3]["exp_avg"].dtype == (state_dtype or torch.float32)
+        preset = muonfn.muon(**HP, state_dtype=state_dtype)
+        params, state = functional_steps(ref, preset, params, state, data[2 + 2 * i : 4 + 2 * i])
+        shim_steps(model, opt, data[2 + 2 * i : 4 + 2 * i])
+        assert_bitwise(TensorDict.from_module(model), params)
+        assert_bitwise(opt.functional_state, state)
+
+
+def test_state_dtype_is_a_group_setting():
+    """The constructor's fills every group; a group dict sets its own (a split one for both halves), and
+    ``add_param_group`` fills it in; each group's state is kept in its own."""
+    model = mlp()
+    named = list(model.named_parameters())
+    opt = Muon(
+        [
+            {"params": named[:1], "use_muon": True, "state_dtype": torch.float32},
+            {"params": named[1:6], "state_dtype": None},
+        ],
+        state_dtype=torch.bfloat16,
+        **HP,
+    )
+    opt.add_param_group({"params": named[6:]})
+    assert [g["state_dtype"] for g in opt.param_groups] == [torch.float32, None, None, torch.bfloat16, torch.bfloat16]
+    data = batches(2)
+    shim_steps(model, opt, data)
+    kept = {n: {k: v.dtype for k, v in opt.state[p].items() if k != "step"} for n, p in named}
+    assert kept["0.weight"] == {"momentum_buffer": torch.float32} and list(opt.state[model[0].weight]) == [
+        "momentum_buffer"
+    ]
+    assert kept["5.weight"] == {"momentum_buffer": torch.bfloat16} and "step" in opt.state[model[5].weight]
+    assert kept["5.bias"] == {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16}
+    before = snapshot(model, opt)
+    with pytest.raises(ValueError, match=r"^param group 5: state_dtype must be None, torch.float32 or torch.bfloat16"):
+        opt.add_param_group({"params": [("extra", torch.zeros(3, requires_grad=True))], "state_dtype": "bf16"})
+    assert_unchanged(model, opt, before)
+
+
+# ---------------------------------------------------------------------------- ns=
 # ---------------------------------------------------------------------------- ns=
 
 
@@ -545,6 +613,11 @@ def test_ns_written_into_param_groups_is_refused_at_the_step_changing_nothing():
         ({"adamw_nesterov": "yes"}, ValueError, r"^param group 1: nesterov must be True, False or 'timm' \(AdamW's\)"),
         ({"adjust_lr_fn": "rms"}, ValueError, r"^param group 0: adjust_lr_fn must be None or one of \["),
         ({"ns_coefficients": 3.4}, TypeError, r"Newton–Schulz coefficients must be a set name"),
+        (
+            {"state_dtype": torch.float16},
+            ValueError,
+            r"^param group 0: state_dtype must be None, torch.float32 or torch.bfloat16, got torch.float16",
+        ),
     ],
 )
 def test_bad_options_raise_naming_the_culprit(options, error, match):
@@ -562,6 +635,12 @@ def test_bad_options_raise_naming_the_culprit(options, error, match):
         (0, "ns_eps_mode", "max", r"^param group 0: Newton–Schulz eps_mode must be one of"),
         (0, "ns_restarts", (2,), r"^param group 0: Newton–Schulz restarts apply to method='gram' only"),
         (0, "ns_method", "cholesky", r"^param group 0: unknown ns_method 'cholesky'; choose 'standard', 'gram', 'svd'"),
+        (
+            1,
+            "state_dtype",
+            "bf16",
+            r"^param group 1: state_dtype must be None, torch.float32 or torch.bfloat16, got 'b",
+        ),
     ],
 )
 def test_bad_options_set_in_param_groups_are_refused_at_the_step_changing_nothing(group, name, value, match):

@@ -13,6 +13,7 @@ import statistics
 import sys
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -257,3 +258,77 @@ def test_the_study_page_quotes_the_recorded_runs(run, data, steps, sweep_steps, 
             f"{final['median_step_seconds'] * 1e3:.1f}",
         ]
         assert cells == expected, name
+
+
+@pytest.fixture(scope="module")
+def state_study():
+    """examples/state_study.py (fp32 against bf16 optimizer state), imported as the study fixture imports study.py."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        spec = importlib.util.spec_from_file_location("example_state_study", EXAMPLES / "state_study.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(EXAMPLES))
+
+
+def test_state_study_toy_reports_each_setting_from_its_runs(state_study, tmp_path):
+    """The toy state study: every setting over both seeds, its figures recomputed from the runs' losses, the
+    bf16 runs trained with a bf16 state (their losses differ from the fp32 runs' from the same start)."""
+    results = state_study.main([*TOY, "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "results.json").read_text()) == results
+    settings = results["settings"]
+    assert list(settings) == ["adamw fp32 state", "adamw bf16 state", "muon fp32 state", "muon bf16 state"]
+    assert results["seeds"] == [0, 1]
+    for name, s in settings.items():
+        losses = [r["val_loss"] for r in s["runs"]]
+        assert [r["seed"] for r in s["runs"]] == [0, 1]
+        assert all(
+            r["history"]["val_loss"][-1] == loss < r["history"]["val_loss"][0] for r, loss in zip(s["runs"], losses)
+        )
+        assert s["val_loss"]["mean"] == pytest.approx(statistics.fmean(losses), rel=1e-12)
+        assert s["val_loss"]["std"] == pytest.approx(statistics.stdev(losses), rel=1e-9)
+        assert (s["val_loss"]["min"], s["val_loss"]["max"]) == (min(losses), max(losses))
+        fp32 = settings[f"{s['kind']} fp32 state"]
+        reference = [r["val_loss"] for r in fp32["runs"]]
+        assert s["minus_fp32_by_seed"] == pytest.approx([a - b for a, b in zip(losses, reference)], abs=1e-12)
+        if s["state_dtype"] is None:
+            assert s["within_fp32_range"] is None and s["minus_fp32_by_seed"] == [0.0, 0.0]
+            continue
+        assert s["state_dtype"] == "bfloat16"
+        assert s["within_fp32_range"] == (min(reference) <= s["val_loss"]["mean"] <= max(reference))
+        assert all(a != b for a, b in zip(losses, reference)), f"{name}: the same losses as fp32 state"
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == sorted(
+        f"state-{s['kind']}-{s['state_dtype'] or 'fp32'}-lr{s['lr']:.3e}-seed{seed}-9.json"
+        for s in settings.values()
+        for seed in (0, 1)
+    )
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_demo_optimizers_keep_the_state_dtype_they_are_given(state_study):
+    import demo
+
+    model = demo.GPT(vocab=11, ctx=8, width=16, depth=1, heads=2)
+    params = demo.TensorDict.from_module(model).detach()
+    for kind in ("adamw", "muon"):
+        for state_dtype in (None, torch.bfloat16):
+            state = demo.make_optimizer(kind, 1e-2, 10, 1, model, state_dtype).init(params)
+            floats = {t.dtype for t in state.values(include_nested=True, leaves_only=True) if t.is_floating_point()}
+            assert floats == {state_dtype or torch.float32}, (kind, state_dtype)
+
+
+def test_the_study_page_quotes_the_recorded_state_study(state_study):
+    """docs/study.md's table of the recorded state study: every cell from the results.json it cites."""
+    data = "state-study-300steps.json"
+    recorded = json.loads((ROOT / "docs" / "data" / data).read_text())
+    page = (ROOT / "docs" / "study.md").read_text()
+    table = page.split("<!-- state-study-table: start -->")[1].split("<!-- state-study-table: end -->")[0]
+    assert table.strip() == state_study.markdown_table(recorded)
+    assert (recorded["config"]["steps"], recorded["seeds"]) == (300, [0, 1, 2])
+    assert recorded["lr"] == state_study.TUNED_LR
+    assert f"data/{data}" in page

@@ -269,3 +269,31 @@ def test_the_donated_step_is_no_worse_than_before_the_redesign(gpt2_small, figur
 def test_the_shims_step_is_no_worse_than_before_the_redesign(gpt2_small, figure: str) -> None:
     before = dict(zip(FIGURES, BEFORE_THE_REDESIGN["muonfn shim"]))
     assert getattr(gpt2_small["muonfn shim"], figure) <= before[figure]
+
+
+def test_memory_counts_the_states_bytes_per_parameter_exactly() -> None:
+    """``traffic.py --memory`` on a shrunk GPT-2 (meta): fp32 state 4 bytes a Muon parameter and 8 an AdamW
+    one, bf16 state half, torch.optim.Muon + AdamW as fp32 muonfn; plus each one's step counts, to the byte."""
+    ps = _sets.gpt2("gpt2-small", device="meta", width=64, depth=2, vocab=101, context=16)
+    matrices, others = len(ps.matrix_params()), len(ps.other_params())
+    numel = {
+        "muon": sum(p.numel() for _, p in ps.matrix_params()),
+        "adamw": sum(p.numel() for _, p in ps.other_params()),
+    }
+    ns = {"ns": muonfn.NewtonSchulz(dtype=torch.bfloat16)}
+    rows = traffic.memory(ps, ns, bitsandbytes=False)
+    int64, f32 = 8, 4
+    expected = {
+        "muonfn, state_dtype params' dtype": {"muon": 4 * numel["muon"], "adamw": 8 * numel["adamw"] + int64 * others},
+        "muonfn, state_dtype bf16": {
+            "muon": 2 * numel["muon"] + int64 * matrices,  # the rounding key's update count per matrix
+            "adamw": 4 * numel["adamw"] + int64 * others,
+        },
+        "torch Muon + AdamW": {"muon": 4 * numel["muon"], "adamw": 8 * numel["adamw"] + f32 * others},
+    }
+    assert {name: row["state_bytes"] for name, row in rows.items()} == expected
+    for row in rows.values():
+        assert row["bytes_per_param"] == {g: row["state_bytes"][g] / numel[g] for g in numel}
+        assert all(b > 0 for b in row["temporaries_peak_bytes"].values())
+    table = traffic.memory_table(rows)
+    assert "| muonfn, state_dtype bf16 | 2.0" in table

@@ -17,17 +17,17 @@ from ..steps import second_moment_dtype
 MUON_SETTINGS = (
     "lr", "momentum", "weight_decay", "variant", "nesterov", "momentum_bias_correction", "cautious_weight_decay",
     "cautious_mode", "ns_coefficients", "ns_steps", "eps", "ns_dtype", "ns_method", "ns_eps_mode", "ns_restarts",
-    "adjust_lr_fn", "extra_scale", *VARIANT_OPTIONS,
+    "adjust_lr_fn", "extra_scale", "state_dtype", *VARIANT_OPTIONS,
 )  # fmt: skip
 #: An AdamW group's settings: its β₁ is ``momentum``, so that torch's schedulers that cycle momentum
 #: (OneCycleLR, CyclicLR: ``"momentum"`` into every group unless ``"betas"`` is a default) move it too.
-ADAMW_SETTINGS = ("lr", "momentum", "beta2", "eps", "weight_decay", "nesterov", "cautious_weight_decay")
+ADAMW_SETTINGS = ("lr", "momentum", "beta2", "eps", "weight_decay", "nesterov", "cautious_weight_decay", "state_dtype")
 #: The settings a scheduler changes: 0-d tensors of the branch, refilled before every step.
 SCHEDULED = ("lr", "momentum", "weight_decay")
-#: The settings that choose a Muon group's state entries
-SHAPING = ("variant", "momentum_bias_correction", "second_moment_bias_correction")
+#: The settings that choose a group's state entries (``state_dtype``: their dtype, and a bf16 momentum's count)
+SHAPING = ("variant", "momentum_bias_correction", "second_moment_bias_correction", "state_dtype")
 #: What a split group's AdamW half takes from the group dict besides the adamw_* keywords
-SHARED = ("lr", "weight_decay", "cautious_weight_decay")
+SHARED = ("lr", "weight_decay", "cautious_weight_decay", "state_dtype")
 #: The constructor's spellings of an AdamW group's entries, which a ``use_muon=False`` group dict may use
 ADAMW_SPELLINGS = {"adamw_betas": ("momentum", "beta2"), "adamw_eps": ("eps",), "adamw_nesterov": ("nesterov",)}
 #: A split group's AdamW half: its ``lr`` and ``weight_decay``
@@ -201,16 +201,19 @@ def layout(group: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
     (as ``muonfn.muon``, ``normuon``, ``adamuon`` and ``adamw`` keep it), from the group's settings."""
     if not group.get("use_muon"):
         return {"step": ("step",), "exp_avg": ("exp_avg",), "exp_avg_sq": ("exp_avg_sq",)}
-    counted = counts(group)
+    counted, narrow = counts(group), group.get("state_dtype") is torch.bfloat16
     moment = {"normuon": "row_second_moment", "adamuon": "exp_avg_sq"}.get(group.get("variant", ""))
-    nested = len(counted) == 2  # (AdaMuon counting both keeps its second moment under "second_moment")
+    # a bf16 momentum and AdaMuon's bf16 second moment count their updates too (the rounding's key);
+    # where both count, the second moment and its count are kept under "second_moment"
+    moment_counts = moment in counted or (narrow and moment == "exp_avg_sq")
+    nested = moment_counts and ("momentum_buffer" in counted or narrow)
     entries: dict[str, tuple[str, ...]] = {"momentum_buffer": ("momentum",)}
-    if "momentum_buffer" in counted:
+    if "momentum_buffer" in counted or narrow:
         entries["step"] = ("step",)
     if moment is not None:
         entries[moment] = ("second_moment", moment) if nested else (moment,)
-        if moment in counted:
-            entries[counted[moment]] = ("second_moment", "step") if nested else ("step",)
+        if moment_counts:
+            entries["second_moment_step" if nested else "step"] = ("second_moment", "step") if nested else ("step",)
     return entries
 
 
@@ -218,29 +221,40 @@ def counts(group: Mapping[str, Any]) -> dict[str, str]:
     """The bias-corrected entries of a Muon group's state (torch's names) -> the count that corrects each."""
     counted = {"momentum_buffer": "step"} if group.get("momentum_bias_correction") else {}
     if group.get("variant") == "adamuon" and group.get("second_moment_bias_correction"):
-        counted["exp_avg_sq"] = "second_moment_step" if counted else "step"
+        nested = counted or group.get("state_dtype") is torch.bfloat16
+        counted["exp_avg_sq"] = "second_moment_step" if nested else "step"
     return counted
 
 
-def relaid(held: Mapping[str, Any], before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
+def relaid(held: dict[str, Any], before: dict[str, Any], after: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
     """A parameter's state ``held`` for a group whose settings changed from ``before`` to ``after`` (its
-    variant, a bias correction), as a functional hand-off to them lays it out: the entries both keep are
-    kept, with their counts where both count them; an entry whose bias correction starts now starts anew
-    with its count (a trained moment divided by ``1 - β`` would grow the update several times over). What
-    is not kept is made at the parameter's next step."""
+    variant, a bias correction, its ``state_dtype``), as a functional hand-off to them lays it out: the
+    entries both keep are kept, with their counts where both count them, in the dtypes ``after`` keeps
+    (narrowed to bf16 rounded to nearest, as a load narrows); an entry whose bias correction starts now
+    starts anew with its count (a trained moment divided by ``1 - β`` would grow the update several times
+    over). What is not kept is made at the parameter's next step (a bf16 momentum's count from 0)."""
     old, new = counts(before), counts(after)
     wanted = set(layout(after)) - set(new.values())
     kept = {}
     for name in [n for n in held if n in wanted and (n not in new or n in old)]:
-        kept[name] = held[name]
+        cast = name not in COUNTS and isinstance(held[name], torch.Tensor)
+        kept[name] = held[name].to(kept_dtype(after, name, p)) if cast else held[name]
         if name in new and old[name] in held:
             kept[new[name]] = held[old[name]]
     return kept
 
 
-def stale(name: str, p: torch.Tensor, held: Mapping[str, Any]) -> Exception | None:
-    """What is wrong with the state ``held`` of parameter ``p`` (named ``name``) that the step cannot take,
-    an entry on another device or of another dtype named with the remedies; ``None`` if nothing is."""
+def kept_dtype(group: Mapping[str, Any], entry: str, p: torch.Tensor) -> torch.dtype:
+    """The dtype ``group`` keeps parameter ``p``'s state ``entry`` (not a count) in: its ``state_dtype``
+    for the momentum, AdamW's and AdaMuon's moments, else the parameter's (fp32 for an fp16 one's second moments)."""
+    own = second_moment_dtype(p.dtype) if entry in SECOND_MOMENTS else p.dtype
+    follows = entry in ("momentum_buffer", "exp_avg_sq") or not group.get("use_muon")  # (NorMuon's rows: own)
+    return group.get("state_dtype") or own if follows else own
+
+
+def stale(name: str, p: torch.Tensor, held: Mapping[str, Any], group: Mapping[str, Any]) -> Exception | None:
+    """What is wrong with the state ``held`` of parameter ``p`` (named ``name``, in ``group``) that the step
+    cannot take, an entry on another device or of another dtype named with the remedies; ``None`` if nothing is."""
     drop = "drop it with del opt.state[p] (opt.state.clear() for every parameter); the next step makes it anew"
     cast = "opt.load_state_dict(opt.state_dict()), which casts every state tensor to its parameter's device and dtype"
     for entry, t in held.items():
@@ -252,10 +266,9 @@ def stale(name: str, p: torch.Tensor, held: Mapping[str, Any]) -> Exception | No
             return ValueError(
                 f"{where} is on {t.device}, the parameter on {p.device} (moved after its state was made); {remedy}"
             )
-        dtype = second_moment_dtype(p.dtype) if entry in SECOND_MOMENTS else p.dtype
-        if entry not in COUNTS and t.dtype != dtype:
-            cast_after = "(cast after its state was made)"
+        if entry not in COUNTS and t.dtype != (dtype := kept_dtype(group, entry, p)):
+            kept = f"its group's state_dtype {dtype}" if group.get("state_dtype") else f"the parameter {p.dtype}"
             return ValueError(
-                f"{where} is {t.dtype}, the parameter {p.dtype} {cast_after}; cast it with {cast}, or {drop}"
+                f"{where} is {t.dtype}, {kept} (cast after its state was made); cast it with {cast}, or {drop}"
             )
     return None

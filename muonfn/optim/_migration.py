@@ -4,7 +4,8 @@ torch's Muon groups become the shim's Muon groups in order, torch's AdamW groups
 parameter by parameter as ``torch.optim.Optimizer.load_state_dict`` pairs them (by position, checked
 by shape, and by name where both sides have names). Every group key travels (a scheduler's
 ``initial_lr`` too); state tensors move unchanged, but torch's float ``step``, which becomes the
-shim's exact int64 count, and back.
+shim's exact int64 count, and back, and a ``state_dtype``'s state: widened to the parameters' dtype
+for torch (its bf16 momentum's count left out), narrowed to it on the way in.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import torch
 
 from .._tree import build
 from ..linalg import ns_schedule
-from ..steps import second_moment_dtype
 from ..transforms import MaskLike, selected
-from ._groups import ADAMW_SETTINGS, COUNTS, MUON_SETTINGS, SECOND_MOMENTS, is_torch_triple
+from . import _groups
+from ._groups import ADAMW_SETTINGS, COUNTS, MUON_SETTINGS, is_torch_triple
 
 KINDS = {True: "torch.optim.Muon", False: "torch.optim.AdamW"}
 #: The settings torch's optimizers run at these values only (the shim's key -> values torch runs).
@@ -31,7 +32,7 @@ TORCH_RUNS: dict[bool, dict[str, tuple[Any, ...]]] = {
 }  # fmt: skip
 #: The shim's group keys with no counterpart in torch's (left out of its groups).
 SHIM_ONLY = {"use_muon", "variant", "momentum_bias_correction", "cautious_weight_decay", "cautious_mode", "ns_dtype",
-             "ns_method", "ns_eps_mode", "ns_restarts", "extra_scale", "nesterov_adamw"}  # fmt: skip
+             "ns_method", "ns_eps_mode", "ns_restarts", "extra_scale", "nesterov_adamw", "state_dtype"}  # fmt: skip
 
 
 #: 0.1.0's spellings of a Muon group's entries
@@ -57,12 +58,16 @@ def current_group(saved: Mapping[str, Any]) -> dict[str, Any]:
     return {**kept, "momentum": beta1, "beta2": beta2, "eps": eps, "nesterov": nesterov}
 
 
-def loaded_entries(
-    where: str, entries: Mapping[str, Any], layout: Mapping[str, Any], p: torch.Tensor
-) -> dict[str, Any]:
-    """A saved parameter's state as the shim keeps it: the entries of its group's ``layout``, each
-    copied to the parameter's device in its dtype (a count an exact int64, the second moment of an fp16
-    parameter fp32); raises naming ``where`` and what does not fit."""
+def loaded_entries(where: str, entries: Mapping[str, Any], group: Mapping[str, Any], p: torch.Tensor) -> dict[str, Any]:
+    """A saved parameter's state as its ``group`` keeps it: the entries of its layout, each copied to the
+    parameter's device in the group's dtype (a count an exact int64; a ``state_dtype``'s momentum and
+    moments in it, an fp32 state narrowed to bf16 rounded to nearest; otherwise the parameter's dtype, the
+    second moment of an fp16 parameter fp32); a bf16 Muon momentum's count where the state has none (saved
+    in fp32, or by torch.optim.Muon) from 0, where the group keeps none left out. Raises naming ``where``
+    and what does not fit."""
+    layout = _groups.layout(group)
+    if group.get("use_muon") and "step" not in _groups.counts(group).values():  # (a bf16 momentum's own count)
+        entries = {k: v for k, v in {"step": 0, **entries}.items() if k != "step" or k in layout}
     if set(entries) != set(layout):
         raise ValueError(f"{where} has state {sorted(entries)}, expected {sorted(layout)}")
     out = {}
@@ -76,8 +81,7 @@ def loaded_entries(
         elif not isinstance(value, torch.Tensor):
             raise TypeError(f"{where}: {name} is a {type(value).__name__}, not a tensor")
         else:
-            dtype = second_moment_dtype(p.dtype) if name in SECOND_MOMENTS else p.dtype
-            out[name] = value.to(device=p.device, dtype=dtype, copy=True)
+            out[name] = value.to(device=p.device, dtype=_groups.kept_dtype(group, name, p), copy=True)
     return out
 
 
@@ -98,8 +102,7 @@ def shim_state_dict(
                 f"load_torch_state_dicts: the {KINDS[kind]} state_dict has {len(saved_list)} groups, this optimizer "
                 f"{ours}"
             )
-    groups, state, taken = [], {}, {True: 0, False: 0}
-    position = 0
+    groups, state, taken, position = [], {}, {True: 0, False: 0}, 0
     for i, (group, names) in enumerate(zip(param_groups, names_of)):
         kind = bool(group["use_muon"])
         where = f"load_torch_state_dicts: param group {i}"
@@ -111,8 +114,7 @@ def shim_state_dict(
                 )
         indices = list(range(position, position + len(group["params"])))
         position += len(group["params"])
-        mine = {k: v for k, v in group.items() if k != "params"}
-        mine["params"] = indices
+        mine = {k: v for k, v in group.items() if k != "params"} | {"params": indices}
         nth, taken[kind] = taken[kind], taken[kind] + 1
         sd = sources[kind]
         if sd is None:
@@ -150,8 +152,7 @@ def _settings(saved: Mapping[str, Any], kind: bool, where: str) -> dict[str, Any
                 raise ValueError(f"{where} has {key}=True, which muonfn's AdamW does not run")
         if not out.pop("decoupled_weight_decay", True) and float(out["weight_decay"]) != 0:
             raise ValueError(f"{where} is Adam's (weight decay added to the gradient), not AdamW's")
-        for key in ("foreach", "capturable", "differentiable", "fused"):
-            out.pop(key, None)
+        out = {k: v for k, v in out.items() if k not in ("foreach", "capturable", "differentiable", "fused")}
         beta1, beta2 = out.pop("betas")
         out.update(momentum=float(beta1), beta2=float(beta2))  # (β₁ as momentum: see the shim's groups)
         return out
@@ -213,15 +214,14 @@ def torch_state_dicts(
             )
         indices = list(range(count[kind], count[kind] + len(names)))
         count[kind] += len(names)
-        theirs["params"] = indices
-        out[kind]["param_groups"].append(theirs)
+        out[kind]["param_groups"].append({**theirs, "params": indices})
+        plain = {**group, "state_dtype": None}  # (torch's optimizers keep the parameters' dtype)
         for index, p in zip(indices, group["params"]):
-            entry = state.get(p)
-            if entry:
+            if state.get(p):
                 out[kind]["state"][index] = {
-                    k: v.to(torch.float32) if k == "step" else v.clone()
-                    for k, v in entry.items()
-                    if isinstance(v, torch.Tensor)
+                    k: v.to(torch.float32) if k == "step" else v.to(_groups.kept_dtype(plain, k, p), copy=True)
+                    for k, v in state[p].items()
+                    if isinstance(v, torch.Tensor) and k in _groups.layout(plain)
                 }
     return out[True], out[False]
 

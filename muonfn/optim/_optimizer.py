@@ -22,7 +22,7 @@ from .._tree import build, named_table
 from .._validation import Scalar, flag, positive, unit_interval
 from ..linalg import Orthogonalizer
 from ..presets import MUON, VARIANT_OPTIONS, adaptation, label_params, matrix_branch, warn_routing
-from ..steps import AdamNesterov, NesterovLike, Rescale, ViewsLike, adamw
+from ..steps import AdamNesterov, NesterovLike, Rescale, ViewsLike, adamw, check_state_dtype
 from ..transforms import CautiousMode, LabelsLike, MaskLike, Transform, check_input
 from . import _groups, _migration, _routing
 from ._groups import ADAMW_SETTINGS, MUON_SETTINGS, NS_DEFAULTS, SCHEDULED, SHAPING
@@ -67,6 +67,9 @@ class Muon(torch.optim.Optimizer):
             ``method``, ``eps_mode``, ``restarts``), ``"svd"``, ``"qr"``, or a map of one's own.
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, adamw_nesterov: the AdamW groups'
             ``lr``, ``(momentum, beta2)``, ``eps``, ``weight_decay``, ``nesterov`` (``None``: the Muon value).
+        state_dtype: the momentum's and AdamW's moments' dtype, as :func:`muonfn.muon`'s, per group
+            (``None``: the parameters'); a state of another dtype (loaded, or held when a group's changes)
+            is cast to it at the next step, to bf16 rounded to nearest.
         labels, views, weight_decay_mask, orthogonalizer: as :func:`muonfn.muon`'s, given once.
         donate_state: the state is updated in place (``True``), as torch.optim's is.
         chunk_numel: step the parameters in parts of at most this many elements, each part's update
@@ -110,6 +113,7 @@ class Muon(torch.optim.Optimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: Scalar | None = None,
         adamw_nesterov: AdamNesterov = False,
+        state_dtype: torch.dtype | None = None,
         labels: LabelsLike | None = None,
         views: ViewsLike = None,
         weight_decay_mask: MaskLike = None,
@@ -145,21 +149,20 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"adamw_betas must be a pair (beta1, beta2), got {adamw_betas!r}")
         unit_interval("adamw_betas[1]", adamw_betas[1])
         positive("adamw_eps", adamw_eps)
-        self._labels, self._views, self._mask = labels, views, weight_decay_mask
-        self._orthogonalizer, self._donate = orthogonalizer, donate_state
-        self._chunk_numel, self._compile = chunk_numel, compile
+        self._labels, self._views, self._mask, self._orthogonalizer = labels, views, weight_decay_mask, orthogonalizer
+        self._donate, self._chunk_numel, self._compile = donate_state, chunk_numel, compile
         muon_defaults = {
             "lr": lr, "momentum": momentum, "weight_decay": weight_decay, "variant": variant, "nesterov": nesterov,
             "momentum_bias_correction": momentum_bias_correction, "cautious_weight_decay": cautious_weight_decay,
             "cautious_mode": cautious_mode, **_groups.ns_entries(where, ns, ns_coefficients, ns_steps, eps),
             "adjust_lr_fn": adjust_lr_fn or "original", "extra_scale": extra_scale, "beta2": beta2,
             "adaptive_eps": adaptive_eps, "rescale": rescale, "sign_momentum": sign_momentum,
-            "second_moment_bias_correction": second_moment_bias_correction,
+            "second_moment_bias_correction": second_moment_bias_correction, "state_dtype": state_dtype,
         }  # fmt: skip
         adamw_defaults = {
             "lr": lr if adamw_lr is None else adamw_lr, "momentum": adamw_betas[0], "beta2": adamw_betas[1],
             "eps": adamw_eps, "weight_decay": weight_decay if adamw_weight_decay is None else adamw_weight_decay,
-            "nesterov": adamw_nesterov, "cautious_weight_decay": cautious_weight_decay,
+            "nesterov": adamw_nesterov, "cautious_weight_decay": cautious_weight_decay, "state_dtype": state_dtype,
         }  # fmt: skip
         self._constructor = _groups.Constructor(
             muon_defaults, adamw_defaults, {"adamw_lr": adamw_lr, "adamw_weight_decay": adamw_weight_decay},
@@ -265,7 +268,7 @@ class Muon(torch.optim.Optimizer):
         if branch is None or branch.group is not group or branch.signature != signature:
             branch = self._built(where, group, signature, values)
             old = self._branches.get(id(group))
-            if old is not None and old.group is group and old.layout != branch.layout:
+            if old is not None and old.group is group and old.shaping != branch.shaping:
                 self._relay(group, old.shaping, branch.shaping)
             if self._undo is not None:
                 self._undo.append((self._branches, id(group), old))
@@ -291,6 +294,7 @@ class Muon(torch.optim.Optimizer):
         if missing:
             raise ValueError(f"{where} lacks {missing}; add groups with add_param_group, which fills them in")
         scalars = {name: torch.tensor(value, dtype=torch.float64) for name, value in values.items()}
+        check_state_dtype(where, group["state_dtype"])
         try:
             tx = self._translated(group, scalars)
         except (ValueError, TypeError) as error:
@@ -309,7 +313,7 @@ class Muon(torch.optim.Optimizer):
             if group["nesterov"] not in (True, False, "timm"):
                 raise ValueError(f"nesterov must be True, False or 'timm' (AdamW's), got {group['nesterov']!r}")
             return adamw(lr, betas=(momentum, group["beta2"]), eps=group["eps"], weight_decay=wd,
-                         weight_decay_mask=self._mask, nesterov=group["nesterov"],
+                         weight_decay_mask=self._mask, nesterov=group["nesterov"], state_dtype=group["state_dtype"],
                          cautious_weight_decay=group["cautious_weight_decay"], donate_state=self._donate)  # fmt: skip
         flag("momentum_bias_correction", group["momentum_bias_correction"])
         options = {k: group[k] for k in VARIANT_OPTIONS if group[k] is not None}
@@ -318,17 +322,17 @@ class Muon(torch.optim.Optimizer):
             adapt, lr, momentum, group["nesterov"], group["momentum_bias_correction"], wd,
             group["cautious_weight_decay"], group["cautious_mode"], _groups.ns_of(group),
             _groups.scale_of(group["adjust_lr_fn"]), group["extra_scale"], self._views, self._mask,
-            self._orthogonalizer, self._donate,
+            self._orthogonalizer, self._donate, group["state_dtype"],
         )  # fmt: skip
 
-    def _relay(self, group: dict[str, Any], before: Mapping[str, Any], after: Mapping[str, Any]) -> None:
-        """The state of a group whose variant or bias corrections changed, laid out for the new ones."""
+    def _relay(self, group: dict[str, Any], before: dict[str, Any], after: dict[str, Any]) -> None:
+        """The state of a group whose variant, bias corrections or state_dtype changed, laid out for the new ones."""
         for p in group["params"]:
             held = self.state.get(p)
             if held:
                 if self._undo is not None:
                     self._undo.append((self.state, p, held))
-                self.state[p] = _groups.relaid(held, before, after)
+                self.state[p] = _groups.relaid(held, before, after, p)
                 if not self.state[p]:
                     del self.state[p]
 
@@ -515,7 +519,7 @@ class Muon(torch.optim.Optimizer):
             check_input(tx.init, grads, state, leaves)
         except ValueError as error:
             for name, p in zip(names, params):
-                problem = _groups.stale(name, p, self.state.get(p) or {})
+                problem = _groups.stale(name, p, self.state.get(p) or {}, self.param_groups[index])
                 if problem is not None:
                     raise problem from None
             raise _renamed(f"param group {index}", self._labels_of()[index], error) from None
@@ -576,16 +580,18 @@ class Muon(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a :meth:`state_dict` as torch's optimizers do (the saved settings replace these but for a
-        Muon group's variant and bias corrections, which must match), checked first: a mismatch raises
-        naming the group or parameter and changes nothing. State tensors are copied to their parameter's
-        device, in its dtype (counts exact int64, the second moments of fp16 parameters fp32)."""
+        Muon group's variant and bias corrections, which must match, and each group's ``state_dtype``, which
+        stays this optimizer's), checked first: a mismatch raises naming the group or parameter and changes
+        nothing. State tensors are copied to their parameter's device, in its dtype or the group's
+        ``state_dtype`` (narrowed to bf16 rounded to nearest; counts exact int64, the second moments of fp16
+        parameters fp32; a bf16 momentum saved without its count counts from 0)."""
         saved = [_migration.current_group(g) for g in state_dict["param_groups"]]
         if len(saved) != len(self.param_groups):
             raise ValueError(
                 f"load_state_dict: the state_dict has {len(saved)} parameter groups, this optimizer "
                 f"{len(self.param_groups)}"
             )
-        index: dict[Any, tuple[str, torch.Tensor, dict[str, tuple[str, ...]]]] = {}
+        index: dict[Any, tuple[str, torch.Tensor, dict[str, Any]]] = {}
         for i, (ours, theirs, names) in enumerate(zip(self.param_groups, saved, self._names())):
             where = f"load_state_dict: parameter group {i}"
             if len(ours["params"]) != len(theirs["params"]) or ours["use_muon"] != theirs.get("use_muon"):
@@ -593,26 +599,26 @@ class Muon(torch.optim.Optimizer):
                     f"{where} has {len(theirs['params'])} parameters of use_muon={theirs.get('use_muon')!r} saved, "
                     f"{len(ours['params'])} of use_muon={ours['use_muon']} here"
                 )
-            layout = _groups.layout(theirs)
-            if layout != _groups.layout(ours):  # (chosen when the optimizer is built: its state follows them)
+            theirs["state_dtype"] = ours.get("state_dtype")  # (the state is cast to this optimizer's)
+            if _groups.layout(theirs) != _groups.layout(ours):  # (chosen when it is built: its state follows them)
                 setting = next(k for k in _groups.SHAPING if ours.get(k) != theirs.get(k))
                 raise ValueError(
-                    f"{where} keeps state {list(_groups.layout(ours))} here and {list(layout)} in the state_dict "
-                    f"(saved with {setting}={theirs.get(setting)!r}, this optimizer's group has "
+                    f"{where} keeps state {list(_groups.layout(ours))} here and {list(_groups.layout(theirs))} in "
+                    f"the state_dict (saved with {setting}={theirs.get(setting)!r}, this optimizer's group has "
                     f"{setting}={ours.get(setting)!r})"
                 )
             if callable(ours.get("ns_method")) and "ns_method" not in theirs:
                 theirs["ns_method"] = ours["ns_method"]  # (a map of one's own is not saved: the loading optimizer's)
             index.update(
-                {k: (f"{n!r} (index {k})", p, layout) for k, n, p in zip(theirs["params"], names, ours["params"])}
+                {k: (f"{n!r} (index {k})", p, theirs) for k, n, p in zip(theirs["params"], names, ours["params"])}
             )
         state: dict[Any, Any] = {}
         for k, entries in state_dict["state"].items():
             if k not in index:
                 state[k] = entries  # (kept as torch keeps them)
             elif entries:
-                name, p, layout = index[k]
-                state[p] = _migration.loaded_entries(f"load_state_dict: parameter {name}", entries, layout, p)
+                name, p, group = index[k]
+                state[p] = _migration.loaded_entries(f"load_state_dict: parameter {name}", entries, group, p)
         before = self.param_groups, self.__dict__["state"]
         try:
             super().load_state_dict({"state": {}, "param_groups": saved})
