@@ -463,3 +463,17 @@ def test_learning_rate_float_tensor_and_schedule(device: torch.device) -> None:
         out, state = step(tx, grads, state)
         assert out["w"].tolist() == [-(0.5**t)] * 3
     assert seen == [0, 1, 2, 3] and int(state["count"]) == 4
+
+
+def test_a_momentum_that_requires_grad_is_differentiated_through() -> None:
+    """A 0-d momentum that requires grad stays a tensor in the step (hypergradients): with
+    nesterov=False, b₂ = μ(1−μ)g₁ + (1−μ)g₂, so ∂b₂/∂μ = (1−2μ)g₁ − g₂."""
+    mu = torch.tensor(0.9, requires_grad=True)
+    tx = muonfn.ema_momentum(mu, nesterov=False)
+    params = TensorDict({"w": torch.zeros(3)}, [])
+    state = tx.init(params)
+    _, state = tx.update(TensorDict({"w": torch.ones(3)}, []), state, params)
+    updates, _ = tx.update(TensorDict({"w": torch.full((3,), 2.0)}, []), state, params)
+    assert torch.allclose(updates["w"], torch.full((3,), 0.9 * 0.1 + 0.1 * 2.0))
+    updates["w"].sum().backward()
+    assert torch.allclose(mu.grad, torch.tensor(3 * ((1 - 2 * 0.9) * 1.0 - 2.0)))

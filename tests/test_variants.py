@@ -160,12 +160,26 @@ def test_qk_clip_of_a_stacked_ensemble_clips_each_member_by_its_own_logits(trans
         ({"a": torch.ones(3)}, muonfn.QKHeads(heads=3, query="q"), "do not divide"),
         ({"a": torch.ones(4)}, muonfn.QKHeads(heads=4, fused="q"), "fused"),
         ({"a": torch.ones(4)}, muonfn.QKHeads(heads=4, kv_heads=3, query="q"), "kv_heads"),
+        ({"a": torch.ones(4)}, muonfn.QKHeads(heads=0, query="q"), r"heads must be an integer >= 1, got 0"),
+        ({"a": torch.ones(4)}, muonfn.QKHeads(heads=True, query="q"), r"heads must be an integer >= 1, got True"),
+        ({"a": torch.ones(4)}, muonfn.QKHeads(heads=4, query="q", alpha=1.5), "alpha"),
+        ({"a": torch.ones(4)}, muonfn.QKHeads(heads=4, query="q", fused="q"), "not both"),
+        ({"a": torch.ones(4)}, muonfn.QKHeads(heads=4), "names no tensor"),
+        ({"a": torch.ones(4)}, muonfn.QKHeads(heads=4, query="q", view=MatrixView(batch_dims=1)), "batch_dims=1"),
+        ({"a": torch.ones(4)}, muonfn.QKHeads(heads=4, fused="q", view=MatrixView(split=(8,))), "split=\\(q, k"),
+        ({"a": torch.ones(4)}, muonfn.QKHeads(heads=4, query="q", view=MatrixView(split=(4, 4))), "pass it as fused="),
     ],
 )
 def test_qk_clip_bad_input_names_the_culprit(logits, layout, match):
     params = TensorDict({"q": torch.ones(8, 6)}, [])
     with pytest.raises(ValueError, match=match):
         muonfn.qk_clip(params, logits, {"a": layout})
+
+
+def test_qk_clip_refuses_a_layout_that_is_no_qkheads():
+    params = TensorDict({"q": torch.ones(8, 6)}, [])
+    with pytest.raises(TypeError, match=r"attention 'a': expected a muonfn.QKHeads, got dict"):
+        muonfn.qk_clip(params, {"a": torch.ones(4)}, {"a": [{"heads": 4, "query": "q"}]})
 
 
 def test_qk_clip_compiles_without_graph_breaks():
