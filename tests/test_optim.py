@@ -922,6 +922,21 @@ def test_a_state_loads_into_an_optimizer_of_another_state_dtype_cast_to_it(saved
     assert_bitwise(resumed_opt.functional_state, state)
 
 
+def test_an_fp32_adamuon_state_loads_into_a_bf16_one_its_rounding_counts_from_0():
+    """AdaMuon's bf16 state keeps a rounding count beside each moment; an fp32 state has none: the
+    counts start at 0 on load (1 after the next step) and the moments are narrowed."""
+    data = batches(4)
+    model = mlp()
+    opt = Muon(model.named_parameters(), **HP, variant="adamuon")
+    shim_steps(model, opt, data[:2])
+    resumed_opt = Muon(model.named_parameters(), **HP, variant="adamuon", state_dtype=torch.bfloat16)
+    resumed_opt.load_state_dict(opt.state_dict())
+    shim_steps(model, resumed_opt, data[2:3])
+    held = resumed_opt.state[model[0].weight]
+    assert held["momentum_buffer"].dtype == held["exp_avg_sq"].dtype == torch.bfloat16
+    assert int(held["step"]) == int(held["second_moment_step"]) == 1
+
+
 def test_load_state_dict_mismatch_names_the_parameter_and_changes_nothing():
     model = mlp()
     opt = Muon(model.named_parameters(), **HP)

@@ -62,12 +62,13 @@ def loaded_entries(where: str, entries: Mapping[str, Any], group: Mapping[str, A
     """A saved parameter's state as its ``group`` keeps it: the entries of its layout, each copied to the
     parameter's device in the group's dtype (a count an exact int64; a ``state_dtype``'s momentum and
     moments in it, an fp32 state narrowed to bf16 rounded to nearest; otherwise the parameter's dtype, the
-    second moment of an fp16 parameter fp32); a bf16 Muon momentum's count where the state has none (saved
-    in fp32, or by torch.optim.Muon) from 0, where the group keeps none left out. Raises naming ``where``
+    second moment of an fp16 parameter fp32); a bf16 Muon state's rounding counts where the state has none
+    (saved in fp32, or by torch.optim.Muon) from 0, where the group keeps none left out. Raises naming ``where``
     and what does not fit."""
     layout = _groups.layout(group)
-    if group.get("use_muon") and "step" not in _groups.counts(group).values():  # (a bf16 momentum's own count)
-        entries = {k: v for k, v in {"step": 0, **entries}.items() if k != "step" or k in layout}
+    # a bf16 Muon state's rounding counts (no bias correction's): from 0 where missing, left out where not kept
+    rounding = [c for c in COUNTS if group.get("use_muon") and c not in _groups.counts(group).values()]
+    entries = {k: v for k, v in {**dict.fromkeys(rounding, 0), **entries}.items() if k not in rounding or k in layout}
     if set(entries) != set(layout):
         raise ValueError(f"{where} has state {sorted(entries)}, expected {sorted(layout)}")
     out = {}
