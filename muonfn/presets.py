@@ -35,6 +35,7 @@ from .steps import (
     ViewsLike,
     adamw,
     add_decayed_weights,
+    check_state_dtype,
     check_views,
     checked_rate,
     descent,
@@ -466,6 +467,7 @@ def _preset(
     """A preset: its matrix branch beside :func:`adamw`; names in ``views``, ``weight_decay_mask`` and
     an orthogonalizer's ``shard_specs`` checked against the parameters at ``init`` (a typo is an error)."""
     adaptation_name = getattr(adaptation, "variant", "muon")
+    check_state_dtype(f"muonfn.{adaptation_name}", state_dtype)  # (named as the user called it)
     rates = {MUON: lr, ADAMW: lr if adamw_lr is None else adamw_lr}
     schedules = {
         name: BranchSchedule(rate, name)

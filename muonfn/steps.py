@@ -815,10 +815,8 @@ def _betas(b1: Scalar, b2: Scalar, eps: float) -> tuple[Scalar, float, float]:
 
 
 def _adam_init(params: TensorDictBase, state_dtype: torch.dtype | None) -> dict[str, TensorDictBase]:
-    first, second = (
-        _zeros(params, lambda d: state_dtype or d),
-        _zeros(params, lambda d: state_dtype or second_moment_dtype(d)),
-    )
+    first = _zeros(params, lambda d: state_dtype or d)
+    second = _zeros(params, lambda d: state_dtype or second_moment_dtype(d))
     return {"step": _counts(params), "exp_avg": first, "exp_avg_sq": second}
 
 
