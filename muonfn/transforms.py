@@ -130,12 +130,33 @@ def donates_state(tx: Transform) -> bool:
 
 #: per ``init`` and structure of the parameters, the state ``init`` makes: entry -> (shape, dtype, leaf)
 _EXPECTED: dict[tuple[Any, ...], dict[tuple[str, ...], tuple[torch.Size, torch.dtype, str | None]] | None] = {}
+#: the inputs' structures (names, shapes, dtypes, devices, layouts, placements) that passed the check
+_PASSED: set[tuple[Any, ...]] = set()
+
+
+def _structure(td: TensorDictBase | None) -> Any:
+    if td is None:
+        return None
+    leaves = td.items(True, True)
+    return td.batch_size, tuple(
+        (k, type(t), t.shape, t.dtype, t.device, t.layout, getattr(t, "placements", 0)) for k, t in leaves
+    )
 
 
 def check_input(init: InitFn, grads: TensorDictBase, state: Any, params: TensorDictBase | None) -> None:
-    """Raises naming the first gradient, parameter or state entry that does not fit (see the module)."""
+    """Raises naming the first gradient, parameter or state entry that does not fit (see the module).
+    The check reads metadata alone: an input of a structure that passed it once passes again."""
     if not isinstance(state, TensorDictBase):
         raise TypeError(f"update: state must be a TensorDict made by init, got {type(state).__name__}")
+    structure = (init, _structure(grads), _structure(state), _structure(params))
+    if structure not in _PASSED:
+        _check_structure(init, grads, state, params)
+        if len(_PASSED) > 64:
+            _PASSED.clear()
+        _PASSED.add(structure)
+
+
+def _check_structure(init: InitFn, grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> None:
     if grads.batch_size != state.batch_size:
         raise ValueError(
             f"update: gradients have batch size {tuple(grads.batch_size)}, the state {tuple(state.batch_size)}; "

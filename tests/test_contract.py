@@ -329,7 +329,6 @@ TABLE: tuple[Entry, ...] = (
             muonfn.NewtonSchulz(dtype=torch.bfloat16),
             views=VIEWS,
             orthogonalizer=muonfn.LocalOrthogonalizer(gpu_form=True),
-            overwrite_input=True,
         ),
         leaves=MATRICES,
         bitwise=NEWTON_SCHULZ,

@@ -247,103 +247,67 @@ def orthogonalize_blocks(
 ) -> list[torch.Tensor]:
     """``scale(A, B)·ns(M)`` for every block ``M`` of every tensor as its view reads it.
 
-    Same-shape blocks are stacked into ``ns`` calls of at most ``bucket_numel`` elements; under
-    :class:`~muonfn.NewtonSchulz` a tall block joins the calls of its transpose's shape (an MLP's up
-    and down projections make one call). ``shapes``: the shapes the scale is read from, where they
-    differ from the tensors' (an expert shard of a larger tensor). A contiguous tensor maps to a
-    contiguous one, an empty tensor to an empty one. ``gpu_form``: see :class:`LocalOrthogonalizer`.
+    Blocks of one shape, dtype, device and scale are stacked into ``ns`` calls of at most
+    ``bucket_numel`` elements; under :class:`~muonfn.NewtonSchulz` a tall block joins the calls of its
+    transpose's shape (an MLP's up and down projections make one call). ``shapes``: the shapes the
+    scale is read from, where they differ from the tensors' (an expert shard of a larger tensor). A
+    contiguous tensor maps to a contiguous one, an empty tensor to an empty one. ``gpu_form``: see
+    :class:`LocalOrthogonalizer`.
     """
-    shapes = [t.shape for t in tensors] if shapes is None else shapes
-    matrices: list[torch.Tensor] = []
-    scales: list[float] = []
-    counts: list[int] = []
-    for t, view, shape in zip(tensors, views, shapes):
-        blocks = view.to_matrices(t) if t.numel() else []
-        plain = t.ndim == 2 and view == DEFAULT_VIEW and not hasattr(t, "placements")
-        matrices += [t] if plain and blocks else blocks  # a plain matrix goes in as it is: no reshape
-        scales += view.scales(shape, scale)[: len(blocks)]
-        counts.append(len(blocks))
-    done = _batched(matrices, scales, ns, bucket_numel, overwrite_input, gpu_form)
-    out, at = [], 0
-    for t, view, n in zip(tensors, views, counts):
-        if not n:
-            out.append(torch.empty_like(t))
-        elif done[at].ndim == 2 and t.ndim == 2 and view == DEFAULT_VIEW:  # (a map of one's own may transpose)
-            contiguous = done[at].is_contiguous() or not t.is_contiguous()
-            out.append(done[at] if contiguous else done[at].contiguous())
-        else:
-            result = view.from_matrices(done[at : at + n], t.shape)
-            out.append(result.contiguous() if t.is_contiguous() else result)
-        at += n
-    return out
-
-
-def _batched(
-    matrices: list[torch.Tensor], scales: list[float], ns: MatrixFn, cap: int, overwrite: bool, gpu_form: bool | None
-) -> list[torch.Tensor]:
-    """``scale·ns(m)`` for every matrix (a 2-D matrix, or a ``(count, rows, cols)`` batch), equal
-    (wide) shapes stacked into calls of at most ``cap`` elements."""
     turns = isinstance(ns, NewtonSchulz)
-    buckets: dict[tuple[Any, ...], list[int]] = {}
-    for i, m in enumerate(matrices):
-        rows, cols = m.shape[-2:]
-        shape = (cols, rows) if turns and rows > cols else (rows, cols)
-        buckets.setdefault((shape, m.dtype, m.device, scales[i]), []).append(i)
-    out = list(matrices)
-    for (_, _, _, scale), members in buckets.items():
-        chunks: list[list[int]] = [[]]
-        size = 0
-        for i in members:
-            if chunks[-1] and size + matrices[i].numel() > cap:
+    blocks = [view.to_matrices(t) if t.numel() else [] for t, view in zip(tensors, views)]
+    calls: dict[tuple[Any, ...], list[list[tuple[int, int]]]] = {}  # (wide shape, dtype, device, scale) -> calls
+    filled: dict[tuple[Any, ...], int] = {}  # the elements of each key's last call
+    for i, (view, shape) in enumerate(zip(views, shapes or [t.shape for t in tensors])):
+        for j, (m, s) in enumerate(zip(blocks[i], view.scales(shape, scale))):
+            rows, cols = m.shape[-2:]
+            key = ((cols, rows) if turns and rows > cols else (rows, cols), m.dtype, m.device, s)
+            chunks = calls.setdefault(key, [[]])
+            if chunks[-1] and filled[key] + m.numel() > bucket_numel:  # the last call is full: another
                 chunks.append([])
-                size = 0
-            chunks[-1].append(i)
-            size += matrices[i].numel()
+            filled[key] = m.numel() + (filled[key] if chunks[-1] else 0)
+            chunks[-1].append((i, j))
+    for (_, _, _, s), chunks in calls.items():
         for chunk in chunks:
-            for j, result in zip(chunk, _call([matrices[j] for j in chunk], ns, scale, overwrite, gpu_form)):
-                out[j] = result
+            results = _call([blocks[i][j] for i, j in chunk], ns, s, overwrite_input, gpu_form)
+            for (i, j), result in zip(chunk, results):
+                blocks[i][j] = result
+    out = []
+    for t, view, done in zip(tensors, views, blocks):
+        result = view.from_matrices(done, t.shape) if done else torch.empty_like(t)
+        out.append(result if result.is_contiguous() or not t.is_contiguous() else result.contiguous())
     return out
 
 
 def _call(
-    matrices: list[torch.Tensor], ns: MatrixFn, scale: float, overwrite: bool, gpu_form: bool | None
+    batches: list[torch.Tensor], ns: MatrixFn, scale: float, overwrite: bool, gpu_form: bool | None
 ) -> list[torch.Tensor]:
-    """``scale·ns`` of matrices of one (wide) shape in one call: 2-D ones stacked (wide, then tall
-    ones transposed), batches after them; each result back in its matrix's orientation."""
+    """``scale·ns`` of ``(count, rows, cols)`` batches of one wide shape in one call: the wide ones
+    first, the tall ones transposed after them; each result in its batch's orientation."""
     turns = isinstance(ns, NewtonSchulz)
-    tall = [turns and m.size(-2) > m.size(-1) for m in matrices]
-    order = sorted(range(len(matrices)), key=lambda k: (matrices[k].ndim != 2, tall[k]))
-    pieces = [_devices.apart(matrices[k].mT) if tall[k] else matrices[k] for k in order]
-    turned = sum(1 for k in order if tall[k] and matrices[k].ndim == 2)
-    flat = all(m.ndim == 2 for m in matrices)
-    if isinstance(ns, NewtonSchulz) and flat:
+    tall = [turns and b.size(-2) > b.size(-1) for b in batches]
+    order = sorted(range(len(batches)), key=tall.__getitem__)
+    pieces = [_devices.apart(batches[k].mT) if tall[k] else batches[k] for k in order]
+    sizes = [p.size(0) for p in pieces]
+    out: list[torch.Tensor] = list(batches)
+    if isinstance(ns, NewtonSchulz) and max(sizes) == 1:  # single matrices: a GPU may take its own form
         dtype = ns.iteration_dtype(pieces[0])
         if _devices.takes_gpu_orthogonalized(pieces[0], dtype, gpu_form):
-            results = _devices.gpu_orthogonalized(ns, pieces, turned, scale, dtype, overwrite)
-        else:
-            stack = torch.stack(pieces)
-            wide = ns.orthogonalize(stack, scale=scale, overwrite_input=True)
-            kept = len(pieces) - turned
-            results = [*wide[:kept].unbind(0), *(_devices.apart(w.mT).contiguous() for w in wide[kept:].unbind(0))]
+            done = _devices.gpu_orthogonalized(ns, [p[0] for p in pieces], sum(tall), scale, dtype, overwrite)
+            for k, matrix in zip(order, done):  # (the tall ones in their own orientation)
+                out[k] = matrix.unsqueeze(0)
+            return out
+    stack = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+    own = overwrite or len(pieces) > 1  # (a stack built here)
+    if isinstance(ns, NewtonSchulz):
+        result = ns.orthogonalize(stack, scale=scale, overwrite_input=own)
     else:
-        stack = torch.cat([p.unsqueeze(0) if p.ndim == 2 else p for p in pieces])
-        own = len(pieces) > 1 or pieces[0].ndim == 2  # (a stack built here)
-        if isinstance(ns, NewtonSchulz):
-            result = ns.orthogonalize(stack, scale=scale, overwrite_input=own)
-        else:
-            result = checked_map_result(ns, stack, ns(stack))
-            if not own and _shares_memory(result, stack):  # a map of one's own may hand its input back
-                result = result.clone()
-            result = result if scale == 1.0 else result.mul(scale)
-        sizes = [1 if p.ndim == 2 else p.size(0) for p in pieces]
-        results = [r.squeeze(0) if p.ndim == 2 else r for r, p in zip(result.split(sizes), pieces)]
-        results = [
-            _devices.apart(r.mT).contiguous() if r.ndim == 2 and tall[k] else _devices.apart(r.mT) if tall[k] else r
-            for r, k in zip(results, order)
-        ]
-    out: list[torch.Tensor] = [torch.empty(0)] * len(matrices)
-    for k, result in zip(order, results):
-        out[k] = result
+        result = checked_map_result(ns, stack, ns(stack))
+        if not own and _shares_memory(result, stack):  # a map of one's own may hand its input back
+            result = result.clone()
+        result = result if scale == 1.0 else result.mul(scale)
+    for k, r in zip(order, result.split(sizes)):
+        out[k] = _devices.apart(r.mT) if tall[k] else r
     return out
 
 
