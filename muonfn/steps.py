@@ -70,7 +70,9 @@ def _foreach(op: str, tensors: Sequence[torch.Tensor], *operands: Any, inplace: 
     if not tensors:
         return []
     mapped = torch._C._are_functorch_transforms_active()
-    if mapped or (inplace and _narrow_with_number(tensors, operands, kw)) or _dtensors_meet_plain(tensors, operands):
+    narrow = inplace and min(map(torch.Tensor.element_size, tensors)) < 4
+    dtensors = hasattr(tensors[0], "placements")
+    if mapped or (narrow and _with_number(operands, kw)) or (dtensors and _meet_plain(operands)):
         lists = [v if isinstance(v, list | tuple) else [v] * len(tensors) for v in operands]
         name = f"{op}_" if inplace else op
         return [
@@ -83,16 +85,13 @@ def _foreach(op: str, tensors: Sequence[torch.Tensor], *operands: Any, inplace: 
     return list(tensors) if inplace else list(result)
 
 
-def _narrow_with_number(tensors: Sequence[torch.Tensor], operands: Sequence[Any], kw: dict[str, Any]) -> bool:
-    numbers = any(isinstance(v, int | float) for v in (*operands, *kw.values()))
-    return numbers and any(t.dtype.itemsize < 4 for t in tensors)
+def _with_number(operands: Sequence[Any], kw: dict[str, Any]) -> bool:
+    return any(isinstance(v, int | float) for v in (*operands, *kw.values()))
 
 
-def _dtensors_meet_plain(tensors: Sequence[torch.Tensor], operands: Sequence[Any]) -> bool:
-    """DTensors meeting a tensor, or a list of plain ones: a fused op would put the plain tensors on the
-    first leaf's mesh, and leaves may live on several meshes (TP beside FSDP2)."""
-    if not hasattr(tensors[0], "placements"):
-        return False
+def _meet_plain(operands: Sequence[Any]) -> bool:
+    """Whether DTensors meet a tensor, or a list of plain ones: a fused op would put the plain tensors on
+    the first leaf's mesh, and leaves may live on several meshes (TP beside FSDP2)."""
     firsts = [v[0] if isinstance(v, list | tuple) and v else v for v in operands]
     return any(isinstance(f, torch.Tensor) and not hasattr(f, "placements") for f in firsts)
 
@@ -142,11 +141,13 @@ def _per_leaf(factors: torch.Tensor, like: Sequence[torch.Tensor], members: int)
     """Row ``i`` of ``factors`` (fp64, one value per leaf or per leaf and ensemble member) as a tensor
     of leaf ``i``'s dtype (at least fp32) shaped to broadcast against it: rounded once, one cast per
     dtype for all leaves (not a kernel per leaf)."""
-    wide = {d: torch.promote_types(d, torch.float32) for d in {t.dtype for t in like}}
-    rows = {d: factors.to(d).unbind(0) for d in set(wide.values())}
+    rows: dict[torch.dtype, Sequence[torch.Tensor]] = {}
     out = []
     for i, t in enumerate(like):
-        f = rows[wide[t.dtype]][i]
+        wide = torch.promote_types(t.dtype, torch.float32)
+        if wide not in rows:
+            rows[wide] = factors.to(wide).unbind(0)
+        f = rows[wide][i]
         out.append(f.reshape(*f.shape, *[1] * (t.ndim - members)) if members else f)
     return out
 
@@ -622,16 +623,17 @@ def _check_rate(learning_rate: ScalarOrSchedule) -> None:
 
 
 def _rate(learning_rate: ScalarOrSchedule, state: TensorDictBase, grads: TensorDictBase) -> tuple[Any, dict[str, Any]]:
-    """This update's learning rate (see :func:`checked_rate`), and a schedule's advanced count for the new state."""
-    new: dict[str, Any] = {}
-    lr, where = learning_rate, "the learning rate"
-    if _is_schedule(learning_rate):
+    """This update's learning rate (a tensor checked by :func:`checked_rate`), and a schedule's advanced
+    count for the new state."""
+    lr, new, schedule = learning_rate, {}, _is_schedule(learning_rate)
+    if schedule:
         count, where = state["count"], "the learning rate schedule"
-        lr = schedule_value(where, learning_rate(count))  # type: ignore[operator]
-        new["count"] = count + 1
-    first = next(iter(grads.values()), None)
-    device = None if first is None else first.device
-    lr = checked_rate(where, lr, grads.batch_size, device, returned=_is_schedule(learning_rate))
+        lr, new = schedule_value(where, learning_rate(count)), {"count": count + 1}  # type: ignore[operator]
+    if isinstance(lr, torch.Tensor):
+        first = next(iter(grads.values()), None)
+        device = None if first is None else first.device
+        where = "the learning rate schedule" if schedule else "the learning rate"
+        lr = checked_rate(where, lr, grads.batch_size, device, returned=schedule)
     return _number(lr), new
 
 

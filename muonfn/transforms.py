@@ -135,12 +135,12 @@ _PASSED: set[tuple[Any, ...]] = set()
 
 
 def _structure(td: TensorDictBase | None) -> Any:
+    """What the check reads of ``td``: its batch size and each leaf's name, type, shape, dtype, device,
+    layout and placements (of a leaf that is no tensor, which the check refuses, its type alone)."""
     if td is None:
         return None
-    leaves = td.items(True, True)
-    return td.batch_size, tuple(
-        (k, type(t), t.shape, t.dtype, t.device, t.layout, getattr(t, "placements", 0)) for k, t in leaves
-    )
+    metadata = ("shape", "dtype", "device", "layout", "placements")
+    return td.batch_size, tuple((k, type(t), *(getattr(t, m, 0) for m in metadata)) for k, t in td.items(True, True))
 
 
 def check_input(init: InitFn, grads: TensorDictBase, state: Any, params: TensorDictBase | None) -> None:

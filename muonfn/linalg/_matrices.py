@@ -223,10 +223,9 @@ class LocalOrthogonalizer:
     def check(names: Sequence[str], tensors: Sequence[torch.Tensor], views: Sequence[MatrixView]) -> None:
         for name, t, view in zip(names, tensors, views):
             view.check(name, t.shape)
-            placements = tuple(getattr(t, "placements", ()))
-            if any(not p.is_replicate() for p in placements):
+            if hasattr(t, "placements") and not all(p.is_replicate() for p in t.placements):
                 raise ValueError(
-                    f"{name!r} is a DTensor sharded as {placements}: Newton–Schulz needs whole matrices; "
+                    f"{name!r} is a DTensor sharded as {t.placements}: Newton–Schulz needs whole matrices; "
                     "pass orthogonalizer=muonfn.distributed.sharded_orthogonalizer(collectives)"
                 )
 
