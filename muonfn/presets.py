@@ -15,10 +15,12 @@ variants, :func:`~muonfn.adamw` beside them.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import SimpleNamespace
 from typing import Any, Literal, TypeAlias
 
 import torch
@@ -301,15 +303,16 @@ def muon(
         >>> sorted(state.keys(True, True))
         [('adamw', 'exp_avg', 'b'), ('adamw', 'exp_avg_sq', 'b'), ('adamw', 'step', 'b'), ('muon', 'momentum', 'w')]
     """
-    options = dict(
-        momentum_bias_correction=momentum_bias_correction, weight_decay=weight_decay,
-        cautious_weight_decay=cautious_weight_decay, cautious_mode=cautious_mode, ns=ns, scale=scale,
-        extra_scale=extra_scale, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
-        adamw_weight_decay=adamw_weight_decay, adamw_nesterov=adamw_nesterov, labels=labels, views=views,
-        weight_decay_mask=weight_decay_mask, orthogonalizer=orthogonalizer, state_dtype=state_dtype,
-        donate_state=donate_state,
-    )  # fmt: skip
-    return _preset(None, lr, momentum, nesterov, **options)
+    given = locals()  # (the options by the names of this signature, which PRESET_OPTIONS reads)
+    return _preset(None, lr, momentum, nesterov, **{name: given[name] for name in PRESET_OPTIONS})
+
+
+#: The options every preset takes beside ``lr``, ``momentum`` and ``nesterov``: :func:`muon`'s, with its defaults.
+PRESET_OPTIONS: dict[str, Any] = {
+    name: p.default
+    for name, p in inspect.signature(muon).parameters.items()
+    if p.kind is p.KEYWORD_ONLY and name not in ("momentum", "nesterov")
+}
 
 
 def normuon(
@@ -440,35 +443,18 @@ def adaptation(
 
 
 def _preset(
-    adaptation: Adaptation | None,
-    lr: ScalarOrSchedule,
-    momentum: Scalar,
-    nesterov: NesterovLike,
-    *,
-    momentum_bias_correction: bool = False,
-    weight_decay: Scalar = 0.1,
-    cautious_weight_decay: bool = False,
-    cautious_mode: CautiousMode | None = None,
-    ns: Any = None,
-    scale: ScaleMode = "match_rms_adamw",
-    extra_scale: float = 1.0,
-    adamw_lr: ScalarOrSchedule | None = None,
-    adamw_betas: tuple[float, float] = (0.9, 0.95),
-    adamw_eps: float = 1e-8,
-    adamw_weight_decay: Scalar | None = None,
-    adamw_nesterov: AdamNesterov = False,
-    labels: LabelsLike | None = None,
-    views: ViewsLike = None,
-    weight_decay_mask: MaskLike = None,
-    orthogonalizer: Orthogonalizer | None = None,
-    state_dtype: torch.dtype | None = None,
-    donate_state: bool = False,
+    adaptation: Adaptation | None, lr: ScalarOrSchedule, momentum: Scalar, nesterov: NesterovLike, **given: Any
 ) -> Transform:
-    """A preset: its matrix branch beside :func:`adamw`; names in ``views``, ``weight_decay_mask`` and
-    an orthogonalizer's ``shard_specs`` checked against the parameters at ``init`` (a typo is an error)."""
+    """A preset: its matrix branch beside :func:`adamw`, ``given`` the options of :data:`PRESET_OPTIONS`;
+    names in ``views``, ``weight_decay_mask`` and an orthogonalizer's ``shard_specs`` checked against the
+    parameters at ``init`` (a typo is an error)."""
     adaptation_name = getattr(adaptation, "variant", "muon")
-    check_state_dtype(f"muonfn.{adaptation_name}", state_dtype)  # (named as the user called it)
-    rates = {MUON: lr, ADAMW: lr if adamw_lr is None else adamw_lr}
+    unknown = sorted(given.keys() - PRESET_OPTIONS.keys())
+    if unknown:
+        raise TypeError(f"muonfn.{adaptation_name}() got an unexpected keyword argument {unknown[0]!r}")
+    o = SimpleNamespace(**{**PRESET_OPTIONS, **given})
+    check_state_dtype(f"muonfn.{adaptation_name}", o.state_dtype)  # (named as the user called it)
+    rates = {MUON: lr, ADAMW: lr if o.adamw_lr is None else o.adamw_lr}
     schedules = {
         name: BranchSchedule(rate, name)
         for name, rate in rates.items()
@@ -476,27 +462,28 @@ def _preset(
     }
     lr, adamw_lr = schedules.get(MUON, rates[MUON]), schedules.get(ADAMW, rates[ADAMW])
     branch = matrix_branch(
-        adaptation, lr, momentum, nesterov, momentum_bias_correction, weight_decay, cautious_weight_decay,
-        cautious_mode, ns, scale, extra_scale, views, weight_decay_mask, orthogonalizer, donate_state, state_dtype,
+        adaptation, lr, momentum, nesterov, o.momentum_bias_correction, o.weight_decay, o.cautious_weight_decay,
+        o.cautious_mode, o.ns, o.scale, o.extra_scale, o.views, o.weight_decay_mask, o.orthogonalizer,
+        o.donate_state, o.state_dtype,
     )  # fmt: skip
     other = adamw(
         adamw_lr,
-        betas=adamw_betas,
-        eps=adamw_eps,
-        weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay,
-        weight_decay_mask=weight_decay_mask,
-        nesterov=adamw_nesterov,
-        cautious_weight_decay=cautious_weight_decay,
-        state_dtype=state_dtype,
-        donate_state=donate_state,
+        betas=o.adamw_betas,
+        eps=o.adamw_eps,
+        weight_decay=o.weight_decay if o.adamw_weight_decay is None else o.adamw_weight_decay,
+        weight_decay_mask=o.weight_decay_mask,
+        nesterov=o.adamw_nesterov,
+        cautious_weight_decay=o.cautious_weight_decay,
+        state_dtype=o.state_dtype,
+        donate_state=o.donate_state,
     )
-    if labels is not None:
-        check_table("labels", labels)
-    shards = getattr(orthogonalizer, "shard_specs", None)
+    if o.labels is not None:
+        check_table("labels", o.labels)
+    shards = getattr(o.orthogonalizer, "shard_specs", None)
     default = functools.partial(label_params, shards=tuple(shards)) if shards else label_params
-    routes = labels if labels is not None else default
+    routes = o.labels if o.labels is not None else default
     tx = partition({MUON: branch, ADAMW: other}, routes)
-    tables = {"views": views, "weight_decay_mask": weight_decay_mask, "shard_specs": shards}
+    tables = {"views": o.views, "weight_decay_mask": o.weight_decay_mask, "shard_specs": shards}
 
     def init(params: TensorDictBase) -> TensorDictBase:
         leaves = flat(params)
@@ -508,11 +495,11 @@ def _preset(
                 continue
             named_table(table, leaves.keys(), where)
         state = tx.init(params)
-        if labels is None:  # (labels of one's own send what they send)
+        if o.labels is None:  # (labels of one's own send what they send)
             warn_if_every_matrix_excluded(f"muonfn.{adaptation_name}(...).init", leaves, shards or ())
         return state
 
-    if not (donate_state and schedules):
+    if not (o.donate_state and schedules):
         return Transform(init, tx.update)
 
     def update(

@@ -139,8 +139,12 @@ def _structure(td: TensorDictBase | None) -> Any:
     layout and placements (of a leaf that is no tensor, which the check refuses, its type alone)."""
     if td is None:
         return None
-    metadata = ("shape", "dtype", "device", "layout", "placements")
-    return td.batch_size, tuple((k, type(t), *(getattr(t, m, 0) for m in metadata)) for k, t in td.items(True, True))
+    return td.batch_size, tuple(
+        (k, type(t), t.shape, t.dtype, t.device, t.layout, getattr(t, "placements", 0))
+        if isinstance(t, torch.Tensor)
+        else (k, type(t))
+        for k, t in td.items(True, True)
+    )
 
 
 def check_input(init: InitFn, grads: TensorDictBase, state: Any, params: TensorDictBase | None) -> None:
@@ -275,7 +279,7 @@ def chain(*transforms: Transform) -> Transform:
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
         new: dict[str, Any] = {}
         for t, keys in zip(transforms, owned):
-            grads, member_state = t.update(grads, build({k: state[k] for k in keys}, state.batch_size), params)
+            grads, member_state = t.update(grads, state.select(*keys), params)
             new.update(member_state.items())
         return grads, build(new, state.batch_size)
 

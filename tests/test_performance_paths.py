@@ -113,7 +113,19 @@ def count_update(tx: muonfn.Transform, leaves: int, shape=(16, 48)) -> CallCount
 
 
 # Per-leaf calls allowed on the hot path: metadata and views; no elementwise math, no casts.
-PER_LEAF_OK = {"__get__", "is_complex", "is_contiguous", "numel", "size", "dim", "reshape", "view"}
+PER_LEAF_OK = {
+    "__get__",
+    "__len__",
+    "is_complex",
+    "is_contiguous",
+    "numel",
+    "size",
+    "dim",
+    "element_size",
+    "promote_types",
+    "reshape",
+    "view",
+}
 
 
 @pytest.mark.parametrize("name", ["adamw", "muon"])

@@ -287,7 +287,7 @@ def _call(
     tall = [turns and b.size(-2) > b.size(-1) for b in batches]
     order = sorted(range(len(batches)), key=tall.__getitem__)
     pieces = [_devices.apart(batches[k].mT) if tall[k] else batches[k] for k in order]
-    sizes = [p.size(0) for p in pieces]
+    sizes = list(map(len, pieces))  # (the batches' counts)
     out: list[torch.Tensor] = list(batches)
     if isinstance(ns, NewtonSchulz) and max(sizes) == 1:  # single matrices: a GPU may take its own form
         dtype = ns.iteration_dtype(pieces[0])
