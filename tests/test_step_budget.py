@@ -47,13 +47,13 @@ COUNTS = ("lines", "functions", "files")
 
 #: The figures measured when the budget test was written: none may grow.
 CEILINGS: dict[str, Any] = {
-    "package_code_lines": 6353,
-    "core_code_lines": 3043,
+    "package_code_lines": 6320,
+    "core_code_lines": 3010,
     "muon_keywords": 21,
-    "functional_cpu": {"lines": 372, "functions": 96, "files": 6},
-    "shim_cpu": {"lines": 426, "functions": 116, "files": 7},
-    "functional_meta": {"lines": 365, "functions": 106, "files": 6},
-    "shim_meta": {"lines": 414, "functions": 122, "files": 7},
+    "functional_cpu": {"lines": 332, "functions": 81, "files": 6},
+    "shim_cpu": {"lines": 392, "functions": 102, "files": 7},
+    "functional_meta": {"lines": 323, "functions": 96, "files": 6},
+    "shim_meta": {"lines": 378, "functions": 113, "files": 7},
 }
 
 #: The issue's targets (the meta device's are the CPU's).
