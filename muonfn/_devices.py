@@ -179,18 +179,19 @@ def takes_gpu_orthogonalized(first: torch.Tensor, dtype: torch.dtype, forced: bo
 def gpu_orthogonalized(
     ns: Any, matrices: Sequence[torch.Tensor], turned: int, scale: float, dtype: torch.dtype, overwrite: bool
 ) -> list[torch.Tensor]:
-    """``scale·NS`` of wide fp32 ``matrices`` of one shape (the last ``turned`` the transposes of tall
-    ones), iterated in ``dtype``: the results in order, the tall ones in their own orientation.
-    ``overwrite``: the matrices are the step's temporaries, which may hold the results."""
+    """``scale·NS`` of wide fp32 ``matrices`` of one shape, each a batch of one ``(1, m, n)`` (the last
+    ``turned`` the transposes of tall ones), iterated in ``dtype``: the results in order, the tall ones
+    in their own orientation. ``overwrite``: the matrices are the step's temporaries, which may hold
+    the results."""
     # (no name here holds the normalised batch: the iteration's buffers are its only copies)
     result = ns.iterate(_normalized(ns, matrices, dtype), scale)
     kept = len(matrices) - turned
     tall = _tall_results(result[kept:]) if turned else []
     if overwrite and kept and _plain_eager(matrices) and all(m.is_contiguous() for m in matrices[:kept]):
         wide = list(matrices[:kept])
-        torch._foreach_copy_(wide, list(result[:kept].unbind(0)))  # (casts on torch's fused path)
+        torch._foreach_copy_(wide, list(result[:kept].split(1)))  # (casts on torch's fused path)
         return [*wide, *tall]
-    return [*result[:kept].to(torch.float32).unbind(0), *tall]
+    return [*(result[:kept].to(torch.float32).split(1) if kept else ()), *tall]  # (split(1) of none: one empty)
 
 
 def _normalized(ns: Any, matrices: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -200,7 +201,7 @@ def _normalized(ns: Any, matrices: Sequence[torch.Tensor], dtype: torch.dtype) -
     if ns.schedule.norm_factor != 1.0:
         norms = norms * ns.schedule.norm_factor
     reciprocal = (norms + ns.eps if ns.eps_mode == "add" else norms.clamp_min(ns.eps)).reciprocal()
-    stack = torch.stack(list(matrices))
+    stack = torch.cat(list(matrices))
     recorded = torch.is_grad_enabled() and any(m.requires_grad for m in matrices)  # (out= records nothing)
     if _plain_eager(matrices) and not recorded:  # one pass: the fp64 product rounded to ``dtype`` as it is stored
         return torch.mul(stack, reciprocal, out=torch.empty(stack.shape, dtype=dtype, device=stack.device))
@@ -211,11 +212,11 @@ def _tall_results(result: torch.Tensor) -> list[torch.Tensor]:
     """The fp32 results of tall matrices from the narrow results of their transposes: eager, one pass
     that widens them into a batch of their own orientation; else a widening, then a copy each."""
     if not _plain_eager([result]):
-        return [apart(t.mT).contiguous() for t in result.to(torch.float32).unbind(0)]
+        return [apart(t.mT).contiguous() for t in result.to(torch.float32).split(1)]
     rows, cols = result.shape[-2:]
     batch = torch.empty((result.size(0), cols, rows), dtype=torch.float32, device=result.device)
     batch.mT.copy_(result)
-    return list(batch.unbind(0))
+    return list(batch.split(1))
 
 
 def _fp64_norms(matrices: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -223,7 +224,7 @@ def _fp64_norms(matrices: Sequence[torch.Tensor]) -> torch.Tensor:
     norm reading fp32 and adding its squares in fp64 as they load; else the stack's."""
     if _plain_eager(matrices):
         return torch.stack(torch._foreach_norm(list(matrices), 2, dtype=torch.float64)).view(-1, 1, 1)
-    return torch.linalg.vector_norm(torch.stack(list(matrices)), dim=(-2, -1), keepdim=True, dtype=torch.float64)
+    return torch.linalg.vector_norm(torch.cat(list(matrices)), dim=(-2, -1), keepdim=True, dtype=torch.float64)
 
 
 def adamw_kernel_takes(

@@ -292,9 +292,9 @@ def _call(
     if isinstance(ns, NewtonSchulz) and max(sizes) == 1:  # single matrices: a GPU may take its own form
         dtype = ns.iteration_dtype(pieces[0])
         if _devices.takes_gpu_orthogonalized(pieces[0], dtype, gpu_form):
-            done = _devices.gpu_orthogonalized(ns, [p[0] for p in pieces], sum(tall), scale, dtype, overwrite)
-            for k, matrix in zip(order, done):  # (the tall ones in their own orientation)
-                out[k] = matrix.unsqueeze(0)
+            done = _devices.gpu_orthogonalized(ns, pieces, sum(tall), scale, dtype, overwrite)
+            for k, result in zip(order, done):  # (the tall ones in their own orientation)
+                out[k] = result
             return out
     stack = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
     own = overwrite or len(pieces) > 1  # (a stack built here)
