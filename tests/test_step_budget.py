@@ -52,8 +52,8 @@ CEILINGS: dict[str, Any] = {
     "muon_keywords": 21,
     "functional_cpu": {"lines": 332, "functions": 81, "files": 6},
     "shim_cpu": {"lines": 392, "functions": 102, "files": 7},
-    "functional_meta": {"lines": 323, "functions": 96, "files": 6},
-    "shim_meta": {"lines": 378, "functions": 113, "files": 7},
+    "functional_meta": {"lines": 323, "functions": 95, "files": 6},
+    "shim_meta": {"lines": 378, "functions": 112, "files": 7},
 }
 
 #: The issue's targets (the meta device's are the CPU's).
