@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from _bitwise import assert_bitwise
 from _strategies import TiedLM, assert_td_equal
 from tensordict import TensorDict
 
@@ -954,3 +955,42 @@ def test_an_option_of_the_wrong_type_is_named_with_what_it_takes(case: str) -> N
     build, error, match = WRONG_TYPES[case]
     with pytest.raises(error, match=match):
         build()
+
+
+def test_a_state_that_is_no_tensordict_is_refused_naming_its_type() -> None:
+    params = TensorDict({"w": torch.randn(4, 6), "b": torch.zeros(4)}, [])
+    grads = params.apply(torch.ones_like)
+    with pytest.raises(TypeError, match="state must be a TensorDict made by init, got list"):
+        muonfn.muon(lr=0.01).update(grads, [1, 2], params)
+
+
+def test_a_structure_that_passed_the_check_does_not_let_another_through() -> None:
+    """The entry's check runs once per structure of its input: after a good step, a state whose entry
+    changed shape, dtype or device is still refused, naming the entry, and nothing is written; the good
+    state passes again."""
+    params = TensorDict({"w": torch.randn(4, 6), "b": torch.zeros(4)}, [])
+    grads = params.apply(torch.ones_like)
+    tx = muonfn.muon(lr=0.01, donate_state=True)
+    state = tx.init(params)
+    _, state = tx.update(grads, state, params)
+    bad_shape = state.clone()
+    bad_shape["muon", "momentum", "w"] = torch.zeros(6, 4)
+    bad_dtype = state.clone()
+    bad_dtype["adamw", "exp_avg", "b"] = torch.zeros(4, dtype=torch.float64)
+    bad_device = state.clone()
+    bad_device["muon", "momentum", "w"] = torch.zeros(4, 6, device="meta")
+    for bad, entry in ((bad_shape, "muon.momentum.w"), (bad_dtype, "adamw.exp_avg.b"), (bad_device, "muon.momentum.w")):
+        before = bad.clone()
+        with pytest.raises(ValueError, match=re.escape(f"state entry '{entry}'")):
+            tx.update(grads, bad, params)
+        assert_bitwise(bad, before)
+    _, state = tx.update(grads, state, params)
+    assert int(state["adamw", "step", "b"]) == 2
+
+
+def test_local_orthogonalizer_refuses_a_gpu_form_that_is_no_flag() -> None:
+    with pytest.raises(TypeError, match="gpu_form must be True, False or None, got 'yes'"):
+        muonfn.LocalOrthogonalizer(gpu_form="yes")  # type: ignore[arg-type]
+    assert (
+        repr(muonfn.LocalOrthogonalizer(gpu_form=True)) == "LocalOrthogonalizer(bucket_numel=67108864, gpu_form=True)"
+    )
