@@ -22,13 +22,9 @@ def build(items: Mapping[str, Any], batch_size: torch.Size) -> TensorDict:
     return TensorDict._new_unsafe(dict(items), batch_size=torch.Size(batch_size))
 
 
-def is_flat(td: TensorDictBase) -> bool:
-    return not any(isinstance(v, TensorDictBase) for v in td.values())
-
-
 def flat(td: TensorDictBase) -> TensorDictBase:
     """``td`` keyed by dotted names (``td`` itself when it holds no nested TensorDict)."""
-    if is_flat(td):
+    if not any(isinstance(v, TensorDictBase) for v in td.values()):
         return td
     out: dict[str, torch.Tensor] = {}
     _walk(td, "", out)
@@ -46,9 +42,7 @@ def _walk(td: TensorDictBase, prefix: str, out: dict[str, torch.Tensor]) -> None
 
 
 def nested_like(updates: TensorDictBase, like: TensorDictBase) -> TensorDictBase:
-    """The flat ``updates`` in the nesting of ``like`` (``updates`` itself when ``like`` is flat)."""
-    if like is updates or is_flat(like):
-        return updates
+    """The flat ``updates`` in the nesting of ``like``, a nested TensorDict."""
     root: dict[str, Any] = {}
     for name, value in updates.items():
         *path, leaf = name.split(".")

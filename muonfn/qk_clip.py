@@ -239,5 +239,6 @@ def qk_clip(
                 else:
                     blocks = [_scaled_rows(blocks[0], q_factor if role == "query" else k_factor)]
                 replaced[key] = view.from_matrices(blocks, p.shape)
-    out = nested_like(params.clone(recurse=False).update(replaced), given) if replaced else given
+    clipped = params.clone(recurse=False).update(replaced) if replaced else given
+    out = nested_like(clipped, given) if replaced and params is not given else clipped
     return (out, skipped) if return_skipped else out

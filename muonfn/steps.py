@@ -71,8 +71,8 @@ def _foreach(op: str, tensors: Sequence[torch.Tensor], *operands: Any, inplace: 
         return []
     mapped = torch._C._are_functorch_transforms_active()
     narrow = inplace and min(map(torch.Tensor.element_size, tensors)) < 4
-    dtensors = hasattr(tensors[0], "placements")
-    if mapped or (narrow and _with_number(operands, kw)) or (dtensors and _meet_plain(operands)):
+    with_number = narrow and any(isinstance(v, int | float) for v in (*operands, *kw.values()))
+    if mapped or with_number or (hasattr(tensors[0], "placements") and _meet_plain(operands)):
         lists = [v if isinstance(v, list | tuple) else [v] * len(tensors) for v in operands]
         name = f"{op}_" if inplace else op
         return [
@@ -83,10 +83,6 @@ def _foreach(op: str, tensors: Sequence[torch.Tensor], *operands: Any, inplace: 
         ]
     result = getattr(torch, f"_foreach_{op}_" if inplace else f"_foreach_{op}")(list(tensors), *operands, **kw)
     return list(tensors) if inplace else list(result)
-
-
-def _with_number(operands: Sequence[Any], kw: dict[str, Any]) -> bool:
-    return any(isinstance(v, int | float) for v in (*operands, *kw.values()))
 
 
 def _meet_plain(operands: Sequence[Any]) -> bool:

@@ -104,7 +104,7 @@ def transform(init: InitFn, update: FlatUpdate, *, donates_state: bool = False) 
                 updates, new_state = update(flat_grads, state, flat_params)
             finally:
                 _entry.checked = False
-        return nested_like(updates, grads), new_state
+        return (updates if flat_grads is grads else nested_like(updates, grads)), new_state
 
     entry_update.donates_state = donates_state  # type: ignore[attr-defined]
     return Transform(entry_init, entry_update)
@@ -597,7 +597,8 @@ def apply_updates(params: TensorDictBase, updates: TensorDictBase) -> TensorDict
     targets = _matched("apply_updates", flat_params, flat_updates)
     sums = _added(targets, list(flat_updates.values()), inplace=False)
     new = {n: s if s.dtype == p.dtype else s.to(p.dtype) for n, s, p in zip(flat_updates.keys(), sums, targets)}
-    return nested_like(build({**flat_params, **new}, params.batch_size), params)
+    summed = build({**flat_params, **new}, params.batch_size)
+    return summed if flat_params is params else nested_like(summed, params)
 
 
 def apply_updates_(params: TensorDictBase, updates: TensorDictBase) -> TensorDictBase:

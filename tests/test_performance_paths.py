@@ -189,15 +189,15 @@ def test_same_shape_matrices_share_one_batched_iteration():
 
 
 class CountedNewtonSchulz(muonfn.NewtonSchulz):
-    """muonfn's Newton–Schulz, noting the shape of every batch it is called on."""
+    """muonfn's Newton–Schulz, noting the shape of every wide batch it iterates on."""
 
     def __init__(self, **options) -> None:
         super().__init__(**options)
         object.__setattr__(self, "calls", [])
 
-    def orthogonalize(self, x, **options):
-        self.calls.append(tuple(x.shape))
-        return super().orthogonalize(x, **options)
+    def orthogonalize_wide(self, batch, **options):
+        self.calls.append(tuple(batch.shape))
+        return super().orthogonalize_wide(batch, **options)
 
 
 @pytest.mark.parametrize("method", ["standard", "gram"])

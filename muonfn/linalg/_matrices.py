@@ -299,7 +299,7 @@ def _call(
     stack = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
     own = overwrite or len(pieces) > 1  # (a stack built here)
     if isinstance(ns, NewtonSchulz):
-        result = ns.orthogonalize(stack, scale=scale, overwrite_input=own)
+        result = ns.orthogonalize_wide(stack, scale=scale, overwrite_input=own)
     else:
         result = checked_map_result(ns, stack, ns(stack))
         if not own and _shares_memory(result, stack):  # a map of one's own may hand its input back

@@ -396,21 +396,26 @@ class NewtonSchulz:
         """``scale·self(x)``, the scale taken by the last step's matmuls (no pass of its own);
         ``overwrite_input``: ``x`` is the caller's temporary, which the normalisation may overwrite."""
         _check("newton_schulz", x)
-        batch, tall, copied = _wide_batch(x)
-        owned = overwrite_input or copied
-        X = normalized(batch, self.schedule, self.eps, self.eps_mode, self.iteration_dtype(x), owned=owned)
-        return _restored(self.iterate(X, scale), x, tall)
+        batch, tall = _wide(x)
+        return _restored(self.orthogonalize_wide(batch, scale=scale, overwrite_input=overwrite_input), x, tall)
+
+    def orthogonalize_wide(
+        self, batch: torch.Tensor, *, scale: float = 1.0, overwrite_input: bool = False
+    ) -> torch.Tensor:
+        """:meth:`orthogonalize` of a wide ``(count, m, n)`` batch (``m <= n``): the batches a step
+        stacks are wide already."""
+        X = batch.to(torch.promote_types(batch.dtype, torch.float32)).contiguous()
+        owned = overwrite_input or X is not batch  # (a copy of its own)
+        X = normalized(X, self.schedule, self.eps, self.eps_mode, self.iteration_dtype(batch), owned=owned)
+        return self.iterate(X, scale).to(batch.dtype)
 
 
-def _wide_batch(x: torch.Tensor) -> tuple[torch.Tensor, bool, bool]:
-    """``x`` as a contiguous wide ``(count, m, n)`` batch in at least fp32; whether ``x`` is tall, and
-    whether the batch is a copy. The orientation is decided by shape alone, never by memory layout."""
+def _wide(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``x`` as a wide ``(count, m, n)`` batch (a view where it can be one), and whether ``x`` is tall:
+    the orientation is decided by shape alone, never by memory layout."""
     tall = x.size(-2) > x.size(-1)
     g = x.mT if tall else x
-    batch = g.reshape(math.prod(g.shape[:-2]), *g.shape[-2:])  # (not -1: a tensor may hold no element)
-    wide = torch.promote_types(x.dtype, torch.float32)
-    copied = batch.dtype != wide or not batch.is_contiguous()
-    return batch.to(wide).contiguous(), tall, copied
+    return g.reshape(math.prod(g.shape[:-2]), *g.shape[-2:]), tall  # (not -1: a tensor may hold no element)
 
 
 def _restored(X: torch.Tensor, x: torch.Tensor, tall: bool) -> torch.Tensor:
@@ -451,8 +456,9 @@ def gram_newton_schulz(
     ``()`` for none)."""
     ns = NewtonSchulz(coefficients, steps, eps, dtype, "gram", eps_mode, restarts)
     _check("gram_newton_schulz", x)
-    batch, tall, copied = _wide_batch(x)
-    X = normalized(batch, ns.schedule, eps, eps_mode, ns.iteration_dtype(x), owned=copied)
+    batch, tall = _wide(x)
+    X = batch.to(torch.promote_types(x.dtype, torch.float32)).contiguous()
+    X = normalized(X, ns.schedule, eps, eps_mode, ns.iteration_dtype(x), owned=X is not batch)
     restart_at = default_restarts(len(ns.schedule.triples), X.dtype) if ns.restarts is None else ns.restarts
     return _restored(gram_steps(X, ns.schedule, restart_at), x, tall)
 
