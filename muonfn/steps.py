@@ -546,8 +546,6 @@ def _decayed(
     names = list(grads.keys())
     chosen = set(selected(mask, params.select(*names), f"{where}: mask"))
     at = [i for i, n in enumerate(names) if n in chosen]
-    if not at:
-        return updates
     u, p = [updates[i] for i in at], [params[names[i]] for i in at]
     inplace = inplace and _may_overwrite([*u, *p])
     if isinstance(factor, torch.Tensor):  # (alpha takes numbers: λp written out, then added)
