@@ -50,11 +50,12 @@ def nested_like(updates: TensorDictBase, like: TensorDictBase) -> TensorDictBase
         for part in path:
             node = node.setdefault(part, {})
         node[leaf] = value
-    return _built(root, like.batch_size)
+    return built_nested(root, like.batch_size)
 
 
-def _built(node: dict[str, Any], batch_size: torch.Size) -> TensorDict:
-    return build({k: _built(v, batch_size) if type(v) is dict else v for k, v in node.items()}, batch_size)
+def built_nested(node: dict[str, Any], batch_size: torch.Size) -> TensorDict:
+    """A TensorDict of ``node``, a dict whose values are tensors or dicts of the same kind."""
+    return build({k: built_nested(v, batch_size) if type(v) is dict else v for k, v in node.items()}, batch_size)
 
 
 def dotted(name: str | Sequence[str]) -> str:

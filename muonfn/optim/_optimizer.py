@@ -18,7 +18,7 @@ import torch
 from tensordict import TensorDictBase
 
 from .. import transforms
-from .._tree import build, named_table
+from .._tree import build, built_nested, named_table
 from .._validation import Scalar, flag, positive, unit_interval
 from ..linalg import Orthogonalizer
 from ..presets import MUON, VARIANT_OPTIONS, adaptation, label_params, matrix_branch, warn_routing
@@ -36,12 +36,14 @@ SIZE = torch.Size([])
 
 class Branch(NamedTuple):
     """A group's branch, built from its settings (``signature``): its 0-d scheduled tensors, refilled
-    before every step, and the entries of its parameters' state (``layout``, by ``shaping`` settings)."""
+    before a step where their value (``filled``, the one they hold) changed, and the entries of its
+    parameters' state (``layout``, by ``shaping`` settings)."""
 
     group: dict[str, Any]
     signature: tuple[Any, ...]
     tx: Transform
     scalars: dict[str, torch.Tensor]
+    filled: dict[str, float]
     shaping: dict[str, Any]
     layout: dict[str, tuple[str, ...]]
 
@@ -274,7 +276,9 @@ class Muon(torch.optim.Optimizer):
                 self._undo.append((self._branches, id(group), old))
             self._branches[id(group)] = branch
         for name, tensor in branch.scalars.items():
-            tensor.fill_(values[name])
+            if branch.filled[name] != values[name]:  # (a fill a step where the value is unchanged would be idle)
+                tensor.fill_(values[name])
+                branch.filled[name] = values[name]
         return branch
 
     def _built(self, where: str, group: dict[str, Any], signature: tuple[Any, ...], values: dict[str, float]) -> Branch:
@@ -299,9 +303,8 @@ class Muon(torch.optim.Optimizer):
             tx = self._translated(group, scalars)
         except (ValueError, TypeError) as error:
             raise type(error)(f"{where}: {error}") from None
-        return Branch(
-            group, signature, tx, scalars, {k: group.get(k) for k in ("use_muon", *SHAPING)}, _groups.layout(group)
-        )
+        shaping = {k: group.get(k) for k in ("use_muon", *SHAPING)}
+        return Branch(group, signature, tx, scalars, dict(values), shaping, _groups.layout(group))
 
     def _translated(self, group: dict[str, Any], scalars: dict[str, torch.Tensor]) -> Transform:
         """The preset's branch a group's settings make (the scheduled ones ``scalars``)."""
@@ -398,7 +401,7 @@ class Muon(torch.optim.Optimizer):
             made = {} if init is None else init.get(path)
             leaves = {n: h[torch_name] if torch_name in h else made.get(n) for n, h in zip(names, held)}
             node[path[-1]] = build({n: t for n, t in leaves.items() if t is not None}, SIZE)
-        return _nested(entries)
+        return built_nested(entries, SIZE)
 
     @property
     def functional_state(self) -> TensorDictBase:
@@ -744,10 +747,6 @@ def _read_params(params: Any, groups: list[dict[str, Any]]) -> tuple[list[torch.
 
 def _meta(p: torch.Tensor) -> torch.Tensor:
     return torch.empty(p.shape, dtype=p.dtype, device="meta")
-
-
-def _nested(entries: dict[str, Any]) -> TensorDictBase:
-    return build({k: _nested(v) if isinstance(v, dict) else v for k, v in entries.items()}, SIZE)
 
 
 def _scheduled(where: str, name: str, value: Any) -> float:
