@@ -452,9 +452,9 @@ def _preset(
     unknown = sorted(given.keys() - PRESET_OPTIONS.keys())
     if unknown:
         raise TypeError(f"muonfn.{adaptation_name}() got an unexpected keyword argument {unknown[0]!r}")
-    o = SimpleNamespace(**{**PRESET_OPTIONS, **given})
-    check_state_dtype(f"muonfn.{adaptation_name}", o.state_dtype)  # (named as the user called it)
-    rates = {MUON: lr, ADAMW: lr if o.adamw_lr is None else o.adamw_lr}
+    options = SimpleNamespace(**{**PRESET_OPTIONS, **given})
+    check_state_dtype(f"muonfn.{adaptation_name}", options.state_dtype)  # (named as the user called it)
+    rates = {MUON: lr, ADAMW: lr if options.adamw_lr is None else options.adamw_lr}
     schedules = {
         name: BranchSchedule(rate, name)
         for name, rate in rates.items()
@@ -462,28 +462,28 @@ def _preset(
     }
     lr, adamw_lr = schedules.get(MUON, rates[MUON]), schedules.get(ADAMW, rates[ADAMW])
     branch = matrix_branch(
-        adaptation, lr, momentum, nesterov, o.momentum_bias_correction, o.weight_decay, o.cautious_weight_decay,
-        o.cautious_mode, o.ns, o.scale, o.extra_scale, o.views, o.weight_decay_mask, o.orthogonalizer,
-        o.donate_state, o.state_dtype,
+        adaptation, lr, momentum, nesterov, options.momentum_bias_correction, options.weight_decay,
+        options.cautious_weight_decay, options.cautious_mode, options.ns, options.scale, options.extra_scale,
+        options.views, options.weight_decay_mask, options.orthogonalizer, options.donate_state, options.state_dtype,
     )  # fmt: skip
     other = adamw(
         adamw_lr,
-        betas=o.adamw_betas,
-        eps=o.adamw_eps,
-        weight_decay=o.weight_decay if o.adamw_weight_decay is None else o.adamw_weight_decay,
-        weight_decay_mask=o.weight_decay_mask,
-        nesterov=o.adamw_nesterov,
-        cautious_weight_decay=o.cautious_weight_decay,
-        state_dtype=o.state_dtype,
-        donate_state=o.donate_state,
+        betas=options.adamw_betas,
+        eps=options.adamw_eps,
+        weight_decay=options.weight_decay if options.adamw_weight_decay is None else options.adamw_weight_decay,
+        weight_decay_mask=options.weight_decay_mask,
+        nesterov=options.adamw_nesterov,
+        cautious_weight_decay=options.cautious_weight_decay,
+        state_dtype=options.state_dtype,
+        donate_state=options.donate_state,
     )
-    if o.labels is not None:
-        check_table("labels", o.labels)
-    shards = getattr(o.orthogonalizer, "shard_specs", None)
+    if options.labels is not None:
+        check_table("labels", options.labels)
+    shards = getattr(options.orthogonalizer, "shard_specs", None)
     default = functools.partial(label_params, shards=tuple(shards)) if shards else label_params
-    routes = o.labels if o.labels is not None else default
+    routes = options.labels if options.labels is not None else default
     tx = partition({MUON: branch, ADAMW: other}, routes)
-    tables = {"views": o.views, "weight_decay_mask": o.weight_decay_mask, "shard_specs": shards}
+    tables = {"views": options.views, "weight_decay_mask": options.weight_decay_mask, "shard_specs": shards}
 
     def init(params: TensorDictBase) -> TensorDictBase:
         leaves = flat(params)
@@ -495,11 +495,11 @@ def _preset(
                 continue
             named_table(table, leaves.keys(), where)
         state = tx.init(params)
-        if o.labels is None:  # (labels of one's own send what they send)
+        if options.labels is None:  # (labels of one's own send what they send)
             warn_if_every_matrix_excluded(f"muonfn.{adaptation_name}(...).init", leaves, shards or ())
         return state
 
-    if not (o.donate_state and schedules):
+    if not (options.donate_state and schedules):
         return Transform(init, tx.update)
 
     def update(
