@@ -540,6 +540,20 @@ def describe_ns_rule(rule: dict[str, Any]) -> str:
     return f"Newton-Schulz: {rule['ns_dtype'].removeprefix('torch.')} on {rule['device']}"
 
 
+def set_up(args: argparse.Namespace) -> tuple[Config, torch.device, Any, int, dict[str, Any]]:
+    """What every run of the demo and the studies starts from: the thread count (``--threads``), the
+    configuration, the device, the data and the model's parameter count, and the Newton–Schulz
+    dtype rule, printed."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    cfg = config_from(args)
+    device = torch.device(args.device)
+    data, n_params = prepare_data(cfg, device)
+    ns_rule = ns_rule_of(device)
+    print(describe_ns_rule(ns_rule))
+    return cfg, device, data, n_params, ns_rule
+
+
 def prepare_data(cfg: Config, device: torch.device) -> tuple[tuple[torch.Tensor, torch.Tensor, int], int]:
     """((train ids, validation ids, vocabulary size), the model's parameter count), announced in one line."""
     train_text, val_text = load_corpus(cfg.data, cfg.max_chars)
@@ -567,22 +581,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="a tiny budget for a smoke test")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     if args.quick:
         args.steps, args.width, args.depth, args.ctx, args.batch = 12, 32, 1, 16, 8
         args.eval_every, args.eval_batches, args.max_chars = 4, 2, 200_000
         args.adamw_lrs, args.muon_lrs = args.adamw_lrs[:1], args.muon_lrs[:1]
         args.no_sweep = True
-    cfg = config_from(args)
+    cfg, device, data, n_params, ns_rule = set_up(args)
     out = pathlib.Path(args.out)
     ckpt_dir = out / "checkpoints"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    device = torch.device(args.device)
-
-    data, n_params = prepare_data(cfg, device)
-    ns_rule = ns_rule_of(device)
-    print(describe_ns_rule(ns_rule))
 
     def training(kind: str, lr: float, steps: int, bar_position: int = 0) -> Training:
         name = f"{kind}-lr{lr:.0e}-{steps}"
@@ -736,8 +743,16 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> None:
     ax.set_ylabel("cross-entropy (nats / character)")
     ratio = results["steps_ratio"]
     ax.set_title("Muon vs AdamW" + ("" if ratio is None else f": {ratio:.2f}x the steps to AdamW's final val loss"))
+    save_figure(fig, ax, path)
+
+
+def save_figure(fig: Any, ax: Any, path: pathlib.Path, *, grid: str = "major") -> None:
+    """The plots' common finish: a legend, a light ``grid`` (``"major"`` or ``"both"``), a tight layout,
+    written to ``path`` at 120 dpi and closed."""
+    import matplotlib.pyplot as plt
+
     ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    ax.grid(alpha=0.3, which=grid)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -69,13 +69,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    cfg = demo.config_from(args)
-    device = torch.device(args.device)
-    data, n_params = demo.prepare_data(cfg, device)
-    ns_rule = demo.ns_rule_of(device)
-    print(demo.describe_ns_rule(ns_rule))
+    cfg, device, data, n_params, ns_rule = demo.set_up(args)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lrs = {"adamw": args.adamw_lr, "muon": args.muon_lr}
@@ -213,11 +207,7 @@ def plot_curves(results: dict[str, Any], path: pathlib.Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("validation cross-entropy (nats / character)")
     ax.set_title(f"fp32 against bf16 optimizer state: mean and range over {len(results['seeds'])} seeds")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    demo.save_figure(fig, ax, path)
 
 
 if __name__ == "__main__":

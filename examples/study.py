@@ -521,15 +521,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    cfg = demo.config_from(args)
-    device = torch.device(args.device)
+    cfg, device, data, n_params, ns_rule = demo.set_up(args)
     grids = {kind: getattr(args, f"{kind}_lrs") for kind in args.methods}
     seeds = [cfg.seed + i for i in range(args.seeds)]
-    data, n_params = demo.prepare_data(cfg, device)
-    ns_rule = demo.ns_rule_of(device)
-    print(demo.describe_ns_rule(ns_rule))
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.estimate:
@@ -678,11 +672,7 @@ def plot_curves(results: dict[str, Any], path: pathlib.Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("validation cross-entropy (nats / character)")
     ax.set_title(f"validation loss, mean and range over {len(results['seeds'])} seeds")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    demo.save_figure(fig, ax, path)
 
 
 def plot_sensitivity(results: dict[str, Any], path: pathlib.Path) -> None:
@@ -708,11 +698,7 @@ def plot_sensitivity(results: dict[str, Any], path: pathlib.Path) -> None:
     ax.set_ylabel("validation cross-entropy after the sweep")
     steps = next(iter(results["sweep"].values()))[0]["steps"]
     ax.set_title(f"learning-rate sweep ({steps} steps, seed {results['seeds'][0]}); * best, x diverged")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3, which="both")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    demo.save_figure(fig, ax, path, grid="both")
 
 
 if __name__ == "__main__":
