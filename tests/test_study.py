@@ -21,11 +21,12 @@ TOY = ["--toy", "--no-progress"]
 TIMING = {"seconds", "median_step_seconds", "seconds_to_target", "seconds_ratio"}  # wall time: not reproducible
 
 
-@pytest.fixture(scope="module")
-def study():
-    sys.path.insert(0, str(EXAMPLES))  # the study imports the demo's pieces as `demo`
+def loaded_example(name: str):
+    """``examples/<name>.py`` imported as ``example_<name>``, with the examples' folder on the path while
+    it is used (the studies import the demo's pieces as ``demo``)."""
+    sys.path.insert(0, str(EXAMPLES))
     try:
-        spec = importlib.util.spec_from_file_location("example_study", EXAMPLES / "study.py")
+        spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
@@ -33,6 +34,11 @@ def study():
         yield module
     finally:
         sys.path.remove(str(EXAMPLES))
+
+
+@pytest.fixture(scope="module")
+def study():
+    yield from loaded_example("study")
 
 
 @pytest.fixture(scope="module")
@@ -262,17 +268,8 @@ def test_the_study_page_quotes_the_recorded_runs(run, data, steps, sweep_steps, 
 
 @pytest.fixture(scope="module")
 def state_study():
-    """examples/state_study.py (fp32 against bf16 optimizer state), imported as the study fixture imports study.py."""
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        spec = importlib.util.spec_from_file_location("example_state_study", EXAMPLES / "state_study.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(EXAMPLES))
+    """examples/state_study.py: fp32 against bf16 optimizer state."""
+    yield from loaded_example("state_study")
 
 
 def test_state_study_toy_reports_each_setting_from_its_runs(state_study, tmp_path):
