@@ -8,6 +8,7 @@ import copy
 import io
 import pickle
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -54,6 +55,14 @@ def shim_steps(model: nn.Module, opt: torch.optim.Optimizer, data, scheduler=Non
         opt.step()
         if scheduler is not None:
             scheduler.step()
+
+
+def reloaded(checkpoint: Any) -> Any:
+    """``checkpoint`` through ``torch.save`` into memory and back with ``torch.load(weights_only=True)``."""
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
 
 
 def functional_steps(model: nn.Module, tx: muonfn.Transform, params, state, data):
@@ -863,10 +872,7 @@ def test_load_state_dict_keeps_bf16_step_counts_exact():
     shim_steps(model, opt, batches(1, dtype=torch.bfloat16))
     bias = model[0].bias
     opt.state[bias] = {**opt.state[bias], "step": torch.tensor(257)}  # 257 has no bf16 representation
-    buffer = io.BytesIO()
-    torch.save(opt.state_dict(), buffer)
-    buffer.seek(0)
-    sd = torch.load(buffer, weights_only=True)
+    sd = reloaded(opt.state_dict())
     other = mlp(seed=3, dtype=torch.bfloat16)
     opt2 = Muon(other.named_parameters(), **HP)
     opt2.load_state_dict(sd)
@@ -900,10 +906,7 @@ def test_a_state_loads_into_an_optimizer_of_another_state_dtype_cast_to_it(saved
     model = mlp()
     opt = Muon(model.named_parameters(), **HP, state_dtype=saved)
     shim_steps(model, opt, data[:3])
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
-    buffer.seek(0)
-    checkpoint = torch.load(buffer, weights_only=True)
+    checkpoint = reloaded({"model": model.state_dict(), "optimizer": opt.state_dict()})
     resumed = mlp(seed=7)
     resumed.load_state_dict(checkpoint["model"])
     resumed_opt = Muon(resumed.named_parameters(), lr=1.0, state_dtype=loaded)
@@ -1669,10 +1672,7 @@ def test_non_parameter_state_entries_travel_through_state_dict_as_in_torch():
     for o in (opt, sgd):
         o.register_state_dict_pre_hook(mark)
     shim_steps(model, opt, batches(2))
-    buffer = io.BytesIO()
-    torch.save(opt.state_dict(), buffer)
-    buffer.seek(0)
-    sd = torch.load(buffer, weights_only=True)
+    sd = reloaded(opt.state_dict())
     assert sd["state"]["test"] == 1 and sorted(k for k in sd["state"] if k != "test") == list(range(8))
 
     other = Muon(mlp(seed=3).named_parameters(), **HP)

@@ -10,7 +10,6 @@ options through the shim, bit for bit against the presets.
 from __future__ import annotations
 
 import inspect
-import io
 import pathlib
 import re
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from test_optim import (
     in_state_dtype,
     mlp,
     params_of,
+    reloaded,
     shim_steps,
     snapshot,
 )
@@ -268,10 +268,7 @@ def test_an_option_steps_saves_and_hands_off_as_the_preset(case):
     assert_bitwise(TensorDict.from_module(model), params)
     assert_bitwise(opt.functional_state, state)
 
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
-    buffer.seek(0)
-    checkpoint = torch.load(buffer, weights_only=True)
+    checkpoint = reloaded({"model": model.state_dict(), "optimizer": opt.state_dict()})
     resumed = mlp(seed=7)
     resumed.load_state_dict(checkpoint["model"])
     resumed_opt = Muon(resumed.named_parameters(), variant=variant, **options)
@@ -544,10 +541,7 @@ def test_a_map_of_ones_own_is_left_out_of_the_state_dict_and_kept_by_the_loading
     shim_steps(model, opt, data[:3])
     sd = opt.state_dict()
     assert all("ns_method" not in group for group in sd["param_groups"])
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": sd}, buffer)
-    buffer.seek(0)
-    checkpoint = torch.load(buffer, weights_only=True)
+    checkpoint = reloaded({"model": model.state_dict(), "optimizer": sd})
     shim_steps(model, opt, data[3:])
 
     resumed = mlp(seed=7)
