@@ -24,25 +24,22 @@ def build(items: Mapping[str, Any], batch_size: torch.Size) -> TensorDict:
 
 def flat(td: TensorDictBase) -> TensorDictBase:
     """``td`` keyed by dotted names (``td`` itself when it holds no nested TensorDict)."""
-    if not any(isinstance(v, TensorDictBase) for v in td.values()):
-        return td
-    out: dict[str, torch.Tensor] = {}
-    _walk(td, "", out)
-    return build(out, td.batch_size)
+    return td.flatten_keys(".") if any(isinstance(v, TensorDictBase) for v in td.values()) else td
 
 
-def _walk(td: TensorDictBase, prefix: str, out: dict[str, torch.Tensor]) -> None:
-    for name, value in td.items():
-        if "." in name:
-            raise ValueError(f"key {prefix + name!r} holds a dot, which separates the levels of a dotted name")
-        if isinstance(value, TensorDictBase):
-            _walk(value, f"{prefix}{name}.", out)
-        else:
-            out[prefix + name] = value
+def check_dotless(td: TensorDictBase | None) -> None:
+    """Refuses a nested ``td`` with a key holding a dot, which would make two leaves one dotted name."""
+    if td is None:
+        return
+    keys = [(k,) if isinstance(k, str) else k for k in td.keys(True, True)]
+    if any(len(key) > 1 for key in keys):
+        for key in keys:
+            if any("." in part for part in key):
+                raise ValueError(f"key {'.'.join(key)!r} holds a dot, which separates the levels of a dotted name")
 
 
 def nested_like(updates: TensorDictBase, like: TensorDictBase) -> TensorDictBase:
-    """The flat ``updates`` in the nesting of ``like``, a nested TensorDict."""
+    """The flat ``updates`` in the nesting of ``like``, a nested TensorDict, in their order."""
     root: dict[str, Any] = {}
     for name, value in updates.items():
         *path, leaf = name.split(".")
@@ -54,7 +51,7 @@ def nested_like(updates: TensorDictBase, like: TensorDictBase) -> TensorDictBase
 
 
 def built_nested(node: dict[str, Any], batch_size: torch.Size) -> TensorDict:
-    """A TensorDict of ``node``, a dict whose values are tensors or dicts of the same kind."""
+    """A TensorDict of ``node``, a dict whose values are tensors, TensorDicts or dicts of the same kind."""
     return build({k: built_nested(v, batch_size) if type(v) is dict else v for k, v in node.items()}, batch_size)
 
 

@@ -29,7 +29,7 @@ from typing import Any, Literal, NamedTuple, Protocol, TypeAlias
 import torch
 from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor
 
-from ._tree import build, dotted, flat, named_table, nested_like
+from ._tree import build, check_dotless, dotted, flat, named_table, nested_like
 from ._validation import check_params
 
 __all__ = [
@@ -84,6 +84,7 @@ def transform(init: InitFn, update: FlatUpdate, *, donates_state: bool = False) 
     """
 
     def entry_init(params: TensorDictBase) -> TensorDictBase:
+        check_dotless(params)
         params = flat(params)
         check_params("init", params)
         return init(params)
@@ -98,7 +99,7 @@ def transform(init: InitFn, update: FlatUpdate, *, donates_state: bool = False) 
         if torch.compiler.is_compiling() or getattr(_entry, "checked", False):
             updates, new_state = update(flat_grads, state, flat_params)
         else:
-            check_input(entry_init, flat_grads, state, flat_params)
+            check_input(entry_init, grads, state, params)
             _entry.checked = True
             try:
                 updates, new_state = update(flat_grads, state, flat_params)
@@ -152,12 +153,20 @@ def check_input(init: InitFn, grads: TensorDictBase, state: Any, params: TensorD
     The check reads metadata alone: an input of a structure that passed it once passes again."""
     if not isinstance(state, TensorDictBase):
         raise TypeError(f"update: state must be a TensorDict made by init, got {type(state).__name__}")
+
     structure = (init, _structure(grads), _structure(state), _structure(params))
     if structure not in _PASSED:
-        _check_structure(init, grads, state, params)
-        if len(_PASSED) > 64:
-            _PASSED.clear()
-        _PASSED.add(structure)
+        check_dotless(grads)
+        check_dotless(params)
+        _check_structure(init, flat(grads), state, None if params is None else flat(params))
+        _remember(structure)
+
+
+def _remember(structure: Any) -> None:
+    """Records that an input of ``structure`` passed its check."""
+    if len(_PASSED) > 64:
+        _PASSED.clear()
+    _PASSED.add(structure)
 
 
 def _check_structure(init: InitFn, grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> None:
@@ -572,8 +581,23 @@ def _rescaled(u: torch.Tensor, keep: torch.Tensor, kept: torch.Tensor, total: An
 # ---------------------------------------------------------------------------------------------- applying
 
 
-def _matched(where: str, params: TensorDictBase, updates: TensorDictBase) -> list[torch.Tensor]:
-    targets = []
+def _matched(
+    params: TensorDictBase, updates: TensorDictBase, inplace: bool
+) -> tuple[TensorDictBase, TensorDictBase, list[torch.Tensor]]:
+    """Both trees flat and the parameters of the updates, in their order: checked once per structure of
+    the two (``inplace``: for :func:`apply_updates_`)."""
+    flat_params, flat_updates = flat(params), flat(updates)
+    where = "apply_updates_" if inplace else "apply_updates"
+    structure = (where, _structure(params), _structure(updates))
+    if structure not in _PASSED:
+        check_dotless(params)
+        check_dotless(updates)
+        _check_matched(where, flat_params, flat_updates, inplace)
+        _remember(structure)
+    return flat_params, flat_updates, list(map(flat_params.get, flat_updates.keys()))
+
+
+def _check_matched(where: str, params: TensorDictBase, updates: TensorDictBase, inplace: bool) -> None:
     for name, u in updates.items():
         p = params.get(name)
         if p is None:
@@ -582,8 +606,11 @@ def _matched(where: str, params: TensorDictBase, updates: TensorDictBase) -> lis
             raise ValueError(f"{where}: update {name!r} has shape {tuple(u.shape)}, the parameter {tuple(p.shape)}")
         if u.device != p.device:  # (a meta update would add nothing, silently)
             raise ValueError(f"{where}: update {name!r} is on {u.device}, the parameter on {p.device}")
-        targets.append(p)
-    return targets
+        if inplace and not torch.can_cast(torch.promote_types(p.dtype, u.dtype), p.dtype):
+            raise ValueError(
+                f"{where}: update {name!r} of dtype {u.dtype} cannot be added in place to its parameter "
+                f"of dtype {p.dtype}"
+            )
 
 
 def apply_updates(params: TensorDictBase, updates: TensorDictBase) -> TensorDictBase:
@@ -593,8 +620,7 @@ def apply_updates(params: TensorDictBase, updates: TensorDictBase) -> TensorDict
     before anything is computed). Each result keeps its parameter's dtype: a sum of another dtype is taken
     in the promoted dtype and cast back, as optax does.
     """
-    flat_params, flat_updates = flat(params), flat(updates)
-    targets = _matched("apply_updates", flat_params, flat_updates)
+    flat_params, flat_updates, targets = _matched(params, updates, inplace=False)
     sums = _added(targets, list(flat_updates.values()), inplace=False)
     new = {n: s if s.dtype == p.dtype else s.to(p.dtype) for n, s, p in zip(flat_updates.keys(), sums, targets)}
     summed = build({**flat_params, **new}, params.batch_size)
@@ -608,14 +634,7 @@ def apply_updates_(params: TensorDictBase, updates: TensorDictBase) -> TensorDic
     ``donate_state=True`` for the state). The same checks as :func:`apply_updates`, all before any
     parameter is written, and the same bits. Runs without recording gradients.
     """
-    flat_params, flat_updates = flat(params), flat(updates)
-    targets = _matched("apply_updates_", flat_params, flat_updates)
-    for (name, u), p in zip(flat_updates.items(), targets):
-        if not torch.can_cast(torch.promote_types(p.dtype, u.dtype), p.dtype):
-            raise ValueError(
-                f"apply_updates_: update {name!r} of dtype {u.dtype} cannot be added in place to its parameter "
-                f"of dtype {p.dtype}"
-            )
+    _, flat_updates, targets = _matched(params, updates, inplace=True)
     with torch.no_grad():
         _added(targets, list(flat_updates.values()), inplace=True)
     return params
