@@ -29,13 +29,10 @@ def flat(td: TensorDictBase) -> TensorDictBase:
 
 def check_dotless(td: TensorDictBase | None) -> None:
     """Refuses a nested ``td`` with a key holding a dot, which would make two leaves one dotted name."""
-    if td is None:
-        return
-    keys = [(k,) if isinstance(k, str) else k for k in td.keys(True, True)]
-    if any(len(key) > 1 for key in keys):
-        for key in keys:
-            if any("." in part for part in key):
-                raise ValueError(f"key {'.'.join(key)!r} holds a dot, which separates the levels of a dotted name")
+    if td is not None and flat(td) is not td:
+        for key in td.keys(True, True):
+            if any("." in part for part in key):  # (a part of a key, or a character of a top-level one)
+                raise ValueError(f"key {dotted(key)!r} holds a dot, which separates the levels of a dotted name")
 
 
 def nested_like(updates: TensorDictBase, like: TensorDictBase) -> TensorDictBase:

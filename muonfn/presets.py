@@ -21,7 +21,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import SimpleNamespace
-from typing import Any, Literal, TypeAlias
+from typing import Any, TypeAlias
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -29,7 +29,7 @@ from torch import nn
 
 from ._tree import dotted, flat, named_table
 from ._validation import Scalar, ScalarOrSchedule, flag, positive, schedule_value, unit_interval
-from .linalg import MatrixView, Orthogonalizer, ScaleMode
+from .linalg import MatrixView, Orthogonalizer, ScaleLike
 from .steps import (
     AdamNesterov,
     NesterovLike,
@@ -67,7 +67,6 @@ from .transforms import (
 
 MUON = "muon"
 ADAMW = "adamw"
-Variant: TypeAlias = Literal["muon", "normuon", "adamuon"]
 VARIANTS: tuple[str, ...] = ("muon", "normuon", "adamuon")
 
 
@@ -242,8 +241,7 @@ def muon(
     cautious_weight_decay: bool = False,
     cautious_mode: CautiousMode | None = None,
     ns: Any = None,
-    scale: ScaleMode = "match_rms_adamw",
-    extra_scale: float = 1.0,
+    scale: ScaleLike = "match_rms_adamw",
     adamw_lr: ScalarOrSchedule | None = None,
     adamw_betas: tuple[float, float] = (0.9, 0.95),
     adamw_eps: float = 1e-8,
@@ -260,9 +258,10 @@ def muon(
 
     Matrix leaves (label ``"muon"``) get :math:`p \leftarrow p - \eta\,(s(A, B)\,\mathrm{NS}(u_t) + \lambda p)`
     with :math:`u_t` the Nesterov EMA momentum (:func:`ema_momentum`) and :math:`s` the ``scale`` mode
-    times ``extra_scale``; the default ``"match_rms_adamw"`` (0.2·√max(A, B)) gives the update AdamW's
-    RMS, so start from the learning rate and weight decay you would give AdamW. Other leaves (label
-    ``"adamw"``) get :func:`adamw` with the ``adamw_*`` settings, each ``None`` meaning "the Muon value".
+    (times its factor, given as ``(mode, factor)``); the default ``"match_rms_adamw"`` (0.2·√max(A, B))
+    gives the update AdamW's RMS, so start from the learning rate and weight decay you would give AdamW.
+    Other leaves (label ``"adamw"``) get :func:`adamw` with the ``adamw_*`` settings, each ``None``
+    meaning "the Muon value".
 
     Args:
         lr: :math:`\eta`: a float, a 0-d tensor or a schedule ``count -> lr``.
@@ -276,7 +275,7 @@ def muon(
             :func:`cautious` (``None``: not cautious).
         ns: the orthogonalization: a :class:`NewtonSchulz` (``None``: the default, Keller Jordan's
             five steps), ``"gram"``, ``"svd"``, ``"qr"`` or a map of ``(count, m, n)`` batches.
-        scale, extra_scale: the shape scale :math:`s` (see :func:`scale_by_shape`).
+        scale: the shape scale :math:`s`: a mode, or ``(mode, factor)`` (see :func:`scale_by_shape`).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, adamw_nesterov: the AdamW branch.
         labels: routes leaves to ``"muon"`` or ``"adamw"``; default :func:`label_params`;
             :func:`labels_from_module` labels by module type instead.
@@ -463,7 +462,7 @@ def _preset(
     lr, adamw_lr = schedules.get(MUON, rates[MUON]), schedules.get(ADAMW, rates[ADAMW])
     branch = matrix_branch(
         adaptation, lr, momentum, nesterov, options.momentum_bias_correction, options.weight_decay,
-        options.cautious_weight_decay, options.cautious_mode, options.ns, options.scale, options.extra_scale,
+        options.cautious_weight_decay, options.cautious_mode, options.ns, options.scale,
         options.views, options.weight_decay_mask, options.orthogonalizer, options.donate_state, options.state_dtype,
     )  # fmt: skip
     other = adamw(
@@ -551,8 +550,7 @@ def matrix_branch(
     cautious_weight_decay: bool,
     cautious_mode: CautiousMode | None,
     ns: Any,
-    scale: ScaleMode,
-    extra_scale: float,
+    scale: ScaleLike,
     views: ViewsLike,
     weight_decay_mask: MaskLike,
     orthogonalizer: Orthogonalizer | None,
@@ -591,17 +589,18 @@ def matrix_branch(
     plain = cautious_mode is None and not cautious_weight_decay
     if plain and not adapted:
         last = descent(
-            lr, weight_decay, ns=ns, scale=scale, extra_scale=extra_scale, views=views, mask=weight_decay_mask,
+            lr, weight_decay, ns=ns, scale=scale, views=views, mask=weight_decay_mask,
             orthogonalizer=orthogonalizer, overwrite_input=fresh,
         )  # fmt: skip
         return chain(*steps, last)
-    ortho_scale: ScaleMode = "none" if adapted else scale
-    steps.append(orthogonalize(ns, views=views, scale=ortho_scale, extra_scale=1.0 if adapted else extra_scale,
-                               orthogonalizer=orthogonalizer, overwrite_input=fresh))  # fmt: skip
+    ortho_scale: ScaleLike = "none" if adapted else scale
+    steps.append(
+        orthogonalize(ns, views=views, scale=ortho_scale, orthogonalizer=orthogonalizer, overwrite_input=fresh)
+    )
     if plain:
-        tail = descent(lr, weight_decay, scale=scale, extra_scale=extra_scale, views=views, mask=weight_decay_mask)
+        tail = descent(lr, weight_decay, scale=scale, views=views, mask=weight_decay_mask)
         return chain(*steps, *adapted, tail)
-    shaped = [scale_by_shape(scale, extra_scale=extra_scale, views=views)] if adapted else []
+    shaped = [scale_by_shape(scale, views=views)] if adapted else []
     direction = chain(*steps, *adapted, *shaped)
     if cautious_mode is not None:  # a sharded orthogonalizer's leaves are shards: caution counts whole leaves
         direction = cautious(direction, mode=cautious_mode, sum_shards=getattr(orthogonalizer, "sum_shards", None))

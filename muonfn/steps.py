@@ -30,10 +30,11 @@ from .linalg import (
     MatrixView,
     NewtonSchulz,
     Orthogonalizer,
-    ScaleMode,
+    ScaleLike,
     check_matrix_fn,
     shape_scale,
 )
+from .linalg._newton_schulz import may_write_into
 from .transforms import MaskLike, Transform, check_mask, selected, transform
 
 ViewsLike: TypeAlias = Mapping[Any, MatrixView] | Callable[[str, torch.Tensor], MatrixView | None] | None
@@ -102,14 +103,6 @@ def _widened(op: str, t: torch.Tensor, operands: Sequence[Any], kw: dict[str, An
     0-d factor to ``t``'s dtype first, and a vmapped ensemble would part from the stacked one."""
     result = getattr(t.to(torch.promote_types(t.dtype, torch.float32)), op)(*operands, **kw).to(t.dtype)
     return t.copy_(result) if inplace else result
-
-
-def _may_overwrite(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether the step may write into temporaries computed from ``tensors``: not under ``torch.func``
-    transforms, nor while autograd records them."""
-    if torch._C._are_functorch_transforms_active():
-        return False
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 def _lerp(starts: Sequence[torch.Tensor], ends: Sequence[torch.Tensor], weight: Any, inplace: bool) -> list[Any]:
@@ -347,8 +340,6 @@ def fresh_updates(nesterov: object, bias_correction: bool) -> bool:
 
 # ---------------------------------------------------------------------------------------------- Newton–Schulz
 
-MethodLike: TypeAlias = Literal["standard", "gram", "svd", "qr"]
-
 
 def matrix_map(ns: Any) -> MatrixFn:
     """The map of ``(count, m, n)`` batches ``ns`` names: a :class:`~muonfn.NewtonSchulz` (``None``:
@@ -437,7 +428,7 @@ def _orthogonalized(
     refuse = getattr(orthogonalizer, "check", None)
     if callable(refuse):  # (a stateless transform may be stepped without init: a sharded leaf is refused here)
         refuse(names, values, leaf_views)
-    options = {"overwrite_input": True} if fresh and _may_overwrite(values) else {}
+    options = {"overwrite_input": True} if fresh and may_write_into(*values) else {}
     return orthogonalizer(names, values, leaf_views, ns, scale, **options)
 
 
@@ -445,8 +436,7 @@ def orthogonalize(
     ns: Any = None,
     *,
     views: ViewsLike = None,
-    scale: ScaleMode = "none",
-    extra_scale: float = 1.0,
+    scale: ScaleLike = "none",
     orthogonalizer: Orthogonalizer | None = None,
     overwrite_input: bool = False,
 ) -> Transform:
@@ -460,7 +450,7 @@ def orthogonalize(
             checked at every call).
         views: how leaves are read as matrices (:class:`~muonfn.MatrixView` by name, or a callable
             ``(name, tensor) -> view``); conv kernels are flattened by default.
-        scale, extra_scale: the shape scale :math:`s` (see :func:`scale_by_shape`).
+        scale: the shape scale :math:`s` (see :func:`scale_by_shape`).
         orthogonalizer: who runs the batched calls; default
             :class:`~muonfn.linalg.LocalOrthogonalizer`; sharded parameters take
             :func:`muonfn.distributed.sharded_orthogonalizer`.
@@ -471,7 +461,7 @@ def orthogonalize(
         A stateless :class:`Transform`; ``init`` checks that every leaf's view can read it.
     """
     ns, orthogonalizer, check = _orthogonalizing(ns, views, orthogonalizer, "orthogonalize")
-    scale_fn = shape_scale(scale, extra_scale)
+    scale_fn = shape_scale(scale)
     flag("orthogonalize: overwrite_input", overwrite_input)
 
     def init(params: TensorDictBase) -> TensorDictBase:
@@ -485,14 +475,12 @@ def orthogonalize(
     return transform(init, update)
 
 
-def scale_by_shape(
-    scale: ScaleMode = "match_rms_adamw", *, extra_scale: float = 1.0, views: ViewsLike = None
-) -> Transform:
-    r"""Multiplies every matrix block by :math:`s(A, B)\cdot` ``extra_scale``, ``A``/``B`` the rows and
-    columns of the logical block (after the view; an ensemble's batch dimensions excluded): ``"original"``
+def scale_by_shape(scale: ScaleLike = "match_rms_adamw", *, views: ViewsLike = None) -> Transform:
+    r"""Multiplies every matrix block by :math:`s(A, B)`, ``A``/``B`` the rows and columns of the
+    logical block (after the view; an ensemble's batch dimensions excluded): ``"original"``
     √max(1, A/B), ``"match_rms_adamw"`` 0.2·√max(A, B), ``"spectral"`` √max(A, B), ``"unit_rms_norm"``
-    √(A/B), ``"none"`` 1."""
-    scale_fn = shape_scale(scale, extra_scale)
+    √(A/B), ``"none"`` 1; a pair ``(mode, factor)`` is the mode times ``factor``."""
+    scale_fn = shape_scale(scale)
     check_views("scale_by_shape: views", views)
 
     def init(params: TensorDictBase) -> TensorDictBase:
@@ -544,10 +532,14 @@ def _decayed(
     if params is None:
         raise ValueError(f"{where} needs params: call update(grads, state, params)")
     names = list(grads.keys())
-    chosen = set(selected(mask, params.select(*names), f"{where}: mask"))
-    at = [i for i, n in enumerate(names) if n in chosen]
-    u, p = [updates[i] for i in at], [params[names[i]] for i in at]
-    inplace = inplace and _may_overwrite([*u, *p])
+    at: Sequence[int]
+    if mask is None:
+        at, u, p = range(len(names)), updates, list(map(params.get, names))
+    else:
+        chosen = set(selected(mask, params.select(*names), f"{where}: mask"))
+        at = [i for i, n in enumerate(names) if n in chosen]
+        u, p = [updates[i] for i in at], [params[names[i]] for i in at]
+    inplace = inplace and may_write_into(*u, *p)
     if isinstance(factor, torch.Tensor):  # (alpha takes numbers: λp written out, then added)
         added = _foreach("add", u, _foreach("mul", p, _times(factor, p, grads.batch_dims)), inplace=inplace)
     else:
@@ -682,8 +674,7 @@ def descent(
     weight_decay: Scalar = 0.0,
     *,
     ns: Any = "none",
-    scale: ScaleMode = "match_rms_adamw",
-    extra_scale: float = 1.0,
+    scale: ScaleLike = "match_rms_adamw",
     views: ViewsLike = None,
     mask: MaskLike = None,
     orthogonalizer: Orthogonalizer | None = None,
@@ -699,7 +690,7 @@ def descent(
     _check_rate(learning_rate)
     non_negative("weight_decay", weight_decay)
     check_mask("descent: mask", mask)
-    scale_fn = shape_scale(scale, extra_scale)
+    scale_fn = shape_scale(scale)
     orthogonalizes = not (isinstance(ns, str) and ns == "none")
     if orthogonalizes:
         ns, orthogonalizer, check = _orthogonalizing(ns, views, orthogonalizer, "descent")
@@ -725,7 +716,7 @@ def descent(
         else:
             out = _shape_scaled(grads, views, scale_fn, factor)
         if isinstance(lr, torch.Tensor):
-            out = _foreach("mul", out, _times(lr.neg(), out, grads.batch_dims), inplace=_may_overwrite([*out, lr]))
+            out = _foreach("mul", out, _times(lr.neg(), out, grads.batch_dims), inplace=may_write_into(*out, lr))
         out = _decayed(out, grads, params, -lr * lam, mask, "descent", inplace=True)
         updates = build(dict(zip(grads.keys(), _cast(out, values))), grads.batch_size)
         return updates, build(new, state.batch_size)
@@ -755,7 +746,7 @@ def _adam_moments(
         writable = donate or state_dtype != torch.float32
     m = _lerp(starts_m, g, 1.0 - b1, inplace=writable)
     v = _foreach("mul", starts_v, b2, inplace=writable)
-    v = _foreach("addcmul", v, g, g, value=1.0 - b2, inplace=writable or _may_overwrite(g))
+    v = _foreach("addcmul", v, g, g, value=1.0 - b2, inplace=writable or may_write_into(*g))
     kept_m, kept_v = m, v
     if state_dtype == torch.bfloat16:
         kept_m = _kept("exp_avg", held_m, names, m, counts, donate)
@@ -785,8 +776,8 @@ def _adam_direction(
     roots = _foreach("sqrt", v)
     if not nesterov:
         scale = c1.div(root_c2.mul(factor))
-        denominators = _foreach("add", roots, _per_leaf(root_c2.mul(eps), v, members), inplace=_may_overwrite(roots))
-        denominators = _foreach("mul", denominators, _per_leaf(scale, v, members), inplace=_may_overwrite(roots))
+        denominators = _foreach("add", roots, _per_leaf(root_c2.mul(eps), v, members), inplace=may_write_into(*roots))
+        denominators = _foreach("mul", denominators, _per_leaf(scale, v, members), inplace=may_write_into(*roots))
         return _foreach("div", m, denominators)
     denominators = _foreach("add", _foreach("div", roots, _per_leaf(root_c2, v, members)), eps)
     if nesterov == "timm":  # timm's NAdamW: one correction of the look-ahead
@@ -1169,8 +1160,7 @@ def scale_by_muon(
     nesterov: NesterovLike = True,
     ns: Any = None,
     momentum_bias_correction: bool = False,
-    scale: ScaleMode = "match_rms_adamw",
-    extra_scale: float = 1.0,
+    scale: ScaleLike = "match_rms_adamw",
     views: ViewsLike = None,
     orthogonalizer: Orthogonalizer | None = None,
     donate_state: bool = False,
@@ -1185,7 +1175,6 @@ def scale_by_muon(
             ns,
             views=views,
             scale=scale,
-            extra_scale=extra_scale,
             orthogonalizer=orthogonalizer,
             overwrite_input=fresh_updates(nesterov, momentum_bias_correction),
         ),

@@ -357,7 +357,7 @@ TABLE: tuple[Entry, ...] = (
     ),
     Entry(
         "scale_by_shape",
-        lambda: muonfn.scale_by_shape("original", extra_scale=2.0, views=VIEWS),
+        lambda: muonfn.scale_by_shape(("original", 2.0), views=VIEWS),
         leaves=MATRICES,
         skip={"compile": "the same shape scale as the muon entry's, applied inside its orthogonalize"},
     ),

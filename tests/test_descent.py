@@ -88,7 +88,7 @@ def test_a_rate_that_stays_a_tensor_takes_a_pass_of_its_own(ns: str) -> None:
 
 def test_without_newton_schulz_the_shape_scales_pass_takes_minus_lr_too() -> None:
     params, grads = params_and_grads()
-    tx = muonfn.descent(LR, WD, ns="none", scale="match_rms_adamw", extra_scale=0.5)
+    tx = muonfn.descent(LR, WD, ns="none", scale=("match_rms_adamw", 0.5))
     updates, _ = step(tx, params, grads)
     for key, g in grads.items():
         expected = g.mul(-LR * (match_rms(*g.shape) * 0.5))

@@ -137,11 +137,25 @@ BAD_HYPERPARAMETERS: dict[str, tuple[Callable[[], object], type[Exception], str]
         r"'unit_rms_norm'\]",
     ),
     "unknown scale mode in scale_by_shape": (lambda: muonfn.scale_by_shape("max"), ValueError, r"unknown scale mode"),
-    "extra_scale < 0": (lambda: muonfn.muon(extra_scale=-1.0), ValueError, r"extra_scale must be finite and >= 0"),
-    "extra_scale tensor": (
-        lambda: muonfn.muon(extra_scale=torch.tensor(2.0)),
-        TypeError,
-        r"extra_scale must be a float",
+    "scale factor < 0": (
+        lambda: muonfn.muon(scale=("spectral", -1.0)),
+        ValueError,
+        r"scale's factor must be a finite float >= 0",
+    ),
+    "scale factor tensor": (
+        lambda: muonfn.muon(scale=("spectral", torch.tensor(2.0))),  # type: ignore[arg-type]
+        ValueError,
+        r"scale's factor must be a finite float >= 0",
+    ),
+    "scale not a pair": (
+        lambda: muonfn.scale_by_shape(("spectral", 0.2, 1.0)),  # type: ignore[arg-type]
+        ValueError,
+        r"unknown scale mode .*or a pair \(mode, factor\)",
+    ),
+    "shim extra_scale < 0": (
+        lambda: muonfn.optim.Muon([torch.zeros(2, 2, requires_grad=True)], extra_scale=-1.0),
+        ValueError,
+        r"extra_scale must be a finite float >= 0",
     ),
     "ns dtype not floating": (
         lambda: muonfn.NewtonSchulz(dtype=torch.int32),

@@ -236,9 +236,7 @@ def test_megatron_emerging_optimizers(mode, scale_fn):
             p[k].mul_(1 - lr * wd)
             p[k].add_(reference_ns(buf), alpha=-lr * scale_fn(o, i) * extra)
 
-    tx = muonfn.muon(
-        lr=lr, momentum=mu, nesterov=False, weight_decay=wd, scale=mode, extra_scale=extra, labels=all_muon(shapes)
-    )
+    tx = muonfn.muon(lr=lr, momentum=mu, nesterov=False, weight_decay=wd, scale=(mode, extra), labels=all_muon(shapes))
     params, grads = initial(shapes), gradients(shapes)
     assert_same_trajectory(run_muonfn(tx, params, grads), run_reference(step, params, grads))
 

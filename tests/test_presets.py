@@ -150,7 +150,7 @@ def test_muon_matrix_update_formula(monkeypatch, rule: str) -> None:
     monkeypatch.setenv("MUONFN_CPU_NS_DTYPE", rule)
     params = TensorDict({"w": gaussian(12, 20, seed=1), "b": gaussian(12, seed=2)}, batch_size=[])
     lr, wd, mu = 0.03, 0.2, 0.9
-    tx = muonfn.muon(lr=lr, weight_decay=wd, momentum=mu, extra_scale=1.5)
+    tx = muonfn.muon(lr=lr, weight_decay=wd, momentum=mu, scale=("match_rms_adamw", 1.5))
     g1, g2 = random_like(params, 3), random_like(params, 4)
     state = tx.init(params)
     _, state = tx.update(g1, state, params)
@@ -706,8 +706,7 @@ OTHER_VALUES = {
     "cautious_weight_decay": True,
     "cautious_mode": "heavyball",
     "ns": "svd",
-    "scale": "original",
-    "extra_scale": 2.0,
+    "scale": ("original", 2.0),
     "adamw_lr": 0.5,
     "adamw_betas": (0.5, 0.6),
     "adamw_eps": 1e-2,

@@ -48,7 +48,7 @@ SHIM_PAGE = (pathlib.Path(__file__).parents[1] / "docs" / "shim.md").read_text()
 REPLACED = {"scale": "adjust_lr_fn"}
 #: The shim's own keywords: torch.optim.Muon's Newton–Schulz spellings (``ns=`` holds the rest), the
 #: Muon groups' rule, and how it steps.
-SHIM_OWN = {"adjust_lr_fn", "ns_coefficients", "ns_steps", "eps", "variant", "chunk_numel", "compile"}
+SHIM_OWN = {"adjust_lr_fn", "extra_scale", "ns_coefficients", "ns_steps", "eps", "variant", "chunk_numel", "compile"}
 #: Where a group keeps each keyword that acts per group, with a value other than the default: a Muon
 #: group under the keyword's name (``ns=`` as the ns_* entries), an AdamW group under these entries.
 MUON_GROUP_KEYWORDS: dict[str, Any] = {

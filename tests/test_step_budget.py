@@ -48,12 +48,12 @@ COUNTS = ("lines", "functions", "files")
 #: The figures measured when the budget test was written: none may grow.
 CEILINGS: dict[str, Any] = {
     "package_code_lines": 6317,
-    "core_code_lines": 3007,
-    "muon_keywords": 21,
-    "functional_cpu": {"lines": 317, "functions": 77, "files": 6},
-    "shim_cpu": {"lines": 376, "functions": 97, "files": 7},
-    "functional_meta": {"lines": 320, "functions": 94, "files": 6},
-    "shim_meta": {"lines": 374, "functions": 110, "files": 7},
+    "core_code_lines": 3005,
+    "muon_keywords": 20,
+    "functional_cpu": {"lines": 299, "functions": 72, "files": 6},
+    "shim_cpu": {"lines": 370, "functions": 93, "files": 7},
+    "functional_meta": {"lines": 304, "functions": 90, "files": 6},
+    "shim_meta": {"lines": 370, "functions": 107, "files": 7},
 }
 
 #: The issue's targets (the meta device's are the CPU's).

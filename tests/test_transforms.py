@@ -253,7 +253,7 @@ def test_transposed_storage_gives_the_transpose(scale: str) -> None:
 
 def test_scale_by_shape_factors() -> None:
     grads = td(tall=torch.ones(64, 16), wide=torch.ones(16, 64), conv=torch.ones(8, 4, 3, 3))
-    out, _ = step(muonfn.scale_by_shape("original", extra_scale=3.0), grads, TensorDict())
+    out, _ = step(muonfn.scale_by_shape(("original", 3.0)), grads, TensorDict())
     assert out["tall"].unique().tolist() == [6.0]
     assert out["wide"].unique().tolist() == [3.0]
     assert out["conv"].unique().tolist() == [3.0]
@@ -289,11 +289,11 @@ def test_scale_by_muon_is_momentum_then_newton_schulz_then_shape_scale(
 ) -> None:
     params = model_like().to(device)
     ns = muonfn.NewtonSchulz("cesista", dtype=ns_dtype)
-    fused = muonfn.scale_by_muon(0.9, nesterov=True, ns=ns, scale=scale, extra_scale=0.7, views=VIEWS)
+    fused = muonfn.scale_by_muon(0.9, nesterov=True, ns=ns, scale=(scale, 0.7), views=VIEWS)
     parts = muonfn.chain(
         muonfn.ema_momentum(0.9, nesterov=True),
         muonfn.orthogonalize(ns, views=VIEWS),
-        muonfn.scale_by_shape(scale, extra_scale=0.7, views=VIEWS),
+        muonfn.scale_by_shape((scale, 0.7), views=VIEWS),
     )
     s1, s2 = fused.init(params), parts.init(params)
     assert_td_equal(s1, s2)

@@ -39,6 +39,8 @@ from .. import _devices
 from ._newton_schulz import NewtonSchulz, may_write_into
 
 ScaleMode: TypeAlias = Literal["original", "match_rms_adamw", "spectral", "unit_rms_norm", "none"]
+#: a mode's name, or ``(mode, factor)``: the mode times a constant factor (Megatron's ``extra_scale_factor``)
+ScaleLike: TypeAlias = ScaleMode | tuple[ScaleMode, float]
 ScaleFn: TypeAlias = Callable[[int, int], float]
 MatrixFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -52,16 +54,16 @@ SCALE_MODES: dict[str, ScaleFn] = {
 assert tuple(SCALE_MODES) == get_args(ScaleMode)
 
 
-def shape_scale(scale: ScaleMode, extra_scale: float = 1.0) -> ScaleFn:
-    """The scale of an ``A × B`` block: ``SCALE_MODES[scale](A, B) * extra_scale``, checked."""
-    if not isinstance(scale, str) or scale not in SCALE_MODES:
-        raise ValueError(f"unknown scale mode {scale!r}; choose one of {sorted(SCALE_MODES)}")
-    if isinstance(extra_scale, bool) or not isinstance(extra_scale, int | float):
-        raise TypeError(f"extra_scale must be a float, got {type(extra_scale).__name__}")
-    if not (math.isfinite(extra_scale) and extra_scale >= 0):
-        raise ValueError(f"extra_scale must be finite and >= 0, got {extra_scale!r}")
-    mode = SCALE_MODES[scale]
-    return mode if extra_scale == 1.0 else lambda a, b: mode(a, b) * extra_scale
+def shape_scale(scale: ScaleLike) -> ScaleFn:
+    """The scale of an ``A × B`` block: ``SCALE_MODES[mode](A, B)``, times ``factor`` for a pair
+    ``(mode, factor)``; checked."""
+    name, factor = scale if isinstance(scale, tuple) and len(scale) == 2 else (scale, 1.0)
+    if not isinstance(name, str) or name not in SCALE_MODES:
+        raise ValueError(f"unknown scale mode {scale!r}; choose one of {sorted(SCALE_MODES)} or a pair (mode, factor)")
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or not (math.isfinite(factor) and factor >= 0):
+        raise ValueError(f"scale's factor must be a finite float >= 0, got {factor!r}")
+    mode = SCALE_MODES[name]
+    return mode if factor == 1.0 else lambda a, b: mode(a, b) * factor
 
 
 @dataclass(frozen=True)

@@ -145,13 +145,13 @@ def _check(name: str, x: torch.Tensor) -> None:
         raise TypeError(f"{name} needs a real floating-point tensor, got {x.dtype}")
 
 
-def may_write_into(x: torch.Tensor) -> bool:
-    """Whether a computation may write into ``x``, a buffer of its own: not when traced by
+def may_write_into(*tensors: torch.Tensor) -> bool:
+    """Whether a computation may write into ``tensors``, temporaries of its own: not when traced by
     ``torch.func`` or ``torch.compile`` (which plan their own memory) nor recorded by autograd."""
     return not (
         torch._C._are_functorch_transforms_active()
         or torch.compiler.is_compiling()
-        or (x.requires_grad and torch.is_grad_enabled())
+        or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
     )
 
 

@@ -4,6 +4,7 @@ the entries of each parameter's state, under torch's names, laid out as the pres
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -184,13 +185,14 @@ def ns_of(group: Mapping[str, Any]) -> Any:
     return {"svd": polar, "qr": qr_orthogonal}.get(method, method)
 
 
-def scale_of(adjust_lr_fn: Any) -> Any:
-    """torch's ``adjust_lr_fn`` (``None``: ``"original"``) as muonfn's scale mode."""
-    if adjust_lr_fn is None:
-        return "original"
-    if not isinstance(adjust_lr_fn, str) or adjust_lr_fn not in SCALE_MODES:
+def scale_of(adjust_lr_fn: Any, extra_scale: Any) -> Any:
+    """torch's ``adjust_lr_fn`` (``None``: ``"original"``) times ``extra_scale`` as muonfn's scale."""
+    if adjust_lr_fn is not None and (not isinstance(adjust_lr_fn, str) or adjust_lr_fn not in SCALE_MODES):
         raise ValueError(f"adjust_lr_fn must be None or one of {sorted(SCALE_MODES)}, got {adjust_lr_fn!r}")
-    return adjust_lr_fn
+    finite = isinstance(extra_scale, int | float) and not isinstance(extra_scale, bool) and math.isfinite(extra_scale)
+    if not (finite and extra_scale >= 0):
+        raise ValueError(f"extra_scale must be a finite float >= 0, got {extra_scale!r}")
+    return (adjust_lr_fn or "original", extra_scale)
 
 
 # ---------------------------------------------------------------------------------------------- state

@@ -324,7 +324,7 @@ class Muon(torch.optim.Optimizer):
         return matrix_branch(
             adapt, lr, momentum, group["nesterov"], group["momentum_bias_correction"], wd,
             group["cautious_weight_decay"], group["cautious_mode"], _groups.ns_of(group),
-            _groups.scale_of(group["adjust_lr_fn"]), group["extra_scale"], self._views, self._mask,
+            _groups.scale_of(group["adjust_lr_fn"], group["extra_scale"]), self._views, self._mask,
             self._orthogonalizer, self._donate, group["state_dtype"],
         )  # fmt: skip
 
