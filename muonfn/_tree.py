@@ -27,12 +27,12 @@ def flat(td: TensorDictBase) -> TensorDictBase:
     return td.flatten_keys(".") if any(isinstance(v, TensorDictBase) for v in td.values()) else td
 
 
-def check_dotless(td: TensorDictBase | None) -> None:
-    """Refuses a nested ``td`` with a key holding a dot, which would make two leaves one dotted name."""
-    if td is not None and flat(td) is not td:
-        for key in td.keys(True, True):
-            if any("." in part for part in key):  # (a part of a key, or a character of a top-level one)
-                raise ValueError(f"key {dotted(key)!r} holds a dot, which separates the levels of a dotted name")
+def check_dotless(*trees: TensorDictBase | None) -> None:
+    """Refuses a nested tree with a key holding a dot, which would make two leaves one dotted name."""
+    nested = [td for td in trees if td is not None and flat(td) is not td]
+    for key in (k for td in nested for k in td.keys(True, True)):
+        if any("." in part for part in key):  # (a part of a key, or a character of a top-level one)
+            raise ValueError(f"key {dotted(key)!r} holds a dot, which separates the levels of a dotted name")
 
 
 def nested_like(updates: TensorDictBase, like: TensorDictBase) -> TensorDictBase:

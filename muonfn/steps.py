@@ -32,9 +32,9 @@ from .linalg import (
     Orthogonalizer,
     ScaleLike,
     check_matrix_fn,
+    may_write_into,
     shape_scale,
 )
-from .linalg._newton_schulz import may_write_into
 from .transforms import MaskLike, Transform, check_mask, selected, transform
 
 ViewsLike: TypeAlias = Mapping[Any, MatrixView] | Callable[[str, torch.Tensor], MatrixView | None] | None

@@ -156,8 +156,7 @@ def check_input(init: InitFn, grads: TensorDictBase, state: Any, params: TensorD
 
     structure = (init, _structure(grads), _structure(state), _structure(params))
     if structure not in _PASSED:
-        check_dotless(grads)
-        check_dotless(params)
+        check_dotless(grads, params)
         _check_structure(init, flat(grads), state, None if params is None else flat(params))
         _remember(structure)
 
@@ -590,8 +589,7 @@ def _matched(
     where = "apply_updates_" if inplace else "apply_updates"
     structure = (where, _structure(params), _structure(updates))
     if structure not in _PASSED:
-        check_dotless(params)
-        check_dotless(updates)
+        check_dotless(params, updates)
         _check_matched(where, flat_params, flat_updates, inplace)
         _remember(structure)
     return flat_params, flat_updates, list(map(flat_params.get, flat_updates.keys()))

@@ -26,7 +26,7 @@ KNOWN_FACTORS = {
 @pytest.mark.parametrize("mode", sorted(SCALE_MODES))
 def test_scale_mode_factors(shape: tuple[int, int], mode: str) -> None:
     assert SCALE_MODES[mode](*shape) == pytest.approx(KNOWN_FACTORS[shape][mode], rel=1e-15)
-    assert MatrixView().scales(shape, shape_scale(mode, 0.5)) == [pytest.approx(0.5 * KNOWN_FACTORS[shape][mode])]
+    assert MatrixView().scales(shape, shape_scale((mode, 0.5))) == [pytest.approx(0.5 * KNOWN_FACTORS[shape][mode])]
 
 
 @pytest.mark.parametrize(
@@ -53,17 +53,17 @@ def test_logical_shapes(view: MatrixView, shape: tuple[int, ...], logical: tuple
 
 def test_conv_scale_uses_the_flattened_shape() -> None:
     """(out, in, k, k) = (8, 4, 3, 3) is the 8×36 matrix: √max(1, 8/36) = 1, not √max(1, 8/4)."""
-    assert MatrixView().scales((8, 4, 3, 3), shape_scale("original", 1.0)) == [1.0]
-    assert MatrixView().scales((8, 4, 3, 3), shape_scale("match_rms_adamw", 1.0)) == [pytest.approx(0.2 * 6)]
+    assert MatrixView().scales((8, 4, 3, 3), shape_scale("original")) == [1.0]
+    assert MatrixView().scales((8, 4, 3, 3), shape_scale("match_rms_adamw")) == [pytest.approx(0.2 * 6)]
 
 
 def test_transposed_storage_scales_by_the_logical_shape() -> None:
-    assert MatrixView(transposed=True).scales((16, 64), shape_scale("original", 1.0)) == [2.0]
-    assert MatrixView().scales((16, 64), shape_scale("original", 1.0)) == [1.0]
+    assert MatrixView(transposed=True).scales((16, 64), shape_scale("original")) == [2.0]
+    assert MatrixView().scales((16, 64), shape_scale("original")) == [1.0]
 
 
 def test_split_blocks_are_scaled_on_their_own() -> None:
-    scales = MatrixView(split=(32, 8, 8)).scales((48, 16), shape_scale("original", 1.0))
+    scales = MatrixView(split=(32, 8, 8)).scales((48, 16), shape_scale("original"))
     assert scales == [pytest.approx(math.sqrt(2)), 1.0, 1.0]
 
 
