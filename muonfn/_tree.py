@@ -23,16 +23,23 @@ def build(items: Mapping[str, Any], batch_size: torch.Size) -> TensorDict:
 
 
 def flat(td: TensorDictBase) -> TensorDictBase:
-    """``td`` keyed by dotted names (``td`` itself when it holds no nested TensorDict)."""
-    return td.flatten_keys(".") if any(isinstance(v, TensorDictBase) for v in td.values()) else td
+    """``td`` keyed by dotted names (``td`` itself when it holds no nested TensorDict); a key of a
+    nested ``td`` that holds a dot, which would make two leaves one dotted name, is refused."""
+    if not any(isinstance(v, TensorDictBase) for v in td.values()):
+        return td
+    out: dict[str, torch.Tensor] = {}
+    _walk(td, "", out)
+    return build(out, td.batch_size)
 
 
-def check_dotless(*trees: TensorDictBase | None) -> None:
-    """Refuses a nested tree with a key holding a dot, which would make two leaves one dotted name."""
-    nested = [td for td in trees if td is not None and flat(td) is not td]
-    for key in (k for td in nested for k in td.keys(True, True)):
-        if any("." in part for part in key):  # (a part of a key, or a character of a top-level one)
-            raise ValueError(f"key {dotted(key)!r} holds a dot, which separates the levels of a dotted name")
+def _walk(td: TensorDictBase, prefix: str, out: dict[str, torch.Tensor]) -> None:
+    for name, value in td.items():
+        if "." in name:
+            raise ValueError(f"key {prefix + name!r} holds a dot, which separates the levels of a dotted name")
+        if isinstance(value, TensorDictBase):
+            _walk(value, f"{prefix}{name}.", out)
+        else:
+            out[prefix + name] = value
 
 
 def nested_like(updates: TensorDictBase, like: TensorDictBase) -> TensorDictBase:

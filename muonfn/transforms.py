@@ -21,6 +21,7 @@ Members of a composition are handed flat TensorDicts and run unchecked.
 
 from __future__ import annotations
 
+import collections
 import math
 import threading
 from collections.abc import Callable, Mapping
@@ -29,7 +30,7 @@ from typing import Any, Literal, NamedTuple, Protocol, TypeAlias
 import torch
 from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor
 
-from ._tree import build, check_dotless, dotted, flat, named_table, nested_like
+from ._tree import build, dotted, flat, named_table, nested_like
 from ._validation import check_params
 
 __all__ = [
@@ -84,7 +85,6 @@ def transform(init: InitFn, update: FlatUpdate, *, donates_state: bool = False) 
     """
 
     def entry_init(params: TensorDictBase) -> TensorDictBase:
-        check_dotless(params)
         params = flat(params)
         check_params("init", params)
         return init(params)
@@ -99,7 +99,7 @@ def transform(init: InitFn, update: FlatUpdate, *, donates_state: bool = False) 
         if torch.compiler.is_compiling() or getattr(_entry, "checked", False):
             updates, new_state = update(flat_grads, state, flat_params)
         else:
-            check_input(entry_init, grads, state, params)
+            check_input(entry_init, flat_grads, state, flat_params)
             _entry.checked = True
             try:
                 updates, new_state = update(flat_grads, state, flat_params)
@@ -131,8 +131,9 @@ def donates_state(tx: Transform) -> bool:
 
 #: per ``init`` and structure of the parameters, the state ``init`` makes: entry -> (shape, dtype, leaf)
 _EXPECTED: dict[tuple[Any, ...], dict[tuple[str, ...], tuple[torch.Size, torch.dtype, str | None]] | None] = {}
-#: the inputs' structures (names, shapes, dtypes, devices, layouts, placements) that passed the check
-_PASSED: set[tuple[Any, ...]] = set()
+#: the inputs' structures (names, shapes, dtypes, devices, layouts, placements) that passed a check, the
+#: latest 64 (a structure is compared, not hashed: a hit costs one comparison)
+_PASSED: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=64)
 
 
 def _structure(td: TensorDictBase | None) -> Any:
@@ -156,16 +157,8 @@ def check_input(init: InitFn, grads: TensorDictBase, state: Any, params: TensorD
 
     structure = (init, _structure(grads), _structure(state), _structure(params))
     if structure not in _PASSED:
-        check_dotless(grads, params)
-        _check_structure(init, flat(grads), state, None if params is None else flat(params))
-        _remember(structure)
-
-
-def _remember(structure: Any) -> None:
-    """Records that an input of ``structure`` passed its check."""
-    if len(_PASSED) > 64:
-        _PASSED.clear()
-    _PASSED.add(structure)
+        _check_structure(init, grads, state, params)
+        _PASSED.append(structure)
 
 
 def _check_structure(init: InitFn, grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> None:
@@ -587,28 +580,23 @@ def _matched(
     the two (``inplace``: for :func:`apply_updates_`)."""
     flat_params, flat_updates = flat(params), flat(updates)
     where = "apply_updates_" if inplace else "apply_updates"
-    structure = (where, _structure(params), _structure(updates))
+    structure = (where, _structure(flat_params), _structure(flat_updates))
     if structure not in _PASSED:
-        check_dotless(params, updates)
-        _check_matched(where, flat_params, flat_updates, inplace)
-        _remember(structure)
+        for name, u in flat_updates.items():
+            p = flat_params.get(name)
+            if p is None:
+                raise ValueError(f"{where}: update {name!r} has no matching parameter")
+            if u.shape != p.shape:
+                raise ValueError(f"{where}: update {name!r} has shape {tuple(u.shape)}, the parameter {tuple(p.shape)}")
+            if u.device != p.device:  # (a meta update would add nothing, silently)
+                raise ValueError(f"{where}: update {name!r} is on {u.device}, the parameter on {p.device}")
+            if inplace and not torch.can_cast(torch.promote_types(p.dtype, u.dtype), p.dtype):
+                raise ValueError(
+                    f"{where}: update {name!r} of dtype {u.dtype} cannot be added in place to its parameter "
+                    f"of dtype {p.dtype}"
+                )
+        _PASSED.append(structure)
     return flat_params, flat_updates, list(map(flat_params.get, flat_updates.keys()))
-
-
-def _check_matched(where: str, params: TensorDictBase, updates: TensorDictBase, inplace: bool) -> None:
-    for name, u in updates.items():
-        p = params.get(name)
-        if p is None:
-            raise ValueError(f"{where}: update {name!r} has no matching parameter")
-        if u.shape != p.shape:
-            raise ValueError(f"{where}: update {name!r} has shape {tuple(u.shape)}, the parameter {tuple(p.shape)}")
-        if u.device != p.device:  # (a meta update would add nothing, silently)
-            raise ValueError(f"{where}: update {name!r} is on {u.device}, the parameter on {p.device}")
-        if inplace and not torch.can_cast(torch.promote_types(p.dtype, u.dtype), p.dtype):
-            raise ValueError(
-                f"{where}: update {name!r} of dtype {u.dtype} cannot be added in place to its parameter "
-                f"of dtype {p.dtype}"
-            )
 
 
 def apply_updates(params: TensorDictBase, updates: TensorDictBase) -> TensorDictBase:
