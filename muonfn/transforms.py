@@ -132,7 +132,7 @@ def donates_state(tx: Transform) -> bool:
 #: per ``init`` and structure of the parameters, the state ``init`` makes: entry -> (shape, dtype, leaf)
 _EXPECTED: dict[tuple[Any, ...], dict[tuple[str, ...], tuple[torch.Size, torch.dtype, str | None]] | None] = {}
 #: the inputs' structures (names, shapes, dtypes, devices, layouts, placements) that passed a check, the
-#: latest 64 (a structure is compared, not hashed: a hit costs one comparison)
+#: latest 64 (compared with the structure at hand, which is not hashed)
 _PASSED: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=64)
 
 
@@ -154,7 +154,6 @@ def check_input(init: InitFn, grads: TensorDictBase, state: Any, params: TensorD
     The check reads metadata alone: an input of a structure that passed it once passes again."""
     if not isinstance(state, TensorDictBase):
         raise TypeError(f"update: state must be a TensorDict made by init, got {type(state).__name__}")
-
     structure = (init, _structure(grads), _structure(state), _structure(params))
     if structure not in _PASSED:
         _check_structure(init, grads, state, params)
