@@ -1002,6 +1002,29 @@ def test_a_structure_that_passed_the_check_does_not_let_another_through() -> Non
     assert int(state["adamw", "step", "b"]) == 2
 
 
+def test_apply_updates_checks_once_per_structure_and_lets_no_other_through() -> None:
+    """``apply_updates`` and ``apply_updates_`` check once per structure of their two trees: after a good
+    update, one of another shape, device or dtype (in place) is still refused, naming it, and nothing is
+    written; the good one adds again."""
+    params = TensorDict({"w": torch.zeros(4, 6), "b": torch.zeros(4)}, [])
+    good = params.apply(torch.ones_like)
+    for apply in (muonfn.apply_updates, muonfn.apply_updates_):
+        params = apply(params, good)
+        bad_shape = good.clone().set("w", torch.ones(6, 4))
+        bad_device = good.clone().set("b", torch.ones(4, device="meta"))
+        cases = [(bad_shape, r"update 'w' has shape \(6, 4\)"), (bad_device, r"update 'b' is on meta")]
+        if apply is muonfn.apply_updates_:
+            bad_dtype = good.clone().set("b", torch.ones(4, dtype=torch.complex64))
+            cases.append((bad_dtype, r"update 'b' of dtype torch.complex64 cannot be added in place"))
+        for bad, match in cases:
+            before = params.clone()
+            with pytest.raises(ValueError, match=match):
+                apply(params, bad)
+            assert_bitwise(params, before)
+        params = apply(params, good)
+    assert_bitwise(params, TensorDict({"w": torch.full((4, 6), 4.0), "b": torch.full((4,), 4.0)}, []))
+
+
 def test_local_orthogonalizer_refuses_a_gpu_form_that_is_no_flag() -> None:
     with pytest.raises(TypeError, match="gpu_form must be True, False or None, got 'yes'"):
         muonfn.LocalOrthogonalizer(gpu_form="yes")  # type: ignore[arg-type]
