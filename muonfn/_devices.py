@@ -169,22 +169,22 @@ def _plain_eager(tensors: Sequence[torch.Tensor]) -> bool:
     )
 
 
-def takes_gpu_orthogonalized(first: torch.Tensor, dtype: torch.dtype, forced: bool | None = None) -> bool:
-    """Whether a call's matrices (like ``first``) take :func:`gpu_orthogonalized`: fp32 iterated in a
-    narrower dtype, off the CPU (``forced``: ``True``/``False`` on any device)."""
+def takes_gpu_orthogonalized(ns: Any, first: torch.Tensor, forced: bool | None = None) -> bool:
+    """Whether a call of ``ns`` on matrices like ``first`` takes :func:`gpu_orthogonalized`: fp32
+    iterated in a narrower dtype, off the CPU (``forced``: ``True``/``False`` on any device)."""
     gpu = first.device.type != "cpu" if forced is None else forced
-    return gpu and first.dtype == torch.float32 and dtype.itemsize < 4
+    return gpu and first.dtype == torch.float32 and ns.iteration_dtype(first).itemsize < 4
 
 
 def gpu_orthogonalized(
-    ns: Any, matrices: Sequence[torch.Tensor], turned: int, scale: float, dtype: torch.dtype, overwrite: bool
+    ns: Any, matrices: Sequence[torch.Tensor], turned: int, scale: float, overwrite: bool
 ) -> list[torch.Tensor]:
     """``scale·NS`` of wide fp32 ``matrices`` of one shape, each a batch of one ``(1, m, n)`` (the last
-    ``turned`` the transposes of tall ones), iterated in ``dtype``: the results in order, the tall ones
-    in their own orientation. ``overwrite``: the matrices are the step's temporaries, which may hold
-    the results."""
+    ``turned`` the transposes of tall ones), iterated in ``ns``'s dtype: the results in order, the tall
+    ones in their own orientation. ``overwrite``: the matrices are the step's temporaries, which may
+    hold the results."""
     # (no name here holds the normalised batch: the iteration's buffers are its only copies)
-    result = ns.iterate(_normalized(ns, matrices, dtype), scale)
+    result = ns.iterate(_normalized(ns, matrices, ns.iteration_dtype(matrices[0])), scale)
     kept = len(matrices) - turned
     tall = _tall_results(result[kept:]) if turned else []
     if overwrite and kept and _plain_eager(matrices) and all(m.is_contiguous() for m in matrices[:kept]):

@@ -425,9 +425,6 @@ def _orthogonalized(
 ) -> list[torch.Tensor]:
     names, values = list(grads.keys()), list(grads.values())
     leaf_views = resolve_views(views, names, values, grads.batch_dims)
-    refuse = getattr(orthogonalizer, "check", None)
-    if callable(refuse):  # (a stateless transform may be stepped without init: a sharded leaf is refused here)
-        refuse(names, values, leaf_views)
     options = {"overwrite_input": True} if fresh and may_write_into(*values) else {}
     return orthogonalizer(names, values, leaf_views, ns, scale, **options)
 
@@ -532,18 +529,18 @@ def _decayed(
     if params is None:
         raise ValueError(f"{where} needs params: call update(grads, state, params)")
     names = list(grads.keys())
-    at: Sequence[int]
-    if mask is None:
-        at, u, p = range(len(names)), updates, list(map(params.get, names))
-    else:
+    u, p = updates, list(map(params.get, names))
+    if mask is not None:
         chosen = set(selected(mask, params.select(*names), f"{where}: mask"))
         at = [i for i, n in enumerate(names) if n in chosen]
-        u, p = [updates[i] for i in at], [params[names[i]] for i in at]
+        u, p = [u[i] for i in at], [p[i] for i in at]
     inplace = inplace and may_write_into(*u, *p)
     if isinstance(factor, torch.Tensor):  # (alpha takes numbers: λp written out, then added)
         added = _foreach("add", u, _foreach("mul", p, _times(factor, p, grads.batch_dims)), inplace=inplace)
     else:
         added = _foreach("add", u, p, alpha=factor, inplace=inplace)
+    if mask is None:
+        return added
     out = list(updates)
     for i, a in zip(at, added):
         out[i] = a

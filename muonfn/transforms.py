@@ -13,7 +13,9 @@ runs, and rebuilds its updates in the input's nesting. The check compares
 
 - every gradient with its parameter (a key of the parameters, their shape, dtype and device);
 - the state with what ``init`` makes of the parameters: its entries, their shapes and dtypes,
-  each on its parameter's device (``init`` runs once on meta tensors per structure);
+  each on its parameter's device (``init`` runs once on meta tensors per structure, a DTensor's
+  with its mesh and placements, and what it refuses, a view that cannot read a leaf or a sharded
+  leaf where whole matrices are needed, is refused here);
 
 so that bad input is refused, naming the leaf, before any member writes a state it was given.
 Members of a composition are handed flat TensorDicts and run unchecked.
@@ -223,14 +225,15 @@ def _state_leaves(td: TensorDictBase, prefix: tuple[str, ...]) -> Any:
 def _expected_state(
     init: InitFn, leaves: TensorDictBase
 ) -> dict[tuple[str, ...], tuple[torch.Size, torch.dtype, str | None]] | None:
-    signature = (init, leaves.batch_size, tuple((k, v.shape, v.dtype) for k, v in leaves.items()))
+    leaf_signature = tuple((k, v.shape, v.dtype, getattr(v, "placements", None)) for k, v in leaves.items())
+    signature = (init, leaves.batch_size, leaf_signature)
     if signature not in _EXPECTED:
-        meta = build(
-            {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in leaves.items()}, leaves.batch_size
-        )
+        meta = build({k: _meta_like(v) for k, v in leaves.items()}, leaves.batch_size)
         try:
             made = init(meta)
-        except Exception:
+        except (ValueError, TypeError):  # a refusal, which reads the leaves' metadata alone
+            raise
+        except Exception:  # an init of one's own that cannot run on meta tensors: no state to compare
             made = None
         expected = None
         if made is not None:
@@ -241,6 +244,14 @@ def _expected_state(
             _EXPECTED.clear()
         _EXPECTED[signature] = expected
     return _EXPECTED[signature]
+
+
+def _meta_like(t: Any) -> torch.Tensor:
+    """An empty ``t`` on the meta device; a DTensor's on its mesh, placed as ``t`` is."""
+    if not hasattr(t, "placements"):
+        return torch.empty(t.shape, dtype=t.dtype, device="meta")
+    local = torch.empty(t.to_local().shape, dtype=t.dtype, device="meta")
+    return type(t).from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
 
 
 # ---------------------------------------------------------------------------------------------- combinators

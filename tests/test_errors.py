@@ -606,6 +606,20 @@ def test_vector_labelled_muon() -> None:
         muonfn.muon(labels=labels).init(params())
 
 
+@pytest.mark.parametrize(
+    "make", [muonfn.orthogonalize, lambda: muonfn.descent(0.1, ns=None)], ids=["orthogonalize", "descent"]
+)
+def test_a_stateless_update_without_init_refuses_what_init_refuses(make: Callable[[], muonfn.Transform]) -> None:
+    """Stepped without ``init``, a stateless Newton–Schulz transform still refuses a leaf its view cannot
+    read: at the entry of its update, before anything is computed, whatever structure it saw before."""
+    tx = make()
+    good = TensorDict({"w": torch.ones(4, 3)}, [])
+    tx.update(good, TensorDict())  # a structure that passes
+    bad = TensorDict({"w": torch.ones(4, 3), "b": torch.ones(3)}, [])
+    with pytest.raises(ValueError, match=r"^'b': shape \(3,\) with batch_dims=0 holds no matrix"):
+        tx.update(bad, TensorDict())
+
+
 def test_bad_view_split() -> None:
     tx = muonfn.muon(views={"0.weight": MatrixView(split=(2, 1))})
     with pytest.raises(ValueError, match=r"'0.weight': split \(2, 1\) does not partition the 4 rows of shape \(4, 3\)"):

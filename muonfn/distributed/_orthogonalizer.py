@@ -84,7 +84,7 @@ class ShardedOrthogonalizer:
     def check(self, names: Sequence[str], tensors: Sequence[torch.Tensor], views: Sequence[MatrixView]) -> None:
         """The refusals of DTensor leaves that need no collective (a ShardSpec of their own,
         collectives that cannot map their mesh, a pending reduction): :func:`~muonfn.orthogonalize`
-        makes them on the parameters at ``init``, and on the updates before it exchanges anything."""
+        makes them on the parameters at ``init`` (and the entry of an update on their meta copies)."""
         declared = named_table(self.shard_specs, names)
         for name, value in zip(names, tensors):
             if hasattr(value, "placements"):
@@ -116,25 +116,22 @@ class ShardedOrthogonalizer:
 
         out: list[torch.Tensor | None] = [None] * len(leaves)
         # whole matrices where they lie: unsharded leaves, and shards that hold whole matrices (experts)
-        whole = [(leaf, tuple(leaf.local.shape)) for leaf in leaves if leaf.group is None]
-        for leaf, shape in whole:
-            leaf.view.check(leaf.name, shape)
+        whole = [leaf for leaf in leaves if leaf.group is None]
+        for leaf in whole:
+            leaf.view.check(leaf.name, leaf.local.shape)
         for _, plan in plans_now:
-            whole += [
-                (leaf, layout.shape) for leaf, layout, local in zip(plan.leaves, plan.layouts, plan.local) if local
-            ]
+            whole += [leaf for leaf, local in zip(plan.leaves, plan.local) if local]
 
         def orthogonalize_whole() -> None:
             done = orthogonalize_blocks(
-                [leaf.local for leaf, _ in whole],
-                [leaf.view for leaf, _ in whole],
+                [leaf.local for leaf in whole],
+                [leaf.view for leaf in whole],
                 ns,
                 scale,
                 bucket_numel=self.bucket_numel,
-                shapes=[shape for _, shape in whole],
                 overwrite_input=overwrite_input,  # (no exchange reads these tensors)
             )
-            for (leaf, _), result in zip(whole, done):
+            for leaf, result in zip(whole, done):
                 out[leaf.index] = leaf.wrap(result)
 
         results = {id(plan): [torch.empty_like(leaf.local) for leaf in plan.leaves] for _, plan in plans_now}

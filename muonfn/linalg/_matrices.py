@@ -242,7 +242,6 @@ def orthogonalize_blocks(
     scale: ScaleFn,
     *,
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-    shapes: Sequence[Sequence[int]] | None = None,
     overwrite_input: bool = False,
     gpu_form: bool | None = None,
 ) -> list[torch.Tensor]:
@@ -250,8 +249,8 @@ def orthogonalize_blocks(
 
     Blocks of one shape, dtype, device and scale are stacked into ``ns`` calls of at most
     ``bucket_numel`` elements; under :class:`~muonfn.NewtonSchulz` a tall block joins the calls of its
-    transpose's shape (an MLP's up and down projections make one call). ``shapes``: the shapes the
-    scale is read from, where they differ from the tensors' (an expert shard of a larger tensor). A
+    transpose's shape (an MLP's up and down projections make one call). Each block's scale is read
+    from its own shape: a shard of whole matrices (experts) scales as the whole tensor does. A
     contiguous tensor maps to a contiguous one, an empty tensor to an empty one. ``gpu_form``: see
     :class:`LocalOrthogonalizer`.
     """
@@ -259,10 +258,10 @@ def orthogonalize_blocks(
     blocks = [view.to_matrices(t) if t.numel() else [] for t, view in zip(tensors, views)]
     calls: dict[tuple[Any, ...], list[list[tuple[int, int]]]] = {}  # (wide shape, dtype, device, scale) -> calls
     filled: dict[tuple[Any, ...], int] = {}  # the elements of each key's last call
-    for i, (view, shape) in enumerate(zip(views, shapes or [t.shape for t in tensors])):
-        for j, (m, s) in enumerate(zip(blocks[i], view.scales(shape, scale))):
+    for i, matrices in enumerate(blocks):
+        for j, m in enumerate(matrices):
             rows, cols = m.shape[-2:]
-            key = ((cols, rows) if turns and rows > cols else (rows, cols), m.dtype, m.device, s)
+            key = ((cols, rows) if turns and rows > cols else (rows, cols), m.dtype, m.device, scale(rows, cols))
             chunks = calls.setdefault(key, [[]])
             if chunks[-1] and filled[key] + m.numel() > bucket_numel:  # the last call is full: another
                 chunks.append([])
@@ -291,13 +290,12 @@ def _call(
     pieces = [_devices.apart(batches[k].mT) if tall[k] else batches[k] for k in order]
     sizes = list(map(len, pieces))  # (the batches' counts)
     out: list[torch.Tensor] = list(batches)
-    if isinstance(ns, NewtonSchulz) and max(sizes) == 1:  # single matrices: a GPU may take its own form
-        dtype = ns.iteration_dtype(pieces[0])
-        if _devices.takes_gpu_orthogonalized(pieces[0], dtype, gpu_form):
-            done = _devices.gpu_orthogonalized(ns, pieces, sum(tall), scale, dtype, overwrite)
-            for k, result in zip(order, done):  # (the tall ones in their own orientation)
-                out[k] = result
-            return out
+    # single matrices: a GPU may take its own form
+    if isinstance(ns, NewtonSchulz) and max(sizes) == 1 and _devices.takes_gpu_orthogonalized(ns, pieces[0], gpu_form):
+        done = _devices.gpu_orthogonalized(ns, pieces, sum(tall), scale, overwrite)
+        for k, result in zip(order, done):  # (the tall ones in their own orientation)
+            out[k] = result
+        return out
     stack = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
     own = overwrite or len(pieces) > 1  # (a stack built here)
     if isinstance(ns, NewtonSchulz):
