@@ -267,19 +267,18 @@ def adamw_kernel(
     decay of its own, subtracts torch's step :math:`\frac{\eta}{c_1}\,\frac{m_t}{\sqrt{v_t}/\sqrt{c_2} + \epsilon}`.
     Without decay that is ``torch.optim.AdamW(fused=True)``'s parameter change, bit for bit. Returns
     the updates and the new state entries."""
-    from ._tree import build
+    from ._tree import build, named_leaves
 
     names, g = list(grads.keys()), list(grads.values())
     plain = _plain_eager(g)  # (else DTensors, which take these ops leaf by leaf)
-    m = [state["exp_avg"][n] for n in names]
-    v = [state["exp_avg_sq"][n] for n in names]
+    m, v = named_leaves(state["exp_avg"], names), named_leaves(state["exp_avg_sq"], names)
     if not donate:  # the kernel writes the moments in place: a new state has its own
         m, v = _copies(m, plain), _copies(v, plain)
-    held = [state["step"][n] for n in names]
+    held = named_leaves(state["step"], names)
     if donate:
         torch._foreach_add_(held, 1)
     counts = held if donate else list(torch._foreach_add(held, 1))
-    updates = _decay_terms([params[n] for n in names], [n in set(decayed) for n in names], -lr * lam, plain)
+    updates = _decay_terms(named_leaves(params, names), [n in set(decayed) for n in names], -lr * lam, plain)
     meshes: dict[int, list[int]] = {}  # (one call per device mesh: a DTensor op takes one)
     for i, t in enumerate(g):
         meshes.setdefault(id(getattr(t, "device_mesh", None)), []).append(i)

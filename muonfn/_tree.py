@@ -42,6 +42,12 @@ def _walk(td: TensorDictBase, prefix: str, out: dict[str, torch.Tensor]) -> None
             out[prefix + name] = value
 
 
+def named_leaves(td: TensorDictBase, names: list[str]) -> list[Any]:
+    """``td``'s leaves named ``names``, in that order: its values as they are where its keys are
+    ``names`` (the state ``init`` made for these leaves), else looked up one by one."""
+    return list(td.values()) if list(td.keys()) == names else [td[n] for n in names]
+
+
 def nested_like(updates: TensorDictBase, like: TensorDictBase) -> TensorDictBase:
     """The flat ``updates`` in the nesting of ``like``, a nested TensorDict, in their order."""
     root: dict[str, Any] = {}

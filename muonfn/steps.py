@@ -21,7 +21,7 @@ import torch
 from tensordict import MemoryMappedTensor, TensorDictBase
 
 from . import _devices
-from ._tree import build, named_table
+from ._tree import build, named_leaves, named_table
 from ._validation import Scalar, ScalarOrSchedule, flag, non_negative, positive, schedule_value, unit_interval
 from .linalg import (
     DEFAULT_VIEW,
@@ -219,8 +219,8 @@ def _name_hash(name: str) -> int:
     return zlib.crc32(name.encode())
 
 
-def _widened_state(held: TensorDictBase, names: Sequence[str]) -> list[torch.Tensor]:
-    return [held[n].float() for n in names]
+def _widened_state(held: TensorDictBase, names: list[str]) -> list[torch.Tensor]:
+    return [x.float() for x in named_leaves(held, names)]
 
 
 def _kept(
@@ -288,10 +288,10 @@ def ema_momentum(
         if donate_state:
             _refuse_memory_mapped("ema_momentum", "momentum", held)
         if counted:
-            counts, t = _counted([state["step"][n] for n in names], donate_state)
+            counts, t = _counted(named_leaves(state["step"], names), donate_state)
         mu = _number(momentum)
         if state_dtype is None:
-            buf = kept = _lerp([held[n] for n in names], g, 1 - mu, inplace=donate_state)  # b ← μ b + (1 − μ) g
+            buf = kept = _lerp(named_leaves(held, names), g, 1 - mu, inplace=donate_state)  # b ← μ b + (1 − μ) g
         else:  # computed in fp32, kept in state_dtype
             g, writable = [x.float() for x in g], donate_state or state_dtype != torch.float32
             buf = _lerp(_widened_state(held, names), g, 1 - mu, inplace=writable)
@@ -529,7 +529,7 @@ def _decayed(
     if params is None:
         raise ValueError(f"{where} needs params: call update(grads, state, params)")
     names = list(grads.keys())
-    u, p = updates, list(map(params.get, names))
+    u, p = updates, named_leaves(params, names)
     if mask is not None:
         chosen = set(selected(mask, params.select(*names), f"{where}: mask"))
         at = [i for i, n in enumerate(names) if n in chosen]
@@ -735,8 +735,8 @@ def _adam_moments(
     held_m, held_v = state["exp_avg"], state["exp_avg_sq"]
     if donate:
         _refuse_memory_mapped("adam", "exp_avg", held_m)
-    counts, t = _counted([state["step"][n] for n in names], donate)
-    starts_m, starts_v = [held_m[n] for n in names], [held_v[n] for n in names]
+    counts, t = _counted(named_leaves(state["step"], names), donate)
+    starts_m, starts_v = named_leaves(held_m, names), named_leaves(held_v, names)
     writable = donate
     if state_dtype is not None:  # computed in fp32
         starts_m, starts_v, g = _widened_state(held_m, names), _widened_state(held_v, names), [x.float() for x in g]
@@ -918,16 +918,16 @@ def adamw(
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
         rate, new = _rate(lr, state, grads)
-        lam, g, members = _number(weight_decay), list(grads.values()), grads.batch_dims
-        beta1 = _number(b1)
+        names, g, members = list(grads.keys()), list(grads.values()), grads.batch_dims
+        lam, beta1 = _number(weight_decay), _number(b1)
         # (the kernel takes β₁ as a number, and the moments in the parameters' dtype)
         numbers = not nesterov and not isinstance(beta1, torch.Tensor) and state_dtype is None
         if (
             numbers
             and params is not None
-            and _devices.adamw_kernel_takes([*g, *params.select(*grads.keys()).values()], members, (rate, lam), fused)
+            and _devices.adamw_kernel_takes([*g, *named_leaves(params, names)], members, (rate, lam), fused)
         ):
-            decayed = selected(weight_decay_mask, params.select(*grads.keys()), "adamw: mask")
+            decayed = selected(weight_decay_mask, params.select(*names), "adamw: mask")
             updates, moments = _devices.adamw_kernel(
                 grads, state, params, decayed, rate, lam, beta1, b2, eps, donate_state
             )
@@ -935,9 +935,7 @@ def adamw(
         wide, m, v, t, moments = _adam_moments(grads, state, b1, b2, donate_state, state_dtype)
         u = _adam_direction(wide, m, v, t, b1, b2, eps, -rate, nesterov, members)
         u = _decayed(u, grads, params, -rate * lam, weight_decay_mask, "adamw", inplace=True)
-        return build(dict(zip(grads.keys(), _cast(u, g))), grads.batch_size), build(
-            {**moments, **new}, state.batch_size
-        )
+        return build(dict(zip(names, _cast(u, g))), grads.batch_size), build({**moments, **new}, state.batch_size)
 
     return transform(init, update, donates_state=donate_state)
 
@@ -1110,8 +1108,8 @@ def scale_by_element_rms(
         values = [o.float() if o.dtype == torch.float16 or state_dtype is not None else o for o in given]
         held = state["exp_avg_sq"]
         if counted:
-            counts, t = _counted([state["step"][n] for n in names], donate_state)
-        starts = _widened_state(held, names) if state_dtype is not None else [held[n] for n in names]
+            counts, t = _counted(named_leaves(state["step"], names), donate_state)
+        starts = _widened_state(held, names) if state_dtype is not None else named_leaves(held, names)
         writable = donate_state or state_dtype == torch.bfloat16
         v = _lerp(starts, _foreach("mul", values, values), 1 - _number(beta), inplace=writable)
         kept = _kept("exp_avg_sq", held, names, v, counts, donate_state) if state_dtype == torch.bfloat16 else v
