@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from .linalg._newton_schulz import may_write_into
+
 #: ``auto`` (measured), ``bfloat16`` or ``float32``: the CPU's Newton–Schulz dtype for a whole process
 CPU_NS_DTYPE_VARIABLE = "MUONFN_CPU_NS_DTYPE"
 CPU_NS_DTYPE_CHOICES = ("auto", "bfloat16", "float32")
@@ -202,8 +204,8 @@ def _normalized(ns: Any, matrices: Sequence[torch.Tensor], dtype: torch.dtype) -
         norms = norms * ns.schedule.norm_factor
     reciprocal = (norms + ns.eps if ns.eps_mode == "add" else norms.clamp_min(ns.eps)).reciprocal()
     stack = torch.cat(list(matrices))
-    recorded = torch.is_grad_enabled() and any(m.requires_grad for m in matrices)  # (out= records nothing)
-    if _plain_eager(matrices) and not recorded:  # one pass: the fp64 product rounded to ``dtype`` as it is stored
+    # one pass: the fp64 product rounded to ``dtype`` as it is stored (out=, which autograd does not record)
+    if _plain_eager(matrices) and may_write_into(*matrices):
         return torch.mul(stack, reciprocal, out=torch.empty(stack.shape, dtype=dtype, device=stack.device))
     return (stack * reciprocal).to(dtype)
 
@@ -240,7 +242,7 @@ def adamw_kernel_takes(
         return False
     device = tensors[0].device
     factors = [f for f in factors if isinstance(f, torch.Tensor)]
-    if not _plain_eager([]) or (torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *factors))):
+    if not may_write_into(*tensors, *factors):  # (traced, mapped, or recorded by autograd)
         return False
     if not all(t.dtype == torch.float32 and t.device == device and t.is_contiguous() for t in tensors):
         return False
@@ -254,7 +256,7 @@ def adamw_kernel(
     grads: Any,
     state: Any,
     params: Any,
-    decayed: list[str],
+    decayed: set[str] | None,
     lr: Any,
     lam: Any,
     b1: float,
@@ -263,10 +265,11 @@ def adamw_kernel(
     donate: bool,
 ) -> tuple[Any, dict[str, Any]]:
     r"""AdamW's update by ``torch._fused_adamw_``, one pass over each leaf: the update starts as
-    :math:`-\eta\lambda p` (0 on a leaf not decayed), and the kernel, given it as its parameter with no
-    decay of its own, subtracts torch's step :math:`\frac{\eta}{c_1}\,\frac{m_t}{\sqrt{v_t}/\sqrt{c_2} + \epsilon}`.
-    Without decay that is ``torch.optim.AdamW(fused=True)``'s parameter change, bit for bit. Returns
-    the updates and the new state entries."""
+    :math:`-\eta\lambda p` (0 on a leaf not in ``decayed``; ``None``: every leaf is decayed), and the
+    kernel, given it as its parameter with no decay of its own, subtracts torch's step
+    :math:`\frac{\eta}{c_1}\,\frac{m_t}{\sqrt{v_t}/\sqrt{c_2} + \epsilon}`. Without decay that is
+    ``torch.optim.AdamW(fused=True)``'s parameter change, bit for bit. Returns the updates and the new
+    state entries."""
     from ._tree import build, named_leaves
 
     names, g = list(grads.keys()), list(grads.values())
@@ -278,18 +281,21 @@ def adamw_kernel(
     if donate:
         torch._foreach_add_(held, 1)
     counts = held if donate else list(torch._foreach_add(held, 1))
-    updates = _decay_terms(named_leaves(params, names), [n in set(decayed) for n in names], -lr * lam, plain)
-    meshes: dict[int, list[int]] = {}  # (one call per device mesh: a DTensor op takes one)
-    for i, t in enumerate(g):
-        meshes.setdefault(id(getattr(t, "device_mesh", None)), []).append(i)
+    flags = None if decayed is None else [n in decayed for n in names]
+    updates = _decay_terms(named_leaves(params, names), flags, -lr * lam, plain)
     # (the kernel reads fp32 counts: one cast for all the leaves' where they are plain tensors)
     steps = list(torch.stack(counts).to(torch.float32).unbind(0)) if plain else [c.to(torch.float32) for c in counts]
     # a tensor rate goes to the kernel as it is (CUDA's ``tensor_lr``); meta, which takes CUDA's paths to
     # count them, has no kernel for it and holds no value: a number stands for it there, the same traffic
     kernel_lr = 0.0 if isinstance(lr, torch.Tensor) and lr.device.type == "meta" else lr
-    for at in meshes.values():
-        torch._fused_adamw_(  # type: ignore[call-overload]  # (lr a number or a 0-d tensor: an overload each)
-            *([x[i] for i in at] for x in (updates, g, m, v)), [], [steps[i] for i in at],
+    meshes: dict[int, list[int]] = {}  # (DTensors: one call per device mesh, as a DTensor op takes one)
+    for i, t in enumerate(() if plain else g):
+        meshes.setdefault(id(getattr(t, "device_mesh", None)), []).append(i)
+    lists = (updates, g, m, v, steps)
+    calls = [lists] if plain else [[[x[i] for i in at] for x in lists] for at in meshes.values()]
+    for u, grad, exp_avg, exp_avg_sq, step in calls:
+        torch._fused_adamw_(
+            u, grad, exp_avg, exp_avg_sq, [], step,
             lr=kernel_lr, beta1=b1, beta2=b2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
         )  # fmt: skip
     size = grads.batch_size
@@ -309,9 +315,11 @@ def _copies(tensors: list[torch.Tensor], plain: bool) -> list[torch.Tensor]:
     return out
 
 
-def _decay_terms(params: list[torch.Tensor], decayed: list[bool], alpha: Any, plain: bool) -> list[torch.Tensor]:
-    """``alpha·p`` for every decayed parameter, zeros for the others: of plain tensors one multi-tensor
-    op each (an op a leaf launches a kernel a leaf), else an op each."""
+def _decay_terms(params: list[torch.Tensor], decayed: list[bool] | None, alpha: Any, plain: bool) -> list[torch.Tensor]:
+    """``alpha·p`` for every decayed parameter (``None``: every one), zeros for the others: of plain
+    tensors one multi-tensor op each (an op a leaf launches a kernel a leaf), else an op each."""
+    if decayed is None:
+        return list(torch._foreach_mul(params, alpha)) if plain else [p.mul(alpha) for p in params]
     if not plain:
         return [p.mul(alpha) if d else torch.zeros_like(p) for p, d in zip(params, decayed)]
     out: list[torch.Tensor] = [torch.empty(0)] * len(params)

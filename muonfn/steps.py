@@ -927,7 +927,8 @@ def adamw(
             and params is not None
             and _devices.adamw_kernel_takes([*g, *named_leaves(params, names)], members, (rate, lam), fused)
         ):
-            decayed = selected(weight_decay_mask, params.select(*names), "adamw: mask")
+            mask = weight_decay_mask
+            decayed = None if mask is None else set(selected(mask, params.select(*names), "adamw: mask"))
             updates, moments = _devices.adamw_kernel(
                 grads, state, params, decayed, rate, lam, beta1, b2, eps, donate_state
             )

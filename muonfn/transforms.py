@@ -228,9 +228,11 @@ def _expected_state(
     leaf_signature = tuple((k, v.shape, v.dtype, getattr(v, "placements", None)) for k, v in leaves.items())
     signature = (init, leaves.batch_size, leaf_signature)
     if signature not in _EXPECTED:
-        meta = build({k: _meta_like(v) for k, v in leaves.items()}, leaves.batch_size)
+        # (a DTensor's copy keeps its mesh and placements, which init may refuse)
+        meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in leaves.items()}
+        meta.update({k: torch.empty_like(v, device="meta") for k, v in leaves.items() if hasattr(v, "placements")})
         try:
-            made = init(meta)
+            made = init(build(meta, leaves.batch_size))
         except (ValueError, TypeError):  # a refusal, which reads the leaves' metadata alone
             raise
         except Exception:  # an init of one's own that cannot run on meta tensors: no state to compare
@@ -244,14 +246,6 @@ def _expected_state(
             _EXPECTED.clear()
         _EXPECTED[signature] = expected
     return _EXPECTED[signature]
-
-
-def _meta_like(t: Any) -> torch.Tensor:
-    """An empty ``t`` on the meta device; a DTensor's on its mesh, placed as ``t`` is."""
-    if not hasattr(t, "placements"):
-        return torch.empty(t.shape, dtype=t.dtype, device="meta")
-    local = torch.empty(t.to_local().shape, dtype=t.dtype, device="meta")
-    return type(t).from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
 
 
 # ---------------------------------------------------------------------------------------------- combinators

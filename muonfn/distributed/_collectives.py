@@ -181,7 +181,9 @@ class TorchCollectives:
         self.all_gather_into_tensor_async(output, input).wait()
 
     def all_gather_into_tensor_async(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
-        return _TorchWork(_all_gather()(output, input, group=self.group, async_op=True))
+        import torch.distributed as dist
+
+        return _TorchWork(dist.all_gather_single(output, input, group=self.group, async_op=True))
 
     def all_to_all_single(
         self,
@@ -235,13 +237,6 @@ class TorchCollectives:
 
     def __repr__(self) -> str:
         return f"TorchCollectives(rank={self.rank}, world_size={self.world_size}, ranks={self.ranks})"
-
-
-def _all_gather() -> Any:
-    import torch.distributed as dist
-
-    # all_gather_single is the newer name (torch >= 2.13 deprecates all_gather_into_tensor)
-    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def torch_collectives(mesh_or_group: DeviceMesh | ProcessGroup) -> TorchCollectives:

@@ -170,21 +170,17 @@ def _power_of_two_unit(largest: torch.Tensor) -> torch.Tensor:
 
 
 def normalized(
-    g: torch.Tensor,
-    schedule: Coefficients,
-    eps: float,
-    eps_mode: str,
-    dtype: torch.dtype,
-    reduction: Reduction | None = None,
-    *,
-    owned: bool = False,
+    g: torch.Tensor, ns: NewtonSchulz, dtype: torch.dtype, reduction: Reduction | None = None, *, owned: bool = False
 ) -> torch.Tensor:
-    r""":math:`G / \max(c\|G\|_F, \varepsilon)` (``"add"``: :math:`G / (c\|G\|_F + \varepsilon)`) of every
-    matrix of a wide ``(count, m, n)`` batch ``g`` in at least fp32, rounded once to ``dtype``.
+    r""":math:`G / \max(c\|G\|_F, \varepsilon)` (``"add"``: :math:`G / (c\|G\|_F + \varepsilon)`, ``ns``'s) of every
+    matrix of a wide ``(count, m, n)`` batch ``g`` in at least fp32 (a contiguous copy of ``g`` where
+    it is narrower or not contiguous), rounded once to ``dtype``.
 
     Each matrix is first multiplied by its power of two (see the module), every term of the
     denominator too, so the quotient has the same bits. ``owned``: ``g`` may be overwritten.
     """
+    wide = g.to(torch.promote_types(g.dtype, torch.float32)).contiguous()
+    owned, g = owned or wide is not g, wide  # (a copy is its own)
     dims = (-2, -1)
     if g.numel():  # max(max G, -min G): two vectorized reductions, no |G| written out
         largest = torch.maximum(g.amax(dim=dims, keepdim=True), g.amin(dim=dims, keepdim=True).neg())
@@ -199,10 +195,10 @@ def normalized(
         norm = torch.linalg.vector_norm(g, dim=dims, keepdim=True)
     else:
         norm = reduction.sum(g.square().sum(dim=dims, keepdim=True)).sqrt()
-    if schedule.norm_factor != 1.0:
-        norm = norm * schedule.norm_factor
-    eps_term = unit * eps
-    denominator = norm.add(eps_term) if eps_mode == "add" else torch.maximum(norm, eps_term)
+    if ns.schedule.norm_factor != 1.0:
+        norm = norm * ns.schedule.norm_factor
+    eps_term = unit * ns.eps
+    denominator = norm.add(eps_term) if ns.eps_mode == "add" else torch.maximum(norm, eps_term)
     # (dividing in place, then casting, is ~3x faster on a CPU than one division into a narrower out=)
     return (g.div_(denominator) if writable else g / denominator).to(dtype)
 
@@ -404,9 +400,7 @@ class NewtonSchulz:
     ) -> torch.Tensor:
         """:meth:`orthogonalize` of a wide ``(count, m, n)`` batch (``m <= n``): the batches a step
         stacks are wide already."""
-        X = batch.to(torch.promote_types(batch.dtype, torch.float32)).contiguous()
-        owned = overwrite_input or X is not batch  # (a copy of its own)
-        X = normalized(X, self.schedule, self.eps, self.eps_mode, self.iteration_dtype(batch), owned=owned)
+        X = normalized(batch, self, self.iteration_dtype(batch), owned=overwrite_input)
         return self.iterate(X, scale).to(batch.dtype)
 
 
@@ -457,8 +451,7 @@ def gram_newton_schulz(
     ns = NewtonSchulz(coefficients, steps, eps, dtype, "gram", eps_mode, restarts)
     _check("gram_newton_schulz", x)
     batch, tall = _wide(x)
-    X = batch.to(torch.promote_types(x.dtype, torch.float32)).contiguous()
-    X = normalized(X, ns.schedule, eps, eps_mode, ns.iteration_dtype(x), owned=X is not batch)
+    X = normalized(batch, ns, ns.iteration_dtype(x))
     restart_at = default_restarts(len(ns.schedule.triples), X.dtype) if ns.restarts is None else ns.restarts
     return _restored(gram_steps(X, ns.schedule, restart_at), x, tall)
 
@@ -469,8 +462,7 @@ def newton_schulz_columns(
     """Newton–Schulz of wide matrices whose columns are split into blocks held elsewhere, given one
     block of each as a ``(count, m, n_r)`` batch; ``reduction`` combines the blocks' values. The
     blocks of the result, in ``dtype``, the iteration's."""
-    g = blocks.to(torch.promote_types(blocks.dtype, torch.float32)).contiguous()
-    X = normalized(g, ns.schedule, ns.eps, ns.eps_mode, dtype, reduction, owned=True)
+    X = normalized(blocks, ns, dtype, reduction, owned=True)
     return standard_steps(X, ns.schedule, reduction=reduction)
 
 
