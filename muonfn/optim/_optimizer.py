@@ -18,7 +18,7 @@ import torch
 from tensordict import TensorDictBase
 
 from .. import transforms
-from .._tree import build, built_nested, named_table
+from .._tree import build, named_table
 from .._validation import Scalar, flag, positive, unit_interval
 from ..linalg import Orthogonalizer
 from ..presets import MUON, VARIANT_OPTIONS, adaptation, label_params, matrix_branch, warn_routing
@@ -378,30 +378,25 @@ class Muon(torch.optim.Optimizer):
 
     def _group_state(self, layout: Mapping[str, Any], tx: Transform | None, names: list[str], params: list[Any]) -> Any:
         """The functional state of ``params`` (named ``names``) from ``opt.state``, laid out by ``layout``;
-        the entries a parameter lacks (all of them where it has none) as ``tx.init`` makes them."""
+        with ``tx``, the entries a parameter lacks (all of them where it has none) as ``tx.init`` makes them."""
         state = self.__dict__["state"]
         held = [state.get(p) or {} for p in params]
-        for name, h in zip(names, held):
-            if tx is not None and not h.keys() <= layout.keys():
-                unknown = next(k for k in h if k not in layout)
-                raise ValueError(
-                    f"the state of parameter {name!r} has no entry {unknown!r}; its entries are {list(layout)}"
-                )
-        lacking = [i for i, h in enumerate(held) if len(h) < len(layout)] if tx is not None else []
-        init = (
-            tx.init(build({names[i]: params[i].detach() for i in lacking}, SIZE))
-            if lacking and tx is not None
-            else None
-        )
-        entries: dict[str, Any] = {}
+        if tx is not None:
+            for name, h in zip(names, held):
+                if not h.keys() <= layout.keys():
+                    unknown = next(k for k in h if k not in layout)
+                    raise ValueError(
+                        f"the state of parameter {name!r} has no entry {unknown!r}; its entries are {list(layout)}"
+                    )
+            lacking = [i for i, h in enumerate(held) if len(h) < len(layout)]
+            if lacking:  # (new dicts: opt.state[p] changes once the step has run)
+                made = tx.init(build({names[i]: params[i].detach() for i in lacking}, SIZE))
+                for i in lacking:
+                    held[i] = {k: held[i][k] if k in held[i] else made[(*path, names[i])] for k, path in layout.items()}
+        out = build({}, SIZE)
         for torch_name, path in layout.items():
-            node = entries
-            for part in path[:-1]:
-                node = node.setdefault(part, {})
-            made = {} if init is None else init.get(path)
-            leaves = {n: h[torch_name] if torch_name in h else made.get(n) for n, h in zip(names, held)}
-            node[path[-1]] = build({n: t for n, t in leaves.items() if t is not None}, SIZE)
-        return built_nested(entries, SIZE)
+            out.set(path, build({n: h[torch_name] for n, h in zip(names, held) if torch_name in h}, SIZE))
+        return out
 
     @property
     def functional_state(self) -> TensorDictBase:
@@ -491,13 +486,15 @@ class Muon(torch.optim.Optimizer):
         for i, (group, names) in enumerate(zip(self.param_groups, self._names())):
             if groups.setdefault(id(group), i) != i:
                 raise ValueError(f"param group {i} is param group {groups[id(group)]} again; a group is stepped once")
+            stepped = []
             for name, p in zip(names, group["params"]):
                 if p in seen:
                     again = "in its params twice" if seen[p] == i else f"also in param group {seen[p]}"
                     raise ValueError(f"param group {i}: parameter {name!r} is {again}")
                 seen[p] = i
+                if p.grad is not None:
+                    stepped.append((name, p))
             branch = self._branch(i, group)
-            stepped = [(n, p) for n, p in zip(names, group["params"]) if p.grad is not None]
             if stepped:
                 parts = [self._inputs(branch, part) for part in _parts(stepped, cap)]
                 whole = parts[0] if len(parts) == 1 else self._inputs(branch, stepped)  # (checked whole)
