@@ -43,6 +43,7 @@ from .steps import (
     descent,
     ema_momentum,
     fresh_updates,
+    is_schedule,
     orthogonalize,
     scale_by_element_rms,
     scale_by_learning_rate,
@@ -454,11 +455,7 @@ def _preset(
     options = SimpleNamespace(**{**PRESET_OPTIONS, **given})
     check_state_dtype(f"muonfn.{adaptation_name}", options.state_dtype)  # (named as the user called it)
     rates = {MUON: lr, ADAMW: lr if options.adamw_lr is None else options.adamw_lr}
-    schedules = {
-        name: BranchSchedule(rate, name)
-        for name, rate in rates.items()
-        if callable(rate) and not isinstance(rate, torch.Tensor)
-    }
+    schedules = {name: BranchSchedule(rate, name) for name, rate in rates.items() if is_schedule(rate)}
     lr, adamw_lr = schedules.get(MUON, rates[MUON]), schedules.get(ADAMW, rates[ADAMW])
     branch = matrix_branch(
         adaptation, lr, momentum, nesterov, options.momentum_bias_correction, options.weight_decay,

@@ -15,14 +15,14 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, TypeGuard
 
 import torch
 from tensordict import MemoryMappedTensor, TensorDictBase
 
 from . import _devices
 from ._tree import build, named_leaves, named_table
-from ._validation import Scalar, ScalarOrSchedule, flag, non_negative, positive, schedule_value, unit_interval
+from ._validation import Scalar, ScalarOrSchedule, Schedule, flag, non_negative, positive, schedule_value, unit_interval
 from .linalg import (
     DEFAULT_VIEW,
     LocalOrthogonalizer,
@@ -586,7 +586,7 @@ def add_decayed_weights(weight_decay: Scalar = 0.0, *, mask: MaskLike = None, ca
 
 def _schedule_init(learning_rate: ScalarOrSchedule) -> Callable[[TensorDictBase], dict[str, torch.Tensor]]:
     """A schedule's state: ``{"count": 0}`` (per ensemble member), on the first leaf's device."""
-    if not _is_schedule(learning_rate):
+    if not is_schedule(learning_rate):
         return lambda params: {}
 
     def init(params: TensorDictBase) -> dict[str, torch.Tensor]:
@@ -596,27 +596,30 @@ def _schedule_init(learning_rate: ScalarOrSchedule) -> Callable[[TensorDictBase]
     return init
 
 
-def _is_schedule(learning_rate: object) -> bool:
+def is_schedule(learning_rate: object) -> TypeGuard[Schedule]:
+    """Whether a learning rate is a schedule ``count -> lr`` (a callable, not a tensor)."""
     return callable(learning_rate) and not isinstance(learning_rate, torch.Tensor)
 
 
 def _check_rate(learning_rate: ScalarOrSchedule) -> None:
-    if not _is_schedule(learning_rate):
+    if not is_schedule(learning_rate):
         non_negative("learning rate", learning_rate)  # type: ignore[arg-type]
 
 
 def _rate(learning_rate: ScalarOrSchedule, state: TensorDictBase, grads: TensorDictBase) -> tuple[Any, dict[str, Any]]:
     """This update's learning rate (a tensor checked by :func:`checked_rate`), and a schedule's advanced
     count for the new state."""
-    lr, new, schedule = learning_rate, {}, _is_schedule(learning_rate)
-    if schedule:
+    if isinstance(learning_rate, int | float):
+        return learning_rate, {}
+    lr: Any = learning_rate
+    new, where = {}, "the learning rate"
+    if is_schedule(learning_rate):
         count, where = state["count"], "the learning rate schedule"
-        lr, new = schedule_value(where, learning_rate(count)), {"count": count + 1}  # type: ignore[operator]
+        lr, new = schedule_value(where, learning_rate(count)), {"count": count + 1}
     if isinstance(lr, torch.Tensor):
         first = next(iter(grads.values()), None)
         device = None if first is None else first.device
-        where = "the learning rate schedule" if schedule else "the learning rate"
-        lr = checked_rate(where, lr, grads.batch_size, device, returned=schedule)
+        lr = checked_rate(where, lr, grads.batch_size, device, returned=bool(new))
     return _number(lr), new
 
 

@@ -22,7 +22,7 @@ from .._tree import build, named_table
 from .._validation import Scalar, flag, positive, unit_interval
 from ..linalg import Orthogonalizer
 from ..presets import MUON, VARIANT_OPTIONS, adaptation, label_params, matrix_branch, warn_routing
-from ..steps import AdamNesterov, NesterovLike, Rescale, ViewsLike, adamw, check_state_dtype
+from ..steps import AdamNesterov, NesterovLike, Rescale, ViewsLike, adamw, check_state_dtype, is_schedule
 from ..transforms import CautiousMode, LabelsLike, MaskLike, Transform, check_input
 from . import _groups, _migration, _routing
 from ._groups import ADAMW_SETTINGS, MUON_SETTINGS, NS_DEFAULTS, SCHEDULED, SHAPING
@@ -126,7 +126,7 @@ class Muon(torch.optim.Optimizer):
     ) -> None:
         where = "Muon(...)"
         for name, value in (("lr", lr), ("adamw_lr", adamw_lr)):
-            if callable(value) and not isinstance(value, torch.Tensor):
+            if is_schedule(value):
                 raise TypeError(f"{where}: {name} takes a number; schedule it with torch.optim.lr_scheduler")
         flag(f"{where}: donate_state", donate_state)
         if labels is not None:
