@@ -727,14 +727,25 @@ def descent(
 # ---------------------------------------------------------------------------------------------- Adam and AdamW
 
 
-def _adam_moments(
-    grads: TensorDictBase, state: TensorDictBase, b1: Scalar, b2: float, donate: bool, state_dtype: torch.dtype | None
-) -> tuple[list[Any], list[Any], list[Any], torch.Tensor, dict[str, TensorDictBase]]:
-    """The gradients (fp32 with ``state_dtype``) and Adam's moments after this update with
-    torch.optim.AdamW's ops (so its bits): ``m.lerp_(g, 1-β₁)``, ``v.mul_(β₂).addcmul_(g, g, value=1-β₂)``
-    (with ``state_dtype`` in fp32, kept as :func:`ema_momentum` keeps its momentum); the stacked fp64
-    counts, and the new state entries."""
-    names, g, b1 = list(grads.keys()), list(grads.values()), _number(b1)
+def _adam(
+    grads: TensorDictBase,
+    state: TensorDictBase,
+    b1: Scalar,
+    b2: float,
+    eps: float,
+    factor: Any,
+    nesterov: AdamNesterov,
+    donate: bool,
+    state_dtype: torch.dtype | None,
+) -> tuple[list[torch.Tensor], dict[str, TensorDictBase]]:
+    r"""``factor`` times Adam's bias-corrected direction, and the new state entries.
+
+    The moments are updated with torch.optim.AdamW's ops (so its bits): ``m.lerp_(g, 1-β₁)``,
+    ``v.mul_(β₂).addcmul_(g, g, value=1-β₂)`` (with ``state_dtype`` in fp32, kept as
+    :func:`ema_momentum` keeps its momentum). Without Nesterov the direction is one division of ``m`` by
+    :math:`D = (\sqrt{v} + \epsilon\sqrt{c_2})\cdot c_1/(\text{factor}\sqrt{c_2})` (:math:`c_k = 1-\beta_k^t`,
+    per leaf in fp64): a factor of 0 makes :math:`D = \pm\infty` and the direction 0, never ``nan``."""
+    names, g, b1, members = list(grads.keys()), list(grads.values()), _number(b1), grads.batch_dims
     held_m, held_v = state["exp_avg"], state["exp_avg_sq"]
     if donate:
         _refuse_memory_mapped("adam", "exp_avg", held_m)
@@ -753,32 +764,13 @@ def _adam_moments(
         kept_v = _kept("exp_avg_sq", held_v, names, v, counts, donate)
     new = {"step": _replaced(state["step"], names, counts), "exp_avg": _replaced(held_m, names, kept_m)}
     new["exp_avg_sq"] = _replaced(held_v, names, kept_v)
-    return g, m, v, t, new
-
-
-def _adam_direction(
-    g: list[torch.Tensor],
-    m: list[Any],
-    v: list[Any],
-    t: torch.Tensor,
-    b1: Scalar,
-    b2: float,
-    eps: float,
-    factor: Any,
-    nesterov: AdamNesterov,
-    members: int,
-) -> list[torch.Tensor]:
-    r"""``factor`` times Adam's bias-corrected direction. Without Nesterov, one division of ``m`` by
-    :math:`D = (\sqrt{v} + \epsilon\sqrt{c_2})\cdot c_1/(\text{factor}\sqrt{c_2})` (:math:`c_k = 1-\beta_k^t`,
-    per leaf in fp64): a factor of 0 makes :math:`D = \pm\infty` and the direction 0, never ``nan``."""
-    b1 = _number(b1)
     c1, root_c2 = _corrections(t, b1), _corrections(t, b2).sqrt()
     roots = _foreach("sqrt", v)
     if not nesterov:
         scale = c1.div(root_c2.mul(factor))
         denominators = _foreach("add", roots, _per_leaf(root_c2.mul(eps), v, members), inplace=may_write_into(*roots))
         denominators = _foreach("mul", denominators, _per_leaf(scale, v, members), inplace=may_write_into(*roots))
-        return _foreach("div", m, denominators)
+        return _foreach("div", m, denominators), new
     denominators = _foreach("add", _foreach("div", roots, _per_leaf(root_c2, v, members)), eps)
     if nesterov == "timm":  # timm's NAdamW: one correction of the look-ahead
         numerators = _foreach("div", _lerp(m, g, 1.0 - b1, inplace=False), _per_leaf(c1, g, members))
@@ -787,11 +779,9 @@ def _adam_direction(
         gradient = _per_leaf(c1.reciprocal().mul(1.0 - b1), g, members)
         numerators = _foreach("add", _foreach("mul", m, moment), _foreach("mul", g, gradient), inplace=True)
     direction = _foreach("div", numerators, denominators)
-    return (
-        direction
-        if isinstance(factor, float) and factor == 1.0
-        else _foreach("mul", direction, _times(factor, g, members))
-    )
+    if isinstance(factor, float) and factor == 1.0:
+        return direction, new
+    return _foreach("mul", direction, _times(factor, g, members)), new
 
 
 def _betas(b1: Scalar, b2: Scalar, eps: float) -> tuple[Scalar, float, float]:
@@ -836,8 +826,7 @@ def scale_by_adam(
     check_state_dtype("scale_by_adam", state_dtype)
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
-        g, m, v, t, new = _adam_moments(grads, state, b1, b2, donate_state, state_dtype)
-        u = _adam_direction(g, m, v, t, b1, b2, eps, 1.0, nesterov, grads.batch_dims)
+        u, new = _adam(grads, state, b1, b2, eps, 1.0, nesterov, donate_state, state_dtype)
         return build(dict(zip(grads.keys(), _cast(u, list(grads.values())))), grads.batch_size), build(
             new, state.batch_size
         )
@@ -936,8 +925,7 @@ def adamw(
                 grads, state, params, decayed, rate, lam, beta1, b2, eps, donate_state
             )
             return updates, build({**moments, **new}, state.batch_size)
-        wide, m, v, t, moments = _adam_moments(grads, state, b1, b2, donate_state, state_dtype)
-        u = _adam_direction(wide, m, v, t, b1, b2, eps, -rate, nesterov, members)
+        u, moments = _adam(grads, state, b1, b2, eps, -rate, nesterov, donate_state, state_dtype)
         u = _decayed(u, grads, params, -rate * lam, weight_decay_mask, "adamw", inplace=True)
         return build(dict(zip(names, _cast(u, g))), grads.batch_size), build({**moments, **new}, state.batch_size)
 

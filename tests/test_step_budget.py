@@ -47,11 +47,11 @@ COUNTS = ("lines", "functions", "files")
 
 #: The figures measured when the budget test was written: none may grow.
 CEILINGS: dict[str, Any] = {
-    "package_code_lines": 6299,
-    "core_code_lines": 2995,
+    "package_code_lines": 6289,
+    "core_code_lines": 2985,
     "muon_keywords": 20,
-    "functional_cpu": {"lines": 287, "functions": 64, "files": 6},
-    "shim_cpu": {"lines": 349, "functions": 81, "files": 7},
+    "functional_cpu": {"lines": 284, "functions": 63, "files": 6},
+    "shim_cpu": {"lines": 346, "functions": 80, "files": 7},
     "functional_meta": {"lines": 284, "functions": 71, "files": 6},
     "shim_meta": {"lines": 341, "functions": 86, "files": 7},
 }
