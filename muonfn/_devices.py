@@ -29,8 +29,6 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .linalg._newton_schulz import may_write_into
-
 #: ``auto`` (measured), ``bfloat16`` or ``float32``: the CPU's Newton–Schulz dtype for a whole process
 CPU_NS_DTYPE_VARIABLE = "MUONFN_CPU_NS_DTYPE"
 CPU_NS_DTYPE_CHOICES = ("auto", "bfloat16", "float32")
@@ -204,8 +202,8 @@ def _normalized(ns: Any, matrices: Sequence[torch.Tensor], dtype: torch.dtype) -
         norms = norms * ns.schedule.norm_factor
     reciprocal = (norms + ns.eps if ns.eps_mode == "add" else norms.clamp_min(ns.eps)).reciprocal()
     stack = torch.cat(list(matrices))
-    # one pass: the fp64 product rounded to ``dtype`` as it is stored (out=, which autograd does not record)
-    if _plain_eager(matrices) and may_write_into(*matrices):
+    recorded = torch.is_grad_enabled() and any(m.requires_grad for m in matrices)  # (out= records nothing)
+    if _plain_eager(matrices) and not recorded:  # one pass: the fp64 product rounded to ``dtype`` as it is stored
         return torch.mul(stack, reciprocal, out=torch.empty(stack.shape, dtype=dtype, device=stack.device))
     return (stack * reciprocal).to(dtype)
 
@@ -242,7 +240,7 @@ def adamw_kernel_takes(
         return False
     device = tensors[0].device
     factors = [f for f in factors if isinstance(f, torch.Tensor)]
-    if not may_write_into(*tensors, *factors):  # (traced, mapped, or recorded by autograd)
+    if not _plain_eager([]) or (torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *factors))):
         return False
     if not all(t.dtype == torch.float32 and t.device == device and t.is_contiguous() for t in tensors):
         return False

@@ -32,7 +32,7 @@ from typing import Any, Literal, NamedTuple, Protocol, TypeAlias
 import torch
 from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor
 
-from ._tree import build, dotted, flat, named_table, nested_like
+from ._tree import build, dotted, flat, named_leaves, named_table, nested_like
 from ._validation import check_params
 
 __all__ = [
@@ -600,7 +600,7 @@ def _matched(
                     f"of dtype {p.dtype}"
                 )
         _PASSED.append(structure)
-    return flat_params, flat_updates, list(map(flat_params.get, flat_updates.keys()))
+    return flat_params, flat_updates, named_leaves(flat_params, list(flat_updates.keys()))
 
 
 def apply_updates(params: TensorDictBase, updates: TensorDictBase) -> TensorDictBase:

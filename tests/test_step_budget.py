@@ -51,9 +51,9 @@ CEILINGS: dict[str, Any] = {
     "core_code_lines": 2985,
     "muon_keywords": 20,
     "functional_cpu": {"lines": 284, "functions": 63, "files": 6},
-    "shim_cpu": {"lines": 346, "functions": 80, "files": 7},
-    "functional_meta": {"lines": 284, "functions": 71, "files": 6},
-    "shim_meta": {"lines": 341, "functions": 86, "files": 7},
+    "shim_cpu": {"lines": 345, "functions": 79, "files": 7},
+    "functional_meta": {"lines": 285, "functions": 73, "files": 6},
+    "shim_meta": {"lines": 341, "functions": 85, "files": 7},
 }
 
 #: The issue's targets (the meta device's are the CPU's).

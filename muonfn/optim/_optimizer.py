@@ -467,7 +467,7 @@ class Muon(torch.optim.Optimizer):
             finally:
                 self._undo = None
             run = self._compiled_run(work) if self._compile and work else _run
-            state = self.state
+            state = self.__dict__["state"]
             for (branch, *_), (names, params, new_state) in zip(work, run([w[1:] for w in work])):
                 for torch_name, path in branch.layout.items():
                     held = new_state.get(path)
