@@ -47,13 +47,13 @@ COUNTS = ("lines", "functions", "files")
 
 #: The figures measured when the budget test was written: none may grow.
 CEILINGS: dict[str, Any] = {
-    "package_code_lines": 6289,
-    "core_code_lines": 2985,
+    "package_code_lines": 6288,
+    "core_code_lines": 2984,
     "muon_keywords": 20,
-    "functional_cpu": {"lines": 284, "functions": 63, "files": 6},
-    "shim_cpu": {"lines": 345, "functions": 79, "files": 7},
-    "functional_meta": {"lines": 285, "functions": 73, "files": 6},
-    "shim_meta": {"lines": 341, "functions": 85, "files": 7},
+    "functional_cpu": {"lines": 283, "functions": 63, "files": 6},
+    "shim_cpu": {"lines": 344, "functions": 79, "files": 7},
+    "functional_meta": {"lines": 284, "functions": 73, "files": 6},
+    "shim_meta": {"lines": 340, "functions": 85, "files": 7},
 }
 
 #: The issue's targets (the meta device's are the CPU's).

@@ -34,6 +34,8 @@ from typing import Any, Literal, NamedTuple, Protocol, TypeAlias, get_args
 
 import torch
 
+from .._devices import cpu_rule, default_ns_dtype
+
 Triple = tuple[float, float, float]
 NSMethod: TypeAlias = Literal["standard", "gram"]
 NS_METHODS: tuple[str, ...] = get_args(NSMethod)
@@ -351,8 +353,6 @@ class NewtonSchulz:
     cpu_rule: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        from .._devices import cpu_rule
-
         object.__setattr__(self, "schedule", ns_schedule(self.coefficients, self.steps))
         object.__setattr__(self, "cpu_rule", cpu_rule())
         eps = self.eps
@@ -374,8 +374,6 @@ class NewtonSchulz:
 
     def iteration_dtype(self, x: torch.Tensor) -> torch.dtype:
         """The dtype the matrices of ``x`` are iterated in (see ``dtype``)."""
-        from .._devices import default_ns_dtype
-
         return default_ns_dtype(x.device, x.dtype, x.shape, self.cpu_rule) if self.dtype is None else self.dtype
 
     def iterate(self, X: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
