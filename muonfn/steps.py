@@ -767,9 +767,9 @@ def _adam(
     c1, root_c2 = _corrections(t, b1), _corrections(t, b2).sqrt()
     roots = _foreach("sqrt", v)
     if not nesterov:
-        scale = c1.div(root_c2.mul(factor))
-        denominators = _foreach("add", roots, _per_leaf(root_c2.mul(eps), v, members), inplace=may_write_into(*roots))
-        denominators = _foreach("mul", denominators, _per_leaf(scale, v, members), inplace=may_write_into(*roots))
+        scale, own = c1.div(root_c2.mul(factor)), may_write_into(*roots)  # (own: the roots are this step's)
+        denominators = _foreach("add", roots, _per_leaf(root_c2.mul(eps), v, members), inplace=own)
+        denominators = _foreach("mul", denominators, _per_leaf(scale, v, members), inplace=own)
         return _foreach("div", m, denominators), new
     denominators = _foreach("add", _foreach("div", roots, _per_leaf(root_c2, v, members)), eps)
     if nesterov == "timm":  # timm's NAdamW: one correction of the look-ahead
