@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDict, TensorDictBase, is_tensor_collection
 
 V = TypeVar("V")
 
@@ -25,7 +25,7 @@ def build(items: Mapping[str, Any], batch_size: torch.Size) -> TensorDict:
 def flat(td: TensorDictBase) -> TensorDictBase:
     """``td`` keyed by dotted names (``td`` itself when it holds no nested TensorDict); a key of a
     nested ``td`` that holds a dot, which would make two leaves one dotted name, is refused."""
-    if not any(isinstance(v, TensorDictBase) for v in td.values()):
+    if not any(map(is_tensor_collection, td.values())):
         return td
     out: dict[str, torch.Tensor] = {}
     _walk(td, "", out)
@@ -42,6 +42,11 @@ def _walk(td: TensorDictBase, prefix: str, out: dict[str, torch.Tensor]) -> None
             out[prefix + name] = value
 
 
+def cast_like(values: Sequence[torch.Tensor], like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each of ``values`` in the dtype of its partner in ``like``."""
+    return [v if v.dtype == t.dtype else v.to(t.dtype) for v, t in zip(values, like)]
+
+
 def named_leaves(td: TensorDictBase, names: list[str]) -> list[Any]:
     """``td``'s leaves named ``names``, in that order: its values as they are where its keys are
     ``names`` (the state ``init`` made for these leaves), else looked up one by one."""
@@ -51,18 +56,19 @@ def named_leaves(td: TensorDictBase, names: list[str]) -> list[Any]:
 def nested_like(updates: TensorDictBase, like: TensorDictBase) -> TensorDictBase:
     """The flat ``updates`` in the nesting of ``like``, a nested TensorDict, in their order."""
     root: dict[str, Any] = {}
+    inner: list[tuple[dict[str, Any], str]] = []  # (parent, name) of every inner node, after its parent's
     for name, value in updates.items():
         *path, leaf = name.split(".")
         node = root
         for part in path:
-            node = node.setdefault(part, {})
+            if part not in node:
+                node[part] = {}
+                inner.append((node, part))
+            node = node[part]
         node[leaf] = value
-    return built_nested(root, like.batch_size)
-
-
-def built_nested(node: dict[str, Any], batch_size: torch.Size) -> TensorDict:
-    """A TensorDict of ``node``, a dict whose values are tensors, TensorDicts or dicts of the same kind."""
-    return build({k: built_nested(v, batch_size) if type(v) is dict else v for k, v in node.items()}, batch_size)
+    for parent, part in reversed(inner):  # (a node's children are TensorDicts before it becomes one)
+        parent[part] = build(parent[part], like.batch_size)
+    return build(root, like.batch_size)
 
 
 def dotted(name: str | Sequence[str]) -> str:

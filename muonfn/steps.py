@@ -21,7 +21,7 @@ import torch
 from tensordict import MemoryMappedTensor, TensorDictBase
 
 from . import _devices
-from ._tree import build, named_leaves, named_table
+from ._tree import build, cast_like, named_leaves, named_table
 from ._validation import Scalar, ScalarOrSchedule, Schedule, flag, non_negative, positive, schedule_value, unit_interval
 from .linalg import (
     DEFAULT_VIEW,
@@ -108,7 +108,6 @@ def _widened(op: str, t: torch.Tensor, operands: Sequence[Any], kw: dict[str, An
 def _lerp(starts: Sequence[torch.Tensor], ends: Sequence[torch.Tensor], weight: Any, inplace: bool) -> list[Any]:
     """``start + weight·(end - start)`` per pair, as ``torch.lerp`` computes it (a tensor ``weight``
     taken in each leaf's dtype, at least fp32)."""
-    weight = _number(weight)
     if not isinstance(weight, torch.Tensor):
         return _foreach("lerp", starts, ends, weight, inplace=inplace)
     out = []
@@ -167,10 +166,6 @@ def _counts(params: TensorDictBase) -> TensorDictBase:
     """A step count of zero per leaf (per ensemble member), a DTensor param's replicated on its mesh."""
     size = params.batch_size
     return build({n: p.new_zeros(size, dtype=torch.int64) for n, p in params.items()}, size)
-
-
-def _cast(updates: Sequence[torch.Tensor], like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return [u if u.dtype == g.dtype else u.to(g.dtype) for u, g in zip(updates, like)]
 
 
 # ---------------------------------------------------------------------------------------------- narrowed state
@@ -307,14 +302,14 @@ def ema_momentum(
                 u = _foreach("add", _foreach("mul", buf, moment), _foreach("mul", g, gradient), inplace=True)
             else:
                 u = _foreach("div", buf, _per_leaf(_corrections(t, mu), buf, members))
-            u = _cast(u, g)
         elif nesterov == "add":
             u = _foreach("add", g, buf)
         elif nesterov:
             u = _lerp(g, buf, mu, inplace=False)  # μ b + (1 − μ) g
         else:
             u = buf
-        return build(dict(zip(names, _cast(u, list(grads.values())))), grads.batch_size), build(new, state.batch_size)
+        updates = build(dict(zip(names, cast_like(u, list(grads.values())))), grads.batch_size)
+        return updates, build(new, state.batch_size)
 
     return transform(init, update, donates_state=donate_state)
 
@@ -664,7 +659,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule) -> Transform:
         out = _foreach(
             "mul", values, _times(-lr if not isinstance(lr, torch.Tensor) else lr.neg(), values, grads.batch_dims)
         )
-        return build(dict(zip(grads.keys(), _cast(out, values))), grads.batch_size), build(new, state.batch_size)
+        return build(dict(zip(grads.keys(), cast_like(out, values))), grads.batch_size), build(new, state.batch_size)
 
     return transform(lambda params: build(schedule_init(params), params.batch_size), update)
 
@@ -718,7 +713,7 @@ def descent(
         if isinstance(lr, torch.Tensor):
             out = _foreach("mul", out, _times(lr.neg(), out, grads.batch_dims), inplace=may_write_into(*out, lr))
         out = _decayed(out, grads, params, -lr * lam, mask, "descent", inplace=True)
-        updates = build(dict(zip(grads.keys(), _cast(out, values))), grads.batch_size)
+        updates = build(dict(zip(grads.keys(), cast_like(out, values))), grads.batch_size)
         return updates, build(new, state.batch_size)
 
     return transform(init, update)
@@ -827,7 +822,7 @@ def scale_by_adam(
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
         u, new = _adam(grads, state, b1, b2, eps, 1.0, nesterov, donate_state, state_dtype)
-        return build(dict(zip(grads.keys(), _cast(u, list(grads.values())))), grads.batch_size), build(
+        return build(dict(zip(grads.keys(), cast_like(u, list(grads.values())))), grads.batch_size), build(
             new, state.batch_size
         )
 
@@ -927,7 +922,7 @@ def adamw(
             return updates, build({**moments, **new}, state.batch_size)
         u, moments = _adam(grads, state, b1, b2, eps, -rate, nesterov, donate_state, state_dtype)
         u = _decayed(u, grads, params, -rate * lam, weight_decay_mask, "adamw", inplace=True)
-        return build(dict(zip(names, _cast(u, g))), grads.batch_size), build({**moments, **new}, state.batch_size)
+        return build(dict(zip(names, cast_like(u, g))), grads.batch_size), build({**moments, **new}, state.batch_size)
 
     return transform(init, update, donates_state=donate_state)
 
@@ -1040,7 +1035,7 @@ def scale_by_neuron_norm(
         # donated, the views were written in place: the state keeps its own tensors
         kept = [held[k] if donate_state else n.reshape(held[k].shape) for k, n in zip(names, new)]
         entry = build({"row_second_moment": _replaced(held, names, kept)}, state.batch_size)
-        return build(dict(zip(names, _cast(out, given))), grads.batch_size), entry
+        return build(dict(zip(names, cast_like(out, given))), grads.batch_size), entry
 
     return transform(init, update, donates_state=donate_state)
 
@@ -1119,7 +1114,7 @@ def scale_by_element_rms(
                 continue
             pairs = zip(view.to_matrices(a), view.to_matrices(o))
             out.append(view.from_matrices([_rescaled(b, before, rescale, eps) for b, before in pairs], o.shape))
-        return build(dict(zip(names, _cast(out, given))), grads.batch_size), build(new, state.batch_size)
+        return build(dict(zip(names, cast_like(out, given))), grads.batch_size), build(new, state.batch_size)
 
     return transform(init, update, donates_state=donate_state)
 

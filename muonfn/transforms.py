@@ -32,7 +32,7 @@ from typing import Any, Literal, NamedTuple, Protocol, TypeAlias
 import torch
 from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor
 
-from ._tree import build, dotted, flat, named_leaves, named_table, nested_like
+from ._tree import build, cast_like, dotted, flat, named_leaves, named_table, nested_like
 from ._validation import check_params
 
 __all__ = [
@@ -383,13 +383,13 @@ def partition(transforms: Mapping[str, Transform], labels: LabelsLike) -> Transf
         return routes[names]
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
-        size, out, new = grads.batch_size, {}, dict(state.items())
+        out, new = dict.fromkeys(grads.keys()), dict(state.items())  # (the updates in the gradients' order)
         for label, names in branches(grads, params).items():
             if names:
                 sub_params = None if params is None else params.select(*names)
                 updates, new[label] = transforms[label].update(grads.select(*names), state[label], sub_params)
                 out.update(updates.items())
-        return build({n: out[n] for n in grads.keys()}, size), build(new, state.batch_size)
+        return build(out, grads.batch_size), build(new, state.batch_size)
 
     return transform(init, update, donates_state=any(map(donates_state, transforms.values())))
 
@@ -612,8 +612,7 @@ def apply_updates(params: TensorDictBase, updates: TensorDictBase) -> TensorDict
     """
     flat_params, flat_updates, targets = _matched(params, updates, inplace=False)
     sums = _added(targets, list(flat_updates.values()), inplace=False)
-    new = {n: s if s.dtype == p.dtype else s.to(p.dtype) for n, s, p in zip(flat_updates.keys(), sums, targets)}
-    summed = build({**flat_params, **new}, params.batch_size)
+    summed = build({**flat_params, **dict(zip(flat_updates.keys(), cast_like(sums, targets)))}, params.batch_size)
     return summed if flat_params is params else nested_like(summed, params)
 
 

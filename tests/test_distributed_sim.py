@@ -613,15 +613,12 @@ def test_hsdp_replicas_share_the_work() -> None:
 
 
 class _OrderRecorder(CountingCollectives):
-    """Records the order of exchanges and Newton–Schulz calls."""
+    """Records the order of exchanges and Newton–Schulz calls (a blocking exchange starts its
+    ``*_async`` form and waits)."""
 
     def __init__(self, inner: Any, events: list[str]) -> None:
         super().__init__(inner)
         self.events = events
-
-    def all_to_all_single(self, *args: Any) -> None:
-        self.events.append("exchange")
-        super().all_to_all_single(*args)
 
     def all_to_all_single_async(self, *args: Any) -> Any:
         self.events.append("exchange")

@@ -26,8 +26,9 @@ ALLOWED = {
     "qk_clip": {"linalg", "_tree"},
     "optim": {"presets", "steps", "transforms", "linalg", "_tree", "_validation"},
     "distributed": {"linalg", "_tree"},
-    # hypothesis strategies and invariant checks for users' orthogonalizers (hypothesis is an optional extra)
-    "testing": {"linalg"},
+    # hypothesis strategies and invariant checks for users' orthogonalizers (hypothesis is an optional extra),
+    # and simulated collectives, a test double of distributed's interface
+    "testing": {"linalg", "distributed"},
     # one step in plain PyTorch, the oracle the fast paths are tested against: it shares no code with them
     "reference": set(),
 }

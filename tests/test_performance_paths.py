@@ -16,7 +16,6 @@ from torch.overrides import TorchFunctionMode
 
 import muonfn
 from muonfn import MatrixView
-from muonfn.linalg import orthogonalize_blocks
 
 # Real-model shapes. (MKL computes a few matrices with 5–11 rows differently in a batch
 # than alone, so bitwise batch = loop is a property of the BLAS for those; not used here.)
@@ -35,6 +34,13 @@ SHAPES = {
     "norm": (32,),
 }
 VIEWS = {"experts": MatrixView(batch_dims=1), "fused": MatrixView(split=(32, 16, 32))}
+
+
+def orthogonalize_blocks(tensors, views, ns, scale, **options):
+    """The local orthogonalizer's call on unnamed tensors."""
+    return muonfn.linalg.LocalOrthogonalizer(**options)(
+        [f"t{i}" for i in range(len(tensors))], tensors, views, ns, scale
+    )
 
 
 def make(seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[TensorDict, TensorDict]:

@@ -94,6 +94,7 @@ class AsyncCollectives(Collectives, Protocol):
 
     Operations of one group complete in the order they were started, on every rank; the
     caller leaves the buffers of an operation alone until its handle's ``wait()`` returns.
+    A class that subclasses it inherits the blocking forms: each starts its ``*_async`` form and waits.
     """
 
     def all_gather_into_tensor_async(self, output: torch.Tensor, input: torch.Tensor) -> Handle: ...
@@ -105,6 +106,18 @@ class AsyncCollectives(Collectives, Protocol):
         output_split_sizes: Sequence[int],
         input_split_sizes: Sequence[int],
     ) -> Handle: ...
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        self.all_gather_into_tensor_async(output, input).wait()
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int],
+        input_split_sizes: Sequence[int],
+    ) -> None:
+        self.all_to_all_single_async(output, input, output_split_sizes, input_split_sizes).wait()
 
 
 def start_all_to_all_single(
@@ -147,7 +160,7 @@ class _TorchWork:
         self.work.wait()
 
 
-class TorchCollectives:
+class TorchCollectives(AsyncCollectives):
     """:class:`Collectives` over a ``torch.distributed`` process group (gloo or NCCL).
 
     Made by :func:`torch_collectives`. Unequal exchanges use the single-tensor forms
@@ -177,22 +190,10 @@ class TorchCollectives:
     def world_size(self) -> int:
         return self._world_size
 
-    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        self.all_gather_into_tensor_async(output, input).wait()
-
     def all_gather_into_tensor_async(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
         import torch.distributed as dist
 
         return _TorchWork(dist.all_gather_single(output, input, group=self.group, async_op=True))
-
-    def all_to_all_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        output_split_sizes: Sequence[int],
-        input_split_sizes: Sequence[int],
-    ) -> None:
-        self.all_to_all_single_async(output, input, output_split_sizes, input_split_sizes).wait()
 
     def all_to_all_single_async(
         self,
@@ -281,7 +282,7 @@ class _Counters:
     calls: dict[str, int] = field(default_factory=dict)
 
 
-class CountingCollectives:
+class CountingCollectives(AsyncCollectives):
     """Wraps a :class:`Collectives` and counts what this rank moves over the wire.
 
     ``bytes_received`` / ``bytes_sent`` exclude a rank's exchange with itself;
@@ -338,20 +339,6 @@ class CountingCollectives:
         sent = sum(n for r, n in enumerate(input_split_sizes) if r != me) * size
         received = sum(n for r, n in enumerate(output_split_sizes) if r != me) * size
         self._count("all_to_all_single", sent, received)
-
-    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        self._count_gather(input)
-        self.inner.all_gather_into_tensor(output, input)
-
-    def all_to_all_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        output_split_sizes: Sequence[int],
-        input_split_sizes: Sequence[int],
-    ) -> None:
-        self._count_all_to_all(input, output_split_sizes, input_split_sizes)
-        self.inner.all_to_all_single(output, input, output_split_sizes, input_split_sizes)
 
     def all_gather_into_tensor_async(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
         self._count_gather(input)

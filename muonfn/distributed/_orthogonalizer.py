@@ -23,7 +23,7 @@ from typing import Any, Literal, TypeAlias, get_args
 import torch
 
 from .._tree import named_table
-from ..linalg import DEFAULT_BUCKET_NUMEL, MatrixFn, MatrixView, ScaleFn, check_bucket_numel, orthogonalize_blocks
+from ..linalg import DEFAULT_BUCKET_NUMEL, LocalOrthogonalizer, MatrixFn, MatrixView, ScaleFn, check_bucket_numel
 from ._collectives import Collectives, check_collectives
 from ._gather import GatherRound
 from ._layout import ShardSpec, checked_shard_specs
@@ -123,12 +123,12 @@ class ShardedOrthogonalizer:
             whole += [leaf for leaf, local in zip(plan.leaves, plan.local) if local]
 
         def orthogonalize_whole() -> None:
-            done = orthogonalize_blocks(
+            done = LocalOrthogonalizer(bucket_numel=self.bucket_numel)(
+                [leaf.name for leaf in whole],
                 [leaf.local for leaf in whole],
                 [leaf.view for leaf in whole],
                 ns,
                 scale,
-                bucket_numel=self.bucket_numel,
                 overwrite_input=overwrite_input,  # (no exchange reads these tensors)
             )
             for leaf, result in zip(whole, done):

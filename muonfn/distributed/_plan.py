@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ..linalg import MatrixFn, MatrixView, ScaleFn, newton_schulz_flops, orthogonalize_blocks
+from ..linalg import LocalOrthogonalizer, MatrixFn, MatrixView, ScaleFn, newton_schulz_flops
 from ._collectives import FINISHED, Collectives, Handle
 from ._layout import (
     Box,
@@ -523,9 +523,9 @@ def orthogonalize_units(
     plan: Plan, units: list[int], fulls: dict[int, torch.Tensor], ns: MatrixFn, scale: ScaleFn, cap: int
 ) -> dict[int, torch.Tensor]:
     """``scale * NS`` of whole units, through each leaf's view; same shapes batched."""
-    views = [unit_view(plan.leaves[plan.units[u].leaf].view) for u in units]
-    done = orthogonalize_blocks([fulls[u] for u in units], views, ns, scale, bucket_numel=cap)
-    return dict(zip(units, done))
+    leaves = [plan.leaves[plan.units[u].leaf] for u in units]
+    names, views = [leaf.name for leaf in leaves], [unit_view(leaf.view) for leaf in leaves]
+    return dict(zip(units, LocalOrthogonalizer(bucket_numel=cap)(names, [fulls[u] for u in units], views, ns, scale)))
 
 
 class ExchangeRound:

@@ -19,7 +19,6 @@ from ._matrices import (
     check_bucket_numel,
     check_matrix_fn,
     checked_map_result,
-    orthogonalize_blocks,
     shape_scale,
 )
 from ._newton_schulz import (
@@ -82,7 +81,6 @@ __all__ = [
     "newton_schulz_columns",
     "newton_schulz_flops",
     "ns_schedule",
-    "orthogonalize_blocks",
     "polar",
     "qr_orthogonal",
     "shape_scale",

@@ -31,11 +31,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any, Literal, Protocol, TypeAlias, get_args
 
 import torch
 
-from .. import _devices
+from .._devices import apart, gpu_orthogonalized, takes_gpu_orthogonalized
 from ._newton_schulz import NewtonSchulz, may_write_into
 
 ScaleMode: TypeAlias = Literal["original", "match_rms_adamw", "spectral", "unit_rms_norm", "none"]
@@ -192,12 +193,17 @@ def check_bucket_numel(bucket_numel: int) -> int:
 
 
 class LocalOrthogonalizer:
-    """The :class:`Orthogonalizer` of whole matrices in one process: :func:`orthogonalize_blocks`.
+    """The :class:`Orthogonalizer` of whole matrices in one process.
+
+    Blocks of one shape, dtype, device and scale are stacked into ``ns`` calls of at most
+    ``bucket_numel`` elements; under :class:`~muonfn.NewtonSchulz` a tall block joins the calls of its
+    transpose's shape (an MLP's up and down projections make one call). Each block's scale is read
+    from its own shape: a shard of whole matrices (experts) scales as the whole tensor does. A
+    contiguous tensor maps to a contiguous one, an empty tensor to an empty one.
 
     Refuses a tensor its view cannot read, and a DTensor sharded across ranks (no whole matrix).
-    ``bucket_numel``: at most this many elements per batched Newton–Schulz call. ``gpu_form``: take a
-    GPU's form of a call (see :mod:`muonfn._devices`): ``None`` off the CPU, ``True``/``False`` always
-    or never (the same values to rounding; a test asks for either on any device).
+    ``gpu_form``: take a GPU's form of a call (see :mod:`muonfn._devices`): ``None`` off the CPU,
+    ``True``/``False`` always or never (the same values to rounding; a test asks for either on any device).
     """
 
     def __init__(self, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL, gpu_form: bool | None = None) -> None:
@@ -216,10 +222,31 @@ class LocalOrthogonalizer:
         *,
         overwrite_input: bool = False,
     ) -> list[torch.Tensor]:
-        return orthogonalize_blocks(
-            tensors, views, ns, scale, bucket_numel=self.bucket_numel, overwrite_input=overwrite_input,
-            gpu_form=self.gpu_form,
-        )  # fmt: skip
+        turns = isinstance(ns, NewtonSchulz)
+        blocks = [view.to_matrices(t) if t.numel() else [] for t, view in zip(tensors, views)]
+        calls: dict[
+            tuple[Any, ...], list[list[tuple[bool, int, int]]]
+        ] = {}  # (wide shape, dtype, device, scale) -> calls
+        filled: dict[tuple[Any, ...], int] = {}  # the elements of each key's last call
+        for i, matrices in enumerate(blocks):
+            for j, m in enumerate(matrices):
+                rows, cols = m.shape[-2:]
+                tall = turns and rows > cols
+                key = ((cols, rows) if tall else (rows, cols), m.dtype, m.device, scale(rows, cols))
+                chunks = calls.setdefault(key, [[]])
+                if chunks[-1] and filled[key] + m.numel() > self.bucket_numel:  # the last call is full: another
+                    chunks.append([])
+                filled[key] = m.numel() + (filled[key] if chunks[-1] else 0)
+                chunks[-1].append((tall, i, j))
+        for (_, _, _, s), chunks in calls.items():
+            for chunk in chunks:
+                chunk.sort()  # the wide blocks first, each kind in order
+                _call(blocks, chunk, ns, s, overwrite_input, self.gpu_form)
+        out = []
+        for t, view, done in zip(tensors, views, blocks):
+            result = view.from_matrices(done, t.shape) if done else torch.empty_like(t)
+            out.append(result if result.is_contiguous() or not t.is_contiguous() else result.contiguous())
+        return out
 
     @staticmethod
     def check(names: Sequence[str], tensors: Sequence[torch.Tensor], views: Sequence[MatrixView]) -> None:
@@ -235,79 +262,35 @@ class LocalOrthogonalizer:
         return f"LocalOrthogonalizer(bucket_numel={self.bucket_numel}, gpu_form={self.gpu_form})"
 
 
-def orthogonalize_blocks(
-    tensors: Sequence[torch.Tensor],
-    views: Sequence[MatrixView],
-    ns: MatrixFn,
-    scale: ScaleFn,
-    *,
-    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-    overwrite_input: bool = False,
-    gpu_form: bool | None = None,
-) -> list[torch.Tensor]:
-    """``scale(A, B)·ns(M)`` for every block ``M`` of every tensor as its view reads it.
-
-    Blocks of one shape, dtype, device and scale are stacked into ``ns`` calls of at most
-    ``bucket_numel`` elements; under :class:`~muonfn.NewtonSchulz` a tall block joins the calls of its
-    transpose's shape (an MLP's up and down projections make one call). Each block's scale is read
-    from its own shape: a shard of whole matrices (experts) scales as the whole tensor does. A
-    contiguous tensor maps to a contiguous one, an empty tensor to an empty one. ``gpu_form``: see
-    :class:`LocalOrthogonalizer`.
-    """
-    turns = isinstance(ns, NewtonSchulz)
-    blocks = [view.to_matrices(t) if t.numel() else [] for t, view in zip(tensors, views)]
-    calls: dict[tuple[Any, ...], list[list[tuple[int, int]]]] = {}  # (wide shape, dtype, device, scale) -> calls
-    filled: dict[tuple[Any, ...], int] = {}  # the elements of each key's last call
-    for i, matrices in enumerate(blocks):
-        for j, m in enumerate(matrices):
-            rows, cols = m.shape[-2:]
-            key = ((cols, rows) if turns and rows > cols else (rows, cols), m.dtype, m.device, scale(rows, cols))
-            chunks = calls.setdefault(key, [[]])
-            if chunks[-1] and filled[key] + m.numel() > bucket_numel:  # the last call is full: another
-                chunks.append([])
-            filled[key] = m.numel() + (filled[key] if chunks[-1] else 0)
-            chunks[-1].append((i, j))
-    for (_, _, _, s), chunks in calls.items():
-        for chunk in chunks:
-            results = _call([blocks[i][j] for i, j in chunk], ns, s, overwrite_input, gpu_form)
-            for (i, j), result in zip(chunk, results):
-                blocks[i][j] = result
-    out = []
-    for t, view, done in zip(tensors, views, blocks):
-        result = view.from_matrices(done, t.shape) if done else torch.empty_like(t)
-        out.append(result if result.is_contiguous() or not t.is_contiguous() else result.contiguous())
-    return out
-
-
 def _call(
-    batches: list[torch.Tensor], ns: MatrixFn, scale: float, overwrite: bool, gpu_form: bool | None
-) -> list[torch.Tensor]:
-    """``scale·ns`` of ``(count, rows, cols)`` batches of one wide shape in one call: the wide ones
-    first, the tall ones transposed after them; each result in its batch's orientation."""
-    turns = isinstance(ns, NewtonSchulz)
-    tall = [turns and b.size(-2) > b.size(-1) for b in batches]
-    order = sorted(range(len(batches)), key=tall.__getitem__)
-    pieces = [_devices.apart(batches[k].mT) if tall[k] else batches[k] for k in order]
+    blocks: list[list[torch.Tensor]],
+    chunk: list[tuple[bool, int, int]],
+    ns: MatrixFn,
+    scale: float,
+    overwrite: bool,
+    gpu_form: bool | None,
+) -> None:
+    """Replaces the ``(count, rows, cols)`` batches ``blocks[i][j]`` that ``chunk`` names (``(tall, i, j)``,
+    the wide ones first) by ``scale·ns`` of them, in one call on their wide shape."""
+    pieces = [apart(blocks[i][j].mT) if tall else blocks[i][j] for tall, i, j in chunk]
     sizes = list(map(len, pieces))  # (the batches' counts)
-    out: list[torch.Tensor] = list(batches)
-    # single matrices: a GPU may take its own form
-    if isinstance(ns, NewtonSchulz) and max(sizes) == 1 and _devices.takes_gpu_orthogonalized(ns, pieces[0], gpu_form):
-        done = _devices.gpu_orthogonalized(ns, pieces, sum(tall), scale, overwrite)
-        for k, result in zip(order, done):  # (the tall ones in their own orientation)
-            out[k] = result
-        return out
-    stack = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-    own = overwrite or len(pieces) > 1  # (a stack built here)
-    if isinstance(ns, NewtonSchulz):
-        result = ns.orthogonalize_wide(stack, scale=scale, overwrite_input=own)
+    # single matrices: a GPU may take its own form, which returns the tall ones in their own orientation
+    gpu = isinstance(ns, NewtonSchulz) and max(sizes) == 1 and takes_gpu_orthogonalized(ns, pieces[0], gpu_form)
+    if gpu:
+        results = gpu_orthogonalized(ns, pieces, sum(map(itemgetter(0), chunk)), scale, overwrite)
     else:
-        result = checked_map_result(ns, stack, ns(stack))
-        if not own and _shares_memory(result, stack):  # a map of one's own may hand its input back
-            result = result.clone()
-        result = result if scale == 1.0 else result.mul(scale)
-    for k, r in zip(order, result.split(sizes)):
-        out[k] = _devices.apart(r.mT) if tall[k] else r
-    return out
+        stack = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        own = overwrite or len(pieces) > 1  # (a stack built here)
+        if isinstance(ns, NewtonSchulz):
+            result = ns.orthogonalize_wide(stack, scale=scale, overwrite_input=own)
+        else:
+            result = checked_map_result(ns, stack, ns(stack))
+            if not own and _shares_memory(result, stack):  # a map of one's own may hand its input back
+                result = result.clone()
+            result = result if scale == 1.0 else result.mul(scale)
+        results = result.split(sizes)
+    for (tall, i, j), r in zip(chunk, results):
+        blocks[i][j] = apart(r.mT) if tall and not gpu else r
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

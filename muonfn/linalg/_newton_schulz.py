@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, Literal, NamedTuple, Protocol, TypeAlias, get_args
 
 import torch
@@ -153,7 +154,7 @@ def may_write_into(*tensors: torch.Tensor) -> bool:
     return not (
         torch._C._are_functorch_transforms_active()
         or torch.compiler.is_compiling()
-        or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        or (torch.is_grad_enabled() and any(map(attrgetter("requires_grad"), tensors)))
     )
 
 

@@ -26,6 +26,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from ..distributed import AsyncCollectives
+
 T = TypeVar("T")
 
 
@@ -125,7 +127,7 @@ class _Group:
             return self.channels[rank]
 
 
-class SimulatedCollectives:
+class SimulatedCollectives(AsyncCollectives):
     """:class:`muonfn.distributed.Collectives` (and their ``*_async`` forms) of one virtual rank
     inside :func:`simulate`."""
 
@@ -201,9 +203,6 @@ class SimulatedCollectives:
 
         return self._start(run, (self.world_size - 1) * input.nbytes)
 
-    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        self.all_gather_into_tensor_async(output, input).wait()
-
     def all_to_all_single_async(
         self,
         output: torch.Tensor,
@@ -237,15 +236,6 @@ class SimulatedCollectives:
 
         received = sum(n for r, n in enumerate(output_split_sizes) if r != self.rank) * output.element_size()
         return self._start(run, received)
-
-    def all_to_all_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        output_split_sizes: Sequence[int],
-        input_split_sizes: Sequence[int],
-    ) -> None:
-        self.all_to_all_single_async(output, input, output_split_sizes, input_split_sizes).wait()
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         def run() -> None:
