@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ._tree import build, named_leaves
+
 #: ``auto`` (measured), ``bfloat16`` or ``float32``: the CPU's Newton–Schulz dtype for a whole process
 CPU_NS_DTYPE_VARIABLE = "MUONFN_CPU_NS_DTYPE"
 CPU_NS_DTYPE_CHOICES = ("auto", "bfloat16", "float32")
@@ -147,15 +149,14 @@ def default_ns_dtype(
     """
     if device.type in ("cuda", "meta"):
         return torch.bfloat16
-    wide = torch.promote_types(dtype, torch.float32)
-    if device.type != "cpu" or dtype == torch.float64:
-        return wide
-    choice = cpu_rule() if rule is None else rule
+    rule = cpu_rule() if rule is None else rule
+    if device.type != "cpu" or dtype == torch.float64 or rule == "float32":
+        return torch.promote_types(dtype, torch.float32)
     short, long = sorted(shape[-2:]) if shape is not None else (0, 0)
     large = shape is None or short * short * long >= CPU_BF16_MIN_WORK
-    if choice == "bfloat16" or (choice == "auto" and large and _cpu_bf16_is_faster()):
+    if rule == "bfloat16" or (large and _cpu_bf16_is_faster()):
         return torch.bfloat16
-    return wide
+    return torch.promote_types(dtype, torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------- a GPU's forms
@@ -268,8 +269,6 @@ def adamw_kernel(
     :math:`\frac{\eta}{c_1}\,\frac{m_t}{\sqrt{v_t}/\sqrt{c_2} + \epsilon}`. Without decay that is
     ``torch.optim.AdamW(fused=True)``'s parameter change, bit for bit. Returns the updates and the new
     state entries."""
-    from ._tree import build, named_leaves
-
     names, g = list(grads.keys()), list(grads.values())
     plain = _plain_eager(g)  # (else DTensors, which take these ops leaf by leaf)
     m, v = named_leaves(state["exp_avg"], names), named_leaves(state["exp_avg_sq"], names)
@@ -346,12 +345,9 @@ def apart(x: torch.Tensor) -> torch.Tensor:
     the multi-tensor decay and update read its tall results: the opaque copy stands between the two.
     Eager, nothing is copied.
     """
-    if (
-        torch.compiler.is_compiling()
-        and type(x) is torch.Tensor
-        and not torch._C._are_functorch_transforms_active()
-        and _transposed(x)
-    ):
+    if not torch.compiler.is_compiling():
+        return x
+    if type(x) is torch.Tensor and not torch._C._are_functorch_transforms_active() and _transposed(x):
         return _copy_apart(x)
     return x
 

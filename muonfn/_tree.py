@@ -27,12 +27,11 @@ def flat(td: TensorDictBase) -> TensorDictBase:
     nested ``td`` that holds a dot, which would make two leaves one dotted name, is refused."""
     if not any(map(is_tensor_collection, td.values())):
         return td
-    out: dict[str, torch.Tensor] = {}
-    _walk(td, "", out)
-    return build(out, td.batch_size)
+    return build(_walk(td, "", {}), td.batch_size)
 
 
-def _walk(td: TensorDictBase, prefix: str, out: dict[str, torch.Tensor]) -> None:
+def _walk(td: TensorDictBase, prefix: str, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``out`` with the leaves of ``td`` added under their dotted names, each after ``prefix``."""
     for name, value in td.items():
         if "." in name:
             raise ValueError(f"key {prefix + name!r} holds a dot, which separates the levels of a dotted name")
@@ -40,6 +39,7 @@ def _walk(td: TensorDictBase, prefix: str, out: dict[str, torch.Tensor]) -> None
             _walk(value, f"{prefix}{name}.", out)
         else:
             out[prefix + name] = value
+    return out
 
 
 def cast_like(values: Sequence[torch.Tensor], like: Sequence[torch.Tensor]) -> list[torch.Tensor]:

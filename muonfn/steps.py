@@ -359,6 +359,8 @@ def resolve_views(
 ) -> list[MatrixView]:
     """One view per leaf: the declared one, else the default (2-D as is, ≥3-D as conv); for a stacked
     ensemble every view takes the batch dimensions too (views describe one member's leaf)."""
+    if views is None and not members:
+        return [DEFAULT_VIEW] * len(names)
     if views is None:
         found = [DEFAULT_VIEW] * len(names)
     elif isinstance(views, Mapping):
@@ -523,9 +525,9 @@ def _decayed(
         return updates
     if params is None:
         raise ValueError(f"{where} needs params: call update(grads, state, params)")
-    names = list(grads.keys())
-    u, p = updates, named_leaves(params, names)
+    u, p = updates, named_leaves(params, list(grads.keys()))
     if mask is not None:
+        names = list(grads.keys())
         chosen = set(selected(mask, params.select(*names), f"{where}: mask"))
         at = [i for i, n in enumerate(names) if n in chosen]
         u, p = [u[i] for i in at], [p[i] for i in at]

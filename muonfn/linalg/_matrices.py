@@ -223,13 +223,13 @@ class LocalOrthogonalizer:
         overwrite_input: bool = False,
     ) -> list[torch.Tensor]:
         turns = isinstance(ns, NewtonSchulz)
-        blocks = [view.to_matrices(t) if t.numel() else [] for t, view in zip(tensors, views)]
-        calls: dict[
-            tuple[Any, ...], list[list[tuple[bool, int, int]]]
-        ] = {}  # (wide shape, dtype, device, scale) -> calls
+        blocks: list[list[torch.Tensor]] = []  # each tensor's (count, rows, cols) batches
+        # (wide shape, dtype, device, scale) -> its calls, each a list of (tall, i, j) naming blocks[i][j]
+        calls: dict[tuple[Any, ...], list[list[tuple[bool, int, int]]]] = {}
         filled: dict[tuple[Any, ...], int] = {}  # the elements of each key's last call
-        for i, matrices in enumerate(blocks):
-            for j, m in enumerate(matrices):
+        for i, (t, view) in enumerate(zip(tensors, views)):
+            blocks.append(view.to_matrices(t) if t.numel() else [])
+            for j, m in enumerate(blocks[i]):
                 rows, cols = m.shape[-2:]
                 tall = turns and rows > cols
                 key = ((cols, rows) if tall else (rows, cols), m.dtype, m.device, scale(rows, cols))

@@ -379,12 +379,11 @@ class NewtonSchulz:
 
     def iterate(self, X: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         """The steps on a normalised wide batch ``X`` (Gram's where cheaper), the last times ``scale``."""
-        steps, (m, n) = len(self.schedule.triples), X.shape[-2:]
-        if self.method == "gram" and gram_newton_schulz_flops(
-            m, n, steps, self.restarts, X.dtype
-        ) < newton_schulz_flops(m, n, steps):
-            restarts = default_restarts(steps, X.dtype) if self.restarts is None else self.restarts
-            return gram_steps(X, self.schedule, restarts, scale)
+        if self.method == "gram":
+            steps, (m, n) = len(self.schedule.triples), X.shape[-2:]
+            if gram_newton_schulz_flops(m, n, steps, self.restarts, X.dtype) < newton_schulz_flops(m, n, steps):
+                restarts = default_restarts(steps, X.dtype) if self.restarts is None else self.restarts
+                return gram_steps(X, self.schedule, restarts, scale)
         return standard_steps(X, self.schedule, scale)
 
     def orthogonalize(self, x: torch.Tensor, *, scale: float = 1.0, overwrite_input: bool = False) -> torch.Tensor:

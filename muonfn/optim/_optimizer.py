@@ -12,6 +12,7 @@ import math
 import types
 import warnings
 from collections.abc import Callable, Iterable, Mapping
+from operator import attrgetter
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -456,7 +457,7 @@ class Muon(torch.optim.Optimizer):
         with torch.no_grad():
             self._undo = []
             try:
-                work = self._checked_work()
+                layouts, work = self._checked_work()
             except BaseException:
                 for mapping, key, held in reversed(self._undo):  # (a failed step leaves everything as it was)
                     if held is None:
@@ -468,18 +469,19 @@ class Muon(torch.optim.Optimizer):
                 self._undo = None
             run = self._compiled_run(work) if self._compile and work else _run
             state = self.__dict__["state"]
-            for (branch, *_), (names, params, new_state) in zip(work, run([w[1:] for w in work])):
-                for torch_name, path in branch.layout.items():
+            for layout, (names, params, new_state) in zip(layouts, run(work)):
+                for torch_name, path in layout.items():
                     held = new_state.get(path)
                     for name, p in zip(names, params):
                         state[p][torch_name] = held[name]
         return loss
 
-    def _checked_work(self) -> list[tuple[Any, ...]]:
-        """Every part's branch, transform, names, parameters, gradients, state and parameters as leaves,
-        all checked: the whole step's input before any part runs."""
+    def _checked_work(self) -> tuple[list[dict[str, tuple[str, ...]]], list[tuple[Any, ...]]]:
+        """Every part's state layout, and its transform, names, parameters, gradients, state and parameters
+        as leaves, all checked: the whole step's input before any part runs."""
         groups: dict[int, int] = {}
         seen: dict[torch.Tensor, int] = {}
+        layouts: list[dict[str, tuple[str, ...]]] = []
         work: list[tuple[Any, ...]] = []
         total = sum(p.numel() for g in self.param_groups for p in g["params"] if p.grad is not None)
         cap = max(AUTO_MIN_CHUNK, math.ceil(total / AUTO_PARTS)) if self._chunk_numel == "auto" else self._chunk_numel
@@ -499,22 +501,23 @@ class Muon(torch.optim.Optimizer):
                 parts = [self._inputs(branch, part) for part in _parts(stepped, cap)]
                 whole = parts[0] if len(parts) == 1 else self._inputs(branch, stepped)  # (checked whole)
                 self._check_part(i, whole)
+                layouts += [branch.layout] * len(parts)
                 work += parts
         if len(self._branches) > len(self.param_groups):  # (groups removed from param_groups)
             self._branches = {k: b for k, b in self._branches.items() if any(b.group is g for g in self.param_groups)}
-        return work
+        return layouts, work
 
     def _inputs(self, branch: Branch, part: list[tuple[str, torch.Tensor]]) -> tuple[Any, ...]:
-        names, params = [n for n, _ in part], [p for _, p in part]
-        grads = build({n: p.grad for n, p in part}, SIZE)
-        leaves = build({n: p.detach() for n, p in part}, SIZE)
+        names, params = map(list, zip(*part))
+        grads = build(dict(zip(names, map(attrgetter("grad"), params))), SIZE)
+        leaves = build(dict(zip(names, map(torch.Tensor.detach, params))), SIZE)
         state = self._group_state(branch.layout, branch.tx, names, params)
-        return branch, branch.tx, names, params, grads, state, leaves
+        return branch.tx, names, params, grads, state, leaves
 
     def _check_part(self, index: int, work: tuple[Any, ...]) -> None:
         """A group's gradients and state checked; a state that is stale (on another device or of another
         dtype than its parameter) named with its remedies."""
-        _, tx, names, params, grads, state, leaves = work
+        tx, names, params, grads, state, leaves = work
         try:
             check_input(tx.init, grads, state, leaves)
         except ValueError as error:
@@ -525,7 +528,7 @@ class Muon(torch.optim.Optimizer):
             raise _renamed(f"param group {index}", self._labels_of()[index], error) from None
 
     def _compiled_run(self, work: list[Any]) -> Callable[..., Any]:
-        signature = tuple((id(w[1]), tuple(w[2]), tuple((p.shape, p.dtype) for p in w[3])) for w in work)
+        signature = tuple((id(w[0]), tuple(w[1]), tuple((p.shape, p.dtype) for p in w[2])) for w in work)
         if signature not in self._compiled:
             if len(self._compiled) >= MAX_COMPILED_STRUCTURES:
                 if not self._warned_compiled:
