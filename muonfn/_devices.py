@@ -24,12 +24,13 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ._tree import build, named_leaves
+from ._tree import build, named_leaves, replaced
 
 #: ``auto`` (measured), ``bfloat16`` or ``float32``: the CPU's Newton–Schulz dtype for a whole process
 CPU_NS_DTYPE_VARIABLE = "MUONFN_CPU_NS_DTYPE"
@@ -162,9 +163,13 @@ def default_ns_dtype(
 # ---------------------------------------------------------------------------------------------- a GPU's forms
 
 
+#: The types of plain tensors (a subclass, a DTensor say, takes its ops leaf by leaf)
+_PLAIN = {torch.Tensor, torch.nn.Parameter}
+
+
 def _plain_eager(tensors: Sequence[torch.Tensor]) -> bool:
     return (
-        all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+        set(map(type, tensors)) <= _PLAIN
         and not torch.compiler.is_compiling()
         and not torch._C._are_functorch_transforms_active()
     )
@@ -188,7 +193,7 @@ def gpu_orthogonalized(
     result = ns.iterate(_normalized(ns, matrices, ns.iteration_dtype(matrices[0])), scale)
     kept = len(matrices) - turned
     tall = _tall_results(result[kept:]) if turned else []
-    if overwrite and kept and _plain_eager(matrices) and all(m.is_contiguous() for m in matrices[:kept]):
+    if overwrite and kept and _plain_eager(matrices) and all(map(torch.Tensor.is_contiguous, matrices[:kept])):
         wide = list(matrices[:kept])
         torch._foreach_copy_(wide, list(result[:kept].split(1)))  # (casts on torch's fused path)
         return [*wide, *tall]
@@ -240,15 +245,17 @@ def adamw_kernel_takes(
     if forced is False or members or not tensors or (not forced and tensors[0].device.type not in ("cuda", "meta")):
         return False
     device = tensors[0].device
-    factors = [f for f in factors if isinstance(f, torch.Tensor)]
-    if not _plain_eager([]) or (torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *factors))):
+    factors = list(filter(torch.is_tensor, factors))
+    recorded = torch.is_grad_enabled() and any(map(attrgetter("requires_grad"), [*tensors, *factors]))
+    if recorded or not _plain_eager([]):
         return False
-    if not all(t.dtype == torch.float32 and t.device == device and t.is_contiguous() for t in tensors):
+    if set(map(attrgetter("dtype", "device"), tensors)) != {(torch.float32, device)}:
         return False
-    dtensors = [hasattr(t, "placements") for t in tensors]
-    if all(dtensors):
-        return not factors
-    return not any(dtensors) and all(f.ndim == 0 and f.device == device for f in factors)
+    if not all(map(torch.Tensor.is_contiguous, tensors)):
+        return False
+    if set(map(type, tensors)) <= _PLAIN:  # tensor factors 0-d, on the tensors' device
+        return set(map(attrgetter("ndim", "device"), factors)) <= {(0, device)}
+    return not factors and all(hasattr(t, "placements") for t in tensors)  # all DTensors, with numbers
 
 
 def adamw_kernel(
@@ -295,12 +302,9 @@ def adamw_kernel(
             u, grad, exp_avg, exp_avg_sq, [], step,
             lr=kernel_lr, beta1=b1, beta2=b2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
         )  # fmt: skip
-    size = grads.batch_size
-    entries = {
-        key: build({**state[key], **dict(zip(names, values))}, size)
-        for key, values in (("step", counts), ("exp_avg", m), ("exp_avg_sq", v))
-    }
-    return build(dict(zip(names, updates)), size), entries
+    entries = {"step": replaced(state["step"], names, counts), "exp_avg": replaced(state["exp_avg"], names, m)}
+    entries["exp_avg_sq"] = replaced(state["exp_avg_sq"], names, v)
+    return build(dict(zip(names, updates)), grads.batch_size), entries
 
 
 def _copies(tensors: list[torch.Tensor], plain: bool) -> list[torch.Tensor]:

@@ -53,6 +53,11 @@ def named_leaves(td: TensorDictBase, names: list[str]) -> list[Any]:
     return list(td.values()) if list(td.keys()) == names else [td[n] for n in names]
 
 
+def replaced(held: TensorDictBase, names: Sequence[str], values: Sequence[Any]) -> TensorDictBase:
+    """``held`` (a flat state entry) with the leaves ``names`` replaced by ``values``."""
+    return build({**held, **dict(zip(names, values))}, held.batch_size)
+
+
 def nested_like(updates: TensorDictBase, like: TensorDictBase) -> TensorDictBase:
     """The flat ``updates`` in the nesting of ``like``, a nested TensorDict, in their order."""
     root: dict[str, Any] = {}

@@ -21,7 +21,7 @@ import torch
 from tensordict import MemoryMappedTensor, TensorDictBase
 
 from . import _devices
-from ._tree import build, cast_like, named_leaves, named_table
+from ._tree import build, cast_like, named_leaves, named_table, replaced
 from ._validation import Scalar, ScalarOrSchedule, Schedule, flag, non_negative, positive, schedule_value, unit_interval
 from .linalg import (
     DEFAULT_VIEW,
@@ -151,11 +151,6 @@ def _corrections(t: torch.Tensor, beta: Any, shift: float = 0.0) -> torch.Tensor
     r""":math:`1 - \beta^{t + \text{shift}}` in fp64 (``t`` stays a tensor: nothing is read back)."""
     beta = beta.detach().to(torch.float64) if isinstance(beta, torch.Tensor) else float(beta)
     return torch.rsub(torch.pow(beta, t + shift if shift else t), 1.0)
-
-
-def _replaced(held: TensorDictBase, names: Sequence[str], values: Sequence[torch.Tensor]) -> TensorDictBase:
-    """``held`` (a flat state entry) with the leaves ``names`` replaced by ``values``."""
-    return build({**held, **dict(zip(names, values))}, held.batch_size)
 
 
 def _zeros(params: TensorDictBase, dtype: Callable[[torch.dtype], torch.dtype] = lambda d: d) -> TensorDictBase:
@@ -292,9 +287,9 @@ def ema_momentum(
             buf = _lerp(_widened_state(held, names), g, 1 - mu, inplace=writable)
             narrow = state_dtype == torch.bfloat16
             kept = _kept("momentum", held, names, buf, counts, donate_state) if narrow else buf
-        new = {"momentum": _replaced(held, names, kept)}
+        new = {"momentum": replaced(held, names, kept)}
         if counted:
-            new["step"] = _replaced(state["step"], names, counts)
+            new["step"] = replaced(state["step"], names, counts)
         if bias_correction:
             if nesterov:
                 moment = _per_leaf(_corrections(t, mu, 1.0).reciprocal().mul(mu), buf, members)
@@ -759,8 +754,8 @@ def _adam(
     if state_dtype == torch.bfloat16:
         kept_m = _kept("exp_avg", held_m, names, m, counts, donate)
         kept_v = _kept("exp_avg_sq", held_v, names, v, counts, donate)
-    new = {"step": _replaced(state["step"], names, counts), "exp_avg": _replaced(held_m, names, kept_m)}
-    new["exp_avg_sq"] = _replaced(held_v, names, kept_v)
+    new = {"step": replaced(state["step"], names, counts), "exp_avg": replaced(held_m, names, kept_m)}
+    new["exp_avg_sq"] = replaced(held_v, names, kept_v)
     c1, root_c2 = _corrections(t, b1), _corrections(t, b2).sqrt()
     roots = _foreach("sqrt", v)
     if not nesterov:
@@ -1036,7 +1031,7 @@ def scale_by_neuron_norm(
             )
         # donated, the views were written in place: the state keeps its own tensors
         kept = [held[k] if donate_state else n.reshape(held[k].shape) for k, n in zip(names, new)]
-        entry = build({"row_second_moment": _replaced(held, names, kept)}, state.batch_size)
+        entry = build({"row_second_moment": replaced(held, names, kept)}, state.batch_size)
         return build(dict(zip(names, cast_like(out, given))), grads.batch_size), entry
 
     return transform(init, update, donates_state=donate_state)
@@ -1102,9 +1097,9 @@ def scale_by_element_rms(
         writable = donate_state or state_dtype == torch.bfloat16
         v = _lerp(starts, _foreach("mul", values, values), 1 - _number(beta), inplace=writable)
         kept = _kept("exp_avg_sq", held, names, v, counts, donate_state) if state_dtype == torch.bfloat16 else v
-        new = {"exp_avg_sq": _replaced(held, names, kept)}
+        new = {"exp_avg_sq": replaced(held, names, kept)}
         if counted:
-            new["step"] = _replaced(state["step"], names, counts)
+            new["step"] = replaced(state["step"], names, counts)
         root = v
         if bias_correction:
             root = _foreach("div", v, _per_leaf(_corrections(t, _number(beta)), v, grads.batch_dims))

@@ -233,15 +233,13 @@ def _expected_state(
         meta.update({k: torch.empty_like(v, device="meta") for k, v in leaves.items() if hasattr(v, "placements")})
         try:
             made = init(build(meta, leaves.batch_size))
-        except (ValueError, TypeError):  # a refusal, which reads the leaves' metadata alone
-            raise
-        except Exception:  # an init of one's own that cannot run on meta tensors: no state to compare
-            made = None
-        expected = None
-        if made is not None:
             expected = {
                 p: (t.shape, t.dtype, p[-1] if p[-1] in leaves.keys() else None) for p, t in _state_leaves(made, ())
             }
+        except (ValueError, TypeError):  # a refusal, which reads the leaves' metadata alone
+            raise
+        except Exception:  # an init of one's own that cannot run on meta tensors: no state to compare
+            expected = None
         if len(_EXPECTED) > 64:
             _EXPECTED.clear()
         _EXPECTED[signature] = expected

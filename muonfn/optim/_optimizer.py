@@ -511,8 +511,7 @@ class Muon(torch.optim.Optimizer):
         names, params = map(list, zip(*part))
         grads = build(dict(zip(names, map(attrgetter("grad"), params))), SIZE)
         leaves = build(dict(zip(names, map(torch.Tensor.detach, params))), SIZE)
-        state = self._group_state(branch.layout, branch.tx, names, params)
-        return branch.tx, names, params, grads, state, leaves
+        return branch.tx, names, params, grads, self._group_state(branch.layout, branch.tx, names, params), leaves
 
     def _check_part(self, index: int, work: tuple[Any, ...]) -> None:
         """A group's gradients and state checked; a state that is stale (on another device or of another
