@@ -47,6 +47,8 @@ from .qk_clip import QKHeads, qk_clip
 from .steps import (
     adamw,
     add_decayed_weights,
+    apply_updates,
+    apply_updates_,
     descent,
     ema_momentum,
     orthogonalize,
@@ -62,8 +64,6 @@ from .steps import (
 from .transforms import (
     Transform,
     apply_if_finite,
-    apply_updates,
-    apply_updates_,
     cautious,
     chain,
     masked,

@@ -208,7 +208,7 @@ def _normalized(ns: Any, matrices: Sequence[torch.Tensor], dtype: torch.dtype) -
         norms = norms * ns.schedule.norm_factor
     reciprocal = (norms + ns.eps if ns.eps_mode == "add" else norms.clamp_min(ns.eps)).reciprocal()
     stack = torch.cat(list(matrices))
-    recorded = torch.is_grad_enabled() and any(m.requires_grad for m in matrices)  # (out= records nothing)
+    recorded = torch.is_grad_enabled() and any(map(attrgetter("requires_grad"), matrices))  # (out= records nothing)
     if _plain_eager(matrices) and not recorded:  # one pass: the fp64 product rounded to ``dtype`` as it is stored
         return torch.mul(stack, reciprocal, out=torch.empty(stack.shape, dtype=dtype, device=stack.device))
     return (stack * reciprocal).to(dtype)
@@ -311,7 +311,7 @@ def _copies(tensors: list[torch.Tensor], plain: bool) -> list[torch.Tensor]:
     """A copy of every tensor: one multi-tensor copy of plain tensors, else a copy each."""
     if not plain:
         return [t.clone() for t in tensors]
-    out = [torch.empty_like(t) for t in tensors]
+    out = list(map(torch.empty_like, tensors))
     torch._foreach_copy_(out, tensors)
     return out
 

@@ -15,13 +15,14 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any, Literal, TypeAlias, TypeGuard
 
 import torch
 from tensordict import MemoryMappedTensor, TensorDictBase
 
 from . import _devices
-from ._tree import build, cast_like, named_leaves, named_table, replaced
+from ._tree import build, cast_like, named_leaves, named_table, nested_like, replaced
 from ._validation import Scalar, ScalarOrSchedule, Schedule, flag, non_negative, positive, schedule_value, unit_interval
 from .linalg import (
     DEFAULT_VIEW,
@@ -33,9 +34,10 @@ from .linalg import (
     ScaleLike,
     check_matrix_fn,
     may_write_into,
+    scaled_mode,
     shape_scale,
 )
-from .transforms import MaskLike, Transform, check_mask, selected, transform
+from .transforms import MaskLike, Transform, check_mask, matched, selected, transform
 
 ViewsLike: TypeAlias = Mapping[Any, MatrixView] | Callable[[str, torch.Tensor], MatrixView | None] | None
 NesterovLike: TypeAlias = bool | Literal["add"]
@@ -143,7 +145,8 @@ def _per_leaf(factors: torch.Tensor, like: Sequence[torch.Tensor], members: int)
 def _counted(counts: Sequence[torch.Tensor], inplace: bool) -> tuple[list[Any], torch.Tensor]:
     """Each leaf's update count plus one, for the state, and the same counts stacked in fp64."""
     new = _foreach("add", counts, 1, inplace=inplace)
-    local = [c.to_local() if hasattr(c, "placements") else c for c in new]  # (replicated DTensor counts)
+    plain = set(map(type, new)) <= {torch.Tensor}  # (else replicated DTensor counts: their local values)
+    local = new if plain else [c.to_local() if hasattr(c, "placements") else c for c in new]
     return new, torch.stack(local).to(torch.float64) if local else torch.zeros(0, dtype=torch.float64)
 
 
@@ -682,7 +685,7 @@ def descent(
     _check_rate(learning_rate)
     non_negative("weight_decay", weight_decay)
     check_mask("descent: mask", mask)
-    scale_fn = shape_scale(scale)
+    scaled, extra = scaled_mode(scale)
     orthogonalizes = not (isinstance(ns, str) and ns == "none")
     if orthogonalizes:
         ns, orthogonalizer, check = _orthogonalizing(ns, views, orthogonalizer, "descent")
@@ -703,10 +706,10 @@ def descent(
         # -ηs into the matrices' own pass; a tensor rate (traced, or one per member) takes a pass of its own
         factor = 1.0 if isinstance(lr, torch.Tensor) else -lr
         if orthogonalizes:
-            times = scale_fn if factor == 1.0 else (lambda a, b: factor * scale_fn(a, b))
+            times = partial(scaled, extra * factor)  # (-ηs, a number: a tensor rate's factor is 1)
             out = _orthogonalized(grads, ns, views, orthogonalizer, times, overwrite_input)  # type: ignore[arg-type]
         else:
-            out = _shape_scaled(grads, views, scale_fn, factor)
+            out = _shape_scaled(grads, views, partial(scaled, extra), factor)
         if isinstance(lr, torch.Tensor):
             out = _foreach("mul", out, _times(lr.neg(), out, grads.batch_dims), inplace=may_write_into(*out, lr))
         out = _decayed(out, grads, params, -lr * lam, mask, "descent", inplace=True)
@@ -896,6 +899,8 @@ def adamw(
             scale_by_learning_rate(lr),
         )
     schedule_init = _schedule_init(lr)
+    # the fused kernel takes β₁ as a number, and keeps the moments in the parameters' dtype
+    kernel_may_take = not nesterov and state_dtype is None
 
     def init(params: TensorDictBase) -> TensorDictBase:
         return build({**_adam_init(params, state_dtype), **schedule_init(params)}, params.batch_size)
@@ -904,24 +909,49 @@ def adamw(
         rate, new = _rate(lr, state, grads)
         names, g, members = list(grads.keys()), list(grads.values()), grads.batch_dims
         lam, beta1 = _number(weight_decay), _number(b1)
-        # (the kernel takes β₁ as a number, and the moments in the parameters' dtype)
-        numbers = not nesterov and not isinstance(beta1, torch.Tensor) and state_dtype is None
-        if (
-            numbers
-            and params is not None
-            and _devices.adamw_kernel_takes([*g, *named_leaves(params, names)], members, (rate, lam), fused)
-        ):
-            mask = weight_decay_mask
-            decayed = None if mask is None else set(selected(mask, params.select(*names), "adamw: mask"))
-            updates, moments = _devices.adamw_kernel(
-                grads, state, params, decayed, rate, lam, beta1, b2, eps, donate_state
-            )
-            return updates, build({**moments, **new}, state.batch_size)
+        if kernel_may_take and params is not None and not isinstance(beta1, torch.Tensor):
+            tensors = [*g, *named_leaves(params, names)]
+            if _devices.adamw_kernel_takes(tensors, members, (rate, lam), fused):
+                mask = weight_decay_mask
+                decayed = None if mask is None else set(selected(mask, params.select(*names), "adamw: mask"))
+                updates, moments = _devices.adamw_kernel(
+                    grads, state, params, decayed, rate, lam, beta1, b2, eps, donate_state
+                )
+                return updates, build({**moments, **new}, state.batch_size)
         u, moments = _adam(grads, state, b1, b2, eps, -rate, nesterov, donate_state, state_dtype)
         u = _decayed(u, grads, params, -rate * lam, weight_decay_mask, "adamw", inplace=True)
         return build(dict(zip(names, cast_like(u, g))), grads.batch_size), build({**moments, **new}, state.batch_size)
 
     return transform(init, update, donates_state=donate_state)
+
+
+# ---------------------------------------------------------------------------------------------- applying
+
+
+def apply_updates(params: TensorDictBase, updates: TensorDictBase) -> TensorDictBase:
+    """``params + updates`` leaf by leaf; leaves without an update are returned as they are.
+
+    Every update must name a parameter and have its shape and device (else a ``ValueError`` names it,
+    before anything is computed). Each result keeps its parameter's dtype: a sum of another dtype is taken
+    in the promoted dtype and cast back, as optax does.
+    """
+    flat_params, flat_updates, targets = matched(params, updates, inplace=False)
+    sums = _foreach("add", targets, list(flat_updates.values()))
+    summed = build({**flat_params, **dict(zip(flat_updates.keys(), cast_like(sums, targets)))}, params.batch_size)
+    return summed if flat_params is params else nested_like(summed, params)
+
+
+def apply_updates_(params: TensorDictBase, updates: TensorDictBase) -> TensorDictBase:
+    """``params += updates`` in place, in one multi-tensor add; returns ``params``.
+
+    The step of a loop that owns its parameters, as a ``torch.optim`` step is (with
+    ``donate_state=True`` for the state). The same checks as :func:`apply_updates`, all before any
+    parameter is written, and the same bits. Runs without recording gradients.
+    """
+    _, flat_updates, targets = matched(params, updates, inplace=True)
+    with torch.no_grad():
+        _foreach("add", targets, list(flat_updates.values()), inplace=True)
+    return params
 
 
 # ---------------------------------------------------------------------------------------------- adaptations

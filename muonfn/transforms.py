@@ -32,7 +32,7 @@ from typing import Any, Literal, NamedTuple, Protocol, TypeAlias
 import torch
 from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor
 
-from ._tree import build, cast_like, dotted, flat, named_leaves, named_table, nested_like
+from ._tree import build, dotted, flat, named_leaves, named_table, nested_like
 from ._validation import check_params
 
 __all__ = [
@@ -41,8 +41,6 @@ __all__ = [
     "MaskLike",
     "Transform",
     "apply_if_finite",
-    "apply_updates",
-    "apply_updates_",
     "cautious",
     "chain",
     "masked",
@@ -575,11 +573,11 @@ def _rescaled(u: torch.Tensor, keep: torch.Tensor, kept: torch.Tensor, total: An
 # ---------------------------------------------------------------------------------------------- applying
 
 
-def _matched(
+def matched(
     params: TensorDictBase, updates: TensorDictBase, inplace: bool
 ) -> tuple[TensorDictBase, TensorDictBase, list[torch.Tensor]]:
     """Both trees flat and the parameters of the updates, in their order: checked once per structure of
-    the two (``inplace``: for :func:`apply_updates_`)."""
+    the two (``inplace``: for :func:`~muonfn.apply_updates_`)."""
     flat_params, flat_updates = flat(params), flat(updates)
     where = "apply_updates_" if inplace else "apply_updates"
     structure = (where, _structure(flat_params), _structure(flat_updates))
@@ -599,42 +597,3 @@ def _matched(
                 )
         _PASSED.append(structure)
     return flat_params, flat_updates, named_leaves(flat_params, list(flat_updates.keys()))
-
-
-def apply_updates(params: TensorDictBase, updates: TensorDictBase) -> TensorDictBase:
-    """``params + updates`` leaf by leaf; leaves without an update are returned as they are.
-
-    Every update must name a parameter and have its shape and device (else a ``ValueError`` names it,
-    before anything is computed). Each result keeps its parameter's dtype: a sum of another dtype is taken
-    in the promoted dtype and cast back, as optax does.
-    """
-    flat_params, flat_updates, targets = _matched(params, updates, inplace=False)
-    sums = _added(targets, list(flat_updates.values()), inplace=False)
-    summed = build({**flat_params, **dict(zip(flat_updates.keys(), cast_like(sums, targets)))}, params.batch_size)
-    return summed if flat_params is params else nested_like(summed, params)
-
-
-def apply_updates_(params: TensorDictBase, updates: TensorDictBase) -> TensorDictBase:
-    """``params += updates`` in place, in one multi-tensor add; returns ``params``.
-
-    The step of a loop that owns its parameters, as a ``torch.optim`` step is (with
-    ``donate_state=True`` for the state). The same checks as :func:`apply_updates`, all before any
-    parameter is written, and the same bits. Runs without recording gradients.
-    """
-    _, flat_updates, targets = _matched(params, updates, inplace=True)
-    with torch.no_grad():
-        _added(targets, list(flat_updates.values()), inplace=True)
-    return params
-
-
-def _added(targets: list[torch.Tensor], updates: list[torch.Tensor], *, inplace: bool) -> list[torch.Tensor]:
-    """``p + u`` for every pair in one multi-tensor add (``inplace``: into ``p``); one add a pair under
-    ``torch.func`` transforms (``vmap``), which have no batching rule for it."""
-    if not targets:
-        return []
-    if torch._C._are_functorch_transforms_active():
-        return [p.add_(u) if inplace else p.add(u) for p, u in zip(targets, updates)]
-    if inplace:
-        torch._foreach_add_(targets, updates)
-        return targets
-    return list(torch._foreach_add(targets, updates))

@@ -9,6 +9,7 @@ from ._matrices import (
     DEFAULT_BUCKET_NUMEL,
     DEFAULT_VIEW,
     SCALE_MODES,
+    SCALED_MODES,
     LocalOrthogonalizer,
     MatrixFn,
     MatrixView,
@@ -19,6 +20,7 @@ from ._matrices import (
     check_bucket_numel,
     check_matrix_fn,
     checked_map_result,
+    scaled_mode,
     shape_scale,
 )
 from ._newton_schulz import (
@@ -52,6 +54,7 @@ __all__ = [
     "DEFAULT_VIEW",
     "EPS_MODES",
     "NS_METHODS",
+    "SCALED_MODES",
     "SCALE_MODES",
     "Coefficients",
     "CoefficientsLike",
@@ -83,5 +86,6 @@ __all__ = [
     "ns_schedule",
     "polar",
     "qr_orthogonal",
+    "scaled_mode",
     "shape_scale",
 ]

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from operator import itemgetter
 from typing import Any, Literal, Protocol, TypeAlias, get_args
 
@@ -45,26 +46,33 @@ ScaleLike: TypeAlias = ScaleMode | tuple[ScaleMode, float]
 ScaleFn: TypeAlias = Callable[[int, int], float]
 MatrixFn = Callable[[torch.Tensor], torch.Tensor]
 
-SCALE_MODES: dict[str, ScaleFn] = {
-    "original": lambda a, b: math.sqrt(max(1.0, a / b)),
-    "match_rms_adamw": lambda a, b: 0.2 * math.sqrt(max(a, b)),
-    "spectral": lambda a, b: math.sqrt(max(a, b)),
-    "unit_rms_norm": lambda a, b: math.sqrt(a / b),
-    "none": lambda a, b: 1.0,
+#: Each mode's scale times a factor, :math:`f\cdot s(A, B)`
+SCALED_MODES: dict[str, Callable[[float, int, int], float]] = {
+    "original": lambda f, a, b: f * math.sqrt(max(1.0, a / b)),
+    "match_rms_adamw": lambda f, a, b: f * (0.2 * math.sqrt(max(a, b))),
+    "spectral": lambda f, a, b: f * math.sqrt(max(a, b)),
+    "unit_rms_norm": lambda f, a, b: f * math.sqrt(a / b),
+    "none": lambda f, a, b: f,
 }
+SCALE_MODES: dict[str, ScaleFn] = {name: partial(scaled, 1.0) for name, scaled in SCALED_MODES.items()}
 assert tuple(SCALE_MODES) == get_args(ScaleMode)
 
 
-def shape_scale(scale: ScaleLike) -> ScaleFn:
-    """The scale of an ``A × B`` block: ``SCALE_MODES[mode](A, B)``, times ``factor`` for a pair
-    ``(mode, factor)``; checked."""
+def scaled_mode(scale: ScaleLike) -> tuple[Callable[[float, int, int], float], float]:
+    r"""``scale``'s mode as :math:`f\cdot s(A, B)` (:data:`SCALED_MODES`), and its factor; checked."""
     name, factor = scale if isinstance(scale, tuple) and len(scale) == 2 else (scale, 1.0)
     if not isinstance(name, str) or name not in SCALE_MODES:
         raise ValueError(f"unknown scale mode {scale!r}; choose one of {sorted(SCALE_MODES)} or a pair (mode, factor)")
     if isinstance(factor, bool) or not isinstance(factor, int | float) or not (math.isfinite(factor) and factor >= 0):
         raise ValueError(f"scale's factor must be a finite float >= 0, got {factor!r}")
-    mode = SCALE_MODES[name]
-    return mode if factor == 1.0 else lambda a, b: mode(a, b) * factor
+    return SCALED_MODES[name], float(factor)
+
+
+def shape_scale(scale: ScaleLike) -> ScaleFn:
+    """The scale of an ``A × B`` block: ``SCALE_MODES[mode](A, B)``, times ``factor`` for a pair
+    ``(mode, factor)``; checked."""
+    scaled, factor = scaled_mode(scale)
+    return partial(scaled, factor)
 
 
 @dataclass(frozen=True)

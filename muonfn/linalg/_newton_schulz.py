@@ -151,11 +151,8 @@ def _check(name: str, x: torch.Tensor) -> None:
 def may_write_into(*tensors: torch.Tensor) -> bool:
     """Whether a computation may write into ``tensors``, temporaries of its own: not when traced by
     ``torch.func`` or ``torch.compile`` (which plan their own memory) nor recorded by autograd."""
-    return not (
-        torch._C._are_functorch_transforms_active()
-        or torch.compiler.is_compiling()
-        or (torch.is_grad_enabled() and any(map(attrgetter("requires_grad"), tensors)))
-    )
+    traced = torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling()
+    return not (traced or (torch.is_grad_enabled() and any(map(attrgetter("requires_grad"), tensors))))
 
 
 # ---------------------------------------------------------------------------------------------- normalisation
@@ -184,9 +181,8 @@ def normalized(
     """
     wide = g.to(torch.promote_types(g.dtype, torch.float32)).contiguous()
     owned, g = owned or wide is not g, wide  # (a copy is its own)
-    dims = (-2, -1)
     if g.numel():  # max(max G, -min G): two vectorized reductions, no |G| written out
-        largest = torch.maximum(g.amax(dim=dims, keepdim=True), g.amin(dim=dims, keepdim=True).neg())
+        largest = torch.maximum(g.amax(dim=(-2, -1), keepdim=True), g.amin(dim=(-2, -1), keepdim=True).neg())
     else:  # (a rank's block of a split matrix may be empty)
         largest = g.new_zeros((*g.shape[:-2], 1, 1))
     if reduction is not None:
@@ -195,9 +191,9 @@ def normalized(
     writable = owned and may_write_into(g)
     g = g.mul_(unit) if writable else g * unit
     if reduction is None:
-        norm = torch.linalg.vector_norm(g, dim=dims, keepdim=True)
+        norm = torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True)
     else:
-        norm = reduction.sum(g.square().sum(dim=dims, keepdim=True)).sqrt()
+        norm = reduction.sum(g.square().sum(dim=(-2, -1), keepdim=True)).sqrt()
     if ns.schedule.norm_factor != 1.0:
         norm = norm * ns.schedule.norm_factor
     eps_term = unit * ns.eps
@@ -243,9 +239,8 @@ def standard_steps(
             A = torch.bmm(X, X.mT)
             X = _step(X, reduction.sum(A) if reduction is not None else A, a, b, c, s)
         else:
-            A, factor, Y = buffers
-            Y = _step(X, torch.bmm(X, X.mT, out=A), a, b, c, s, out=(factor, Y))
-            buffers, X = (A, factor, X), Y
+            A, factor, Y = buffers  # (this step's result goes into Y; X is the next step's)
+            buffers, X = (A, factor, X), _step(X, torch.bmm(X, X.mT, out=A), a, b, c, s, out=(factor, Y))
     return X
 
 
