@@ -1,4 +1,4 @@
-r"""The Transform contract, its entry check, the combinators, and applying updates.
+r"""The Transform contract, its entry check, the combinators, and the check of updates against parameters.
 
 A :class:`Transform` is a pair of pure functions over TensorDicts, as in optax:
 ``init(params) -> state`` and ``update(grads, state, params=None) -> (updates, state)``.
@@ -18,14 +18,14 @@ runs, and rebuilds its updates in the input's nesting. The check compares
   leaf where whole matrices are needed, is refused here);
 
 so that bad input is refused, naming the leaf, before any member writes a state it was given.
-Members of a composition are handed flat TensorDicts and run unchecked.
+Members of a composition are handed flat TensorDicts and run unchecked: a combinator calls its
+members' flat updates (:func:`unchecked`), not their entries.
 """
 
 from __future__ import annotations
 
 import collections
 import math
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, NamedTuple, Protocol, TypeAlias
 
@@ -68,8 +68,6 @@ class Transform(NamedTuple):
     update: UpdateFn
 
 
-#: ``checked`` is true while an entry's update runs: the members it calls were checked with it
-_entry = threading.local()
 _EMPTY = TensorDict({}, batch_size=[])
 
 
@@ -95,32 +93,22 @@ def transform(init: InitFn, update: FlatUpdate, *, donates_state: bool = False) 
         flat_grads, flat_params = flat(grads), None if params is None else flat(params)
         if isinstance(state, Mapping) and not isinstance(state, TensorDictBase) and not state:
             state = build({}, grads.batch_size)  # a stateless transform may be given {}
-        # (traced, the flag is not read: a guard on it would fail once an eager update had set it)
-        if torch.compiler.is_compiling() or getattr(_entry, "checked", False):
-            updates, new_state = update(flat_grads, state, flat_params)
-        else:
+        if not torch.compiler.is_compiling():  # (traced, the eager update's check stands: it reads no value)
             check_input(entry_init, flat_grads, state, flat_params)
-            _entry.checked = True
-            try:
-                updates, new_state = update(flat_grads, state, flat_params)
-            finally:
-                _entry.checked = False
+        updates, new_state = update(flat_grads, state, flat_params)
         return (updates if flat_grads is grads else nested_like(updates, grads)), new_state
 
     entry_update.donates_state = donates_state  # type: ignore[attr-defined]
+    entry_update.unchecked = update  # type: ignore[attr-defined]
     return Transform(entry_init, entry_update)
 
 
-class entered:
-    """Runs updates as the members of an entry that checked their input (their own entries skip it):
-    for a caller that checks several updates' input before running any of them (the shim)."""
-
-    def __enter__(self) -> None:
-        self.before = getattr(_entry, "checked", False)
-        _entry.checked = True
-
-    def __exit__(self, *exc: object) -> None:
-        _entry.checked = self.before
+def unchecked(tx: Transform) -> FlatUpdate:
+    """``tx``'s update of flat input without its entry's check, for a caller that checked that input
+    (a composition's members, the shim's parts): the update :func:`transform` wraps; ``tx.update``
+    for a transform made otherwise."""
+    _check_transform(tx)
+    return getattr(tx.update, "unchecked", tx.update)
 
 
 def donates_state(tx: Transform) -> bool:
@@ -277,10 +265,12 @@ def chain(*transforms: Transform) -> Transform:
     def init(params: TensorDictBase) -> TensorDictBase:
         return build({k: v for t in transforms for k, v in t.init(params).items()}, params.batch_size)
 
+    members = [unchecked(t) for t in transforms]
+
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
         new: dict[str, Any] = {}
-        for t, keys in zip(transforms, owned):
-            grads, member_state = t.update(grads, state.select(*keys), params)
+        for member, keys in zip(members, owned):
+            grads, member_state = member(grads, state.select(*keys), params)
             new.update(member_state.items())
         return grads, build(new, state.batch_size)
 
@@ -295,8 +285,10 @@ def named(name: str, tx: Transform) -> Transform:
     def init(params: TensorDictBase) -> TensorDictBase:
         return build({name: tx.init(params)}, params.batch_size)
 
+    member = unchecked(tx)
+
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
-        updates, inner = tx.update(grads, state[name], params)
+        updates, inner = member(grads, state[name], params)
         return updates, build({name: inner}, state.batch_size)
 
     return transform(init, update, donates_state=donates_state(tx))
@@ -352,6 +344,7 @@ def partition(transforms: Mapping[str, Transform], labels: LabelsLike) -> Transf
     if not isinstance(transforms, Mapping):
         raise TypeError(f"partition: transforms must map labels to transforms, got {type(transforms).__name__}")
     transforms = dict(transforms)
+    members = {label: unchecked(t) for label, t in transforms.items()}
     check_table("partition: labels", labels)
     routes: dict[tuple[str, ...], dict[str, list[str]]] = {}
 
@@ -383,7 +376,7 @@ def partition(transforms: Mapping[str, Transform], labels: LabelsLike) -> Transf
         for label, names in branches(grads, params).items():
             if names:
                 sub_params = None if params is None else params.select(*names)
-                updates, new[label] = transforms[label].update(grads.select(*names), state[label], sub_params)
+                updates, new[label] = members[label](grads.select(*names), state[label], sub_params)
                 out.update(updates.items())
         return build(out, grads.batch_size), build(new, state.batch_size)
 
@@ -425,6 +418,7 @@ def masked(tx: Transform, mask: MaskLike) -> Transform:
     callable ``params -> mapping``, or ``"matrices"``); the others pass through unchanged."""
     where = "masked: mask"
     check_mask(where, mask)
+    member = unchecked(tx)
 
     def init(params: TensorDictBase) -> TensorDictBase:
         return tx.init(params.select(*selected(mask, params, where, default=False)))
@@ -433,7 +427,7 @@ def masked(tx: Transform, mask: MaskLike) -> Transform:
         mine = selected(mask, grads if params is None else params.select(*grads.keys()), where, default=False)
         if not mine:
             return grads, state
-        updates, state = tx.update(grads.select(*mine), state, None if params is None else params.select(*mine))
+        updates, state = member(grads.select(*mine), state, None if params is None else params.select(*mine))
         return build({**grads, **updates}, grads.batch_size), state
 
     return transform(init, update, donates_state=donates_state(tx))
@@ -452,7 +446,7 @@ def apply_if_finite(tx: Transform, *, sum_shards: Any = None) -> Transform:
     shard of a larger tensor, the sums over every rank's shard (:func:`muonfn.distributed.shard_sums`),
     so that every rank skips the same steps (DTensor leaves need none).
     """
-
+    member = unchecked(tx)
     check_sum_shards("apply_if_finite", sum_shards)
 
     def init(params: TensorDictBase) -> TensorDictBase:
@@ -468,7 +462,7 @@ def apply_if_finite(tx: Transform, *, sum_shards: Any = None) -> Transform:
         finite = _all_finite(list(grads.keys()), list(grads.values()), members, sum_shards, grads.batch_size)
         inner = build({k: v for k, v in state.items() if k != NOTFINITE_COUNT}, state.batch_size)  # (traceable)
         kept = inner.clone() if donates_state(tx) else inner
-        updates, new = tx.update(grads, inner, params)
+        updates, new = member(grads, inner, params)
         chosen = new.apply(lambda n, o: _where(finite, n, o, members), kept)
         if donates_state(tx):  # written back into the donated tensors, which keep their addresses
             chosen = new.apply(lambda n, c: n.copy_(c), chosen)
@@ -538,13 +532,13 @@ def cautious(tx: Transform, *, mode: CautiousMode = "heavyball", sum_shards: Any
     tensor (:func:`muonfn.distributed.shard_sums`), so that :math:`\sum k` and :math:`N` are the
     whole leaf's (DTensor leaves need none).
     """
-    _check_transform(tx)
+    member = unchecked(tx)
     if mode not in CAUTIOUS_MODES:
         raise ValueError(f"cautious: unknown mode {mode!r}; choose one of {list(CAUTIOUS_MODES)}")
     check_sum_shards("cautious", sum_shards)
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
-        updates, state = tx.update(grads, state, params)
+        updates, state = member(grads, state, params)
         members, names, values = grads.batch_dims, list(updates.keys()), list(updates.values())
         keeps = [
             u.signbit() == g.signbit() if mode == "heavyball" else (u * g) > 0 for u, g in zip(values, grads.values())

@@ -672,12 +672,11 @@ class Muon(torch.optim.Optimizer):
 def _run(work: list[Any]) -> list[tuple[list[str], list[torch.Tensor], TensorDictBase]]:
     """Each part's update, added to its parameters before the next part is computed."""
     out = []
-    with transforms.entered():
-        for tx, names, params, grads, state, leaves in work:
-            updates, new_state = tx.update(grads, state, leaves)
-            torch._foreach_add_(params, list(updates.values()))
-            del updates  # (freed before the next part's are computed: the step's peak holds one part's)
-            out.append((names, params, new_state))
+    for tx, names, params, grads, state, leaves in work:  # (checked: each part's transform runs unchecked)
+        updates, new_state = transforms.unchecked(tx)(grads, state, leaves)
+        torch._foreach_add_(params, list(updates.values()))
+        del updates  # (freed before the next part's are computed: the step's peak holds one part's)
+        out.append((names, params, new_state))
     return out
 
 
