@@ -168,11 +168,8 @@ _PLAIN = {torch.Tensor, torch.nn.Parameter}
 
 
 def _plain_eager(tensors: Sequence[torch.Tensor]) -> bool:
-    return (
-        set(map(type, tensors)) <= _PLAIN
-        and not torch.compiler.is_compiling()
-        and not torch._C._are_functorch_transforms_active()
-    )
+    traced = torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+    return not traced and set(map(type, tensors)) <= _PLAIN
 
 
 def takes_gpu_orthogonalized(ns: Any, first: torch.Tensor, forced: bool | None = None) -> bool:
@@ -201,15 +198,19 @@ def gpu_orthogonalized(
 
 
 def _normalized(ns: Any, matrices: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """The batch of ``matrices`` over their fp64 norms, in ``dtype``; the fp32 stack it is made from is
-    freed when this returns."""
-    norms = _fp64_norms(matrices)
+    """The batch of ``matrices`` over their Frobenius norms accumulated in fp64, in ``dtype``: eager, one
+    multi-tensor norm reads fp32 and adds its squares in fp64 as they load, else the stack's norm. The
+    fp32 stack the batch is made from is freed when this returns."""
+    plain, stack = _plain_eager(matrices), torch.cat(list(matrices))
+    if plain:
+        norms = torch.stack(torch._foreach_norm(list(matrices), 2, dtype=torch.float64)).view(-1, 1, 1)
+    else:
+        norms = torch.linalg.vector_norm(stack, dim=(-2, -1), keepdim=True, dtype=torch.float64)
     if ns.schedule.norm_factor != 1.0:
         norms = norms * ns.schedule.norm_factor
     reciprocal = (norms + ns.eps if ns.eps_mode == "add" else norms.clamp_min(ns.eps)).reciprocal()
-    stack = torch.cat(list(matrices))
     recorded = torch.is_grad_enabled() and any(map(attrgetter("requires_grad"), matrices))  # (out= records nothing)
-    if _plain_eager(matrices) and not recorded:  # one pass: the fp64 product rounded to ``dtype`` as it is stored
+    if plain and not recorded:  # one pass: the fp64 product rounded to ``dtype`` as it is stored
         return torch.mul(stack, reciprocal, out=torch.empty(stack.shape, dtype=dtype, device=stack.device))
     return (stack * reciprocal).to(dtype)
 
@@ -223,14 +224,6 @@ def _tall_results(result: torch.Tensor) -> list[torch.Tensor]:
     batch = torch.empty((result.size(0), cols, rows), dtype=torch.float32, device=result.device)
     batch.mT.copy_(result)
     return list(batch.split(1))
-
-
-def _fp64_norms(matrices: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Each matrix's Frobenius norm accumulated in fp64, ``(count, 1, 1)``: eager, one multi-tensor
-    norm reading fp32 and adding its squares in fp64 as they load; else the stack's."""
-    if _plain_eager(matrices):
-        return torch.stack(torch._foreach_norm(list(matrices), 2, dtype=torch.float64)).view(-1, 1, 1)
-    return torch.linalg.vector_norm(torch.cat(list(matrices)), dim=(-2, -1), keepdim=True, dtype=torch.float64)
 
 
 def adamw_kernel_takes(
@@ -292,11 +285,8 @@ def adamw_kernel(
     # a tensor rate goes to the kernel as it is (CUDA's ``tensor_lr``); meta, which takes CUDA's paths to
     # count them, has no kernel for it and holds no value: a number stands for it there, the same traffic
     kernel_lr = 0.0 if isinstance(lr, torch.Tensor) and lr.device.type == "meta" else lr
-    meshes: dict[int, list[int]] = {}  # (DTensors: one call per device mesh, as a DTensor op takes one)
-    for i, t in enumerate(() if plain else g):
-        meshes.setdefault(id(getattr(t, "device_mesh", None)), []).append(i)
     lists = (updates, g, m, v, steps)
-    calls = [lists] if plain else [[[x[i] for i in at] for x in lists] for at in meshes.values()]
+    calls = [lists] if plain else [[[x[i] for i in at] for x in lists] for at in _by_mesh(g)]
     for u, grad, exp_avg, exp_avg_sq, step in calls:
         torch._fused_adamw_(
             u, grad, exp_avg, exp_avg_sq, [], step,
@@ -305,6 +295,14 @@ def adamw_kernel(
     entries = {"step": replaced(state["step"], names, counts), "exp_avg": replaced(state["exp_avg"], names, m)}
     entries["exp_avg_sq"] = replaced(state["exp_avg_sq"], names, v)
     return build(dict(zip(names, updates)), grads.batch_size), entries
+
+
+def _by_mesh(dtensors: list[Any]) -> list[list[int]]:
+    """The positions of ``dtensors`` by device mesh: one kernel call each, as a DTensor op takes one mesh."""
+    meshes: dict[int, list[int]] = {}
+    for i, t in enumerate(dtensors):
+        meshes.setdefault(id(t.device_mesh), []).append(i)
+    return list(meshes.values())
 
 
 def _copies(tensors: list[torch.Tensor], plain: bool) -> list[torch.Tensor]:

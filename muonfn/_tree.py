@@ -67,9 +67,8 @@ def nested_like(updates: TensorDictBase, like: TensorDictBase) -> TensorDictBase
         node = root
         for part in path:
             if part not in node:
-                node[part] = {}
                 inner.append((node, part))
-            node = node[part]
+            node = node.setdefault(part, {})
         node[leaf] = value
     for parent, part in reversed(inner):  # (a node's children are TensorDicts before it becomes one)
         parent[part] = build(parent[part], like.batch_size)

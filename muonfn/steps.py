@@ -276,8 +276,7 @@ def ema_momentum(
         return build({**state, "step": _counts(params)} if counted else state, params.batch_size)
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
-        names, g = list(grads.keys()), list(grads.values())
-        held, members = state["momentum"], grads.batch_dims
+        names, g, held = list(grads.keys()), list(grads.values()), state["momentum"]
         if donate_state:
             _refuse_memory_mapped("ema_momentum", "momentum", held)
         if counted:
@@ -294,6 +293,7 @@ def ema_momentum(
         if counted:
             new["step"] = replaced(state["step"], names, counts)
         if bias_correction:
+            members = grads.batch_dims
             if nesterov:
                 moment = _per_leaf(_corrections(t, mu, 1.0).reciprocal().mul(mu), buf, members)
                 gradient = _per_leaf(_corrections(t, mu).reciprocal().mul(1 - mu), g, members)
@@ -419,9 +419,8 @@ def _orthogonalized(
     grads: TensorDictBase, ns: MatrixFn, views: ViewsLike, orthogonalizer: Orthogonalizer, scale: Any, fresh: bool
 ) -> list[torch.Tensor]:
     names, values = list(grads.keys()), list(grads.values())
-    leaf_views = resolve_views(views, names, values, grads.batch_dims)
     options = {"overwrite_input": True} if fresh and may_write_into(*values) else {}
-    return orthogonalizer(names, values, leaf_views, ns, scale, **options)
+    return orthogonalizer(names, values, resolve_views(views, names, values, grads.batch_dims), ns, scale, **options)
 
 
 def orthogonalize(

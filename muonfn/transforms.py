@@ -361,11 +361,10 @@ def partition(transforms: Mapping[str, Transform], labels: LabelsLike) -> Transf
     def branches(grads: TensorDictBase, params: TensorDictBase | None) -> dict[str, list[str]]:
         names = tuple(grads.keys())
         # traced, the routes are made anew: guards on the cache would fail once an eager update filled it
-        traced = torch.compiler.is_compiling()
-        if traced or names not in routes:
+        if torch.compiler.is_compiling() or names not in routes:
             assigned = route(labels, grads if params is None else params, transforms)
             made = {label: [n for n in names if assigned[n] == label] for label in transforms}
-            if traced:
+            if torch.compiler.is_compiling():
                 return made
             routes.clear() if len(routes) > 16 else None
             routes[names] = made
@@ -573,9 +572,9 @@ def matched(
     """Both trees flat and the parameters of the updates, in their order: checked once per structure of
     the two (``inplace``: for :func:`~muonfn.apply_updates_`)."""
     flat_params, flat_updates = flat(params), flat(updates)
-    where = "apply_updates_" if inplace else "apply_updates"
-    structure = (where, _structure(flat_params), _structure(flat_updates))
+    structure = ("apply_updates", inplace, _structure(flat_params), _structure(flat_updates))
     if structure not in _PASSED:
+        where = "apply_updates_" if inplace else "apply_updates"
         for name, u in flat_updates.items():
             p = flat_params.get(name)
             if p is None:

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import muonfn
 import muonfn.optim
-from muonfn import MatrixView, _devices
+from muonfn import MatrixView
 from muonfn.linalg import cpu_bf16_probe, default_ns_dtype
 
 # the benchmarks' parameter sets, contenders and peak-memory helper, so that the memory check
@@ -128,21 +128,34 @@ def test_newton_schulz_and_muon_run_in_bf16_by_default_on_cuda() -> None:
         assert torch.equal(u_default[key], u_bf16[key]), key
 
 
+class _Normalisation(muonfn.NewtonSchulz):
+    """A map without steps: its result is its normalisation :math:`X_0`, in the iteration's dtype."""
+
+    def iterate(self, X: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return X
+
+
 @requires_cuda
-def test_fp32_norms_accumulate_in_fp64_on_cuda_alike_batched_vmapped_or_alone() -> None:
-    """CUDA's multi-tensor norm adds fp32 squares in fp64 as it loads them: within fp64's
-    rounding of the exact norm, finite for entries near fp32's maximum, and each matrix's own
-    bits in any batch and under ``vmap``; the normalised bf16 input keeps ``f(2ᵏG) = f(G)``."""
+def test_fp32_norms_accumulate_in_fp64_on_cuda_alike_batched_or_alone() -> None:
+    """On CUDA the GPU's form norms fp32 matrices with a multi-tensor norm that adds their squares in
+    fp64 as it loads them: each normalised matrix is ``G`` times the fp64 reciprocal of its norm,
+    rounded once into bf16 (the formula's bits), finite for entries near fp32's maximum, and its
+    own bits in a call of twelve or alone; the normalised bf16 input keeps ``f(2ᵏG) = f(G)``."""
     x = torch.randn(3, 4, 48, 80, device=CUDA)
     matrices = list(x.reshape(12, 48, 80))
-    norms = _devices._fp64_norms(matrices)  # (12, 1, 1)
-    exact = torch.linalg.vector_norm(x.double(), dim=(-2, -1), keepdim=True).view(12, 1, 1)
-    torch.testing.assert_close(norms, exact, atol=0, rtol=1e-13)
-    vmapped = torch.vmap(lambda batch: _devices._fp64_norms(list(batch)))(x)  # (3, 4, 1, 1)
-    assert torch.equal(vmapped.reshape(12, 1, 1), norms)
-    alone = torch.cat([_devices._fp64_norms([m]) for m in matrices])
-    assert torch.equal(alone, norms)
-    assert torch.isfinite(_devices._fp64_norms([torch.full((64, 64), 3e38, device=CUDA)])).all()
+    normalisation, local = _Normalisation(dtype=torch.bfloat16), muonfn.LocalOrthogonalizer()  # (CUDA: a GPU's form)
+
+    def normalised(tensors: list[torch.Tensor]) -> torch.Tensor:
+        names, views = [f"m{k}" for k in range(len(tensors))], [muonfn.MatrixView()] * len(tensors)
+        return torch.stack(local(names, tensors, views, normalisation, muonfn.linalg.shape_scale("none")))
+
+    G = x.reshape(12, 48, 80).double()
+    norm = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True) * normalisation.schedule.norm_factor
+    formula = (G * norm.clamp_min(normalisation.eps).reciprocal()).to(torch.bfloat16).float()
+    together = normalised(matrices)
+    assert torch.equal(together, formula)
+    assert torch.equal(torch.cat([normalised([m]) for m in matrices]), together)
+    assert torch.isfinite(normalised([torch.full((64, 64), 3e38, device=CUDA)])).all()
     f = muonfn.NewtonSchulz()
     assert f.dtype is None and torch.equal(f(x * 2.0**40), f(x))
 

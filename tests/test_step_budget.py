@@ -47,13 +47,13 @@ COUNTS = ("lines", "functions", "files")
 
 #: The figures measured when the budget test was written: none may grow.
 CEILINGS: dict[str, Any] = {
-    "package_code_lines": 6240,
-    "core_code_lines": 2956,
+    "package_code_lines": 6231,
+    "core_code_lines": 2947,
     "muon_keywords": 20,
-    "functional_cpu": {"lines": 258, "functions": 50, "files": 6},
-    "shim_cpu": {"lines": 317, "functions": 66, "files": 7},
-    "functional_meta": {"lines": 260, "functions": 51, "files": 6},
-    "shim_meta": {"lines": 314, "functions": 66, "files": 7},
+    "functional_cpu": {"lines": 250, "functions": 50, "files": 6},
+    "shim_cpu": {"lines": 312, "functions": 66, "files": 7},
+    "functional_meta": {"lines": 248, "functions": 50, "files": 6},
+    "shim_meta": {"lines": 305, "functions": 65, "files": 7},
 }
 
 #: The issue's targets (the meta device's are the CPU's).

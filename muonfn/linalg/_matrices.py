@@ -111,10 +111,8 @@ class MatrixView:
 
     def matrix_shape(self, shape: Sequence[int]) -> tuple[int, int]:
         """The logical ``(out, in)`` shape of the (unsplit) matrix inside ``shape``."""
-        rest = list(shape[self.batch_dims :])
-        if self.transposed:
-            rest[-2], rest[-1] = rest[-1], rest[-2]
-        return rest[0], math.prod(rest[1:])
+        rest = shape[self.batch_dims :]
+        return (rest[-1], rest[-2]) if self.transposed else (rest[0], math.prod(rest[1:]))
 
     def blocks(self, shape: Sequence[int]) -> list[tuple[int, int]]:
         """The ``(rows, cols)`` of every matrix block, in order."""
@@ -147,8 +145,8 @@ class MatrixView:
     def to_matrices(self, t: torch.Tensor) -> list[torch.Tensor]:
         """The blocks of ``t``, each as a ``(count, rows, cols)`` batch."""
         rows, cols = self.matrix_shape(t.shape)
-        count = math.prod(t.shape[: self.batch_dims])  # not -1: a tensor may hold no element
-        m = (t.mT if self.transposed else t).reshape(count, rows, cols)
+        # (the count of matrices, not -1: a tensor may hold no element)
+        m = (t.mT if self.transposed else t).reshape(math.prod(t.shape[: self.batch_dims]), rows, cols)
         return [m] if self.split is None else list(m.split(list(self.split), dim=1 + self.split_dim))
 
     def from_matrices(self, blocks: Sequence[torch.Tensor], shape: Sequence[int]) -> torch.Tensor:
