@@ -191,9 +191,8 @@ def gpu_orthogonalized(
     kept = len(matrices) - turned
     tall = _tall_results(result[kept:]) if turned else []
     if overwrite and kept and _plain_eager(matrices) and all(map(torch.Tensor.is_contiguous, matrices[:kept])):
-        wide = list(matrices[:kept])
-        torch._foreach_copy_(wide, list(result[:kept].split(1)))  # (casts on torch's fused path)
-        return [*wide, *tall]
+        torch._foreach_copy_(list(matrices[:kept]), list(result[:kept].split(1)))  # (casts on torch's fused path)
+        return [*matrices[:kept], *tall]
     return [*(result[:kept].to(torch.float32).split(1) if kept else ()), *tall]  # (split(1) of none: one empty)
 
 
@@ -220,8 +219,7 @@ def _tall_results(result: torch.Tensor) -> list[torch.Tensor]:
     that widens them into a batch of their own orientation; else a widening, then a copy each."""
     if not _plain_eager([result]):
         return [apart(t.mT).contiguous() for t in result.to(torch.float32).split(1)]
-    rows, cols = result.shape[-2:]
-    batch = torch.empty((result.size(0), cols, rows), dtype=torch.float32, device=result.device)
+    batch = torch.empty(result.mT.shape, dtype=torch.float32, device=result.device)
     batch.mT.copy_(result)
     return list(batch.split(1))
 
@@ -285,8 +283,11 @@ def adamw_kernel(
     # a tensor rate goes to the kernel as it is (CUDA's ``tensor_lr``); meta, which takes CUDA's paths to
     # count them, has no kernel for it and holds no value: a number stands for it there, the same traffic
     kernel_lr = 0.0 if isinstance(lr, torch.Tensor) and lr.device.type == "meta" else lr
+    meshes: dict[int, list[int]] = {}  # (DTensors: one call per device mesh, as a DTensor op takes one)
+    for i, t in enumerate(() if plain else g):
+        meshes.setdefault(id(getattr(t, "device_mesh", None)), []).append(i)
     lists = (updates, g, m, v, steps)
-    calls = [lists] if plain else [[[x[i] for i in at] for x in lists] for at in _by_mesh(g)]
+    calls = [lists] if plain else [[[x[i] for i in at] for x in lists] for at in meshes.values()]
     for u, grad, exp_avg, exp_avg_sq, step in calls:
         torch._fused_adamw_(
             u, grad, exp_avg, exp_avg_sq, [], step,
@@ -295,14 +296,6 @@ def adamw_kernel(
     entries = {"step": replaced(state["step"], names, counts), "exp_avg": replaced(state["exp_avg"], names, m)}
     entries["exp_avg_sq"] = replaced(state["exp_avg_sq"], names, v)
     return build(dict(zip(names, updates)), grads.batch_size), entries
-
-
-def _by_mesh(dtensors: list[Any]) -> list[list[int]]:
-    """The positions of ``dtensors`` by device mesh: one kernel call each, as a DTensor op takes one mesh."""
-    meshes: dict[int, list[int]] = {}
-    for i, t in enumerate(dtensors):
-        meshes.setdefault(id(t.device_mesh), []).append(i)
-    return list(meshes.values())
 
 
 def _copies(tensors: list[torch.Tensor], plain: bool) -> list[torch.Tensor]:

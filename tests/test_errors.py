@@ -89,6 +89,16 @@ BAD_HYPERPARAMETERS: dict[str, tuple[Callable[[], object], type[Exception], str]
     "beta2 < 0": (lambda: muonfn.adamw(betas=(0.9, -0.5)), ValueError, r"b2 must be in \[0, 1\)"),
     "adamw_betas": (lambda: muonfn.muon(adamw_betas=(0.9, 1.0)), ValueError, r"b2 must be in \[0, 1\)"),
     "adam eps = 0": (lambda: muonfn.adamw(eps=0.0), ValueError, r"eps must be finite and > 0, got 0.0"),
+    "betas not a pair": (
+        lambda: muonfn.adamw(betas=(0.9,)),  # type: ignore[arg-type]
+        ValueError,
+        r"betas must be a pair \(beta1, beta2\), got \(0\.9,\)",
+    ),
+    "scale_by_adam nesterov": (
+        lambda: muonfn.scale_by_adam(nesterov="optax"),  # type: ignore[arg-type]
+        ValueError,
+        r"scale_by_adam: nesterov must be True, False or 'timm', got 'optax'",
+    ),
     "adamw_eps < 0": (lambda: muonfn.muon(adamw_eps=-1e-8), ValueError, r"eps must be finite and > 0"),
     "ns eps = 0": (
         lambda: muonfn.NewtonSchulz(eps=0.0),
@@ -421,6 +431,18 @@ def test_another_transforms_state_names_the_missing_entry() -> None:
         muonfn.muon().update(grads, adamw_state, p)
     with pytest.raises(ValueError, match=r"update: state has no entry 'step\.0\.weight'"):
         muonfn.adamw().update(grads, muon_state, p)
+
+
+def test_a_state_entry_of_a_parameter_the_update_is_not_given_is_named() -> None:
+    """The state of every parameter, given to an update of some of them with their parameters, is
+    refused naming an entry that belongs to none of them; given the state of those alone, it steps."""
+    p, tx = params(), muonfn.adamw()
+    some = p.flatten_keys(".").select("0.weight", "1.weight")
+    grads = some.apply(torch.ones_like)
+    with pytest.raises(ValueError, match=r"update: state entry 'step\.0\.bias' belongs to no parameter of this update"):
+        tx.update(grads, tx.init(p), some)
+    updates, _ = tx.update(grads, tx.init(some), some)
+    assert list(updates.keys()) == ["0.weight", "1.weight"]
 
 
 MISSING_ENTRY: dict[str, tuple[Callable[[], muonfn.Transform], str, str]] = {

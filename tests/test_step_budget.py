@@ -47,8 +47,8 @@ COUNTS = ("lines", "functions", "files")
 
 #: The figures measured when the budget test was written: none may grow.
 CEILINGS: dict[str, Any] = {
-    "package_code_lines": 6231,
-    "core_code_lines": 2947,
+    "package_code_lines": 6227,
+    "core_code_lines": 2943,
     "muon_keywords": 20,
     "functional_cpu": {"lines": 250, "functions": 50, "files": 6},
     "shim_cpu": {"lines": 312, "functions": 66, "files": 7},
