@@ -15,8 +15,6 @@ which the test suite holds every fast path to.
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._checkpoint import load, save
@@ -75,32 +73,7 @@ from .transforms import (
 if TYPE_CHECKING:
     from . import distributed, optim, reference
 
-#: the pyproject.toml of a checkout that holds this package
-_CHECKOUT_PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
-
-
-def _distribution_version(distribution: str = "muonfn", *, pyproject: Path = _CHECKOUT_PYPROJECT) -> str:
-    """The version installed under ``distribution``; on a plain checkout, its ``pyproject.toml``'s version.
-
-    The installed metadata is the authority (what pip, and a user's bug report, see). A checkout put on
-    ``sys.path`` without an install has none: there the project's own declaration stands in, and
-    ``"0+unknown"`` where that is not ``distribution``'s either.
-    """
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    import tomllib  # only a checkout pays for it
-
-    try:
-        project = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]
-        declared = project["version"] if project["name"] == distribution else "0+unknown"
-    except (OSError, KeyError, tomllib.TOMLDecodeError):
-        declared = "0+unknown"
-    return str(declared)
-
-
-__version__ = _distribution_version()
+__version__ = "0.1.0"
 
 _LAZY_SUBMODULES = ("optim", "distributed", "reference")
 

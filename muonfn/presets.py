@@ -379,23 +379,21 @@ def adamuon(
 Adaptation: TypeAlias = Callable[[ViewsLike, bool, torch.dtype | None], tuple[bool, Transform]]
 
 
-#: Each variant's defaults for the settings whose defaults differ between variants; an option the
-#: variant does not list does not apply to it.
+#: Each variant's defaults for the settings whose defaults differ between variants (the keywords its preset
+#: takes beyond :data:`PRESET_OPTIONS`); an option the variant does not list does not apply to it.
 VARIANT_DEFAULTS: dict[str, dict[str, Any]] = {
-    "muon": {"momentum": 0.95, "nesterov": True},
-    "normuon": {"momentum": 0.95, "nesterov": True, "beta2": 0.95, "adaptive_eps": 1e-10, "rescale": "orthogonal"},
-    "adamuon": {
-        "momentum": 0.9, "nesterov": False, "beta2": 0.95, "adaptive_eps": 1e-10, "rescale": "orthogonal",
-        "sign_momentum": True, "second_moment_bias_correction": False,
-    },
-}  # fmt: skip
+    variant: {
+        name: p.default
+        for name, p in inspect.signature(preset).parameters.items()
+        if p.kind is p.KEYWORD_ONLY and name not in PRESET_OPTIONS
+    }
+    for variant, preset in (("muon", muon), ("normuon", normuon), ("adamuon", adamuon))
+}
 #: The options only the adapted variants take.
-VARIANT_OPTIONS: tuple[str, ...] = (
-    "beta2",
-    "adaptive_eps",
-    "rescale",
-    "sign_momentum",
-    "second_moment_bias_correction",
+VARIANT_OPTIONS: tuple[str, ...] = tuple(
+    dict.fromkeys(
+        name for defaults in VARIANT_DEFAULTS.values() for name in defaults if name not in ("momentum", "nesterov")
+    )
 )
 
 

@@ -37,7 +37,7 @@ from .linalg import (
     scaled_mode,
     shape_scale,
 )
-from .transforms import MaskLike, Transform, check_mask, matched, selected, transform
+from .transforms import MaskLike, Transform, chain, check_mask, matched, selected, transform
 
 ViewsLike: TypeAlias = Mapping[Any, MatrixView] | Callable[[str, torch.Tensor], MatrixView | None] | None
 NesterovLike: TypeAlias = bool | Literal["add"]
@@ -778,10 +778,13 @@ def _adam(
     return _foreach("mul", direction, _times(factor, g, members)), new
 
 
-def _betas(b1: Scalar, b2: Scalar, eps: float) -> tuple[Scalar, float, float]:
-    """β₁ as given (a 0-d tensor is read at every update: a scheduler may cycle it), β₂ and ε as numbers."""
+def _betas(where: str, b1: Scalar, b2: Scalar, eps: float, nesterov: object) -> tuple[Scalar, float, float]:
+    """β₁ as given (a 0-d tensor is read at every update: a scheduler may cycle it), β₂ and ε as numbers;
+    ``nesterov`` checked."""
     positive("eps", eps)
     unit_interval("b1", b1)
+    if not (isinstance(nesterov, bool) or nesterov == "timm"):
+        raise ValueError(f"{where}: nesterov must be True, False or 'timm', got {nesterov!r}")
     return b1, unit_interval("b2", b2), float(eps)
 
 
@@ -813,9 +816,7 @@ def scale_by_adam(
     Returns:
         A :class:`Transform` with state ``{"step": int64 per leaf, "exp_avg": m, "exp_avg_sq": v}``.
     """
-    b1, b2, eps = _betas(b1, b2, eps)
-    if not (isinstance(nesterov, bool) or nesterov == "timm"):
-        raise ValueError(f"scale_by_adam: nesterov must be True, False or 'timm', got {nesterov!r}")
+    b1, b2, eps = _betas("scale_by_adam", b1, b2, eps, nesterov)
     flag("scale_by_adam: donate_state", donate_state)
     check_state_dtype("scale_by_adam", state_dtype)
 
@@ -878,7 +879,7 @@ def adamw(
     """
     if not (isinstance(betas, tuple | list) and len(betas) == 2):
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-    b1, b2, eps = _betas(betas[0], betas[1], eps)
+    b1, b2, eps = _betas("adamw", betas[0], betas[1], eps, nesterov)
     _check_rate(lr)
     non_negative("weight_decay", weight_decay)
     check_mask("adamw: weight_decay_mask", weight_decay_mask)
@@ -887,11 +888,7 @@ def adamw(
     check_state_dtype("adamw", state_dtype)
     if fused is not None:
         flag("adamw: fused", fused)
-    if not (isinstance(nesterov, bool) or nesterov == "timm"):
-        raise ValueError(f"adamw: nesterov must be True, False or 'timm', got {nesterov!r}")
     if cautious_weight_decay:  # (caution reads the direction before the decay: the chain of blocks)
-        from .transforms import chain
-
         return chain(
             scale_by_adam(b1, b2, eps=eps, nesterov=nesterov, state_dtype=state_dtype, donate_state=donate_state),
             add_decayed_weights(weight_decay, mask=weight_decay_mask, cautious=True),
@@ -1175,8 +1172,6 @@ def scale_by_muon(
 ) -> Transform:
     r"""Muon's direction: :math:`s(A, B)\cdot\mathrm{NS}(u)` with :math:`u` the (Nesterov) EMA momentum:
     ``chain(ema_momentum(...), orthogonalize(...))``, the scale taken by the last Newton–Schulz step."""
-    from .transforms import chain
-
     return chain(
         ema_momentum(momentum, nesterov=nesterov, bias_correction=momentum_bias_correction, donate_state=donate_state),
         orthogonalize(

@@ -145,24 +145,11 @@ def test_the_installed_wheel_works_without_the_checkout(dists: tuple[Path, Path]
     seen = json.loads(result.stdout.splitlines()[-1])
     assert Path(seen["file"]).is_relative_to(site_packages), seen["file"]
     assert not any(Path(p).resolve() == ROOT for p in seen["path"] if p), seen["path"]
-    assert seen["version"] == seen["metadata"] == PROJECT["version"]
+    assert seen["version"] == seen["metadata"] == muonfn.__version__
 
 
-def test_version_is_the_installed_metadata(tmp_path: Path) -> None:
+def test_version_is_the_installed_metadata() -> None:
     assert muonfn.__version__ == importlib.metadata.version("muonfn")
-    # an installed distribution's metadata wins over a pyproject.toml beside the package
-    pyproject = tmp_path / "pyproject.toml"
-    pyproject.write_text('[project]\nname = "hypothesis"\nversion = "0.0.1"\n')
-    assert muonfn._distribution_version("hypothesis", pyproject=pyproject) == hypothesis.__version__
-
-
-def test_a_plain_checkout_takes_its_version_from_pyproject(tmp_path: Path) -> None:
-    pyproject = tmp_path / "pyproject.toml"
-    pyproject.write_text('[project]\nname = "muonfn-not-installed"\nversion = "9.8.7"\n')
-    assert muonfn._distribution_version("muonfn-not-installed", pyproject=pyproject) == "9.8.7"
-    # another project's pyproject, or none: the version is not known
-    assert muonfn._distribution_version("muonfn-elsewhere", pyproject=pyproject) == "0+unknown"
-    assert muonfn._distribution_version("muonfn-not-installed", pyproject=tmp_path / "absent.toml") == "0+unknown"
 
 
 def test_ci_tests_the_floor_pyproject_claims() -> None:
