@@ -258,9 +258,13 @@ def _check_restarts(restarts: Any, steps: int) -> tuple[int, ...]:
     return tuple(sorted(set(restarts)))
 
 
-def gram_steps(X: torch.Tensor, schedule: Coefficients, restarts: Sequence[int], scale: float = 1.0) -> torch.Tensor:
-    """The quintic steps carried by the Gram matrix (see the module), the result times ``scale``."""
+def gram_steps(
+    X: torch.Tensor, schedule: Coefficients, restarts: Sequence[int] | None, scale: float = 1.0
+) -> torch.Tensor:
+    """The quintic steps carried by the Gram matrix (see the module), restarted before the steps
+    ``restarts`` names (``None``: :func:`default_restarts`), the result times ``scale``."""
     steps = len(schedule.triples)
+    restarts = default_restarts(steps, X.dtype) if restarts is None else restarts
     R = torch.bmm(X, X.mT)
     Q: torch.Tensor | None = None  # the identity
     for k, (a, b, c) in enumerate(schedule.triples):
@@ -376,8 +380,7 @@ class NewtonSchulz:
         if self.method == "gram":
             steps, (m, n) = len(self.schedule.triples), X.shape[-2:]
             if gram_newton_schulz_flops(m, n, steps, self.restarts, X.dtype) < newton_schulz_flops(m, n, steps):
-                restarts = default_restarts(steps, X.dtype) if self.restarts is None else self.restarts
-                return gram_steps(X, self.schedule, restarts, scale)
+                return gram_steps(X, self.schedule, self.restarts, scale)
         return standard_steps(X, self.schedule, scale)
 
     def orthogonalize(self, x: torch.Tensor, *, scale: float = 1.0, overwrite_input: bool = False) -> torch.Tensor:
@@ -443,9 +446,7 @@ def gram_newton_schulz(
     ns = NewtonSchulz(coefficients, steps, eps, dtype, "gram", eps_mode, restarts)
     _check("gram_newton_schulz", x)
     batch, tall = _wide(x)
-    X = normalized(batch, ns, ns.iteration_dtype(x))
-    restart_at = default_restarts(len(ns.schedule.triples), X.dtype) if ns.restarts is None else ns.restarts
-    return _restored(gram_steps(X, ns.schedule, restart_at), x, tall)
+    return _restored(gram_steps(normalized(batch, ns, ns.iteration_dtype(x)), ns.schedule, ns.restarts), x, tall)
 
 
 def newton_schulz_columns(
