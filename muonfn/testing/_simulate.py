@@ -17,12 +17,13 @@ so overlap can be measured without processes.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from functools import partial, reduce
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -46,39 +47,13 @@ class Link:
         return self.latency_s + received / self.bytes_per_s
 
 
-class _SimulatedWork:
+class _Work(NamedTuple):
     """The handle of one operation queued on a rank's communication thread."""
 
-    def __init__(self, run: Callable[[], None]) -> None:
-        self.run = run
-        self.done = threading.Event()
-        self.error: BaseException | None = None
+    future: Future[None]
 
     def wait(self) -> None:
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
-
-
-class _Channel:
-    """One rank's communication thread for one group: runs queued operations in order."""
-
-    def __init__(self, name: str) -> None:
-        self.queue: queue.SimpleQueue[_SimulatedWork | None] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        while (work := self.queue.get()) is not None:
-            try:
-                work.run()
-            except BaseException as e:
-                work.error = e
-            work.done.set()
-
-    def stop(self) -> None:
-        self.queue.put(None)
-        self.thread.join()
+        self.future.result()  # re-raises what the operation raised
 
 
 class _Simulation:
@@ -105,12 +80,6 @@ class _Simulation:
             for g in self.groups.values():
                 g.barrier.abort()
 
-    def stop(self) -> None:
-        with self.lock:
-            channels = [c for g in self.groups.values() for c in g.channels.values()]
-        for channel in channels:
-            channel.stop()
-
 
 class _Group:
     def __init__(self, sim: _Simulation, members: tuple[int, ...]) -> None:
@@ -118,13 +87,8 @@ class _Group:
         self.members = members
         self.barrier = threading.Barrier(len(members), timeout=sim.timeout)
         self.slots: list[tuple[str, Any]] = [("", None)] * len(members)
-        self.channels: dict[int, _Channel] = {}
-
-    def channel(self, rank: int) -> _Channel:
-        with self.sim.lock:
-            if rank not in self.channels:
-                self.channels[rank] = _Channel(f"simulated-comm-{self.members}-{rank}")
-            return self.channels[rank]
+        # a communication thread per rank (started by its first operation) runs the rank's operations in turn
+        self.channels = [ThreadPoolExecutor(1, f"simulated-comm-{members}-{r}") for r in range(len(members))]
 
 
 class SimulatedCollectives(AsyncCollectives):
@@ -167,41 +131,40 @@ class SimulatedCollectives(AsyncCollectives):
                 "the ranks of the group did not all join it"
             ) from None
 
-    def _post(self, op: str, payload: Any) -> list[Any]:
-        """Posts ``payload``, waits for every rank, and returns all payloads (checking the ops agree)."""
-        self._group.slots[self.rank] = (op, payload)
-        self._wait(op)
-        ops = [name for name, _ in self._group.slots]
-        if any(name != op for name in ops):
-            raise RuntimeError(f"simulated collectives: ranks called different operations, by rank: {ops}")
-        return [p for _, p in self._group.slots]
+    def _start(
+        self, op: str, payload: Any, combine: Callable[[list[Any]], torch.Tensor], output: torch.Tensor, received: int
+    ) -> _Work:
+        """Queues ``op`` on this rank's communication thread: post ``payload``, wait for every rank,
+        ``combine`` what they all posted (checking they called the same operation), wait until every
+        rank has read the posts, write the result into ``output``, then take the link's time."""
+        group = self._group
 
-    def _start(self, run: Callable[[], None], received: int) -> _SimulatedWork:
-        link = self._group.sim.link
-
-        def timed() -> None:
-            run()
-            if link is not None:
-                time.sleep(link.seconds(received))
-
-        work = _SimulatedWork(timed)
-        self._group.channel(self.rank).queue.put(work)
-        return work
-
-    def all_gather_into_tensor_async(self, output: torch.Tensor, input: torch.Tensor) -> _SimulatedWork:
         def run() -> None:
-            inputs = self._post("all_gather_into_tensor", input)
+            group.slots[self.rank] = (op, payload)
+            self._wait(op)
             try:
-                sizes = [t.numel() for t in inputs]
-                if len(set(sizes)) != 1 or output.numel() != sum(sizes):
-                    raise RuntimeError(
-                        f"simulated all_gather_into_tensor: input sizes by rank {sizes}, output size {output.numel()}"
-                    )
-                output.copy_(torch.cat([t.reshape(-1) for t in inputs]).view_as(output))
+                ops = [name for name, _ in group.slots]
+                if any(name != op for name in ops):
+                    raise RuntimeError(f"simulated collectives: ranks called different operations, by rank: {ops}")
+                result = combine([posted for _, posted in group.slots])
             finally:
-                self._wait("all_gather_into_tensor")
+                self._wait(op)
+            output.copy_(result.view_as(output))
+            if group.sim.link is not None:
+                time.sleep(group.sim.link.seconds(received))
 
-        return self._start(run, (self.world_size - 1) * input.nbytes)
+        return _Work(group.channels[self.rank].submit(run))
+
+    def all_gather_into_tensor_async(self, output: torch.Tensor, input: torch.Tensor) -> _Work:
+        def gather(inputs: list[torch.Tensor]) -> torch.Tensor:
+            sizes = [t.numel() for t in inputs]
+            if len(set(sizes)) != 1 or output.numel() != sum(sizes):
+                raise RuntimeError(
+                    f"simulated all_gather_into_tensor: input sizes by rank {sizes}, output size {output.numel()}"
+                )
+            return torch.cat([t.reshape(-1) for t in inputs])
+
+        return self._start("all_gather_into_tensor", input, gather, output, (self.world_size - 1) * input.nbytes)
 
     def all_to_all_single_async(
         self,
@@ -209,47 +172,34 @@ class SimulatedCollectives(AsyncCollectives):
         input: torch.Tensor,
         output_split_sizes: Sequence[int],
         input_split_sizes: Sequence[int],
-    ) -> _SimulatedWork:
+    ) -> _Work:
         output_split_sizes, input_split_sizes = list(output_split_sizes), list(input_split_sizes)
 
-        def run() -> None:
-            posts = self._post("all_to_all_single", (input, input_split_sizes))
-            try:
-                w = self.world_size
-                if len(output_split_sizes) != w or len(input_split_sizes) != w:
-                    raise RuntimeError(f"simulated all_to_all_single: split lists must have {w} entries")
-                if sum(input_split_sizes) != input.numel() or sum(output_split_sizes) != output.numel():
-                    raise RuntimeError("simulated all_to_all_single: split sizes do not add up to the tensor sizes")
-                pieces = []
-                for src, (src_input, src_splits) in enumerate(posts):
-                    start = sum(src_splits[: self.rank])
-                    n = src_splits[self.rank]
-                    if n != output_split_sizes[src]:
-                        raise RuntimeError(
-                            f"simulated all_to_all_single: rank {src} sends {n} elements to rank {self.rank}, "
-                            f"which expects {output_split_sizes[src]}"
-                        )
-                    pieces.append(src_input.reshape(-1)[start : start + n])
-                output.copy_(torch.cat(pieces).view_as(output))
-            finally:
-                self._wait("all_to_all_single")
+        def exchange(posts: list[tuple[torch.Tensor, list[int]]]) -> torch.Tensor:
+            w = self.world_size
+            if len(output_split_sizes) != w or len(input_split_sizes) != w:
+                raise RuntimeError(f"simulated all_to_all_single: split lists must have {w} entries")
+            if sum(input_split_sizes) != input.numel() or sum(output_split_sizes) != output.numel():
+                raise RuntimeError("simulated all_to_all_single: split sizes do not add up to the tensor sizes")
+            pieces = []
+            for src, (src_input, src_splits) in enumerate(posts):
+                start = sum(src_splits[: self.rank])
+                n = src_splits[self.rank]
+                if n != output_split_sizes[src]:
+                    raise RuntimeError(
+                        f"simulated all_to_all_single: rank {src} sends {n} elements to rank {self.rank}, "
+                        f"which expects {output_split_sizes[src]}"
+                    )
+                pieces.append(src_input.reshape(-1)[start : start + n])
+            return torch.cat(pieces)
 
         received = sum(n for r, n in enumerate(output_split_sizes) if r != self.rank) * output.element_size()
-        return self._start(run, received)
+        return self._start("all_to_all_single", (input, input_split_sizes), exchange, output, received)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        def run() -> None:
-            tensors = self._post("all_reduce", tensor)
-            try:
-                total = tensors[0].clone()
-                for t in tensors[1:]:
-                    total += t
-            finally:
-                self._wait("all_reduce")
-            tensor.copy_(total)
-
         w = self.world_size
-        self._start(run, 2 * (w - 1) * tensor.nbytes // w).wait()
+        # summed in rank order, the same on every rank
+        self._start("all_reduce", tensor, partial(reduce, torch.add), tensor, 2 * (w - 1) * tensor.nbytes // w).wait()
 
     def __repr__(self) -> str:
         return f"SimulatedCollectives(rank={self.rank}, world_size={self.world_size})"
@@ -291,14 +241,15 @@ def simulate(
         t.start()
     for t in threads:
         t.join()
-    sim.stop()
+    for group in sim.groups.values():  # every rank is done: no group is made any more
+        for channel in group.channels:
+            channel.shutdown()
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         # the rank that failed first, not one that was aborted because of it
         rank, error = next(
             ((r, e) for r, e in failed if "aborted because another rank failed" not in str(e)), failed[0]
         )
-        if hasattr(error, "add_note"):  # Python >= 3.11
-            error.add_note(f"(raised on simulated rank {rank} of {world_size})")
+        error.add_note(f"(raised on simulated rank {rank} of {world_size})")
         raise error
     return results
