@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from ._spectra import DEFAULT_SCALES, Spectral, matrices, orthogonal
+from ._spectra import DEFAULT_SCALES, Spectral, fits, matrices, orthogonal
 
 Invariant: TypeAlias = Literal[
     "no error",
@@ -90,10 +90,9 @@ _EXTREME_FACTORS = (2.0**100, 2.0**-100)
 
 def _feasible(factors: Collection[float], sp: Spectral, min_norm: float) -> list[float]:
     """The factors α that keep ‖αG‖_F >= min_norm and αG's largest singular value well inside the dtype."""
-    info = torch.finfo(sp.g.dtype)
     top = float(sp.s.max())
     smallest_norm = float(torch.linalg.vector_norm(sp.s, dim=-1).min())
-    return [a for a in factors if a * smallest_norm >= min_norm and info.tiny / info.eps <= a * top <= info.max / 64]
+    return [a for a in factors if a * smallest_norm >= min_norm and fits(sp.g.dtype, a * top)]
 
 
 @dataclass(frozen=True)

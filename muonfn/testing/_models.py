@@ -10,10 +10,19 @@ import torch
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
+from ._spectra import float_dtypes, selection
+
 Key = tuple[str, ...]
 
 ModelKind: TypeAlias = Literal["mlp", "gpt", "cnn"]
 MODEL_KINDS: tuple[ModelKind, ...] = get_args(ModelKind)
+
+
+def _layer(shapes: dict[Key, tuple[int, ...]], name: Key, weight: tuple[int, ...], bias: bool = True) -> None:
+    """A module's ``weight`` and, if ``bias``, its bias: one entry per output (linear, conv and norm layers alike)."""
+    shapes[(*name, "weight")] = weight
+    if bias:
+        shapes[(*name, "bias")] = weight[:1]
 
 
 def _mlp(draw: st.DrawFn, width: int, depth: int) -> dict[Key, tuple[int, ...]]:
@@ -22,9 +31,7 @@ def _mlp(draw: st.DrawFn, width: int, depth: int) -> dict[Key, tuple[int, ...]]:
     bias = draw(st.booleans())
     shapes: dict[Key, tuple[int, ...]] = {}
     for i in range(depth):
-        shapes[(str(2 * i), "weight")] = (sizes[i + 1], sizes[i])
-        if bias:
-            shapes[(str(2 * i), "bias")] = (sizes[i + 1],)
+        _layer(shapes, (str(2 * i),), (sizes[i + 1], sizes[i]), bias)
     return shapes
 
 
@@ -34,23 +41,13 @@ def _gpt(draw: st.DrawFn, width: int, depth: int) -> dict[Key, tuple[int, ...]]:
     vocab = draw(st.integers(d, 2 * d + 3))
     context = draw(st.integers(1, 2 * d))
     shapes: dict[Key, tuple[int, ...]] = {("wte", "weight"): (vocab, d), ("wpe", "weight"): (context, d)}
+    block = {"ln_1": (d,), "attn.c_attn": (3 * d, d), "attn.c_proj": (d, d)}
+    block |= {"ln_2": (d,), "mlp.c_fc": (4 * d, d), "mlp.c_proj": (d, 4 * d)}
     for i in range(depth):
-        block = ("h", str(i))
-        shapes[(*block, "ln_1", "weight")] = (d,)
-        shapes[(*block, "ln_1", "bias")] = (d,)
-        shapes[(*block, "attn", "c_attn", "weight")] = (3 * d, d)
-        shapes[(*block, "attn", "c_attn", "bias")] = (3 * d,)
-        shapes[(*block, "attn", "c_proj", "weight")] = (d, d)
-        shapes[(*block, "attn", "c_proj", "bias")] = (d,)
-        shapes[(*block, "ln_2", "weight")] = (d,)
-        shapes[(*block, "ln_2", "bias")] = (d,)
-        shapes[(*block, "mlp", "c_fc", "weight")] = (4 * d, d)
-        shapes[(*block, "mlp", "c_fc", "bias")] = (4 * d,)
-        shapes[(*block, "mlp", "c_proj", "weight")] = (d, 4 * d)
-        shapes[(*block, "mlp", "c_proj", "bias")] = (d,)
-    shapes[("ln_f", "weight")] = (d,)
-    shapes[("ln_f", "bias")] = (d,)
-    shapes[("lm_head", "weight")] = (vocab, d)
+        for name, weight in block.items():
+            _layer(shapes, ("h", str(i), *name.split(".")), weight)
+    _layer(shapes, ("ln_f",), (d,))
+    _layer(shapes, ("lm_head",), (vocab, d), bias=False)
     return shapes
 
 
@@ -61,13 +58,9 @@ def _cnn(draw: st.DrawFn, width: int, depth: int) -> dict[Key, tuple[int, ...]]:
     shapes: dict[Key, tuple[int, ...]] = {}
     for i in range(depth):
         kernel = draw(st.sampled_from([1, 3, 5]))
-        shapes[(f"conv{i + 1}", "weight")] = (channels[i + 1], channels[i], *(kernel,) * spatial)
-        shapes[(f"conv{i + 1}", "bias")] = (channels[i + 1],)
-        shapes[(f"bn{i + 1}", "weight")] = (channels[i + 1],)
-        shapes[(f"bn{i + 1}", "bias")] = (channels[i + 1],)
-    classes = draw(st.integers(2, 10))
-    shapes[("fc", "weight")] = (classes, channels[-1])
-    shapes[("fc", "bias")] = (classes,)
+        _layer(shapes, (f"conv{i + 1}",), (channels[i + 1], channels[i], *(kernel,) * spatial))
+        _layer(shapes, (f"bn{i + 1}",), (channels[i + 1],))
+    _layer(shapes, ("fc",), (draw(st.integers(2, 10)), channels[-1]))
     return shapes
 
 
@@ -113,14 +106,10 @@ def model_params(
         ...     assert ("h", "0", "attn", "c_attn", "weight") in params.keys(True, True)
         >>> test_every_block_has_a_fused_qkv()
     """
-    chosen = [kinds] if isinstance(kinds, str) else list(kinds)
-    if not chosen or any(kind not in MODEL_KINDS for kind in chosen):
-        raise ValueError(f"kinds must be a non-empty selection of {list(MODEL_KINDS)}, got {kinds!r}")
+    chosen = selection("kinds", kinds, MODEL_KINDS)
     if max_width < 2 or max_depth < 1:
         raise ValueError(f"need max_width >= 2 and max_depth >= 1, got {max_width}, {max_depth}")
-    dtype_list = [dtypes] if isinstance(dtypes, torch.dtype) else list(dtypes)
-    if not dtype_list or not all(isinstance(d, torch.dtype) and d.is_floating_point for d in dtype_list):
-        raise ValueError(f"dtypes must be real floating-point torch dtypes, got {dtypes!r}")
+    dtype_list = float_dtypes(dtypes)
 
     @st.composite
     def draw_params(draw: st.DrawFn) -> TensorDict:
@@ -128,10 +117,8 @@ def model_params(
         shapes = _BUILDERS[kind](draw, max_width, draw(st.integers(1, max_depth)))
         dtype = draw(st.sampled_from(dtype_list))
         generator = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
-        values = []
-        for shape in shapes.values():
-            fan_in = math.prod(shape[1:]) if len(shape) > 1 else 1
-            values.append((torch.randn(shape, generator=generator, dtype=torch.float64) / fan_in**0.5).to(dtype))
+        gaussians = (torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes.values())
+        values = [(x / math.prod(x.shape[1:]) ** 0.5).to(dtype) for x in gaussians]  # std 1/sqrt(fan_in)
         return TensorDict(dict(zip(shapes, values)), batch_size=[])
 
     return draw_params()

@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 from hypothesis import strategies as st
 
 from ..linalg import COEFFICIENTS, Coefficients, CoefficientsLike, Triple, ns_schedule
+from ._spectra import selection
+
+T = TypeVar("T", float, torch.Tensor)
 
 
-def _quintic(t: Triple, x: float) -> float:
+def _quintic(t: Triple, x: T) -> T:
+    """:math:`p(x) = a x + b x^3 + c x^5`, of a float or elementwise."""
     a, b, c = t
     y = x * x
     return x * (a + y * (b + c * y))
@@ -25,24 +30,15 @@ def _quintic(t: Triple, x: float) -> float:
 def _critical_points(t: Triple) -> list[float]:
     """Real zeros of :math:`p'(x) = a + 3b x^2 + 5c x^4`, both signs."""
     a, b, c = t
+    disc = 9 * b * b - 20 * a * c
     if c == 0.0:
         squares = [-a / (3 * b)] if b != 0.0 else []
-    else:
-        disc = 9 * b * b - 20 * a * c
-        if disc < 0:
-            return []
-        root = math.sqrt(disc)
-        # the numerically stable pair of roots of 5c·y² + 3b·y + a = 0
-        q = -0.5 * (3 * b + math.copysign(root, b))
-        squares = [q / (5 * c), a / q] if q != 0.0 else [0.0]
+    elif disc < 0:
+        squares = []
+    else:  # the numerically stable pair of roots of 5c·y² + 3b·y + a = 0
+        q = -0.5 * (3 * b + math.copysign(math.sqrt(disc), b))
+        squares = [q / (5 * c), a / q] if q != 0.0 else []
     return [sign * math.sqrt(y) for y in squares if y > 0 for sign in (1.0, -1.0)]
-
-
-def _image(t: Triple, lo: float, hi: float) -> tuple[float, float]:
-    """The range of the quintic on ``[lo, hi]``: its values at the ends and at the critical points inside."""
-    values = [_quintic(t, lo), _quintic(t, hi)]
-    values += [_quintic(t, x) for x in _critical_points(t) if lo < x < hi]
-    return min(values), max(values)
 
 
 def spectral_band(
@@ -80,8 +76,9 @@ def spectral_band(
     if isinstance(sigma_min, bool) or not isinstance(sigma_min, int | float) or not 0 < sigma_min <= 1:
         raise ValueError(f"sigma_min must be in (0, 1], got {sigma_min!r}")
     lo, hi = sigma_min / schedule.norm_factor, 1.0 / schedule.norm_factor
-    for t in schedule.triples:
-        lo, hi = _image(t, lo, hi)
+    for t in schedule.triples:  # the image of [lo, hi]: p at its ends and at the critical points inside
+        values = [_quintic(t, x) for x in (lo, hi, *(x for x in _critical_points(t) if lo < x < hi))]
+        lo, hi = min(values), max(values)
     return lo, hi
 
 
@@ -116,9 +113,8 @@ def scalar_map(
     else:
         x = sigma.to(torch.float64) if isinstance(sigma, torch.Tensor) else torch.tensor(sigma, dtype=torch.float64)
     x = x / schedule.norm_factor
-    for a, b, c in schedule.triples:
-        y = x * x
-        x = x * (a + y * (b + c * y))
+    for t in schedule.triples:
+        x = _quintic(t, x)
     return x
 
 
@@ -159,9 +155,7 @@ def coefficient_schedules(
         ...     assert 0.3 <= lo <= hi <= 1.5
         >>> test_band()
     """
-    names = sorted(COEFFICIENTS) if bases is None else ([bases] if isinstance(bases, str) else list(bases))
-    if not names or any(name not in COEFFICIENTS for name in names):
-        raise ValueError(f"bases must be names in {sorted(COEFFICIENTS)}, got {bases!r}")
+    names = sorted(COEFFICIENTS) if bases is None else selection("bases", bases, sorted(COEFFICIENTS))
     if not (isinstance(perturbation, int | float) and 0 <= perturbation < 1):
         raise ValueError(f"perturbation must be in [0, 1), got {perturbation!r}")
     if steps is not None and not (1 <= steps[0] <= steps[1]):

@@ -61,13 +61,9 @@ class Spectral(NamedTuple):
         rows = ["[" + ", ".join(f"{x:.4g}" for x in row.tolist()) + "]" for row in s]
         spectrum = rows[0] if len(rows) == 1 else "[" + ", ".join(rows) + "]"
         return (
-            f"Spectral(g={_dtype_name(self.g.dtype)}{list(self.g.shape)} {describe_layout(self.g)}, "
+            f"Spectral(g={str(self.g.dtype).removeprefix('torch.')}{list(self.g.shape)} {describe_layout(self.g)}, "
             f"matrices {list(self.matrix_shape)}, s={spectrum})"
         )
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def describe_layout(t: torch.Tensor) -> str:
@@ -152,32 +148,29 @@ def with_spectrum(m: int, n: int, singular_values: Sequence[float], generator: t
     return Spectral((u[:, :k] * s) @ v[:, :k].T, u, s, v)
 
 
-def _feasible_scales(scales: Sequence[float], dtype: torch.dtype) -> list[float]:
-    """Scales whose largest singular value the dtype holds with full precision and room to spare."""
+def fits(dtype: torch.dtype, largest: float) -> bool:
+    """Whether ``dtype`` holds a matrix whose largest singular value is ``largest`` with full precision
+    and room to spare."""
     info = torch.finfo(dtype)
-    return [x for x in scales if info.tiny / info.eps <= x <= info.max / 64]
+    return info.tiny / info.eps <= largest <= info.max / 64
 
 
-def _spectrum(
-    draw: st.DrawFn, kind: SpectrumKind, rank: int, condition_number: float, elements: st.SearchStrategy[float]
-) -> list[float]:
-    """``rank`` relative singular values in ``[1/condition_number, 1]``, the largest exactly 1."""
-    decades = math.log10(condition_number)
-    if rank == 0:
-        return []
+def _spectrum(draw: st.DrawFn, kind: SpectrumKind, rank: int, condition_number: float) -> list[float]:
+    """``rank`` (at least 1) relative singular values in ``[1/condition_number, 1]``, the largest exactly 1."""
+    decades = st.floats(0.0, math.log10(condition_number))
     if kind == "equal":
         values = [1.0] * rank
     elif kind == "geometric":
-        values = [condition_number ** (-i / (rank - 1)) if rank > 1 else 1.0 for i in range(rank)]
+        values = [condition_number ** (-i / max(rank - 1, 1)) for i in range(rank)]
     elif kind == "gap":  # a well-conditioned block and a block at the smallest allowed value
         top = draw(st.integers(1, max(1, rank - 1)))
         values = [1.0] * top + [1 / condition_number] * (rank - top)
     elif kind == "clustered":  # around one or two levels, within a relative spread
         spread = draw(st.sampled_from([1e-8, 1e-4, 1e-2]))
-        low = 10 ** -draw(st.floats(0.0, decades))
+        low = 10 ** -draw(decades)
         values = [(1.0 if draw(st.booleans()) else low) * (1 - spread * draw(st.floats(0.0, 1.0))) for _ in range(rank)]
     else:  # random: log-uniform
-        values = [10.0 ** -draw(elements) for _ in range(rank)]
+        values = [10.0 ** -draw(decades) for _ in range(rank)]
     top_value = max(values)
     return [max(x / top_value, 1 / condition_number) for x in values]
 
@@ -279,12 +272,10 @@ def matrices(
         ...     assert torch.allclose(top, sp.s[..., 0], rtol=1e-5)
         >>> test_norm_is_the_largest_singular_value()
     """
-    kinds = _choices("shapes", shapes, SHAPE_KINDS)
-    spectrum_kinds = _choices("spectra", spectra, SPECTRUM_KINDS)
-    layout_kinds = _choices("layouts", layouts, LAYOUTS)
-    dtype_list = [dtypes] if isinstance(dtypes, torch.dtype) else list(dtypes)
-    if not dtype_list or not all(isinstance(d, torch.dtype) and d.is_floating_point for d in dtype_list):
-        raise ValueError(f"dtypes must be real floating-point torch dtypes, got {dtypes!r}")
+    kinds = selection("shapes", shapes, SHAPE_KINDS)
+    spectrum_kinds = selection("spectra", spectra, SPECTRUM_KINDS)
+    layout_kinds = selection("layouts", layouts, LAYOUTS)
+    dtype_list = float_dtypes(dtypes)
     if not (isinstance(condition_number, int | float) and 1 <= condition_number < math.inf):
         raise ValueError(f"condition_number must be finite and >= 1, got {condition_number!r}")
     fixed = None
@@ -300,12 +291,10 @@ def matrices(
     if max_side < lo or (max_side == lo and set(kinds) <= {"wide", "tall"}):
         raise ValueError(f"no {list(kinds)} shape has sides in [{lo}, {max_side}]")
     scale_list = list(scales) if scales is not None else ([1.0] if fixed else list(DEFAULT_SCALES))
-    feasible = {d: _feasible_scales(scale_list, d) for d in dtype_list}
+    feasible = {d: [x for x in scale_list if fits(d, x)] for d in dtype_list}
     for d, usable in feasible.items():
         if not usable:
             raise ValueError(f"none of the scales {scale_list} fits {d}")
-    decades = math.log10(condition_number)
-    elements = st.floats(0.0, decades)
 
     @st.composite
     def draw_matrix(draw: st.DrawFn) -> Spectral:
@@ -321,25 +310,28 @@ def matrices(
         spectrum_kind = draw(st.sampled_from(spectrum_kinds))
         dtype = draw(st.sampled_from(dtype_list))
         scale = draw(st.sampled_from(feasible[dtype]))
-        seed = draw(st.integers(0, 2**32 - 1))
-        generator = torch.Generator().manual_seed(seed)
-        members = []
+        generator = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
+        members = []  # each matrix of a batch with its own spectrum
         for _ in range(math.prod(batch)):
-            relative = fixed if fixed is not None else _spectrum(draw, spectrum_kind, rank, condition_number, elements)
+            relative = fixed if fixed is not None else _spectrum(draw, spectrum_kind, rank, condition_number)
             members.append(with_spectrum(m, n, [scale * x for x in relative], generator))
-        u = torch.stack([sp.u for sp in members]).reshape(*batch, m, m)
-        s = torch.stack([sp.s for sp in members]).reshape(*batch, k)
-        v = torch.stack([sp.v for sp in members]).reshape(*batch, n, n)
-        exact = torch.stack([sp.g for sp in members]).reshape(shape)
-        g = _laid_out(exact.to(dtype), draw(st.sampled_from(layout_kinds)))
-        return Spectral(g, u, s, v)
+        exact, u, s, v = (torch.stack(parts).reshape(*batch, *parts[0].shape) for parts in zip(*members, strict=True))
+        return Spectral(_laid_out(exact.reshape(shape).to(dtype), draw(st.sampled_from(layout_kinds))), u, s, v)
 
     return draw_matrix()
 
 
-def _choices(name: str, given: Sequence[T], allowed: Sequence[T]) -> list[T]:
+def selection(name: str, given: Sequence[T], allowed: Sequence[T]) -> list[T]:
+    """``given`` (one choice or several) as a list, refused unless a non-empty selection of ``allowed``."""
     chosen: list[T] = [given] if isinstance(given, str) else list(given)  # type: ignore[list-item]
-    unknown = [x for x in chosen if x not in allowed]
-    if not chosen or unknown:
+    if not chosen or any(x not in allowed for x in chosen):
         raise ValueError(f"{name} must be a non-empty selection of {list(allowed)}, got {given!r}")
     return chosen
+
+
+def float_dtypes(dtypes: torch.dtype | Sequence[torch.dtype]) -> list[torch.dtype]:
+    """``dtypes`` (one or several) as a list, refused unless all are real floating-point dtypes."""
+    dtype_list = [dtypes] if isinstance(dtypes, torch.dtype) else list(dtypes)
+    if not dtype_list or not all(isinstance(d, torch.dtype) and d.is_floating_point for d in dtype_list):
+        raise ValueError(f"dtypes must be real floating-point torch dtypes, got {dtypes!r}")
+    return dtype_list
