@@ -11,22 +11,12 @@ which exchange real data, optionally over a modelled :class:`Link`. See :doc:`/t
 Needs `hypothesis <https://hypothesis.readthedocs.io>`_: ``pip install muonfn[testing]``.
 """
 
-from __future__ import annotations
-
 try:
     import hypothesis  # noqa: F401
 except ImportError as e:  # pragma: no cover - exercised in a subprocess
     raise ImportError("muonfn.testing needs hypothesis, an optional dependency: pip install 'muonfn[testing]'") from e
 
-from ._checks import (
-    INVARIANTS,
-    SIGMA_MIN,
-    TOLERANCES,
-    Invariant,
-    InvariantViolation,
-    Tolerances,
-    check_orthogonalizer,
-)
+from ._checks import INVARIANTS, SIGMA_MIN, TOLERANCES, Invariant, InvariantViolation, Tolerances, check_orthogonalizer
 from ._models import MODEL_KINDS, ModelKind, model_params
 from ._schedules import coefficient_schedules, scalar_map, spectral_band
 from ._simulate import Link, SimulatedCollectives, simulate

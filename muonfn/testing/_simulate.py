@@ -226,25 +226,20 @@ def simulate(
         raise TypeError(f"link must be a muonfn.testing.Link, got {link!r}")
     sim = _Simulation(timeout, link)
     root = sim.group(tuple(range(world_size)))
-    results: list[Any] = [None] * world_size
-    errors: list[BaseException | None] = [None] * world_size
 
-    def body(rank: int) -> None:
+    def body(rank: int) -> T:
         try:
-            results[rank] = fn(SimulatedCollectives(root, rank), *args, **kwargs)
-        except BaseException as e:
-            errors[rank] = e
+            return fn(SimulatedCollectives(root, rank), *args, **kwargs)
+        except BaseException:
             sim.abort()
+            raise
 
-    threads = [threading.Thread(target=body, args=(r,), name=f"simulated-rank-{r}") for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(world_size, "simulated-rank") as ranks:  # a thread each: they wait for one another
+        futures = [ranks.submit(body, r) for r in range(world_size)]
     for group in sim.groups.values():  # every rank is done: no group is made any more
         for channel in group.channels:
             channel.shutdown()
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    failed = [(r, e) for r, future in enumerate(futures) if (e := future.exception()) is not None]
     if failed:
         # the rank that failed first, not one that was aborted because of it
         rank, error = next(
@@ -252,4 +247,4 @@ def simulate(
         )
         error.add_note(f"(raised on simulated rank {rank} of {world_size})")
         raise error
-    return results
+    return [future.result() for future in futures]
