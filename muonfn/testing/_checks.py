@@ -121,24 +121,22 @@ def _cases(draw: st.DrawFn, matrix_strategy: st.SearchStrategy[Spectral], min_no
 _Call: TypeAlias = tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
+@dataclass
 class _Run:
     """Checks one example; every message says which invariant broke and on which input."""
 
-    def __init__(
-        self,
-        fn: Callable[[torch.Tensor], torch.Tensor],
-        case: _Case,
-        band: tuple[float, float],
-        sigma_min: float,
-        tol: Tolerances,
-        settings_line: str,
-    ) -> None:
-        self.fn, self.case, self.band, self.sigma_min, self.tol = fn, case, band, sigma_min, tol
-        self.settings_line = settings_line
-        sp = self.sp = case.spectral
+    fn: Callable[[torch.Tensor], torch.Tensor]
+    case: _Case
+    band: tuple[float, float]
+    sigma_min: float
+    tol: Tolerances
+    settings_line: str
+
+    def __post_init__(self) -> None:
+        sp = self.sp = self.case.spectral
         self.g, self.batch = sp.g, sp.u.shape[:-2]
         self.relative = sp.s / torch.linalg.vector_norm(sp.s, dim=-1, keepdim=True)  # σ / ‖G‖_F per matrix
-        self.well = self.relative >= sigma_min  # (*batch, k)
+        self.well = self.relative >= self.sigma_min  # (*batch, k)
         self.block = (self.well.unsqueeze(-1) & self.well.unsqueeze(-2)).to(torch.float64)  # (*batch, k, k)
         # the matrices whose nonzero σ are all well-conditioned, so all must land in the band
         self.covered = (self.well == (sp.s > 0)).all(-1)
@@ -161,14 +159,10 @@ class _Run:
             out = self.fn(x)
         except Exception as e:
             raise self.violation("no error", f"{what} raised {type(e).__name__}: {e}", x) from e
-        if not isinstance(out, torch.Tensor):
-            raise self.violation("dtype and shape", f"{what} returned a {type(out).__name__}, not a tensor", x)
-        if out.dtype != x.dtype or out.shape != x.shape:
-            raise self.violation(
-                "dtype and shape",
-                f"{what} is {out.dtype} of shape {tuple(out.shape)} for an input {x.dtype} of shape {tuple(x.shape)}",
-                x,
-            )
+        if not isinstance(out, torch.Tensor) or out.dtype != x.dtype or out.shape != x.shape:
+            got = f"{out.dtype} of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+            detail = f"{what} is {got} for an input {x.dtype} of shape {tuple(x.shape)}"
+            raise self.violation("dtype and shape", detail, x)
         if not torch.equal(x, before):
             changed = int((x != before).sum())
             raise self.violation("input not mutated", f"{what} changed {changed} entries of its input", before)
