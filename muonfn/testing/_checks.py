@@ -387,8 +387,7 @@ def check_orthogonalizer(
         raise ValueError(f"band must be (low, high) with low <= high, got {band!r}")
     if not 0 < low_sigma <= 1:
         raise ValueError(f"sigma_min must be in (0, 1], got {sigma_min!r}")
-    unknown = set(skip) - set(INVARIANTS)
-    if unknown:
+    if unknown := set(skip) - set(INVARIANTS):
         raise ValueError(f"unknown invariants in skip: {sorted(unknown)}; choose from {list(INVARIANTS)}")
     if not (isinstance(max_examples, int) and max_examples >= 1):
         raise ValueError(f"max_examples must be a positive integer, got {max_examples!r}")

@@ -292,9 +292,8 @@ def matrices(
         raise ValueError(f"no {list(kinds)} shape has sides in [{lo}, {max_side}]")
     scale_list = list(scales) if scales is not None else ([1.0] if fixed else list(DEFAULT_SCALES))
     feasible = {d: [x for x in scale_list if fits(d, x)] for d in dtype_list}
-    for d, usable in feasible.items():
-        if not usable:
-            raise ValueError(f"none of the scales {scale_list} fits {d}")
+    if unfit := [d for d, usable in feasible.items() if not usable]:
+        raise ValueError(f"none of the scales {scale_list} fits {unfit[0]}")
 
     @st.composite
     def draw_matrix(draw: st.DrawFn) -> Spectral:
