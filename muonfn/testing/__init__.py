@@ -16,7 +16,15 @@ try:
 except ImportError as e:  # pragma: no cover - exercised in a subprocess
     raise ImportError("muonfn.testing needs hypothesis, an optional dependency: pip install 'muonfn[testing]'") from e
 
-from ._checks import INVARIANTS, SIGMA_MIN, TOLERANCES, Invariant, InvariantViolation, Tolerances, check_orthogonalizer
+from ._checks import (
+    INVARIANTS,
+    SIGMA_MIN,
+    TOLERANCES,
+    Invariant,
+    InvariantViolation,
+    Tolerances,
+    check_orthogonalizer,
+)
 from ._models import MODEL_KINDS, ModelKind, model_params
 from ._schedules import coefficient_schedules, scalar_map, spectral_band
 from ._simulate import Link, SimulatedCollectives, simulate
