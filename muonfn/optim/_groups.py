@@ -254,23 +254,24 @@ def kept_dtype(group: Mapping[str, Any], entry: str, p: torch.Tensor) -> torch.d
     return group.get("state_dtype") or own if follows else own
 
 
-def stale(name: str, p: torch.Tensor, held: Mapping[str, Any], group: Mapping[str, Any]) -> Exception | None:
-    """What is wrong with the state ``held`` of parameter ``p`` (named ``name``, in ``group``) that the step
+def stale(stepped: Any, state: Mapping[Any, Any], group: Mapping[str, Any]) -> Exception | None:
+    """What is wrong with the state of the ``(name, parameter)`` pairs ``stepped`` (in ``group``) that the step
     cannot take, an entry on another device or of another dtype named with the remedies; ``None`` if nothing is."""
     drop = "drop it with del opt.state[p] (opt.state.clear() for every parameter); the next step makes it anew"
     cast = "opt.load_state_dict(opt.state_dict()), which casts every state tensor to its parameter's device and dtype"
-    for entry, t in held.items():
-        where = f"the state of parameter {name!r} ({entry})"
-        if not isinstance(t, torch.Tensor):
-            return TypeError(f"{where} must be a tensor, got {type(t).__name__}")
-        if t.device != p.device:
-            remedy = f"a state on meta holds no values: {drop}" if t.is_meta else f"move it with {cast}, or {drop}"
-            return ValueError(
-                f"{where} is on {t.device}, the parameter on {p.device} (moved after its state was made); {remedy}"
-            )
-        if entry not in COUNTS and t.dtype != (dtype := kept_dtype(group, entry, p)):
-            kept = f"its group's state_dtype {dtype}" if group.get("state_dtype") else f"the parameter {p.dtype}"
-            return ValueError(
-                f"{where} is {t.dtype}, {kept} (cast after its state was made); cast it with {cast}, or {drop}"
-            )
+    for name, p in stepped:
+        for entry, t in (state.get(p) or {}).items():
+            where = f"the state of parameter {name!r} ({entry})"
+            if not isinstance(t, torch.Tensor):
+                return TypeError(f"{where} must be a tensor, got {type(t).__name__}")
+            if t.device != p.device:
+                remedy = f"a state on meta holds no values: {drop}" if t.is_meta else f"move it with {cast}, or {drop}"
+                return ValueError(
+                    f"{where} is on {t.device}, the parameter on {p.device} (moved after its state was made); {remedy}"
+                )
+            if entry not in COUNTS and t.dtype != (dtype := kept_dtype(group, entry, p)):
+                kept = f"its group's state_dtype {dtype}" if group.get("state_dtype") else f"the parameter {p.dtype}"
+                return ValueError(
+                    f"{where} is {t.dtype}, {kept} (cast after its state was made); cast it with {cast}, or {drop}"
+                )
     return None

@@ -10,6 +10,7 @@ for torch (its bf16 momentum's count left out), narrowed to it on the way in.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -95,35 +96,33 @@ def shim_state_dict(
     """torch's two state_dicts as one of the shim's for its ``param_groups`` (their parameters named
     ``names_of``); changes nothing."""
     sources = {True: muon_state_dict, False: adamw_state_dict}
-    saved_groups = {kind: list(sd["param_groups"]) if sd is not None else [] for kind, sd in sources.items()}
-    for kind, saved_list in saved_groups.items():
+    saved_groups = {kind: iter(sd["param_groups"]) for kind, sd in sources.items() if sd is not None}
+    for kind, sd in sources.items():
         ours = sum(bool(g["use_muon"]) == kind for g in param_groups)
-        if sources[kind] is not None and len(saved_list) != ours:
+        if sd is not None and len(sd["param_groups"]) != ours:
             raise ValueError(
-                f"load_torch_state_dicts: the {KINDS[kind]} state_dict has {len(saved_list)} groups, this optimizer "
-                f"{ours}"
+                f"load_torch_state_dicts: the {KINDS[kind]} state_dict has {len(sd['param_groups'])} groups, this "
+                f"optimizer {ours}"
             )
-    groups, state, taken, position = [], {}, {True: 0, False: 0}, 0
+    groups, state, position = [], {}, itertools.count()
     for i, (group, names) in enumerate(zip(param_groups, names_of)):
         kind = bool(group["use_muon"])
         where = f"load_torch_state_dicts: param group {i}"
-        for key, values in TORCH_RUNS[kind].items():
-            if kind and key in ("variant", "momentum_bias_correction") and group.get(key) not in values:
+        for key in ("variant", "momentum_bias_correction") if kind else ():
+            if group.get(key) not in TORCH_RUNS[kind][key]:
                 raise ValueError(
                     f"{where} has {key}={group.get(key)!r}; torch.optim.Muon's state continues Muon groups "
                     "without bias correction only"
                 )
-        indices = list(range(position, position + len(group["params"])))
-        position += len(group["params"])
+        indices = [next(position) for _ in group["params"]]
         mine = {k: v for k, v in group.items() if k != "params"} | {"params": indices}
-        nth, taken[kind] = taken[kind], taken[kind] + 1
+        groups.append(mine)
         sd = sources[kind]
         if sd is None:
             if group["params"]:
                 raise ValueError(f"{where}: this optimizer has {KINDS[kind]} parameters {names}; pass that state_dict")
-            groups.append(mine)
             continue
-        saved = saved_groups[kind][nth]
+        saved = next(saved_groups[kind])
         if len(saved["params"]) != len(indices):
             raise ValueError(
                 f"{where}: {len(indices)} parameters here, {len(saved['params'])} in the {KINDS[kind]} group"
@@ -140,7 +139,6 @@ def shim_state_dict(
                         f"{where}: parameter {name!r} has amsgrad's state, which muonfn's AdamW does not run"
                     )
                 state[index] = dict(entry)  # (torch's float step: loaded as an exact int64 count)
-        groups.append(mine)
     return {"state": state, "param_groups": groups}
 
 
@@ -177,7 +175,7 @@ def torch_state_dicts(
     ``param_groups`` (their parameters named ``names_of``; its ``views`` and ``weight_decay_mask``
     ``mask``, which torch's optimizers cannot run but at their defaults)."""
     out: dict[bool, dict[str, Any]] = {kind: {"state": {}, "param_groups": []} for kind in (True, False)}
-    count = {True: 0, False: 0}
+    count = {True: itertools.count(), False: itertools.count()}
     for i, (group, names) in enumerate(zip(param_groups, names_of)):
         kind = bool(group["use_muon"])
         where = f"torch_state_dicts: param group {i}"
@@ -213,8 +211,7 @@ def torch_state_dicts(
             theirs.update(
                 amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None
             )
-        indices = list(range(count[kind], count[kind] + len(names)))
-        count[kind] += len(names)
+        indices = [next(count[kind]) for _ in names]
         out[kind]["param_groups"].append({**theirs, "params": indices})
         plain = {**group, "state_dtype": None}  # (torch's optimizers keep the parameters' dtype)
         for index, p in zip(indices, group["params"]):

@@ -125,6 +125,7 @@ class Muon(torch.optim.Optimizer):
         chunk_numel: int | Literal["auto"] | None = "auto",
         compile: bool | Mapping[str, Any] = False,
     ) -> None:
+        given = dict(locals())
         where = "Muon(...)"
         for name, value in (("lr", lr), ("adamw_lr", adamw_lr)):
             if is_schedule(value):
@@ -154,26 +155,20 @@ class Muon(torch.optim.Optimizer):
         positive("adamw_eps", adamw_eps)
         self._labels, self._views, self._mask, self._orthogonalizer = labels, views, weight_decay_mask, orthogonalizer
         self._donate, self._chunk_numel, self._compile = donate_state, chunk_numel, compile
-        muon_defaults = {
-            "lr": lr, "momentum": momentum, "weight_decay": weight_decay, "variant": variant, "nesterov": nesterov,
-            "momentum_bias_correction": momentum_bias_correction, "cautious_weight_decay": cautious_weight_decay,
-            "cautious_mode": cautious_mode, **_groups.ns_entries(where, ns, ns_coefficients, ns_steps, eps),
-            "adjust_lr_fn": adjust_lr_fn or "original", "extra_scale": extra_scale, "beta2": beta2,
-            "adaptive_eps": adaptive_eps, "rescale": rescale, "sign_momentum": sign_momentum,
-            "second_moment_bias_correction": second_moment_bias_correction, "state_dtype": state_dtype,
-        }  # fmt: skip
+        settings = {k: v for k, v in given.items() if k in MUON_SETTINGS}  # (the keywords of the same name)
+        ns_settings = _groups.ns_entries(where, ns, ns_coefficients, ns_steps, eps)
+        muon_defaults = {**settings, **ns_settings, "adjust_lr_fn": adjust_lr_fn or "original"}
         adamw_defaults = {
             "lr": lr if adamw_lr is None else adamw_lr, "momentum": adamw_betas[0], "beta2": adamw_betas[1],
             "eps": adamw_eps, "weight_decay": weight_decay if adamw_weight_decay is None else adamw_weight_decay,
             "nesterov": adamw_nesterov, "cautious_weight_decay": cautious_weight_decay, "state_dtype": state_dtype,
         }  # fmt: skip
-        self._constructor = _groups.Constructor(
-            muon_defaults, adamw_defaults, {"adamw_lr": adamw_lr, "adamw_weight_decay": adamw_weight_decay},
-            {k for k in VARIANT_OPTIONS if muon_defaults[k] is not None},
-        )  # fmt: skip
+        split = {"adamw_lr": adamw_lr, "adamw_weight_decay": adamw_weight_decay}
+        options = {k for k in VARIANT_OPTIONS if muon_defaults[k] is not None}
+        self._constructor = _groups.Constructor(muon_defaults, adamw_defaults, split, options)
         self._branches: dict[int, Branch] = {}  # (by the group's identity)
         self._compiled: dict[Any, Callable[..., Any]] = {}
-        self._undo: list[tuple[dict[Any, Any], Any, Any]] | None = None  # (what a failed step puts back)
+        self._undo: list[tuple[torch.Tensor, dict[str, Any]]] | None = None  # (the state a failed step puts back)
         self._keys: dict[torch.Tensor, str] = {}  # (a parameter given without a name: its position among them)
         self._warned_compiled = self._warned_unnamed = False
         super().__init__(params, muon_defaults)
@@ -273,8 +268,6 @@ class Muon(torch.optim.Optimizer):
             old = self._branches.get(id(group))
             if old is not None and old.group is group and old.shaping != branch.shaping:
                 self._relay(group, old.shaping, branch.shaping)
-            if self._undo is not None:
-                self._undo.append((self._branches, id(group), old))
             self._branches[id(group)] = branch
         for name, tensor in branch.scalars.items():
             if branch.filled[name] != values[name]:  # (a fill a step where the value is unchanged would be idle)
@@ -335,7 +328,7 @@ class Muon(torch.optim.Optimizer):
             held = self.state.get(p)
             if held:
                 if self._undo is not None:
-                    self._undo.append((self.state, p, held))
+                    self._undo.append((p, held))
                 self.state[p] = _groups.relaid(held, before, after, p)
                 if not self.state[p]:
                     del self.state[p]
@@ -350,13 +343,9 @@ class Muon(torch.optim.Optimizer):
 
     def _labels_of(self) -> list[str]:
         """``"muon"``, ``"adamw"``, ``"muon_1"``, ...: the k-th group of a kind is labelled with suffix k."""
-        seen = {True: 0, False: 0}
-        out = []
-        for group in self.param_groups:
-            kind = bool(group.get("use_muon"))
-            out.append(("muon" if kind else "adamw") + (f"_{seen[kind]}" if seen[kind] else ""))
-            seen[kind] += 1
-        return out
+        kinds = [bool(group.get("use_muon")) for group in self.param_groups]
+        nth = [kinds[:i].count(kind) for i, kind in enumerate(kinds)]
+        return [("muon" if kind else "adamw") + (f"_{n}" if n else "") for kind, n in zip(kinds, nth)]
 
     def _names(self) -> list[list[str]]:
         """Every group's parameter names, as each was given (a tensor given without a name, or put in
@@ -406,10 +395,8 @@ class Muon(torch.optim.Optimizer):
         ``muonfn.muon(...).init``/``update`` for some or all of the parameters) replaces the whole state
         after checking it: each parameter's entries, all of them or none, shapes, dtypes and devices."""
         self._sync()
-        out = {}
-        for label, group, names in zip(self._labels_of(), self.param_groups, self._names()):
-            held = [(n, p) for n, p in zip(names, group["params"]) if self.state.get(p)]
-            out[label] = self._group_state(_groups.layout(group), None, [n for n, _ in held], [p for _, p in held])
+        labelled = zip(self._labels_of(), self.param_groups, self._names())
+        out = {label: self._group_state(_groups.layout(g), None, names, g["params"]) for label, g, names in labelled}
         return build(out, SIZE)
 
     @functional_state.setter
@@ -424,7 +411,7 @@ class Muon(torch.optim.Optimizer):
         for i, (label, group, names) in enumerate(zip(labels, self.param_groups, self._names())):
             branch, part = self._branch(i, group), state.get(label, build({}, SIZE))
             given = {".".join((label, *key)): v for key, v in part.items(True, True)}
-            held = []
+            leaves = {}
             for name, p in zip(names, group["params"]):
                 keys = {torch_name: ".".join((label, *path, name)) for torch_name, path in branch.layout.items()}
                 present = [k for k in keys.values() if k in given]
@@ -432,11 +419,11 @@ class Muon(torch.optim.Optimizer):
                     lost = next(k for k in keys.values() if k not in given)
                     raise ValueError(f"{where}: missing {lost!r} of parameter {name!r}, which has {present}")
                 pending[p] = {t: given.pop(k) for t, k in keys.items()} if present else None
-                held += [(name, p)] if present else []
+                leaves.update({name: p.detach()} if present else {})
             if given:
                 raise ValueError(f"{where}: unexpected {next(iter(given))!r}")
-            leaves = build({n: p.detach() for n, p in held}, SIZE)
-            _check(where, label, branch.tx, leaves, part, leaves)
+            held = build(leaves, SIZE)
+            self._check(where, i, branch.tx, held, part, held)
         for p, entries in pending.items():
             if entries is None:
                 self.state.pop(p, None)
@@ -455,15 +442,12 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         with torch.no_grad():
-            self._undo = []
+            branches, self._undo = dict(self._branches), []
             try:
                 layouts, work = self._checked_work()
-            except BaseException:
-                for mapping, key, held in reversed(self._undo):  # (a failed step leaves everything as it was)
-                    if held is None:
-                        mapping.pop(key, None)
-                    else:
-                        mapping[key] = held
+            except BaseException:  # (a failed step leaves everything as it was: the branches, the state relaid)
+                self._branches = branches
+                self.state.update(reversed(self._undo))
                 raise
             finally:
                 self._undo = None
@@ -497,12 +481,12 @@ class Muon(torch.optim.Optimizer):
                 if p.grad is not None:
                     stepped.append((name, p))
             branch = self._branch(i, group)
-            if stepped:
-                parts = [self._inputs(branch, part) for part in _parts(stepped, cap)]
-                whole = parts[0] if len(parts) == 1 else self._inputs(branch, stepped)  # (checked whole)
-                self._check_part(i, whole)
-                layouts += [branch.layout] * len(parts)
-                work += parts
+            if stepped:  # (checked part by part: each part's transform runs unchecked)
+                for part in _parts(stepped, cap):
+                    tx, _, _, grads, state, leaves = inputs = self._inputs(branch, part)
+                    self._check(f"param group {i}", i, tx, grads, state, leaves, part)
+                    layouts.append(branch.layout)
+                    work.append(inputs)
         if len(self._branches) > len(self.param_groups):  # (groups removed from param_groups)
             self._branches = {k: b for k, b in self._branches.items() if any(b.group is g for g in self.param_groups)}
         return layouts, work
@@ -513,18 +497,17 @@ class Muon(torch.optim.Optimizer):
         leaves = build(dict(zip(names, map(torch.Tensor.detach, params))), SIZE)
         return branch.tx, names, params, grads, self._group_state(branch.layout, branch.tx, names, params), leaves
 
-    def _check_part(self, index: int, work: tuple[Any, ...]) -> None:
-        """A group's gradients and state checked; a state that is stale (on another device or of another
-        dtype than its parameter) named with its remedies."""
-        tx, names, params, grads, state, leaves = work
+    def _check(self, where: str, i: int, tx: Transform, grads: Any, state: Any, leaves: Any, stepped: Any = ()) -> None:
+        """Group ``i``'s gradients, state and parameters as leaves checked, an error naming ``where`` and
+        the state entry by the group's label; with ``stepped`` (a step's names and parameters), a state that
+        is stale (on another device or of another dtype than its parameter) named with its remedies."""
         try:
             check_input(tx.init, grads, state, leaves)
         except ValueError as error:
-            for name, p in zip(names, params):
-                problem = _groups.stale(name, p, self.state.get(p) or {}, self.param_groups[index])
-                if problem is not None:
-                    raise problem from None
-            raise _renamed(f"param group {index}", self._labels_of()[index], error) from None
+            problem = _groups.stale(stepped, self.state, self.param_groups[i])
+            label = self._labels_of()[i]
+            message = str(error).removeprefix("update: ").replace("state entry '", f"state entry '{label}.")
+            raise problem or ValueError(f"{where}: {message}") from None
 
     def _compiled_run(self, work: list[Any]) -> Callable[..., Any]:
         signature = tuple((id(w[0]), tuple(w[1]), tuple((p.shape, p.dtype) for p in w[2])) for w in work)
@@ -627,10 +610,9 @@ class Muon(torch.optim.Optimizer):
             self.state = state
             for i, (group, names) in enumerate(zip(self.param_groups, self._names())):
                 branch = self._branch(i, group)
-                held = [(n, p) for n, p in zip(names, group["params"]) if self.state.get(p)]
-                leaves = build({n: p.detach() for n, p in held}, SIZE)
-                loaded = self._group_state(branch.layout, None, [n for n, _ in held], [p for _, p in held])
-                _check(f"load_state_dict: param group {i}", self._labels_of()[i], branch.tx, leaves, loaded, leaves)
+                leaves = build({n: p.detach() for n, p in zip(names, group["params"]) if self.state.get(p)}, SIZE)
+                loaded = self._group_state(branch.layout, None, names, group["params"])
+                self._check(f"load_state_dict: param group {i}", i, branch.tx, leaves, loaded, leaves)
         except Exception:
             self.__dict__.update(param_groups=before[0], state=before[1])
             raise
@@ -703,19 +685,6 @@ def _parts(stepped: list[tuple[str, torch.Tensor]], cap: int | None) -> list[lis
             parts[-1].append((n, p))
             size += p.numel()
     return parts
-
-
-def _check(where: str, label: str, tx: Transform, grads: TensorDictBase, state: Any, leaves: TensorDictBase) -> None:
-    try:
-        check_input(tx.init, grads, state, leaves)
-    except ValueError as error:
-        raise _renamed(where, label, error) from None
-
-
-def _renamed(where: str, label: str, error: ValueError) -> ValueError:
-    """``check_input``'s error for a group's part of the state, naming ``where`` and the entry by its label."""
-    message = str(error).removeprefix("update: ").replace("state entry '", f"state entry '{label}.")
-    return ValueError(f"{where}: {message}")
 
 
 def _read_params(params: Any, groups: list[dict[str, Any]]) -> tuple[list[torch.Tensor], list[str] | None]:

@@ -13,23 +13,14 @@ from ..presets import DEFAULT_EXCLUDE, label_params, matching_fragments, shown
 
 def routed_without_names(labels: Any, names: Any, muon: Sequence[torch.Tensor]) -> str | None:
     """The warning for parameters given without names (``names`` is ``None``) that the default labels
-    sent to Muon (``muon``) by shape alone; ``None`` where there is none to give."""
-    if names is None and muon and by_shape_and_name(labels):
-        return routed_blind([p.shape for p in muon])
-    return None
-
-
-def by_shape_and_name(labels: Any) -> bool:
-    """Whether ``labels`` are the default rules (:func:`muonfn.label_params`), which read names that
-    parameters given without them do not have."""
-    return labels is label_params or (isinstance(labels, functools.partial) and labels.func is label_params)
-
-
-def routed_blind(shapes: Sequence[torch.Size]) -> str:
-    """The warning for parameters given without names that the default labels sent to Muon by shape."""
-    listed = ", ".join(str(tuple(shape)) for shape in shapes[:3]) + (" ..." if len(shapes) > 3 else "")
+    (:func:`muonfn.label_params`, which read names) sent to Muon (``muon``) by shape alone; ``None`` where
+    there is none to give."""
+    default = labels is label_params or (isinstance(labels, functools.partial) and labels.func is label_params)
+    if names is not None or not muon or not default:
+        return None
+    listed = ", ".join(str(tuple(p.shape)) for p in muon[:3]) + (" ..." if len(muon) > 3 else "")
     return (
-        f"muonfn.optim.Muon: parameters given without names are routed by shape alone: {len(shapes)} of a "
+        f"muonfn.optim.Muon: parameters given without names are routed by shape alone: {len(muon)} of a "
         f"matrix's shape went to Muon (shapes {listed}), token embeddings, position embeddings and output "
         "heads among them if the model has any, which belong on AdamW. To route by name, pass "
         "model.named_parameters(), whose names send embeddings and heads to AdamW "
