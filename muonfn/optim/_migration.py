@@ -21,7 +21,7 @@ from .._tree import build
 from ..linalg import ns_schedule
 from ..transforms import MaskLike, selected
 from . import _groups
-from ._groups import ADAMW_SETTINGS, COUNTS, MUON_SETTINGS, is_torch_triple
+from ._groups import ADAMW_SETTINGS, COUNTS, MUON_SETTINGS
 
 KINDS = {True: "torch.optim.Muon", False: "torch.optim.AdamW"}
 #: The settings torch's optimizers run at these values only (the shim's key -> values torch runs).
@@ -155,11 +155,8 @@ def _settings(saved: Mapping[str, Any], kind: bool, where: str) -> dict[str, Any
         beta1, beta2 = out.pop("betas")
         out.update(momentum=float(beta1), beta2=float(beta2))  # (β₁ as momentum: see the shim's groups)
         return out
-    coefficients, steps = out.pop("ns_coefficients"), out.pop("ns_steps")
-    if is_torch_triple(coefficients):
-        coefficients = (tuple(float(v) for v in coefficients),) * steps
-    ns_schedule(coefficients)
-    out.update(ns_coefficients=coefficients if isinstance(coefficients, str) else tuple(coefficients), ns_steps=None)
+    ns = _groups.ns_entries(where, None, out.pop("ns_coefficients"), out.pop("ns_steps"))
+    out.update(ns_coefficients=ns["ns_coefficients"], ns_steps=ns["ns_steps"])
     out["adjust_lr_fn"] = out.get("adjust_lr_fn") or "original"
     return out
 

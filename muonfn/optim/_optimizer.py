@@ -264,8 +264,7 @@ class Muon(torch.optim.Optimizer):
         signature = tuple((k, repr(v)) for k, v in group.items() if k not in ("params", "param_names", *SCHEDULED))
         branch = self._branches.get(id(group))
         if branch is None or branch.group is not group or branch.signature != signature:
-            branch = self._built(where, group, signature, values)
-            old = self._branches.get(id(group))
+            old, branch = branch, self._built(where, group, signature, values)
             if old is not None and old.group is group and old.shaping != branch.shaping:
                 self._relay(group, old.shaping, branch.shaping)
             self._branches[id(group)] = branch
@@ -424,11 +423,9 @@ class Muon(torch.optim.Optimizer):
                 raise ValueError(f"{where}: unexpected {next(iter(given))!r}")
             held = build(leaves, SIZE)
             self._check(where, i, branch.tx, held, part, held)
-        for p, entries in pending.items():
-            if entries is None:
-                self.state.pop(p, None)
-            else:
-                self.state[p] = entries
+        for p in pending:
+            self.state.pop(p, None)
+        self.state.update({p: entries for p, entries in pending.items() if entries})
 
     # ------------------------------------------------------------------------------------------ step
 
@@ -483,19 +480,16 @@ class Muon(torch.optim.Optimizer):
             branch = self._branch(i, group)
             if stepped:  # (checked part by part: each part's transform runs unchecked)
                 for part in _parts(stepped, cap):
-                    tx, _, _, grads, state, leaves = inputs = self._inputs(branch, part)
-                    self._check(f"param group {i}", i, tx, grads, state, leaves, part)
+                    names, params = map(list, zip(*part))
+                    grads = build(dict(zip(names, map(attrgetter("grad"), params))), SIZE)
+                    leaves = build(dict(zip(names, map(torch.Tensor.detach, params))), SIZE)
+                    state = self._group_state(branch.layout, branch.tx, names, params)
+                    self._check(f"param group {i}", i, branch.tx, grads, state, leaves, part)
                     layouts.append(branch.layout)
-                    work.append(inputs)
+                    work.append((branch.tx, names, params, grads, state, leaves))
         if len(self._branches) > len(self.param_groups):  # (groups removed from param_groups)
             self._branches = {k: b for k, b in self._branches.items() if any(b.group is g for g in self.param_groups)}
         return layouts, work
-
-    def _inputs(self, branch: Branch, part: list[tuple[str, torch.Tensor]]) -> tuple[Any, ...]:
-        names, params = map(list, zip(*part))
-        grads = build(dict(zip(names, map(attrgetter("grad"), params))), SIZE)
-        leaves = build(dict(zip(names, map(torch.Tensor.detach, params))), SIZE)
-        return branch.tx, names, params, grads, self._group_state(branch.layout, branch.tx, names, params), leaves
 
     def _check(self, where: str, i: int, tx: Transform, grads: Any, state: Any, leaves: Any, stepped: Any = ()) -> None:
         """Group ``i``'s gradients, state and parameters as leaves checked, an error naming ``where`` and
@@ -668,18 +662,16 @@ def _parts(stepped: list[tuple[str, torch.Tensor]], cap: int | None) -> list[lis
     keeps the call's bits."""
     if cap is None or sum(p.numel() for _, p in stepped) <= cap:
         return [stepped]
-    kinds: dict[Any, list[tuple[str, torch.Tensor]]] = {}
+    calls: dict[Any, list[tuple[str, torch.Tensor]]] = {}
     for n, p in stepped:
-        kinds.setdefault((p.dtype, tuple(sorted(p.shape)) if p.ndim == 2 else tuple(p.shape)), []).append((n, p))
+        calls.setdefault((p.dtype, tuple(sorted(p.shape)) if p.ndim == 2 else tuple(p.shape)), []).append((n, p))
     parts: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0
-    for members in kinds.values():
+    for members in calls.values():
         whole = sum(p.numel() for _, p in members)
-        if parts[-1] and whole <= cap < size + whole:  # a call that fits in a part starts one
-            parts.append([])
-            size = 0
-        for n, p in members:
-            if parts[-1] and size + p.numel() > cap:
+        for j, (n, p) in enumerate(members):
+            # a part ends where it is full, and before a call that fits in a part but not in its rest
+            if parts[-1] and (size + p.numel() > cap or (j == 0 and whole <= cap < size + whole)):
                 parts.append([])
                 size = 0
             parts[-1].append((n, p))

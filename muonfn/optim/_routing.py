@@ -40,8 +40,7 @@ def idle_muon(param_groups: Sequence[Mapping[str, Any]]) -> str | None:
         return list(zip(names, group["params"]))
 
     muon = [pair for group in param_groups if group["use_muon"] for pair in named(group)]
-    training = [(name, p) for group in param_groups if not group["use_muon"] for name, p in named(group)]
-    training = [(name, p) for name, p in training if p.requires_grad]
+    training = [(n, p) for group in param_groups if not group["use_muon"] for n, p in named(group) if p.requires_grad]
     if any(p.requires_grad for _, p in muon) or not training:
         return None
     matrices = [name for name, p in training if sum(size != 1 for size in p.shape) >= 2]
