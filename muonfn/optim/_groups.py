@@ -123,7 +123,8 @@ def ns_entries(
     fields, ``"svd"``/:func:`~muonfn.polar`, ``"qr"``, ``"gram"``, a map of one's own as ``ns_method``),
     beside which the other settings (``flat``: a group dict's ``ns_*`` entries) must keep their defaults."""
     if ns is None:
-        if is_torch_triple(coefficients):
+        triple = isinstance(coefficients, tuple | list) and len(coefficients) == 3  # (torch.optim.Muon's one)
+        if triple and all(isinstance(v, int | float) and not isinstance(v, bool) for v in coefficients):
             coefficients, steps = (tuple(float(v) for v in coefficients),) * (5 if steps is None else steps), None
         ns_schedule(coefficients, steps)
         return {**NS_DEFAULTS, "ns_coefficients": _plain(coefficients), "ns_steps": steps, "eps": eps,
@@ -144,15 +145,6 @@ def ns_entries(
             f"got {ns!r}"
         )
     return {**NS_DEFAULTS, "ns_method": "svd" if ns is polar else "qr" if ns is qr_orthogonal else ns}
-
-
-def is_torch_triple(coefficients: Any) -> bool:
-    """torch.optim.Muon's ``ns_coefficients``: one ``(a, b, c)``."""
-    return (
-        isinstance(coefficients, tuple | list)
-        and len(coefficients) == 3
-        and all(isinstance(v, int | float) and not isinstance(v, bool) for v in coefficients)
-    )
 
 
 def _plain(coefficients: Any) -> Any:

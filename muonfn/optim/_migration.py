@@ -178,8 +178,8 @@ def torch_state_dicts(
         where = f"torch_state_dicts: param group {i}"
         for key, values in TORCH_RUNS[kind].items():
             if key in group and group[key] not in values:
-                runs = " or ".join(map(repr, values))
-                raise ValueError(f"{where}: {KINDS[kind]} does not run {key}={_shown(group[key])} (it runs {runs})")
+                runs, shown = " or ".join(map(repr, values)), getattr(group[key], "__name__", repr(group[key]))
+                raise ValueError(f"{where}: {KINDS[kind]} does not run {key}={shown} (it runs {runs})")
         if views is not None:
             raise ValueError(f"{where}: views= read parameters as other matrices than torch.optim.Muon does")
         if mask is not None and float(group["weight_decay"]) != 0:
@@ -219,7 +219,3 @@ def torch_state_dicts(
                     if isinstance(v, torch.Tensor) and k in _groups.layout(plain)
                 }
     return out[True], out[False]
-
-
-def _shown(value: Any) -> str:
-    return getattr(value, "__name__", repr(value)) if callable(value) else repr(value)
