@@ -47,7 +47,7 @@ COUNTS = ("lines", "functions", "files")
 
 #: The figures measured when the budget test was written: none may grow.
 CEILINGS: dict[str, Any] = {
-    "package_code_lines": 6176,
+    "package_code_lines": 6173,
     "core_code_lines": 2943,
     "muon_keywords": 20,
     "functional_cpu": {"lines": 250, "functions": 50, "files": 6},

@@ -125,7 +125,7 @@ class Muon(torch.optim.Optimizer):
         chunk_numel: int | Literal["auto"] | None = "auto",
         compile: bool | Mapping[str, Any] = False,
     ) -> None:
-        given = dict(locals())
+        given = dict(locals())  # (the keywords as given: a Muon group's settings are named as they are)
         where = "Muon(...)"
         for name, value in (("lr", lr), ("adamw_lr", adamw_lr)):
             if is_schedule(value):
@@ -239,11 +239,8 @@ class Muon(torch.optim.Optimizer):
 
     def _check_new(self, tensors: list[torch.Tensor], keys: list[str]) -> None:
         """Tensors to add: each once, in no group yet, under a name no other parameter has."""
-        held = {
-            p: (i, n)
-            for i, (g, ns) in enumerate(zip(self.param_groups, self._names()))
-            for p, n in zip(g["params"], ns)
-        }
+        names = self._names()
+        held = {p: (i, n) for i, g in enumerate(self.param_groups) for p, n in zip(g["params"], names[i])}
         taken = {n: i for i, n in held.values()}
         first: dict[torch.Tensor, str] = {}
         for p, key in zip(tensors, keys):
