@@ -36,17 +36,6 @@ def _plain(td: TensorDictBase, prefix: tuple[str, ...] = ()) -> dict[str, Any]:
     return out
 
 
-def _fsync_directory(directory: str) -> None:
-    """Makes a rename durable (POSIX; elsewhere the rename is as durable as the platform makes it)."""
-    if os.name != "posix":
-        return
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save(tree: TensorDictBase | Mapping[str, Any], path: PathLike) -> None:
     """Writes ``tree`` (a TensorDict, or a mapping of tensors and TensorDicts) to ``path``.
 
@@ -74,18 +63,25 @@ def save(tree: TensorDictBase | Mapping[str, Any], path: PathLike) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    _fsync_directory(directory)
+    if os.name == "posix":  # the rename made durable (elsewhere it is as durable as the platform makes it)
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
-def _nested(data: Any, path: PathLike, prefix: tuple[str, ...] = ()) -> dict[str, Any]:
+def _nested(data: Any, name: str, prefix: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``data`` if it is nested dicts of tensors under string keys, as :func:`save` writes; the file ``name``
+    named in the error otherwise."""
     if not isinstance(data, dict):
         where = f" at {dotted(prefix)!r}" if prefix else ""
-        raise TypeError(f"load: {os.fspath(path)!r} holds a {type(data).__name__}{where}, not a TensorDict checkpoint")
+        raise TypeError(f"load: {name!r} holds a {type(data).__name__}{where}, not a TensorDict checkpoint")
     for key, value in data.items():
         if not isinstance(key, str):
-            raise TypeError(f"load: {os.fspath(path)!r} has a non-string key {key!r}")
+            raise TypeError(f"load: {name!r} has a non-string key {key!r}")
         if not isinstance(value, torch.Tensor):
-            _nested(value, path, (*prefix, key))
+            _nested(value, name, (*prefix, key))
     return data
 
 
@@ -103,41 +99,34 @@ def load(
     names the first key that differs); it comes in ``like``'s key order, on ``like``'s
     devices. ``like`` itself is never modified.
     """
+    name = os.fspath(path)
     try:
         raw = torch.load(path, map_location=map_location, weights_only=True)
-    except OSError as e:
-        if e.filename is not None:  # missing, unreadable: the error names the path already
-            raise
-        # torch's archive reader reports some truncated files as a bare OSError (EINVAL)
-        reason = f"torch.load cannot read it: {e}"
-        raise ValueError(f"load: {os.fspath(path)!r} is not a muonfn checkpoint ({reason})") from e
     except pickle.UnpicklingError as e:  # code or unknown types: refused by weights_only, or no pickle at all
-        raise pickle.UnpicklingError(f"load: {os.fspath(path)!r} is not a muonfn checkpoint: {e}") from e
+        raise pickle.UnpicklingError(f"load: {name!r} is not a muonfn checkpoint: {e}") from e
     except Exception as e:  # empty, text, truncated or corrupted: the unpickler fails in many ways
-        if isinstance(e, EOFError) and os.path.getsize(path) == 0:
-            reason = "the file is empty"
-        else:
-            reason = f"torch.load cannot read it: {type(e).__name__}: {e}"
-        raise ValueError(f"load: {os.fspath(path)!r} is not a muonfn checkpoint ({reason})") from e
-    data = _nested(raw, path)
-    loaded = TensorDict(data, batch_size=[])
-    return loaded if like is None else _laid_out_like(loaded, like, f"load({os.fspath(path)!r})")
-
-
-def _laid_out_like(td: TensorDictBase, like: TensorDictBase, where: str) -> TensorDict:
-    """``td``'s leaves in ``like``'s key order, batch size and devices, after checking that they match:
-    a ``ValueError`` names the first key missing, unexpected, or of another shape or dtype."""
-    given = {dotted(k): v for k, v in td.items(True, True)}
+        if isinstance(e, OSError) and e.filename is not None:  # missing, unreadable: the error names the path
+            raise
+        # (torch's archive reader reports some truncated files as a bare OSError, EINVAL)
+        empty = isinstance(e, EOFError) and os.path.getsize(path) == 0
+        reason = "the file is empty" if empty else f"torch.load cannot read it: {type(e).__name__}: {e}"
+        raise ValueError(f"load: {name!r} is not a muonfn checkpoint ({reason})") from e
+    loaded = TensorDict(_nested(raw, name), batch_size=[])
+    if like is None:
+        return loaded
+    # the leaves in like's key order, batch size and devices, after checking that they match
+    where = f"load({name!r})"
+    given = {dotted(k): v for k, v in loaded.items(True, True)}
     out = like.empty(recurse=True)
     for key, ref in like.items(True, True):
-        name = dotted(key)
-        value = given.pop(name, None)
+        leaf = dotted(key)
+        value = given.pop(leaf, None)
         if value is None:
-            raise ValueError(f"{where}: missing {name!r}")
+            raise ValueError(f"{where}: missing {leaf!r}")
         if value.shape != ref.shape:
-            raise ValueError(f"{where}: {name!r} has shape {tuple(value.shape)}, expected {tuple(ref.shape)}")
+            raise ValueError(f"{where}: {leaf!r} has shape {tuple(value.shape)}, expected {tuple(ref.shape)}")
         if value.dtype != ref.dtype:
-            raise ValueError(f"{where}: {name!r} has dtype {value.dtype}, expected {ref.dtype}")
+            raise ValueError(f"{where}: {leaf!r} has dtype {value.dtype}, expected {ref.dtype}")
         out.set(key, value.to(ref.device))
     if given:
         raise ValueError(f"{where}: unexpected {next(iter(given))!r}")

@@ -53,12 +53,9 @@ class QKHeads:
         return [(dotted(name), role) for name, role in named if name]
 
 
-def _member_view(layout: QKHeads, params: TensorDictBase) -> MatrixView:
-    """The layout's view of a stacked ensemble's leaves: its batch dimensions are the members'."""
-    return dataclasses.replace(layout.view, batch_dims=params.batch_dims) if params.batch_dims else layout.view
-
-
-def _check_layout(name: str, layout: QKHeads, params: TensorDictBase) -> None:
+def _checked(name: str, layout: QKHeads, params: TensorDictBase, logits: object) -> tuple[int, MatrixView]:
+    """The key heads of a valid ``layout`` and its view of ``params``'s leaves (a stacked ensemble's
+    batch dimensions are the members'); refuses a layout or max logits that do not fit the leaves."""
     where = f"qk_clip: attention {name!r}"
     if not isinstance(layout, QKHeads):
         raise TypeError(f"{where}: expected a muonfn.QKHeads, got {type(layout).__name__}")
@@ -73,27 +70,27 @@ def _check_layout(name: str, layout: QKHeads, params: TensorDictBase) -> None:
         raise ValueError(f"{where}: name the fused tensor or the query and key tensors, not both")
     if not layout.leaves():
         raise ValueError(f"{where}: names no tensor; set fused=, or query= and/or key=")
-    view = layout.view
-    if view.batch_dims:
-        raise ValueError(f"{where}: the view has batch_dims={view.batch_dims}; attention weights have none")
-    if layout.fused:
-        if view.split is None or len(view.split) < 2 or view.split_dim != 0:
-            raise ValueError(
-                f"{where}: a fused tensor needs view=MatrixView(split=(q, k, ...)) along the rows (split_dim=0)"
-            )
-    elif view.split is not None:
+    split = layout.view.split
+    if layout.view.batch_dims:
+        raise ValueError(f"{where}: the view has batch_dims={layout.view.batch_dims}; attention weights have none")
+    if layout.fused and (split is None or len(split) < 2 or layout.view.split_dim != 0):
+        raise ValueError(f"{where}: a fused tensor needs view=MatrixView(split=(q, k, ...)) splitting its rows")
+    if not layout.fused and split is not None:
         raise ValueError(f"{where}: a split view describes a fused tensor; pass it as fused=")
-    view = _member_view(layout, params)
+    view = dataclasses.replace(layout.view, batch_dims=params.batch_dims) if params.batch_dims else layout.view
     for key, role in layout.leaves():
         if key not in params.keys():
             raise ValueError(f"{where}: no parameter named {key!r}")
-        p = params[key]
-        view.check(key, p.shape)
-        rows = [r for r, _ in view.blocks(p.shape)]
+        view.check(key, params[key].shape)
         counts = {"query": [layout.heads], "key": [kv], "fused": [layout.heads, kv]}[role]
-        for r, h in zip(rows, counts):
-            if r % h:
-                raise ValueError(f"{where}: {key!r} has {r} {role} rows, which {h} heads do not divide")
+        for (rows, _), heads in zip(view.blocks(params[key].shape), counts):
+            if rows % heads:
+                raise ValueError(f"{where}: {key!r} has {rows} {role} rows, which {heads} heads do not divide")
+    expected = (*params.batch_size, layout.heads)
+    if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != expected:
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(f"qk_clip: max_logits[{name!r}] must have shape {expected}, got {shape}")
+    return kv, view
 
 
 def _check_alpha(where: str, alpha: float) -> None:
@@ -195,50 +192,35 @@ def qk_clip(
         >>> clipped["q"][:, 0], skipped  # head 1 left as it was, and reported
         (tensor([0.5000, 0.5000, 1.0000, 1.0000]), {'attn0': tensor([False,  True])})
     """
-    if (
-        isinstance(threshold, bool)
-        or not isinstance(threshold, int | float)
-        or not (math.isfinite(threshold) and threshold > 0)
-    ):
+    if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not 0 < threshold < math.inf:
         raise ValueError(f"qk_clip: threshold must be a finite number > 0, got {threshold!r}")
     _check_alpha("qk_clip", alpha)
     given, params = params, flat(params)
     groups = {name: [v] if isinstance(v, QKHeads) else list(v) for name, v in layouts.items()}
-    for name, logits in max_logits.items():
-        if name not in groups:
-            raise ValueError(f"qk_clip: max_logits names {name!r}, which layouts do not describe: {sorted(groups)}")
-        for layout in groups[name]:
-            _check_layout(name, layout, params)
-            expected = (*params.batch_size, layout.heads)
-            if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != expected:
-                shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
-                raise ValueError(f"qk_clip: max_logits[{name!r}] must have shape {expected}, got {shape}")
     replaced: dict[str, torch.Tensor] = {}
     skipped: dict[str, torch.Tensor] = {}
     members = math.prod(params.batch_size)  # one matrix per member of a stacked ensemble
     for name, logits in max_logits.items():
-        logits = logits.detach()
-        skipped[name] = logits.isnan() | logits.isposinf()
+        if name not in groups:
+            raise ValueError(f"qk_clip: max_logits names {name!r}, which layouts do not describe: {sorted(groups)}")
         for layout in groups[name]:
+            kv, view = _checked(name, layout, params, logits)
             a = alpha if layout.alpha is None else layout.alpha
-            kv = layout.heads if layout.kv_heads is None else layout.kv_heads
-            view = _member_view(layout, params)
             for key, role in layout.leaves():
                 p = replaced.get(key, params[key])
                 dtype = torch.promote_types(torch.promote_types(logits.dtype, p.dtype), torch.float32)
-                s = logits.to(device=p.device, dtype=dtype)
+                s = logits.detach().to(device=p.device, dtype=dtype)
                 # only a finite logit past the threshold clips: NaN and +inf would make NaN or zero weights
                 clipped = s.gt(threshold) & s.isfinite()
                 gamma = torch.where(clipped, s.clamp_min(threshold).reciprocal().mul(threshold), 1.0)
                 gamma = gamma.reshape(members, layout.heads)
                 q_factor = gamma.pow(a)
                 k_factor = gamma.reshape(members, kv, -1).amin(dim=-1).pow(1.0 - a)
-                blocks = view.to_matrices(p)
-                if role == "fused":
-                    blocks = [_scaled_rows(blocks[0], q_factor), _scaled_rows(blocks[1], k_factor), *blocks[2:]]
-                else:
-                    blocks = [_scaled_rows(blocks[0], q_factor if role == "query" else k_factor)]
+                factors = {"query": [q_factor], "key": [k_factor], "fused": [q_factor, k_factor]}[role]
+                blocks = view.to_matrices(p)  # (a fused tensor's value rows, its third block on, are kept)
+                blocks = [*map(_scaled_rows, blocks, factors), *blocks[len(factors) :]]
                 replaced[key] = view.from_matrices(blocks, p.shape)
+        skipped[name] = logits.isnan() | logits.isposinf()  # (bool: no gradient to detach)
     clipped = params.clone(recurse=False).update(replaced) if replaced else given
     out = nested_like(clipped, given) if replaced and params is not given else clipped
     return (out, skipped) if return_skipped else out
