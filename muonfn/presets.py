@@ -60,7 +60,6 @@ from .transforms import (
     cautious,
     chain,
     check_mask,
-    check_table,
     named,
     partition,
     table_of,
@@ -116,11 +115,10 @@ def label_params(
     nothing of the whole): matrices when they have two dimensions or more.
     """
     sharded = set(named_table(dict.fromkeys(shards), params.keys()))
-    members = params.batch_dims
     labels = {}
-    for name, value in params.items(True, True):
-        name = dotted(name)
-        shape = value.shape[members:]
+    for key, value in params.items(True, True):
+        name = dotted(key)
+        shape = value.shape[params.batch_dims :]  # (a member's, for a stacked ensemble)
         matrix = len(shape) >= 2 if name in sharded else sum(1 for s in shape if s != 1) >= 2
         labels[name] = MUON if matrix and not _excluded(name, exclude) else ADAMW
     return labels
@@ -214,11 +212,8 @@ def shown(names: Sequence[str], limit: int = 3) -> str:
 def warn_if_every_matrix_excluded(where: str, params: TensorDictBase, shards: Iterable[Any] = ()) -> None:
     """A :class:`RoutingWarning` when the default labels send no leaf to Muon although some are matrices,
     each excluded by its name (LoRA adapters given alone): the optimizer is then plain AdamW."""
-    shards = tuple(shards)
-    if MUON in label_params(params, shards=shards).values():
-        return
     matrices = [name for name, label in label_params(params, exclude=(), shards=shards).items() if label == MUON]
-    if matrices:
+    if matrices and all(_excluded(name, DEFAULT_EXCLUDE) for name in matrices):
         fragments = matching_fragments(matrices)
         warn_routing(
             f"{where}: no parameter is labelled 'muon', so this optimizer is plain AdamW: every matrix "
@@ -307,12 +302,14 @@ def muon(
     return _preset(None, lr, momentum, nesterov, **{name: given[name] for name in PRESET_OPTIONS})
 
 
+def _keywords(preset: Callable[..., Transform], but: Iterable[str]) -> dict[str, Any]:
+    """A preset's keyword-only options, but those named in ``but``, with their defaults."""
+    parameters = inspect.signature(preset).parameters.values()
+    return {p.name: p.default for p in parameters if p.kind is p.KEYWORD_ONLY and p.name not in but}
+
+
 #: The options every preset takes beside ``lr``, ``momentum`` and ``nesterov``: :func:`muon`'s, with its defaults.
-PRESET_OPTIONS: dict[str, Any] = {
-    name: p.default
-    for name, p in inspect.signature(muon).parameters.items()
-    if p.kind is p.KEYWORD_ONLY and name not in ("momentum", "nesterov")
-}
+PRESET_OPTIONS: dict[str, Any] = _keywords(muon, ("momentum", "nesterov"))
 
 
 def normuon(
@@ -382,17 +379,12 @@ Adaptation: TypeAlias = Callable[[ViewsLike, bool, torch.dtype | None], tuple[bo
 #: Each variant's defaults for the settings whose defaults differ between variants (the keywords its preset
 #: takes beyond :data:`PRESET_OPTIONS`); an option the variant does not list does not apply to it.
 VARIANT_DEFAULTS: dict[str, dict[str, Any]] = {
-    variant: {
-        name: p.default
-        for name, p in inspect.signature(preset).parameters.items()
-        if p.kind is p.KEYWORD_ONLY and name not in PRESET_OPTIONS
-    }
-    for variant, preset in (("muon", muon), ("normuon", normuon), ("adamuon", adamuon))
+    variant: _keywords(preset, PRESET_OPTIONS) for variant, preset in zip(VARIANTS, (muon, normuon, adamuon))
 }
 #: The options only the adapted variants take.
 VARIANT_OPTIONS: tuple[str, ...] = tuple(
     dict.fromkeys(
-        name for defaults in VARIANT_DEFAULTS.values() for name in defaults if name not in ("momentum", "nesterov")
+        name for defaults in VARIANT_DEFAULTS.values() for name in defaults if name not in VARIANT_DEFAULTS[MUON]
     )
 )
 
@@ -422,10 +414,9 @@ def adaptation(
 
     def adapt(views: ViewsLike, donate_state: bool, state_dtype: torch.dtype | None) -> tuple[bool, Transform]:
         if variant == "normuon":
-            rows = scale_by_neuron_norm(
+            return False, scale_by_neuron_norm(
                 beta2, eps=adaptive_eps, rescale=rescale, views=views, donate_state=donate_state
             )
-            return False, rows
         rms = scale_by_element_rms(
             beta2, eps=adaptive_eps, bias_correction=second_moment_bias_correction, rescale=rescale, views=views,
             state_dtype=state_dtype, donate_state=donate_state,
@@ -446,22 +437,22 @@ def _preset(
     """A preset: its matrix branch beside :func:`adamw`, ``given`` the options of :data:`PRESET_OPTIONS`;
     names in ``views``, ``weight_decay_mask`` and an orthogonalizer's ``shard_specs`` checked against the
     parameters at ``init`` (a typo is an error)."""
-    adaptation_name = getattr(adaptation, "variant", "muon")
+    variant = getattr(adaptation, "variant", MUON)
     unknown = sorted(given.keys() - PRESET_OPTIONS.keys())
     if unknown:
-        raise TypeError(f"muonfn.{adaptation_name}() got an unexpected keyword argument {unknown[0]!r}")
+        raise TypeError(f"muonfn.{variant}() got an unexpected keyword argument {unknown[0]!r}")
     options = SimpleNamespace(**{**PRESET_OPTIONS, **given})
-    check_state_dtype(f"muonfn.{adaptation_name}", options.state_dtype)  # (named as the user called it)
+    check_state_dtype(f"muonfn.{variant}", options.state_dtype)  # (named as the user called it)
     rates = {MUON: lr, ADAMW: lr if options.adamw_lr is None else options.adamw_lr}
     schedules = {name: BranchSchedule(rate, name) for name, rate in rates.items() if is_schedule(rate)}
-    lr, adamw_lr = schedules.get(MUON, rates[MUON]), schedules.get(ADAMW, rates[ADAMW])
+    rates.update(schedules)
     branch = matrix_branch(
-        adaptation, lr, momentum, nesterov, options.momentum_bias_correction, options.weight_decay,
+        adaptation, rates[MUON], momentum, nesterov, options.momentum_bias_correction, options.weight_decay,
         options.cautious_weight_decay, options.cautious_mode, options.ns, options.scale,
         options.views, options.weight_decay_mask, options.orthogonalizer, options.donate_state, options.state_dtype,
     )  # fmt: skip
     other = adamw(
-        adamw_lr,
+        rates[ADAMW],
         betas=options.adamw_betas,
         eps=options.adamw_eps,
         weight_decay=options.weight_decay if options.adamw_weight_decay is None else options.adamw_weight_decay,
@@ -471,26 +462,22 @@ def _preset(
         state_dtype=options.state_dtype,
         donate_state=options.donate_state,
     )
-    if options.labels is not None:
-        check_table("labels", options.labels)
-    shards = getattr(options.orthogonalizer, "shard_specs", None)
+    shards = getattr(options.orthogonalizer, "shard_specs", None) or {}
     default = functools.partial(label_params, shards=tuple(shards)) if shards else label_params
-    routes = options.labels if options.labels is not None else default
-    tx = partition({MUON: branch, ADAMW: other}, routes)
-    tables = {"views": options.views, "weight_decay_mask": options.weight_decay_mask, "shard_specs": shards}
+    tx = partition({MUON: branch, ADAMW: other}, default if options.labels is None else options.labels)
 
     def init(params: TensorDictBase) -> TensorDictBase:
         leaves = flat(params)
-        for where, table in tables.items():
-            if where == "weight_decay_mask" and callable(table) and not isinstance(table, Mapping):
-                table = table_of(table, leaves, where)  # a callable mask's table, checked as one given
-                check_mask(where, table)
-            if table is None or isinstance(table, str) or (callable(table) and not isinstance(table, Mapping)):
-                continue
-            named_table(table, leaves.keys(), where)
+        mask = options.weight_decay_mask
+        if callable(mask) and not isinstance(mask, Mapping):  # a callable mask's table, checked as one given
+            mask = table_of(mask, leaves, "weight_decay_mask")
+            check_mask("weight_decay_mask", mask)
+        for where, table in {"views": options.views, "weight_decay_mask": mask, "shard_specs": shards}.items():
+            if isinstance(table, Mapping):  # (a callable table names no leaf of its own)
+                named_table(table, leaves.keys(), where)
         state = tx.init(params)
         if options.labels is None:  # (labels of one's own send what they send)
-            warn_if_every_matrix_excluded(f"muonfn.{adaptation_name}(...).init", leaves, shards or ())
+            warn_if_every_matrix_excluded(f"muonfn.{variant}(...).init", leaves, shards)
         return state
 
     if not (options.donate_state and schedules):
@@ -503,7 +490,7 @@ def _preset(
         for name, schedule in schedules.items():
             count = state.get((name, "count"), None) if isinstance(state, TensorDictBase) else None
             if isinstance(count, torch.Tensor):
-                schedule.make_first(count)
+                schedule.first = schedule.value(count)
         return tx.update(grads, state, params)
 
     update.donates_state = True  # type: ignore[attr-defined]
@@ -513,15 +500,12 @@ def _preset(
 class BranchSchedule:
     """A preset's learning-rate schedule for one of its branches: its values checked naming the branch
     (a preset holds two), and, with a donated state, the value made before either branch runs
-    (:meth:`make_first`) handed to the branch, so that the schedule is still called once an update."""
+    (``first``) handed to the branch, so that the schedule is still called once an update."""
 
     def __init__(self, schedule: Callable[[torch.Tensor], Any], branch: str) -> None:
         self.schedule = schedule
         self.where = f"the learning rate schedule of branch {branch!r}"
         self.first: Any = None
-
-    def make_first(self, count: torch.Tensor) -> None:
-        self.first = self.value(count)
 
     def value(self, count: torch.Tensor) -> Any:
         """The schedule's value at ``count``, checked (a count lives on the leaves' device, per ensemble member)."""
@@ -529,10 +513,8 @@ class BranchSchedule:
         return checked_rate(self.where, lr, count.shape, count.device, returned=True)
 
     def __call__(self, count: torch.Tensor) -> Any:
-        if self.first is None:
-            return self.value(count)
         lr, self.first = self.first, None
-        return lr
+        return self.value(count) if lr is None else lr
 
 
 def matrix_branch(
@@ -588,15 +570,14 @@ def matrix_branch(
             orthogonalizer=orthogonalizer, overwrite_input=fresh,
         )  # fmt: skip
         return chain(*steps, last)
+    # Newton–Schulz on its own: the adaptation, or caution, comes between it and the shape scale's use
     ortho_scale: ScaleLike = "none" if adapted else scale
     steps.append(
         orthogonalize(ns, views=views, scale=ortho_scale, orthogonalizer=orthogonalizer, overwrite_input=fresh)
     )
     if plain:
-        tail = descent(lr, weight_decay, scale=scale, views=views, mask=weight_decay_mask)
-        return chain(*steps, *adapted, tail)
-    shaped = [scale_by_shape(scale, views=views)] if adapted else []
-    direction = chain(*steps, *adapted, *shaped)
+        return chain(*steps, *adapted, descent(lr, weight_decay, scale=scale, views=views, mask=weight_decay_mask))
+    direction = chain(*steps, *adapted, *([scale_by_shape(scale, views=views)] if adapted else []))
     if cautious_mode is not None:  # a sharded orthogonalizer's leaves are shards: caution counts whole leaves
         direction = cautious(direction, mode=cautious_mode, sum_shards=getattr(orthogonalizer, "sum_shards", None))
     decay = add_decayed_weights(weight_decay, mask=weight_decay_mask, cautious=cautious_weight_decay)
