@@ -34,8 +34,7 @@ def _value(name: str, v: Scalar) -> float:
 def non_negative(name: str, v: Scalar) -> None:
     """Learning rates and weight decays given as values: ``v >= 0`` (a schedule's results are
     checked by :func:`schedule_value`)."""
-    x = _value(name, v)
-    if not (math.isfinite(x) and x >= 0):
+    if not 0 <= _value(name, v) < math.inf:  # (NaN is refused too)
         raise ValueError(f"{name} must be finite and >= 0, got {v!r}")
 
 
@@ -68,8 +67,7 @@ def unit_interval(name: str, v: Scalar) -> float:
 
 def positive(name: str, v: Scalar) -> None:
     """Epsilons: ``v > 0``."""
-    x = _value(name, v)
-    if not (math.isfinite(x) and x > 0):
+    if not 0 < _value(name, v) < math.inf:  # (NaN is refused too)
         raise ValueError(f"{name} must be finite and > 0, got {v!r}")
 
 
@@ -91,9 +89,7 @@ def _storage_identity(t: torch.Tensor) -> tuple[Any, ...] | None:
         address = t.untyped_storage().data_ptr()
     except (NotImplementedError, RuntimeError):
         return None
-    if address == 0:
-        return None
-    return (t.device, address, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    return None if address == 0 else (t.device, address, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
 def check_params(where: str, params: TensorDictBase) -> None:
@@ -110,9 +106,7 @@ def check_params(where: str, params: TensorDictBase) -> None:
                 "params, buffers = muonfn.split_buffers(model) keeps them apart"
             )
         identity = _storage_identity(p)
-        if identity is None:
-            continue
-        first = seen.setdefault(identity, name)
+        first = name if identity is None else seen.setdefault(identity, name)
         if first != name:
             raise ValueError(
                 f"{where}: {first!r} and {name!r} are one tensor (tied weights); updated apart, they would untie. "

@@ -564,20 +564,18 @@ def matrix_branch(
         fresh = fresh or sign
         adapted = [adapt]
     plain = cautious_mode is None and not cautious_weight_decay
-    if plain and not adapted:
+    if adapted or not plain:  # Newton–Schulz on its own: the adaptation, or caution, comes between it and the rest
+        ortho_scale: ScaleLike = "none" if adapted else scale
+        ortho = orthogonalize(ns, views=views, scale=ortho_scale, orthogonalizer=orthogonalizer, overwrite_input=fresh)
+        steps += [ortho, *adapted]
+        ns = "none"  # (run)
+    if plain:  # the shape scale (in Newton–Schulz's last step, if it is still to run), the decay and the rate
         last = descent(
             lr, weight_decay, ns=ns, scale=scale, views=views, mask=weight_decay_mask,
             orthogonalizer=orthogonalizer, overwrite_input=fresh,
         )  # fmt: skip
         return chain(*steps, last)
-    # Newton–Schulz on its own: the adaptation, or caution, comes between it and the shape scale's use
-    ortho_scale: ScaleLike = "none" if adapted else scale
-    steps.append(
-        orthogonalize(ns, views=views, scale=ortho_scale, orthogonalizer=orthogonalizer, overwrite_input=fresh)
-    )
-    if plain:
-        return chain(*steps, *adapted, descent(lr, weight_decay, scale=scale, views=views, mask=weight_decay_mask))
-    direction = chain(*steps, *adapted, *([scale_by_shape(scale, views=views)] if adapted else []))
+    direction = chain(*steps, *([scale_by_shape(scale, views=views)] if adapted else []))
     if cautious_mode is not None:  # a sharded orthogonalizer's leaves are shards: caution counts whole leaves
         direction = cautious(direction, mode=cautious_mode, sum_shards=getattr(orthogonalizer, "sum_shards", None))
     decay = add_decayed_weights(weight_decay, mask=weight_decay_mask, cautious=cautious_weight_decay)
