@@ -299,7 +299,7 @@ def muon(
         [('adamw', 'exp_avg', 'b'), ('adamw', 'exp_avg_sq', 'b'), ('adamw', 'step', 'b'), ('muon', 'momentum', 'w')]
     """
     given = locals()  # (the options by the names of this signature, which PRESET_OPTIONS reads)
-    return _preset(None, lr, momentum, nesterov, **{name: given[name] for name in PRESET_OPTIONS})
+    return _preset(MUON, lr, momentum, nesterov, {name: given[name] for name in PRESET_OPTIONS})
 
 
 def _keywords(preset: Callable[..., Transform], but: Iterable[str]) -> dict[str, Any]:
@@ -335,8 +335,7 @@ def normuon(
         >>> state["muon", "row_second_moment", "w"].shape  # one entry per row
         torch.Size([4, 1])
     """
-    adapt = adaptation("normuon", beta2=beta2, adaptive_eps=adaptive_eps, rescale=rescale)
-    return _preset(adapt, lr, momentum, nesterov, **options)
+    return _preset("normuon", lr, momentum, nesterov, options, beta2=beta2, adaptive_eps=adaptive_eps, rescale=rescale)
 
 
 def adamuon(
@@ -363,12 +362,10 @@ def adamuon(
         >>> sorted(state["muon"].keys())
         ['exp_avg_sq', 'momentum']
     """
-    adapt = adaptation(
-        "adamuon", beta2=beta2, adaptive_eps=adaptive_eps, rescale=rescale, sign_momentum=sign_momentum,
-        second_moment_bias_correction=second_moment_bias_correction,
-        momentum_bias_correction=options.get("momentum_bias_correction", False),
+    return _preset(
+        "adamuon", lr, momentum, nesterov, options, beta2=beta2, adaptive_eps=adaptive_eps, rescale=rescale,
+        sign_momentum=sign_momentum, second_moment_bias_correction=second_moment_bias_correction,
     )  # fmt: skip
-    return _preset(adapt, lr, momentum, nesterov, **options)
 
 
 #: NorMuon's or AdaMuon's adaptation, made for a preset's views and donation: whether the momentum's
@@ -427,27 +424,27 @@ def adaptation(
         both = (momentum_bias_correction or narrow) and (second_moment_bias_correction or narrow)
         return sign_momentum, named("second_moment", rms) if both else rms
 
-    adapt.variant = variant  # type: ignore[attr-defined]
     return adapt
 
 
 def _preset(
-    adaptation: Adaptation | None, lr: ScalarOrSchedule, momentum: Scalar, nesterov: NesterovLike, **given: Any
+    variant: str, lr: ScalarOrSchedule, momentum: Scalar, nesterov: NesterovLike, given: dict[str, Any], **settings: Any
 ) -> Transform:
-    """A preset: its matrix branch beside :func:`adamw`, ``given`` the options of :data:`PRESET_OPTIONS`;
-    names in ``views``, ``weight_decay_mask`` and an orthogonalizer's ``shard_specs`` checked against the
-    parameters at ``init`` (a typo is an error)."""
-    variant = getattr(adaptation, "variant", MUON)
+    """The preset of ``variant``: its matrix branch (its :func:`adaptation` made of ``settings``) beside
+    :func:`adamw`, ``given`` the options of :data:`PRESET_OPTIONS`; names in ``views``,
+    ``weight_decay_mask`` and an orthogonalizer's ``shard_specs`` checked against the parameters at
+    ``init`` (a typo is an error)."""
     unknown = sorted(given.keys() - PRESET_OPTIONS.keys())
     if unknown:
         raise TypeError(f"muonfn.{variant}() got an unexpected keyword argument {unknown[0]!r}")
     options = SimpleNamespace(**{**PRESET_OPTIONS, **given})
+    adapt = adaptation(variant, momentum_bias_correction=options.momentum_bias_correction, **settings)
     check_state_dtype(f"muonfn.{variant}", options.state_dtype)  # (named as the user called it)
     rates = {MUON: lr, ADAMW: lr if options.adamw_lr is None else options.adamw_lr}
     schedules = {name: BranchSchedule(rate, name) for name, rate in rates.items() if is_schedule(rate)}
     rates.update(schedules)
     branch = matrix_branch(
-        adaptation, rates[MUON], momentum, nesterov, options.momentum_bias_correction, options.weight_decay,
+        adapt, rates[MUON], momentum, nesterov, options.momentum_bias_correction, options.weight_decay,
         options.cautious_weight_decay, options.cautious_mode, options.ns, options.scale,
         options.views, options.weight_decay_mask, options.orthogonalizer, options.donate_state, options.state_dtype,
     )  # fmt: skip
