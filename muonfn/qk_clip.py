@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Literal, overload
 
 import torch
@@ -18,7 +17,7 @@ from .linalg import DEFAULT_VIEW, MatrixView
 Key = tuple[str, ...]
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class QKHeads:
     """Where one attention's query and key weights are, and how their rows form heads.
 
