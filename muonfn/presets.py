@@ -19,7 +19,7 @@ import inspect
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any, TypeAlias
 
@@ -302,7 +302,7 @@ def muon(
     return _preset(MUON, lr, momentum, nesterov, {name: given[name] for name in PRESET_OPTIONS})
 
 
-def _keywords(preset: Callable[..., Transform], but: Iterable[str]) -> dict[str, Any]:
+def _keywords(preset: Callable[..., Transform], but: Container[str]) -> dict[str, Any]:
     """A preset's keyword-only options, but those named in ``but``, with their defaults."""
     parameters = inspect.signature(preset).parameters.values()
     return {p.name: p.default for p in parameters if p.kind is p.KEYWORD_ONLY and p.name not in but}

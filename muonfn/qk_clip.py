@@ -73,7 +73,7 @@ def _checked(name: str, layout: QKHeads, params: TensorDictBase, logits: object)
     if layout.view.batch_dims:
         raise ValueError(f"{where}: the view has batch_dims={layout.view.batch_dims}; attention weights have none")
     if layout.fused and (split is None or len(split) < 2 or layout.view.split_dim != 0):
-        raise ValueError(f"{where}: a fused tensor needs view=MatrixView(split=(q, k, ...)) splitting its rows")
+        raise ValueError(f"{where}: a fused tensor needs view=MatrixView(split=(q, k, ...)) of rows (split_dim=0)")
     if not layout.fused and split is not None:
         raise ValueError(f"{where}: a split view describes a fused tensor; pass it as fused=")
     view = dataclasses.replace(layout.view, batch_dims=params.batch_dims) if params.batch_dims else layout.view
