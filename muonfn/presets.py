@@ -124,9 +124,6 @@ def label_params(
     return labels
 
 
-_MATRIX_MODULES = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd)
-
-
 def labels_from_module(
     model: nn.Module, exclude: Sequence[str] = DEFAULT_EXCLUDE, *, last_linear_is_head: bool = True
 ) -> dict[str, str]:
@@ -140,7 +137,7 @@ def labels_from_module(
     label_of: dict[int, str] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         matrices: tuple[str, ...] = ()
-        if isinstance(module, _MATRIX_MODULES) or type(module).__name__ == "Conv1D":
+        if isinstance(module, (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd)) or type(module).__name__ == "Conv1D":
             matrices = ("weight",)
         elif isinstance(module, nn.MultiheadAttention):  # (its out_proj is an nn.Linear of its own)
             matrices = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
