@@ -86,9 +86,7 @@ def _nested(data: Any, name: str, prefix: tuple[str, ...] = ()) -> dict[str, Any
 
 
 def load(
-    path: PathLike,
-    like: TensorDictBase | None = None,
-    map_location: str | torch.device | None = None,
+    path: PathLike, like: TensorDictBase | None = None, map_location: str | torch.device | None = None
 ) -> TensorDict:
     """Reads a checkpoint written by :func:`save` (or ``torch.save(td.to_dict(), f)``).
 
