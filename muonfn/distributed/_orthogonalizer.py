@@ -25,13 +25,10 @@ import torch
 from .._tree import named_table
 from ..linalg import DEFAULT_BUCKET_NUMEL, LocalOrthogonalizer, MatrixFn, MatrixView, ScaleFn, check_bucket_numel
 from ._collectives import Collectives, check_collectives
-from ._gather import GatherRound
 from ._layout import ShardSpec, checked_shard_specs
-from ._owner import OwnerRound
-from ._pipeline import Round, run_rounds
 from ._plan import Leaf, Plan, check_dtensor_leaf, describe, make_plan
+from ._rounds import exchange_round, run_rounds, run_tp_gram
 from ._sums import ShardSums
-from ._tp_gram import run_tp_gram
 
 Strategy: TypeAlias = Literal["owner", "gather", "tp_gram"]
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
@@ -135,16 +132,15 @@ class ShardedOrthogonalizer:
                 out[leaf.index] = leaf.wrap(result)
 
         results = {id(plan): [torch.empty_like(leaf.local) for leaf in plan.leaves] for _, plan in plans_now}
-        rounds: list[Round] = []
         for group, plan in plans_now:
             for gram_batch in plan.gram:
                 run_tp_gram(group, plan, gram_batch, results[id(plan)], ns, scale)
-            for round_batches in plan.rounds:
-                for batch in round_batches:
-                    kind = GatherRound if batch.gathered else OwnerRound
-                    rounds.append(
-                        kind(group, plan, batch, results[id(plan)], ns, scale, self.bucket_numel, overlap=self.overlap)
-                    )
+        cap, overlap = self.bucket_numel, self.overlap
+        rounds = [
+            exchange_round(group, plan, batch, results[id(plan)], ns, scale, cap, overlap)
+            for group, plan in plans_now
+            for batch in plan.rounds
+        ]
         # the first exchange is in flight while the matrices that need none are orthogonalized
         run_rounds(rounds, overlap=self.overlap, meanwhile=orthogonalize_whole)
         for _, plan in plans_now:

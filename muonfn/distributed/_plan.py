@@ -31,12 +31,11 @@ import math
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ..linalg import LocalOrthogonalizer, MatrixFn, MatrixView, ScaleFn, newton_schulz_flops
-from ._collectives import FINISHED, Collectives, Handle
 from ._layout import (
     Box,
     Layout,
@@ -240,35 +239,47 @@ class Unit:
         return sorted(self.holders) if self.one_owner else self.sources(owner)
 
 
+class Piece(NamedTuple):
+    """A holder's piece of a unit, and where it lies in an exchange buffer."""
+
+    unit: int
+    leaf: int
+    position: int  # the unit's index among the holder's local units
+    box: Box  # the holder's box of the unit
+    offset: int
+
+    def slot(self, buffer: torch.Tensor) -> torch.Tensor:
+        return buffer[self.offset : self.offset + box_numel(self.box)].view(box_shape(self.box))
+
+
+@dataclass
+class Moves:
+    """One direction of a round's exchange on this rank: the pieces it sends and receives, each run
+    of the buffers in order of peer and then unit, and the elements per peer. ``exchange``: whether
+    any rank of the group sends another anything (the same on every rank)."""
+
+    sends: list[Piece] = field(default_factory=list)
+    recvs: list[Piece] = field(default_factory=list)
+    send_splits: list[int] = field(default_factory=list)
+    recv_splits: list[int] = field(default_factory=list)
+    exchange: bool = False
+
+
 @dataclass
 class Batch:
-    """The units of one round that share a dtype and device, and this rank's traffic for them."""
+    """The units of one round that share a dtype and device, and this rank's traffic for them.
+
+    Inward, pieces travel to the owners (``"gather"``: to every rank, in one all-gather of padded
+    buffers); outward, the owners' results travel back to the holders. ``kept``: the pieces of the
+    units this rank owns and holds itself, which do not travel."""
 
     dtype: torch.dtype
     device: torch.device
-    units: list[int]
-    gathered: bool = False
-    # owner, inward: pieces this rank sends to owners, as (unit, local position, peer), and
-    # receives as an owner, as (unit, peer, box); outward: result pieces it sends as an owner,
-    # as (unit, peer, box), and receives, as (unit, local position, peer). Each sorted by peer
-    # and then unit, with the split sizes per peer. Pieces an owner holds itself do not travel.
-    sends: list[tuple[int, int, int]] = field(default_factory=list)
-    recvs: list[tuple[int, int, Box]] = field(default_factory=list)
-    send_splits: list[int] = field(default_factory=list)
-    recv_splits: list[int] = field(default_factory=list)
-    returns: list[tuple[int, int, Box]] = field(default_factory=list)
-    gets: list[tuple[int, int, int]] = field(default_factory=list)
-    return_splits: list[int] = field(default_factory=list)
-    get_splits: list[int] = field(default_factory=list)
-    owned: list[int] = field(default_factory=list)  # units this rank orthogonalizes
-    kept_in: list[tuple[int, int, Box]] = field(default_factory=list)  # (unit, local position, box)
-    kept_out: list[tuple[int, int, Box]] = field(default_factory=list)
-    # whether any rank of the group sends another anything, inward / outward (the same on every rank)
-    exchange_in: bool = False
-    exchange_out: bool = False
-    # gather: every rank's contribution padded to one length, and each (unit, rank)'s offset in it
-    padded: int = 0
-    offsets: dict[tuple[int, int], int] = field(default_factory=dict)
+    gathered: bool
+    owned: list[int]  # units this rank orthogonalizes
+    kept: list[Piece]
+    inward: Moves
+    outward: Moves
 
 
 @dataclass
@@ -286,7 +297,7 @@ class Plan:
     layouts: list[Layout]
     local: list[bool]  # every holder keeps whole matrices: nothing moves
     units: list[Unit]
-    rounds: list[list[Batch]]
+    rounds: list[Batch]
     gram: list[GramBatch] = field(default_factory=list)
 
     def with_leaves(self, leaves: list[Leaf]) -> Plan:
@@ -326,40 +337,32 @@ def _holders(layout: Layout, batch_dims: int) -> dict[tuple[int, ...], dict[int,
 
 
 def _assign_owners(units: list[Unit], candidates: list[int], load: list[int]) -> list[int]:
-    """Longest processing time first over the ``candidates`` units; returns them in assignment order."""
+    """Longest processing time first over the ``candidates`` units; returns them in assignment order.
+
+    A unit's owners are one rank (``one_owner``: one of its holders if they all hold it whole) or one
+    rank per replica, at one position; the least loaded choice wins, then the one holding most of it,
+    then the first."""
     order = sorted(candidates, key=lambda u: (-units[u].cost, u))
     for u in order:
         unit, layout = units[u], units[u].layout
-
-        def held(r: int, unit: Unit = unit) -> int:
-            return box_numel(unit.holders[r][1]) if r in unit.holders else 0
-
         if unit.one_owner:
-            ranks = sorted(unit.holders) if unit.held_whole else range(len(layout.boxes))
-            unit.owners = [min(ranks, key=lambda r: (load[r], -held(r), r))]
+            choices = [[r] for r in (sorted(unit.holders) if unit.held_whole else range(len(layout.boxes)))]
         else:
+            at = {(rep, pos): r for r, (rep, pos) in enumerate(zip(layout.replica, layout.position))}
+            choices = [[at[rep, p] for rep in range(layout.replicas)] for p in range(layout.positions)]
 
-            def score(p: int, layout: Layout = layout, held: Callable[[int], int] = held) -> tuple[int, int, int]:
-                ranks = [layout.rank_at(rep, p) for rep in range(layout.replicas)]
-                return max(load[r] for r in ranks), -held(ranks[0]), p
+        def score(owners: list[int], unit: Unit = unit) -> tuple[int, int]:
+            held = box_numel(unit.holders[owners[0]][1]) if owners[0] in unit.holders else 0
+            return max(load[r] for r in owners), -held
 
-            position = min(range(layout.positions), key=score)
-            unit.owners = [layout.rank_at(rep, position) for rep in range(layout.replicas)]
+        unit.owners = min(choices, key=score)
         for r in unit.owners:
             load[r] += unit.cost
     return order
 
 
-def _by_shape(units: list[Unit], members: list[int]) -> list[list[int]]:
-    """``members`` grouped by unit shape, groups in order of first appearance."""
-    groups: dict[tuple[Any, ...], list[int]] = {}
-    for u in members:
-        groups.setdefault(units[u].shape, []).append(u)
-    return list(groups.values())
-
-
-def _owner_rounds(units: list[Unit], order: list[int], cap: int) -> list[list[int]]:
-    """Each owner takes its units in assignment order, at most ``cap`` elements of them a round."""
+def _rounds(units: list[Unit], order: list[int], cap: int) -> list[list[int]]:
+    """Each owner takes its units in order, at most ``cap`` elements of them a round."""
     current: dict[int, int] = {}
     filled: dict[tuple[int, int], int] = {}
     rounds: list[list[int]] = []
@@ -377,71 +380,47 @@ def _owner_rounds(units: list[Unit], order: list[int], cap: int) -> list[list[in
     return rounds
 
 
-def _gather_rounds(units: list[Unit], members: list[int], cap: int) -> list[list[int]]:
-    """Consecutive units, at most ``cap`` elements of whole matrices a round (every rank holds them all)."""
-    rounds: list[list[int]] = []
-    filled = 0
-    for u in members:
-        numel = math.prod(units[u].shape)
-        if not rounds or (filled and filled + numel > cap):
-            rounds.append([])
-            filled = 0
-        rounds[-1].append(u)
-        filled += numel
-    return rounds
+def _laid_out(moves: list[tuple[int, int, int]], units: list[Unit], w: int) -> tuple[list[Piece], list[int]]:
+    """``(peer, unit, holder)`` moves as the holder's pieces one after another in a buffer, in order of
+    peer and then unit, and the elements per peer."""
+    pieces, splits, offset = [], [0] * w, 0
+    for peer, u, r in sorted(moves):
+        pos, box = units[u].holders[r]
+        pieces.append(Piece(u, units[u].leaf, pos, box, offset))
+        offset += box_numel(box)
+        splits[peer] += box_numel(box)
+    return pieces, splits
 
 
-def _owner_traffic(batch: Batch, units: list[Unit], me: int, w: int) -> None:
-    sends: list[tuple[int, int, int]] = []  # (peer, unit, local position)
-    recvs: list[tuple[int, int, Box]] = []  # (peer, unit, box)
-    returns: list[tuple[int, int, Box]] = []  # (peer, unit, box)
-    gets: list[tuple[int, int, int]] = []  # (peer, unit, local position)
-    batch.send_splits, batch.recv_splits, batch.return_splits, batch.get_splits = ([0] * w for _ in range(4))
-    for u in batch.units:
-        unit = units[u]
-        for owner in unit.owners:
-            sources, served = unit.sources(owner), unit.served(owner)
-            batch.exchange_in |= any(r != owner for r in sources)
-            batch.exchange_out |= any(r != owner for r in served)
-            if owner == me:
-                batch.owned.append(u)
-            for r in sources:
-                pos, box = unit.holders[r]
-                if r == me == owner:
-                    batch.kept_in.append((u, pos, box))
-                elif r == me:
-                    sends.append((owner, u, pos))
-                    batch.send_splits[owner] += box_numel(box)
-                elif owner == me:
-                    recvs.append((r, u, box))
-                    batch.recv_splits[r] += box_numel(box)
-            for r in served:
-                pos, box = unit.holders[r]
-                if r == me == owner:
-                    batch.kept_out.append((u, pos, box))
-                elif r == me:
-                    gets.append((owner, u, pos))
-                    batch.get_splits[owner] += box_numel(box)
-                elif owner == me:
-                    returns.append((r, u, box))
-                    batch.return_splits[r] += box_numel(box)
+def _batch(
+    units: list[Unit], members: list[int], gathered: bool, me: int, w: int, dtype: torch.dtype, device: torch.device
+) -> Batch:
+    if gathered:  # each rank's pieces, padded to one length; each rank assembles the units it holds part of
+        owned = [u for u in members if me in units[u].holders]
+        laid = [_laid_out([(0, u, r) for u in members if r in units[u].holders], units, 1) for r in range(w)]
+        padded = max(splits[0] for _, splits in laid)
+        recvs = [
+            p._replace(offset=r * padded + p.offset)
+            for r, (pieces, _) in enumerate(laid)
+            for p in pieces
+            if r != me and p.unit in owned and units[p.unit].layout.replica[r] == units[p.unit].layout.replica[me]
+        ]
+        inward = Moves(laid[me][0], recvs, [padded], [padded] * w, True)
+        outward = Moves()
+    else:
+        owned = [u for u in members if me in units[u].owners]
 
-    def by_peer(item: tuple[int, int, Any]) -> tuple[int, int]:
-        return item[0], item[1]
+        def moves(pairs: list[tuple[int, int, int, int]]) -> Moves:
+            """This rank's part of an exchange of ``(sender, receiver, unit, holder)`` pairs, a holder's piece each."""
+            sends, send_splits = _laid_out([(dst, u, r) for src, dst, u, r in pairs if src == me != dst], units, w)
+            recvs, recv_splits = _laid_out([(src, u, r) for src, dst, u, r in pairs if dst == me != src], units, w)
+            return Moves(sends, recvs, send_splits, recv_splits, any(src != dst for src, dst, _, _ in pairs))
 
-    batch.sends = [(u, pos, peer) for peer, u, pos in sorted(sends, key=by_peer)]
-    batch.recvs = [(u, peer, box) for peer, u, box in sorted(recvs, key=by_peer)]
-    batch.returns = [(u, peer, box) for peer, u, box in sorted(returns, key=by_peer)]
-    batch.gets = [(u, pos, peer) for peer, u, pos in sorted(gets, key=by_peer)]
-
-
-def _gather_traffic(batch: Batch, units: list[Unit], w: int) -> None:
-    lengths = [0] * w
-    for u in batch.units:
-        for r, (_, box) in sorted(units[u].holders.items()):
-            batch.offsets[u, r] = lengths[r]
-            lengths[r] += box_numel(box)
-    batch.padded = max(lengths)
+        owners = [(u, o) for u in members for o in units[u].owners]
+        inward = moves([(r, o, u, r) for u, o in owners for r in units[u].sources(o)])
+        outward = moves([(o, r, u, r) for u, o in owners for r in units[u].served(o)])
+    kept = [Piece(u, units[u].leaf, *units[u].holders[me], 0) for u in owned if me in units[u].holders]
+    return Batch(dtype, device, gathered, owned, kept, inward, outward)
 
 
 def make_plan(
@@ -492,26 +471,27 @@ def make_plan(
                 for b in sorted(holders)
             ]
     gathered_units = [u for u, unit in enumerate(units) if unit.gathered]
+    for u in gathered_units:
+        units[u].owners = list(range(w))  # every rank takes part in every round of them
     order = _assign_owners(units, [u for u, unit in enumerate(units) if not unit.gathered], load)
-    rounds: list[tuple[bool, list[int]]] = []
-    for members in _by_shape(units, gathered_units) if pipelined else [gathered_units]:
-        rounds += [(True, r) for r in _gather_rounds(units, members, bucket_numel)]
-    for members in _by_shape(units, order) if pipelined else [order]:
-        rounds += [(False, r) for r in _owner_rounds(units, members, bucket_numel)]
     batches = []
-    for gathered, members in rounds:
-        by_type: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-        for u in sorted(members):
-            tensor = leaves[units[u].leaf].local
-            by_type.setdefault((tensor.dtype, tensor.device), []).append(u)
-        round_batches = [Batch(dtype, device, us, gathered) for (dtype, device), us in by_type.items()]
-        for batch in round_batches:
-            if gathered:
-                _gather_traffic(batch, units, w)
-            else:
-                _owner_traffic(batch, units, me, w)
-        batches.append(round_batches)
+    for gathered, members in ((True, gathered_units), (False, order)):
+        for same in _by_shape(units, members) if pipelined else [members]:
+            for round_units in _rounds(units, same, bucket_numel):
+                by_type: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+                for u in sorted(round_units):
+                    tensor = leaves[units[u].leaf].local
+                    by_type.setdefault((tensor.dtype, tensor.device), []).append(u)
+                batches += [_batch(units, us, gathered, me, w, *key) for key, us in by_type.items()]
     return Plan(leaves, layouts, local, units, batches, list(gram.values()))
+
+
+def _by_shape(units: list[Unit], members: list[int]) -> list[list[int]]:
+    """``members`` grouped by unit shape, groups in order of first appearance."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for u in members:
+        groups.setdefault(units[u].shape, []).append(u)
+    return list(groups.values())
 
 
 def local_units(plan: Plan, leaf: int, tensor: torch.Tensor) -> torch.Tensor:
@@ -526,24 +506,3 @@ def orthogonalize_units(
     leaves = [plan.leaves[plan.units[u].leaf] for u in units]
     names, views = [leaf.name for leaf in leaves], [unit_view(leaf.view) for leaf in leaves]
     return dict(zip(units, LocalOrthogonalizer(bucket_numel=cap)(names, [fulls[u] for u in units], views, ns, scale)))
-
-
-class ExchangeRound:
-    """What a round of either exchange holds (see :mod:`._pipeline` for its phases): the group,
-    the plan and this round's batch of it, where results go, the map, the scale and the bucket cap."""
-
-    def __init__(
-        self,
-        group: Collectives,
-        plan: Plan,
-        batch: Batch,
-        results: list[torch.Tensor],
-        ns: MatrixFn,
-        scale: ScaleFn,
-        cap: int,
-        *,
-        overlap: bool,
-    ) -> None:
-        self.group, self.plan, self.batch, self.results = group, plan, batch, results
-        self.ns, self.scale, self.cap, self.overlap = ns, scale, cap, overlap
-        self.handle: Handle = FINISHED
