@@ -150,16 +150,6 @@ def start_all_gather_into_tensor(
     return FINISHED
 
 
-class _TorchWork:
-    """A ``torch.distributed`` work object as a :class:`Handle`."""
-
-    def __init__(self, work: Any) -> None:
-        self.work = work
-
-    def wait(self) -> None:
-        self.work.wait()
-
-
 class TorchCollectives(AsyncCollectives):
     """:class:`Collectives` over a ``torch.distributed`` process group (gloo or NCCL).
 
@@ -193,7 +183,8 @@ class TorchCollectives(AsyncCollectives):
     def all_gather_into_tensor_async(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
         import torch.distributed as dist
 
-        return _TorchWork(dist.all_gather_single(output, input, group=self.group, async_op=True))
+        work: Handle = dist.all_gather_single(output, input, group=self.group, async_op=True)  # (a Handle itself)
+        return work
 
     def all_to_all_single_async(
         self,
@@ -204,10 +195,10 @@ class TorchCollectives(AsyncCollectives):
     ) -> Handle:
         import torch.distributed as dist
 
-        work = dist.all_to_all_single(
+        work: Handle = dist.all_to_all_single(
             output, input, list(output_split_sizes), list(input_split_sizes), group=self.group, async_op=True
         )
-        return _TorchWork(work)
+        return work
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         import torch.distributed as dist
@@ -220,21 +211,19 @@ class TorchCollectives(AsyncCollectives):
         ``mesh`` is the mesh of a DTensor leaf: this group's own mesh, or a sub-mesh of it.
         """
         seen = self._by_mesh.get(id(mesh))
-        if seen is not None and seen[0] is mesh:
-            return seen[1]
-        mesh_ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
-        cache_key = (tuple(mesh.mesh.shape), tuple(mesh_ranks))
-        if cache_key not in self._submeshes:
-            if not set(mesh_ranks) <= set(self.ranks):
-                raise ValueError(
-                    f"a DTensor lives on a mesh of ranks {mesh_ranks}, outside the collectives' group {self.ranks}; "
-                    "pass torch_collectives() of the mesh the model is sharded on"
-                )
-            collectives = self if sorted(mesh_ranks) == sorted(self.ranks) else torch_collectives(mesh)
-            coords = tuple(collectives.ranks.index(r) for r in mesh_ranks)
-            self._submeshes[cache_key] = (collectives, coords)
-        self._by_mesh[id(mesh)] = (mesh, self._submeshes[cache_key])  # keeps the mesh, so its id stays its own
-        return self._submeshes[cache_key]
+        if seen is None or seen[0] is not mesh:
+            mesh_ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+            key = (tuple(mesh.mesh.shape), tuple(mesh_ranks))
+            if key not in self._submeshes:
+                if not set(mesh_ranks) <= set(self.ranks):
+                    raise ValueError(
+                        f"a DTensor lives on a mesh of ranks {mesh_ranks}, outside the collectives' group "
+                        f"{self.ranks}; pass torch_collectives() of the mesh the model is sharded on"
+                    )
+                collectives = self if sorted(mesh_ranks) == sorted(self.ranks) else torch_collectives(mesh)
+                self._submeshes[key] = (collectives, tuple(collectives.ranks.index(r) for r in mesh_ranks))
+            seen = self._by_mesh[id(mesh)] = (mesh, self._submeshes[key])  # keeps the mesh, so its id stays its own
+        return seen[1]
 
     def __repr__(self) -> str:
         return f"TorchCollectives(rank={self.rank}, world_size={self.world_size}, ranks={self.ranks})"
@@ -318,8 +307,7 @@ class CountingCollectives(AsyncCollectives):
         return dict(self._counters.calls)
 
     def reset(self) -> None:
-        self._counters.bytes_sent = 0
-        self._counters.bytes_received = 0
+        self._counters.bytes_sent = self._counters.bytes_received = 0
         self._counters.calls.clear()
 
     def _count(self, name: str, sent: int, received: int) -> None:
@@ -327,21 +315,9 @@ class CountingCollectives(AsyncCollectives):
         self._counters.bytes_received += received
         self._counters.calls[name] = self._counters.calls.get(name, 0) + 1
 
-    def _count_gather(self, input: torch.Tensor) -> None:
-        others = self.world_size - 1
-        self._count("all_gather_into_tensor", others * input.nbytes, others * input.nbytes)
-
-    def _count_all_to_all(
-        self, input: torch.Tensor, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int]
-    ) -> None:
-        size = input.element_size()
-        me = self.rank
-        sent = sum(n for r, n in enumerate(input_split_sizes) if r != me) * size
-        received = sum(n for r, n in enumerate(output_split_sizes) if r != me) * size
-        self._count("all_to_all_single", sent, received)
-
     def all_gather_into_tensor_async(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
-        self._count_gather(input)
+        moved = (self.world_size - 1) * input.nbytes
+        self._count("all_gather_into_tensor", moved, moved)
         return start_all_gather_into_tensor(self.inner, output, input, overlap=True)
 
     def all_to_all_single_async(
@@ -351,7 +327,10 @@ class CountingCollectives(AsyncCollectives):
         output_split_sizes: Sequence[int],
         input_split_sizes: Sequence[int],
     ) -> Handle:
-        self._count_all_to_all(input, output_split_sizes, input_split_sizes)
+        others = [r != self.rank for r in range(self.world_size)]  # a rank's exchange with itself moves nothing
+        sent = sum(n for n, other in zip(input_split_sizes, others) if other) * input.element_size()
+        received = sum(n for n, other in zip(output_split_sizes, others) if other) * input.element_size()
+        self._count("all_to_all_single", sent, received)
         return start_all_to_all_single(self.inner, output, input, output_split_sizes, input_split_sizes, overlap=True)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:

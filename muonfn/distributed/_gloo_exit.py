@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import glob
 import os
 import time
 
@@ -23,38 +24,33 @@ import time
 _GLOO_WORKER = "pt_gloo_runloop"
 
 
-def _runnable_gloo_workers() -> int | None:
-    """How many gloo worker threads of this process are running or ready to run; ``None`` without ``/proc``."""
-    try:
-        threads = os.listdir("/proc/self/task")
-    except OSError:
-        return None
-    runnable = 0
-    for tid in threads:
+def _gloo_worker_runnable() -> bool:
+    """Whether a gloo worker thread of this process is running or ready to run."""
+    for path in glob.glob("/proc/self/task/*/stat"):
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
+            with open(path) as f:
                 stat = f.read()
         except OSError:
             continue  # the thread has ended
         # "tid (name) state ...": the name may hold spaces and parentheses, the state follows the last ")"
         end = stat.rfind(")")
         if stat[stat.find("(") + 1 : end] == _GLOO_WORKER and stat[end + 2 : end + 3] == "R":
-            runnable += 1
-    return runnable
+            return True
+    return False
 
 
 def _wait_for_gloo_workers(timeout: float = 2.0, tick: float = 0.005) -> None:
     """Sleeps, releasing the GIL (so a waiting worker is woken and stays runnable until it is
-    done), until no gloo worker is runnable two looks in a row, at most ``timeout`` s."""
+    done), until no gloo worker is runnable two looks in a row, at most ``timeout`` s; without
+    ``/proc`` to look at, one fixed grace period."""
+    if not os.path.isdir("/proc/self/task"):
+        time.sleep(11 * tick)
+        return
     deadline = time.monotonic() + timeout
     idle_looks = 0
     while idle_looks < 2 and time.monotonic() < deadline:
         time.sleep(tick)
-        runnable = _runnable_gloo_workers()
-        if runnable is None:  # no /proc to look at: one fixed grace period
-            time.sleep(10 * tick)
-            return
-        idle_looks = idle_looks + 1 if runnable == 0 else 0
+        idle_looks = 0 if _gloo_worker_runnable() else idle_looks + 1
 
 
 @functools.cache

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -90,23 +90,18 @@ def length(runs: Runs) -> int:
     return sum(b - a for a, b in runs)
 
 
-def _take(runs: Runs, start: int, stop: int) -> Runs:
-    """The entries ``start:stop`` of the index list ``runs`` describes."""
-    out = []
-    pos = 0
+def chunk(runs: Runs, parts: int, index: int) -> Runs:
+    """Part ``index`` of ``runs`` cut into ``parts`` with ``torch.chunk`` sizes (empty at the end)."""
+    n = length(runs)
+    size = -(-n // parts)
+    start, stop = index * size, min((index + 1) * size, n)
+    out, pos = [], 0
     for a, b in runs:
         lo, hi = max(start - pos, 0), min(stop - pos, b - a)
         if lo < hi:
             out.append((a + lo, a + hi))
         pos += b - a
     return tuple(out)
-
-
-def chunk(runs: Runs, parts: int, index: int) -> Runs:
-    """Part ``index`` of ``runs`` cut into ``parts`` with ``torch.chunk`` sizes (empty at the end)."""
-    n = length(runs)
-    size = -(-n // parts)
-    return _take(runs, index * size, min((index + 1) * size, n))
 
 
 @dataclass(frozen=True)
@@ -118,11 +113,6 @@ class Layout:
     boxes: tuple[Box, ...]
     position: tuple[int, ...]
     replica: tuple[int, ...]
-    _rank_at: dict[tuple[int, int], int] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        table = {(rep, pos): r for r, (rep, pos) in enumerate(zip(self.replica, self.position))}
-        object.__setattr__(self, "_rank_at", table)
 
     @property
     def positions(self) -> int:
@@ -131,9 +121,6 @@ class Layout:
     @property
     def replicas(self) -> int:
         return max(self.replica) + 1
-
-    def rank_at(self, replica: int, position: int) -> int:
-        return self._rank_at[replica, position]
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
         return tuple(length(r) for r in self.boxes[rank])

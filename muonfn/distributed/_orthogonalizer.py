@@ -67,14 +67,8 @@ class ShardedOrthogonalizer:
         if plan is None:
             if len(self._plans) >= 16:
                 self._plans.clear()
-            plan = make_plan(
-                group,
-                members,
-                self.strategy,
-                self.bucket_numel,
-                split_replicated=self.replicated == "split",
-                pipelined=self.overlap,
-            )
+            strategy, cap, split = self.strategy, self.bucket_numel, self.replicated == "split"
+            plan = make_plan(group, members, strategy, cap, split_replicated=split, pipelined=self.overlap)
             self._plans[key] = plan.with_leaves([])  # the cache keeps no tensors alive
         return plan.with_leaves(members)
 

@@ -47,7 +47,7 @@ class ShardSums:
             if spec is not None:
                 leaf = describe(i, name, value, DEFAULT_VIEW, spec, self.collectives, split_replicated=False)
                 groups.setdefault(id(leaf.group), (leaf.group, []))[1].append(leaf)
-            elif _is_partial(sums[i]):
+            elif any(p.is_partial() for p in getattr(sums[i], "placements", ())):  # the sum of a sharded DTensor
                 pending.append(i)
         for i, total in zip(pending, _reduced([sums[i] for i in pending])):
             out[i] = total
@@ -70,11 +70,6 @@ class ShardSums:
 
     def __repr__(self) -> str:
         return f"ShardSums({self.collectives!r}, shard_specs={sorted(map(str, self.shard_specs))})"
-
-
-def _is_partial(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a DTensor with a reduction pending (the sum of a sharded DTensor)."""
-    return any(p.is_partial() for p in getattr(t, "placements", ()))
 
 
 def _reduced(sums: list[Any]) -> list[torch.Tensor]:
@@ -100,11 +95,6 @@ def _reduced(sums: list[Any]) -> list[torch.Tensor]:
     return out
 
 
-def _box(layout: Layout, rank: int, batch_dims: int, statistic: Sequence[int]) -> Box:
-    """Where ``rank``'s sums lie among the whole leaf's: its runs of the leading dimensions, then all of the rest."""
-    return (*layout.boxes[rank][:batch_dims], *(((0, n),) for n in statistic))
-
-
 def _summed(group: Collectives, layouts: list[Layout], sums: list[torch.Tensor], batch_dims: int) -> list[torch.Tensor]:
     """Every rank's ``sums`` of one group's leaves added up in one ``all_reduce``; this rank's part of each."""
     me = group.rank
@@ -112,7 +102,7 @@ def _summed(group: Collectives, layouts: list[Layout], sums: list[torch.Tensor],
     for layout, local in zip(layouts, sums):
         rest = tuple(local.shape[batch_dims:])
         whole = local.new_zeros((*layout.shape[:batch_dims], *rest))
-        box = _box(layout, me, batch_dims, rest)
+        box: Box = (*layout.boxes[me][:batch_dims], *(((0, n),) for n in rest))  # where this rank's sums lie
         if layout.replica[me] == 0:  # the other replicas hold the same shards: each element counts once
             copy_into(whole, local, box)
         wholes.append(whole)
