@@ -26,16 +26,17 @@ small exchange that checks the ranks agree, and reused every step.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias
 
 import torch
 
-from ..linalg import LocalOrthogonalizer, MatrixFn, MatrixView, ScaleFn, newton_schulz_flops
+from ..linalg import MatrixView, newton_schulz_flops
 from ._layout import (
     Box,
     Layout,
@@ -74,14 +75,6 @@ class Leaf:
         return (self.name, *layout, self.local.dtype, self.local.device, self.view)
 
 
-def _dtensor_type() -> Any:
-    if not torch.distributed.is_available():
-        return None
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
-
-
 def check_dtensor_leaf(name: str, value: Any, spec: ShardSpec | None, collectives: Any) -> None:
     """A DTensor leaf's refusals, from its metadata alone (no collective): a ShardSpec of its own,
     collectives that cannot map its mesh, a placement that is no sharding (a pending reduction)."""
@@ -108,19 +101,15 @@ def describe(
 ) -> Leaf:
     """A leaf with the group it is sharded over: a DTensor's mesh, a ShardSpec's group, the
     collectives for a plain tensor (replicated over them) when ``split_replicated``, or none."""
-    dtensor = _dtensor_type()
-    if dtensor is not None and isinstance(value, dtensor):
+    if hasattr(value, "placements"):  # a DTensor
         check_dtensor_leaf(name, value, spec, collectives)
-        for_mesh = collectives.for_mesh
         dt: Any = value
         mesh, placements = dt.device_mesh, tuple(dt.placements)
-        group, coords = for_mesh(mesh)
+        group, coords = collectives.for_mesh(mesh)
         shape, stride = tuple(dt.shape), dt.stride()
-        from_local: Any = dtensor.from_local
-
-        def wrap(t: torch.Tensor) -> torch.Tensor:
-            return from_local(t, mesh, placements, run_check=False, shape=shape, stride=stride)
-
+        wrap = functools.partial(
+            type(dt).from_local, device_mesh=mesh, placements=placements, run_check=False, shape=shape, stride=stride
+        )
         return Leaf(index, name, dt.to_local(), view, group, tuple(mesh.shape), placements, coords, shape, wrap=wrap)
     if spec is not None:
         group = collectives if spec.group is None else spec.group
@@ -144,12 +133,14 @@ def handshake(group: Any, leaves: Sequence[Leaf]) -> list[list[tuple[int, ...]] 
         for leaf in leaves
     )
     payload = [n for leaf in leaves if leaf.spec is not None for n in leaf.local.shape]
-    device = leaves[0].local.device
-    w = group.world_size
-    header = torch.tensor([zlib.crc32(described.encode()), len(payload)], dtype=torch.int64, device=device)
-    headers = torch.empty(2 * w, dtype=torch.int64, device=device)
-    group.all_gather_into_tensor(headers, header)
-    by_rank = headers.view(w, 2).tolist()
+    device, w = leaves[0].local.device, group.world_size
+
+    def gathered(values: list[int]) -> list[list[int]]:
+        everyone = torch.empty(w * len(values), dtype=torch.int64, device=device)
+        group.all_gather_into_tensor(everyone, torch.tensor(values, dtype=torch.int64, device=device))
+        return everyone.view(w, len(values)).tolist()
+
+    by_rank = gathered([zlib.crc32(described.encode()), len(payload)])
     if any(h != by_rank[0] for h in by_rank):
         differing = [r for r, h in enumerate(by_rank) if h != by_rank[group.rank]]
         raise RuntimeError(
@@ -159,16 +150,11 @@ def handshake(group: Any, leaves: Sequence[Leaf]) -> list[list[tuple[int, ...]] 
         )
     shapes: list[list[tuple[int, ...]] | None] = [None] * len(leaves)
     if payload:
-        mine = torch.tensor(payload, dtype=torch.int64, device=device)
-        everyone = torch.empty(w * len(payload), dtype=torch.int64, device=device)
-        group.all_gather_into_tensor(everyone, mine)
-        table = everyone.view(w, len(payload)).tolist()
-        offset = 0
+        table, offset = gathered(payload), 0
         for i, leaf in enumerate(leaves):
             if leaf.spec is not None:
-                n = leaf.local.ndim
-                shapes[i] = [tuple(row[offset : offset + n]) for row in table]
-                offset += n
+                shapes[i] = [tuple(row[offset : offset + leaf.local.ndim]) for row in table]
+                offset += leaf.local.ndim
     return shapes
 
 
@@ -282,13 +268,9 @@ class Batch:
     outward: Moves
 
 
-@dataclass
-class GramBatch:
-    """Leaves whose Newton–Schulz runs on local column blocks (``"tp_gram"``), all of one
-    ``m × n`` shape and column split once in Newton–Schulz's wide orientation."""
-
-    leaves: list[int] = field(default_factory=list)
-    flips: list[bool] = field(default_factory=list)  # the local block is transposed into that orientation
+#: Leaves whose Newton–Schulz runs on local column blocks (``"tp_gram"``), all of one ``m × n`` shape and
+#: column split once in Newton–Schulz's wide orientation, each with whether its block is transposed to it.
+GramBatch: TypeAlias = list[tuple[int, bool]]
 
 
 @dataclass
@@ -298,7 +280,7 @@ class Plan:
     local: list[bool]  # every holder keeps whole matrices: nothing moves
     units: list[Unit]
     rounds: list[Batch]
-    gram: list[GramBatch] = field(default_factory=list)
+    gram: list[GramBatch]
 
     def with_leaves(self, leaves: list[Leaf]) -> Plan:
         """This plan for this step's tensors (same signatures)."""
@@ -458,11 +440,8 @@ def make_plan(
             long_dim = 0 if flip else 1
             columns = tuple(box[long_dim] for box in layout.boxes)
             key = (layout.shape[1 - long_dim], layout.shape[long_dim], columns, leaf.local.dtype, leaf.local.device)
-            together = gram.setdefault(key, GramBatch())
-            together.leaves.append(i)
-            together.flips.append(flip)
-            for r in range(w):
-                load[r] += cost // w
+            gram.setdefault(key, []).append((i, flip))
+            load = [x + cost // w for x in load]
         else:
             gathered = strategy == "gather" and not held_whole
             one_owner = held_whole or (split_replicated and layout.replicas > 1)
@@ -488,21 +467,5 @@ def make_plan(
 
 def _by_shape(units: list[Unit], members: list[int]) -> list[list[int]]:
     """``members`` grouped by unit shape, groups in order of first appearance."""
-    groups: dict[tuple[Any, ...], list[int]] = {}
-    for u in members:
-        groups.setdefault(units[u].shape, []).append(u)
-    return list(groups.values())
-
-
-def local_units(plan: Plan, leaf: int, tensor: torch.Tensor) -> torch.Tensor:
-    """A local shard as ``(local units, *shard of one unit)``."""
-    return tensor.reshape(-1, *tensor.shape[plan.leaves[leaf].view.batch_dims :])
-
-
-def orthogonalize_units(
-    plan: Plan, units: list[int], fulls: dict[int, torch.Tensor], ns: MatrixFn, scale: ScaleFn, cap: int
-) -> dict[int, torch.Tensor]:
-    """``scale * NS`` of whole units, through each leaf's view; same shapes batched."""
-    leaves = [plan.leaves[plan.units[u].leaf] for u in units]
-    names, views = [leaf.name for leaf in leaves], [unit_view(leaf.view) for leaf in leaves]
-    return dict(zip(units, LocalOrthogonalizer(bucket_numel=cap)(names, [fulls[u] for u in units], views, ns, scale)))
+    shapes = dict.fromkeys(units[u].shape for u in members)
+    return [[u for u in members if units[u].shape == shape] for shape in shapes]

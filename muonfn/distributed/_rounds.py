@@ -45,10 +45,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ..linalg import MatrixFn, NewtonSchulz, ScaleFn, newton_schulz_columns
+from ..linalg import LocalOrthogonalizer, MatrixFn, NewtonSchulz, ScaleFn, newton_schulz_columns
 from ._collectives import FINISHED, Collectives, Handle, start_all_gather_into_tensor, start_all_to_all_single
 from ._layout import copy_into, copy_out
-from ._plan import Batch, GramBatch, Moves, Piece, Plan, local_units, orthogonalize_units
+from ._plan import Batch, GramBatch, Moves, Piece, Plan, unit_view
 
 Round = Iterator[None]
 
@@ -67,7 +67,9 @@ def exchange_round(
     sources = [leaf.local for leaf in plan.leaves]
 
     def held(tensors: list[torch.Tensor], p: Piece) -> torch.Tensor:
-        return local_units(plan, p.leaf, tensors[p.leaf])[p.position]
+        """The piece in a local shard seen as ``(local units, *shard of one unit)``."""
+        t = tensors[p.leaf]
+        return t.reshape(-1, *t.shape[plan.leaves[p.leaf].view.batch_dims :])[p.position]
 
     def start(moves: Moves, done: dict[int, torch.Tensor] | None = None) -> tuple[Handle, tuple[torch.Tensor, ...]]:
         """Packs and starts one direction: the holders' pieces inward, the owners' results (``done``) outward."""
@@ -95,7 +97,11 @@ def exchange_round(
     for p in batch.inward.recvs:
         copy_into(fulls[p.unit], p.slot(buffers[1]), p.box)
     del buffers
-    done = orthogonalize_units(plan, batch.owned, fulls, ns, scale, cap)
+    # scale * NS of the whole units, through each leaf's view; same shapes batched
+    leaves = [plan.leaves[plan.units[u].leaf] for u in batch.owned]
+    names, views = [leaf.name for leaf in leaves], [unit_view(leaf.view) for leaf in leaves]
+    matrices = [fulls[u] for u in batch.owned]
+    done = dict(zip(batch.owned, LocalOrthogonalizer(bucket_numel=cap)(names, matrices, views, ns, scale)))
     del fulls
     for p in batch.kept:
         copy_out(done[p.unit], p.box, held(results, p))
@@ -151,12 +157,11 @@ def run_tp_gram(
 ) -> None:
     if not isinstance(ns, NewtonSchulz):
         raise TypeError(f"strategy 'tp_gram' runs Newton–Schulz on column blocks itself; it cannot run {ns!r}")
-    blocks = [plan.leaves[i].local for i in batch.leaves]
-    x = torch.stack([b.mT if flip else b for b, flip in zip(blocks, batch.flips)])
+    x = torch.stack([plan.leaves[i].local.mT if flip else plan.leaves[i].local for i, flip in batch])
     # the iteration's dtype is the whole matrices' (a stand-in of their shape: nothing is allocated)
-    whole = x.new_empty(()).expand(plan.layouts[batch.leaves[0]].shape)
+    whole = x.new_empty(()).expand(plan.layouts[batch[0][0]].shape)
     X = newton_schulz_columns(x, ns, _OverRanks(group), ns.iteration_dtype(whole))
-    for j, (i, flip) in enumerate(zip(batch.leaves, batch.flips)):
+    for j, (i, flip) in enumerate(batch):
         (s,) = plan.leaves[i].view.scales(plan.layouts[i].shape, scale)
         block = (X[j].mT if flip else X[j]).to(results[i].dtype)
         results[i].copy_(block.mul_(s) if s != 1.0 else block)
