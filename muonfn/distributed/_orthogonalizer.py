@@ -26,7 +26,7 @@ from .._tree import named_table
 from ..linalg import DEFAULT_BUCKET_NUMEL, LocalOrthogonalizer, MatrixFn, MatrixView, ScaleFn, check_bucket_numel
 from ._collectives import Collectives, check_collectives
 from ._layout import ShardSpec, checked_shard_specs
-from ._plan import Leaf, Plan, check_dtensor_leaf, describe, make_plan
+from ._plan import Leaf, Plan, by_group, cached, check_dtensor_leaf, describe, make_plan
 from ._rounds import exchange_round, run_rounds, run_tp_gram
 from ._sums import ShardSums
 
@@ -62,15 +62,12 @@ class ShardedOrthogonalizer:
         self._plans: dict[tuple[Any, ...], Plan] = {}
 
     def _plan(self, group: Any, members: list[Leaf]) -> Plan:
-        key = (id(group), tuple(leaf.signature() for leaf in members))
-        plan = self._plans.get(key)
-        if plan is None:
-            if len(self._plans) >= 16:
-                self._plans.clear()
+        def make() -> Plan:
             strategy, cap, split = self.strategy, self.bucket_numel, self.replicated == "split"
             plan = make_plan(group, members, strategy, cap, split_replicated=split, pipelined=self.overlap)
-            self._plans[key] = plan.with_leaves([])  # the cache keeps no tensors alive
-        return plan.with_leaves(members)
+            return plan.with_leaves([])  # the cache keeps no tensors alive
+
+        return cached(self._plans, group, members, make).with_leaves(members)
 
     def check(self, names: Sequence[str], tensors: Sequence[torch.Tensor], views: Sequence[MatrixView]) -> None:
         """The refusals of DTensor leaves that need no collective (a ShardSpec of their own,
@@ -98,19 +95,15 @@ class ShardedOrthogonalizer:
             describe(i, name, value, view, declared.get(name), self.collectives, split_replicated=split)
             for i, (name, value, view) in enumerate(zip(names, tensors, views))
         ]
-        groups: dict[int, tuple[Any, list[Leaf]]] = {}
-        for leaf in leaves:
-            if leaf.group is not None:
-                groups.setdefault(id(leaf.group), (leaf.group, []))[1].append(leaf)
         # plans first: making one exchanges shapes, and every rank must reach that in the same order
-        plans_now = [(group, self._plan(group, members)) for group, members in groups.values()]
+        plans = [self._plan(group, members) for group, members in by_group(leaves)]
 
         out: list[torch.Tensor | None] = [None] * len(leaves)
         # whole matrices where they lie: unsharded leaves, and shards that hold whole matrices (experts)
         whole = [leaf for leaf in leaves if leaf.group is None]
         for leaf in whole:
             leaf.view.check(leaf.name, leaf.local.shape)
-        for _, plan in plans_now:
+        for plan in plans:
             whole += [leaf for leaf, local in zip(plan.leaves, plan.local) if local]
 
         def orthogonalize_whole() -> None:
@@ -125,22 +118,22 @@ class ShardedOrthogonalizer:
             for leaf, result in zip(whole, done):
                 out[leaf.index] = leaf.wrap(result)
 
-        results = {id(plan): [torch.empty_like(leaf.local) for leaf in plan.leaves] for _, plan in plans_now}
-        for group, plan in plans_now:
+        results = [[torch.empty_like(leaf.local) for leaf in plan.leaves] for plan in plans]
+        for plan, result in zip(plans, results):
             for gram_batch in plan.gram:
-                run_tp_gram(group, plan, gram_batch, results[id(plan)], ns, scale)
+                run_tp_gram(plan, gram_batch, result, ns, scale)
         cap, overlap = self.bucket_numel, self.overlap
         rounds = [
-            exchange_round(group, plan, batch, results[id(plan)], ns, scale, cap, overlap)
-            for group, plan in plans_now
+            exchange_round(plan, batch, result, ns, scale, cap, overlap)
+            for plan, result in zip(plans, results)
             for batch in plan.rounds
         ]
         # the first exchange is in flight while the matrices that need none are orthogonalized
-        run_rounds(rounds, overlap=self.overlap, meanwhile=orthogonalize_whole)
-        for _, plan in plans_now:
-            for leaf, local, result in zip(plan.leaves, plan.local, results[id(plan)]):
+        run_rounds(rounds, overlap=overlap, meanwhile=orthogonalize_whole)
+        for plan, result in zip(plans, results):
+            for leaf, local, r in zip(plan.leaves, plan.local, result):
                 if not local:
-                    out[leaf.index] = leaf.wrap(result)
+                    out[leaf.index] = leaf.wrap(r)
         assert all(t is not None for t in out)
         return out  # type: ignore[return-value]
 

@@ -32,7 +32,7 @@ import math
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeAlias
+from typing import Any, NamedTuple, TypeAlias, TypeVar
 
 import torch
 
@@ -48,6 +48,8 @@ from ._layout import (
     replicated_layout,
     sizes_layout,
 )
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -124,9 +126,28 @@ def describe(
     return Leaf(index, name, value, view)
 
 
-def handshake(group: Any, leaves: Sequence[Leaf]) -> list[list[tuple[int, ...]] | None]:
-    """Checks that every rank of ``group`` passes the same leaves; returns every rank's local
-    shape of each ShardSpec leaf (``None`` for DTensors, whose global shape is known)."""
+def by_group(leaves: list[Leaf]) -> list[tuple[Any, list[Leaf]]]:
+    """The sharded leaves by the group they are sharded over, groups in order of first appearance."""
+    groups: dict[int, tuple[Any, list[Leaf]]] = {}
+    for leaf in leaves:
+        if leaf.group is not None:
+            groups.setdefault(id(leaf.group), (leaf.group, []))[1].append(leaf)
+    return list(groups.values())
+
+
+def cached(cache: dict[Any, T], group: Any, leaves: list[Leaf], make: Callable[[], T]) -> T:
+    """``make()`` once per group and signatures of its leaves; ``cache`` holds at most 16 of them."""
+    key = (id(group), tuple(leaf.signature() for leaf in leaves))
+    if key not in cache:
+        if len(cache) >= 16:
+            cache.clear()
+        cache[key] = make()
+    return cache[key]
+
+
+def handshake(group: Any, leaves: Sequence[Leaf]) -> list[Layout]:
+    """Checks that every rank of ``group`` passes the same leaves; returns their layouts, from every
+    rank's local shape of each ShardSpec leaf (a DTensor's global shape is known)."""
     described = "|".join(
         f"{leaf.name}:{leaf.shape}:{leaf.local.ndim}:{leaf.local.dtype}:{leaf.view}:{leaf.placements}:"
         f"{None if leaf.spec is None else leaf.spec.dim}:{leaf.replicated}"
@@ -155,7 +176,7 @@ def handshake(group: Any, leaves: Sequence[Leaf]) -> list[list[tuple[int, ...]] 
             if leaf.spec is not None:
                 shapes[i] = [tuple(row[offset : offset + leaf.local.ndim]) for row in table]
                 offset += leaf.local.ndim
-    return shapes
+    return [layout_of(leaf, s) for leaf, s in zip(leaves, shapes)]
 
 
 def layout_of(leaf: Leaf, local_shapes: Sequence[Sequence[int]] | None) -> Layout:
@@ -275,6 +296,7 @@ GramBatch: TypeAlias = list[tuple[int, bool]]
 
 @dataclass
 class Plan:
+    group: Any
     leaves: list[Leaf]
     layouts: list[Layout]
     local: list[bool]  # every holder keeps whole matrices: nothing moves
@@ -284,7 +306,7 @@ class Plan:
 
     def with_leaves(self, leaves: list[Leaf]) -> Plan:
         """This plan for this step's tensors (same signatures)."""
-        return Plan(leaves, self.layouts, self.local, self.units, self.rounds, self.gram)
+        return Plan(self.group, leaves, self.layouts, self.local, self.units, self.rounds, self.gram)
 
 
 def gram_flip(leaf: Leaf, layout: Layout) -> bool | None:
@@ -413,8 +435,7 @@ def make_plan(
     ``split_replicated``: units several ranks hold get one owner in the group (see the
     module docstring); ``pipelined``: every round holds one shape.
     """
-    shapes = handshake(group, leaves)
-    layouts = [layout_of(leaf, s) for leaf, s in zip(leaves, shapes)]
+    layouts = handshake(group, leaves)
     for leaf, layout in zip(leaves, layouts):
         leaf.view.check(leaf.name, layout.shape)
     w, me = group.world_size, group.rank
@@ -462,7 +483,7 @@ def make_plan(
                     tensor = leaves[units[u].leaf].local
                     by_type.setdefault((tensor.dtype, tensor.device), []).append(u)
                 batches += [_batch(units, us, gathered, me, w, *key) for key, us in by_type.items()]
-    return Plan(leaves, layouts, local, units, batches, list(gram.values()))
+    return Plan(group, leaves, layouts, local, units, batches, list(gram.values()))
 
 
 def _by_shape(units: list[Unit], members: list[int]) -> list[list[int]]:

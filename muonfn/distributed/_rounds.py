@@ -54,7 +54,6 @@ Round = Iterator[None]
 
 
 def exchange_round(
-    group: Collectives,
     plan: Plan,
     batch: Batch,
     results: list[torch.Tensor],
@@ -64,7 +63,7 @@ def exchange_round(
     overlap: bool,
 ) -> Round:
     """One round of the owner or gather exchange, in its three phases; ``results``: every leaf's output."""
-    sources = [leaf.local for leaf in plan.leaves]
+    group, sources = plan.group, [leaf.local for leaf in plan.leaves]
 
     def held(tensors: list[torch.Tensor], p: Piece) -> torch.Tensor:
         """The piece in a local shard seen as ``(local units, *shard of one unit)``."""
@@ -152,15 +151,13 @@ class _OverRanks:
         return everyone.view(self.group.world_size, -1).amax(dim=0).view_as(t)
 
 
-def run_tp_gram(
-    group: Collectives, plan: Plan, batch: GramBatch, results: list[torch.Tensor], ns: MatrixFn, scale: ScaleFn
-) -> None:
+def run_tp_gram(plan: Plan, batch: GramBatch, results: list[torch.Tensor], ns: MatrixFn, scale: ScaleFn) -> None:
     if not isinstance(ns, NewtonSchulz):
         raise TypeError(f"strategy 'tp_gram' runs Newton–Schulz on column blocks itself; it cannot run {ns!r}")
     x = torch.stack([plan.leaves[i].local.mT if flip else plan.leaves[i].local for i, flip in batch])
     # the iteration's dtype is the whole matrices' (a stand-in of their shape: nothing is allocated)
     whole = x.new_empty(()).expand(plan.layouts[batch[0][0]].shape)
-    X = newton_schulz_columns(x, ns, _OverRanks(group), ns.iteration_dtype(whole))
+    X = newton_schulz_columns(x, ns, _OverRanks(plan.group), ns.iteration_dtype(whole))
     for j, (i, flip) in enumerate(batch):
         (s,) = plan.leaves[i].view.scales(plan.layouts[i].shape, scale)
         block = (X[j].mT if flip else X[j]).to(results[i].dtype)

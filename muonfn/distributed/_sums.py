@@ -19,7 +19,7 @@ from .._tree import named_table
 from ..linalg import DEFAULT_VIEW
 from ._collectives import Collectives, check_collectives
 from ._layout import Box, Layout, ShardSpec, checked_shard_specs, copy_into, copy_out
-from ._plan import Leaf, describe, handshake, layout_of
+from ._plan import by_group, cached, describe, handshake
 
 
 class ShardSums:
@@ -40,33 +40,21 @@ class ShardSums:
         those with a reduction pending come back reduced (replicated)."""
         declared = named_table(self.shard_specs, names)
         out = list(sums)
-        groups: dict[int, tuple[Any, list[Leaf]]] = {}
-        pending: list[int] = []
-        for i, (name, value) in enumerate(zip(names, tensors)):
-            spec = declared.get(name)
-            if spec is not None:
-                leaf = describe(i, name, value, DEFAULT_VIEW, spec, self.collectives, split_replicated=False)
-                groups.setdefault(id(leaf.group), (leaf.group, []))[1].append(leaf)
-            elif any(p.is_partial() for p in getattr(sums[i], "placements", ())):  # the sum of a sharded DTensor
-                pending.append(i)
+        sharded = [
+            describe(i, name, value, DEFAULT_VIEW, declared[name], self.collectives, split_replicated=False)
+            for i, (name, value) in enumerate(zip(names, tensors))
+            if name in declared
+        ]
+        # the sums of sharded DTensors
+        pending = [i for i, s in enumerate(sums) if any(p.is_partial() for p in getattr(s, "placements", ()))]
         for i, total in zip(pending, _reduced([sums[i] for i in pending])):
             out[i] = total
-        for group, leaves in groups.values():
-            summed = _summed(group, self._layouts_of(group, leaves), [sums[leaf.index] for leaf in leaves], batch_dims)
-            for leaf, total in zip(leaves, summed):
+        for group, leaves in by_group(sharded):
+            # the layouts: exchanged once per set of leaves (every rank in the same order)
+            layouts = cached(self._layouts, group, leaves, lambda: handshake(group, leaves))
+            for leaf, total in zip(leaves, _summed(group, layouts, [sums[leaf.index] for leaf in leaves], batch_dims)):
                 out[leaf.index] = total
         return out
-
-    def _layouts_of(self, group: Any, leaves: list[Leaf]) -> list[Layout]:
-        """The leaves' layouts over ``group``: exchanged once per set of leaves (every rank in the same order)."""
-        key = (id(group), tuple(leaf.signature() for leaf in leaves))
-        layouts = self._layouts.get(key)
-        if layouts is None:
-            if len(self._layouts) >= 16:
-                self._layouts.clear()
-            shapes = handshake(group, leaves)
-            layouts = self._layouts[key] = [layout_of(leaf, s) for leaf, s in zip(leaves, shapes)]
-        return layouts
 
     def __repr__(self) -> str:
         return f"ShardSums({self.collectives!r}, shard_specs={sorted(map(str, self.shard_specs))})"
