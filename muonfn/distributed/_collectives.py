@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 
 from ._gloo_exit import settle_gloo_workers_at_exit
 
@@ -41,7 +42,6 @@ class Collectives(Protocol):
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """``output`` (``world_size * input.numel()`` elements) receives every rank's ``input``, in rank order."""
-        ...
 
     def all_to_all_single(
         self,
@@ -54,11 +54,9 @@ class Collectives(Protocol):
 
         Splits are consecutive runs of the given sizes (zero allowed), in rank order.
         """
-        ...
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Replaces ``tensor`` by the sum over ranks, in place."""
-        ...
 
 
 def check_collectives(collectives: object, required: Sequence[str]) -> None:
@@ -78,7 +76,7 @@ class _Finished:
     """The handle of an operation that completed before it was returned."""
 
     def wait(self) -> None:
-        return None
+        """Returns at once."""
 
     def __repr__(self) -> str:
         return "FINISHED"
@@ -130,23 +128,23 @@ def start_all_to_all_single(
     overlap: bool,
 ) -> Handle:
     """``group.all_to_all_single``, started without waiting when ``overlap`` and the group can."""
-    start = getattr(group, "all_to_all_single_async", None) if overlap else None
-    if start is not None:
-        handle: Handle = start(output, input, output_split_sizes, input_split_sizes)
-        return handle
-    group.all_to_all_single(output, input, output_split_sizes, input_split_sizes)
-    return FINISHED
+    return _start(group, "all_to_all_single", overlap, output, input, output_split_sizes, input_split_sizes)
 
 
 def start_all_gather_into_tensor(
     group: Collectives, output: torch.Tensor, input: torch.Tensor, *, overlap: bool
 ) -> Handle:
     """``group.all_gather_into_tensor``, started without waiting when ``overlap`` and the group can."""
-    start = getattr(group, "all_gather_into_tensor_async", None) if overlap else None
+    return _start(group, "all_gather_into_tensor", overlap, output, input)
+
+
+def _start(group: Collectives, operation: str, overlap: bool, *args: Any) -> Handle:
+    """``operation``'s ``*_async`` form when ``overlap`` and the group has one; else the blocking form, finished."""
+    start = getattr(group, f"{operation}_async", None) if overlap else None
     if start is not None:
-        handle: Handle = start(output, input)
+        handle: Handle = start(*args)
         return handle
-    group.all_gather_into_tensor(output, input)
+    getattr(group, operation)(*args)
     return FINISHED
 
 
@@ -161,8 +159,6 @@ class TorchCollectives(AsyncCollectives):
     """
 
     def __init__(self, group: ProcessGroup, mesh: DeviceMesh | None = None) -> None:
-        import torch.distributed as dist
-
         self.group = group
         self.mesh = mesh
         self.ranks: list[int] = list(dist.get_process_group_ranks(group))
@@ -181,8 +177,6 @@ class TorchCollectives(AsyncCollectives):
         return self._world_size
 
     def all_gather_into_tensor_async(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
-        import torch.distributed as dist
-
         work: Handle = dist.all_gather_single(output, input, group=self.group, async_op=True)  # (a Handle itself)
         return work
 
@@ -193,16 +187,12 @@ class TorchCollectives(AsyncCollectives):
         output_split_sizes: Sequence[int],
         input_split_sizes: Sequence[int],
     ) -> Handle:
-        import torch.distributed as dist
-
         work: Handle = dist.all_to_all_single(
             output, input, list(output_split_sizes), list(input_split_sizes), group=self.group, async_op=True
         )
         return work
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        import torch.distributed as dist
-
         dist.all_reduce(tensor, group=self.group)
 
     def for_mesh(self, mesh: DeviceMesh) -> tuple[TorchCollectives, tuple[int, ...]]:
@@ -245,23 +235,20 @@ def torch_collectives(mesh_or_group: DeviceMesh | ProcessGroup) -> TorchCollecti
             "torch_collectives needs an explicit DeviceMesh or ProcessGroup; "
             "the default (WORLD) group is never used implicitly"
         )
-    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(mesh_or_group, DeviceMesh | dist.ProcessGroup):
         raise TypeError(f"torch_collectives expects a DeviceMesh or a ProcessGroup, got {type(mesh_or_group).__name__}")
     if not dist.is_initialized():
         raise RuntimeError("torch_collectives: torch.distributed is not initialized (call init_process_group first)")
-    if isinstance(mesh_or_group, DeviceMesh):
-        mesh = mesh_or_group
-        if mesh.ndim == 1:
-            return TorchCollectives(mesh.get_group(), mesh)
-        if not mesh.mesh_dim_names:
-            raise ValueError(
-                f"torch_collectives: a {mesh.ndim}-D DeviceMesh needs mesh_dim_names to be flattened into one group"
-            )
-        return TorchCollectives(mesh._flatten().get_group(), mesh)
-    return TorchCollectives(mesh_or_group)
+    if not isinstance(mesh_or_group, DeviceMesh):
+        return TorchCollectives(mesh_or_group)
+    mesh = mesh_or_group
+    if mesh.ndim > 1 and not mesh.mesh_dim_names:
+        raise ValueError(
+            f"torch_collectives: a {mesh.ndim}-D DeviceMesh needs mesh_dim_names to be flattened into one group"
+        )
+    return TorchCollectives((mesh if mesh.ndim == 1 else mesh._flatten()).get_group(), mesh)
 
 
 @dataclass
