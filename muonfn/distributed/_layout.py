@@ -126,13 +126,6 @@ class Layout:
         return tuple(length(r) for r in self.boxes[rank])
 
 
-def _ravel(coord: Sequence[int], sizes: Sequence[int]) -> int:
-    flat = 0
-    for c, s in zip(coord, sizes):
-        flat = flat * s + c
-    return flat
-
-
 def placement_layout(
     shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Any], ranks: Sequence[int]
 ) -> Layout:
@@ -166,8 +159,11 @@ def placement_layout(
     if len(ranks) != size or sorted(ranks) != list(range(size)):
         raise ValueError(f"a mesh of shape {tuple(mesh_shape)} needs {size} distinct group ranks, got {list(ranks)}")
     boxes: list[Box] = [()] * size
-    position = [0] * size
-    replica = [0] * size
+    position, replica = [0] * size, [0] * size
+    # positions and replicas numbered row-major over their mesh dimensions: in order of first appearance
+    # in the row-major walk of the whole mesh
+    positions: dict[tuple[int, ...], int] = {}
+    replicas: dict[tuple[int, ...], int] = {}
     for flat, coord in enumerate(itertools.product(*(range(s) for s in mesh_shape))):
         box: list[Runs] = [((0, n),) for n in shape]
         for i in order:
@@ -175,8 +171,8 @@ def placement_layout(
             box[dim] = chunk(box[dim], mesh_shape[i], coord[i])
         rank = ranks[flat]
         boxes[rank] = tuple(box)
-        position[rank] = _ravel([coord[i] for i in sharded], [mesh_shape[i] for i in sharded])
-        replica[rank] = _ravel([coord[i] for i in replicated], [mesh_shape[i] for i in replicated])
+        position[rank] = positions.setdefault(tuple(coord[i] for i in sharded), len(positions))
+        replica[rank] = replicas.setdefault(tuple(coord[i] for i in replicated), len(replicas))
     return Layout(tuple(shape), tuple(boxes), tuple(position), tuple(replica))
 
 
@@ -190,13 +186,11 @@ def placement_global_shape(
         kind, dim, _ = placement_kind(p)
         if kind != "replicate":
             sharding[dim % ndim].add(i)
-    shape = []
-    for d in range(ndim):
-        total = 0
-        for flat, coord in enumerate(itertools.product(*(range(s) for s in mesh_shape))):
+    shape = [0] * ndim
+    for flat, coord in enumerate(itertools.product(*(range(s) for s in mesh_shape))):
+        for d in range(ndim):  # the ranks at 0 on each mesh dimension not sharding d hold all of d once
             if all(c == 0 for i, c in enumerate(coord) if i not in sharding[d]):
-                total += local_shapes[ranks[flat]][d]
-        shape.append(total)
+                shape[d] += local_shapes[ranks[flat]][d]
     return tuple(shape)
 
 
@@ -210,15 +204,11 @@ def sizes_layout(local_shapes: Sequence[Sequence[int]], dim: int) -> Layout:
             f"{[tuple(s) for s in local_shapes]}"
         )
     offsets = [0, *itertools.accumulate(s[dim] for s in local_shapes)]
-    shape = list(local_shapes[0])
-    shape[dim] = offsets[-1]
-    boxes = []
-    for r in range(len(local_shapes)):
-        box: list[Runs] = [((0, n),) for n in shape]
-        box[dim] = ((offsets[r], offsets[r + 1]),) if offsets[r] < offsets[r + 1] else ()
-        boxes.append(tuple(box))
-    n = len(local_shapes)
-    return Layout(tuple(shape), tuple(boxes), tuple(range(n)), (0,) * n)
+    shape = (*local_shapes[0][:dim], offsets[-1], *local_shapes[0][dim + 1 :])
+    whole: list[Runs] = [((0, n),) for n in shape]
+    runs: list[Runs] = [((a, b),) if a < b else () for a, b in itertools.pairwise(offsets)]
+    boxes = tuple((*whole[:dim], r, *whole[dim + 1 :]) for r in runs)
+    return Layout(shape, boxes, tuple(range(len(runs))), (0,) * len(runs))
 
 
 def replicated_layout(shape: Sequence[int], world_size: int) -> Layout:

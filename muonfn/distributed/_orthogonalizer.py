@@ -98,7 +98,7 @@ class ShardedOrthogonalizer:
         # plans first: making one exchanges shapes, and every rank must reach that in the same order
         plans = [self._plan(group, members) for group, members in by_group(leaves)]
 
-        out: list[torch.Tensor | None] = [None] * len(leaves)
+        out: dict[int, torch.Tensor] = {}
         # whole matrices where they lie: unsharded leaves, and shards that hold whole matrices (experts)
         whole = [leaf for leaf in leaves if leaf.group is None]
         for leaf in whole:
@@ -134,8 +134,7 @@ class ShardedOrthogonalizer:
             for leaf, local, r in zip(plan.leaves, plan.local, result):
                 if not local:
                     out[leaf.index] = leaf.wrap(r)
-        assert all(t is not None for t in out)
-        return out  # type: ignore[return-value]
+        return [out[i] for i in range(len(leaves))]
 
 
 def sharded_orthogonalizer(

@@ -113,24 +113,22 @@ def exchange_round(
 
 
 def run_rounds(rounds: list[Round], *, overlap: bool, meanwhile: Callable[[], None]) -> None:
-    """Runs every round; ``meanwhile`` (work needing no communication) runs while the first exchange is in flight."""
-    if not overlap:
-        meanwhile()
-        for r in rounds:
-            for _ in r:
-                pass
-        return
-    if rounds:
-        next(rounds[0])
+    """Runs every round; ``meanwhile`` (work needing no communication) runs while the first exchange is in flight.
+
+    Round ``k`` computes after round ``k + lag`` started and before round ``k - lag`` finishes: a lag of
+    one round with overlap, none without."""
+    lag = 1 if overlap else 0
+    for r in rounds[:lag]:
+        next(r)
     meanwhile()
     for k, r in enumerate(rounds):
-        if k + 1 < len(rounds):
-            next(rounds[k + 1])
+        if k + lag < len(rounds):
+            next(rounds[k + lag])
         next(r)
-        if k > 0:
-            next(rounds[k - 1], None)
-    if rounds:
-        next(rounds[-1], None)
+        if k >= lag:
+            next(rounds[k - lag], None)
+    for r in rounds[len(rounds) - lag :]:
+        next(r, None)
 
 
 class _OverRanks:
