@@ -458,9 +458,8 @@ def make_plan(
                 for r in by_rank:
                     load[r] += cost
         elif flip is not None:
-            long_dim = 0 if flip else 1
-            columns = tuple(box[long_dim] for box in layout.boxes)
-            key = (layout.shape[1 - long_dim], layout.shape[long_dim], columns, leaf.local.dtype, leaf.local.device)
+            columns = tuple(box[0 if flip else 1] for box in layout.boxes)  # the long side's blocks
+            key = (layout.shape[::-1] if flip else layout.shape, columns, leaf.local.dtype, leaf.local.device)
             gram.setdefault(key, []).append((i, flip))
             load = [x + cost // w for x in load]
         else:
