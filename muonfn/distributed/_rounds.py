@@ -54,13 +54,7 @@ Round = Iterator[None]
 
 
 def exchange_round(
-    plan: Plan,
-    batch: Batch,
-    results: list[torch.Tensor],
-    ns: MatrixFn,
-    scale: ScaleFn,
-    cap: int,
-    overlap: bool,
+    plan: Plan, batch: Batch, results: list[torch.Tensor], ns: MatrixFn, scale: ScaleFn, cap: int, overlap: bool
 ) -> Round:
     """One round of the owner or gather exchange, in its three phases; ``results``: every leaf's output."""
     group, sources = plan.group, [leaf.local for leaf in plan.leaves]
