@@ -220,12 +220,9 @@ def replicated_layout(shape: Sequence[int], world_size: int) -> Layout:
 def _pieces(box: Box) -> list[tuple[tuple[slice, ...], tuple[slice, ...]]]:
     """(global slices, local slices) of every block of a box."""
     per_dim = []
-    for runs in box:
-        here, offset = [], 0
-        for a, b in runs:
-            here.append((slice(a, b), slice(offset, offset + b - a)))
-            offset += b - a
-        per_dim.append(here)
+    for runs in box:  # each run, and where it starts locally: after the runs before it
+        starts = itertools.accumulate((b - a for a, b in runs), initial=0)
+        per_dim.append([(slice(a, b), slice(start, start + b - a)) for (a, b), start in zip(runs, starts)])
     return [(tuple(g for g, _ in combo), tuple(loc for _, loc in combo)) for combo in itertools.product(*per_dim)]
 
 
