@@ -562,7 +562,7 @@ def matrix_branch(
         ortho_scale: ScaleLike = "none" if adapted else scale
         ortho = orthogonalize(ns, views=views, scale=ortho_scale, orthogonalizer=orthogonalizer, overwrite_input=fresh)
         steps += [ortho, *adapted]
-        ns = "none"  # (run)
+        ns = "none"  # (it has run: descent takes the shape scale, the decay and the rate)
     if plain:  # the shape scale (in Newton–Schulz's last step, if it is still to run), the decay and the rate
         last = descent(
             lr, weight_decay, ns=ns, scale=scale, views=views, mask=weight_decay_mask,
