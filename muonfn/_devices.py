@@ -23,7 +23,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from operator import attrgetter
 from typing import Any
 
@@ -84,8 +84,7 @@ class CpuBf16Probe:
     def as_dict(self) -> dict[str, float | bool]:
         """The timings, the speedup, the margin and the decision, for a record (JSON)."""
         return {
-            "fp32_seconds": self.fp32_seconds,
-            "bf16_seconds": self.bf16_seconds,
+            **asdict(self),
             "speedup": self.speedup,
             "min_speedup": CPU_BF16_MIN_SPEEDUP,
             "bf16_faster": self.bf16_faster,
@@ -115,9 +114,8 @@ def cpu_bf16_probe() -> CpuBf16Probe:
                 for dtype, matrix in operands.items():
                     start = time.perf_counter()
                     torch.mm(matrix, matrix.mT)
-                    seconds = time.perf_counter() - start
-                    if round_:
-                        fastest[dtype] = min(fastest[dtype], seconds)
+                    if round_:  # (the first warms up)
+                        fastest[dtype] = min(fastest[dtype], time.perf_counter() - start)
                 if round_ >= 2 and fastest[torch.bfloat16] > _PROBE_HOPELESS * fastest[torch.float32]:
                     break
     finally:
@@ -151,12 +149,11 @@ def default_ns_dtype(
     if device.type in ("cuda", "meta"):
         return torch.bfloat16
     rule = cpu_rule() if rule is None else rule
-    if device.type != "cpu" or dtype == torch.float64 or rule == "float32":
-        return torch.promote_types(dtype, torch.float32)
-    short, long = sorted(shape[-2:]) if shape is not None else (0, 0)
-    large = shape is None or short * short * long >= CPU_BF16_MIN_WORK
-    if rule == "bfloat16" or (large and _cpu_bf16_is_faster()):
-        return torch.bfloat16
+    if device.type == "cpu" and dtype != torch.float64 and rule != "float32":
+        short, long = sorted(shape[-2:]) if shape is not None else (0, 0)
+        large = shape is None or short * short * long >= CPU_BF16_MIN_WORK
+        if rule == "bfloat16" or (large and _cpu_bf16_is_faster()):
+            return torch.bfloat16
     return torch.promote_types(dtype, torch.float32)
 
 
@@ -314,16 +311,13 @@ def _decay_terms(params: list[torch.Tensor], decayed: list[bool] | None, alpha: 
         return list(torch._foreach_mul(params, alpha)) if plain else [p.mul(alpha) for p in params]
     if not plain:
         return [p.mul(alpha) if d else torch.zeros_like(p) for p, d in zip(params, decayed)]
-    out: list[torch.Tensor] = [torch.empty(0)] * len(params)
-    chosen = [i for i, d in enumerate(decayed) if d]
-    others = [i for i, d in enumerate(decayed) if not d]
-    scaled = torch._foreach_mul([params[i] for i in chosen], alpha) if chosen else []
-    zeros = [torch.empty_like(params[i]) for i in others]
-    if zeros:
+    chosen = [p for p, d in zip(params, decayed) if d]
+    scaled = iter(torch._foreach_mul(chosen, alpha) if chosen else ())
+    zeros = [torch.empty_like(p) for p, d in zip(params, decayed) if not d]
+    if zeros:  # (a multi-tensor op takes no empty list)
         torch._foreach_zero_(zeros)
-    for i, t in (*zip(chosen, scaled), *zip(others, zeros)):
-        out[i] = t
-    return out
+    unscaled = iter(zeros)
+    return [next(scaled if d else unscaled) for d in decayed]
 
 
 # ---------------------------------------------------------------------------------------------- a compiled GPU step

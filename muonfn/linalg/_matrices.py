@@ -305,30 +305,28 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return True  # traced, or a subclass: no storage to compare
 
 
-def _result_problem(batch: torch.Tensor, result: object, *, device: bool) -> str | None:
+def _checked_result(ns: MatrixFn, batch: torch.Tensor, result: object, device: bool) -> torch.Tensor:
+    """``result`` if it is a tensor of ``batch``'s shape and dtype (and ``device``: on its device); else
+    a TypeError naming ``ns``."""
     if not isinstance(result, torch.Tensor):
-        return f"returned {type(result).__name__}"
-    if result.shape != batch.shape or result.dtype != batch.dtype or (device and result.device != batch.device):
-        where = f" on {result.device}" if device else ""
-        return f"returned a {result.dtype} tensor of shape {tuple(result.shape)}{where}"
-    return None
-
-
-def _map_name(ns: MatrixFn) -> str:
+        problem = f"returned {type(result).__name__}"
+    elif result.shape != batch.shape or result.dtype != batch.dtype or (device and result.device != batch.device):
+        on = f" on {result.device}" if device else ""
+        problem = f"returned a {result.dtype} tensor of shape {tuple(result.shape)}{on}"
+    else:
+        return result
     name = getattr(ns, "__qualname__", None)
-    return name if isinstance(name, str) else repr(ns)
+    where, what = (f" on {batch.device}", "shape, dtype and device") if device else ("", "shape and dtype")
+    raise TypeError(
+        f"ns={name if isinstance(name, str) else repr(ns)} {problem} for a {batch.dtype} batch of shape "
+        f"{tuple(batch.shape)}{where}; it must return a tensor of its input's {what}"
+    )
 
 
 def checked_map_result(ns: MatrixFn, batch: torch.Tensor, result: object) -> torch.Tensor:
     """``result`` of ``ns(batch)`` if it is a tensor of ``batch``'s shape, dtype and device; else an
     error naming ``ns`` (metadata only: no sync, and it traces)."""
-    problem = _result_problem(batch, result, device=True)
-    if problem is None and isinstance(result, torch.Tensor):
-        return result
-    raise TypeError(
-        f"ns={_map_name(ns)} {problem} for a {batch.dtype} batch of shape {tuple(batch.shape)} on {batch.device}; "
-        "it must return a tensor of its input's shape, dtype and device"
-    )
+    return _checked_result(ns, batch, result, device=True)
 
 
 def check_matrix_fn(ns: MatrixFn, shape: Sequence[int], dtype: torch.dtype) -> None:
@@ -339,9 +337,4 @@ def check_matrix_fn(ns: MatrixFn, shape: Sequence[int], dtype: torch.dtype) -> N
         result = ns(batch)
     except Exception:
         return
-    problem = _result_problem(batch, result, device=False)
-    if problem is not None:
-        raise TypeError(
-            f"ns={_map_name(ns)} {problem} for a {dtype} batch of shape {tuple(shape)}; "
-            "it must return a tensor of its input's shape and dtype"
-        )
+    _checked_result(ns, batch, result, device=False)

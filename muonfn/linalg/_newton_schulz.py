@@ -28,10 +28,11 @@ into [1, 2): exact, so ``f(2ᵏG) = f(G)`` bit for bit, and no norm of finite en
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from operator import attrgetter
-from typing import Any, Literal, NamedTuple, Protocol, TypeAlias, get_args
+from typing import Any, Literal, NamedTuple, Protocol, TypeAlias, TypeGuard, get_args
 
 import torch
 
@@ -108,9 +109,10 @@ def ns_schedule(coefficients: CoefficientsLike = "keller", steps: int | None = N
             "[(a, b, c)] with steps=5 (torch.optim.Muon's ns_coefficients and ns_steps)"
         )
     else:
-        given = coefficients.triples if isinstance(coefficients, Coefficients) else coefficients
-        factor = coefficients.norm_factor if isinstance(coefficients, Coefficients) else 1.0
-        schedule = Coefficients(tuple(_triple(t, coefficients) for t in given), factor)
+        given, factor = coefficients if isinstance(coefficients, Coefficients) else (coefficients, 1.0)
+        if not all(_is_triple(t) and all(map(math.isfinite, t)) for t in given):
+            raise ValueError(f"Newton–Schulz coefficients must be finite (a, b, c) triples, got {coefficients!r}")
+        schedule = Coefficients(tuple((float(t[0]), float(t[1]), float(t[2])) for t in given), factor)
     if not schedule.triples:
         raise ValueError("Newton–Schulz coefficients need at least one (a, b, c) triple")
     if not (isinstance(schedule.norm_factor, int | float) and 0 < schedule.norm_factor < math.inf):
@@ -121,14 +123,8 @@ def ns_schedule(coefficients: CoefficientsLike = "keller", steps: int | None = N
     return schedule._replace(triples=triples)
 
 
-def _is_triple(t: object) -> bool:
+def _is_triple(t: object) -> TypeGuard[Sequence[float]]:
     return isinstance(t, Sequence) and len(t) == 3 and all(isinstance(v, int | float) for v in t)
-
-
-def _triple(t: Any, given: object) -> Triple:
-    if not (_is_triple(t) and all(math.isfinite(v) for v in t)):
-        raise ValueError(f"Newton–Schulz coefficients must be finite (a, b, c) triples, got {given!r}")
-    return float(t[0]), float(t[1]), float(t[2])
 
 
 class Reduction(Protocol):
@@ -139,13 +135,6 @@ class Reduction(Protocol):
     def sum(self, t: torch.Tensor) -> torch.Tensor: ...
 
     def max(self, t: torch.Tensor) -> torch.Tensor: ...
-
-
-def _check(name: str, x: torch.Tensor) -> None:
-    if x.ndim < 2:
-        raise ValueError(f"{name} needs a (..., m, n) tensor, got shape {tuple(x.shape)}")
-    if not x.is_floating_point():
-        raise TypeError(f"{name} needs a real floating-point tensor, got {x.dtype}")
 
 
 def may_write_into(*tensors: torch.Tensor) -> bool:
@@ -228,18 +217,15 @@ def standard_steps(
     """The quintic steps on a normalised batch ``X`` (this call's own), the last one times ``scale``
     (inside its matmuls). Eager, in three buffers every step reuses: a step allocates nothing."""
     triples = schedule.triples
-    buffers = None
+    gram = factor = spare = None  # (traced, recorded or reduced: no buffers, each step allocates)
     if reduction is None and may_write_into(X):
-        A = X.new_empty((*X.shape[:-1], X.size(-2)))
-        buffers = (A, torch.empty_like(A), torch.empty_like(X))
+        gram = X.new_empty((*X.shape[:-1], X.size(-2)))
+        factor, spare = torch.empty_like(gram), torch.empty_like(X)
     for k, (a, b, c) in enumerate(triples):
+        A = torch.bmm(X, X.mT, out=gram)
         s = scale if k == len(triples) - 1 else 1.0
-        if buffers is None:
-            A = torch.bmm(X, X.mT)
-            X = _step(X, reduction.sum(A) if reduction is not None else A, a, b, c, s)
-        else:
-            A, factor, Y = buffers  # (this step's result goes into Y; X is the next step's)
-            buffers, X = (A, factor, X), _step(X, torch.bmm(X, X.mT, out=A), a, b, c, s, out=(factor, Y))
+        Y = _step(X, A if reduction is None else reduction.sum(A), a, b, c, s, out=(factor, spare))
+        spare, X = (X if gram is not None else None), Y  # (the next step's result goes where this one's input was)
     return X
 
 
@@ -386,9 +372,9 @@ class NewtonSchulz:
     def orthogonalize(self, x: torch.Tensor, *, scale: float = 1.0, overwrite_input: bool = False) -> torch.Tensor:
         """``scale·self(x)``, the scale taken by the last step's matmuls (no pass of its own);
         ``overwrite_input``: ``x`` is the caller's temporary, which the normalisation may overwrite."""
-        _check("newton_schulz", x)
-        batch, tall = _wide(x)
-        return _restored(self.orthogonalize_wide(batch, scale=scale, overwrite_input=overwrite_input), x, tall)
+        return _through_wide(
+            "newton_schulz", x, partial(self.orthogonalize_wide, scale=scale, overwrite_input=overwrite_input)
+        )
 
     def orthogonalize_wide(
         self, batch: torch.Tensor, *, scale: float = 1.0, overwrite_input: bool = False
@@ -399,17 +385,18 @@ class NewtonSchulz:
         return self.iterate(X, scale).to(batch.dtype)
 
 
-def _wide(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """``x`` as a wide ``(count, m, n)`` batch (a view where it can be one), and whether ``x`` is tall:
-    the orientation is decided by shape alone, never by memory layout."""
+def _through_wide(name: str, x: torch.Tensor, f: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``f`` of ``x`` as a wide ``(count, m, n)`` batch (a view where it can be one), its result in ``x``'s
+    dtype, shape and orientation, contiguous where ``x`` is: the orientation is decided by shape alone,
+    never by memory layout."""
+    if x.ndim < 2:
+        raise ValueError(f"{name} needs a (..., m, n) tensor, got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} needs a real floating-point tensor, got {x.dtype}")
     tall = x.size(-2) > x.size(-1)
     g = x.mT if tall else x
-    return g.reshape(math.prod(g.shape[:-2]), *g.shape[-2:]), tall  # (not -1: a tensor may hold no element)
-
-
-def _restored(X: torch.Tensor, x: torch.Tensor, tall: bool) -> torch.Tensor:
-    """The wide result batch ``X`` in ``x``'s dtype, shape and orientation, contiguous where ``x`` is."""
-    out = X.to(x.dtype).view(*x.shape[:-2], *X.shape[-2:])
+    batch = g.reshape(math.prod(g.shape[:-2]), *g.shape[-2:])  # (not -1: a tensor may hold no element)
+    out = f(batch).to(x.dtype).view(g.shape)
     if not tall:
         return out
     return out.mT.contiguous() if x.is_contiguous() else out.mT
@@ -444,9 +431,11 @@ def gram_newton_schulz(
     ``restarts``: step indices before which the iterate is re-formed (default :func:`default_restarts`;
     ``()`` for none)."""
     ns = NewtonSchulz(coefficients, steps, eps, dtype, "gram", eps_mode, restarts)
-    _check("gram_newton_schulz", x)
-    batch, tall = _wide(x)
-    return _restored(gram_steps(normalized(batch, ns, ns.iteration_dtype(x)), ns.schedule, ns.restarts), x, tall)
+    return _through_wide(
+        "gram_newton_schulz",
+        x,
+        lambda g: gram_steps(normalized(g, ns, ns.iteration_dtype(g)), ns.schedule, ns.restarts),
+    )
 
 
 def newton_schulz_columns(
