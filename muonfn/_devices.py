@@ -157,6 +157,13 @@ def default_ns_dtype(
     return torch.promote_types(dtype, torch.float32)
 
 
+def may_write_into(*tensors: torch.Tensor) -> bool:
+    """Whether a computation may write into ``tensors``, temporaries of its own: not when traced by
+    ``torch.func`` or ``torch.compile`` (which plan their own memory) nor recorded by autograd."""
+    traced = torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling()
+    return not (traced or (torch.is_grad_enabled() and any(map(attrgetter("requires_grad"), tensors))))
+
+
 # ---------------------------------------------------------------------------------------------- a GPU's forms
 
 
@@ -165,8 +172,7 @@ _PLAIN = {torch.Tensor, torch.nn.Parameter}
 
 
 def _plain_eager(tensors: Sequence[torch.Tensor]) -> bool:
-    traced = torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-    return not traced and set(map(type, tensors)) <= _PLAIN
+    return may_write_into() and set(map(type, tensors)) <= _PLAIN  # (untraced, of plain tensors)
 
 
 def takes_gpu_orthogonalized(ns: Any, first: torch.Tensor, forced: bool | None = None) -> bool:
@@ -205,8 +211,8 @@ def _normalized(ns: Any, matrices: Sequence[torch.Tensor], dtype: torch.dtype) -
     if ns.schedule.norm_factor != 1.0:
         norms = norms * ns.schedule.norm_factor
     reciprocal = (norms + ns.eps if ns.eps_mode == "add" else norms.clamp_min(ns.eps)).reciprocal()
-    recorded = torch.is_grad_enabled() and any(map(attrgetter("requires_grad"), matrices))  # (out= records nothing)
-    if plain and not recorded:  # one pass: the fp64 product rounded to ``dtype`` as it is stored
+    # one pass, the fp64 product rounded to ``dtype`` as it is stored (by out=, which autograd would not record)
+    if plain and may_write_into(*matrices):
         return torch.mul(stack, reciprocal, out=torch.empty(stack.shape, dtype=dtype, device=stack.device))
     return (stack * reciprocal).to(dtype)
 
@@ -234,8 +240,7 @@ def adamw_kernel_takes(
         return False
     device = tensors[0].device
     factors = list(filter(torch.is_tensor, factors))
-    recorded = torch.is_grad_enabled() and any(map(attrgetter("requires_grad"), [*tensors, *factors]))
-    if recorded or not _plain_eager([]):
+    if not may_write_into(*tensors, *factors):
         return False
     if set(map(attrgetter("dtype", "device"), tensors)) != {(torch.float32, device)}:
         return False
@@ -267,12 +272,11 @@ def adamw_kernel(
     names, g = list(grads.keys()), list(grads.values())
     plain = _plain_eager(g)  # (else DTensors, which take these ops leaf by leaf)
     m, v = named_leaves(state["exp_avg"], names), named_leaves(state["exp_avg_sq"], names)
-    if not donate:  # the kernel writes the moments in place: a new state has its own
-        m, v = _copies(m, plain), _copies(v, plain)
-    held = named_leaves(state["step"], names)
+    counts = named_leaves(state["step"], names)
     if donate:
-        torch._foreach_add_(held, 1)
-    counts = held if donate else list(torch._foreach_add(held, 1))
+        torch._foreach_add_(counts, 1)
+    else:  # the kernel writes the moments in place: a new state has its own
+        m, v, counts = _copies(m, plain), _copies(v, plain), list(torch._foreach_add(counts, 1))
     flags = None if decayed is None else [n in decayed for n in names]
     updates = _decay_terms(named_leaves(params, names), flags, -lr * lam, plain)
     # (the kernel reads fp32 counts: one cast for all the leaves' where they are plain tensors)

@@ -47,13 +47,13 @@ COUNTS = ("lines", "functions", "files")
 
 #: The figures measured when the budget test was written: none may grow.
 CEILINGS: dict[str, Any] = {
-    "package_code_lines": 6173,
-    "core_code_lines": 2943,
+    "package_code_lines": 5674,
+    "core_code_lines": 2825,
     "muon_keywords": 20,
-    "functional_cpu": {"lines": 250, "functions": 50, "files": 6},
-    "shim_cpu": {"lines": 310, "functions": 64, "files": 7},
-    "functional_meta": {"lines": 248, "functions": 50, "files": 6},
-    "shim_meta": {"lines": 303, "functions": 63, "files": 7},
+    "functional_cpu": {"lines": 249, "functions": 50, "files": 6},
+    "shim_cpu": {"lines": 309, "functions": 64, "files": 7},
+    "functional_meta": {"lines": 242, "functions": 50, "files": 6},
+    "shim_meta": {"lines": 297, "functions": 63, "files": 7},
 }
 
 #: The issue's targets (the meta device's are the CPU's).

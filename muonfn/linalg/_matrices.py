@@ -37,8 +37,8 @@ from typing import Any, Literal, Protocol, TypeAlias, get_args
 
 import torch
 
-from .._devices import apart, gpu_orthogonalized, takes_gpu_orthogonalized
-from ._newton_schulz import NewtonSchulz, may_write_into
+from .._devices import apart, gpu_orthogonalized, may_write_into, takes_gpu_orthogonalized
+from ._newton_schulz import NewtonSchulz
 
 ScaleMode: TypeAlias = Literal["original", "match_rms_adamw", "spectral", "unit_rms_norm", "none"]
 #: a mode's name, or ``(mode, factor)``: the mode times a constant factor (Megatron's ``extra_scale_factor``)
@@ -152,10 +152,7 @@ class MatrixView:
     def from_matrices(self, blocks: Sequence[torch.Tensor], shape: Sequence[int]) -> torch.Tensor:
         """Inverse of :meth:`to_matrices` for a tensor of ``shape``."""
         m = blocks[0] if len(blocks) == 1 else torch.cat(list(blocks), dim=1 + self.split_dim)
-        if self.transposed:
-            stored = [*shape[:-2], shape[-1], shape[-2]]
-            return m.reshape(stored).mT
-        return m.reshape(shape)
+        return m.reshape(*shape[:-2], shape[-1], shape[-2]).mT if self.transposed else m.reshape(shape)
 
     def scales(self, shape: Sequence[int], scale: ScaleFn) -> list[float]:
         """The scale of every block (1 for a block without elements, whose scale may divide by zero)."""

@@ -31,12 +31,11 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from operator import attrgetter
 from typing import Any, Literal, NamedTuple, Protocol, TypeAlias, TypeGuard, get_args
 
 import torch
 
-from .._devices import cpu_rule, default_ns_dtype
+from .._devices import cpu_rule, default_ns_dtype, may_write_into
 
 Triple = tuple[float, float, float]
 NSMethod: TypeAlias = Literal["standard", "gram"]
@@ -135,13 +134,6 @@ class Reduction(Protocol):
     def sum(self, t: torch.Tensor) -> torch.Tensor: ...
 
     def max(self, t: torch.Tensor) -> torch.Tensor: ...
-
-
-def may_write_into(*tensors: torch.Tensor) -> bool:
-    """Whether a computation may write into ``tensors``, temporaries of its own: not when traced by
-    ``torch.func`` or ``torch.compile`` (which plan their own memory) nor recorded by autograd."""
-    traced = torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling()
-    return not (traced or (torch.is_grad_enabled() and any(map(attrgetter("requires_grad"), tensors))))
 
 
 # ---------------------------------------------------------------------------------------------- normalisation
@@ -277,20 +269,15 @@ def newton_schulz_flops(m: int, n: int, steps: int) -> float:
 def gram_newton_schulz_flops(
     m: int, n: int, steps: int, restarts: Sequence[int] | None = None, dtype: torch.dtype = torch.float32
 ) -> float:
-    """Flops of Gram Newton–Schulz on an m×n matrix: ``8m²n + 28m³`` for 5 steps in fp32."""
+    """Flops of Gram Newton–Schulz on an m×n matrix: ``8m²n + 28m³`` for 5 steps in fp32.
+
+    With ``r`` restarts it multiplies an ``m×n`` matrix (``2m²n`` flops) ``2r + 2`` times: ``R = XXᵀ`` at
+    the start and at every restart, ``X = QX`` at every restart and at the end; and two ``m×m`` ones
+    (``2m³``) ``steps + 3(steps - 1 - r)`` times: ``R²`` every step, and ``PQ`` and ``PRP`` (two) once
+    for each step that neither comes first nor follows a restart."""
     m, n = min(m, n), max(m, n)
-    restart_at = _check_restarts(default_restarts(steps, dtype) if restarts is None else restarts, steps)
-    wide, square = 2.0 * m * m * n, 2.0 * m**3
-    total, q_is_identity = wide, True  # R = XXᵀ
-    for k in range(steps):
-        if k in restart_at:
-            total += wide if q_is_identity else 2 * wide  # (X = QX,) R = XXᵀ
-            q_is_identity = True
-        total += square if q_is_identity else 2 * square  # R², (PQ)
-        q_is_identity = False
-        if k + 1 < steps and k + 1 not in restart_at:
-            total += 2 * square  # PRP
-    return total + wide  # X = QX
+    r = len(_check_restarts(default_restarts(steps, dtype) if restarts is None else restarts, steps))
+    return (2 * r + 2) * 2.0 * m * m * n + (steps + 3 * (steps - 1 - r)) * 2.0 * m**3
 
 
 # ---------------------------------------------------------------------------------------------- the map
