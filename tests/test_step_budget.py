@@ -47,11 +47,11 @@ COUNTS = ("lines", "functions", "files")
 
 #: The figures measured when the budget test was written: none may grow.
 CEILINGS: dict[str, Any] = {
-    "package_code_lines": 5674,
-    "core_code_lines": 2825,
+    "package_code_lines": 5668,
+    "core_code_lines": 2819,
     "muon_keywords": 20,
-    "functional_cpu": {"lines": 249, "functions": 50, "files": 6},
-    "shim_cpu": {"lines": 309, "functions": 64, "files": 7},
+    "functional_cpu": {"lines": 248, "functions": 49, "files": 6},
+    "shim_cpu": {"lines": 308, "functions": 63, "files": 7},
     "functional_meta": {"lines": 242, "functions": 50, "files": 6},
     "shim_meta": {"lines": 297, "functions": 63, "files": 7},
 }

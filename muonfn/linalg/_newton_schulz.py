@@ -142,14 +142,6 @@ class Reduction(Protocol):
 _FLOAT_BITS = {torch.float32: (torch.int32, 23, 127), torch.float64: (torch.int64, 52, 1023)}
 
 
-def _power_of_two_unit(largest: torch.Tensor) -> torch.Tensor:
-    r""":math:`2^{-e}` that brings ``largest`` (``>= 0``) into [1, 2), ``e`` clamped so that both
-    :math:`2^{\pm e}` stay normal; read from the bits (0, subnormals and inf clamp to the ends)."""
-    ints, mantissa, bias = _FLOAT_BITS[largest.dtype]
-    exponent = largest.view(ints).bitwise_and(-(1 << mantissa)).clamp(1 << mantissa, (2 * bias - 1) << mantissa)
-    return torch.rsub(exponent, 2 * bias << mantissa).view(largest.dtype)
-
-
 def normalized(
     g: torch.Tensor, ns: NewtonSchulz, dtype: torch.dtype, reduction: Reduction | None = None, *, owned: bool = False
 ) -> torch.Tensor:
@@ -168,7 +160,11 @@ def normalized(
         largest = g.new_zeros((*g.shape[:-2], 1, 1))
     if reduction is not None:
         largest = reduction.max(largest)
-    unit = _power_of_two_unit(largest)
+    # the unit 2⁻ᵉ that brings the largest entry into [1, 2), e clamped so that both 2^±e stay normal,
+    # read from the bits (0, subnormals and inf clamp to the ends)
+    ints, mantissa, bias = _FLOAT_BITS[largest.dtype]
+    exponent = largest.view(ints).bitwise_and(-(1 << mantissa)).clamp(1 << mantissa, (2 * bias - 1) << mantissa)
+    unit = torch.rsub(exponent, 2 * bias << mantissa).view(largest.dtype)
     writable = owned and may_write_into(g)
     g = g.mul_(unit) if writable else g * unit
     if reduction is None:
@@ -243,20 +239,17 @@ def gram_steps(
     ``restarts`` names (``None``: :func:`default_restarts`), the result times ``scale``."""
     steps = len(schedule.triples)
     restarts = default_restarts(steps, X.dtype) if restarts is None else restarts
-    R = torch.bmm(X, X.mT)
-    Q: torch.Tensor | None = None  # the identity
+    # Q: the product of the factors P since the last restart, which the first step sets
+    Q = R = torch.bmm(X, X.mT)
     for k, (a, b, c) in enumerate(schedule.triples):
-        if k in restarts:
-            if Q is not None:
-                X, Q = torch.bmm(Q, X), None
+        if k in restarts:  # (never the first step)
+            X = torch.bmm(Q, X)
             R = torch.bmm(X, X.mT)
         P = torch.baddbmm(R, R, R, beta=b, alpha=c)
         P.diagonal(dim1=-2, dim2=-1).add_(a)
-        Q = P if Q is None else torch.bmm(P, Q)
+        Q = P if k == 0 or k in restarts else torch.bmm(P, Q)
         if k + 1 < steps and k + 1 not in restarts:
             R = torch.bmm(P, torch.bmm(R, P))
-    if Q is None:
-        return X if scale == 1.0 else X * scale
     return torch.bmm(Q, X) if scale == 1.0 else torch.baddbmm(X, Q, X, beta=0, alpha=scale)
 
 
