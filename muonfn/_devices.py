@@ -240,11 +240,8 @@ def adamw_kernel_takes(
         return False
     device = tensors[0].device
     factors = list(filter(torch.is_tensor, factors))
-    if not may_write_into(*tensors, *factors):
-        return False
-    if set(map(attrgetter("dtype", "device"), tensors)) != {(torch.float32, device)}:
-        return False
-    if not all(map(torch.Tensor.is_contiguous, tensors)):
+    fp32_there = set(map(attrgetter("dtype", "device"), tensors)) == {(torch.float32, device)}
+    if not (may_write_into(*tensors, *factors) and fp32_there and all(map(torch.Tensor.is_contiguous, tensors))):
         return False
     if set(map(type, tensors)) <= _PLAIN:  # tensor factors 0-d, on the tensors' device
         return set(map(attrgetter("ndim", "device"), factors)) <= {(0, device)}
@@ -338,17 +335,11 @@ def apart(x: torch.Tensor) -> torch.Tensor:
     the multi-tensor decay and update read its tall results: the opaque copy stands between the two.
     Eager, nothing is copied.
     """
-    if not torch.compiler.is_compiling():
-        return x
-    if type(x) is torch.Tensor and not torch._C._are_functorch_transforms_active() and _transposed(x):
-        return _copy_apart(x)
+    if torch.compiler.is_compiling() and type(x) is torch.Tensor and not torch._C._are_functorch_transforms_active():
+        # transposed: walks its memory out of order, its strides over dimensions longer than 1 not decreasing
+        strides = [stride for size, stride in zip(x.shape, x.stride()) if size > 1]
+        return _copy_apart(x) if any(a < b for a, b in itertools.pairwise(strides)) else x
     return x
-
-
-def _transposed(x: torch.Tensor) -> bool:
-    """Whether ``x`` walks its memory out of order: its strides, over dimensions longer than 1, do not decrease."""
-    strides = [stride for size, stride in zip(x.shape, x.stride()) if size > 1]
-    return any(a < b for a, b in itertools.pairwise(strides))
 
 
 @torch.library.custom_op("muonfn::copy_apart", mutates_args=())

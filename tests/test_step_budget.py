@@ -47,13 +47,13 @@ COUNTS = ("lines", "functions", "files")
 
 #: The figures measured when the budget test was written: none may grow.
 CEILINGS: dict[str, Any] = {
-    "package_code_lines": 5668,
-    "core_code_lines": 2819,
+    "package_code_lines": 5660,
+    "core_code_lines": 2811,
     "muon_keywords": 20,
     "functional_cpu": {"lines": 248, "functions": 49, "files": 6},
     "shim_cpu": {"lines": 308, "functions": 63, "files": 7},
-    "functional_meta": {"lines": 242, "functions": 50, "files": 6},
-    "shim_meta": {"lines": 297, "functions": 63, "files": 7},
+    "functional_meta": {"lines": 241, "functions": 50, "files": 6},
+    "shim_meta": {"lines": 296, "functions": 63, "files": 7},
 }
 
 #: The issue's targets (the meta device's are the CPU's).

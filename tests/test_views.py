@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import get_args
 
 import pytest
 import torch
@@ -20,6 +21,10 @@ KNOWN_FACTORS = {
     (16, 64): {"original": 1.0, "match_rms_adamw": 1.6, "spectral": 8.0, "unit_rms_norm": 0.5, "none": 1.0},
     (25, 25): {"original": 1.0, "match_rms_adamw": 1.0, "spectral": 5.0, "unit_rms_norm": 1.0, "none": 1.0},
 }
+
+
+def test_the_scale_modes_are_those_the_scale_mode_type_names() -> None:
+    assert tuple(SCALE_MODES) == tuple(muonfn.linalg.SCALED_MODES) == get_args(muonfn.linalg.ScaleMode)
 
 
 @pytest.mark.parametrize("shape", sorted(KNOWN_FACTORS))

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from operator import itemgetter
-from typing import Any, Literal, Protocol, TypeAlias, get_args
+from typing import Any, Literal, Protocol, TypeAlias
 
 import torch
 
@@ -55,7 +55,6 @@ SCALED_MODES: dict[str, Callable[[float, int, int], float]] = {
     "none": lambda f, a, b: f,
 }
 SCALE_MODES: dict[str, ScaleFn] = {name: partial(scaled, 1.0) for name, scaled in SCALED_MODES.items()}
-assert tuple(SCALE_MODES) == get_args(ScaleMode)
 
 
 def scaled_mode(scale: ScaleLike) -> tuple[Callable[[float, int, int], float], float]:
