@@ -1,4 +1,5 @@
-"""What each device needs, apart from the math: the default Newton–Schulz dtype, and a GPU's forms.
+"""What each device needs, apart from the math: the default Newton–Schulz dtype, whether a computation
+may write into its own temporaries (:func:`may_write_into`: eager and unrecorded), and a GPU's forms.
 
 The math (:mod:`muonfn.linalg`, :mod:`muonfn.steps`) is written once, in the form a CPU runs
 fastest. A GPU (and the meta device, which stands for one in the traffic counter) moves fewer

@@ -296,9 +296,8 @@ def _call(
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if type(a) is type(b) is torch.Tensor and may_write_into(a):
-        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-    return True  # traced, or a subclass: no storage to compare
+    comparable = type(a) is type(b) is torch.Tensor and may_write_into(a)  # (traced, or a subclass: no storage)
+    return not comparable or a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _checked_result(ns: MatrixFn, batch: torch.Tensor, result: object, device: bool) -> torch.Tensor:

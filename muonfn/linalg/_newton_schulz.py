@@ -320,9 +320,8 @@ class NewtonSchulz:
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", ns_schedule(self.coefficients, self.steps))
         object.__setattr__(self, "cpu_rule", cpu_rule())
-        eps = self.eps
-        if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < math.inf:
-            raise ValueError(f"Newton–Schulz eps must be finite and > 0, got {eps!r}")
+        if isinstance(self.eps, bool) or not isinstance(self.eps, int | float) or not 0 < self.eps < math.inf:
+            raise ValueError(f"Newton–Schulz eps must be finite and > 0, got {self.eps!r}")
         if self.eps_mode not in EPS_MODES:
             raise ValueError(f"Newton–Schulz eps_mode must be one of {list(EPS_MODES)}, got {self.eps_mode!r}")
         if self.dtype is not None and not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
