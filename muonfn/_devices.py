@@ -151,8 +151,7 @@ def default_ns_dtype(
         return torch.bfloat16
     rule = cpu_rule() if rule is None else rule
     if device.type == "cpu" and dtype != torch.float64 and rule != "float32":
-        short, long = sorted(shape[-2:]) if shape is not None else (0, 0)
-        large = shape is None or short * short * long >= CPU_BF16_MIN_WORK
+        large = shape is None or min(shape[-2:]) ** 2 * max(shape[-2:]) >= CPU_BF16_MIN_WORK  # m²n, m <= n
         if rule == "bfloat16" or (large and _cpu_bf16_is_faster()):
             return torch.bfloat16
     return torch.promote_types(dtype, torch.float32)

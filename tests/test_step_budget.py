@@ -47,8 +47,8 @@ COUNTS = ("lines", "functions", "files")
 
 #: The figures measured when the budget test was written: none may grow.
 CEILINGS: dict[str, Any] = {
-    "package_code_lines": 5658,
-    "core_code_lines": 2809,
+    "package_code_lines": 5653,
+    "core_code_lines": 2804,
     "muon_keywords": 20,
     "functional_cpu": {"lines": 248, "functions": 49, "files": 6},
     "shim_cpu": {"lines": 308, "functions": 63, "files": 7},

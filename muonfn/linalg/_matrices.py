@@ -194,6 +194,10 @@ def check_bucket_numel(bucket_numel: int) -> int:
     return bucket_numel
 
 
+#: The blocks of one call: ``(tall, i, j)`` names the ``j``-th block of the ``i``-th tensor
+_Chunk: TypeAlias = list[tuple[bool, int, int]]
+
+
 class LocalOrthogonalizer:
     """The :class:`Orthogonalizer` of whole matrices in one process.
 
@@ -226,8 +230,7 @@ class LocalOrthogonalizer:
     ) -> list[torch.Tensor]:
         turns = isinstance(ns, NewtonSchulz)
         blocks: list[list[torch.Tensor]] = []  # each tensor's (count, rows, cols) batches
-        # (wide shape, dtype, device, scale) -> its calls, each a list of (tall, i, j) naming blocks[i][j]
-        calls: dict[tuple[Any, ...], list[list[tuple[bool, int, int]]]] = {}
+        calls: dict[tuple[Any, ...], list[_Chunk]] = {}  # (wide shape, dtype, device, scale) -> its calls
         filled: dict[tuple[Any, ...], int] = {}  # the elements of each key's last call
         for i, (t, view) in enumerate(zip(tensors, views)):
             blocks.append(view.to_matrices(t) if t.numel() else [])
@@ -265,12 +268,7 @@ class LocalOrthogonalizer:
 
 
 def _call(
-    blocks: list[list[torch.Tensor]],
-    chunk: list[tuple[bool, int, int]],
-    ns: MatrixFn,
-    scale: float,
-    overwrite: bool,
-    gpu_form: bool | None,
+    blocks: list[list[torch.Tensor]], chunk: _Chunk, ns: MatrixFn, scale: float, overwrite: bool, gpu_form: bool | None
 ) -> None:
     """Replaces the ``(count, rows, cols)`` batches ``blocks[i][j]`` that ``chunk`` names (``(tall, i, j)``,
     the wide ones first) by ``scale·ns`` of them, in one call on their wide shape."""
