@@ -107,7 +107,8 @@ def unchecked(tx: Transform) -> FlatUpdate:
     """``tx``'s update of flat input without its entry's check, for a caller that checked that input
     (a composition's members, the shim's parts): the update :func:`transform` wraps; ``tx.update``
     for a transform made otherwise."""
-    _check_transform(tx)
+    if not (isinstance(tx, tuple) and len(tx) == 2 and callable(tx[0]) and callable(tx[1])):
+        raise TypeError(f"expected a muonfn.Transform (init, update), got {type(tx).__name__}")
     return getattr(tx.update, "unchecked", tx.update)
 
 
@@ -117,8 +118,6 @@ def donates_state(tx: Transform) -> bool:
 
 # ---------------------------------------------------------------------------------------------- the check
 
-#: per ``init`` and structure of the parameters, the state ``init`` makes: entry -> (shape, dtype, leaf)
-_EXPECTED: dict[tuple[Any, ...], dict[tuple[str, ...], tuple[torch.Size, torch.dtype, str | None]] | None] = {}
 #: the inputs' structures (names, shapes, dtypes, devices, layouts, placements) that passed a check, the
 #: latest 64 (compared with the structure at hand, which is not hashed)
 _PASSED: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=64)
@@ -174,14 +173,20 @@ def _check_structure(init: InitFn, grads: TensorDictBase, state: TensorDictBase,
                 f"parameter a {p.dtype} tensor of shape {tuple(p.shape)} on {p.device}"
             )
     leaves = grads if params is None else params
-    expected = _expected_state(init, leaves)
-    if expected is None:  # an init that cannot run on meta tensors
+    meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in leaves.items()}
+    # (a DTensor's copy keeps its mesh and placements, which init may refuse)
+    meta.update({k: torch.empty_like(v, device="meta") for k, v in leaves.items() if hasattr(v, "placements")})
+    try:  # the state init makes of the leaves, which the given one must match
+        expected = {path: (t.shape, t.dtype) for path, t in _entries(init(build(meta, leaves.batch_size))).items()}
+    except (ValueError, TypeError):  # a refusal, which reads the leaves' metadata alone
+        raise
+    except Exception:  # an init of one's own that cannot run on meta tensors: no state to compare
         return
-    given = dict(_state_leaves(state, ()))
+    given = _entries(state)
     first = next(iter(leaves.values()), None)
-    for path, (shape, dtype, leaf) in expected.items():
+    for path, (shape, dtype) in expected.items():
         t = given.pop(path, None)
-        entry = ".".join(path)
+        entry, leaf = ".".join(path), path[-1] if path[-1] in leaves.keys() else None
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"update: state has no entry {entry!r}; was it made by this transform's init?")
         owner = leaves[leaf] if leaf is not None else first
@@ -200,50 +205,12 @@ def _check_structure(init: InitFn, grads: TensorDictBase, state: TensorDictBase,
         raise ValueError(f"update: state entry {'.'.join(next(iter(given)))!r} belongs to no parameter of this update")
 
 
-def _state_leaves(td: TensorDictBase, prefix: tuple[str, ...]) -> Any:
-    for name, value in td.items():
-        if isinstance(value, TensorDictBase):
-            yield from _state_leaves(value, (*prefix, name))
-        else:
-            yield (*prefix, name), value
-
-
-def _expected_state(
-    init: InitFn, leaves: TensorDictBase
-) -> dict[tuple[str, ...], tuple[torch.Size, torch.dtype, str | None]] | None:
-    leaf_signature = tuple((k, v.shape, v.dtype, getattr(v, "placements", None)) for k, v in leaves.items())
-    signature = (init, leaves.batch_size, leaf_signature)
-    if signature not in _EXPECTED:
-        # (a DTensor's copy keeps its mesh and placements, which init may refuse)
-        meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in leaves.items()}
-        meta.update({k: torch.empty_like(v, device="meta") for k, v in leaves.items() if hasattr(v, "placements")})
-        try:
-            made = init(build(meta, leaves.batch_size))
-            expected = {
-                p: (t.shape, t.dtype, p[-1] if p[-1] in leaves.keys() else None) for p, t in _state_leaves(made, ())
-            }
-        except (ValueError, TypeError):  # a refusal, which reads the leaves' metadata alone
-            raise
-        except Exception:  # an init of one's own that cannot run on meta tensors: no state to compare
-            expected = None
-        if len(_EXPECTED) > 64:
-            _EXPECTED.clear()
-        _EXPECTED[signature] = expected
-    return _EXPECTED[signature]
+def _entries(td: TensorDictBase) -> dict[tuple[str, ...], Any]:
+    """``td``'s leaves by their paths of keys."""
+    return {k if isinstance(k, tuple) else (k,): v for k, v in td.items(True, True)}
 
 
 # ---------------------------------------------------------------------------------------------- combinators
-
-
-def _check_transform(tx: object) -> None:
-    if not (isinstance(tx, tuple) and len(tx) == 2 and callable(tx[0]) and callable(tx[1])):
-        raise TypeError(f"expected a muonfn.Transform (init, update), got {type(tx).__name__}")
-
-
-def _owned(tx: Transform) -> list[str]:
-    """The top-level state entries ``tx`` keeps (its state for no parameters)."""
-    _check_transform(tx)
-    return list(tx.init(_EMPTY).keys())
 
 
 def chain(*transforms: Transform) -> Transform:
@@ -252,7 +219,8 @@ def chain(*transforms: Transform) -> Transform:
     The state is the union of the members' states (``{"momentum": ..., "exp_avg": ...}``); two
     members keeping the same entry is an error (wrap one in :func:`named`).
     """
-    owned = [_owned(t) for t in transforms]
+    members = [unchecked(t) for t in transforms]
+    owned = [list(t.init(_EMPTY).keys()) for t in transforms]  # (each member's entries: its state for no leaves)
     seen: dict[str, int] = {}
     for i, keys in enumerate(owned):
         for key in keys:
@@ -264,8 +232,6 @@ def chain(*transforms: Transform) -> Transform:
 
     def init(params: TensorDictBase) -> TensorDictBase:
         return build({k: v for t in transforms for k, v in t.init(params).items()}, params.batch_size)
-
-    members = [unchecked(t) for t in transforms]
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
         new: dict[str, Any] = {}
@@ -389,10 +355,11 @@ def selected(mask: MaskLike, params: TensorDictBase, where: str, default: bool =
     if mask == "matrices":
         members = params.batch_dims
         return [n for n, p in params.items() if p.ndim - members >= 2]
-    table = named_table(table_of(mask, params, where), params.keys())
+    table = table_of(mask, params, where)
     for name, value in table.items():
-        if not isinstance(value, bool | torch.Tensor) or (isinstance(value, torch.Tensor) and value.numel() != 1):
-            raise TypeError(f"{where}: {name!r} maps to {value!r}; a mask's values must be True or False")
+        if not isinstance(value, bool) and not (isinstance(value, torch.Tensor) and value.numel() == 1):
+            raise TypeError(f"{where}: {dotted(name)!r} maps to {value!r}; a mask's values must be True or False")
+    table = named_table(table, params.keys())
     return [n for n in params.keys() if bool(table.get(n, default))]
 
 
@@ -406,10 +373,7 @@ def check_mask(where: str, mask: object) -> None:
         )
     check_table(where, mask)
     if isinstance(mask, Mapping):
-        selected(mask, _EMPTY, where)  # (the values' type)
-        for name, value in mask.items():
-            if not isinstance(value, bool) and not (isinstance(value, torch.Tensor) and value.numel() == 1):
-                raise TypeError(f"{where}: {dotted(name)!r} maps to {value!r}; a mask's values must be True or False")
+        selected(mask, _EMPTY, where)  # (its values' type)
 
 
 def masked(tx: Transform, mask: MaskLike) -> Transform:
