@@ -50,8 +50,7 @@ __all__ = [
 ]
 
 
-class InitFn(Protocol):
-    def __call__(self, params: TensorDictBase) -> TensorDictBase: ...
+InitFn = Callable[[TensorDictBase], TensorDictBase]
 
 
 class UpdateFn(Protocol):
@@ -316,29 +315,23 @@ def partition(transforms: Mapping[str, Transform], labels: LabelsLike) -> Transf
 
     def init(params: TensorDictBase) -> TensorDictBase:
         assigned = route(labels, params, transforms, strict=True)
+        chosen = {label: [n for n, a in assigned.items() if a == label] for label in transforms}
         return build(
-            {
-                label: t.init(params.select(*[n for n, a in assigned.items() if a == label]))
-                for label, t in transforms.items()
-            },
-            params.batch_size,
+            {label: t.init(params.select(*chosen[label])) for label, t in transforms.items()}, params.batch_size
         )
 
-    def branches(grads: TensorDictBase, params: TensorDictBase | None) -> dict[str, list[str]]:
-        names = tuple(grads.keys())
-        # traced, the routes are made anew: guards on the cache would fail once an eager update filled it
-        if torch.compiler.is_compiling() or names not in routes:
-            assigned = route(labels, grads if params is None else params, transforms)
-            made = {label: [n for n in names if assigned[n] == label] for label in transforms}
-            if torch.compiler.is_compiling():
-                return made
-            routes.clear() if len(routes) > 16 else None
-            routes[names] = made
-        return routes[names]
-
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
-        out, new = dict.fromkeys(grads.keys()), dict(state.items())  # (the updates in the gradients' order)
-        for label, names in branches(grads, params).items():
+        leaves = tuple(grads.keys())
+        # traced, the routes are made anew: guards on the cache would fail once an eager update filled it
+        branches = None if torch.compiler.is_compiling() else routes.get(leaves)
+        if branches is None:
+            assigned = route(labels, grads if params is None else params, transforms)
+            branches = {label: [n for n in leaves if assigned[n] == label] for label in transforms}
+            if not torch.compiler.is_compiling():
+                routes.clear() if len(routes) > 16 else None
+                routes[leaves] = branches
+        out, new = dict.fromkeys(leaves), dict(state.items())  # (the updates in the gradients' order)
+        for label, names in branches.items():
             if names:
                 sub_params = None if params is None else params.select(*names)
                 updates, new[label] = members[label](grads.select(*names), state[label], sub_params)
@@ -353,8 +346,7 @@ def selected(mask: MaskLike, params: TensorDictBase, where: str, default: bool =
     if mask is None:
         return list(params.keys()) if default else []
     if mask == "matrices":
-        members = params.batch_dims
-        return [n for n, p in params.items() if p.ndim - members >= 2]
+        return [n for n, p in params.items() if p.ndim - params.batch_dims >= 2]
     table = table_of(mask, params, where)
     for name, value in table.items():
         if not isinstance(value, bool) and not (isinstance(value, torch.Tensor) and value.numel() == 1):
@@ -421,8 +413,14 @@ def apply_if_finite(tx: Transform, *, sum_shards: Any = None) -> Transform:
         return build({**state, NOTFINITE_COUNT: count}, params.batch_size)
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
-        members = grads.batch_dims
-        finite = _all_finite(list(grads.keys()), list(grads.values()), members, sum_shards, grads.batch_size)
+        members, names, values = grads.batch_dims, list(grads.keys()), list(grads.values())
+        if sum_shards is None or not values:
+            flags = [g.isfinite().all() if not members else per_member(g.isfinite(), members).all(-1) for g in values]
+        else:  # each leaf's count of entries that are not finite, summed over its shards
+            bad = [count_per_member(g.isfinite().logical_not(), members) for g in values]
+            flags = [b.eq(0).reshape(grads.batch_size) for b in sum_shards(names, values, bad, batch_dims=members)]
+        flags = [f.full_tensor() if hasattr(f, "full_tensor") else f for f in flags]
+        finite = torch.stack(flags).all(0) if flags else torch.ones(grads.batch_size, dtype=torch.bool)
         inner = build({k: v for k, v in state.items() if k != NOTFINITE_COUNT}, state.batch_size)  # (traceable)
         kept = inner.clone() if donates_state(tx) else inner
         updates, new = member(grads, inner, params)
@@ -449,19 +447,6 @@ def count_per_member(mask: torch.Tensor, members: int) -> torch.Tensor:
 def per_member(t: torch.Tensor, members: int) -> torch.Tensor:
     """``t`` with each ensemble member's entries in one last dimension (a member's 0-d leaf too)."""
     return t.flatten(members) if t.ndim > members else t.unsqueeze(-1)
-
-
-def _all_finite(
-    names: list[str], values: list[torch.Tensor], members: int, sum_shards: Any, batch_size: torch.Size
-) -> torch.Tensor:
-    if not values:
-        return torch.ones(batch_size, dtype=torch.bool)
-    if sum_shards is None:
-        flags = [g.isfinite().all() if not members else per_member(g.isfinite(), members).all(-1) for g in values]
-    else:
-        bad = [count_per_member(g.isfinite().logical_not(), members) for g in values]
-        flags = [b.eq(0).reshape(batch_size) for b in sum_shards(names, values, bad, batch_dims=members)]
-    return torch.stack([f.full_tensor() if hasattr(f, "full_tensor") else f for f in flags]).all(0)
 
 
 def _where(condition: torch.Tensor, a: torch.Tensor, b: torch.Tensor, members: int) -> torch.Tensor:
