@@ -61,18 +61,13 @@ def replaced(held: TensorDictBase, names: Sequence[str], values: Sequence[Any]) 
 def nested_like(updates: TensorDictBase, like: TensorDictBase) -> TensorDictBase:
     """The flat ``updates`` in the nesting of ``like``, a nested TensorDict, in their order."""
     root: dict[str, Any] = {}
-    inner: list[tuple[dict[str, Any], str]] = []  # (parent, name) of every inner node, after its parent's
     for name, value in updates.items():
         *path, leaf = name.split(".")
         node = root
         for part in path:
-            if part not in node:
-                inner.append((node, part))
             node = node.setdefault(part, {})
         node[leaf] = value
-    for parent, part in reversed(inner):  # (a node's children are TensorDicts before it becomes one)
-        parent[part] = build(parent[part], like.batch_size)
-    return build(root, like.batch_size)
+    return build(root, like.batch_size)  # (which makes each inner dict a TensorDict of that batch size)
 
 
 def dotted(name: str | Sequence[str]) -> str:

@@ -122,11 +122,9 @@ def donates_state(tx: Transform) -> bool:
 _PASSED: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=64)
 
 
-def _structure(td: TensorDictBase | None) -> Any:
+def _structure(td: TensorDictBase) -> Any:
     """What the check reads of ``td``: its batch size and each leaf's name, type, shape, dtype, device,
     layout and placements (of a leaf that is no tensor, which the check refuses, its type alone)."""
-    if td is None:
-        return None
     return td.batch_size, tuple(
         (k, type(t), t.shape, t.dtype, t.device, t.layout, getattr(t, "placements", 0))
         if isinstance(t, torch.Tensor)
@@ -140,7 +138,7 @@ def check_input(init: InitFn, grads: TensorDictBase, state: Any, params: TensorD
     The check reads metadata alone: an input of a structure that passed it once passes again."""
     if not isinstance(state, TensorDictBase):
         raise TypeError(f"update: state must be a TensorDict made by init, got {type(state).__name__}")
-    structure = (init, _structure(grads), _structure(state), _structure(params))
+    structure = (init, _structure(grads), _structure(state), None if params is None else _structure(params))
     if structure not in _PASSED:
         _check_structure(init, grads, state, params)
         _PASSED.append(structure)
@@ -275,8 +273,7 @@ def table_of(table: Any, params: TensorDictBase, where: str) -> Mapping[Any, Any
     """The names-to-values table ``table`` gives for ``params`` (a callable is called on them; a
     TensorDict, of labels say, is read by its leaves)."""
     if isinstance(table, TensorDictBase):
-        leaves = table.keys(True, True, is_leaf=is_leaf_nontensor)
-        return {key: getattr(value, "data", value) for key in leaves for value in (table.get(key),)}
+        return {key: getattr(value, "data", value) for key, value in table.items(True, True, is_leaf_nontensor)}
     if isinstance(table, Mapping):
         return table
     made = table(params)
@@ -315,10 +312,8 @@ def partition(transforms: Mapping[str, Transform], labels: LabelsLike) -> Transf
 
     def init(params: TensorDictBase) -> TensorDictBase:
         assigned = route(labels, params, transforms, strict=True)
-        chosen = {label: [n for n, a in assigned.items() if a == label] for label in transforms}
-        return build(
-            {label: t.init(params.select(*chosen[label])) for label, t in transforms.items()}, params.batch_size
-        )
+        mine = {label: params.select(*[n for n, a in assigned.items() if a == label]) for label in transforms}
+        return build({label: t.init(mine[label]) for label, t in transforms.items()}, params.batch_size)
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
         leaves = tuple(grads.keys())
