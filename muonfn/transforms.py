@@ -86,9 +86,7 @@ def transform(init: InitFn, update: FlatUpdate, *, donates_state: bool = False) 
         check_params("init", params)
         return init(params)
 
-    def entry_update(
-        grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
-    ) -> tuple[TensorDictBase, TensorDictBase]:
+    def entry_update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None) -> Any:
         flat_grads, flat_params = flat(grads), None if params is None else flat(params)
         if isinstance(state, Mapping) and not isinstance(state, TensorDictBase) and not state:
             state = build({}, grads.batch_size)  # a stateless transform may be given {}
@@ -218,14 +216,11 @@ def chain(*transforms: Transform) -> Transform:
     """
     members = [unchecked(t) for t in transforms]
     owned = [list(t.init(_EMPTY).keys()) for t in transforms]  # (each member's entries: its state for no leaves)
-    seen: dict[str, int] = {}
     for i, keys in enumerate(owned):
         for key in keys:
-            if key in seen:
-                raise ValueError(
-                    f"chain: members {seen[key]} and {i} both keep state {key!r}; wrap one in muonfn.named"
-                )
-            seen[key] = i
+            first = next(j for j, held in enumerate(owned) if key in held)
+            if first < i:
+                raise ValueError(f"chain: members {first} and {i} both keep state {key!r}; wrap one in muonfn.named")
 
     def init(params: TensorDictBase) -> TensorDictBase:
         return build({k: v for t in transforms for k, v in t.init(params).items()}, params.batch_size)
@@ -483,9 +478,8 @@ def cautious(tx: Transform, *, mode: CautiousMode = "heavyball", sum_shards: Any
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
         updates, state = member(grads, state, params)
         members, names, values = grads.batch_dims, list(updates.keys()), list(updates.values())
-        keeps = [
-            u.signbit() == g.signbit() if mode == "heavyball" else (u * g) > 0 for u, g in zip(values, grads.values())
-        ]
+        pairs = zip(values, grads.values())
+        keeps = [u.signbit() == g.signbit() if mode == "heavyball" else (u * g) > 0 for u, g in pairs]
         kept = [count_per_member(k, members) for k in keeps]
         if sum_shards is None:
             totals: list[Any] = [math.prod(u.shape[members:]) for u in values]
