@@ -118,6 +118,8 @@ def donates_state(tx: Transform) -> bool:
 #: the inputs' structures (names, shapes, dtypes, devices, layouts, placements) that passed a check, the
 #: latest 64 (compared with the structure at hand, which is not hashed)
 _PASSED: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=64)
+#: per ``init`` and structure of the leaves, the state ``init`` makes of them (``None``: it cannot run on meta)
+_EXPECTED: dict[tuple[Any, ...], dict[tuple[str, ...], Any] | None] = {}
 
 
 def _structure(td: TensorDictBase) -> Any:
@@ -168,14 +170,8 @@ def _check_structure(init: InitFn, grads: TensorDictBase, state: TensorDictBase,
                 f"parameter a {p.dtype} tensor of shape {tuple(p.shape)} on {p.device}"
             )
     leaves = grads if params is None else params
-    meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in leaves.items()}
-    # (a DTensor's copy keeps its mesh and placements, which init may refuse)
-    meta.update({k: torch.empty_like(v, device="meta") for k, v in leaves.items() if hasattr(v, "placements")})
-    try:  # the state init makes of the leaves, which the given one must match
-        expected = {path: (t.shape, t.dtype) for path, t in _entries(init(build(meta, leaves.batch_size))).items()}
-    except (ValueError, TypeError):  # a refusal, which reads the leaves' metadata alone
-        raise
-    except Exception:  # an init of one's own that cannot run on meta tensors: no state to compare
+    expected = _expected_state(init, leaves)
+    if expected is None:  # an init of one's own that cannot run on meta tensors: no state to compare
         return
     given = _entries(state)
     first = next(iter(leaves.values()), None)
@@ -198,6 +194,26 @@ def _check_structure(init: InitFn, grads: TensorDictBase, state: TensorDictBase,
             )
     if params is not None and given:
         raise ValueError(f"update: state entry {'.'.join(next(iter(given)))!r} belongs to no parameter of this update")
+
+
+def _expected_state(init: InitFn, leaves: TensorDictBase) -> dict[tuple[str, ...], Any] | None:
+    """The state ``init`` makes of ``leaves``, each entry's path -> (shape, dtype), from meta copies of them:
+    once per structure of the leaves (the parameters'), however many structures of gradients come."""
+    key = (init, _structure(leaves))
+    if key not in _EXPECTED:
+        meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in leaves.items()}
+        # (a DTensor's copy keeps its mesh and placements, which init may refuse)
+        meta.update({k: torch.empty_like(v, device="meta") for k, v in leaves.items() if hasattr(v, "placements")})
+        try:
+            made: dict[tuple[str, ...], Any] | None = _entries(init(build(meta, leaves.batch_size)))
+        except (ValueError, TypeError):  # a refusal, which reads the leaves' metadata alone
+            raise
+        except Exception:  # an init of one's own that cannot run on meta tensors
+            made = None
+        if len(_EXPECTED) >= 64:
+            _EXPECTED.clear()
+        _EXPECTED[key] = None if made is None else {path: (t.shape, t.dtype) for path, t in made.items()}
+    return _EXPECTED[key]
 
 
 def _entries(td: TensorDictBase) -> dict[tuple[str, ...], Any]:
