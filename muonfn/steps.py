@@ -34,6 +34,8 @@ from .linalg import (
     ScaleLike,
     check_matrix_fn,
     may_write_into,
+    polar,
+    qr_orthogonal,
     scaled_mode,
     shape_scale,
 )
@@ -77,13 +79,7 @@ def _foreach(op: str, tensors: Sequence[torch.Tensor], *operands: Any, inplace: 
     with_number = narrow and any(isinstance(v, int | float) for v in (*operands, *kw.values()))
     if mapped or with_number or (hasattr(tensors[0], "placements") and _meet_plain(operands)):
         lists = [v if isinstance(v, list | tuple) else [v] * len(tensors) for v in operands]
-        name = f"{op}_" if inplace else op
-        return [
-            _widened(op, t, args, kw, inplace)
-            if mapped and _narrow_meets_wide(t, args)
-            else getattr(t, name)(*args, **kw)
-            for t, *args in zip(tensors, *lists)
-        ]
+        return [_one_op(op, t, args, kw, inplace, mapped) for t, *args in zip(tensors, *lists)]
     result = getattr(torch, f"_foreach_{op}_" if inplace else f"_foreach_{op}")(list(tensors), *operands, **kw)
     return list(tensors) if inplace else list(result)
 
@@ -95,16 +91,15 @@ def _meet_plain(operands: Sequence[Any]) -> bool:
     return any(isinstance(f, torch.Tensor) and not hasattr(f, "placements") for f in firsts)
 
 
-def _narrow_meets_wide(t: torch.Tensor, operands: Sequence[Any]) -> bool:
-    return t.dtype.itemsize < 4 and any(isinstance(v, torch.Tensor) and v.dtype.itemsize >= 4 for v in operands)
-
-
-def _widened(op: str, t: torch.Tensor, operands: Sequence[Any], kw: dict[str, Any], inplace: bool) -> torch.Tensor:
-    """``t.<op>(*operands)`` of a bf16/fp16 ``t`` and a wider factor (a per-leaf correction) computed in
-    the factor's dtype and rounded once, as the eager kernels compute it; ``vmap`` would round a
-    0-d factor to ``t``'s dtype first, and a vmapped ensemble would part from the stacked one."""
-    result = getattr(t.to(torch.promote_types(t.dtype, torch.float32)), op)(*operands, **kw).to(t.dtype)
-    return t.copy_(result) if inplace else result
+def _one_op(op: str, t: torch.Tensor, operands: Sequence[Any], kw: dict[str, Any], inplace: bool, mapped: bool) -> Any:
+    """``t.<op>(*operands)`` (``op_`` with ``inplace``); under ``torch.func`` transforms (``mapped``), a
+    bf16/fp16 ``t`` meeting a wider factor (a per-leaf correction) computed in the factor's dtype and
+    rounded once, as the eager kernels compute it: ``vmap`` would round a 0-d factor to ``t``'s dtype
+    first, and a vmapped ensemble would part from the stacked one."""
+    if mapped and t.dtype.itemsize < 4 and any(isinstance(v, torch.Tensor) and v.dtype.itemsize >= 4 for v in operands):
+        result = getattr(t.to(torch.promote_types(t.dtype, torch.float32)), op)(*operands, **kw).to(t.dtype)
+        return t.copy_(result) if inplace else result
+    return getattr(t, f"{op}_" if inplace else op)(*operands, **kw)
 
 
 def _lerp(starts: Sequence[torch.Tensor], ends: Sequence[torch.Tensor], weight: Any, inplace: bool) -> list[Any]:
@@ -338,13 +333,10 @@ def matrix_map(ns: Any) -> MatrixFn:
     """The map of ``(count, m, n)`` batches ``ns`` names: a :class:`~muonfn.NewtonSchulz` (``None``:
     the default one), ``"svd"`` (:func:`muonfn.polar`), ``"qr"`` (:func:`muonfn.linalg.qr_orthogonal`),
     ``"gram"`` (``NewtonSchulz(method="gram")``) or any callable map of one's own."""
-    from .linalg import polar, qr_orthogonal
-
-    maps: dict[str, MatrixFn] = {"svd": polar, "qr": qr_orthogonal, "gram": NewtonSchulz(method="gram")}
-    if ns is None or ns == "standard":
-        return NewtonSchulz()
-    if isinstance(ns, str) and ns in maps:
-        return maps[ns]
+    maps: dict[str, MatrixFn] = {"standard": NewtonSchulz(), "svd": polar, "qr": qr_orthogonal}
+    maps["gram"] = NewtonSchulz(method="gram")
+    if ns is None or (isinstance(ns, str) and ns in maps):
+        return maps[ns or "standard"]
     if isinstance(ns, str) or not callable(ns):
         raise TypeError(
             f"ns must be a muonfn.NewtonSchulz, 'svd', 'qr', 'gram' or a map of (count, m, n) batches, got {ns!r}"
@@ -373,6 +365,15 @@ def resolve_views(
             found.append(view or DEFAULT_VIEW)
     if members:
         return [MatrixView(v.batch_dims + members, v.transposed, v.split, v.split_dim) for v in found]
+    return found
+
+
+def _checked_views(views: ViewsLike, tree: TensorDictBase) -> list[MatrixView]:
+    """Every leaf's view (see :func:`resolve_views`), checked against the leaf's shape."""
+    names, values = list(tree.keys()), list(tree.values())
+    found = resolve_views(views, names, values, tree.batch_dims)
+    for name, t, view in zip(names, values, found):
+        view.check(name, t.shape)
     return found
 
 
@@ -475,9 +476,7 @@ def scale_by_shape(scale: ScaleLike = "match_rms_adamw", *, views: ViewsLike = N
     check_views("scale_by_shape: views", views)
 
     def init(params: TensorDictBase) -> TensorDictBase:
-        names, values = list(params.keys()), list(params.values())
-        for name, p, view in zip(names, values, resolve_views(views, names, values, params.batch_dims)):
-            view.check(name, p.shape)
+        _checked_views(views, params)
         return build({}, params.batch_size)
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
@@ -490,10 +489,8 @@ def _shape_scaled(
     grads: TensorDictBase, views: ViewsLike, scale_fn: Callable[[int, int], float], factor: Any
 ) -> list[Any]:
     """``factor·s·x`` of every leaf ``x``, block by block (``factor`` a number or a tensor)."""
-    names, values = list(grads.keys()), list(grads.values())
     out = []
-    for name, g, view in zip(names, values, resolve_views(views, names, values, grads.batch_dims)):
-        view.check(name, g.shape)
+    for g, view in zip(grads.values(), _checked_views(views, grads)):
         scales = view.scales(g.shape, scale_fn)
         if len(scales) == 1:
             out.append(g.mul(factor * scales[0]))
@@ -686,17 +683,13 @@ def descent(
     check_mask("descent: mask", mask)
     scaled, extra = scaled_mode(scale)
     orthogonalizes = not (isinstance(ns, str) and ns == "none")
+    check: Callable[[TensorDictBase], object] = partial(_checked_views, views)
     if orthogonalizes:
         ns, orthogonalizer, check = _orthogonalizing(ns, views, orthogonalizer, "descent")
     schedule_init = _schedule_init(learning_rate)
 
     def init(params: TensorDictBase) -> TensorDictBase:
-        if orthogonalizes:
-            check(params)
-        else:
-            names, values = list(params.keys()), list(params.values())
-            for name, p, view in zip(names, values, resolve_views(views, names, values, params.batch_dims)):
-                view.check(name, p.shape)
+        check(params)
         return build(schedule_init(params), params.batch_size)
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
@@ -1028,10 +1021,8 @@ def scale_by_neuron_norm(
     eps = _check_adaptation("scale_by_neuron_norm", beta, eps, rescale, views, donate_state)
 
     def init(params: TensorDictBase) -> TensorDictBase:
-        names, values = list(params.keys()), list(params.values())
         moments = {}
-        for name, p, view in zip(names, values, resolve_views(views, names, values, params.batch_dims)):
-            view.check(name, p.shape)
+        for (name, p), view in zip(params.items(), _checked_views(views, params)):
             moments[name] = p.new_zeros(row_moment_shape(view, p.shape), dtype=second_moment_dtype(p.dtype))
         return build({"row_second_moment": build(moments, params.batch_size)}, params.batch_size)
 
@@ -1106,9 +1097,7 @@ def scale_by_element_rms(
     counted = bias_correction or state_dtype == torch.bfloat16
 
     def init(params: TensorDictBase) -> TensorDictBase:
-        names, values = list(params.keys()), list(params.values())
-        for name, p, view in zip(names, values, resolve_views(views, names, values, params.batch_dims)):
-            view.check(name, p.shape)
+        _checked_views(views, params)
         state = {"exp_avg_sq": _zeros(params, lambda d: state_dtype or second_moment_dtype(d))}
         return build({**state, "step": _counts(params)} if counted else state, params.batch_size)
 
