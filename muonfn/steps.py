@@ -575,16 +575,12 @@ def add_decayed_weights(weight_decay: Scalar = 0.0, *, mask: MaskLike = None, ca
     return transform(init, update)
 
 
-def _schedule_init(learning_rate: ScalarOrSchedule) -> Callable[[TensorDictBase], dict[str, torch.Tensor]]:
-    """A schedule's state: ``{"count": 0}`` (per ensemble member), on the first leaf's device."""
+def _schedule_state(learning_rate: ScalarOrSchedule, params: TensorDictBase) -> dict[str, torch.Tensor]:
+    """A schedule's state: ``{"count": 0}`` (per ensemble member), on the first leaf's device; none for a rate."""
     if not is_schedule(learning_rate):
-        return lambda params: {}
-
-    def init(params: TensorDictBase) -> dict[str, torch.Tensor]:
-        device = next(iter(params.values()), torch.empty(0)).device
-        return {"count": torch.zeros(params.batch_size, dtype=torch.int64, device=device)}
-
-    return init
+        return {}
+    device = next(iter(params.values()), torch.empty(0)).device
+    return {"count": torch.zeros(params.batch_size, dtype=torch.int64, device=device)}
 
 
 def is_schedule(learning_rate: object) -> TypeGuard[Schedule]:
@@ -647,7 +643,6 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule) -> Transform:
     metadata only (no read-back).
     """
     _check_rate(learning_rate)
-    schedule_init = _schedule_init(learning_rate)
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
         lr, new = _rate(learning_rate, state, grads)
@@ -657,7 +652,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule) -> Transform:
         )
         return build(dict(zip(grads.keys(), cast_like(out, values))), grads.batch_size), build(new, state.batch_size)
 
-    return transform(lambda params: build(schedule_init(params), params.batch_size), update)
+    return transform(lambda params: build(_schedule_state(learning_rate, params), params.batch_size), update)
 
 
 def descent(
@@ -686,11 +681,10 @@ def descent(
     check: Callable[[TensorDictBase], object] = partial(_checked_views, views)
     if orthogonalizes:
         ns, orthogonalizer, check = _orthogonalizing(ns, views, orthogonalizer, "descent")
-    schedule_init = _schedule_init(learning_rate)
 
     def init(params: TensorDictBase) -> TensorDictBase:
         check(params)
-        return build(schedule_init(params), params.batch_size)
+        return build(_schedule_state(learning_rate, params), params.batch_size)
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
         lr, new = _rate(learning_rate, state, grads)
@@ -705,8 +699,7 @@ def descent(
         if isinstance(lr, torch.Tensor):
             out = _foreach("mul", out, _times(lr.neg(), out, grads.batch_dims), inplace=may_write_into(*out, lr))
         out = _decayed(out, grads, params, -lr * lam, mask, "descent", inplace=True)
-        updates = build(dict(zip(grads.keys(), cast_like(out, values))), grads.batch_size)
-        return updates, build(new, state.batch_size)
+        return build(dict(zip(grads.keys(), cast_like(out, values))), grads.batch_size), build(new, state.batch_size)
 
     return transform(init, update)
 
@@ -815,9 +808,8 @@ def scale_by_adam(
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
         u, new = _adam(grads, state, b1, b2, eps, 1.0, nesterov, donate_state, state_dtype)
-        return build(dict(zip(grads.keys(), cast_like(u, list(grads.values())))), grads.batch_size), build(
-            new, state.batch_size
-        )
+        updates = build(dict(zip(grads.keys(), cast_like(u, list(grads.values())))), grads.batch_size)
+        return updates, build(new, state.batch_size)
 
     def init(params: TensorDictBase) -> TensorDictBase:
         return build(_adam_init(params, state_dtype), params.batch_size)
@@ -887,12 +879,11 @@ def adamw(
             add_decayed_weights(weight_decay, mask=weight_decay_mask, cautious=True),
             scale_by_learning_rate(lr),
         )
-    schedule_init = _schedule_init(lr)
     # the fused kernel takes β₁ as a number, and keeps the moments in the parameters' dtype
     kernel_may_take = not nesterov and state_dtype is None
 
     def init(params: TensorDictBase) -> TensorDictBase:
-        return build({**_adam_init(params, state_dtype), **schedule_init(params)}, params.batch_size)
+        return build({**_adam_init(params, state_dtype), **_schedule_state(lr, params)}, params.batch_size)
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
         rate, new = _rate(lr, state, grads)
@@ -1038,14 +1029,10 @@ def scale_by_neuron_norm(
         denominators = _foreach("add", _foreach("sqrt", new), eps)
         out = []
         for o, view, matrices, d in zip(given, leaf_views, blocks, denominators):
-            parts = (
-                [d]
-                if view.split is None
-                else list(d.split(list(view.split), dim=1) if view.split_dim == 0 else d.split(1, dim=2))
-            )
-            out.append(
-                view.from_matrices([_rescaled(b / p, b, rescale, eps) for b, p in zip(matrices, parts)], o.shape)
-            )
+            # each block's rows: a column-split view's side by side in d, the others' stacked (one block unfused)
+            parts = d.split(1, dim=2) if view.split_dim == 1 else d.split([b.size(1) for b in matrices], dim=1)
+            adapted = [_rescaled(b / p, b, rescale, eps) for b, p in zip(matrices, parts)]
+            out.append(view.from_matrices(adapted, o.shape))
         # donated, the views were written in place: the state keeps its own tensors
         kept = [held[k] if donate_state else n.reshape(held[k].shape) for k, n in zip(names, new)]
         entry = build({"row_second_moment": replaced(held, names, kept)}, state.batch_size)
