@@ -195,8 +195,7 @@ def rounding_key(field: str, name: str, count: Any, trailing: int) -> torch.Tens
     """The key of ``stochastic_round`` for state entry ``field`` of leaf ``name`` at update ``count``:
     an int32 mixing the update count with a hash of the two names, shaped to broadcast over the leaf."""
     count = count.to_local() if hasattr(count, "placements") else count  # (replicated DTensor counts)
-    key = count.mul(0x9E3779B9).add(_name_hash(f"{field}:{name}")).bitwise_and(0xFFFFFFFF)
-    key = key.to(torch.int32)
+    key = count.mul(0x9E3779B9).add(_name_hash(f"{field}:{name}")).bitwise_and(0xFFFFFFFF).to(torch.int32)
     # a single count stays 0-dim: a DTensor takes it as a scalar, where a (1, 1) tensor would be made a
     # replicated DTensor (with a warning) at every operation of the hash
     return key.reshape(*key.shape, *[1] * trailing) if key.ndim else key
@@ -207,17 +206,8 @@ def _name_hash(name: str) -> int:
     return zlib.crc32(name.encode())
 
 
-def _widened_state(held: TensorDictBase, names: list[str]) -> list[torch.Tensor]:
-    return [x.float() for x in named_leaves(held, names)]
-
-
 def _kept(
-    field: str,
-    held: TensorDictBase,
-    names: Sequence[str],
-    wide: Sequence[torch.Tensor],
-    counts: Sequence[torch.Tensor],
-    donate: bool,
+    field: str, held: TensorDictBase, names: list[str], wide: list[torch.Tensor], counts: list[Any], donate: bool
 ) -> list[torch.Tensor]:
     """The new values ``wide`` (fp32) of the bf16 state entry ``field``, rounded stochastically (see
     :func:`stochastic_round`); donated, written into ``held``."""
@@ -281,7 +271,7 @@ def ema_momentum(
             buf = kept = _lerp(named_leaves(held, names), g, 1 - mu, inplace=donate_state)  # b ← μ b + (1 − μ) g
         else:  # computed in fp32, kept in state_dtype
             g, writable = [x.float() for x in g], donate_state or state_dtype != torch.float32
-            buf = _lerp(_widened_state(held, names), g, 1 - mu, inplace=writable)
+            buf = _lerp([x.float() for x in named_leaves(held, names)], g, 1 - mu, inplace=writable)
             narrow = state_dtype == torch.bfloat16
             kept = _kept("momentum", held, names, buf, counts, donate_state) if narrow else buf
         new = {"momentum": replaced(held, names, kept)}
@@ -733,7 +723,7 @@ def _adam(
     starts_m, starts_v = named_leaves(held_m, names), named_leaves(held_v, names)
     writable = donate
     if state_dtype is not None:  # computed in fp32
-        starts_m, starts_v, g = _widened_state(held_m, names), _widened_state(held_v, names), [x.float() for x in g]
+        starts_m, starts_v, g = [x.float() for x in starts_m], [x.float() for x in starts_v], [x.float() for x in g]
         writable = donate or state_dtype != torch.float32
     m = _lerp(starts_m, g, 1.0 - b1, inplace=writable)
     v = _foreach("mul", starts_v, b2, inplace=writable)
@@ -1095,7 +1085,7 @@ def scale_by_element_rms(
         held = state["exp_avg_sq"]
         if counted:
             counts, t = _counted(named_leaves(state["step"], names), donate_state)
-        starts = _widened_state(held, names) if state_dtype is not None else named_leaves(held, names)
+        starts = [x if state_dtype is None else x.float() for x in named_leaves(held, names)]
         writable = donate_state or state_dtype == torch.bfloat16
         v = _lerp(starts, _foreach("mul", values, values), 1 - _number(beta), inplace=writable)
         kept = _kept("exp_avg_sq", held, names, v, counts, donate_state) if state_dtype == torch.bfloat16 else v
