@@ -278,13 +278,12 @@ def ema_momentum(
         if counted:
             new["step"] = replaced(state["step"], names, counts)
         if bias_correction:
-            members = grads.batch_dims
             if nesterov:
-                moment = _per_leaf(_corrections(t, mu, 1.0).reciprocal().mul(mu), buf, members)
-                gradient = _per_leaf(_corrections(t, mu).reciprocal().mul(1 - mu), g, members)
+                moment = _per_leaf(_corrections(t, mu, 1.0).reciprocal().mul(mu), buf, grads.batch_dims)
+                gradient = _per_leaf(_corrections(t, mu).reciprocal().mul(1 - mu), g, grads.batch_dims)
                 u = _foreach("add", _foreach("mul", buf, moment), _foreach("mul", g, gradient), inplace=True)
             else:
-                u = _foreach("div", buf, _per_leaf(_corrections(t, mu), buf, members))
+                u = _foreach("div", buf, _per_leaf(_corrections(t, mu), buf, grads.batch_dims))
         elif nesterov == "add":
             u = _foreach("add", g, buf)
         elif nesterov:
@@ -522,10 +521,8 @@ def _decayed(
         added = _foreach("add", u, p, alpha=factor, inplace=inplace)
     if mask is None:
         return added
-    out = list(updates)
-    for i, a in zip(at, added):
-        out[i] = a
-    return out
+    decayed = dict(zip(at, added))
+    return [decayed.get(i, x) for i, x in enumerate(updates)]
 
 
 def add_decayed_weights(weight_decay: Scalar = 0.0, *, mask: MaskLike = None, cautious: bool = False) -> Transform:
