@@ -157,8 +157,7 @@ def _zeros(params: TensorDictBase, dtype: Callable[[torch.dtype], torch.dtype] =
 
 def _counts(params: TensorDictBase) -> TensorDictBase:
     """A step count of zero per leaf (per ensemble member), a DTensor param's replicated on its mesh."""
-    size = params.batch_size
-    return build({n: p.new_zeros(size, dtype=torch.int64) for n, p in params.items()}, size)
+    return build({n: p.new_zeros(params.batch_size, dtype=torch.int64) for n, p in params.items()}, params.batch_size)
 
 
 # ---------------------------------------------------------------------------------------------- narrowed state
@@ -272,8 +271,7 @@ def ema_momentum(
         else:  # computed in fp32, kept in state_dtype
             g, writable = [x.float() for x in g], donate_state or state_dtype != torch.float32
             buf = _lerp([x.float() for x in named_leaves(held, names)], g, 1 - mu, inplace=writable)
-            narrow = state_dtype == torch.bfloat16
-            kept = _kept("momentum", held, names, buf, counts, donate_state) if narrow else buf
+            kept = _kept("momentum", held, names, buf, counts, donate_state) if state_dtype == torch.bfloat16 else buf
         new = {"momentum": replaced(held, names, kept)}
         if counted:
             new["step"] = replaced(state["step"], names, counts)
@@ -634,9 +632,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule) -> Transform:
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
         lr, new = _rate(learning_rate, state, grads)
         values = list(grads.values())
-        out = _foreach(
-            "mul", values, _times(-lr if not isinstance(lr, torch.Tensor) else lr.neg(), values, grads.batch_dims)
-        )
+        out = _foreach("mul", values, _times(-lr, values, grads.batch_dims))
         return build(dict(zip(grads.keys(), cast_like(out, values))), grads.batch_size), build(new, state.batch_size)
 
     return transform(lambda params: build(_schedule_state(learning_rate, params), params.batch_size), update)
@@ -718,10 +714,9 @@ def _adam(
         _refuse_memory_mapped("adam", "exp_avg", held_m)
     counts, t = _counted(named_leaves(state["step"], names), donate)
     starts_m, starts_v = named_leaves(held_m, names), named_leaves(held_v, names)
-    writable = donate
+    writable = donate or state_dtype == torch.bfloat16  # (a bf16 state's widened copies are this step's)
     if state_dtype is not None:  # computed in fp32
         starts_m, starts_v, g = [x.float() for x in starts_m], [x.float() for x in starts_v], [x.float() for x in g]
-        writable = donate or state_dtype != torch.float32
     m = _lerp(starts_m, g, 1.0 - b1, inplace=writable)
     v = _foreach("mul", starts_v, b2, inplace=writable)
     v = _foreach("addcmul", v, g, g, value=1.0 - b2, inplace=writable or may_write_into(*g))
