@@ -365,13 +365,12 @@ def _checked_views(views: ViewsLike, tree: TensorDictBase) -> list[MatrixView]:
 
 
 def check_views(where: str, views: object) -> None:
-    if views is None or (callable(views) and not isinstance(views, Mapping)):
-        return
-    if not isinstance(views, Mapping):
+    if isinstance(views, Mapping):
+        for name, view in views.items():
+            if not isinstance(view, MatrixView):
+                raise TypeError(f"{where}: {name!r} maps to {view!r}; a view must be a muonfn.MatrixView")
+    elif views is not None and not callable(views):
         raise TypeError(f"{where} must be a mapping of names to MatrixView, a callable (name, tensor) -> view, or None")
-    for name, view in views.items():
-        if not isinstance(view, MatrixView):
-            raise TypeError(f"{where}: {name!r} maps to {view!r}; a view must be a muonfn.MatrixView")
 
 
 def _orthogonalizing(
