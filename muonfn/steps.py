@@ -1010,8 +1010,10 @@ def scale_by_neuron_norm(
         denominators = _foreach("add", _foreach("sqrt", new), eps)
         out = []
         for o, view, matrices, d in zip(given, leaf_views, blocks, denominators):
-            # each block's rows: a column-split view's side by side in d, the others' stacked (one block unfused)
-            parts = d.split(1, dim=2) if view.split_dim == 1 else d.split([b.size(1) for b in matrices], dim=1)
+            if view.split is None:
+                parts = [d]
+            else:  # a column-split view's blocks side by side in d, a row-split one's stacked
+                parts = d.split(1, dim=2) if view.split_dim == 1 else d.split(list(view.split), dim=1)
             adapted = [_rescaled(b / p, b, rescale, eps) for b, p in zip(matrices, parts)]
             out.append(view.from_matrices(adapted, o.shape))
         # donated, the views were written in place: the state keeps its own tensors
