@@ -17,7 +17,7 @@ one intra-op thread is; multithreaded CPU BLAS may pick kernels by batch size).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeAlias, get_args
 
 import torch
@@ -65,9 +65,9 @@ class ShardedOrthogonalizer:
         def make() -> Plan:
             strategy, cap, split = self.strategy, self.bucket_numel, self.replicated == "split"
             plan = make_plan(group, members, strategy, cap, split_replicated=split, pipelined=self.overlap)
-            return plan.with_leaves([])  # the cache keeps no tensors alive
+            return replace(plan, leaves=[])  # the cache keeps no tensors alive
 
-        return cached(self._plans, group, members, make).with_leaves(members)
+        return replace(cached(self._plans, group, members, make), leaves=members)
 
     def check(self, names: Sequence[str], tensors: Sequence[torch.Tensor], views: Sequence[MatrixView]) -> None:
         """The refusals of DTensor leaves that need no collective (a ShardSpec of their own,

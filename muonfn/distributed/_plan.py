@@ -30,7 +30,7 @@ import functools
 import itertools
 import math
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeAlias, TypeVar
 
@@ -50,6 +50,15 @@ from ._layout import (
 )
 
 T = TypeVar("T")
+K = TypeVar("K", bound=Hashable)
+
+
+def grouped(items: Iterable[T], key: Callable[[T], K]) -> dict[K, list[T]]:
+    """``items`` by ``key``, keys in order of first appearance."""
+    groups: dict[K, list[T]] = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item)
+    return groups
 
 
 @dataclass
@@ -128,11 +137,8 @@ def describe(
 
 def by_group(leaves: list[Leaf]) -> list[tuple[Any, list[Leaf]]]:
     """The sharded leaves by the group they are sharded over, groups in order of first appearance."""
-    groups: dict[int, tuple[Any, list[Leaf]]] = {}
-    for leaf in leaves:
-        if leaf.group is not None:
-            groups.setdefault(id(leaf.group), (leaf.group, []))[1].append(leaf)
-    return list(groups.values())
+    sharded = grouped((leaf for leaf in leaves if leaf.group is not None), lambda leaf: id(leaf.group))
+    return [(members[0].group, members) for members in sharded.values()]
 
 
 def cached(cache: dict[Any, T], group: Any, leaves: list[Leaf], make: Callable[[], T]) -> T:
@@ -304,10 +310,6 @@ class Plan:
     rounds: list[Batch]
     gram: list[GramBatch]
 
-    def with_leaves(self, leaves: list[Leaf]) -> Plan:
-        """This plan for this step's tensors (same signatures)."""
-        return Plan(self.group, leaves, self.layouts, self.local, self.units, self.rounds, self.gram)
-
 
 def gram_flip(leaf: Leaf, layout: Layout) -> bool | None:
     """Whether Gram Newton–Schulz applies: a 2-D matrix without split, no replicas, each rank
@@ -439,6 +441,7 @@ def make_plan(
     for leaf, layout in zip(leaves, layouts):
         leaf.view.check(leaf.name, layout.shape)
     w, me = group.world_size, group.rank
+    types = [(leaf.local.dtype, leaf.local.device) for leaf in leaves]
     local: list[bool] = []
     units: list[Unit] = []
     gram: dict[tuple[Any, ...], GramBatch] = {}
@@ -459,7 +462,7 @@ def make_plan(
                     load[r] += cost
         elif flip is not None:
             columns = tuple(box[0 if flip else 1] for box in layout.boxes)  # the long side's blocks
-            key = (layout.shape[::-1] if flip else layout.shape, columns, leaf.local.dtype, leaf.local.device)
+            key = (layout.shape[::-1] if flip else layout.shape, columns, *types[i])
             gram.setdefault(key, []).append((i, flip))
             load = [x + cost // w for x in load]
         else:
@@ -475,17 +478,8 @@ def make_plan(
     order = _assign_owners(units, [u for u, unit in enumerate(units) if not unit.gathered], load)
     batches = []
     for gathered, members in ((True, gathered_units), (False, order)):
-        for same in _by_shape(units, members) if pipelined else [members]:
+        for same in grouped(members, lambda u: units[u].shape).values() if pipelined else [members]:
             for round_units in _rounds(units, same, bucket_numel):
-                by_type: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-                for u in sorted(round_units):
-                    tensor = leaves[units[u].leaf].local
-                    by_type.setdefault((tensor.dtype, tensor.device), []).append(u)
+                by_type = grouped(sorted(round_units), lambda u: types[units[u].leaf])
                 batches += [_batch(units, us, gathered, me, w, *key) for key, us in by_type.items()]
     return Plan(group, leaves, layouts, local, units, batches, list(gram.values()))
-
-
-def _by_shape(units: list[Unit], members: list[int]) -> list[list[int]]:
-    """``members`` grouped by unit shape, groups in order of first appearance."""
-    shapes = dict.fromkeys(units[u].shape for u in members)
-    return [[u for u in members if units[u].shape == shape] for shape in shapes]

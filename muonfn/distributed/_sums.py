@@ -19,7 +19,7 @@ from .._tree import named_table
 from ..linalg import DEFAULT_VIEW
 from ._collectives import Collectives, check_collectives
 from ._layout import Box, Layout, ShardSpec, checked_shard_specs, copy_into, copy_out
-from ._plan import by_group, cached, describe, handshake
+from ._plan import by_group, cached, describe, grouped, handshake
 
 
 class ShardSums:
@@ -66,9 +66,7 @@ def _reduced(sums: list[Any]) -> list[torch.Tensor]:
     from torch.distributed.tensor import Replicate
 
     out: list[torch.Tensor] = list(sums)
-    batches: dict[tuple[int, tuple[Any, ...]], list[int]] = {}
-    for i, s in enumerate(sums):
-        batches.setdefault((id(s.device_mesh), tuple(s.placements)), []).append(i)
+    batches = grouped(range(len(sums)), lambda i: (id(sums[i].device_mesh), tuple(sums[i].placements)))
     for (_, placements), members in batches.items():
         mesh = sums[members[0]].device_mesh
         done = [Replicate() if p.is_partial() else p for p in placements]
