@@ -142,8 +142,7 @@ def _start(group: Collectives, operation: str, overlap: bool, *args: Any) -> Han
     """``operation``'s ``*_async`` form when ``overlap`` and the group has one; else the blocking form, finished."""
     start = getattr(group, f"{operation}_async", None) if overlap else None
     if start is not None:
-        handle: Handle = start(*args)
-        return handle
+        return start(*args)
     getattr(group, operation)(*args)
     return FINISHED
 
@@ -177,8 +176,7 @@ class TorchCollectives(AsyncCollectives):
         return self._world_size
 
     def all_gather_into_tensor_async(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
-        work: Handle = dist.all_gather_single(output, input, group=self.group, async_op=True)  # (a Handle itself)
-        return work
+        return dist.all_gather_single(output, input, group=self.group, async_op=True)  # (a Handle itself)
 
     def all_to_all_single_async(
         self,
@@ -187,10 +185,9 @@ class TorchCollectives(AsyncCollectives):
         output_split_sizes: Sequence[int],
         input_split_sizes: Sequence[int],
     ) -> Handle:
-        work: Handle = dist.all_to_all_single(
+        return dist.all_to_all_single(
             output, input, list(output_split_sizes), list(input_split_sizes), group=self.group, async_op=True
         )
-        return work
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor, group=self.group)
