@@ -205,9 +205,8 @@ class _Run:
         if "rank preservation" not in skip and g.dtype in (torch.float32, torch.float64):
             self.check_rank(o)
         if "transpose symmetry" not in skip:
-            out = self.call(g.mT, "f(Gᵀ)")
-            claim = "f(Gᵀ)ᵀ differs from f(G)"
-            self.compare("transpose symmetry", self.in_basis(out.mT, sp.u, sp.v), o_basis, claim, symmetry)
+            out = self.in_basis(self.call(g.mT, "f(Gᵀ)").mT, sp.u, sp.v)
+            self.compare("transpose symmetry", out, o_basis, "f(Gᵀ)ᵀ differs from f(G)", symmetry)
         calls: list[_Call] = [("G", g, o_basis, sp.u, sp.v)]
         if "orthogonal equivariance" not in skip:
             generator = torch.Generator().manual_seed(self.case.rotation_seed)
@@ -215,10 +214,9 @@ class _Run:
             q1 = torch.stack([orthogonal(m, generator) for _ in range(count)]).reshape(*self.batch, m, m)
             q2 = torch.stack([orthogonal(n, generator) for _ in range(count)]).reshape(*self.batch, n, n)
             rotated = (q1 @ sp.exact() @ q2.mT).to(g.dtype)
-            out = self.call(rotated, "f(Q₁GQ₂ᵀ)")
             # Q₁GQ₂ᵀ has singular vectors Q₁U, Q₂V: in them, f(Q₁GQ₂ᵀ) must look as f(G) does in U, V
             u, v = q1 @ sp.u, q2 @ sp.v
-            out_basis = self.in_basis(out, u, v)
+            out_basis = self.in_basis(self.call(rotated, "f(Q₁GQ₂ᵀ)"), u, v)
             claim = "f(Q₁GQ₂ᵀ) differs from Q₁f(G)Q₂ᵀ for Haar-random orthogonal Q₁, Q₂"
             self.compare("orthogonal equivariance", out_basis, o_basis, claim, self.tol.equivariance, rotated)
             calls.append(("Q₁GQ₂ᵀ", rotated, out_basis, u, v))

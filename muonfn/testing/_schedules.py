@@ -31,11 +31,10 @@ def _critical_points(t: Triple) -> list[float]:
     """Real zeros of :math:`p'(x) = a + 3b x^2 + 5c x^4`, both signs."""
     a, b, c = t
     disc = 9 * b * b - 20 * a * c
-    if c == 0.0:
-        squares = [-a / (3 * b)] if b != 0.0 else []
-    elif disc < 0:
-        squares = []
-    else:  # the numerically stable pair of roots of 5c·y² + 3b·y + a = 0
+    squares = []
+    if c == 0.0 and b != 0.0:
+        squares = [-a / (3 * b)]
+    elif c != 0.0 and disc >= 0:  # the numerically stable pair of roots of 5c·y² + 3b·y + a = 0
         q = -0.5 * (3 * b + math.copysign(math.sqrt(disc), b))
         squares = [q / (5 * c), a / q] if q != 0.0 else []
     return [sign * math.sqrt(y) for y in squares if y > 0 for sign in (1.0, -1.0)]
@@ -108,11 +107,8 @@ def scalar_map(
         tensor([1.0000, 1.0000, 1.0000], dtype=torch.float64)
     """
     schedule = ns_schedule(coefficients, steps)
-    if sigma is None:
-        x = torch.linspace(0.0, 1.0, 1001, dtype=torch.float64)
-    else:
-        x = sigma.to(torch.float64) if isinstance(sigma, torch.Tensor) else torch.tensor(sigma, dtype=torch.float64)
-    x = x / schedule.norm_factor
+    x = torch.linspace(0.0, 1.0, 1001, dtype=torch.float64) if sigma is None else sigma
+    x = torch.as_tensor(x, dtype=torch.float64) / schedule.norm_factor
     for t in schedule.triples:
         x = _quintic(t, x)
     return x

@@ -242,9 +242,7 @@ def simulate(
     failed = [(r, e) for r, future in enumerate(futures) if (e := future.exception()) is not None]
     if failed:
         # the rank that failed first, not one that was aborted because of it
-        rank, error = next(
-            ((r, e) for r, e in failed if "aborted because another rank failed" not in str(e)), failed[0]
-        )
+        rank, error = min(failed, key=lambda failure: "aborted because another rank failed" in str(failure[1]))
         error.add_note(f"(raised on simulated rank {rank} of {world_size})")
         raise error
     return [future.result() for future in futures]

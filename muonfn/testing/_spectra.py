@@ -94,8 +94,7 @@ def orthonormal_columns(rows: int, cols: int, generator: torch.Generator) -> tor
         True
     """
     q, r = torch.linalg.qr(torch.randn(rows, cols, generator=generator, dtype=torch.float64))
-    signs = torch.sign(torch.diagonal(r))
-    return q * torch.where(signs == 0, 1.0, signs)
+    return q * torch.where(torch.diagonal(r) < 0, -1.0, 1.0)
 
 
 def orthogonal(n: int, generator: torch.Generator) -> torch.Tensor:
@@ -142,8 +141,7 @@ def with_spectrum(m: int, n: int, singular_values: Sequence[float], generator: t
         raise ValueError(f"{len(values)} singular values do not fit a {m}×{n} matrix")
     if any(not (math.isfinite(x) and x >= 0) for x in values):
         raise ValueError(f"singular values must be finite and >= 0, got {values}")
-    s = torch.zeros(k, dtype=torch.float64)
-    s[: len(values)] = torch.tensor(sorted(values, reverse=True), dtype=torch.float64)
+    s = torch.tensor(sorted(values, reverse=True) + [0.0] * (k - len(values)), dtype=torch.float64)
     u, v = orthogonal(m, generator), orthogonal(n, generator)
     return Spectral((u[:, :k] * s) @ v[:, :k].T, u, s, v)
 
@@ -175,25 +173,22 @@ def _spectrum(draw: st.DrawFn, kind: SpectrumKind, rank: int, condition_number: 
     return [max(x / top_value, 1 / condition_number) for x in values]
 
 
-def _shape(draw: st.DrawFn, kind: ShapeKind, lo: int, hi: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(tensor shape, matrix shape) for a shape kind, matrix sides in ``[lo, hi]``."""
+def _shape(draw: st.DrawFn, kind: ShapeKind, lo: int, hi: int) -> tuple[int, ...]:
+    """A tensor shape of a shape kind whose matrix sides are in ``[lo, hi]``."""
     if kind == "square":
-        m = draw(st.integers(lo, hi))
-        return (m, m), (m, m)
+        return (draw(st.integers(lo, hi)),) * 2
     if kind in ("wide", "tall"):
         short = draw(st.integers(lo, hi - 1))
         long = draw(st.integers(short + 1, hi))
-        return ((short, long), (short, long)) if kind == "wide" else ((long, short), (long, short))
+        return (short, long) if kind == "wide" else (long, short)
     if kind == "batched":
         batch = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=2)))
-        m, n = draw(st.integers(lo, hi)), draw(st.integers(lo, hi))
-        return (*batch, m, n), (*batch, m, n)
+        return (*batch, draw(st.integers(lo, hi)), draw(st.integers(lo, hi)))
     # conv: (out, in, *kernel), seen as (out, in·∏kernel)
     out = draw(st.integers(lo, hi))
     kernel = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=2)))
     least = max(1, -(-lo // math.prod(kernel)))  # so that in·∏kernel >= lo
-    fan_in = draw(st.integers(least, max(least, hi // 2)))
-    return (out, fan_in, *kernel), (out, fan_in * math.prod(kernel))
+    return (out, draw(st.integers(least, max(least, hi // 2))), *kernel)
 
 
 def _laid_out(g: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -298,7 +293,8 @@ def matrices(
     @st.composite
     def draw_matrix(draw: st.DrawFn) -> Spectral:
         kind = draw(st.sampled_from([k for k in kinds if k not in ("wide", "tall") or max_side > lo]))
-        shape, (*batch, m, n) = _shape(draw, kind, lo, max_side)
+        shape = _shape(draw, kind, lo, max_side)
+        *batch, m, n = (shape[0], math.prod(shape[1:])) if kind == "conv" else shape
         k = min(m, n)
         if fixed is not None:
             rank = len(fixed)
