@@ -117,10 +117,6 @@ def _cases(draw: st.DrawFn, matrix_strategy: st.SearchStrategy[Spectral], min_no
     return _Case(sp, seed, tuple(alphas))
 
 
-# (name, input, its output's well-conditioned block in the input's singular vectors, those vectors U, V)
-_Call: TypeAlias = tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-
-
 @dataclass
 class _Run:
     """Checks one example; every message says which invariant broke and on which input."""
@@ -207,7 +203,8 @@ class _Run:
         if "transpose symmetry" not in skip:
             out = self.in_basis(self.call(g.mT, "f(Gᵀ)").mT, sp.u, sp.v)
             self.compare("transpose symmetry", out, o_basis, "f(Gᵀ)ᵀ differs from f(G)", symmetry)
-        calls: list[_Call] = [("G", g, o_basis, sp.u, sp.v)]
+        # (name, input, its output in the input's singular vectors, those vectors U, V) of every call on a G
+        calls = [("G", g, o_basis, sp.u, sp.v)]
         if "orthogonal equivariance" not in skip:
             generator = torch.Generator().manual_seed(self.case.rotation_seed)
             count, (m, n) = math.prod(self.batch), sp.matrix_shape[-2:]
