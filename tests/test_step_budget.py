@@ -47,7 +47,7 @@ COUNTS = ("lines", "functions", "files")
 
 #: The figures measured when the budget test was written: none may grow.
 CEILINGS: dict[str, Any] = {
-    "package_code_lines": 5570,
+    "package_code_lines": 5548,
     "core_code_lines": 2721,
     "muon_keywords": 20,
     "functional_cpu": {"lines": 241, "functions": 48, "files": 6},
