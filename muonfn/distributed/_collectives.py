@@ -13,7 +13,6 @@ run the blocking call and hand back a finished :class:`Handle`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -164,7 +163,7 @@ class TorchCollectives(AsyncCollectives):
         self._rank = dist.get_rank(group)
         self._world_size = dist.get_world_size(group)
         self._submeshes: dict[tuple[Any, ...], tuple[TorchCollectives, tuple[int, ...]]] = {}
-        self._by_mesh: dict[int, tuple[DeviceMesh, tuple[TorchCollectives, tuple[int, ...]]]] = {}
+        self._by_mesh: dict[DeviceMesh, tuple[TorchCollectives, tuple[int, ...]]] = {}
         settle_gloo_workers_at_exit()
 
     @property
@@ -197,8 +196,7 @@ class TorchCollectives(AsyncCollectives):
 
         ``mesh`` is the mesh of a DTensor leaf: this group's own mesh, or a sub-mesh of it.
         """
-        seen = self._by_mesh.get(id(mesh))
-        if seen is None or seen[0] is not mesh:
+        if mesh not in self._by_mesh:  # (a mesh caches its hash: no look at its ranks)
             mesh_ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
             key = (tuple(mesh.mesh.shape), tuple(mesh_ranks))
             if key not in self._submeshes:
@@ -209,8 +207,8 @@ class TorchCollectives(AsyncCollectives):
                     )
                 collectives = self if sorted(mesh_ranks) == sorted(self.ranks) else torch_collectives(mesh)
                 self._submeshes[key] = (collectives, tuple(collectives.ranks.index(r) for r in mesh_ranks))
-            seen = self._by_mesh[id(mesh)] = (mesh, self._submeshes[key])  # keeps the mesh, so its id stays its own
-        return seen[1]
+            self._by_mesh[mesh] = self._submeshes[key]
+        return self._by_mesh[mesh]
 
     def __repr__(self) -> str:
         return f"TorchCollectives(rank={self.rank}, world_size={self.world_size}, ranks={self.ranks})"
@@ -248,13 +246,6 @@ def torch_collectives(mesh_or_group: DeviceMesh | ProcessGroup) -> TorchCollecti
     return TorchCollectives((mesh if mesh.ndim == 1 else mesh._flatten()).get_group(), mesh)
 
 
-@dataclass
-class _Counters:
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    calls: dict[str, int] = field(default_factory=dict)
-
-
 class CountingCollectives(AsyncCollectives):
     """Wraps a :class:`Collectives` and counts what this rank moves over the wire.
 
@@ -265,10 +256,11 @@ class CountingCollectives(AsyncCollectives):
     methods start the wrapped collectives' own, or block when those have none.
     """
 
-    def __init__(self, inner: Collectives, _counters: _Counters | None = None) -> None:
+    def __init__(self, inner: Collectives, _root: CountingCollectives | None = None) -> None:
         self.inner = inner
-        self._counters = _counters if _counters is not None else _Counters()
+        self._root = self if _root is None else _root  # the wrapper whose counters a sub-mesh's adds to
         self._wrapped: dict[int, CountingCollectives] = {}
+        self.reset()
 
     @property
     def rank(self) -> int:
@@ -279,25 +271,18 @@ class CountingCollectives(AsyncCollectives):
         return self.inner.world_size
 
     @property
-    def bytes_sent(self) -> int:
-        return self._counters.bytes_sent
-
-    @property
-    def bytes_received(self) -> int:
-        return self._counters.bytes_received
-
-    @property
     def calls(self) -> dict[str, int]:
-        return dict(self._counters.calls)
+        return dict(self._calls)
 
     def reset(self) -> None:
-        self._counters.bytes_sent = self._counters.bytes_received = 0
-        self._counters.calls.clear()
+        self.bytes_sent = self.bytes_received = 0
+        self._calls: dict[str, int] = {}
 
     def _count(self, name: str, sent: int, received: int) -> None:
-        self._counters.bytes_sent += sent
-        self._counters.bytes_received += received
-        self._counters.calls[name] = self._counters.calls.get(name, 0) + 1
+        root = self._root
+        root.bytes_sent += sent
+        root.bytes_received += received
+        root._calls[name] = root._calls.get(name, 0) + 1
 
     def all_gather_into_tensor_async(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
         moved = (self.world_size - 1) * input.nbytes
@@ -331,5 +316,5 @@ class CountingCollectives(AsyncCollectives):
         if inner is self.inner:
             return self, coords
         if id(inner) not in self._wrapped:
-            self._wrapped[id(inner)] = CountingCollectives(inner, self._counters)
+            self._wrapped[id(inner)] = CountingCollectives(inner, self._root)
         return self._wrapped[id(inner)], coords

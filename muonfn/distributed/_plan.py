@@ -73,17 +73,21 @@ class Leaf:
     mesh_shape: tuple[int, ...] | None = None
     placements: tuple[Any, ...] | None = None
     coords: tuple[int, ...] | None = None  # group rank of each mesh coordinate, row-major
-    shape: tuple[int, ...] | None = None  # global shape, known up front for DTensors
-    spec: ShardSpec | None = None
+    # global shape, known up front for DTensors and replicated tensors; else (ShardSpec leaves)
+    # worked out from every rank's local shape
+    shape: tuple[int, ...] | None = None
+    dim: int | None = None  # a ShardSpec(dim)'s: blocks of any sizes along it
     replicated: bool = False  # a plain tensor every rank of the group holds whole
     wrap: Callable[[torch.Tensor], torch.Tensor] = field(default=lambda t: t)
 
+    def described(self) -> tuple[Any, ...]:
+        """What every rank of the group must agree on."""
+        layout = (self.shape, self.local.ndim, self.mesh_shape, self.placements, self.coords, self.dim, self.replicated)
+        return (self.name, *layout, self.local.dtype, self.view)
+
     def signature(self) -> tuple[Any, ...]:
         """What the plan depends on."""
-        spec = None if self.spec is None else (self.spec.dim, self.spec.placements, self.spec.mesh_shape)
-        local_shape = tuple(self.local.shape) if self.spec is not None else None
-        layout = (self.shape, local_shape, self.mesh_shape, self.placements, self.coords, spec, self.replicated)
-        return (self.name, *layout, self.local.dtype, self.local.device, self.view)
+        return (*self.described(), tuple(self.local.shape), self.local.device)
 
 
 def check_dtensor_leaf(name: str, value: Any, spec: ShardSpec | None, collectives: Any) -> None:
@@ -129,7 +133,7 @@ def describe(
                 f"{name!r}: ShardSpec mesh_shape {spec.mesh_shape} does not match a group of {group.world_size} ranks"
             )
         coords = tuple(range(group.world_size))
-        return Leaf(index, name, value, view, group, spec.mesh_shape, spec.placements, coords, spec=spec)
+        return Leaf(index, name, value, view, group, spec.mesh_shape, spec.placements, coords, dim=spec.dim)
     if split_replicated and collectives.world_size > 1:
         return Leaf(index, name, value, view, collectives, shape=tuple(value.shape), replicated=True)
     return Leaf(index, name, value, view)
@@ -153,13 +157,9 @@ def cached(cache: dict[Any, T], group: Any, leaves: list[Leaf], make: Callable[[
 
 def handshake(group: Any, leaves: Sequence[Leaf]) -> list[Layout]:
     """Checks that every rank of ``group`` passes the same leaves; returns their layouts, from every
-    rank's local shape of each ShardSpec leaf (a DTensor's global shape is known)."""
-    described = "|".join(
-        f"{leaf.name}:{leaf.shape}:{leaf.local.ndim}:{leaf.local.dtype}:{leaf.view}:{leaf.placements}:"
-        f"{None if leaf.spec is None else leaf.spec.dim}:{leaf.replicated}"
-        for leaf in leaves
-    )
-    payload = [n for leaf in leaves if leaf.spec is not None for n in leaf.local.shape]
+    rank's local shape of each leaf whose global shape is not known up front (ShardSpec leaves)."""
+    described = "|".join(str(leaf.described()) for leaf in leaves)
+    payload = [n for leaf in leaves if leaf.shape is None for n in leaf.local.shape]
     device, w = leaves[0].local.device, group.world_size
 
     def gathered(values: list[int]) -> list[list[int]]:
@@ -175,38 +175,36 @@ def handshake(group: Any, leaves: Sequence[Leaf]) -> list[Layout]:
             f"{group.rank} ({[leaf.name for leaf in leaves]}); every rank must pass gradients for the same "
             "parameters, with the same views, dtypes and shard specs"
         )
-    shapes: list[list[tuple[int, ...]] | None] = [None] * len(leaves)
+    shapes: list[list[tuple[int, ...]]] = [[] for _ in leaves]
     if payload:
         table, offset = gathered(payload), 0
         for i, leaf in enumerate(leaves):
-            if leaf.spec is not None:
+            if leaf.shape is None:
                 shapes[i] = [tuple(row[offset : offset + leaf.local.ndim]) for row in table]
                 offset += leaf.local.ndim
     return [layout_of(leaf, s) for leaf, s in zip(leaves, shapes)]
 
 
-def layout_of(leaf: Leaf, local_shapes: Sequence[Sequence[int]] | None) -> Layout:
-    """The leaf's layout over its group, checked against the local shapes known."""
+def layout_of(leaf: Leaf, local_shapes: Sequence[Sequence[int]]) -> Layout:
+    """The leaf's layout over its group, checked against every rank's ``local_shapes`` (those of a leaf
+    whose global shape is not known up front), else against this rank's."""
     if leaf.replicated:
         assert leaf.shape is not None
         return replicated_layout(leaf.shape, leaf.group.world_size)
     try:
-        if leaf.spec is not None and leaf.spec.dim is not None:
-            assert local_shapes is not None
+        if leaf.dim is not None:
             ndim = leaf.local.ndim
-            if not -ndim <= leaf.spec.dim < ndim:
-                raise ValueError(f"ShardSpec dim {leaf.spec.dim} is out of range for a {ndim}-D leaf")
-            return sizes_layout(local_shapes, leaf.spec.dim % ndim)
+            if not -ndim <= leaf.dim < ndim:
+                raise ValueError(f"ShardSpec dim {leaf.dim} is out of range for a {ndim}-D leaf")
+            return sizes_layout(local_shapes, leaf.dim % ndim)
         assert leaf.mesh_shape is not None and leaf.placements is not None and leaf.coords is not None
-        if leaf.shape is None:
-            assert local_shapes is not None
+        shape = leaf.shape
+        if shape is None:
             shape = placement_global_shape(local_shapes, leaf.mesh_shape, leaf.placements, leaf.coords)
-        else:
-            shape = leaf.shape
         layout = placement_layout(shape, leaf.mesh_shape, leaf.placements, leaf.coords)
     except (ValueError, NotImplementedError) as e:
         raise type(e)(f"{leaf.name!r}: {e}") from None
-    known = dict(enumerate(local_shapes)) if local_shapes is not None else {leaf.group.rank: leaf.local.shape}
+    known = dict(enumerate(local_shapes)) or {leaf.group.rank: leaf.local.shape}
     for r, actual in known.items():
         if layout.local_shape(r) != tuple(actual):
             raise ValueError(
@@ -438,8 +436,6 @@ def make_plan(
     module docstring); ``pipelined``: every round holds one shape.
     """
     layouts = handshake(group, leaves)
-    for leaf, layout in zip(leaves, layouts):
-        leaf.view.check(leaf.name, layout.shape)
     w, me = group.world_size, group.rank
     types = [(leaf.local.dtype, leaf.local.device) for leaf in leaves]
     local: list[bool] = []
@@ -447,6 +443,7 @@ def make_plan(
     gram: dict[tuple[Any, ...], GramBatch] = {}
     load = [0] * w
     for i, (leaf, layout) in enumerate(zip(leaves, layouts)):
+        leaf.view.check(leaf.name, layout.shape)
         k = leaf.view.batch_dims
         shape = layout.shape[k:]
         cost = int(sum(newton_schulz_flops(r, c, 1) for r, c in unit_view(leaf.view).blocks(shape)))

@@ -19,7 +19,7 @@ from .._tree import named_table
 from ..linalg import DEFAULT_VIEW
 from ._collectives import Collectives, check_collectives
 from ._layout import Box, Layout, ShardSpec, checked_shard_specs, copy_into, copy_out
-from ._plan import by_group, cached, describe, grouped, handshake
+from ._plan import Leaf, by_group, cached, describe, grouped, handshake
 
 
 class ShardSums:
@@ -45,62 +45,58 @@ class ShardSums:
             for i, (name, value) in enumerate(zip(names, tensors))
             if name in declared
         ]
-        # the sums of sharded DTensors
-        pending = [i for i, s in enumerate(sums) if any(p.is_partial() for p in getattr(s, "placements", ()))]
-        for i, total in zip(pending, _reduced([sums[i] for i in pending])):
-            out[i] = total
+        _reduce_pending(out)  # the sums of sharded DTensors
         for group, leaves in by_group(sharded):
             # the layouts: exchanged once per set of leaves (every rank in the same order)
             layouts = cached(self._layouts, group, leaves, lambda: handshake(group, leaves))
-            for leaf, total in zip(leaves, _summed(group, layouts, [sums[leaf.index] for leaf in leaves], batch_dims)):
-                out[leaf.index] = total
+            _sum_over_shards(group, layouts, leaves, out, batch_dims)
         return out
 
     def __repr__(self) -> str:
         return f"ShardSums({self.collectives!r}, shard_specs={sorted(map(str, self.shard_specs))})"
 
 
-def _reduced(sums: list[Any]) -> list[torch.Tensor]:
-    """DTensor sums with their pending reductions done (``Partial`` made ``Replicate``), so that
-    what is computed from them stays a plain placement: one ``redistribute`` per mesh and placements."""
+def _reduce_pending(sums: list[Any]) -> None:
+    """Replaces the DTensor sums with a reduction pending by their reduced values (``Partial`` made
+    ``Replicate``), so that what is computed from them stays a plain placement: one ``redistribute``
+    per mesh and placements."""
     from torch.distributed.tensor import Replicate
 
-    out: list[torch.Tensor] = list(sums)
-    batches = grouped(range(len(sums)), lambda i: (id(sums[i].device_mesh), tuple(sums[i].placements)))
+    pending = [i for i, s in enumerate(sums) if any(p.is_partial() for p in getattr(s, "placements", ()))]
+    batches = grouped(pending, lambda i: (id(sums[i].device_mesh), tuple(sums[i].placements)))
     for (_, placements), members in batches.items():
         mesh = sums[members[0]].device_mesh
         done = [Replicate() if p.is_partial() else p for p in placements]
         if any(p.is_shard() for p in placements):  # sharded along ensemble dimensions: unevenly, it cannot be flattened
             for i in members:
-                out[i] = sums[i].redistribute(mesh, done)
+                sums[i] = sums[i].redistribute(mesh, done)
             continue
         flat: Any = torch.cat([sums[i].reshape(-1) for i in members])
         flat = flat.redistribute(mesh, done)
         for i, piece in zip(members, flat.split([sums[i].numel() for i in members])):
-            out[i] = piece.view(sums[i].shape)
-    return out
+            sums[i] = piece.view(sums[i].shape)
 
 
-def _summed(group: Collectives, layouts: list[Layout], sums: list[torch.Tensor], batch_dims: int) -> list[torch.Tensor]:
-    """Every rank's ``sums`` of one group's leaves added up in one ``all_reduce``; this rank's part of each."""
+def _sum_over_shards(
+    group: Collectives, layouts: list[Layout], leaves: list[Leaf], sums: list[torch.Tensor], batch_dims: int
+) -> None:
+    """Every rank's ``sums`` of one group's leaves added up in one ``all_reduce``; replaces each
+    leaf's sum by this rank's part of the total."""
     me = group.rank
     wholes, boxes = [], []
-    for layout, local in zip(layouts, sums):
-        rest = tuple(local.shape[batch_dims:])
-        whole = local.new_zeros((*layout.shape[:batch_dims], *rest))
+    for layout, leaf in zip(layouts, leaves):
+        rest = tuple(sums[leaf.index].shape[batch_dims:])
+        whole = sums[leaf.index].new_zeros((*layout.shape[:batch_dims], *rest))
         box: Box = (*layout.boxes[me][:batch_dims], *(((0, n),) for n in rest))  # where this rank's sums lie
         if layout.replica[me] == 0:  # the other replicas hold the same shards: each element counts once
-            copy_into(whole, local, box)
+            copy_into(whole, sums[leaf.index], box)
         wholes.append(whole)
         boxes.append(box)
     flat = torch.cat([whole.reshape(-1) for whole in wholes])
     group.all_reduce(flat)
-    out = []
-    for total, whole, local, box in zip(flat.split([w.numel() for w in wholes]), wholes, sums, boxes):
-        mine = torch.empty_like(local)
+    for total, whole, leaf, box in zip(flat.split([w.numel() for w in wholes]), wholes, leaves, boxes):
+        mine = sums[leaf.index] = torch.empty_like(sums[leaf.index])
         copy_out(total.view(whole.shape), box, mine)
-        out.append(mine)
-    return out
 
 
 def shard_sums(collectives: Collectives, *, shard_specs: Mapping[Any, ShardSpec] | None = None) -> ShardSums:
