@@ -211,12 +211,6 @@ def sizes_layout(local_shapes: Sequence[Sequence[int]], dim: int) -> Layout:
     return Layout(shape, boxes, tuple(range(len(runs))), (0,) * len(runs))
 
 
-def replicated_layout(shape: Sequence[int], world_size: int) -> Layout:
-    """Every rank of a group of ``world_size`` holds the whole tensor: one position, one replica per rank."""
-    whole: Box = tuple(((0, n),) for n in shape)
-    return Layout(tuple(shape), (whole,) * world_size, (0,) * world_size, tuple(range(world_size)))
-
-
 def _pieces(box: Box) -> list[tuple[tuple[slice, ...], tuple[slice, ...]]]:
     """(global slices, local slices) of every block of a box."""
     per_dim = []

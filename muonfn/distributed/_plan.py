@@ -30,6 +30,7 @@ import functools
 import itertools
 import math
 import zlib
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeAlias, TypeVar
@@ -45,7 +46,6 @@ from ._layout import (
     placement_global_shape,
     placement_kind,
     placement_layout,
-    replicated_layout,
     sizes_layout,
 )
 
@@ -73,16 +73,15 @@ class Leaf:
     mesh_shape: tuple[int, ...] | None = None
     placements: tuple[Any, ...] | None = None
     coords: tuple[int, ...] | None = None  # group rank of each mesh coordinate, row-major
-    # global shape, known up front for DTensors and replicated tensors; else (ShardSpec leaves)
+    # global shape, known up front for DTensors and replicated plain tensors; else (ShardSpec leaves)
     # worked out from every rank's local shape
     shape: tuple[int, ...] | None = None
     dim: int | None = None  # a ShardSpec(dim)'s: blocks of any sizes along it
-    replicated: bool = False  # a plain tensor every rank of the group holds whole
     wrap: Callable[[torch.Tensor], torch.Tensor] = field(default=lambda t: t)
 
     def described(self) -> tuple[Any, ...]:
         """What every rank of the group must agree on."""
-        layout = (self.shape, self.local.ndim, self.mesh_shape, self.placements, self.coords, self.dim, self.replicated)
+        layout = (self.shape, self.local.ndim, self.mesh_shape, self.placements, self.coords, self.dim)
         return (self.name, *layout, self.local.dtype, self.view)
 
     def signature(self) -> tuple[Any, ...]:
@@ -134,8 +133,11 @@ def describe(
             )
         coords = tuple(range(group.world_size))
         return Leaf(index, name, value, view, group, spec.mesh_shape, spec.placements, coords, dim=spec.dim)
-    if split_replicated and collectives.world_size > 1:
-        return Leaf(index, name, value, view, collectives, shape=tuple(value.shape), replicated=True)
+    if split_replicated and collectives.world_size > 1:  # laid out as a DTensor replicated over the collectives
+        from torch.distributed.tensor import Replicate
+
+        ranks = tuple(range(collectives.world_size))
+        return Leaf(index, name, value, view, collectives, (len(ranks),), (Replicate(),), ranks, tuple(value.shape))
     return Leaf(index, name, value, view)
 
 
@@ -188,9 +190,6 @@ def handshake(group: Any, leaves: Sequence[Leaf]) -> list[Layout]:
 def layout_of(leaf: Leaf, local_shapes: Sequence[Sequence[int]]) -> Layout:
     """The leaf's layout over its group, checked against every rank's ``local_shapes`` (those of a leaf
     whose global shape is not known up front), else against this rank's."""
-    if leaf.replicated:
-        assert leaf.shape is not None
-        return replicated_layout(leaf.shape, leaf.group.world_size)
     try:
         if leaf.dim is not None:
             ndim = leaf.local.ndim
@@ -317,13 +316,10 @@ def gram_flip(leaf: Leaf, layout: Layout) -> bool | None:
     if view.batch_dims or view.split is not None or len(layout.shape) != 2 or layout.replicas != 1:
         return None
     rows, cols = view.matrix_shape(layout.shape)
-    tall = rows > cols  # Newton–Schulz iterates on the transpose
-    flip = tall != view.transposed
-    long_dim = 0 if flip else 1
-    short_dim = 1 - long_dim
-    for box in layout.boxes:
-        if len(box[long_dim]) > 1 or box[short_dim] != ((0, layout.shape[short_dim]),):
-            return None
+    flip = (rows > cols) != view.transposed  # Newton–Schulz iterates on a tall matrix's transpose
+    long_dim, short_dim = (0, 1) if flip else (1, 0)
+    if any(len(box[long_dim]) > 1 or box[short_dim] != ((0, layout.shape[short_dim]),) for box in layout.boxes):
+        return None
     return flip
 
 
@@ -367,21 +363,20 @@ def _assign_owners(units: list[Unit], candidates: list[int], load: list[int]) ->
 
 def _rounds(units: list[Unit], order: list[int], cap: int) -> list[list[int]]:
     """Each owner takes its units in order, at most ``cap`` elements of them a round."""
-    current: dict[int, int] = {}
-    filled: dict[tuple[int, int], int] = {}
-    rounds: list[list[int]] = []
+    current: Counter[int] = Counter()  # each owner's round
+    filled: Counter[tuple[int, int]] = Counter()  # elements by owner and round
+    rounds: dict[int, list[int]] = {}  # (a round is opened after those before it)
     for u in order:
         owners = units[u].owners
         numel = math.prod(units[u].shape)
-        k = max(current.get(o, 0) for o in owners)
-        while any(filled.get((o, k), 0) > 0 and filled.get((o, k), 0) + numel > cap for o in owners):
+        k = max(current[o] for o in owners)
+        while any(filled[o, k] > 0 and filled[o, k] + numel > cap for o in owners):
             k += 1
         for o in owners:
             current[o] = k
-            filled[o, k] = filled.get((o, k), 0) + numel
-        rounds += [[] for _ in range(k + 1 - len(rounds))]
-        rounds[k].append(u)
-    return rounds
+            filled[o, k] += numel
+        rounds.setdefault(k, []).append(u)
+    return list(rounds.values())
 
 
 def _laid_out(moves: list[tuple[int, int, int]], units: list[Unit], w: int) -> tuple[list[Piece], list[int]]:
