@@ -64,24 +64,21 @@ def exchange_round(
         t = tensors[p.leaf]
         return t.reshape(-1, *t.shape[plan.leaves[p.leaf].view.batch_dims :])[p.position]
 
-    def start(moves: Moves, done: dict[int, torch.Tensor] | None = None) -> tuple[Handle, tuple[torch.Tensor, ...]]:
-        """Packs and starts one direction: the holders' pieces inward, the owners' results (``done``) outward."""
+    def start(moves: Moves, fill: Callable[[Piece, torch.Tensor], object]) -> tuple[Handle, tuple[torch.Tensor, ...]]:
+        """Packs one direction, ``fill(piece, slot)`` writing each piece sent, and starts it."""
         if not moves.exchange:
             return FINISHED, ()
         empty = torch.zeros if batch.gathered else torch.empty  # (the padding of a gather is sent too)
         send = empty(sum(moves.send_splits), dtype=batch.dtype, device=batch.device)
         recv = torch.empty(sum(moves.recv_splits), dtype=batch.dtype, device=batch.device)
         for p in moves.sends:
-            if done is None:
-                p.slot(send).copy_(held(sources, p))
-            else:
-                copy_out(done[p.unit], p.box, p.slot(send))
+            fill(p, p.slot(send))
         if batch.gathered:
             return start_all_gather_into_tensor(group, recv, send, overlap=overlap), (send, recv)
         splits = (moves.recv_splits, moves.send_splits)
         return start_all_to_all_single(group, recv, send, *splits, overlap=overlap), (send, recv)
 
-    handle, buffers = start(batch.inward)
+    handle, buffers = start(batch.inward, lambda p, slot: slot.copy_(held(sources, p)))  # the holders' pieces
     yield
     handle.wait()
     fulls = {u: torch.empty(plan.units[u].shape, dtype=batch.dtype, device=batch.device) for u in batch.owned}
@@ -98,8 +95,8 @@ def exchange_round(
     del fulls
     for p in batch.kept:
         copy_out(done[p.unit], p.box, held(results, p))
-    handle, buffers = start(batch.outward, done)
-    del done  # its pieces are in the send buffer
+    handle, buffers = start(batch.outward, lambda p, slot: copy_out(done[p.unit], p.box, slot))  # the results
+    done.clear()  # its pieces are in the send buffer
     yield
     handle.wait()
     for p in batch.outward.recvs:
