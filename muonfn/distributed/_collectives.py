@@ -162,7 +162,6 @@ class TorchCollectives(AsyncCollectives):
         self.ranks: list[int] = list(dist.get_process_group_ranks(group))
         self._rank = dist.get_rank(group)
         self._world_size = dist.get_world_size(group)
-        self._submeshes: dict[tuple[Any, ...], tuple[TorchCollectives, tuple[int, ...]]] = {}
         self._by_mesh: dict[DeviceMesh, tuple[TorchCollectives, tuple[int, ...]]] = {}
         settle_gloo_workers_at_exit()
 
@@ -198,16 +197,13 @@ class TorchCollectives(AsyncCollectives):
         """
         if mesh not in self._by_mesh:  # (a mesh caches its hash: no look at its ranks)
             mesh_ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
-            key = (tuple(mesh.mesh.shape), tuple(mesh_ranks))
-            if key not in self._submeshes:
-                if not set(mesh_ranks) <= set(self.ranks):
-                    raise ValueError(
-                        f"a DTensor lives on a mesh of ranks {mesh_ranks}, outside the collectives' group "
-                        f"{self.ranks}; pass torch_collectives() of the mesh the model is sharded on"
-                    )
-                collectives = self if sorted(mesh_ranks) == sorted(self.ranks) else torch_collectives(mesh)
-                self._submeshes[key] = (collectives, tuple(collectives.ranks.index(r) for r in mesh_ranks))
-            self._by_mesh[mesh] = self._submeshes[key]
+            if not set(mesh_ranks) <= set(self.ranks):
+                raise ValueError(
+                    f"a DTensor lives on a mesh of ranks {mesh_ranks}, outside the collectives' group "
+                    f"{self.ranks}; pass torch_collectives() of the mesh the model is sharded on"
+                )
+            collectives = self if sorted(mesh_ranks) == sorted(self.ranks) else torch_collectives(mesh)
+            self._by_mesh[mesh] = (collectives, tuple(collectives.ranks.index(r) for r in mesh_ranks))
         return self._by_mesh[mesh]
 
     def __repr__(self) -> str:

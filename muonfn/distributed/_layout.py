@@ -86,6 +86,19 @@ def placement_kind(p: Any) -> tuple[str, int, int]:
     raise ValueError(f"unsupported placement {p!r}")
 
 
+def _kinds(placements: Sequence[Any], ndim: int) -> list[tuple[str, int, int]]:
+    """Each placement's :func:`placement_kind` for an ``ndim``-D tensor, the dimension it shards made non-negative."""
+    kinds = []
+    for p in placements:
+        kind, dim, factor = placement_kind(p)
+        if kind != "replicate":
+            if not -ndim <= dim < ndim:
+                raise ValueError(f"placement {p} shards dimension {dim} of a {ndim}-D tensor")
+            dim %= ndim
+        kinds.append((kind, dim, factor))
+    return kinds
+
+
 def length(runs: Runs) -> int:
     return sum(b - a for a, b in runs)
 
@@ -135,15 +148,7 @@ def placement_layout(
     applies after the ``Shard(d)`` placements to its right (whose mesh sizes multiply to
     ``k``): FSDP2 shards the tensor-parallel shard.
     """
-    ndim = len(shape)
-    kinds = []
-    for p in placements:
-        kind, dim, factor = placement_kind(p)
-        if kind != "replicate":
-            if not -ndim <= dim < ndim:
-                raise ValueError(f"placement {p} shards dimension {dim} of a {ndim}-D tensor")
-            dim %= ndim
-        kinds.append((kind, dim, factor))
+    kinds = _kinds(placements, len(shape))
     for i, (kind, dim, factor) in enumerate(kinds):
         if kind == "strided":
             inner = math.prod(mesh_shape[j] for j in range(i + 1, len(kinds)) if kinds[j][:2] == ("shard", dim))
@@ -181,15 +186,11 @@ def placement_global_shape(
 ) -> tuple[int, ...]:
     """The global shape implied by every rank's local shape (indexed by group rank)."""
     ndim = len(local_shapes[0])
-    sharding: list[set[int]] = [set() for _ in range(ndim)]
-    for i, p in enumerate(placements):
-        kind, dim, _ = placement_kind(p)
-        if kind != "replicate":
-            sharding[dim % ndim].add(i)
+    kinds = _kinds(placements, ndim)
     shape = [0] * ndim
     for flat, coord in enumerate(itertools.product(*(range(s) for s in mesh_shape))):
         for d in range(ndim):  # the ranks at 0 on each mesh dimension not sharding d hold all of d once
-            if all(c == 0 for i, c in enumerate(coord) if i not in sharding[d]):
+            if all(c == 0 for c, (kind, dim, _) in zip(coord, kinds) if kind == "replicate" or dim != d):
                 shape[d] += local_shapes[ranks[flat]][d]
     return tuple(shape)
 
