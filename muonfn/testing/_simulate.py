@@ -174,24 +174,21 @@ class SimulatedCollectives(AsyncCollectives):
         input_split_sizes: Sequence[int],
     ) -> _Work:
         output_split_sizes, input_split_sizes = list(output_split_sizes), list(input_split_sizes)
+        # this rank's own arguments are refused before it posts, so every post can be split as it says
+        w = self.world_size
+        if len(output_split_sizes) != w or len(input_split_sizes) != w:
+            raise RuntimeError(f"simulated all_to_all_single: split lists must have {w} entries")
+        if sum(input_split_sizes) != input.numel() or sum(output_split_sizes) != output.numel():
+            raise RuntimeError("simulated all_to_all_single: split sizes do not add up to the tensor sizes")
 
         def exchange(posts: list[tuple[torch.Tensor, list[int]]]) -> torch.Tensor:
-            w = self.world_size
-            if len(output_split_sizes) != w or len(input_split_sizes) != w:
-                raise RuntimeError(f"simulated all_to_all_single: split lists must have {w} entries")
-            if sum(input_split_sizes) != input.numel() or sum(output_split_sizes) != output.numel():
-                raise RuntimeError("simulated all_to_all_single: split sizes do not add up to the tensor sizes")
-            pieces = []
-            for src, (src_input, src_splits) in enumerate(posts):
-                start = sum(src_splits[: self.rank])
-                n = src_splits[self.rank]
-                if n != output_split_sizes[src]:
-                    raise RuntimeError(
-                        f"simulated all_to_all_single: rank {src} sends {n} elements to rank {self.rank}, "
-                        f"which expects {output_split_sizes[src]}"
-                    )
-                pieces.append(src_input.reshape(-1)[start : start + n])
-            return torch.cat(pieces)
+            sent = [splits[self.rank] for _, splits in posts]
+            if sent != output_split_sizes:
+                raise RuntimeError(
+                    f"simulated all_to_all_single: ranks send {sent} elements to rank {self.rank}, "
+                    f"which expects {output_split_sizes}"
+                )
+            return torch.cat([posted.reshape(-1).split(splits)[self.rank] for posted, splits in posts])
 
         received = sum(n for r, n in enumerate(output_split_sizes) if r != self.rank) * output.element_size()
         return self._start("all_to_all_single", (input, input_split_sizes), exchange, output, received)
