@@ -31,12 +31,12 @@ def _critical_points(t: Triple) -> list[float]:
     """Real zeros of :math:`p'(x) = a + 3b x^2 + 5c x^4`, both signs."""
     a, b, c = t
     disc = 9 * b * b - 20 * a * c
-    squares = []
-    if c == 0.0 and b != 0.0:
-        squares = [-a / (3 * b)]
-    elif c != 0.0 and disc >= 0:  # the numerically stable pair of roots of 5c·y² + 3b·y + a = 0
-        q = -0.5 * (3 * b + math.copysign(math.sqrt(disc), b))
-        squares = [q / (5 * c), a / q] if q != 0.0 else []
+    if disc < 0:
+        return []
+    # the roots y = x² of 5c·y² + 3b·y + a = 0 in their numerically stable form, which also holds for c = 0
+    # (then only a/q is one) and gives none for b = c = 0 (q = 0)
+    q = -0.5 * (3 * b + math.copysign(math.sqrt(disc), b))
+    squares = ([q / (5 * c)] if c else []) + ([a / q] if q else [])
     return [sign * math.sqrt(y) for y in squares if y > 0 for sign in (1.0, -1.0)]
 
 
@@ -128,9 +128,9 @@ def coefficient_schedules(
     in ``[1 - perturbation, 1 + perturbation]``, optionally changes the number of steps (as
     :func:`muonfn.linalg.ns_schedule` does: truncate, or repeat the last triple) and keeps
     the base's ``norm_factor``. Only *valid* schedules are drawn: every step's slope at zero
-    :math:`a_k` is positive, and the composition maps ``[sigma_min, 1]`` into ``band`` (by
-    :func:`spectral_band`), so the iteration neither flips nor loses nor blows up a singular
-    value. Shrinking moves towards the unperturbed base.
+    :math:`a_k` is positive (as in every base, and the factors are positive), and the composition
+    maps ``[sigma_min, 1]`` into ``band`` (by :func:`spectral_band`), so the iteration neither
+    flips nor loses nor blows up a singular value. Shrinking moves towards the unperturbed base.
 
     Args:
         bases: names in :data:`muonfn.COEFFICIENTS` to start from (default: all).
@@ -160,8 +160,6 @@ def coefficient_schedules(
         raise ValueError(f"band must contain 1 and be positive, got {band!r}")
 
     def valid(schedule: Coefficients) -> bool:
-        if any(a <= 0 for a, _, _ in schedule.triples):
-            return False
         lo, hi = spectral_band(schedule, sigma_min=sigma_min)
         return band[0] <= lo and hi <= band[1]
 
