@@ -270,17 +270,14 @@ class _Run:
 
         The input as passed is G rounded to its dtype: the rounding gives G's null space singular
         values of about ``eps·σ_max`` (fp32: ~1e-8 relative), which an exact polar factor sends to 1.
-        Its rank is the numerical rank in fp64, as ``numpy.linalg.matrix_rank`` and
+        Its rank is the numerical rank in fp64, as :func:`torch.linalg.matrix_rank` and
         :func:`muonfn.polar` count it: singular values above ``max(m, n)·eps₆₄·σ_max``. The lower
         bound holds only where every nonzero σ is well-conditioned, and so lands in the band, above
         the null space threshold.
         """
         threshold = self.tol.null_space
-        sv = torch.linalg.svdvals(o.double())
-        rank_o = (sv > threshold).sum(-1)
-        passed = torch.linalg.svdvals(self.g.double())
-        resolution = max(self.g.shape[-2:]) * torch.finfo(torch.float64).eps * passed.amax(-1, keepdim=True)
-        rank_passed = (passed > resolution).sum(-1)
+        rank_o = torch.linalg.matrix_rank(o.double(), atol=threshold)
+        rank_passed = torch.linalg.matrix_rank(self.g.double())
         rank_g = (self.sp.s > 0).sum(-1)
         too_many = rank_o > rank_passed
         too_few = (rank_o < rank_g) & (bool(self.covered.all()) and self.band[0] - self.tol.band > threshold)
@@ -288,14 +285,14 @@ class _Run:
             index = tuple(int(i) for i in (too_many | too_few).nonzero()[0])
             where = f"G has rank {int(rank_g[index])}"
             if too_many[index]:
-                values = [float(f"{x:.6g}") for x in passed[index].tolist()]
+                values = [float(f"{x:.6g}") for x in torch.linalg.svdvals(self.g[index].double()).tolist()]
                 where = (
                     f"G as passed, in {self.g.dtype}, has rank {int(rank_passed[index])} (singular values: {values})"
                 )
             raise self.violation(
                 "rank preservation",
                 f"f(G) has rank {int(rank_o[index])} (singular values > {threshold:g}: "
-                f"{[round(x, 6) for x in sv[index].tolist()]}) where {where}",
+                f"{[round(x, 6) for x in torch.linalg.svdvals(o[index].double()).tolist()]}) where {where}",
             )
 
 
