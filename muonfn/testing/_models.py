@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Literal, TypeAlias, get_args
 
 import torch
@@ -12,56 +12,46 @@ from tensordict import TensorDict
 
 from ._spectra import float_dtypes, selection
 
-Key = tuple[str, ...]
+#: A module: its dotted name, its weight's shape and whether it has a bias.
+Layer = tuple[str, tuple[int, ...], bool]
 
 ModelKind: TypeAlias = Literal["mlp", "gpt", "cnn"]
 MODEL_KINDS: tuple[ModelKind, ...] = get_args(ModelKind)
 
 
-def _layer(shapes: dict[Key, tuple[int, ...]], name: Key, weight: tuple[int, ...], bias: bool = True) -> None:
-    """A module's ``weight`` and, if ``bias``, its bias: one entry per output (linear, conv and norm layers alike)."""
-    shapes[(*name, "weight")] = weight
-    if bias:
-        shapes[(*name, "bias")] = weight[:1]
-
-
-def _mlp(draw: st.DrawFn, width: int, depth: int) -> dict[Key, tuple[int, ...]]:
+def _mlp(draw: st.DrawFn, width: int, depth: int) -> Iterator[Layer]:
     """``nn.Sequential(Linear, Tanh, Linear, …)``: layers at indices 0, 2, 4, …"""
     sizes = [draw(st.integers(1, width)) for _ in range(depth + 1)]
     bias = draw(st.booleans())
-    shapes: dict[Key, tuple[int, ...]] = {}
     for i in range(depth):
-        _layer(shapes, (str(2 * i),), (sizes[i + 1], sizes[i]), bias)
-    return shapes
+        yield str(2 * i), (sizes[i + 1], sizes[i]), bias
 
 
-def _gpt(draw: st.DrawFn, width: int, depth: int) -> dict[Key, tuple[int, ...]]:
+def _gpt(draw: st.DrawFn, width: int, depth: int) -> Iterator[Layer]:
     """GPT-2 names: token and position embeddings, fused QKV, 4× MLP, layer norms, an untied head."""
     d = draw(st.integers(2, max(2, width)))
     vocab = draw(st.integers(d, 2 * d + 3))
     context = draw(st.integers(1, 2 * d))
-    shapes: dict[Key, tuple[int, ...]] = {("wte", "weight"): (vocab, d), ("wpe", "weight"): (context, d)}
+    yield "wte", (vocab, d), False
+    yield "wpe", (context, d), False
     block = {"ln_1": (d,), "attn.c_attn": (3 * d, d), "attn.c_proj": (d, d)}
     block |= {"ln_2": (d,), "mlp.c_fc": (4 * d, d), "mlp.c_proj": (d, 4 * d)}
     for i in range(depth):
         for name, weight in block.items():
-            _layer(shapes, ("h", str(i), *name.split(".")), weight)
-    _layer(shapes, ("ln_f",), (d,))
-    _layer(shapes, ("lm_head",), (vocab, d), bias=False)
-    return shapes
+            yield f"h.{i}.{name}", weight, True
+    yield "ln_f", (d,), True
+    yield "lm_head", (vocab, d), False
 
 
-def _cnn(draw: st.DrawFn, width: int, depth: int) -> dict[Key, tuple[int, ...]]:
+def _cnn(draw: st.DrawFn, width: int, depth: int) -> Iterator[Layer]:
     """Conv kernels ``(out, in, *kernel)`` (1-D or 2-D), batch norms and a linear classifier."""
     spatial = draw(st.integers(1, 2))
     channels = [draw(st.integers(1, 3))] + [draw(st.integers(1, width)) for _ in range(depth)]
-    shapes: dict[Key, tuple[int, ...]] = {}
     for i in range(depth):
         kernel = draw(st.sampled_from([1, 3, 5]))
-        _layer(shapes, (f"conv{i + 1}",), (channels[i + 1], channels[i], *(kernel,) * spatial))
-        _layer(shapes, (f"bn{i + 1}",), (channels[i + 1],))
-    _layer(shapes, ("fc",), (draw(st.integers(2, 10)), channels[-1]))
-    return shapes
+        yield f"conv{i + 1}", (channels[i + 1], channels[i], *(kernel,) * spatial), True
+        yield f"bn{i + 1}", (channels[i + 1],), True
+    yield "fc", (draw(st.integers(2, 10)), channels[-1]), True
 
 
 _BUILDERS = {"mlp": _mlp, "gpt": _gpt, "cnn": _cnn}
@@ -114,7 +104,11 @@ def model_params(
     @st.composite
     def draw_params(draw: st.DrawFn) -> TensorDict:
         kind = draw(st.sampled_from(chosen))
-        shapes = _BUILDERS[kind](draw, max_width, draw(st.integers(1, max_depth)))
+        shapes: dict[tuple[str, ...], tuple[int, ...]] = {}
+        for name, weight, bias in _BUILDERS[kind](draw, max_width, draw(st.integers(1, max_depth))):
+            shapes[(*name.split("."), "weight")] = weight
+            if bias:  # one entry per output: linear, conv and norm layers alike
+                shapes[(*name.split("."), "bias")] = weight[:1]
         dtype = draw(st.sampled_from(dtype_list))
         generator = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
         gaussians = (torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes.values())
