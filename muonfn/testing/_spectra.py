@@ -298,10 +298,9 @@ def matrices(
         k = min(m, n)
         if fixed is not None:
             rank = len(fixed)
-        elif rank_deficient is None:
-            rank = draw(st.integers(1, k - 1)) if k > 1 and draw(st.booleans()) else k
         else:
-            rank = draw(st.integers(1, k - 1)) if rank_deficient else k
+            deficient = draw(st.booleans()) if rank_deficient is None and k > 1 else rank_deficient
+            rank = draw(st.integers(1, k - 1)) if deficient else k
         spectrum_kind = draw(st.sampled_from(spectrum_kinds))
         dtype = draw(st.sampled_from(dtype_list))
         scale = draw(st.sampled_from(feasible[dtype]))
