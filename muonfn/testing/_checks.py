@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Literal, TypeAlias, get_args
@@ -75,12 +74,7 @@ TOLERANCES: dict[torch.dtype, Tolerances] = {
 
 #: Default ``sigma_min`` per input dtype: 16-bit inputs cannot resolve singular values much
 #: below 1 % of the norm (their rounding alone moves them by ~0.4 %).
-SIGMA_MIN: dict[torch.dtype, float] = {
-    torch.float64: 1e-3,
-    torch.float32: 1e-3,
-    torch.bfloat16: 0.05,
-    torch.float16: 0.05,
-}
+SIGMA_MIN: dict[torch.dtype, float] = {d: 0.05 if torch.finfo(d).bits == 16 else 1e-3 for d in TOLERANCES}
 
 # the scale drawn for each example (shrinks towards 2), and the overflow-range scales one of
 # which every example also tries
@@ -207,9 +201,8 @@ class _Run:
         calls = [("G", g, o_basis, sp.u, sp.v)]
         if "orthogonal equivariance" not in skip:
             generator = torch.Generator().manual_seed(self.case.rotation_seed)
-            count, (m, n) = math.prod(self.batch), sp.matrix_shape[-2:]
-            q1 = torch.stack([orthogonal(m, generator) for _ in range(count)]).reshape(*self.batch, m, m)
-            q2 = torch.stack([orthogonal(n, generator) for _ in range(count)]).reshape(*self.batch, n, n)
+            # one Haar-random pair rotates every matrix of a batch
+            q1, q2 = (orthogonal(size, generator) for size in sp.matrix_shape[-2:])
             rotated = (q1 @ sp.exact() @ q2.mT).to(g.dtype)
             # Q₁GQ₂ᵀ has singular vectors Q₁U, Q₂V: in them, f(Q₁GQ₂ᵀ) must look as f(G) does in U, V
             u, v = q1 @ sp.u, q2 @ sp.v
