@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import reduce
 from typing import TypeVar
 
 import torch
@@ -20,8 +21,9 @@ from ._spectra import selection
 T = TypeVar("T", float, torch.Tensor)
 
 
-def _quintic(t: Triple, x: T) -> T:
-    """:math:`p(x) = a x + b x^3 + c x^5`, of a float or elementwise."""
+def _quintic(x: T, t: Triple) -> T:
+    """:math:`p(x) = a x + b x^3 + c x^5`, of a float or elementwise; ``x`` first, so that
+    :func:`functools.reduce` composes the steps."""
     a, b, c = t
     y = x * x
     return x * (a + y * (b + c * y))
@@ -76,7 +78,7 @@ def spectral_band(
         raise ValueError(f"sigma_min must be in (0, 1], got {sigma_min!r}")
     lo, hi = sigma_min / schedule.norm_factor, 1.0 / schedule.norm_factor
     for t in schedule.triples:  # the image of [lo, hi]: p at its ends and at the critical points inside
-        values = [_quintic(t, x) for x in (lo, hi, *(x for x in _critical_points(t) if lo < x < hi))]
+        values = [_quintic(x, t) for x in (lo, hi, *(x for x in _critical_points(t) if lo < x < hi))]
         lo, hi = min(values), max(values)
     return lo, hi
 
@@ -108,10 +110,7 @@ def scalar_map(
     """
     schedule = ns_schedule(coefficients, steps)
     x = torch.linspace(0.0, 1.0, 1001, dtype=torch.float64) if sigma is None else sigma
-    x = torch.as_tensor(x, dtype=torch.float64) / schedule.norm_factor
-    for t in schedule.triples:
-        x = _quintic(t, x)
-    return x
+    return reduce(_quintic, schedule.triples, torch.as_tensor(x, dtype=torch.float64) / schedule.norm_factor)
 
 
 def coefficient_schedules(
