@@ -59,7 +59,7 @@ class _Work(NamedTuple):
 class _Simulation:
     """Bookkeeping shared by every group of one :func:`simulate` call."""
 
-    def __init__(self, timeout: float, link: Link | None) -> None:
+    def __init__(self, timeout: float, link: Link) -> None:
         self.timeout = timeout
         self.link = link
         self.lock = threading.Lock()
@@ -150,8 +150,7 @@ class SimulatedCollectives(AsyncCollectives):
             finally:
                 self._wait(op)
             output.copy_(result.view_as(output))
-            if group.sim.link is not None:
-                time.sleep(group.sim.link.seconds(received))
+            time.sleep(group.sim.link.seconds(received))
 
         return _Work(group.channels[self.rank].submit(run))
 
@@ -221,7 +220,7 @@ def simulate(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if link is not None and not isinstance(link, Link):
         raise TypeError(f"link must be a muonfn.testing.Link, got {link!r}")
-    sim = _Simulation(timeout, link)
+    sim = _Simulation(timeout, Link() if link is None else link)  # Link(): no time spent
     root = sim.group(tuple(range(world_size)))
 
     def body(rank: int) -> T:
