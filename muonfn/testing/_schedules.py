@@ -166,10 +166,8 @@ def coefficient_schedules(
 
     @st.composite
     def draw_schedule(draw: st.DrawFn) -> Coefficients:
-        base = COEFFICIENTS[draw(st.sampled_from(names))]
-        count = len(base.triples) if steps is None else draw(st.integers(*steps))
-        stretched = ns_schedule(base, count)
-        triples = tuple((a * draw(factor), b * draw(factor), c * draw(factor)) for a, b, c in stretched.triples)
-        return Coefficients(triples, base.norm_factor)
+        base = ns_schedule(draw(st.sampled_from(names)), None if steps is None else draw(st.integers(*steps)))
+        triples = tuple((a * draw(factor), b * draw(factor), c * draw(factor)) for a, b, c in base.triples)
+        return base._replace(triples=triples)  # (and the base's norm_factor)
 
     return draw_schedule().filter(valid)
