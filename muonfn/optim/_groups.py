@@ -41,13 +41,12 @@ COUNTS, SECOND_MOMENTS = ("step", "second_moment_step"), ("exp_avg_sq", "row_sec
 
 
 class Constructor(NamedTuple):
-    """What a group dict does not set: the constructor's settings of each kind, its ``adamw_lr`` and
-    ``adamw_weight_decay`` for a split dict's AdamW half, and the variants' options it was given."""
+    """What a group dict does not set: the constructor's settings of each kind, and its ``adamw_lr`` and
+    ``adamw_weight_decay`` for a split dict's AdamW half."""
 
     muon: dict[str, Any]
     adamw: dict[str, Any]
     split: dict[str, Any]
-    options: set[str]
 
 
 def group_of(where: str, given: Mapping[str, Any], use_muon: bool, constructor: Constructor) -> dict[str, Any]:
@@ -64,14 +63,26 @@ def group_of(where: str, given: Mapping[str, Any], use_muon: bool, constructor: 
         if stray and not split:
             raise ValueError(f"{where}: {stray[0]!r} sets AdamW groups; this group has use_muon=True")
         own = {k: v for k, v in own.items() if k not in stray}
-        if "ns" in own:
-            flat = {k.removeprefix("ns_"): own.pop(k) for k in NS_DEFAULTS if k in own}
-            own.update(ns_entries(where, own.pop("ns"), **flat))
-        elif "ns_coefficients" in own:  # (torch's one triple, for each of ns_steps)
-            own.update(ns_entries(where, None, own["ns_coefficients"], own.get("ns_steps"), own.get("eps", 1e-7)))
-        # a group of its own variant inherits the constructor's options, the others are given them
-        given_options = set(own) if "variant" in own else set(own) | constructor.options
-        return resolve_variant(where, {**constructor.muon, **own}, given_options)
+        if "ns" in own or "ns_coefficients" in own:  # (a whole ns, or torch's one triple for each of ns_steps)
+            own.update(ns_entries(where, own.pop("ns", None), {k: own.pop(k) for k in NS_DEFAULTS if k in own}))
+        group = {**constructor.muon, **own}
+        variant = group["variant"]
+        if variant not in VARIANTS:
+            raise ValueError(f"{where}: unknown variant {variant!r}; choose one of {list(VARIANTS)}")
+        defaults = VARIANT_DEFAULTS[variant]
+        for name in ("momentum", "nesterov", *VARIANT_OPTIONS):  # (None: the variant's default)
+            if name not in defaults:
+                # an option another variant takes: refused where given, dropped where inherited from the
+                # constructor by a group of its own variant (one without inherits them as given)
+                if group[name] is not None and (name in own or "variant" not in own):
+                    takers = " and ".join(repr(v) for v in VARIANTS if name in VARIANT_DEFAULTS[v])
+                    raise ValueError(
+                        f"{where}: {name} does not apply to variant {variant!r}; it is an option of {takers}"
+                    )
+                group[name] = None
+            elif group[name] is None:
+                group[name] = defaults[name]
+        return group
     if split:
         own = {k: v for k, v in own.items() if k in SHARED or k not in (*MUON_SETTINGS, "ns")}
         halves = {key: own.pop(half, constructor.split[half]) for half, key in SPLIT_HALVES.items()}
@@ -94,43 +105,23 @@ def group_of(where: str, given: Mapping[str, Any], use_muon: bool, constructor: 
     return {**constructor.adamw, **own}
 
 
-def resolve_variant(where: str, group: dict[str, Any], given: set[str]) -> dict[str, Any]:
-    """``group`` with its ``None`` settings at its variant's defaults; an option its variant does not take
-    is an error where ``given``, and dropped (``None``) where inherited from settings for another variant."""
-    variant = group["variant"]
-    if variant not in VARIANTS:
-        raise ValueError(f"{where}: unknown variant {variant!r}; choose one of {list(VARIANTS)}")
-    defaults = VARIANT_DEFAULTS[variant]
-    for name in ("momentum", "nesterov", *VARIANT_OPTIONS):
-        if name not in defaults:
-            if group.get(name) is not None and name in given:
-                takers = " and ".join(repr(v) for v in VARIANTS if name in VARIANT_DEFAULTS[v])
-                raise ValueError(f"{where}: {name} does not apply to variant {variant!r}; it is an option of {takers}")
-            group[name] = None
-        elif group.get(name) is None:
-            group[name] = defaults[name]
-    return group
-
-
 # ---------------------------------------------------------------------------------------------- Newton–Schulz
 
 
-def ns_entries(
-    where: str, ns: Any, coefficients: Any = "keller", steps: Any = None, eps: Any = 1e-7, **flat: Any
-) -> dict[str, Any]:
-    """A group's Newton–Schulz entries, data a state_dict holds: torch's spellings (one ``(a, b, c)`` for
-    each of ``steps``, 5 when not given), or a whole ``ns`` (a :class:`~muonfn.NewtonSchulz` as its
-    fields, ``"svd"``/:func:`~muonfn.polar`, ``"qr"``, ``"gram"``, a map of one's own as ``ns_method``),
-    beside which the other settings (``flat``: a group dict's ``ns_*`` entries) must keep their defaults."""
+def ns_entries(where: str, ns: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    """A group's Newton–Schulz entries, data a state_dict holds: torch's spellings (``given``'s
+    ``ns_coefficients``, one ``(a, b, c)`` for each of ``ns_steps``, 5 when not given, and ``eps``), or a
+    whole ``ns`` (a :class:`~muonfn.NewtonSchulz` as its fields, ``"svd"``/:func:`~muonfn.polar`, ``"qr"``,
+    ``"gram"``, a map of one's own as ``ns_method``), beside which ``given`` must keep the defaults."""
     if ns is None:
+        coefficients, steps = given.get("ns_coefficients", "keller"), given.get("ns_steps")
         triple = isinstance(coefficients, tuple | list) and len(coefficients) == 3  # (torch.optim.Muon's one)
         if triple and all(isinstance(v, int | float) and not isinstance(v, bool) for v in coefficients):
             coefficients, steps = (tuple(float(v) for v in coefficients),) * (5 if steps is None else steps), None
         ns_schedule(coefficients, steps)
-        return {**NS_DEFAULTS, "ns_coefficients": _plain(coefficients), "ns_steps": steps, "eps": eps,
-                "ns_method": "standard"}  # fmt: skip
-    given = {"ns_coefficients": coefficients, "ns_steps": steps, "eps": eps, **{f"ns_{k}": v for k, v in flat.items()}}
-    ignored = [f"{k}={v!r}" for k, v in given.items() if v is not None and v != NS_DEFAULTS[k]]
+        return {**NS_DEFAULTS, "ns_coefficients": _plain(coefficients), "ns_steps": steps,
+                "eps": given.get("eps", 1e-7), "ns_method": "standard"}  # fmt: skip
+    ignored = [f"{k}={given[k]!r}" for k in NS_DEFAULTS if given.get(k) is not None and given[k] != NS_DEFAULTS[k]]
     if ignored:
         raise ValueError(
             f"{where}: ns= is the whole Newton–Schulz setting: leave ns_coefficients, ns_steps and eps (and a "

@@ -130,7 +130,23 @@ def shim_state_dict(
         for name, theirs in zip(names, saved.get("param_names", names)):
             if group.get("param_names") and name != theirs:
                 raise ValueError(f"{where}: parameter {name!r} here is {theirs!r} there")
-        mine.update(_settings(saved, kind, where))
+        # torch's group settings under the shim's keys; every key carried (``initial_lr`` too)
+        settings = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
+        if kind:
+            ns = _groups.ns_entries(where, None, settings)
+            settings.update(ns_coefficients=ns["ns_coefficients"], ns_steps=ns["ns_steps"])
+            settings["adjust_lr_fn"] = settings.get("adjust_lr_fn") or "original"
+        else:
+            for key in ("amsgrad", "maximize"):
+                if settings.pop(key, False):
+                    raise ValueError(f"{where} has {key}=True, which muonfn's AdamW does not run")
+            if not settings.pop("decoupled_weight_decay", True) and float(settings["weight_decay"]) != 0:
+                raise ValueError(f"{where} is Adam's (weight decay added to the gradient), not AdamW's")
+            for key in ("foreach", "capturable", "differentiable", "fused"):
+                settings.pop(key, None)
+            beta1, beta2 = settings.pop("betas")
+            settings.update(momentum=float(beta1), beta2=float(beta2))  # (β₁ as momentum: see the shim's groups)
+        mine.update(settings)
         for index, theirs, name in zip(indices, saved["params"], names):
             entry = sd["state"].get(theirs)
             if entry:
@@ -140,25 +156,6 @@ def shim_state_dict(
                     )
                 state[index] = dict(entry)  # (torch's float step: loaded as an exact int64 count)
     return {"state": state, "param_groups": groups}
-
-
-def _settings(saved: Mapping[str, Any], kind: bool, where: str) -> dict[str, Any]:
-    """torch's group settings under the shim's keys; every key carried (``initial_lr`` too)."""
-    out = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
-    if not kind:
-        for key in ("amsgrad", "maximize"):
-            if out.pop(key, False):
-                raise ValueError(f"{where} has {key}=True, which muonfn's AdamW does not run")
-        if not out.pop("decoupled_weight_decay", True) and float(out["weight_decay"]) != 0:
-            raise ValueError(f"{where} is Adam's (weight decay added to the gradient), not AdamW's")
-        out = {k: v for k, v in out.items() if k not in ("foreach", "capturable", "differentiable", "fused")}
-        beta1, beta2 = out.pop("betas")
-        out.update(momentum=float(beta1), beta2=float(beta2))  # (β₁ as momentum: see the shim's groups)
-        return out
-    ns = _groups.ns_entries(where, None, out.pop("ns_coefficients"), out.pop("ns_steps"))
-    out.update(ns_coefficients=ns["ns_coefficients"], ns_steps=ns["ns_steps"])
-    out["adjust_lr_fn"] = out.get("adjust_lr_fn") or "original"
-    return out
 
 
 def torch_state_dicts(

@@ -156,7 +156,7 @@ class Muon(torch.optim.Optimizer):
         self._labels, self._views, self._mask, self._orthogonalizer = labels, views, weight_decay_mask, orthogonalizer
         self._donate, self._chunk_numel, self._compile = donate_state, chunk_numel, compile
         settings = {k: v for k, v in given.items() if k in MUON_SETTINGS}  # (the keywords of the same name)
-        ns_settings = _groups.ns_entries(where, ns, ns_coefficients, ns_steps, eps)
+        ns_settings = _groups.ns_entries(where, ns, {k: settings[k] for k in ("ns_coefficients", "ns_steps", "eps")})
         muon_defaults = {**settings, **ns_settings, "adjust_lr_fn": adjust_lr_fn or "original"}
         adamw_defaults = {
             "lr": lr if adamw_lr is None else adamw_lr, "momentum": adamw_betas[0], "beta2": adamw_betas[1],
@@ -164,8 +164,7 @@ class Muon(torch.optim.Optimizer):
             "nesterov": adamw_nesterov, "cautious_weight_decay": cautious_weight_decay, "state_dtype": state_dtype,
         }  # fmt: skip
         split = {"adamw_lr": adamw_lr, "adamw_weight_decay": adamw_weight_decay}
-        options = {k for k in VARIANT_OPTIONS if muon_defaults[k] is not None}
-        self._constructor = _groups.Constructor(muon_defaults, adamw_defaults, split, options)
+        self._constructor = _groups.Constructor(muon_defaults, adamw_defaults, split)
         self._branches: dict[int, Branch] = {}  # (by the group's identity)
         self._compiled: dict[Any, Callable[..., Any]] = {}
         self._undo: list[tuple[torch.Tensor, dict[str, Any]]] | None = None  # (the state a failed step puts back)
@@ -181,9 +180,7 @@ class Muon(torch.optim.Optimizer):
         for name, table in {**tables, "shard_specs": getattr(orthogonalizer, "shard_specs", None)}.items():
             if isinstance(table, Mapping):
                 named_table(table, leaves, name)
-        idle = _routing.idle_muon(self.param_groups)
-        if idle is not None:
-            warn_routing(idle)
+        _routing.warn_if_muon_idle(self.param_groups)
 
     # ------------------------------------------------------------------------------------------ groups
 
@@ -263,7 +260,15 @@ class Muon(torch.optim.Optimizer):
         if branch is None or branch.group is not group or branch.signature != signature:
             old, branch = branch, self._built(where, group, signature, values)
             if old is not None and old.group is group and old.shaping != branch.shaping:
-                self._relay(group, old.shaping, branch.shaping)
+                # its variant, bias corrections or state_dtype changed: its state laid out for the new ones
+                for p in group["params"]:
+                    held = self.state.get(p)
+                    if held:
+                        if self._undo is not None:
+                            self._undo.append((p, held))
+                        self.state[p] = _groups.relaid(held, old.shaping, branch.shaping, p)
+                        if not self.state[p]:
+                            del self.state[p]
             self._branches[id(group)] = branch
         for name, tensor in branch.scalars.items():
             if branch.filled[name] != values[name]:  # (a fill a step where the value is unchanged would be idle)
@@ -287,47 +292,33 @@ class Muon(torch.optim.Optimizer):
         missing = [k for k in (MUON_SETTINGS if kind else ADAMW_SETTINGS) if k not in group]
         if missing:
             raise ValueError(f"{where} lacks {missing}; add groups with add_param_group, which fills them in")
+        # the preset's branch the group's settings make, its scheduled ones as 0-d tensors
         scalars = {name: torch.tensor(value, dtype=torch.float64) for name, value in values.items()}
+        lr, momentum, wd = scalars["lr"], scalars["momentum"], scalars["weight_decay"]
         check_state_dtype(where, group["state_dtype"])
         try:
-            tx = self._translated(group, scalars)
+            flag("cautious_weight_decay", group["cautious_weight_decay"])
+            if not kind:
+                unit_interval("beta2", group["beta2"])
+                if group["nesterov"] not in (True, False, "timm"):
+                    raise ValueError(f"nesterov must be True, False or 'timm' (AdamW's), got {group['nesterov']!r}")
+                tx = adamw(lr, betas=(momentum, group["beta2"]), eps=group["eps"], weight_decay=wd,
+                           weight_decay_mask=self._mask, nesterov=group["nesterov"], state_dtype=group["state_dtype"],
+                           cautious_weight_decay=group["cautious_weight_decay"], donate_state=self._donate)  # fmt: skip
+            else:
+                flag("momentum_bias_correction", group["momentum_bias_correction"])
+                options = {k: group[k] for k in ("momentum_bias_correction", *VARIANT_OPTIONS) if group[k] is not None}
+                adapt = adaptation(group["variant"], **options)
+                tx = matrix_branch(
+                    adapt, lr, momentum, group["nesterov"], group["momentum_bias_correction"], wd,
+                    group["cautious_weight_decay"], group["cautious_mode"], _groups.ns_of(group),
+                    _groups.scale_of(group["adjust_lr_fn"], group["extra_scale"]), self._views, self._mask,
+                    self._orthogonalizer, self._donate, group["state_dtype"],
+                )  # fmt: skip
         except (ValueError, TypeError) as error:
             raise type(error)(f"{where}: {error}") from None
         shaping = {k: group.get(k) for k in ("use_muon", *SHAPING)}
         return Branch(group, signature, tx, scalars, dict(values), shaping, _groups.layout(group))
-
-    def _translated(self, group: dict[str, Any], scalars: dict[str, torch.Tensor]) -> Transform:
-        """The preset's branch a group's settings make (the scheduled ones ``scalars``)."""
-        lr, momentum, wd = scalars["lr"], scalars["momentum"], scalars["weight_decay"]
-        flag("cautious_weight_decay", group["cautious_weight_decay"])
-        if not group["use_muon"]:
-            unit_interval("beta2", group["beta2"])
-            positive("eps", group["eps"])
-            if group["nesterov"] not in (True, False, "timm"):
-                raise ValueError(f"nesterov must be True, False or 'timm' (AdamW's), got {group['nesterov']!r}")
-            return adamw(lr, betas=(momentum, group["beta2"]), eps=group["eps"], weight_decay=wd,
-                         weight_decay_mask=self._mask, nesterov=group["nesterov"], state_dtype=group["state_dtype"],
-                         cautious_weight_decay=group["cautious_weight_decay"], donate_state=self._donate)  # fmt: skip
-        flag("momentum_bias_correction", group["momentum_bias_correction"])
-        options = {k: group[k] for k in VARIANT_OPTIONS if group[k] is not None}
-        adapt = adaptation(group["variant"], momentum_bias_correction=group["momentum_bias_correction"], **options)
-        return matrix_branch(
-            adapt, lr, momentum, group["nesterov"], group["momentum_bias_correction"], wd,
-            group["cautious_weight_decay"], group["cautious_mode"], _groups.ns_of(group),
-            _groups.scale_of(group["adjust_lr_fn"], group["extra_scale"]), self._views, self._mask,
-            self._orthogonalizer, self._donate, group["state_dtype"],
-        )  # fmt: skip
-
-    def _relay(self, group: dict[str, Any], before: dict[str, Any], after: dict[str, Any]) -> None:
-        """The state of a group whose variant, bias corrections or state_dtype changed, laid out for the new ones."""
-        for p in group["params"]:
-            held = self.state.get(p)
-            if held:
-                if self._undo is not None:
-                    self._undo.append((p, held))
-                self.state[p] = _groups.relaid(held, before, after, p)
-                if not self.state[p]:
-                    del self.state[p]
 
     @property
     def transform(self) -> Transform:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..presets import DEFAULT_EXCLUDE, label_params, matching_fragments, shown
+from ..presets import DEFAULT_EXCLUDE, label_params, matching_fragments, shown, warn_routing
 
 
 def routed_without_names(labels: Any, names: Any, muon: Sequence[torch.Tensor]) -> str | None:
@@ -30,10 +30,10 @@ def routed_without_names(labels: Any, names: Any, muon: Sequence[torch.Tensor]) 
     )
 
 
-def idle_muon(param_groups: Sequence[Mapping[str, Any]]) -> str | None:
-    """The warning for groups where no parameter routed to Muon trains while AdamW ones do (``None``
-    when Muon has something to train, or nothing trains, or nothing could go to Muon): the run is
-    plain AdamW. PEFT's LoRA freezes the base weights, and ``"lora_"`` sends the adapters to AdamW."""
+def warn_if_muon_idle(param_groups: Sequence[Mapping[str, Any]]) -> None:
+    """Warns where no parameter routed to Muon trains while AdamW ones do (not when Muon has something
+    to train, or nothing trains, or nothing could go to Muon): the run is plain AdamW. PEFT's LoRA
+    freezes the base weights, and ``"lora_"`` sends the adapters to AdamW."""
 
     def named(group: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
         names = group.get("param_names") or [f"params[{i}]" for i in range(len(group["params"]))]
@@ -42,10 +42,10 @@ def idle_muon(param_groups: Sequence[Mapping[str, Any]]) -> str | None:
     muon = [pair for group in param_groups if group["use_muon"] for pair in named(group)]
     training = [(n, p) for group in param_groups if not group["use_muon"] for n, p in named(group) if p.requires_grad]
     if any(p.requires_grad for _, p in muon) or not training:
-        return None
+        return
     matrices = [name for name, p in training if sum(size != 1 for size in p.shape) >= 2]
     if not muon and not matrices:
-        return None  # nothing here was ever Muon's: a model of vectors
+        return  # nothing here was ever Muon's: a model of vectors
     frozen = f"{len(muon)} routed to Muon, all frozen (requires_grad=False)" if muon else "none was routed to Muon"
     trainable = [name for name, _ in training]
     message = (
@@ -62,4 +62,4 @@ def idle_muon(param_groups: Sequence[Mapping[str, Any]]) -> str | None:
         )
     elif matrices:
         message += " To run Muon on the trainable matrices, route them with labels= or muonfn.labels_from_module."
-    return message
+    warn_routing(message)
