@@ -31,6 +31,8 @@ TORCH_RUNS: dict[bool, dict[str, tuple[Any, ...]]] = {
            "adjust_lr_fn": ("original", "match_rms_adamw", None), "extra_scale": (1.0,), "nesterov": (True, False)},
     False: {"cautious_weight_decay": (False,), "nesterov": (False,)},
 }  # fmt: skip
+#: torch.optim.AdamW's group settings that muonfn's AdamW runs at these values only (the others: its defaults)
+ADAMW_FLAGS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None)
 #: The shim's group keys with no counterpart in torch's (left out of its groups).
 SHIM_ONLY = {"use_muon", "variant", "momentum_bias_correction", "cautious_weight_decay", "cautious_mode", "ns_dtype",
              "ns_method", "ns_eps_mode", "ns_restarts", "extra_scale", "nesterov_adamw", "state_dtype"}  # fmt: skip
@@ -142,7 +144,7 @@ def shim_state_dict(
                     raise ValueError(f"{where} has {key}=True, which muonfn's AdamW does not run")
             if not settings.pop("decoupled_weight_decay", True) and float(settings["weight_decay"]) != 0:
                 raise ValueError(f"{where} is Adam's (weight decay added to the gradient), not AdamW's")
-            for key in ("foreach", "capturable", "differentiable", "fused"):
+            for key in ADAMW_FLAGS:
                 settings.pop(key, None)
             beta1, beta2 = settings.pop("betas")
             settings.update(momentum=float(beta1), beta2=float(beta2))  # (β₁ as momentum: see the shim's groups)
@@ -202,9 +204,7 @@ def torch_state_dicts(
             theirs.update(ns_coefficients=schedule.triples[0], ns_steps=len(schedule.triples))
         else:
             theirs["betas"] = (float(theirs.pop("momentum")), float(theirs.pop("beta2")))
-            theirs.update(
-                amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None
-            )
+            theirs.update(ADAMW_FLAGS)
         indices = [next(count[kind]) for _ in names]
         out[kind]["param_groups"].append({**theirs, "params": indices})
         plain = {**group, "state_dtype": None}  # (torch's optimizers keep the parameters' dtype)

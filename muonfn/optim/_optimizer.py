@@ -194,7 +194,20 @@ class Muon(torch.optim.Optimizer):
         tensors, names = _read_params(param_group["params"], self.param_groups)
         positions = (str(i) for i in itertools.count(len(self._keys)))
         keys = names or [self._keys[p] if p in self._keys else next(positions) for p in tensors]
-        self._check_new(tensors, keys)
+        # each tensor once, in no group yet, under a name no other parameter has
+        held_names = self._names()
+        held = {p: (i, n) for i, g in enumerate(self.param_groups) for p, n in zip(g["params"], held_names[i])}
+        taken = {n: i for i, n in held.values()}
+        first: dict[torch.Tensor, str] = {}
+        for p, key in zip(tensors, keys):
+            if p in held:
+                again = f" (given again as {key!r})" if held[p][1] != key else ""
+                raise ValueError(f"parameter {held[p][1]!r}{again} is already in parameter group {held[p][0]}")
+            if p in first:
+                raise ValueError(f"parameter {key!r} is the same tensor as {first[p]!r}")
+            if key in taken:
+                raise ValueError(f"another parameter is named {key!r} (in parameter group {taken[key]})")
+            first[p], taken[key] = key, len(self.param_groups)
         use_muon = param_group.get("use_muon")
         if use_muon is None:
             labels = self._labels or label_params
@@ -233,22 +246,6 @@ class Muon(torch.optim.Optimizer):
             for p in group["params"]:
                 if self.state.get(p) and set(self.state[p]) != set(_groups.layout(group)):
                     del self.state[p]
-
-    def _check_new(self, tensors: list[torch.Tensor], keys: list[str]) -> None:
-        """Tensors to add: each once, in no group yet, under a name no other parameter has."""
-        names = self._names()
-        held = {p: (i, n) for i, g in enumerate(self.param_groups) for p, n in zip(g["params"], names[i])}
-        taken = {n: i for i, n in held.values()}
-        first: dict[torch.Tensor, str] = {}
-        for p, key in zip(tensors, keys):
-            if p in held:
-                again = f" (given again as {key!r})" if held[p][1] != key else ""
-                raise ValueError(f"parameter {held[p][1]!r}{again} is already in parameter group {held[p][0]}")
-            if p in first:
-                raise ValueError(f"parameter {key!r} is the same tensor as {first[p]!r}")
-            if key in taken:
-                raise ValueError(f"another parameter is named {key!r} (in parameter group {taken[key]})")
-            first[p], taken[key] = key, len(self.param_groups)
 
     def _branch(self, index: int, group: dict[str, Any]) -> Branch:
         """The group's branch, rebuilt when a setting of it changed (its state laid out anew where its
@@ -500,7 +497,6 @@ class Muon(torch.optim.Optimizer):
                     warnings.warn(
                         f"muonfn.optim.Muon: {len(self._compiled)} structures of the step (which parameters have "
                         "gradients, the groups' settings) are compiled; steps of other structures run eagerly",
-                        UserWarning,
                         stacklevel=3,
                     )
                 return _run
@@ -576,9 +572,8 @@ class Muon(torch.optim.Optimizer):
                 )
             if callable(ours.get("ns_method")) and "ns_method" not in theirs:
                 theirs["ns_method"] = ours["ns_method"]  # (a map of one's own is not saved: the loading optimizer's)
-            index.update(
-                {k: (f"{n!r} (index {k})", p, theirs) for k, n, p in zip(theirs["params"], names, ours["params"])}
-            )
+            for k, n, p in zip(theirs["params"], names, ours["params"]):
+                index[k] = (f"{n!r} (index {k})", p, theirs)
         state: dict[Any, Any] = {}
         for k, entries in state_dict["state"].items():
             if k not in index:
