@@ -156,9 +156,8 @@ def ns_of(group: Mapping[str, Any]) -> Any:
         coefficients = group["ns_coefficients"]
         if isinstance(coefficients, tuple) and coefficients and coefficients[0][:1] == ("norm_factor",):
             coefficients = Coefficients(tuple(coefficients[1:]), coefficients[0][1])
-        restarts = None if group["ns_restarts"] is None else tuple(group["ns_restarts"])
         return NewtonSchulz(coefficients, group["ns_steps"], group["eps"], group["ns_dtype"], method,
-                            group["ns_eps_mode"], restarts)  # fmt: skip
+                            group["ns_eps_mode"], group["ns_restarts"])  # fmt: skip
     if isinstance(method, str) and method not in ("svd", "qr"):
         raise ValueError(f"unknown ns_method {method!r}; choose 'standard', 'gram', 'svd', 'qr' or a map of one's own")
     ignored = [f"{k}={group[k]!r}" for k, default in NS_DEFAULTS.items() if group[k] != default]

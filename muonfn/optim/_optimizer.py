@@ -395,7 +395,6 @@ class Muon(torch.optim.Optimizer):
         for i, (label, group, names) in enumerate(zip(labels, self.param_groups, self._names())):
             branch, part = self._branch(i, group), state.get(label, build({}, SIZE))
             given = {".".join((label, *key)): v for key, v in part.items(True, True)}
-            leaves = {}
             for name, p in zip(names, group["params"]):
                 keys = {torch_name: ".".join((label, *path, name)) for torch_name, path in branch.layout.items()}
                 present = [k for k in keys.values() if k in given]
@@ -403,10 +402,9 @@ class Muon(torch.optim.Optimizer):
                     lost = next(k for k in keys.values() if k not in given)
                     raise ValueError(f"{where}: missing {lost!r} of parameter {name!r}, which has {present}")
                 pending[p] = {t: given.pop(k) for t, k in keys.items()} if present else None
-                leaves.update({name: p.detach()} if present else {})
             if given:
                 raise ValueError(f"{where}: unexpected {next(iter(given))!r}")
-            held = build(leaves, SIZE)
+            held = build({n: p.detach() for n, p in zip(names, group["params"]) if pending[p]}, SIZE)
             self._check(where, i, branch.tx, held, part, held)
         for p in pending:
             self.state.pop(p, None)
