@@ -48,10 +48,7 @@ def current_group(saved: Mapping[str, Any]) -> dict[str, Any]:
     AdamW group's betas, eps and nesterov from its ``adamw_betas``, ``adamw_eps``, ``adamw_nesterov``)."""
     group = dict(saved)
     if group.get("use_muon"):
-        for old, new in LEGACY_SPELLINGS.items():
-            if old in group:
-                group[new] = group.pop(old)
-        return {k: v for k, v in group.items() if not k.startswith("adamw_")}
+        return {LEGACY_SPELLINGS.get(k, k): v for k, v in group.items() if not k.startswith("adamw_")}
     if "variant" not in group:
         return group
     beta1, beta2 = group.pop("adamw_betas", (group.get("momentum"), group.get("beta2")))

@@ -527,9 +527,8 @@ class Muon(torch.optim.Optimizer):
                 "parameter of this optimizer; a state_dict numbers parameters, so store it under a string key"
             )
         # as torch's: the parameters of param_groups, each with its state (none for one never stepped)
-        self.__dict__["state"] = {
-            k: v for k, v in held.items() if not isinstance(k, torch.Tensor) or (k in members and v)
-        }
+        kept = {k: v for k, v in held.items() if not isinstance(k, torch.Tensor) or (k in members and v)}
+        self.__dict__["state"] = kept
         try:
             packed = super().state_dict()
         finally:
