@@ -551,7 +551,7 @@ class Muon(torch.optim.Optimizer):
                 f"load_state_dict: the state_dict has {len(saved)} parameter groups, this optimizer "
                 f"{len(self.param_groups)}"
             )
-        index: dict[Any, tuple[str, torch.Tensor, dict[str, Any]]] = {}
+        state: dict[Any, Any] = {}
         for i, (ours, theirs, names) in enumerate(zip(self.param_groups, saved, self._names())):
             where = f"load_state_dict: parameter group {i}"
             if len(ours["params"]) != len(theirs["params"]) or ours["use_muon"] != theirs.get("use_muon"):
@@ -570,14 +570,11 @@ class Muon(torch.optim.Optimizer):
             if callable(ours.get("ns_method")) and "ns_method" not in theirs:
                 theirs["ns_method"] = ours["ns_method"]  # (a map of one's own is not saved: the loading optimizer's)
             for k, n, p in zip(theirs["params"], names, ours["params"]):
-                index[k] = (f"{n!r} (index {k})", p, theirs)
-        state: dict[Any, Any] = {}
-        for k, entries in state_dict["state"].items():
-            if k not in index:
-                state[k] = entries  # (kept as torch keeps them)
-            elif entries:
-                name, p, group = index[k]
-                state[p] = _migration.loaded_entries(f"load_state_dict: parameter {name}", entries, group, p)
+                if state_dict["state"].get(k):
+                    where = f"load_state_dict: parameter {n!r} (index {k})"
+                    state[p] = _migration.loaded_entries(where, state_dict["state"][k], theirs, p)
+        numbered = {k for group in saved for k in group["params"]}  # (the others kept as torch keeps them)
+        state.update({k: entries for k, entries in state_dict["state"].items() if k not in numbered})
         before = self.param_groups, self.__dict__["state"]
         try:
             super().load_state_dict({"state": {}, "param_groups": saved})
