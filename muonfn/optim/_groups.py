@@ -71,14 +71,12 @@ def group_of(where: str, given: Mapping[str, Any], use_muon: bool, constructor: 
             raise ValueError(f"{where}: unknown variant {variant!r}; choose one of {list(VARIANTS)}")
         defaults = VARIANT_DEFAULTS[variant]
         for name in ("momentum", "nesterov", *VARIANT_OPTIONS):  # (None: the variant's default)
+            # an option another variant takes: refused where given, dropped where inherited from the
+            # constructor by a group of its own variant (one without inherits them as given)
+            if name not in defaults and group[name] is not None and (name in own or "variant" not in own):
+                takers = " and ".join(repr(v) for v in VARIANTS if name in VARIANT_DEFAULTS[v])
+                raise ValueError(f"{where}: {name} does not apply to variant {variant!r}; it is an option of {takers}")
             if name not in defaults:
-                # an option another variant takes: refused where given, dropped where inherited from the
-                # constructor by a group of its own variant (one without inherits them as given)
-                if group[name] is not None and (name in own or "variant" not in own):
-                    takers = " and ".join(repr(v) for v in VARIANTS if name in VARIANT_DEFAULTS[v])
-                    raise ValueError(
-                        f"{where}: {name} does not apply to variant {variant!r}; it is an option of {takers}"
-                    )
                 group[name] = None
             elif group[name] is None:
                 group[name] = defaults[name]

@@ -156,7 +156,7 @@ class Muon(torch.optim.Optimizer):
         self._labels, self._views, self._mask, self._orthogonalizer = labels, views, weight_decay_mask, orthogonalizer
         self._donate, self._chunk_numel, self._compile = donate_state, chunk_numel, compile
         settings = {k: v for k, v in given.items() if k in MUON_SETTINGS}  # (the keywords of the same name)
-        ns_settings = _groups.ns_entries(where, ns, {k: settings[k] for k in ("ns_coefficients", "ns_steps", "eps")})
+        ns_settings = _groups.ns_entries(where, ns, settings)
         muon_defaults = {**settings, **ns_settings, "adjust_lr_fn": adjust_lr_fn or "original"}
         adamw_defaults = {
             "lr": lr if adamw_lr is None else adamw_lr, "momentum": adamw_betas[0], "beta2": adamw_betas[1],
