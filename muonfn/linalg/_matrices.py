@@ -298,9 +298,9 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return not comparable or a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def _checked_result(ns: MatrixFn, batch: torch.Tensor, result: object, device: bool) -> torch.Tensor:
-    """``result`` if it is a tensor of ``batch``'s shape and dtype (and ``device``: on its device); else
-    a TypeError naming ``ns``."""
+def checked_map_result(ns: MatrixFn, batch: torch.Tensor, result: object, *, device: bool = True) -> torch.Tensor:
+    """``result`` of ``ns(batch)`` if it is a tensor of ``batch``'s shape, dtype and (``device``) device;
+    else a TypeError naming ``ns`` (metadata only: no sync, and it traces)."""
     if not isinstance(result, torch.Tensor):
         problem = f"returned {type(result).__name__}"
     elif result.shape != batch.shape or result.dtype != batch.dtype or (device and result.device != batch.device):
@@ -316,12 +316,6 @@ def _checked_result(ns: MatrixFn, batch: torch.Tensor, result: object, device: b
     )
 
 
-def checked_map_result(ns: MatrixFn, batch: torch.Tensor, result: object) -> torch.Tensor:
-    """``result`` of ``ns(batch)`` if it is a tensor of ``batch``'s shape, dtype and device; else an
-    error naming ``ns`` (metadata only: no sync, and it traces)."""
-    return _checked_result(ns, batch, result, device=True)
-
-
 def check_matrix_fn(ns: MatrixFn, shape: Sequence[int], dtype: torch.dtype) -> None:
     """Runs ``ns`` on a meta tensor of ``shape``: a map that returns no tensor, or one of another shape
     or dtype, fails here, naming itself, before a step. One that cannot run on meta is checked at its calls."""
@@ -330,4 +324,4 @@ def check_matrix_fn(ns: MatrixFn, shape: Sequence[int], dtype: torch.dtype) -> N
         result = ns(batch)
     except Exception:
         return
-    _checked_result(ns, batch, result, device=False)
+    checked_map_result(ns, batch, result, device=False)

@@ -96,7 +96,7 @@ def ns_schedule(coefficients: CoefficientsLike = "keller", steps: int | None = N
                 f"unknown Newton–Schulz coefficient set {coefficients!r}; "
                 f"choose one of {sorted(COEFFICIENTS)} or pass (a, b, c) triples"
             )
-        schedule = COEFFICIENTS[coefficients]
+        coefficients = COEFFICIENTS[coefficients]  # (finite triples: the checks below pass them)
     elif isinstance(coefficients, bytes) or not isinstance(coefficients, Sequence):
         raise TypeError(
             f"Newton–Schulz coefficients must be a set name ({', '.join(map(repr, sorted(COEFFICIENTS)))}), "
@@ -107,19 +107,16 @@ def ns_schedule(coefficients: CoefficientsLike = "keller", steps: int | None = N
             f"Newton–Schulz coefficients {coefficients!r} are one (a, b, c), not a schedule: pass "
             "[(a, b, c)] with steps=5 (torch.optim.Muon's ns_coefficients and ns_steps)"
         )
-    else:
-        given, factor = coefficients if isinstance(coefficients, Coefficients) else (coefficients, 1.0)
-        if not all(_is_triple(t) and all(map(math.isfinite, t)) for t in given):
-            raise ValueError(f"Newton–Schulz coefficients must be finite (a, b, c) triples, got {coefficients!r}")
-        schedule = Coefficients(tuple((float(t[0]), float(t[1]), float(t[2])) for t in given), factor)
+    given, factor = coefficients if isinstance(coefficients, Coefficients) else (coefficients, 1.0)
+    if not all(_is_triple(t) and all(map(math.isfinite, t)) for t in given):
+        raise ValueError(f"Newton–Schulz coefficients must be finite (a, b, c) triples, got {coefficients!r}")
+    schedule = Coefficients(tuple((float(t[0]), float(t[1]), float(t[2])) for t in given), factor)
     if not schedule.triples:
         raise ValueError("Newton–Schulz coefficients need at least one (a, b, c) triple")
     if not (isinstance(schedule.norm_factor, int | float) and 0 < schedule.norm_factor < math.inf):
         raise ValueError(f"Newton–Schulz norm_factor must be finite and > 0, got {schedule.norm_factor!r}")
-    if steps is None:
-        return schedule
-    triples = schedule.triples[:steps] + (schedule.triples[-1],) * max(0, steps - len(schedule.triples))
-    return schedule._replace(triples=triples)
+    steps = len(schedule.triples) if steps is None else steps
+    return schedule._replace(triples=(schedule.triples + schedule.triples[-1:] * steps)[:steps])
 
 
 def _is_triple(t: object) -> TypeGuard[Sequence[float]]:
@@ -333,9 +330,6 @@ class NewtonSchulz:
                 raise ValueError("Newton–Schulz restarts apply to method='gram' only")
             object.__setattr__(self, "restarts", _check_restarts(self.restarts, len(self.schedule.triples)))
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.orthogonalize(x)
-
     def iteration_dtype(self, x: torch.Tensor) -> torch.dtype:
         """The dtype the matrices of ``x`` are iterated in (see ``dtype``)."""
         return default_ns_dtype(x.device, x.dtype, x.shape, self.cpu_rule) if self.dtype is None else self.dtype
@@ -354,6 +348,8 @@ class NewtonSchulz:
         return _through_wide(
             "newton_schulz", x, partial(self.orthogonalize_wide, scale=scale, overwrite_input=overwrite_input)
         )
+
+    __call__ = orthogonalize
 
     def orthogonalize_wide(
         self, batch: torch.Tensor, *, scale: float = 1.0, overwrite_input: bool = False
@@ -376,9 +372,8 @@ def _through_wide(name: str, x: torch.Tensor, f: Callable[[torch.Tensor], torch.
     g = x.mT if tall else x
     batch = g.reshape(math.prod(g.shape[:-2]), *g.shape[-2:])  # (not -1: a tensor may hold no element)
     out = f(batch).to(x.dtype).view(g.shape)
-    if not tall:
-        return out
-    return out.mT.contiguous() if x.is_contiguous() else out.mT
+    out = out.mT if tall else out
+    return out.contiguous() if x.is_contiguous() else out
 
 
 def newton_schulz(
