@@ -98,7 +98,7 @@ class ShardedOrthogonalizer:
         # plans first: making one exchanges shapes, and every rank must reach that in the same order
         plans = [self._plan(group, members) for group, members in by_group(leaves)]
 
-        out: dict[int, torch.Tensor] = {}
+        out: dict[int, torch.Tensor] = {}  # each leaf's local result, by its index
         # whole matrices where they lie: unsharded leaves, and shards that hold whole matrices (experts)
         whole = [leaf for leaf in leaves if leaf.group is None]
         for leaf in whole:
@@ -115,8 +115,7 @@ class ShardedOrthogonalizer:
                 scale,
                 overwrite_input=overwrite_input,  # (no exchange reads these tensors)
             )
-            for leaf, result in zip(whole, done):
-                out[leaf.index] = leaf.wrap(result)
+            out.update(zip([leaf.index for leaf in whole], done))
 
         results = [[torch.empty_like(leaf.local) for leaf in plan.leaves] for plan in plans]
         for plan, result in zip(plans, results):
@@ -131,10 +130,8 @@ class ShardedOrthogonalizer:
         # the first exchange is in flight while the matrices that need none are orthogonalized
         run_rounds(rounds, overlap=overlap, meanwhile=orthogonalize_whole)
         for plan, result in zip(plans, results):
-            for leaf, local, r in zip(plan.leaves, plan.local, result):
-                if not local:
-                    out[leaf.index] = leaf.wrap(r)
-        return [out[i] for i in range(len(leaves))]
+            out.update((leaf.index, r) for leaf, local, r in zip(plan.leaves, plan.local, result) if not local)
+        return [leaf.wrap(out[leaf.index]) for leaf in leaves]
 
 
 def sharded_orthogonalizer(

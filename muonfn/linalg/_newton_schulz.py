@@ -179,13 +179,12 @@ def normalized(
 
 
 def _step(
-    X: torch.Tensor, A: torch.Tensor, a: float, b: float, c: float, s: float, out: tuple[Any, Any] = (None, None)
+    X: torch.Tensor, A: torch.Tensor, a: float, b: float, c: float, s: float, factor: Any = None, result: Any = None
 ) -> torch.Tensor:
     r""":math:`s\,(aX + (bA + cA^2)X)`. In fp32 and wider as :math:`(saI + sbA + scA^2)X`: the factor
     formed on the small side and one plain matmul. In a 16-bit dtype as :math:`saX + sBX` in the
     matmul's fp32 epilogue: the factor's diagonal :math:`a + B_{ii}`, rounded to 8 bits, would scale
-    whole rows of the result by its error."""
-    factor, result = out
+    whole rows of the result by its error. ``factor``, ``result``: ``out=`` buffers (``None``: new ones)."""
     if X.dtype.itemsize >= 4:
         P = torch.baddbmm(A, A, A, beta=b * s, alpha=c * s, out=factor)
         P.diagonal(dim1=-2, dim2=-1).add_(a * s)
@@ -201,15 +200,14 @@ def standard_steps(
 ) -> torch.Tensor:
     """The quintic steps on a normalised batch ``X`` (this call's own), the last one times ``scale``
     (inside its matmuls). Eager, in three buffers every step reuses: a step allocates nothing."""
-    triples = schedule.triples
     gram = factor = spare = None  # (traced, recorded or reduced: no buffers, each step allocates)
     if reduction is None and may_write_into(X):
         gram = X.new_empty((*X.shape[:-1], X.size(-2)))
         factor, spare = torch.empty_like(gram), torch.empty_like(X)
-    for k, (a, b, c) in enumerate(triples):
+    for k, (a, b, c) in enumerate(schedule.triples):
         A = torch.bmm(X, X.mT, out=gram)
-        s = scale if k == len(triples) - 1 else 1.0
-        Y = _step(X, A if reduction is None else reduction.sum(A), a, b, c, s, out=(factor, spare))
+        s = scale if k == len(schedule.triples) - 1 else 1.0
+        Y = _step(X, A if reduction is None else reduction.sum(A), a, b, c, s, factor, spare)
         spare, X = (X if gram is not None else None), Y  # (the next step's result goes where this one's input was)
     return X
 
@@ -418,8 +416,8 @@ def newton_schulz_columns(
     """Newton–Schulz of wide matrices whose columns are split into blocks held elsewhere, given one
     block of each as a ``(count, m, n_r)`` batch; ``reduction`` combines the blocks' values. The
     blocks of the result, in ``dtype``, the iteration's."""
-    X = normalized(blocks, ns, dtype, reduction, owned=True)
-    return standard_steps(X, ns.schedule, reduction=reduction)
+    # (no name here holds the normalised blocks: the first step's result replaces them)
+    return standard_steps(normalized(blocks, ns, dtype, reduction, owned=True), ns.schedule, reduction=reduction)
 
 
 def polar(x: torch.Tensor) -> torch.Tensor:
@@ -437,8 +435,7 @@ def polar(x: torch.Tensor) -> torch.Tensor:
     finite = wide.isfinite().flatten(-2).all(-1)[..., None, None]
     u, s, vh = torch.linalg.svd(torch.where(finite, wide, 0.0), full_matrices=False)
     tol = max(x.shape[-2:]) * torch.finfo(torch.float64).eps * s.amax(dim=-1, keepdim=True)
-    keep = (s > tol).to(torch.float64)
-    return torch.where(finite, (u * keep.unsqueeze(-2)) @ vh, torch.nan).to(x.dtype)
+    return torch.where(finite, (u * (s > tol).unsqueeze(-2)) @ vh, torch.nan).to(x.dtype)
 
 
 def qr_orthogonal(x: torch.Tensor) -> torch.Tensor:
