@@ -27,7 +27,7 @@ from ..linalg import DEFAULT_BUCKET_NUMEL, LocalOrthogonalizer, MatrixFn, Matrix
 from ._collectives import Collectives, check_collectives
 from ._layout import ShardSpec, checked_shard_specs
 from ._plan import Leaf, Plan, by_group, cached, check_dtensor_leaf, describe, make_plan
-from ._rounds import exchange_round, run_rounds, run_tp_gram
+from ._rounds import Round, exchange_round, run_rounds, run_tp_gram
 from ._sums import ShardSums
 
 Strategy: TypeAlias = Literal["owner", "gather", "tp_gram"]
@@ -118,15 +118,12 @@ class ShardedOrthogonalizer:
             out.update(zip([leaf.index for leaf in whole], done))
 
         results = [[torch.empty_like(leaf.local) for leaf in plan.leaves] for plan in plans]
+        cap, overlap = self.bucket_numel, self.overlap
+        rounds: list[Round] = []  # (generators: their exchanges start in run_rounds)
         for plan, result in zip(plans, results):
             for gram_batch in plan.gram:
                 run_tp_gram(plan, gram_batch, result, ns, scale)
-        cap, overlap = self.bucket_numel, self.overlap
-        rounds = [
-            exchange_round(plan, batch, result, ns, scale, cap, overlap)
-            for plan, result in zip(plans, results)
-            for batch in plan.rounds
-        ]
+            rounds += (exchange_round(plan, batch, result, ns, scale, cap, overlap) for batch in plan.rounds)
         # the first exchange is in flight while the matrices that need none are orthogonalized
         run_rounds(rounds, overlap=overlap, meanwhile=orthogonalize_whole)
         for plan, result in zip(plans, results):
