@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Literal, NamedTuple, Protocol, TypeAlias, TypeGuard, get_args
 
 import torch
@@ -343,9 +342,7 @@ class NewtonSchulz:
     def orthogonalize(self, x: torch.Tensor, *, scale: float = 1.0, overwrite_input: bool = False) -> torch.Tensor:
         """``scale·self(x)``, the scale taken by the last step's matmuls (no pass of its own);
         ``overwrite_input``: ``x`` is the caller's temporary, which the normalisation may overwrite."""
-        return _through_wide(
-            "newton_schulz", x, partial(self.orthogonalize_wide, scale=scale, overwrite_input=overwrite_input)
-        )
+        return _through_wide("newton_schulz", x, self.orthogonalize_wide, scale=scale, overwrite_input=overwrite_input)
 
     __call__ = orthogonalize
 
@@ -358,10 +355,10 @@ class NewtonSchulz:
         return self.iterate(X, scale).to(batch.dtype)
 
 
-def _through_wide(name: str, x: torch.Tensor, f: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``f`` of ``x`` as a wide ``(count, m, n)`` batch (a view where it can be one), its result in ``x``'s
-    dtype, shape and orientation, contiguous where ``x`` is: the orientation is decided by shape alone,
-    never by memory layout."""
+def _through_wide(name: str, x: torch.Tensor, f: Callable[..., torch.Tensor], **options: Any) -> torch.Tensor:
+    """``f(batch, **options)`` of ``x`` as a wide ``(count, m, n)`` batch (a view where it can be one), its
+    result in ``x``'s dtype, shape and orientation, contiguous where ``x`` is: the orientation is decided
+    by shape alone, never by memory layout."""
     if x.ndim < 2:
         raise ValueError(f"{name} needs a (..., m, n) tensor, got shape {tuple(x.shape)}")
     if not x.is_floating_point():
@@ -369,7 +366,7 @@ def _through_wide(name: str, x: torch.Tensor, f: Callable[[torch.Tensor], torch.
     tall = x.size(-2) > x.size(-1)
     g = x.mT if tall else x
     batch = g.reshape(math.prod(g.shape[:-2]), *g.shape[-2:])  # (not -1: a tensor may hold no element)
-    out = f(batch).to(x.dtype).view(g.shape)
+    out = f(batch, **options).to(x.dtype).view(g.shape)
     out = out.mT if tall else out
     return out.contiguous() if x.is_contiguous() else out
 
