@@ -243,10 +243,29 @@ class LocalOrthogonalizer:
                     chunks.append([])
                 filled[key] = m.numel() + (filled[key] if chunks[-1] else 0)
                 chunks[-1].append((tall, i, j))
+        # each call: the blocks its chunk names replaced by s·ns of them, in one call on their wide shape
         for (_, _, _, s), chunks in calls.items():
             for chunk in chunks:
                 chunk.sort()  # the wide blocks first, each kind in order
-                _call(blocks, chunk, ns, s, overwrite_input, self.gpu_form)
+                pieces = [apart(blocks[i][j].mT) if tall else blocks[i][j] for tall, i, j in chunk]
+                sizes = list(map(len, pieces))  # (the batches' counts)
+                # single matrices: a GPU may take its own form, which returns the tall ones in their own orientation
+                gpu = turns and max(sizes) == 1 and takes_gpu_orthogonalized(ns, pieces[0], self.gpu_form)
+                if gpu:
+                    results = gpu_orthogonalized(ns, pieces, sum(map(itemgetter(0), chunk)), s, overwrite_input)
+                else:
+                    stack = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+                    own = overwrite_input or len(pieces) > 1  # (a stack built here)
+                    if isinstance(ns, NewtonSchulz):
+                        result = ns.orthogonalize_wide(stack, scale=s, overwrite_input=own)
+                    else:
+                        result = checked_map_result(ns, stack, ns(stack))
+                        if not own and _shares_memory(result, stack):  # a map of one's own may hand its input back
+                            result = result.clone()
+                        result = result if s == 1.0 else result.mul(s)
+                    results = result.split(sizes)
+                for (tall, i, j), r in zip(chunk, results):
+                    blocks[i][j] = apart(r.mT) if tall and not gpu else r
         out = []
         for t, view, done in zip(tensors, views, blocks):
             result = view.from_matrices(done, t.shape) if done else torch.empty_like(t)
@@ -265,32 +284,6 @@ class LocalOrthogonalizer:
 
     def __repr__(self) -> str:
         return f"LocalOrthogonalizer(bucket_numel={self.bucket_numel}, gpu_form={self.gpu_form})"
-
-
-def _call(
-    blocks: list[list[torch.Tensor]], chunk: _Chunk, ns: MatrixFn, scale: float, overwrite: bool, gpu_form: bool | None
-) -> None:
-    """Replaces the ``(count, rows, cols)`` batches ``blocks[i][j]`` that ``chunk`` names (``(tall, i, j)``,
-    the wide ones first) by ``scale·ns`` of them, in one call on their wide shape."""
-    pieces = [apart(blocks[i][j].mT) if tall else blocks[i][j] for tall, i, j in chunk]
-    sizes = list(map(len, pieces))  # (the batches' counts)
-    # single matrices: a GPU may take its own form, which returns the tall ones in their own orientation
-    gpu = isinstance(ns, NewtonSchulz) and max(sizes) == 1 and takes_gpu_orthogonalized(ns, pieces[0], gpu_form)
-    if gpu:
-        results = gpu_orthogonalized(ns, pieces, sum(map(itemgetter(0), chunk)), scale, overwrite)
-    else:
-        stack = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-        own = overwrite or len(pieces) > 1  # (a stack built here)
-        if isinstance(ns, NewtonSchulz):
-            result = ns.orthogonalize_wide(stack, scale=scale, overwrite_input=own)
-        else:
-            result = checked_map_result(ns, stack, ns(stack))
-            if not own and _shares_memory(result, stack):  # a map of one's own may hand its input back
-                result = result.clone()
-            result = result if scale == 1.0 else result.mul(scale)
-        results = result.split(sizes)
-    for (tall, i, j), r in zip(chunk, results):
-        blocks[i][j] = apart(r.mT) if tall and not gpu else r
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
