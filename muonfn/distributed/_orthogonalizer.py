@@ -103,8 +103,7 @@ class ShardedOrthogonalizer:
         whole = [leaf for leaf in leaves if leaf.group is None]
         for leaf in whole:
             leaf.view.check(leaf.name, leaf.local.shape)
-        for plan in plans:
-            whole += [leaf for leaf, local in zip(plan.leaves, plan.local) if local]
+        whole += [leaf for plan in plans for leaf, local in zip(plan.leaves, plan.local) if local]
 
         def orthogonalize_whole() -> None:
             done = LocalOrthogonalizer(bucket_numel=self.bucket_numel)(
@@ -117,17 +116,17 @@ class ShardedOrthogonalizer:
             )
             out.update(zip([leaf.index for leaf in whole], done))
 
-        results = [[torch.empty_like(leaf.local) for leaf in plan.leaves] for plan in plans]
         cap, overlap = self.bucket_numel, self.overlap
         rounds: list[Round] = []  # (generators: their exchanges start in run_rounds)
-        for plan, result in zip(plans, results):
+        for plan in plans:
+            # every leaf's output, which the exchanges and tp_gram write into
+            result = [torch.empty_like(leaf.local) for leaf in plan.leaves]
+            out.update((leaf.index, r) for leaf, local, r in zip(plan.leaves, plan.local, result) if not local)
             for gram_batch in plan.gram:
                 run_tp_gram(plan, gram_batch, result, ns, scale)
             rounds += (exchange_round(plan, batch, result, ns, scale, cap, overlap) for batch in plan.rounds)
         # the first exchange is in flight while the matrices that need none are orthogonalized
         run_rounds(rounds, overlap=overlap, meanwhile=orthogonalize_whole)
-        for plan, result in zip(plans, results):
-            out.update((leaf.index, r) for leaf, local, r in zip(plan.leaves, plan.local, result) if not local)
         return [leaf.wrap(out[leaf.index]) for leaf in leaves]
 
 
