@@ -38,7 +38,7 @@ from typing import Any, Literal, Protocol, TypeAlias
 import torch
 
 from .._devices import apart, gpu_orthogonalized, may_write_into, takes_gpu_orthogonalized
-from ._newton_schulz import NewtonSchulz
+from ._newton_schulz import NewtonSchulz, is_integer
 
 ScaleMode: TypeAlias = Literal["original", "match_rms_adamw", "spectral", "unit_rms_norm", "none"]
 #: a mode's name, or ``(mode, factor)``: the mode times a constant factor (Megatron's ``extra_scale_factor``)
@@ -94,17 +94,13 @@ class MatrixView:
     def __post_init__(self) -> None:
         for name in ("batch_dims", "split_dim"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if not is_integer(value):
                 raise TypeError(f"MatrixView: {name} must be an integer, got {value!r}")
         if not isinstance(self.transposed, bool):
             raise TypeError(f"MatrixView: transposed must be True or False, got {self.transposed!r}")
         if self.split is not None:
             split = self.split
-            if (
-                isinstance(split, str | bytes)
-                or not isinstance(split, Sequence)
-                or not all(isinstance(s, int) and not isinstance(s, bool) for s in split)
-            ):
+            if isinstance(split, str | bytes) or not isinstance(split, Sequence) or not all(map(is_integer, split)):
                 raise TypeError(f"MatrixView: split must be a tuple of block sizes (integers), got {split!r}")
             object.__setattr__(self, "split", tuple(split))
 
@@ -189,7 +185,7 @@ DEFAULT_BUCKET_NUMEL = 1 << 26
 
 
 def check_bucket_numel(bucket_numel: int) -> int:
-    if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel < 1:
+    if not (is_integer(bucket_numel) and bucket_numel >= 1):
         raise ValueError(f"bucket_numel must be an integer >= 1, got {bucket_numel!r}")
     return bucket_numel
 

@@ -87,7 +87,7 @@ COEFFICIENTS: dict[str, Coefficients] = {
 def ns_schedule(coefficients: CoefficientsLike = "keller", steps: int | None = None) -> Coefficients:
     """A named or custom schedule stretched to ``steps``: fewer steps truncate it, more repeat its
     last triple, so ``[(a, b, c)]`` with ``steps=5`` is torch.optim.Muon's iteration."""
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+    if steps is not None and not (is_integer(steps) and steps >= 1):
         raise ValueError(f"Newton–Schulz steps must be an integer >= 1, got {steps!r}")
     if isinstance(coefficients, str):
         if coefficients not in COEFFICIENTS:
@@ -120,6 +120,11 @@ def ns_schedule(coefficients: CoefficientsLike = "keller", steps: int | None = N
 
 def _is_triple(t: object) -> TypeGuard[Sequence[float]]:
     return isinstance(t, Sequence) and len(t) == 3 and all(isinstance(v, int | float) for v in t)
+
+
+def is_integer(v: object) -> TypeGuard[int]:
+    """``v`` is an ``int`` and not a ``bool``."""
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 class Reduction(Protocol):
@@ -221,7 +226,7 @@ def default_restarts(steps: int, dtype: torch.dtype = torch.float32) -> tuple[in
 
 def _check_restarts(restarts: Any, steps: int) -> tuple[int, ...]:
     ok = isinstance(restarts, Sequence) and not isinstance(restarts, str | bytes)
-    if not ok or not all(isinstance(r, int) and not isinstance(r, bool) and 0 < r < steps for r in restarts):
+    if not ok or not all(is_integer(r) and 0 < r < steps for r in restarts):
         raise ValueError(f"Gram Newton–Schulz restarts must be step indices in [1, {steps - 1}], got {restarts!r}")
     return tuple(sorted(set(restarts)))
 
@@ -400,11 +405,11 @@ def gram_newton_schulz(
     ``restarts``: step indices before which the iterate is re-formed (default :func:`default_restarts`;
     ``()`` for none)."""
     ns = NewtonSchulz(coefficients, steps, eps, dtype, "gram", eps_mode, restarts)
-    return _through_wide(
-        "gram_newton_schulz",
-        x,
-        lambda g: gram_steps(normalized(g, ns, ns.iteration_dtype(g)), ns.schedule, ns.restarts),
-    )
+
+    def gram_wide(g: torch.Tensor) -> torch.Tensor:  # (Gram's steps on every shape, not only where cheaper)
+        return gram_steps(normalized(g, ns, ns.iteration_dtype(g)), ns.schedule, ns.restarts)
+
+    return _through_wide("gram_newton_schulz", x, gram_wide)
 
 
 def newton_schulz_columns(
