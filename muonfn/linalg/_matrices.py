@@ -190,10 +190,6 @@ def check_bucket_numel(bucket_numel: int) -> int:
     return bucket_numel
 
 
-#: The blocks of one call: ``(tall, i, j)`` names the ``j``-th block of the ``i``-th tensor
-_Chunk: TypeAlias = list[tuple[bool, int, int]]
-
-
 class LocalOrthogonalizer:
     """The :class:`Orthogonalizer` of whole matrices in one process.
 
@@ -226,7 +222,8 @@ class LocalOrthogonalizer:
     ) -> list[torch.Tensor]:
         turns = isinstance(ns, NewtonSchulz)
         blocks: list[list[torch.Tensor]] = []  # each tensor's (count, rows, cols) batches
-        calls: dict[tuple[Any, ...], list[_Chunk]] = {}  # (wide shape, dtype, device, scale) -> its calls
+        # (wide shape, dtype, device, scale) -> its calls, each of blocks (tall, i, j): the i-th tensor's j-th
+        calls: dict[tuple[Any, ...], list[list[tuple[bool, int, int]]]] = {}
         filled: dict[tuple[Any, ...], int] = {}  # the elements of each key's last call
         for i, (t, view) in enumerate(zip(tensors, views)):
             blocks.append(view.to_matrices(t) if t.numel() else [])
