@@ -92,8 +92,7 @@ class MatrixView:
     split_dim: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("batch_dims", "split_dim"):
-            value = getattr(self, name)
+        for name, value in (("batch_dims", self.batch_dims), ("split_dim", self.split_dim)):
             if not is_integer(value):
                 raise TypeError(f"MatrixView: {name} must be an integer, got {value!r}")
         if not isinstance(self.transposed, bool):
