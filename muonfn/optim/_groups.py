@@ -36,6 +36,8 @@ SPLIT_HALVES = {"adamw_lr": "lr", "adamw_weight_decay": "weight_decay"}
 #: A group's Newton–Schulz entries at their defaults (``ns_method`` besides: "standard", "gram", "svd", "qr", a map)
 NS_DEFAULTS = {"ns_coefficients": "keller", "ns_steps": None, "eps": 1e-7, "ns_dtype": None, "ns_eps_mode": "clamp",
                "ns_restarts": None}  # fmt: skip
+#: Every Newton–Schulz entry of a group
+NS_ENTRIES = (*NS_DEFAULTS, "ns_method")
 #: The entries of a state that are counts (exact int64) and second moments (fp32 for fp16 parameters)
 COUNTS, SECOND_MOMENTS = ("step", "second_moment_step"), ("exp_avg_sq", "row_second_moment")
 
@@ -64,7 +66,10 @@ def group_of(where: str, given: Mapping[str, Any], use_muon: bool, constructor: 
             raise ValueError(f"{where}: {stray[0]!r} sets AdamW groups; this group has use_muon=True")
         own = {k: v for k, v in own.items() if k not in stray}
         if "ns" in own or "ns_coefficients" in own:  # (a whole ns, or torch's one triple for each of ns_steps)
-            own.update(ns_entries(where, own.pop("ns", None), {k: own.pop(k) for k in NS_DEFAULTS if k in own}))
+            ns, entries = own.pop("ns", None), {k: own.pop(k) for k in NS_ENTRIES if k in own}
+            # torch's spellings change the entries they name; the others are the constructor's, as a group's are
+            inherited = {} if ns is not None else {k: constructor.muon[k] for k in NS_ENTRIES}
+            own.update(ns_entries(where, ns, {**inherited, **entries}))
         group = {**constructor.muon, **own}
         variant = group["variant"]
         if variant not in VARIANTS:
@@ -108,7 +113,7 @@ def group_of(where: str, given: Mapping[str, Any], use_muon: bool, constructor: 
 
 def ns_entries(where: str, ns: Any, given: Mapping[str, Any]) -> dict[str, Any]:
     """A group's Newton–Schulz entries, data a state_dict holds: torch's spellings (``given``'s
-    ``ns_coefficients``, one ``(a, b, c)`` for each of ``ns_steps``, 5 when not given, and ``eps``), or a
+    ``ns_coefficients``, one ``(a, b, c)`` for each of ``ns_steps``, 5 when not given; its other entries kept), or a
     whole ``ns`` (a :class:`~muonfn.NewtonSchulz` as its fields, ``"svd"``/:func:`~muonfn.polar`, ``"qr"``,
     ``"gram"``, a map of one's own as ``ns_method``), beside which ``given`` must keep the defaults."""
     if ns is None:
@@ -117,9 +122,16 @@ def ns_entries(where: str, ns: Any, given: Mapping[str, Any]) -> dict[str, Any]:
         if triple and all(isinstance(v, int | float) and not isinstance(v, bool) for v in coefficients):
             coefficients, steps = (tuple(float(v) for v in coefficients),) * (5 if steps is None else steps), None
         ns_schedule(coefficients, steps)
-        return {**NS_DEFAULTS, "ns_coefficients": _plain(coefficients), "ns_steps": steps,
-                "eps": given.get("eps", 1e-7), "ns_method": "standard"}  # fmt: skip
-    ignored = [f"{k}={given[k]!r}" for k in NS_DEFAULTS if given.get(k) is not None and given[k] != NS_DEFAULTS[k]]
+        named = {k: given[k] for k in NS_ENTRIES if k in given}
+        return {
+            **NS_DEFAULTS,
+            "ns_method": "standard",
+            **named,
+            "ns_coefficients": _plain(coefficients),
+            "ns_steps": steps,
+        }
+    defaults = {**NS_DEFAULTS, "ns_method": "standard"}
+    ignored = [f"{k}={given[k]!r}" for k in defaults if given.get(k) is not None and given[k] != defaults[k]]
     if ignored:
         raise ValueError(
             f"{where}: ns= is the whole Newton–Schulz setting: leave ns_coefficients, ns_steps and eps (and a "
