@@ -22,20 +22,6 @@ from ._tree import dotted
 PathLike = str | os.PathLike[str]
 
 
-def _plain(td: TensorDictBase, prefix: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Nested dicts of plain tensors (no subclasses such as memory-mapped tensors or parameters)."""
-    out: dict[str, Any] = {}
-    for key, value in td.items():
-        if isinstance(value, TensorDictBase):
-            out[key] = _plain(value, (*prefix, key))
-        elif isinstance(value, torch.Tensor):
-            out[key] = value.detach().as_subclass(torch.Tensor)
-        else:
-            name = dotted((*prefix, key))
-            raise TypeError(f"save: {name!r} is a {type(value).__name__}; a checkpoint holds tensors only")
-    return out
-
-
 def save(tree: TensorDictBase | Mapping[str, Any], path: PathLike) -> None:
     """Writes ``tree`` (a TensorDict, or a mapping of tensors and TensorDicts) to ``path``.
 
@@ -45,16 +31,18 @@ def save(tree: TensorDictBase | Mapping[str, Any], path: PathLike) -> None:
     exist (``FileNotFoundError`` naming it otherwise; nothing is written).
     """
     td = tree if isinstance(tree, TensorDictBase) else TensorDict(dict(tree), batch_size=[])
-    data = _plain(td)
+    for key, value in td.items(True, True, is_leaf=lambda cls: not issubclass(cls, TensorDictBase)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"save: {dotted(key)!r} is a {type(value).__name__}; a checkpoint holds tensors only")
+    # nested dicts of plain tensors (no subclasses such as memory-mapped tensors or parameters)
+    data = td.apply(lambda t: t.detach().as_subclass(torch.Tensor)).to_dict()
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):  # else the error would name the temporary file
         raise FileNotFoundError(f"save: cannot write {path!r}: the directory {directory!r} does not exist")
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(8)}.tmp")
-    # os.open rather than mkstemp: the checkpoint gets the permissions the umask gives any new file
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
+    try:  # ("x": a new file, not mkstemp's: the checkpoint gets the permissions the umask gives any new file)
+        with open(tmp, "xb") as f:
             torch.save(data, f)
             f.flush()
             os.fsync(f.fileno())
