@@ -71,10 +71,9 @@ def positive(name: str, v: Scalar) -> None:
         raise ValueError(f"{name} must be finite and > 0, got {v!r}")
 
 
-def flag(name: str, v: object) -> bool:
+def flag(name: str, v: object) -> None:
     if not isinstance(v, bool):
         raise TypeError(f"{name} must be True or False, got {v!r}")
-    return v
 
 
 def _storage_identity(t: torch.Tensor) -> tuple[Any, ...] | None:
