@@ -295,13 +295,12 @@ def muon(
         >>> sorted(state.keys(True, True))
         [('adamw', 'exp_avg', 'b'), ('adamw', 'exp_avg_sq', 'b'), ('adamw', 'step', 'b'), ('muon', 'momentum', 'w')]
     """
-    given = locals()  # (the options by the names of this signature, which PRESET_OPTIONS reads)
-    return _preset(MUON, lr, momentum, nesterov, {name: given[name] for name in PRESET_OPTIONS})
+    return _preset(MUON, locals())
 
 
-def _keywords(preset: Callable[..., Transform], but: Container[str]) -> dict[str, Any]:
-    """A preset's keyword-only options, but those named in ``but``, with their defaults."""
-    parameters = inspect.signature(preset).parameters.values()
+def _keywords(function: Callable[..., Any], but: Container[str]) -> dict[str, Any]:
+    """A function's keyword-only options (a preset's), but those named in ``but``, with their defaults."""
+    parameters = inspect.signature(function).parameters.values()
     return {p.name: p.default for p in parameters if p.kind is p.KEYWORD_ONLY and p.name not in but}
 
 
@@ -332,7 +331,7 @@ def normuon(
         >>> state["muon", "row_second_moment", "w"].shape  # one entry per row
         torch.Size([4, 1])
     """
-    return _preset("normuon", lr, momentum, nesterov, options, beta2=beta2, adaptive_eps=adaptive_eps, rescale=rescale)
+    return _preset("normuon", locals())
 
 
 def adamuon(
@@ -359,10 +358,7 @@ def adamuon(
         >>> sorted(state["muon"].keys())
         ['exp_avg_sq', 'momentum']
     """
-    return _preset(
-        "adamuon", lr, momentum, nesterov, options, beta2=beta2, adaptive_eps=adaptive_eps, rescale=rescale,
-        sign_momentum=sign_momentum, second_moment_bias_correction=second_moment_bias_correction,
-    )  # fmt: skip
+    return _preset("adamuon", locals())
 
 
 #: NorMuon's or AdaMuon's adaptation, made for a preset's views and donation: whether the momentum's
@@ -375,12 +371,6 @@ Adaptation: TypeAlias = Callable[[ViewsLike, bool, torch.dtype | None], tuple[bo
 VARIANT_DEFAULTS: dict[str, dict[str, Any]] = {
     variant: _keywords(preset, PRESET_OPTIONS) for variant, preset in zip(VARIANTS, (muon, normuon, adamuon))
 }
-#: The options only the adapted variants take.
-VARIANT_OPTIONS: tuple[str, ...] = tuple(
-    dict.fromkeys(
-        name for defaults in VARIANT_DEFAULTS.values() for name in defaults if name not in VARIANT_DEFAULTS[MUON]
-    )
-)
 
 
 def adaptation(
@@ -407,14 +397,12 @@ def adaptation(
         raise ValueError("normuon: sign_momentum and second_moment_bias_correction are AdaMuon's options")
 
     def adapt(views: ViewsLike, donate_state: bool, state_dtype: torch.dtype | None) -> tuple[bool, Transform]:
+        shared: dict[str, Any] = {"eps": adaptive_eps, "rescale": rescale, "views": views, "donate_state": donate_state}
         if variant == "normuon":
-            return False, scale_by_neuron_norm(
-                beta2, eps=adaptive_eps, rescale=rescale, views=views, donate_state=donate_state
-            )
+            return False, scale_by_neuron_norm(beta2, **shared)
         rms = scale_by_element_rms(
-            beta2, eps=adaptive_eps, bias_correction=second_moment_bias_correction, rescale=rescale, views=views,
-            state_dtype=state_dtype, donate_state=donate_state,
-        )  # fmt: skip
+            beta2, bias_correction=second_moment_bias_correction, state_dtype=state_dtype, **shared
+        )
         # where both count their updates (a correction each, or a bf16 state), the momentum's count is
         # "step" and this one's nested
         narrow = state_dtype == torch.bfloat16
@@ -424,24 +412,29 @@ def adaptation(
     return adapt
 
 
-def _preset(
-    variant: str, lr: ScalarOrSchedule, momentum: Scalar, nesterov: NesterovLike, given: dict[str, Any], **settings: Any
-) -> Transform:
-    """The preset of ``variant``: its matrix branch (its :func:`adaptation` made of ``settings``) beside
-    :func:`adamw`, ``given`` the options of :data:`PRESET_OPTIONS`; names in ``views``,
-    ``weight_decay_mask`` and an orthogonalizer's ``shard_specs`` checked against the parameters at
-    ``init`` (a typo is an error)."""
-    unknown = sorted(given.keys() - PRESET_OPTIONS.keys())
+#: The options only the adapted variants take: their adaptation's.
+VARIANT_OPTIONS: tuple[str, ...] = tuple(_keywords(adaptation, PRESET_OPTIONS))
+
+
+def _preset(variant: str, arguments: dict[str, Any]) -> Transform:
+    """The preset of ``variant`` made of the ``arguments`` its function was given (its ``locals()``, its
+    ``**options`` among them): its matrix branch (its :func:`adaptation` made of its variant's settings)
+    beside :func:`adamw`, the options of :data:`PRESET_OPTIONS` at their defaults where not given; names in
+    ``views``, ``weight_decay_mask`` and an orthogonalizer's ``shard_specs`` checked against the parameters
+    at ``init`` (a typo is an error)."""
+    given = {**arguments.pop("options", {}), **arguments}
+    unknown = sorted(given.keys() - {"lr", *VARIANT_DEFAULTS[variant], *PRESET_OPTIONS})
     if unknown:
         raise TypeError(f"muonfn.{variant}() got an unexpected keyword argument {unknown[0]!r}")
     options = SimpleNamespace(**{**PRESET_OPTIONS, **given})
+    settings = {name: value for name, value in given.items() if name in VARIANT_OPTIONS}
     adapt = adaptation(variant, momentum_bias_correction=options.momentum_bias_correction, **settings)
     check_state_dtype(f"muonfn.{variant}", options.state_dtype)  # (named as the user called it)
-    rates = {MUON: lr, ADAMW: lr if options.adamw_lr is None else options.adamw_lr}
+    rates = {MUON: options.lr, ADAMW: options.lr if options.adamw_lr is None else options.adamw_lr}
     schedules = {name: BranchSchedule(rate, name) for name, rate in rates.items() if is_schedule(rate)}
     rates.update(schedules)
     branch = matrix_branch(
-        adapt, rates[MUON], momentum, nesterov, options.momentum_bias_correction, options.weight_decay,
+        adapt, rates[MUON], options.momentum, options.nesterov, options.momentum_bias_correction, options.weight_decay,
         options.cautious_weight_decay, options.cautious_mode, options.ns, options.scale,
         options.views, options.weight_decay_mask, options.orthogonalizer, options.donate_state, options.state_dtype,
     )  # fmt: skip
@@ -558,17 +551,13 @@ def matrix_branch(
         fresh = fresh or sign
         adapted = [adapt]
     plain = cautious_mode is None and not cautious_weight_decay
+    # how Newton–Schulz runs, in orthogonalize or in descent's passes
+    newton_schulz: dict[str, Any] = {"views": views, "orthogonalizer": orthogonalizer, "overwrite_input": fresh}
     if adapted or not plain:  # Newton–Schulz on its own: the adaptation, or caution, comes between it and the rest
-        ortho_scale: ScaleLike = "none" if adapted else scale
-        ortho = orthogonalize(ns, views=views, scale=ortho_scale, orthogonalizer=orthogonalizer, overwrite_input=fresh)
-        steps += [ortho, *adapted]
+        steps += [orthogonalize(ns, scale="none" if adapted else scale, **newton_schulz), *adapted]
         ns = "none"  # (it has run: descent takes the shape scale, the decay and the rate)
     if plain:  # the shape scale (in Newton–Schulz's last step, if it is still to run), the decay and the rate
-        last = descent(
-            lr, weight_decay, ns=ns, scale=scale, views=views, mask=weight_decay_mask,
-            orthogonalizer=orthogonalizer, overwrite_input=fresh,
-        )  # fmt: skip
-        return chain(*steps, last)
+        return chain(*steps, descent(lr, weight_decay, ns=ns, scale=scale, mask=weight_decay_mask, **newton_schulz))
     direction = chain(*steps, *([scale_by_shape(scale, views=views)] if adapted else []))
     if cautious_mode is not None:  # a sharded orthogonalizer's leaves are shards: caution counts whole leaves
         direction = cautious(direction, mode=cautious_mode, sum_shards=getattr(orthogonalizer, "sum_shards", None))
