@@ -41,8 +41,11 @@ def save(tree: TensorDictBase | Mapping[str, Any], path: PathLike) -> None:
     if not os.path.isdir(directory):  # else the error would name the temporary file
         raise FileNotFoundError(f"save: cannot write {path!r}: the directory {directory!r} does not exist")
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(8)}.tmp")
-    try:  # ("x": a new file, not mkstemp's: the checkpoint gets the permissions the umask gives any new file)
-        with open(tmp, "xb") as f:
+    # "x": a new file (a name that is taken is an error, and not removed below); not mkstemp's, so that the
+    # checkpoint gets the permissions the umask gives any new file
+    f = open(tmp, "xb")  # noqa: SIM115 (closed by the with below)
+    try:
+        with f:
             torch.save(data, f)
             f.flush()
             os.fsync(f.fileno())

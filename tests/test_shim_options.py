@@ -532,6 +532,35 @@ def test_ns_is_kept_in_the_groups_as_plain_entries():
     assert (opt.param_groups[1]["ns_steps"], opt.param_groups[1]["eps"]) == (2, 1e-5)
 
 
+def test_a_group_dicts_torch_spellings_change_only_the_entries_they_name():
+    """torch's ``ns_coefficients`` in a group dict sets the coefficients; the group's other Newton–Schulz
+    entries stay as it gives them, or the constructor's; beside a whole ``ns`` an ``ns_method`` is refused."""
+    named = [(n, p) for n, p in mlp().named_parameters() if p.ndim == 2]  # the matrices
+    triple = (3.4445, -4.7750, 2.0315)
+    opt = Muon(
+        [
+            {"params": named[:1], "use_muon": True, "ns_coefficients": triple, "ns_method": "gram"},
+            {
+                "params": named[1:2],
+                "use_muon": True,
+                "ns_coefficients": "polar_express",
+                "ns_dtype": torch.float64,
+            },
+        ],
+        ns=NewtonSchulz(steps=3, eps=1e-5, dtype=torch.float32, eps_mode="add"),
+    )
+    first, second = opt.param_groups
+    assert (first["ns_coefficients"], first["ns_steps"], first["ns_method"]) == ((triple,) * 3, None, "gram")
+    assert (first["ns_dtype"], first["eps"], first["ns_eps_mode"]) == (torch.float32, 1e-5, "add")
+    assert (second["ns_coefficients"], second["ns_steps"], second["ns_dtype"]) == ("polar_express", 3, torch.float64)
+    assert (second["ns_method"], second["eps"], second["ns_eps_mode"]) == ("standard", 1e-5, "add")
+    with pytest.raises(ValueError, match=r"^param group 0: ns= is the whole Newton–Schulz setting.*ns_method='gram'"):
+        Muon([{"params": named[:1], "use_muon": True, "ns": NewtonSchulz(steps=3), "ns_method": "gram"}])
+    # a constructor's map of one's own runs no Newton–Schulz: a group's coefficients beside it are refused
+    with pytest.raises(ValueError, match=r"does not run Newton–Schulz, so ns_coefficients="):
+        Muon([{"params": named[:1], "use_muon": True, "ns_coefficients": triple}], ns=own_map).step()
+
+
 def test_a_map_of_ones_own_is_left_out_of_the_state_dict_and_kept_by_the_loading_optimizer():
     """A function cannot be read with ``weights_only=True``: the saved groups leave it out, and the
     optimizer that loads them keeps its own (as it keeps its views and labels)."""
