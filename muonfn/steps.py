@@ -110,8 +110,7 @@ def _lerp(starts: Sequence[torch.Tensor], ends: Sequence[torch.Tensor], weight: 
     out = []
     for s, e in zip(starts, ends):
         wide = torch.promote_types(s.dtype, torch.float32)
-        w = weight.to(wide)
-        result = s.to(wide).lerp(e.to(wide), w).to(s.dtype) if s.dtype != wide else s.lerp(e, w)
+        result = s.to(wide).lerp(e.to(wide), weight.to(wide)).to(s.dtype)
         out.append(s.copy_(result) if inplace else result)
     return out
 
@@ -587,11 +586,8 @@ def _rate(learning_rate: ScalarOrSchedule, state: TensorDictBase, grads: TensorD
     if is_schedule(learning_rate):
         count, where = state["count"], "the learning rate schedule"
         lr, new = schedule_value(where, learning_rate(count)), {"count": count + 1}
-    if isinstance(lr, torch.Tensor):
-        first = next(iter(grads.values()), None)
-        device = None if first is None else first.device
-        lr = checked_rate(where, lr, grads.batch_size, device, returned=bool(new))
-    return _number(lr), new
+    device = getattr(next(iter(grads.values()), None), "device", None)
+    return _number(checked_rate(where, lr, grads.batch_size, device, returned=bool(new))), new
 
 
 def checked_rate(where: str, lr: Any, size: torch.Size, device: torch.device | None, *, returned: bool) -> Any:
@@ -918,16 +914,16 @@ def apply_updates_(params: TensorDictBase, updates: TensorDictBase) -> TensorDic
 # ---------------------------------------------------------------------------------------------- adaptations
 
 
-def _rescaled(adapted: torch.Tensor, before: torch.Tensor, rescale: str, eps: float) -> torch.Tensor:
-    r"""A ``(count, m, n)`` batch with each matrix's Frobenius norm set: ``"preserve_norm"`` that of
-    ``before``, ``"orthogonal"`` :math:`\sqrt{\min(m, n)}` (a semi-orthogonal matrix's), ``"none"``
-    unchanged; ``eps`` added to the adapted norm keeps a zero update zero."""
+def _rescaled(adapted: list[torch.Tensor], before: list[torch.Tensor], rescale: str, eps: float) -> list[torch.Tensor]:
+    r"""``(count, m, n)`` batches with each matrix's Frobenius norm set: ``"preserve_norm"`` that of its
+    partner in ``before``, ``"orthogonal"`` :math:`\sqrt{\min(m, n)}` (a semi-orthogonal matrix's),
+    ``"none"`` unchanged; ``eps`` added to the adapted norm keeps a zero update zero."""
     if rescale == "none":
         return adapted
-    norm = torch.linalg.matrix_norm(adapted, keepdim=True).add(eps)
+    norms = [torch.linalg.matrix_norm(a, keepdim=True).add(eps) for a in adapted]
     if rescale == "preserve_norm":
-        return adapted.mul(torch.linalg.matrix_norm(before, keepdim=True).div(norm))
-    return adapted.mul(norm.reciprocal().mul(math.sqrt(min(adapted.shape[-2:]))))
+        return [a.mul(torch.linalg.matrix_norm(b, keepdim=True).div(n)) for a, b, n in zip(adapted, before, norms)]
+    return [a.mul(n.reciprocal().mul(math.sqrt(min(a.shape[-2:])))) for a, n in zip(adapted, norms)]
 
 
 def _check_adaptation(
@@ -1010,11 +1006,9 @@ def scale_by_neuron_norm(
         denominators = _foreach("add", _foreach("sqrt", new), eps)
         out = []
         for o, view, matrices, d in zip(given, leaf_views, blocks, denominators):
-            if view.split is None:
-                parts = [d]
-            else:  # a column-split view's blocks side by side in d, a row-split one's stacked
-                parts = d.split(1, dim=2) if view.split_dim == 1 else d.split(list(view.split), dim=1)
-            adapted = [_rescaled(b / p, b, rescale, eps) for b, p in zip(matrices, parts)]
+            # a row-split view's blocks stacked in d, a column-split one's side by side (an unsplit one's: one column)
+            parts = d.split(list(view.split), dim=1) if view.split and view.split_dim == 0 else d.split(1, dim=2)
+            adapted = _rescaled([b / p for b, p in zip(matrices, parts)], matrices, rescale, eps)
             out.append(view.from_matrices(adapted, o.shape))
         # donated, the views were written in place: the state keeps its own tensors
         kept = [held[k] if donate_state else n.reshape(held[k].shape) for k, n in zip(names, new)]
@@ -1089,14 +1083,11 @@ def scale_by_element_rms(
         if bias_correction:
             root = _foreach("div", v, _per_leaf(_corrections(t, _number(beta)), v, grads.batch_dims))
         adapted = _foreach("div", values, _foreach("add", _foreach("sqrt", root), eps))
-        out = []
-        for o, a, view in zip(values, adapted, resolve_views(views, names, given, grads.batch_dims)):
-            if rescale == "none":
-                out.append(a)
-                continue
-            pairs = zip(view.to_matrices(a), view.to_matrices(o))
-            out.append(view.from_matrices([_rescaled(b, before, rescale, eps) for b, before in pairs], o.shape))
-        return build(dict(zip(names, cast_like(out, given))), grads.batch_size), build(new, state.batch_size)
+        if rescale != "none":
+            for i, (o, view) in enumerate(zip(values, resolve_views(views, names, given, grads.batch_dims))):
+                blocks = _rescaled(view.to_matrices(adapted[i]), view.to_matrices(o), rescale, eps)
+                adapted[i] = view.from_matrices(blocks, o.shape)
+        return build(dict(zip(names, cast_like(adapted, given))), grads.batch_size), build(new, state.batch_size)
 
     return transform(init, update, donates_state=donate_state)
 
