@@ -335,8 +335,6 @@ def resolve_views(
 ) -> list[MatrixView]:
     """One view per leaf: the declared one, else the default (2-D as is, ≥3-D as conv); for a stacked
     ensemble every view takes the batch dimensions too (views describe one member's leaf)."""
-    if views is None and not members:
-        return [DEFAULT_VIEW] * len(names)
     if views is None:
         found = [DEFAULT_VIEW] * len(names)
     elif isinstance(views, Mapping):
@@ -349,9 +347,7 @@ def resolve_views(
             if view is not None and not isinstance(view, MatrixView):
                 raise TypeError(f"views returned {view!r} for {n!r}; it must return a muonfn.MatrixView or None")
             found.append(view or DEFAULT_VIEW)
-    if members:
-        return [MatrixView(v.batch_dims + members, v.transposed, v.split, v.split_dim) for v in found]
-    return found
+    return [MatrixView(v.batch_dims + members, v.transposed, v.split, v.split_dim) for v in found] if members else found
 
 
 def _checked_views(views: ViewsLike, tree: TensorDictBase) -> list[MatrixView]:
@@ -373,23 +369,23 @@ def check_views(where: str, views: object) -> None:
 
 
 def _orthogonalizing(
-    ns: Any, views: ViewsLike, orthogonalizer: Orthogonalizer | None, where: str
-) -> tuple[MatrixFn, Orthogonalizer, Callable[[TensorDictBase], None]]:
-    """The map, the orthogonalizer and an ``init`` check of the leaves (the orthogonalizer's own, on the
-    parameters, whose layout the updates share; a map of one's own is tried on meta tensors, so that a
-    wrong result fails before a step)."""
+    ns: Any, views: ViewsLike, orthogonalizer: Orthogonalizer | None, fresh: bool, where: str
+) -> tuple[Callable[[TensorDictBase], None], Callable[[TensorDictBase, Any], list[torch.Tensor]]]:
+    """An ``init`` check of the leaves (the orthogonalizer's own, on the parameters, whose layout the
+    updates share; a map of one's own is tried on meta tensors, so that a wrong result fails before a
+    step), and the updates' orthogonalized leaves given a shape scale (``fresh``: the updates are this
+    step's own tensors, whose memory may hold the results)."""
     ns = matrix_map(ns)
     check_views(f"{where}: views", views)
-    if orthogonalizer is None:
-        orthogonalizer = LocalOrthogonalizer()
-    elif not callable(orthogonalizer):
+    chosen = LocalOrthogonalizer() if orthogonalizer is None else orthogonalizer
+    if not callable(chosen):
         raise TypeError(f"{where}: orthogonalizer must be a muonfn.linalg.Orthogonalizer, got {orthogonalizer!r}")
-    local = isinstance(orthogonalizer, LocalOrthogonalizer)
+    local = isinstance(chosen, LocalOrthogonalizer)
 
     def check(params: TensorDictBase) -> None:
         names, values = list(params.keys()), list(params.values())
         leaf_views = resolve_views(views, names, values, params.batch_dims)
-        refuse = getattr(orthogonalizer, "check", None)
+        refuse = getattr(chosen, "check", None)
         if callable(refuse):
             refuse(names, values, leaf_views)
         for p, view in zip(values, leaf_views):
@@ -398,15 +394,12 @@ def _orthogonalizing(
                     if rows and cols:
                         check_matrix_fn(ns, (1, rows, cols), p.dtype)
 
-    return ns, orthogonalizer, check
+    def orthogonalized(grads: TensorDictBase, scale: Any) -> list[torch.Tensor]:
+        names, values = list(grads.keys()), list(grads.values())
+        options = {"overwrite_input": True} if fresh and may_write_into(*values) else {}
+        return chosen(names, values, resolve_views(views, names, values, grads.batch_dims), ns, scale, **options)
 
-
-def _orthogonalized(
-    grads: TensorDictBase, ns: MatrixFn, views: ViewsLike, orthogonalizer: Orthogonalizer, scale: Any, fresh: bool
-) -> list[torch.Tensor]:
-    names, values = list(grads.keys()), list(grads.values())
-    options = {"overwrite_input": True} if fresh and may_write_into(*values) else {}
-    return orthogonalizer(names, values, resolve_views(views, names, values, grads.batch_dims), ns, scale, **options)
+    return check, orthogonalized
 
 
 def orthogonalize(
@@ -437,7 +430,7 @@ def orthogonalize(
     Returns:
         A stateless :class:`Transform`; ``init`` checks that every leaf's view can read it.
     """
-    ns, orthogonalizer, check = _orthogonalizing(ns, views, orthogonalizer, "orthogonalize")
+    check, orthogonalized = _orthogonalizing(ns, views, orthogonalizer, overwrite_input, "orthogonalize")
     scale_fn = shape_scale(scale)
     flag("orthogonalize: overwrite_input", overwrite_input)
 
@@ -446,8 +439,7 @@ def orthogonalize(
         return build({}, params.batch_size)
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
-        out = _orthogonalized(grads, ns, views, orthogonalizer, scale_fn, overwrite_input)
-        return build(dict(zip(grads.keys(), out)), grads.batch_size), state
+        return build(dict(zip(grads.keys(), orthogonalized(grads, scale_fn))), grads.batch_size), state
 
     return transform(init, update)
 
@@ -658,7 +650,7 @@ def descent(
     orthogonalizes = not (isinstance(ns, str) and ns == "none")
     check: Callable[[TensorDictBase], object] = partial(_checked_views, views)
     if orthogonalizes:
-        ns, orthogonalizer, check = _orthogonalizing(ns, views, orthogonalizer, "descent")
+        check, orthogonalized = _orthogonalizing(ns, views, orthogonalizer, overwrite_input, "descent")
 
     def init(params: TensorDictBase) -> TensorDictBase:
         check(params)
@@ -670,8 +662,7 @@ def descent(
         # -ηs into the matrices' own pass; a tensor rate (traced, or one per member) takes a pass of its own
         factor = 1.0 if isinstance(lr, torch.Tensor) else -lr
         if orthogonalizes:
-            times = partial(scaled, extra * factor)  # (-ηs, a number: a tensor rate's factor is 1)
-            out = _orthogonalized(grads, ns, views, orthogonalizer, times, overwrite_input)  # type: ignore[arg-type]
+            out = orthogonalized(grads, partial(scaled, extra * factor))  # (-ηs, a number: a tensor rate's factor is 1)
         else:
             out = _shape_scaled(grads, views, partial(scaled, extra), factor)
         if isinstance(lr, torch.Tensor):
