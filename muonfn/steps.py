@@ -159,6 +159,22 @@ def _counts(params: TensorDictBase) -> TensorDictBase:
     return build({n: p.new_zeros(params.batch_size, dtype=torch.int64) for n, p in params.items()}, params.batch_size)
 
 
+def _stateless(
+    check: Callable[[TensorDictBase], object], leaves: Callable[[TensorDictBase, TensorDictBase | None], list[Any]]
+) -> Transform:
+    """A :class:`Transform` without state: ``init`` runs ``check`` on the params, ``update`` gives the
+    leaves ``leaves(grads, params)``."""
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        check(params)
+        return build({}, params.batch_size)
+
+    def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
+        return build(dict(zip(grads.keys(), leaves(grads, params))), grads.batch_size), state
+
+    return transform(init, update)
+
+
 # ---------------------------------------------------------------------------------------------- narrowed state
 
 #: The dtypes a state may be kept in (``state_dtype``); ``None`` keeps each leaf's own.
@@ -433,15 +449,7 @@ def orthogonalize(
     check, orthogonalized = _orthogonalizing(ns, views, orthogonalizer, overwrite_input, "orthogonalize")
     scale_fn = shape_scale(scale)
     flag("orthogonalize: overwrite_input", overwrite_input)
-
-    def init(params: TensorDictBase) -> TensorDictBase:
-        check(params)
-        return build({}, params.batch_size)
-
-    def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
-        return build(dict(zip(grads.keys(), orthogonalized(grads, scale_fn))), grads.batch_size), state
-
-    return transform(init, update)
+    return _stateless(check, lambda grads, params: orthogonalized(grads, scale_fn))
 
 
 def scale_by_shape(scale: ScaleLike = "match_rms_adamw", *, views: ViewsLike = None) -> Transform:
@@ -451,15 +459,7 @@ def scale_by_shape(scale: ScaleLike = "match_rms_adamw", *, views: ViewsLike = N
     √(A/B), ``"none"`` 1; a pair ``(mode, factor)`` is the mode times ``factor``."""
     scale_fn = shape_scale(scale)
     check_views("scale_by_shape: views", views)
-
-    def init(params: TensorDictBase) -> TensorDictBase:
-        _checked_views(views, params)
-        return build({}, params.batch_size)
-
-    def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
-        return build(dict(zip(grads.keys(), _shape_scaled(grads, views, scale_fn, 1.0))), grads.batch_size), state
-
-    return transform(init, update)
+    return _stateless(partial(_checked_views, views), lambda grads, params: _shape_scaled(grads, views, scale_fn, 1.0))
 
 
 def _shape_scaled(
@@ -535,19 +535,15 @@ def add_decayed_weights(weight_decay: Scalar = 0.0, *, mask: MaskLike = None, ca
     check_mask("add_decayed_weights: mask", mask)
     flag("add_decayed_weights: cautious", cautious)
 
-    def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
-        names, values = list(grads.keys()), list(grads.values())
+    def decayed(grads: TensorDictBase, params: TensorDictBase | None) -> list[Any]:
+        values = list(grads.values())
         if cautious and params is not None:  # the parameter where it agrees in sign with the update
-            agreeing = {n: params[n].mul(u.signbit() == params[n].signbit()) for n, u in zip(names, values)}
+            agreeing = {n: params[n].mul(u.signbit() == params[n].signbit()) for n, u in zip(grads.keys(), values)}
             params = build(agreeing, grads.batch_size)
-        out = _decayed(values, grads, params, _number(weight_decay), mask, "add_decayed_weights", inplace=False)
-        return build(dict(zip(names, out)), grads.batch_size), state
+        return _decayed(values, grads, params, _number(weight_decay), mask, "add_decayed_weights", inplace=False)
 
-    def init(params: TensorDictBase) -> TensorDictBase:
-        selected(mask, params, "add_decayed_weights: mask")  # (a callable mask's values checked before a step)
-        return build({}, params.batch_size)
-
-    return transform(init, update)
+    # (a callable mask's values checked before a step)
+    return _stateless(lambda params: selected(mask, params, "add_decayed_weights: mask"), decayed)
 
 
 def _schedule_state(learning_rate: ScalarOrSchedule, params: TensorDictBase) -> dict[str, torch.Tensor]:
@@ -1093,11 +1089,7 @@ def scale_by_sign() -> Transform:
         >>> tx.update(g, tx.init(g))[0]["w"]
         tensor([-1.,  0.,  1.])
     """
-
-    def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
-        return build(dict(zip(grads.keys(), _foreach("sign", list(grads.values())))), grads.batch_size), state
-
-    return transform(lambda params: build({}, params.batch_size), update)
+    return _stateless(lambda params: None, lambda grads, params: _foreach("sign", list(grads.values())))
 
 
 def scale_by_muon(
