@@ -738,10 +738,12 @@ def _betas(where: str, b1: Scalar, b2: Scalar, eps: float, nesterov: object) -> 
     return b1, unit_interval("b2", b2), float(eps)
 
 
-def _adam_init(params: TensorDictBase, state_dtype: torch.dtype | None) -> dict[str, TensorDictBase]:
+def _adam_init(params: TensorDictBase, state_dtype: torch.dtype | None, lr: ScalarOrSchedule = 0.0) -> TensorDictBase:
+    """Adam's state, and a learning rate schedule's (see :func:`_schedule_state`)."""
     first = _zeros(params, lambda d: state_dtype or d)
     second = _zeros(params, lambda d: state_dtype or second_moment_dtype(d))
-    return {"step": _counts(params), "exp_avg": first, "exp_avg_sq": second}
+    state = {"step": _counts(params), "exp_avg": first, "exp_avg_sq": second, **_schedule_state(lr, params)}
+    return build(state, params.batch_size)
 
 
 def scale_by_adam(
@@ -775,10 +777,7 @@ def scale_by_adam(
         updates = build(dict(zip(grads.keys(), cast_like(u, list(grads.values())))), grads.batch_size)
         return updates, build(new, state.batch_size)
 
-    def init(params: TensorDictBase) -> TensorDictBase:
-        return build(_adam_init(params, state_dtype), params.batch_size)
-
-    return transform(init, update, donates_state=donate_state)
+    return transform(partial(_adam_init, state_dtype=state_dtype), update, donates_state=donate_state)
 
 
 def adamw(
@@ -846,9 +845,6 @@ def adamw(
     # the fused kernel takes β₁ as a number, and keeps the moments in the parameters' dtype
     kernel_may_take = not nesterov and state_dtype is None
 
-    def init(params: TensorDictBase) -> TensorDictBase:
-        return build({**_adam_init(params, state_dtype), **_schedule_state(lr, params)}, params.batch_size)
-
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
         rate, new = _rate(lr, state, grads)
         names, g, members = list(grads.keys()), list(grads.values()), grads.batch_dims
@@ -866,7 +862,7 @@ def adamw(
         u = _decayed(u, grads, params, -rate * lam, weight_decay_mask, "adamw", inplace=True)
         return build(dict(zip(names, cast_like(u, g))), grads.batch_size), build({**moments, **new}, state.batch_size)
 
-    return transform(init, update, donates_state=donate_state)
+    return transform(partial(_adam_init, state_dtype=state_dtype, lr=lr), update, donates_state=donate_state)
 
 
 # ---------------------------------------------------------------------------------------------- applying
