@@ -481,7 +481,7 @@ def _shape_scaled(
 
 def _decayed(
     updates: list[Any],
-    grads: TensorDictBase,
+    names: list[str],
     params: TensorDictBase | None,
     factor: Any,
     mask: MaskLike,
@@ -489,22 +489,21 @@ def _decayed(
     *,
     inplace: bool,
 ) -> list[Any]:
-    r"""``u + factor·p`` on the leaves ``mask`` selects (``factor`` a number, a 0-d tensor or one value
-    per ensemble member): one multiply-add per entry for a number; ``inplace``: into the updates, the
-    step's own tensors, where nothing records them."""
+    r"""``u + factor·p`` on the leaves ``names`` that ``mask`` selects (``factor`` a number, a 0-d tensor
+    or one value per ensemble member): one multiply-add per entry for a number; ``inplace``: into the
+    updates, the step's own tensors, where nothing records them."""
     if isinstance(factor, int | float) and factor == 0:
         return updates
     if params is None:
         raise ValueError(f"{where} needs params: call update(grads, state, params)")
-    u, p = updates, named_leaves(params, list(grads.keys()))
+    u, p = updates, named_leaves(params, names)
     if mask is not None:
-        names = list(grads.keys())
         chosen = set(selected(mask, params.select(*names), f"{where}: mask"))
         at = [i for i, n in enumerate(names) if n in chosen]
         u, p = [u[i] for i in at], [p[i] for i in at]
     inplace = inplace and may_write_into(*u, *p)
     if isinstance(factor, torch.Tensor):  # (alpha takes numbers: λp written out, then added)
-        added = _foreach("add", u, _foreach("mul", p, _times(factor, p, grads.batch_dims)), inplace=inplace)
+        added = _foreach("add", u, _foreach("mul", p, _times(factor, p, params.batch_dims)), inplace=inplace)
     else:
         added = _foreach("add", u, p, alpha=factor, inplace=inplace)
     if mask is None:
@@ -536,11 +535,11 @@ def add_decayed_weights(weight_decay: Scalar = 0.0, *, mask: MaskLike = None, ca
     flag("add_decayed_weights: cautious", cautious)
 
     def decayed(grads: TensorDictBase, params: TensorDictBase | None) -> list[Any]:
-        values = list(grads.values())
+        names, values = list(grads.keys()), list(grads.values())
         if cautious and params is not None:  # the parameter where it agrees in sign with the update
-            agreeing = {n: params[n].mul(u.signbit() == params[n].signbit()) for n, u in zip(grads.keys(), values)}
+            agreeing = {n: params[n].mul(u.signbit() == params[n].signbit()) for n, u in zip(names, values)}
             params = build(agreeing, grads.batch_size)
-        return _decayed(values, grads, params, _number(weight_decay), mask, "add_decayed_weights", inplace=False)
+        return _decayed(values, names, params, _number(weight_decay), mask, "add_decayed_weights", inplace=False)
 
     # (a callable mask's values checked before a step)
     return _stateless(lambda params: selected(mask, params, "add_decayed_weights: mask"), decayed)
@@ -663,7 +662,7 @@ def descent(
             out = _shape_scaled(grads, views, partial(scaled, extra), factor)
         if isinstance(lr, torch.Tensor):
             out = _foreach("mul", out, _times(lr.neg(), out, grads.batch_dims), inplace=may_write_into(*out, lr))
-        out = _decayed(out, grads, params, -lr * lam, mask, "descent", inplace=True)
+        out = _decayed(out, list(grads.keys()), params, -lr * lam, mask, "descent", inplace=True)
         return build(dict(zip(grads.keys(), cast_like(out, values))), grads.batch_size), build(new, state.batch_size)
 
     return transform(init, update)
@@ -859,7 +858,7 @@ def adamw(
                 )
                 return updates, build({**moments, **new}, state.batch_size)
         u, moments = _adam(grads, state, b1, b2, eps, -rate, nesterov, donate_state, state_dtype)
-        u = _decayed(u, grads, params, -rate * lam, weight_decay_mask, "adamw", inplace=True)
+        u = _decayed(u, names, params, -rate * lam, weight_decay_mask, "adamw", inplace=True)
         return build(dict(zip(names, cast_like(u, g))), grads.batch_size), build({**moments, **new}, state.batch_size)
 
     return transform(partial(_adam_init, state_dtype=state_dtype, lr=lr), update, donates_state=donate_state)
