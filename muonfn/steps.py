@@ -701,12 +701,10 @@ def _adam(
     m = _lerp(starts_m, g, 1.0 - b1, inplace=writable)
     v = _foreach("mul", starts_v, b2, inplace=writable)
     v = _foreach("addcmul", v, g, g, value=1.0 - b2, inplace=writable or may_write_into(*g))
-    kept_m, kept_v = m, v
-    if state_dtype == torch.bfloat16:
-        kept_m = _kept("exp_avg", held_m, names, m, counts, donate)
-        kept_v = _kept("exp_avg_sq", held_v, names, v, counts, donate)
-    new = {"step": replaced(state["step"], names, counts), "exp_avg": replaced(held_m, names, kept_m)}
-    new["exp_avg_sq"] = replaced(held_v, names, kept_v)
+    new = {"step": replaced(state["step"], names, counts)}
+    for field, held, wide in (("exp_avg", held_m, m), ("exp_avg_sq", held_v, v)):
+        kept = _kept(field, held, names, wide, counts, donate) if state_dtype == torch.bfloat16 else wide
+        new[field] = replaced(held, names, kept)
     c1, root_c2 = _corrections(t, b1), _corrections(t, b2).sqrt()
     roots = _foreach("sqrt", v)
     if not nesterov:
@@ -849,8 +847,7 @@ def adamw(
         names, g, members = list(grads.keys()), list(grads.values()), grads.batch_dims
         lam, beta1 = _number(weight_decay), _number(b1)
         if kernel_may_take and params is not None and not isinstance(beta1, torch.Tensor):
-            tensors = [*g, *named_leaves(params, names)]
-            if _devices.adamw_kernel_takes(tensors, members, (rate, lam), fused):
+            if _devices.adamw_kernel_takes([*g, *named_leaves(params, names)], members, (rate, lam), fused):
                 mask = weight_decay_mask
                 decayed = None if mask is None else set(selected(mask, params.select(*names), "adamw: mask"))
                 updates, moments = _devices.adamw_kernel(
