@@ -847,7 +847,8 @@ def adamw(
         names, g, members = list(grads.keys()), list(grads.values()), grads.batch_dims
         lam, beta1 = _number(weight_decay), _number(b1)
         if kernel_may_take and params is not None and not isinstance(beta1, torch.Tensor):
-            if _devices.adamw_kernel_takes([*g, *named_leaves(params, names)], members, (rate, lam), fused):
+            tensors = [*g, *named_leaves(params, names)]
+            if _devices.adamw_kernel_takes(tensors, members, (rate, lam), fused):
                 mask = weight_decay_mask
                 decayed = None if mask is None else set(selected(mask, params.select(*names), "adamw: mask"))
                 updates, moments = _devices.adamw_kernel(
@@ -985,8 +986,9 @@ def scale_by_neuron_norm(
         denominators = _foreach("add", _foreach("sqrt", new), eps)
         out = []
         for o, view, matrices, d in zip(given, leaf_views, blocks, denominators):
-            # a row-split view's blocks stacked in d, a column-split one's side by side (an unsplit one's: one column)
-            parts = d.split(list(view.split), dim=1) if view.split and view.split_dim == 0 else d.split(1, dim=2)
+            parts = [d]
+            if view.split is not None:  # a column-split view's blocks side by side in d, a row-split one's stacked
+                parts = d.split(1, dim=2) if view.split_dim == 1 else d.split(list(view.split), dim=1)
             adapted = _rescaled([b / p for b, p in zip(matrices, parts)], matrices, rescale, eps)
             out.append(view.from_matrices(adapted, o.shape))
         # donated, the views were written in place: the state keeps its own tensors
