@@ -272,8 +272,12 @@ def adamw_kernel(
     counts = named_leaves(state["step"], names)
     if donate:
         torch._foreach_add_(counts, 1)
-    else:  # the kernel writes the moments in place: a new state has its own
-        m, v, counts = _copies(m, plain), _copies(v, plain), list(torch._foreach_add(counts, 1))
+    else:  # the kernel writes the moments in place: a new state has its own (of plain tensors one multi-tensor copy)
+        moments = [*m, *v]
+        fresh = list(map(torch.empty_like, moments)) if plain else [t.clone() for t in moments]
+        if plain:
+            torch._foreach_copy_(fresh, moments)
+        m, v, counts = fresh[: len(m)], fresh[len(m) :], list(torch._foreach_add(counts, 1))
     flags = None if decayed is None else [n in decayed for n in names]
     updates = _decay_terms(named_leaves(params, names), flags, -lr * lam, plain)
     # (the kernel reads fp32 counts: one cast for all the leaves' where they are plain tensors)
@@ -294,15 +298,6 @@ def adamw_kernel(
     entries = {"step": replaced(state["step"], names, counts), "exp_avg": replaced(state["exp_avg"], names, m)}
     entries["exp_avg_sq"] = replaced(state["exp_avg_sq"], names, v)
     return build(dict(zip(names, updates)), grads.batch_size), entries
-
-
-def _copies(tensors: list[torch.Tensor], plain: bool) -> list[torch.Tensor]:
-    """A copy of every tensor: one multi-tensor copy of plain tensors, else a copy each."""
-    if not plain:
-        return [t.clone() for t in tensors]
-    out = list(map(torch.empty_like, tensors))
-    torch._foreach_copy_(out, tensors)
-    return out
 
 
 def _decay_terms(params: list[torch.Tensor], decayed: list[bool] | None, alpha: Any, plain: bool) -> list[torch.Tensor]:

@@ -128,10 +128,6 @@ class Layout:
     replica: tuple[int, ...]
 
     @property
-    def positions(self) -> int:
-        return max(self.position) + 1
-
-    @property
     def replicas(self) -> int:
         return max(self.replica) + 1
 

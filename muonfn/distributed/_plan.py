@@ -84,10 +84,6 @@ class Leaf:
         layout = (self.shape, self.local.ndim, self.mesh_shape, self.placements, self.coords, self.dim)
         return (self.name, *layout, self.local.dtype, self.view)
 
-    def signature(self) -> tuple[Any, ...]:
-        """What the plan depends on."""
-        return (*self.described(), tuple(self.local.shape), self.local.device)
-
 
 def check_dtensor_leaf(name: str, value: Any, spec: ShardSpec | None, collectives: Any) -> None:
     """A DTensor leaf's refusals, from its metadata alone (no collective): a ShardSpec of its own,
@@ -148,8 +144,9 @@ def by_group(leaves: list[Leaf]) -> list[tuple[Any, list[Leaf]]]:
 
 
 def cached(cache: dict[Any, T], group: Any, leaves: list[Leaf], make: Callable[[], T]) -> T:
-    """``make()`` once per group and signatures of its leaves; ``cache`` holds at most 16 of them."""
-    key = (id(group), tuple(leaf.signature() for leaf in leaves))
+    """``make()`` once per group and leaves alike in all a plan depends on (what every rank shares, and
+    this rank's local shapes and device); ``cache`` holds at most 16 of them."""
+    key = (id(group), tuple((*leaf.described(), tuple(leaf.local.shape), leaf.local.device) for leaf in leaves))
     if key not in cache:
         if len(cache) >= 16:
             cache.clear()
@@ -177,14 +174,12 @@ def handshake(group: Any, leaves: Sequence[Leaf]) -> list[Layout]:
             f"{group.rank} ({[leaf.name for leaf in leaves]}); every rank must pass gradients for the same "
             "parameters, with the same views, dtypes and shard specs"
         )
-    shapes: list[list[tuple[int, ...]]] = [[] for _ in leaves]
-    if payload:
-        table, offset = gathered(payload), 0
-        for i, leaf in enumerate(leaves):
-            if leaf.shape is None:
-                shapes[i] = [tuple(row[offset : offset + leaf.local.ndim]) for row in table]
-                offset += leaf.local.ndim
-    return [layout_of(leaf, s) for leaf, s in zip(leaves, shapes)]
+    rows = [iter(row) for row in (gathered(payload) if payload else [])]  # every rank's payload, read leaf by leaf
+    layouts = []
+    for leaf in leaves:
+        local_shapes = [tuple(itertools.islice(row, leaf.local.ndim)) for row in rows] if leaf.shape is None else []
+        layouts.append(layout_of(leaf, local_shapes))
+    return layouts
 
 
 def layout_of(leaf: Leaf, local_shapes: Sequence[Sequence[int]]) -> Layout:
@@ -223,10 +218,6 @@ def box_numel(box: Box) -> int:
     return math.prod(length(r) for r in box)
 
 
-def box_shape(box: Box) -> tuple[int, ...]:
-    return tuple(length(r) for r in box)
-
-
 @dataclass
 class Unit:
     leaf: int  # index into the plan's leaves
@@ -259,7 +250,7 @@ class Piece(NamedTuple):
     offset: int
 
     def slot(self, buffer: torch.Tensor) -> torch.Tensor:
-        return buffer[self.offset : self.offset + box_numel(self.box)].view(box_shape(self.box))
+        return buffer[self.offset : self.offset + box_numel(self.box)].view(tuple(map(length, self.box)))
 
 
 @dataclass
@@ -349,7 +340,7 @@ def _assign_owners(units: list[Unit], candidates: list[int], load: list[int]) ->
             choices = [[r] for r in (sorted(unit.holders) if unit.held_whole else range(len(layout.boxes)))]
         else:
             at = {(rep, pos): r for r, (rep, pos) in enumerate(zip(layout.replica, layout.position))}
-            choices = [[at[rep, p] for rep in range(layout.replicas)] for p in range(layout.positions)]
+            choices = [[at[rep, p] for rep in range(layout.replicas)] for p in range(max(layout.position) + 1)]
 
         def score(owners: list[int], unit: Unit = unit) -> tuple[int, int]:
             held = box_numel(unit.holders[owners[0]][1]) if owners[0] in unit.holders else 0
@@ -449,9 +440,8 @@ def make_plan(
         local.append(held_whole and not (split_replicated and shared))
         flip = gram_flip(leaf, layout) if strategy == "tp_gram" and not held_whole else None
         if local[-1]:
-            for by_rank in holders.values():
-                for r in by_rank:
-                    load[r] += cost
+            for r in itertools.chain.from_iterable(holders.values()):  # (each unit's holders)
+                load[r] += cost
         elif flip is not None:
             columns = tuple(box[0 if flip else 1] for box in layout.boxes)  # the long side's blocks
             key = (layout.shape[::-1] if flip else layout.shape, columns, *types[i])
