@@ -157,7 +157,7 @@ def placement_layout(
     sharded = [i for i, k in enumerate(kinds) if k[0] != "replicate"]
     replicated = [i for i, k in enumerate(kinds) if k[0] == "replicate"]
     size = math.prod(mesh_shape)
-    if len(ranks) != size or sorted(ranks) != list(range(size)):
+    if sorted(ranks) != list(range(size)):
         raise ValueError(f"a mesh of shape {tuple(mesh_shape)} needs {size} distinct group ranks, got {list(ranks)}")
     boxes: list[Box] = [()] * size
     position, replica = [0] * size, [0] * size
@@ -192,10 +192,10 @@ def placement_global_shape(
 
 
 def sizes_layout(local_shapes: Sequence[Sequence[int]], dim: int) -> Layout:
-    """Contiguous blocks of any sizes along ``dim``, one per rank in rank order."""
-    ndim = len(local_shapes[0])
+    """Contiguous blocks of any sizes along ``dim``, one per rank in rank order (``local_shapes`` of one
+    number of dimensions, as the handshake has checked)."""
     others = {tuple(s[:dim]) + tuple(s[dim + 1 :]) for s in local_shapes}
-    if any(len(s) != ndim for s in local_shapes) or len(others) != 1:
+    if len(others) != 1:
         raise ValueError(
             f"shards along dimension {dim} must agree on every other dimension; shapes by rank: "
             f"{[tuple(s) for s in local_shapes]}"

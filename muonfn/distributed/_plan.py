@@ -373,11 +373,10 @@ def _rounds(units: list[Unit], order: list[int], cap: int) -> list[list[int]]:
 def _laid_out(moves: list[tuple[int, int, int]], units: list[Unit], w: int) -> tuple[list[Piece], list[int]]:
     """``(peer, unit, holder)`` moves as the holder's pieces one after another in a buffer, in order of
     peer and then unit, and the elements per peer."""
-    pieces, splits, offset = [], [0] * w, 0
+    pieces, splits = [], [0] * w
     for peer, u, r in sorted(moves):
         pos, box = units[u].holders[r]
-        pieces.append(Piece(u, units[u].leaf, pos, box, offset))
-        offset += box_numel(box)
+        pieces.append(Piece(u, units[u].leaf, pos, box, sum(splits)))  # after the pieces before it
         splits[peer] += box_numel(box)
     return pieces, splits
 
