@@ -455,13 +455,7 @@ def _preset(variant: str, arguments: dict[str, Any]) -> Transform:
 
     def init(params: TensorDictBase) -> TensorDictBase:
         leaves = flat(params)
-        mask = options.weight_decay_mask
-        if callable(mask) and not isinstance(mask, Mapping):  # a callable mask's table, checked as one given
-            mask = table_of(mask, leaves, "weight_decay_mask")
-            check_mask("weight_decay_mask", mask)
-        for where, table in {"views": options.views, "weight_decay_mask": mask, "shard_specs": shards}.items():
-            if isinstance(table, Mapping):  # (a callable table names no leaf of its own)
-                named_table(table, leaves.keys(), where)
+        check_names("", leaves, views=options.views, weight_decay_mask=options.weight_decay_mask, shard_specs=shards)
         state = tx.init(params)
         if options.labels is None:  # (labels of one's own send what they send)
             warn_if_every_matrix_excluded(f"muonfn.{variant}(...).init", leaves, shards)
@@ -482,6 +476,18 @@ def _preset(variant: str, arguments: dict[str, Any]) -> Transform:
 
     update.donates_state = True  # type: ignore[attr-defined]
     return Transform(init, update)
+
+
+def check_names(where: str, leaves: TensorDictBase, **tables: Any) -> None:
+    """The names of each table in ``tables`` (by its keyword: ``views``, ...) checked against the ``leaves``'
+    (a typo is an error); a callable ``weight_decay_mask``'s table checked as one given, refused after ``where``."""
+    mask = tables.get("weight_decay_mask")
+    if callable(mask) and not isinstance(mask, Mapping):
+        tables["weight_decay_mask"] = table_of(mask, leaves, "weight_decay_mask")
+        check_mask(f"{where}weight_decay_mask", tables["weight_decay_mask"])
+    for name, table in tables.items():
+        if isinstance(table, Mapping):  # (a callable table names no leaf of its own)
+            named_table(table, leaves.keys(), name)
 
 
 class BranchSchedule:

@@ -19,10 +19,10 @@ import torch
 from tensordict import TensorDictBase
 
 from .. import transforms
-from .._tree import build, named_table
+from .._tree import build
 from .._validation import Scalar, flag, positive, unit_interval
 from ..linalg import Orthogonalizer
-from ..presets import MUON, VARIANT_OPTIONS, adaptation, label_params, matrix_branch, warn_routing
+from ..presets import MUON, VARIANT_OPTIONS, adaptation, check_names, label_params, matrix_branch, warn_routing
 from ..steps import AdamNesterov, NesterovLike, Rescale, ViewsLike, adamw, check_state_dtype, is_schedule
 from ..transforms import CautiousMode, LabelsLike, MaskLike, Transform, check_input
 from . import _groups, _migration, _routing
@@ -173,13 +173,9 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, muon_defaults)
         # the tables' names checked against every parameter's, as muonfn.muon(...).init checks them
         leaves = {n: _meta(p) for g, ns in zip(self.param_groups, self._names()) for n, p in zip(ns, g["params"])}
-        if callable(weight_decay_mask) and not isinstance(weight_decay_mask, Mapping):
-            weight_decay_mask = transforms.table_of(weight_decay_mask, build(leaves, SIZE), "weight_decay_mask")
-            transforms.check_mask(f"{where}: weight_decay_mask", weight_decay_mask)
-        tables = {"labels": labels, "views": views, "weight_decay_mask": weight_decay_mask}
-        for name, table in {**tables, "shard_specs": getattr(orthogonalizer, "shard_specs", None)}.items():
-            if isinstance(table, Mapping):
-                named_table(table, leaves, name)
+        shards = getattr(orthogonalizer, "shard_specs", None)
+        tables = {"labels": labels, "views": views, "weight_decay_mask": weight_decay_mask, "shard_specs": shards}
+        check_names(f"{where}: ", build(leaves, SIZE), **tables)
         _routing.warn_if_muon_idle(self.param_groups)
 
     # ------------------------------------------------------------------------------------------ groups
