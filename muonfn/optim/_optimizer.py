@@ -167,7 +167,6 @@ class Muon(torch.optim.Optimizer):
         self._constructor = _groups.Constructor(muon_defaults, adamw_defaults, split)
         self._branches: dict[int, Branch] = {}  # (by the group's identity)
         self._compiled: dict[Any, Callable[..., Any]] = {}
-        self._undo: list[tuple[torch.Tensor, dict[str, Any]]] | None = None  # (the state a failed step puts back)
         self._keys: dict[torch.Tensor, str] = {}  # (a parameter given without a name: its position among them)
         self._warned_compiled = self._warned_unnamed = False
         super().__init__(params, muon_defaults)
@@ -257,8 +256,6 @@ class Muon(torch.optim.Optimizer):
                 for p in group["params"]:
                     held = self.state.get(p)
                     if held:
-                        if self._undo is not None:
-                            self._undo.append((p, held))
                         self.state[p] = _groups.relaid(held, old.shaping, branch.shaping, p)
                         if not self.state[p]:
                             del self.state[p]
@@ -323,9 +320,8 @@ class Muon(torch.optim.Optimizer):
 
     def _labels_of(self) -> list[str]:
         """``"muon"``, ``"adamw"``, ``"muon_1"``, ...: the k-th group of a kind is labelled with suffix k."""
-        kinds = [bool(group.get("use_muon")) for group in self.param_groups]
-        nth = [kinds[:i].count(kind) for i, kind in enumerate(kinds)]
-        return [("muon" if kind else "adamw") + (f"_{n}" if n else "") for kind, n in zip(kinds, nth)]
+        kinds = ["muon" if group.get("use_muon") else "adamw" for group in self.param_groups]
+        return [kind + (f"_{n}" if (n := kinds[:i].count(kind)) else "") for i, kind in enumerate(kinds)]
 
     def _names(self) -> list[list[str]]:
         """Every group's parameter names, as each was given (a tensor given without a name, or put in
@@ -418,17 +414,16 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         with torch.no_grad():
-            branches, self._undo = dict(self._branches), []
+            state = self.__dict__["state"]
+            branches, before = dict(self._branches), dict(state)
             try:
                 layouts, work = self._checked_work()
             except BaseException:  # (a failed step leaves everything as it was: the branches, the state relaid)
                 self._branches = branches
-                self.state.update(reversed(self._undo))
+                state.clear()
+                state.update(before)
                 raise
-            finally:
-                self._undo = None
             run = self._compiled_run(work) if self._compile and work else _run
-            state = self.__dict__["state"]
             for layout, (names, params, new_state) in zip(layouts, run(work)):
                 for torch_name, path in layout.items():
                     held = new_state.get(path)
@@ -615,7 +610,7 @@ class Muon(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self._branches, self._compiled, self._undo = {}, {}, None
+        self._branches, self._compiled = {}, {}
 
 
 def _run(work: list[Any]) -> list[tuple[list[str], list[torch.Tensor], TensorDictBase]]:
