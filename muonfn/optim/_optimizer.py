@@ -22,7 +22,7 @@ from .. import transforms
 from .._tree import build
 from .._validation import Scalar, flag, positive, unit_interval
 from ..linalg import Orthogonalizer
-from ..presets import MUON, VARIANT_OPTIONS, adaptation, check_names, label_params, matrix_branch, warn_routing
+from ..presets import MUON, VARIANT_OPTIONS, adaptation, check_names, label_params, matrix_branch
 from ..steps import AdamNesterov, NesterovLike, Rescale, ViewsLike, adamw, check_state_dtype, is_schedule
 from ..transforms import CautiousMode, LabelsLike, MaskLike, Transform, check_input
 from . import _groups, _migration, _routing
@@ -175,7 +175,7 @@ class Muon(torch.optim.Optimizer):
         shards = getattr(orthogonalizer, "shard_specs", None)
         tables = {"labels": labels, "views": views, "weight_decay_mask": weight_decay_mask, "shard_specs": shards}
         check_names(f"{where}: ", build(leaves, SIZE), **tables)
-        _routing.warn_if_muon_idle(self.param_groups)
+        _routing.warn_if_muon_idle(self.param_groups, self._names())
 
     # ------------------------------------------------------------------------------------------ groups
 
@@ -212,10 +212,9 @@ class Muon(torch.optim.Optimizer):
                 unnamed = "" if names else " (parameters given without names are keyed by position)"
                 raise ValueError(f"{error}{unnamed}") from None
             parts = [(kind, [i for i, k in enumerate(keys) if (routes[k] == MUON) == kind]) for kind in (True, False)]
-            blind = _routing.routed_without_names(labels, names, [tensors[i] for i in parts[0][1]])
-            if blind is not None and not self._warned_unnamed:  # (once per optimizer)
-                self._warned_unnamed = True
-                warn_routing(blind)
+            if not self._warned_unnamed:  # (once per optimizer)
+                muon = [tensors[i] for i in parts[0][1]]
+                self._warned_unnamed = _routing.warn_if_routed_without_names(labels, names, muon)
         elif isinstance(use_muon, bool):
             parts = [(use_muon, list(range(len(tensors))))]
         else:

@@ -11,15 +11,14 @@ import torch
 from ..presets import DEFAULT_EXCLUDE, label_params, matching_fragments, shown, warn_routing
 
 
-def routed_without_names(labels: Any, names: Any, muon: Sequence[torch.Tensor]) -> str | None:
-    """The warning for parameters given without names (``names`` is ``None``) that the default labels
-    (:func:`muonfn.label_params`, which read names) sent to Muon (``muon``) by shape alone; ``None`` where
-    there is none to give."""
+def warn_if_routed_without_names(labels: Any, names: Any, muon: Sequence[torch.Tensor]) -> bool:
+    """Warns where parameters given without names (``names`` is ``None``) were sent to Muon (``muon``) by
+    the default labels (:func:`muonfn.label_params`, which read names), by shape alone; whether it warned."""
     default = labels is label_params or (isinstance(labels, functools.partial) and labels.func is label_params)
     if names is not None or not muon or not default:
-        return None
+        return False
     listed = ", ".join(str(tuple(p.shape)) for p in muon[:3]) + (" ..." if len(muon) > 3 else "")
-    return (
+    warn_routing(
         f"muonfn.optim.Muon: parameters given without names are routed by shape alone: {len(muon)} of a "
         f"matrix's shape went to Muon (shapes {listed}), token embeddings, position embeddings and output "
         "heads among them if the model has any, which belong on AdamW. To route by name, pass "
@@ -28,20 +27,17 @@ def routed_without_names(labels: Any, names: Any, muon: Sequence[torch.Tensor]) 
         "'use_muon', or labels= keyed by position ('0', '1', ...). With Hugging Face's Trainer, build the "
         "optimizer from named_parameters() and pass optimizers=(optimizer, scheduler)."
     )
+    return True
 
 
-def warn_if_muon_idle(param_groups: Sequence[Mapping[str, Any]]) -> None:
+def warn_if_muon_idle(param_groups: Sequence[Mapping[str, Any]], names: Sequence[Sequence[str]]) -> None:
     """Warns where no parameter routed to Muon trains while AdamW ones do (not when Muon has something
     to train, or nothing trains, or nothing could go to Muon): the run is plain AdamW. PEFT's LoRA
-    freezes the base weights, and ``"lora_"`` sends the adapters to AdamW."""
-
-    def named(group: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
-        names = group.get("param_names") or [f"params[{i}]" for i in range(len(group["params"]))]
-        return list(zip(names, group["params"]))
-
-    muon = [pair for group in param_groups if group["use_muon"] for pair in named(group)]
-    training = [(n, p) for group in param_groups if not group["use_muon"] for n, p in named(group) if p.requires_grad]
-    if any(p.requires_grad for _, p in muon) or not training:
+    freezes the base weights, and ``"lora_"`` sends the adapters to AdamW. ``names``: each group's."""
+    routed = [(group["use_muon"], n, p) for group, ns in zip(param_groups, names) for n, p in zip(ns, group["params"])]
+    muon = [p for use_muon, _, p in routed if use_muon]
+    training = [(n, p) for use_muon, n, p in routed if not use_muon and p.requires_grad]
+    if any(p.requires_grad for p in muon) or not training:
         return
     matrices = [name for name, p in training if sum(size != 1 for size in p.shape) >= 2]
     if not muon and not matrices:
