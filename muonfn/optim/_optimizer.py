@@ -253,11 +253,9 @@ class Muon(torch.optim.Optimizer):
             if old is not None and old.group is group and old.shaping != branch.shaping:
                 # its variant, bias corrections or state_dtype changed: its state laid out for the new ones
                 for p in group["params"]:
-                    held = self.state.get(p)
-                    if held:
-                        self.state[p] = _groups.relaid(held, old.shaping, branch.shaping, p)
-                        if not self.state[p]:
-                            del self.state[p]
+                    kept = _groups.relaid(self.state.pop(p, {}), old.shaping, branch.shaping, p)
+                    if kept:
+                        self.state[p] = kept
             self._branches[id(group)] = branch
         for name, tensor in branch.scalars.items():
             if branch.filled[name] != values[name]:  # (a fill a step where the value is unchanged would be idle)
