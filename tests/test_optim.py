@@ -1746,6 +1746,20 @@ def test_a_repeated_tensor_is_named_by_the_key_it_has():
         opt.add_param_group({"params": [("b", model[0].bias)], "use_muon": False})
 
 
+def test_a_tensor_put_in_params_by_hand_keeps_its_position_when_tensors_are_added_without_names():
+    first, by_hand, added = (nn.Parameter(torch.randn(3, 3)) for _ in range(3))
+    opt = Muon([first], **HP)
+    opt.param_groups[0]["params"].append(by_hand)
+    opt.add_param_group({"params": [added]})
+    assert [g["params"] for g in opt.param_groups if g["params"]] == [[first, by_hand], [added]]
+    for p in (first, by_hand, added):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    state = opt.functional_state
+    assert sorted(state["muon"].keys(True, True)) == [("momentum", "0"), ("momentum", "1")]
+    assert sorted(state["muon_1"].keys(True, True)) == [("momentum", "2")]
+
+
 NAME_TYPOS = {
     "labels": {**{n: "muon" if p.ndim == 2 else "adamw" for n, p in mlp().named_parameters()}, "5.wieght": "muon"},
     "views": {"3.wieght": muonfn.MatrixView(transposed=True)},

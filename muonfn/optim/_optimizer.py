@@ -187,10 +187,10 @@ class Muon(torch.optim.Optimizer):
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
         tensors, names = _read_params(param_group["params"], self.param_groups)
+        held_names = self._names()  # (first: a tensor put in params by hand takes its position before new ones)
         positions = (str(i) for i in itertools.count(len(self._keys)))
         keys = names or [self._keys[p] if p in self._keys else next(positions) for p in tensors]
         # each tensor once, in no group yet, under a name no other parameter has
-        held_names = self._names()
         held = {p: (i, n) for i, g in enumerate(self.param_groups) for p, n in zip(g["params"], held_names[i])}
         taken = {n: i for i, n in held.values()}
         first: dict[torch.Tensor, str] = {}
