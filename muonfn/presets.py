@@ -124,6 +124,12 @@ def label_params(
     return labels
 
 
+def default_labels(shards: Iterable[Any] = ()) -> Callable[[TensorDictBase], dict[str, str]]:
+    """The labels used where none are given: :func:`label_params`, told the leaves that are one rank's
+    block of a larger tensor (a sharded orthogonalizer's ``shard_specs``)."""
+    return functools.partial(label_params, shards=tuple(shards)) if shards else label_params
+
+
 def labels_from_module(
     model: nn.Module, exclude: Sequence[str] = DEFAULT_EXCLUDE, *, last_linear_is_head: bool = True
 ) -> dict[str, str]:
@@ -450,8 +456,7 @@ def _preset(variant: str, arguments: dict[str, Any]) -> Transform:
         donate_state=options.donate_state,
     )
     shards = getattr(options.orthogonalizer, "shard_specs", None) or {}
-    default = functools.partial(label_params, shards=tuple(shards)) if shards else label_params
-    tx = partition({MUON: branch, ADAMW: other}, default if options.labels is None else options.labels)
+    tx = partition({MUON: branch, ADAMW: other}, default_labels(shards) if options.labels is None else options.labels)
 
     def init(params: TensorDictBase) -> TensorDictBase:
         leaves = flat(params)

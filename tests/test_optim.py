@@ -1812,6 +1812,23 @@ def test_shard_spec_typos_are_rejected_as_by_muonfn_muon():
     assert same_name_error(shim, functional)
 
 
+def test_a_shard_of_one_row_goes_to_muon_in_the_shim_as_in_muonfn_muon():
+    """A rank's one-row block of a larger matrix (a leaf of the orthogonalizer's ``shard_specs``) is a
+    matrix to the default labels, the shim's as the functional preset's."""
+    from muonfn.distributed import ShardSpec, sharded_orthogonalizer
+    from muonfn.testing import simulate
+
+    def routes(collectives) -> tuple[list[str], list[str]]:
+        model = nn.Sequential(nn.Linear(8, 1))  # "0.weight": (1, 8)
+        sharded = sharded_orthogonalizer(collectives, shard_specs={"0.weight": ShardSpec(0)})
+        state = muonfn.muon(orthogonalizer=sharded).init(params_of(model))
+        shim = Muon(model.named_parameters(), orthogonalizer=sharded)
+        return list(state["muon", "momentum"].keys()), shim.param_groups[0]["param_names"]
+
+    (functional, shim), *_ = simulate(1, routes)
+    assert functional == shim == ["0.weight"]
+
+
 def test_one_element_tensors_are_numbers_in_groups_and_schedulers():
     def run(number) -> tuple[nn.Module, Muon]:
         model = mlp()

@@ -22,7 +22,7 @@ from .. import transforms
 from .._tree import build
 from .._validation import Scalar, flag, positive, unit_interval
 from ..linalg import Orthogonalizer
-from ..presets import MUON, VARIANT_OPTIONS, adaptation, check_names, label_params, matrix_branch
+from ..presets import MUON, VARIANT_OPTIONS, adaptation, check_names, default_labels, matrix_branch
 from ..steps import AdamNesterov, NesterovLike, Rescale, ViewsLike, adamw, check_state_dtype, is_schedule
 from ..transforms import CautiousMode, LabelsLike, MaskLike, Transform, check_input
 from . import _groups, _migration, _routing
@@ -205,7 +205,7 @@ class Muon(torch.optim.Optimizer):
             first[p], taken[key] = key, len(self.param_groups)
         use_muon = param_group.get("use_muon")
         if use_muon is None:
-            labels = self._labels or label_params
+            labels = self._labels or default_labels(getattr(self._orthogonalizer, "shard_specs", None) or ())
             try:
                 routes = transforms.route(labels, build(dict(zip(keys, map(_meta, tensors))), SIZE), (MUON, "adamw"))
             except ValueError as error:
