@@ -86,8 +86,8 @@ def _checked(name: str, layout: QKHeads, params: TensorDictBase, logits: object)
             if rows % heads:
                 raise ValueError(f"{where}: {key!r} has {rows} {role} rows, which {heads} heads do not divide")
     expected = (*params.batch_size, layout.heads)
-    if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != expected:
-        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+    shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+    if shape != expected:
         raise ValueError(f"qk_clip: max_logits[{name!r}] must have shape {expected}, got {shape}")
     return kv, view
 
@@ -208,11 +208,10 @@ def qk_clip(
             for key, role in layout.leaves():
                 p = replaced.get(key, params[key])
                 dtype = torch.promote_types(torch.promote_types(logits.dtype, p.dtype), torch.float32)
-                s = logits.detach().to(device=p.device, dtype=dtype)
+                s = logits.detach().to(device=p.device, dtype=dtype).reshape(members, layout.heads)
                 # only a finite logit past the threshold clips: NaN and +inf would make NaN or zero weights
                 clipped = s.gt(threshold) & s.isfinite()
                 gamma = torch.where(clipped, s.clamp_min(threshold).reciprocal().mul(threshold), 1.0)
-                gamma = gamma.reshape(members, layout.heads)
                 q_factor = gamma.pow(a)
                 k_factor = gamma.reshape(members, kv, -1).amin(dim=-1).pow(1.0 - a)
                 factors = {"query": [q_factor], "key": [k_factor], "fused": [q_factor, k_factor]}[role]

@@ -139,12 +139,8 @@ def check_input(init: InitFn, grads: TensorDictBase, state: Any, params: TensorD
     if not isinstance(state, TensorDictBase):
         raise TypeError(f"update: state must be a TensorDict made by init, got {type(state).__name__}")
     structure = (init, _structure(grads), _structure(state), None if params is None else _structure(params))
-    if structure not in _PASSED:
-        _check_structure(init, grads, state, params)
-        _PASSED.append(structure)
-
-
-def _check_structure(init: InitFn, grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> None:
+    if structure in _PASSED:
+        return
     if grads.batch_size != state.batch_size:
         raise ValueError(
             f"update: gradients have batch size {tuple(grads.batch_size)}, the state {tuple(state.batch_size)}; "
@@ -171,16 +167,13 @@ def _check_structure(init: InitFn, grads: TensorDictBase, state: TensorDictBase,
             )
     leaves = grads if params is None else params
     expected = _expected_state(init, leaves)
-    if expected is None:  # an init of one's own that cannot run on meta tensors: no state to compare
-        return
-    given = _entries(state)
-    first = next(iter(leaves.values()), None)
-    for path, (shape, dtype) in expected.items():
+    given = {} if expected is None else _entries(state)  # (None: an init that cannot run on meta, nothing to compare)
+    for path, (shape, dtype) in (expected or {}).items():
         t = given.pop(path, None)
         entry, leaf = ".".join(path), path[-1] if path[-1] in leaves.keys() else None
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"update: state has no entry {entry!r}; was it made by this transform's init?")
-        owner = leaves[leaf] if leaf is not None else first
+        owner = leaves[leaf] if leaf is not None else next(iter(leaves.values()), None)
         if (t.shape, t.dtype) != (shape, dtype):
             raise ValueError(
                 f"update: state entry {entry!r} is a {t.dtype} tensor of shape {tuple(t.shape)}, expected "
@@ -194,6 +187,7 @@ def _check_structure(init: InitFn, grads: TensorDictBase, state: TensorDictBase,
             )
     if params is not None and given:
         raise ValueError(f"update: state entry {'.'.join(next(iter(given)))!r} belongs to no parameter of this update")
+    _PASSED.append(structure)
 
 
 def _expected_state(init: InitFn, leaves: TensorDictBase) -> dict[tuple[str, ...], Any] | None:
@@ -329,15 +323,13 @@ def partition(transforms: Mapping[str, Transform], labels: LabelsLike) -> Transf
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
         leaves = tuple(grads.keys())
         # traced, the routes are made anew: guards on the cache would fail once an eager update filled it
-        branches = None if torch.compiler.is_compiling() else routes.get(leaves)
-        if branches is None:
+        cache = {} if torch.compiler.is_compiling() else routes
+        if leaves not in cache:
             assigned = route(labels, grads if params is None else params, transforms)
-            branches = {label: [n for n in leaves if assigned[n] == label] for label in transforms}
-            if not torch.compiler.is_compiling():
-                routes.clear() if len(routes) > 16 else None
-                routes[leaves] = branches
+            cache.clear() if len(cache) > 16 else None
+            cache[leaves] = {label: [n for n in leaves if assigned[n] == label] for label in transforms}
         out, new = dict.fromkeys(leaves), dict(state.items())  # (the updates in the gradients' order)
-        for label, names in branches.items():
+        for label, names in cache[leaves].items():
             if names:
                 sub_params = None if params is None else params.select(*names)
                 updates, new[label] = members[label](grads.select(*names), state[label], sub_params)
