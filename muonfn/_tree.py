@@ -62,8 +62,7 @@ def nested_like(updates: TensorDictBase, like: TensorDictBase) -> TensorDictBase
     """The flat ``updates`` in the nesting of ``like``, a nested TensorDict, in their order."""
     root: dict[str, Any] = {}
     for name, value in updates.items():
-        *path, leaf = name.split(".")
-        node = root
+        node, (*path, leaf) = root, name.split(".")
         for part in path:
             node = node.setdefault(part, {})
         node[leaf] = value

@@ -88,7 +88,9 @@ def transform(init: InitFn, update: FlatUpdate, *, donates_state: bool = False) 
 
     def entry_update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None) -> Any:
         flat_grads, flat_params = flat(grads), None if params is None else flat(params)
-        if isinstance(state, Mapping) and not isinstance(state, TensorDictBase) and not state:
+        if not isinstance(state, TensorDictBase):
+            if not isinstance(state, Mapping) or state:
+                raise TypeError(f"update: state must be a TensorDict made by init, got {type(state).__name__}")
             state = build({}, grads.batch_size)  # a stateless transform may be given {}
         if not torch.compiler.is_compiling():  # (traced, the eager update's check stands: it reads no value)
             check_input(entry_init, flat_grads, state, flat_params)
@@ -133,11 +135,9 @@ def _structure(td: TensorDictBase) -> Any:
     )
 
 
-def check_input(init: InitFn, grads: TensorDictBase, state: Any, params: TensorDictBase | None) -> None:
+def check_input(init: InitFn, grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> None:
     """Raises naming the first gradient, parameter or state entry that does not fit (see the module).
     The check reads metadata alone: an input of a structure that passed it once passes again."""
-    if not isinstance(state, TensorDictBase):
-        raise TypeError(f"update: state must be a TensorDict made by init, got {type(state).__name__}")
     structure = (init, _structure(grads), _structure(state), None if params is None else _structure(params))
     if structure in _PASSED:
         return
@@ -327,13 +327,13 @@ def partition(transforms: Mapping[str, Transform], labels: LabelsLike) -> Transf
         if leaves not in cache:
             assigned = route(labels, grads if params is None else params, transforms)
             cache.clear() if len(cache) > 16 else None
-            cache[leaves] = {label: [n for n in leaves if assigned[n] == label] for label in transforms}
+            branches = {label: [n for n in leaves if assigned[n] == label] for label in transforms}
+            cache[leaves] = {label: names for label, names in branches.items() if names}  # (labels of no leaf: not run)
         out, new = dict.fromkeys(leaves), dict(state.items())  # (the updates in the gradients' order)
         for label, names in cache[leaves].items():
-            if names:
-                sub_params = None if params is None else params.select(*names)
-                updates, new[label] = members[label](grads.select(*names), state[label], sub_params)
-                out.update(updates.items())
+            sub_params = None if params is None else params.select(*names)
+            updates, new[label] = members[label](grads.select(*names), state[label], sub_params)
+            out.update(updates.items())
         return build(out, grads.batch_size), build(new, state.batch_size)
 
     return transform(init, update, donates_state=any(map(donates_state, transforms.values())))
