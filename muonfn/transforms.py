@@ -146,6 +146,7 @@ def check_input(init: InitFn, grads: TensorDictBase, state: TensorDictBase, para
             f"update: gradients have batch size {tuple(grads.batch_size)}, the state {tuple(state.batch_size)}; "
             "pass gradients shaped like the params given to init"
         )
+    leaves = grads if params is None else params  # (without params, each gradient stands for its parameter)
     for name, g in grads.items():
         if g.layout is not torch.strided or g.is_complex():
             raise TypeError(
@@ -157,7 +158,7 @@ def check_input(init: InitFn, grads: TensorDictBase, state: TensorDictBase, para
                 f"update: gradient {name!r} is a DTensor placed as {placements}, a pending reduction; "
                 "reduce gradients before the optimizer step"
             )
-        p = g if params is None else params.get(name)
+        p = leaves.get(name)
         if p is None:
             raise ValueError(f"update: gradient {name!r} has no matching parameter")
         if (g.shape, g.dtype, g.device) != (p.shape, p.dtype, p.device):
@@ -165,7 +166,6 @@ def check_input(init: InitFn, grads: TensorDictBase, state: TensorDictBase, para
                 f"update: gradient {name!r} is a {g.dtype} tensor of shape {tuple(g.shape)} on {g.device}, its "
                 f"parameter a {p.dtype} tensor of shape {tuple(p.shape)} on {p.device}"
             )
-    leaves = grads if params is None else params
     expected = _expected_state(init, leaves)
     given = {} if expected is None else _entries(state)  # (None: an init that cannot run on meta, nothing to compare)
     for path, (shape, dtype) in (expected or {}).items():
@@ -180,7 +180,7 @@ def check_input(init: InitFn, grads: TensorDictBase, state: TensorDictBase, para
                 f"{dtype} of shape {tuple(shape)}" + (f" for parameter {leaf!r}" if leaf else "")
             )
         if owner is not None and t.device != owner.device:
-            kind = "parameter" if params is not None else "gradient"  # (without params, the leaf is its gradient)
+            kind = "parameter" if params is not None else "gradient"
             raise ValueError(
                 f"update: state entry {entry!r} is on {t.device}, its {kind} {leaf or '(first)'!r} on "
                 f"{owner.device}; move the state (state.to(device)), or make it with init after moving the parameters"
