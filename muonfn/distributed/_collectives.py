@@ -255,7 +255,7 @@ class CountingCollectives(AsyncCollectives):
     def __init__(self, inner: Collectives, _root: CountingCollectives | None = None) -> None:
         self.inner = inner
         self._root = self if _root is None else _root  # the wrapper whose counters a sub-mesh's adds to
-        self._wrapped: dict[int, CountingCollectives] = {}
+        self._wrapped: dict[int, CountingCollectives] = {id(inner): self}  # by the collectives they wrap
         self.reset()
 
     @property
@@ -292,15 +292,13 @@ class CountingCollectives(AsyncCollectives):
         output_split_sizes: Sequence[int],
         input_split_sizes: Sequence[int],
     ) -> Handle:
-        others = [r != self.rank for r in range(self.world_size)]  # a rank's exchange with itself moves nothing
-        sent = sum(n for n, other in zip(input_split_sizes, others) if other) * input.element_size()
-        received = sum(n for n, other in zip(output_split_sizes, others) if other) * input.element_size()
-        self._count("all_to_all_single", sent, received)
+        me, size = self.rank, input.element_size()  # a rank's exchange with itself moves nothing
+        sent, received = (sum(splits) - splits[me] for splits in (input_split_sizes, output_split_sizes))
+        self._count("all_to_all_single", sent * size, received * size)
         return start_all_to_all_single(self.inner, output, input, output_split_sizes, input_split_sizes, overlap=True)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        w = self.world_size
-        moved = 2 * (w - 1) * tensor.nbytes // w
+        moved = 2 * (self.world_size - 1) * tensor.nbytes // self.world_size
         self._count("all_reduce", moved, moved)
         self.inner.all_reduce(tensor)
 
@@ -309,8 +307,6 @@ class CountingCollectives(AsyncCollectives):
         if for_mesh is None:
             raise TypeError(f"{type(self.inner).__name__} cannot serve DTensor leaves (it has no for_mesh)")
         inner, coords = for_mesh(mesh)
-        if inner is self.inner:
-            return self, coords
         if id(inner) not in self._wrapped:
             self._wrapped[id(inner)] = CountingCollectives(inner, self._root)
         return self._wrapped[id(inner)], coords

@@ -90,8 +90,7 @@ def exchange_round(
     # scale * NS of the whole units, through each leaf's view; same shapes batched
     leaves = [plan.leaves[plan.units[u].leaf] for u in batch.owned]
     names, views = [leaf.name for leaf in leaves], [unit_view(leaf.view) for leaf in leaves]
-    matrices = [fulls[u] for u in batch.owned]
-    done = dict(zip(batch.owned, LocalOrthogonalizer(bucket_numel=cap)(names, matrices, views, ns, scale)))
+    done = dict(zip(fulls, LocalOrthogonalizer(bucket_numel=cap)(names, list(fulls.values()), views, ns, scale)))
     del fulls
     for p in batch.kept:
         copy_out(done[p.unit], p.box, held(results, p))
@@ -106,20 +105,16 @@ def exchange_round(
 def run_rounds(rounds: list[Round], *, overlap: bool, meanwhile: Callable[[], None]) -> None:
     """Runs every round; ``meanwhile`` (work needing no communication) runs while the first exchange is in flight.
 
-    Round ``k`` computes after round ``k + lag`` started and before round ``k - lag`` finishes: a lag of
-    one round with overlap, none without."""
+    At step ``s`` round ``s`` starts, round ``s - lag`` computes and round ``s - 2 lag`` finishes: a lag of
+    one round with overlap, none without. (One step more than the phases take: ``meanwhile`` runs without
+    rounds too.)"""
     lag = 1 if overlap else 0
-    for r in rounds[:lag]:
-        next(r)
-    meanwhile()
-    for k, r in enumerate(rounds):
-        if k + lag < len(rounds):
-            next(rounds[k + lag])
-        next(r)
-        if k >= lag:
-            next(rounds[k - lag], None)
-    for r in rounds[len(rounds) - lag :]:
-        next(r, None)
+    for step in range(len(rounds) + 2 * lag + 1):
+        if step == lag:
+            meanwhile()
+        for phase in range(3):
+            if 0 <= step - phase * lag < len(rounds):
+                next(rounds[step - phase * lag], None)
 
 
 class _OverRanks:

@@ -63,9 +63,8 @@ def _reduce_pending(sums: list[Any]) -> None:
     from torch.distributed.tensor import Replicate
 
     pending = [i for i, s in enumerate(sums) if any(p.is_partial() for p in getattr(s, "placements", ()))]
-    batches = grouped(pending, lambda i: (id(sums[i].device_mesh), tuple(sums[i].placements)))
-    for (_, placements), members in batches.items():
-        mesh = sums[members[0]].device_mesh
+    batches = grouped(pending, lambda i: (sums[i].device_mesh, tuple(sums[i].placements)))
+    for (mesh, placements), members in batches.items():
         done = [Replicate() if p.is_partial() else p for p in placements]
         if any(p.is_shard() for p in placements):  # sharded along ensemble dimensions: unevenly, it cannot be flattened
             for i in members:
