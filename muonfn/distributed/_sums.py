@@ -19,7 +19,7 @@ from .._tree import named_table
 from ..linalg import DEFAULT_VIEW
 from ._collectives import Collectives, check_collectives
 from ._layout import Box, Layout, ShardSpec, checked_shard_specs, copy_into, copy_out
-from ._plan import Leaf, by_group, cached, describe, grouped, handshake
+from ._plan import by_group, cached, describe, grouped, handshake
 
 
 class ShardSums:
@@ -49,7 +49,20 @@ class ShardSums:
         for group, leaves in by_group(sharded):
             # the layouts: exchanged once per set of leaves (every rank in the same order)
             layouts = cached(self._layouts, group, leaves, lambda: handshake(group, leaves))
-            _sum_over_shards(group, layouts, leaves, out, batch_dims)
+            # every rank's sums of the group's leaves, placed in the whole leaves and added up in one all_reduce
+            parts: list[tuple[torch.Tensor, Box]] = []
+            for layout, leaf in zip(layouts, leaves):
+                rest = tuple(out[leaf.index].shape[batch_dims:])
+                whole = out[leaf.index].new_zeros((*layout.shape[:batch_dims], *rest))
+                box: Box = (*layout.boxes[group.rank][:batch_dims], *(((0, n),) for n in rest))  # this rank's sums
+                if layout.replica[group.rank] == 0:  # the other replicas hold the same shards: each element counts once
+                    copy_into(whole, out[leaf.index], box)
+                parts.append((whole, box))
+            flat = torch.cat([whole.reshape(-1) for whole, _ in parts])
+            group.all_reduce(flat)
+            for total, (whole, box), leaf in zip(flat.split([whole.numel() for whole, _ in parts]), parts, leaves):
+                mine = out[leaf.index] = torch.empty_like(out[leaf.index])  # this rank's part of the total
+                copy_out(total.view(whole.shape), box, mine)
         return out
 
     def __repr__(self) -> str:
@@ -74,28 +87,6 @@ def _reduce_pending(sums: list[Any]) -> None:
         flat = flat.redistribute(mesh, done)
         for i, piece in zip(members, flat.split([sums[i].numel() for i in members])):
             sums[i] = piece.view(sums[i].shape)
-
-
-def _sum_over_shards(
-    group: Collectives, layouts: list[Layout], leaves: list[Leaf], sums: list[torch.Tensor], batch_dims: int
-) -> None:
-    """Every rank's ``sums`` of one group's leaves added up in one ``all_reduce``; replaces each
-    leaf's sum by this rank's part of the total."""
-    me = group.rank
-    wholes, boxes = [], []
-    for layout, leaf in zip(layouts, leaves):
-        rest = tuple(sums[leaf.index].shape[batch_dims:])
-        whole = sums[leaf.index].new_zeros((*layout.shape[:batch_dims], *rest))
-        box: Box = (*layout.boxes[me][:batch_dims], *(((0, n),) for n in rest))  # where this rank's sums lie
-        if layout.replica[me] == 0:  # the other replicas hold the same shards: each element counts once
-            copy_into(whole, sums[leaf.index], box)
-        wholes.append(whole)
-        boxes.append(box)
-    flat = torch.cat([whole.reshape(-1) for whole in wholes])
-    group.all_reduce(flat)
-    for total, whole, leaf, box in zip(flat.split([w.numel() for w in wholes]), wholes, leaves, boxes):
-        mine = sums[leaf.index] = torch.empty_like(sums[leaf.index])
-        copy_out(total.view(whole.shape), box, mine)
 
 
 def shard_sums(collectives: Collectives, *, shard_specs: Mapping[Any, ShardSpec] | None = None) -> ShardSums:
