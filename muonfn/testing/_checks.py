@@ -248,14 +248,13 @@ class _Run:
                 f"every direction with σ/‖G‖_F >= {self.sigma_min:g} must land in it",
             )
         # where every nonzero σ is well-conditioned, no singular value of f(G) may exceed the band
-        if self.covered.any():
-            top = torch.linalg.svdvals(o.double())[self.covered].amax(-1)
-            if (top > hi + slack).any():
-                raise self.violation(
-                    "singular value band",
-                    f"f(G) has a singular value {float(top.max()):.6g} > {hi:.6g} (+{slack:g}) for a G whose "
-                    f"nonzero singular values all have σ/‖G‖_F >= {self.sigma_min:g}",
-                )
+        top = torch.linalg.svdvals(o.double())[self.covered].amax(-1)
+        if (top > hi + slack).any():
+            raise self.violation(
+                "singular value band",
+                f"f(G) has a singular value {float(top.max()):.6g} > {hi:.6g} (+{slack:g}) for a G whose "
+                f"nonzero singular values all have σ/‖G‖_F >= {self.sigma_min:g}",
+            )
 
     def check_rank(self, o: torch.Tensor) -> None:
         """``rank(G) <= rank(f(G)) <= rank(G as passed)``: every nonzero direction of the drawn G is

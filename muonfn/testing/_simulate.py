@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial, reduce
 from typing import Any, NamedTuple, TypeVar
@@ -48,12 +48,10 @@ class Link:
 
 
 class _Work(NamedTuple):
-    """The handle of one operation queued on a rank's communication thread."""
+    """The handle of one operation queued on a rank's communication thread: ``wait`` is its future's
+    ``result``, which re-raises what the operation raised."""
 
-    future: Future[None]
-
-    def wait(self) -> None:
-        self.future.result()  # re-raises what the operation raised
+    wait: Callable[[], None]
 
 
 class _Simulation:
@@ -152,7 +150,7 @@ class SimulatedCollectives(AsyncCollectives):
             output.copy_(result.view_as(output))
             time.sleep(group.sim.link.seconds(received))
 
-        return _Work(group.channels[self.rank].submit(run))
+        return _Work(group.channels[self.rank].submit(run).result)
 
     def all_gather_into_tensor_async(self, output: torch.Tensor, input: torch.Tensor) -> _Work:
         def gather(inputs: list[torch.Tensor]) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal, NamedTuple, TypeAlias, TypeVar, get_args
+from typing import Any, Literal, NamedTuple, TypeAlias, TypeVar, get_args
 
 import torch
 from hypothesis import strategies as st
@@ -57,13 +57,15 @@ class Spectral(NamedTuple):
         return (self.u[..., :k] * self.s.unsqueeze(-2)) @ self.v[..., :k].mT
 
     def __repr__(self) -> str:
-        s = self.s.reshape(-1, self.s.shape[-1]) if self.s.numel() else self.s.reshape(1, 0)
-        rows = ["[" + ", ".join(f"{x:.4g}" for x in row.tolist()) + "]" for row in s]
-        spectrum = rows[0] if len(rows) == 1 else "[" + ", ".join(rows) + "]"
         return (
             f"Spectral(g={str(self.g.dtype).removeprefix('torch.')}{list(self.g.shape)} {describe_layout(self.g)}, "
-            f"matrices {list(self.matrix_shape)}, s={spectrum})"
+            f"matrices {list(self.matrix_shape)}, s={_rounded(self.s.tolist())})"
         )
+
+
+def _rounded(values: float | list[Any]) -> str:
+    """A number, or nested lists of numbers, each to 4 significant digits."""
+    return f"{values:.4g}" if isinstance(values, float) else "[" + ", ".join(map(_rounded, values)) + "]"
 
 
 def describe_layout(t: torch.Tensor) -> str:
@@ -296,11 +298,9 @@ def matrices(
         shape = _shape(draw, kind, lo, max_side)
         *batch, m, n = (shape[0], math.prod(shape[1:])) if kind == "conv" else shape
         k = min(m, n)
-        if fixed is not None:
-            rank = len(fixed)
-        else:
-            deficient = draw(st.booleans()) if rank_deficient is None and k > 1 else rank_deficient
-            rank = draw(st.integers(1, k - 1)) if deficient else k
+        # (explicit singular values fix the rank: nothing is drawn for it)
+        deficient = fixed is None and (draw(st.booleans()) if rank_deficient is None and k > 1 else rank_deficient)
+        rank = draw(st.integers(1, k - 1)) if deficient else k
         spectrum_kind = draw(st.sampled_from(spectrum_kinds))
         dtype = draw(st.sampled_from(dtype_list))
         scale = draw(st.sampled_from(feasible[dtype]))
