@@ -106,9 +106,8 @@ class _Case:
 def _cases(draw: st.DrawFn, matrix_strategy: st.SearchStrategy[Spectral], min_norm: float) -> _Case:
     sp = draw(matrix_strategy)
     seed = draw(st.integers(0, 2**32 - 1))
-    alphas = [draw(st.sampled_from(_feasible(_SCALE_FACTORS, sp, min_norm) or [1.0]))]
-    alphas += _feasible(_EXTREME_FACTORS, sp, min_norm)[:1]
-    return _Case(sp, seed, tuple(alphas))
+    alpha = draw(st.sampled_from(_feasible(_SCALE_FACTORS, sp, min_norm) or [1.0]))
+    return _Case(sp, seed, (alpha, *_feasible(_EXTREME_FACTORS, sp, min_norm)[:1]))
 
 
 @dataclass

@@ -172,9 +172,8 @@ class SimulatedCollectives(AsyncCollectives):
     ) -> _Work:
         output_split_sizes, input_split_sizes = list(output_split_sizes), list(input_split_sizes)
         # this rank's own arguments are refused before it posts, so every post can be split as it says
-        w = self.world_size
-        if len(output_split_sizes) != w or len(input_split_sizes) != w:
-            raise RuntimeError(f"simulated all_to_all_single: split lists must have {w} entries")
+        if len(output_split_sizes) != self.world_size or len(input_split_sizes) != self.world_size:
+            raise RuntimeError(f"simulated all_to_all_single: split lists must have {self.world_size} entries")
         if sum(input_split_sizes) != input.numel() or sum(output_split_sizes) != output.numel():
             raise RuntimeError("simulated all_to_all_single: split sizes do not add up to the tensor sizes")
 

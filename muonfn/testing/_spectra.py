@@ -198,9 +198,7 @@ def _laid_out(g: torch.Tensor, layout: Layout) -> torch.Tensor:
         order = tuple(reversed(range(g.ndim)))
         return g.permute(order).contiguous().permute(order)
     if layout == "strided":  # every other element of a wider buffer whose gaps hold NaN
-        wide = torch.full((*g.shape[:-1], 2 * g.shape[-1]), math.nan, dtype=g.dtype)
-        wide[..., ::2] = g
-        return wide[..., ::2]
+        return torch.stack([g, torch.full_like(g, math.nan)], dim=-1).flatten(-2)[..., ::2]
     return g.contiguous()
 
 
