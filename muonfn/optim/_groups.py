@@ -36,8 +36,8 @@ SPLIT_HALVES = {"adamw_lr": "lr", "adamw_weight_decay": "weight_decay"}
 #: A group's Newton–Schulz entries at their defaults (``ns_method`` besides: "standard", "gram", "svd", "qr", a map)
 NS_DEFAULTS = {"ns_coefficients": "keller", "ns_steps": None, "eps": 1e-7, "ns_dtype": None, "ns_eps_mode": "clamp",
                "ns_restarts": None}  # fmt: skip
-#: Every Newton–Schulz entry of a group
-NS_ENTRIES = (*NS_DEFAULTS, "ns_method")
+#: Every Newton–Schulz entry of a group at its default
+NS_ENTRIES = {**NS_DEFAULTS, "ns_method": "standard"}
 #: The entries of a state that are counts (exact int64) and second moments (fp32 for fp16 parameters)
 COUNTS, SECOND_MOMENTS = ("step", "second_moment_step"), ("exp_avg_sq", "row_second_moment")
 
@@ -68,8 +68,7 @@ def group_of(where: str, given: Mapping[str, Any], use_muon: bool, constructor: 
         if "ns" in own or "ns_coefficients" in own:  # (a whole ns, or torch's one triple for each of ns_steps)
             ns, entries = own.pop("ns", None), {k: own.pop(k) for k in NS_ENTRIES if k in own}
             # torch's spellings change the entries they name; the others are the constructor's, as a group's are
-            inherited = {} if ns is not None else {k: constructor.muon[k] for k in NS_ENTRIES}
-            own.update(ns_entries(where, ns, {**inherited, **entries}))
+            own.update(ns_entries(where, ns, entries if ns is not None else {**constructor.muon, **entries}))
         group = {**constructor.muon, **own}
         variant = group["variant"]
         if variant not in VARIANTS:
@@ -122,16 +121,9 @@ def ns_entries(where: str, ns: Any, given: Mapping[str, Any]) -> dict[str, Any]:
         if triple and all(isinstance(v, int | float) and not isinstance(v, bool) for v in coefficients):
             coefficients, steps = (tuple(float(v) for v in coefficients),) * (5 if steps is None else steps), None
         ns_schedule(coefficients, steps)
-        named = {k: given[k] for k in NS_ENTRIES if k in given}
-        return {
-            **NS_DEFAULTS,
-            "ns_method": "standard",
-            **named,
-            "ns_coefficients": _plain(coefficients),
-            "ns_steps": steps,
-        }
-    defaults = {**NS_DEFAULTS, "ns_method": "standard"}
-    ignored = [f"{k}={given[k]!r}" for k in defaults if given.get(k) is not None and given[k] != defaults[k]]
+        named = {k: given.get(k, default) for k, default in NS_ENTRIES.items()}
+        return {**named, "ns_coefficients": _plain(coefficients), "ns_steps": steps}
+    ignored = [f"{k}={given[k]!r}" for k, v in NS_ENTRIES.items() if given.get(k) is not None and given[k] != v]
     if ignored:
         raise ValueError(
             f"{where}: ns= is the whole Newton–Schulz setting: leave ns_coefficients, ns_steps and eps (and a "
