@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from .._tree import build
-from ..linalg import ns_schedule
 from ..transforms import MaskLike, selected
 from . import _groups
 from ._groups import ADAMW_SETTINGS, COUNTS, MUON_SETTINGS
@@ -35,7 +34,7 @@ TORCH_RUNS: dict[bool, dict[str, tuple[Any, ...]]] = {
 ADAMW_FLAGS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None)
 #: The shim's group keys with no counterpart in torch's (left out of its groups).
 SHIM_ONLY = {"use_muon", "variant", "momentum_bias_correction", "cautious_weight_decay", "cautious_mode", "ns_dtype",
-             "ns_method", "ns_eps_mode", "ns_restarts", "extra_scale", "nesterov_adamw", "state_dtype"}  # fmt: skip
+             "ns_method", "ns_eps_mode", "ns_restarts", "extra_scale", "state_dtype"}  # fmt: skip
 
 
 #: 0.1.0's spellings of a Muon group's entries
@@ -136,13 +135,11 @@ def shim_state_dict(
             settings.update(ns_coefficients=ns["ns_coefficients"], ns_steps=ns["ns_steps"])
             settings["adjust_lr_fn"] = settings.get("adjust_lr_fn") or "original"
         else:
-            for key in ("amsgrad", "maximize"):
-                if settings.pop(key, False):
+            for key in ADAMW_FLAGS:  # (the others choose how torch computes the step, not what)
+                if settings.pop(key, None) and key in ("amsgrad", "maximize"):
                     raise ValueError(f"{where} has {key}=True, which muonfn's AdamW does not run")
             if not settings.pop("decoupled_weight_decay", True) and float(settings["weight_decay"]) != 0:
                 raise ValueError(f"{where} is Adam's (weight decay added to the gradient), not AdamW's")
-            for key in ADAMW_FLAGS:
-                settings.pop(key, None)
             beta1, beta2 = settings.pop("betas")
             settings.update(momentum=float(beta1), beta2=float(beta2))  # (β₁ as momentum: see the shim's groups)
         mine.update(settings)
@@ -188,7 +185,7 @@ def torch_state_dicts(
                 )
         theirs = {k: v for k, v in group.items() if k not in SHIM_ONLY and k != "params"}
         if kind:
-            schedule = ns_schedule(group["ns_coefficients"], group["ns_steps"])
+            schedule = _groups.ns_of(group).schedule  # (its ns_method checked above: a NewtonSchulz)
             if len(set(schedule.triples)) != 1 or schedule.norm_factor != 1.0:
                 raise ValueError(
                     f"{where}: torch.optim.Muon runs one (a, b, c) for every step, not {group['ns_coefficients']!r}"
