@@ -92,8 +92,6 @@ def group_of(where: str, given: Mapping[str, Any], use_muon: bool, constructor: 
     for key in own:
         if key == "ns" or (key in MUON_SETTINGS and key not in ADAMW_SETTINGS):
             raise ValueError(f"{where}: {key!r} is a Muon setting; this group has use_muon=False")
-        if key in SPLIT_HALVES:
-            raise ValueError(f"{where}: {key!r} sets the AdamW half of a group split by labels")
     for spelling, keys in ADAMW_SPELLINGS.items():
         if spelling in own:
             value = own.pop(spelling)
