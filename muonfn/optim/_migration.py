@@ -45,15 +45,14 @@ def current_group(saved: Mapping[str, Any]) -> dict[str, Any]:
     """A saved group as the shim keeps one (a copy): 0.1.0's ``scale`` and ``ns_eps`` as ``adjust_lr_fn``
     and ``eps``; a group saved when every group held both kinds' settings keeps its own kind's (an
     AdamW group's betas, eps and nesterov from its ``adamw_betas``, ``adamw_eps``, ``adamw_nesterov``)."""
-    group = dict(saved)
-    if group.get("use_muon"):
-        return {LEGACY_SPELLINGS.get(k, k): v for k, v in group.items() if not k.startswith("adamw_")}
-    if "variant" not in group:
-        return group
-    beta1, beta2 = group.pop("adamw_betas", (group.get("momentum"), group.get("beta2")))
-    eps, nesterov = group.pop("adamw_eps", group.get("eps")), group.pop("adamw_nesterov", group.get("nesterov"))
+    if saved.get("use_muon"):
+        return {LEGACY_SPELLINGS.get(k, k): v for k, v in saved.items() if not k.startswith("adamw_")}
+    if "variant" not in saved:
+        return dict(saved)
+    beta1, beta2 = saved.get("adamw_betas", (saved.get("momentum"), saved.get("beta2")))
+    eps, nesterov = saved.get("adamw_eps", saved.get("eps")), saved.get("adamw_nesterov", saved.get("nesterov"))
     muon_only = {*MUON_SETTINGS, *LEGACY_SPELLINGS} - set(ADAMW_SETTINGS)
-    kept = {k: v for k, v in group.items() if k not in muon_only and not k.startswith("adamw_")}
+    kept = {k: v for k, v in saved.items() if k not in muon_only and not k.startswith("adamw_")}
     return {**kept, "momentum": beta1, "beta2": beta2, "eps": eps, "nesterov": nesterov}
 
 
@@ -131,8 +130,7 @@ def shim_state_dict(
         # torch's group settings under the shim's keys; every key carried (``initial_lr`` too)
         settings = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
         if kind:
-            ns = _groups.ns_entries(where, None, settings)
-            settings.update(ns_coefficients=ns["ns_coefficients"], ns_steps=ns["ns_steps"])
+            settings.update(_groups.ns_entries(where, None, {**group, **settings}))  # (torch's over the group's)
             settings["adjust_lr_fn"] = settings.get("adjust_lr_fn") or "original"
         else:
             for key in ADAMW_FLAGS:  # (the others choose how torch computes the step, not what)
