@@ -171,8 +171,7 @@ def scale_of(adjust_lr_fn: Any, extra_scale: Any) -> Any:
     """torch's ``adjust_lr_fn`` (``None``: ``"original"``) times ``extra_scale`` as muonfn's scale."""
     if adjust_lr_fn is not None and (not isinstance(adjust_lr_fn, str) or adjust_lr_fn not in SCALE_MODES):
         raise ValueError(f"adjust_lr_fn must be None or one of {sorted(SCALE_MODES)}, got {adjust_lr_fn!r}")
-    finite = isinstance(extra_scale, int | float) and not isinstance(extra_scale, bool) and math.isfinite(extra_scale)
-    if not (finite and extra_scale >= 0):
+    if isinstance(extra_scale, bool) or not isinstance(extra_scale, int | float) or not 0 <= extra_scale < math.inf:
         raise ValueError(f"extra_scale must be a finite float >= 0, got {extra_scale!r}")
     return (adjust_lr_fn or "original", extra_scale)
 
