@@ -447,6 +447,19 @@ def test_shim_run_continues_in_torch_muon_and_adamw(monkeypatch: pytest.MonkeyPa
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_torch_state_dicts_hold_the_group_entries_of_torchs_own():
+    """Each group of ``torch_state_dicts`` has the keys torch's optimizer writes in its own state_dict
+    (``param_names`` with them): none of the shim's (a variant's options, AdamW's ``nesterov``)."""
+    model = small_net()
+    shim = muonfn.optim.Muon(model.named_parameters(), lr=0.02, adjust_lr_fn=None, labels=by_ndim(model))
+    for g in fixed_grads(model, 2):
+        step_with(model, g, shim)
+    muon, adamw = torch_pair(small_net())
+    for ours, torchs in zip(shim.torch_state_dicts(), (muon.state_dict(), adamw.state_dict())):
+        assert set(ours["param_groups"][0]) == set(torchs["param_groups"][0])
+    assert shim.torch_state_dicts()[1]["param_groups"][0]["decoupled_weight_decay"] is True
+
+
 def test_torch_state_dicts_round_trip_resumes_bitwise(tmp_path):
     """shim → torch's state_dicts, saved and loaded weights-only → shim: the uninterrupted run, bit for bit."""
     settings = {

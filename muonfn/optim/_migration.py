@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .._tree import build
+from ..presets import VARIANT_OPTIONS
 from ..transforms import MaskLike, selected
 from . import _groups
 from ._groups import ADAMW_SETTINGS, COUNTS, MUON_SETTINGS
@@ -181,7 +182,9 @@ def torch_state_dicts(
                 raise ValueError(
                     f"{where}: weight_decay_mask exempts {exempt}, which torch decays with the whole group"
                 )
-        theirs = {k: v for k, v in group.items() if k not in SHIM_ONLY and k != "params"}
+        # the shim's own keys, and a Muon group's variant options or an AdamW group's nesterov: not torch's
+        own = SHIM_ONLY | ({*VARIANT_OPTIONS, "params"} if kind else {"nesterov", "params"})
+        theirs = {k: v for k, v in group.items() if k not in own}
         if kind:
             schedule = _groups.ns_of(group).schedule  # (its ns_method checked above: a NewtonSchulz)
             if len(set(schedule.triples)) != 1 or schedule.norm_factor != 1.0:
@@ -196,7 +199,7 @@ def torch_state_dicts(
             theirs.update(ns_coefficients=schedule.triples[0], ns_steps=len(schedule.triples))
         else:
             theirs["betas"] = (float(theirs.pop("momentum")), float(theirs.pop("beta2")))
-            theirs.update(ADAMW_FLAGS)
+            theirs.update(ADAMW_FLAGS, decoupled_weight_decay=True)
         indices = [next(count[kind]) for _ in names]
         out[kind]["param_groups"].append({**theirs, "params": indices})
         plain = {**group, "state_dtype": None}  # (torch's optimizers keep the parameters' dtype)
