@@ -96,9 +96,10 @@ DEFAULT_EXCLUDE: tuple[str, ...] = (
 )
 
 
-def _excluded(name: str, exclude: Sequence[str]) -> bool:
-    lowered = "." + name.lower()  # a fragment ".x." then matches a whole first component too
-    return any(fragment.lower() in lowered for fragment in exclude)
+def matching_fragments(names: Iterable[str], exclude: Sequence[str] = DEFAULT_EXCLUDE) -> list[str]:
+    """The fragments of ``exclude`` that some of ``names`` hold, as :func:`label_params` matches them."""
+    lowered = ["." + name.lower() for name in names]  # a fragment ".x." then matches a whole first component too
+    return [fragment for fragment in exclude if any(fragment.lower() in name for name in lowered)]
 
 
 def label_params(
@@ -120,7 +121,7 @@ def label_params(
         name = dotted(key)
         shape = value.shape[params.batch_dims :]  # (a member's, for a stacked ensemble)
         matrix = len(shape) >= 2 if name in sharded else sum(1 for s in shape if s != 1) >= 2
-        labels[name] = MUON if matrix and not _excluded(name, exclude) else ADAMW
+        labels[name] = MUON if matrix and not matching_fragments([name], exclude) else ADAMW
     return labels
 
 
@@ -140,18 +141,18 @@ def labels_from_module(
     a fragment of ``exclude``. A tied weight is listed once, under its first name."""
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     head = linears[-1] if linears and last_linear_is_head else None
-    label_of: dict[int, str] = {}
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        matrices: tuple[str, ...] = ()
-        if isinstance(module, (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd)) or type(module).__name__ == "Conv1D":
-            matrices = ("weight",)
-        elif isinstance(module, nn.MultiheadAttention):  # (its out_proj is an nn.Linear of its own)
-            matrices = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
-        for param_name, param in module.named_parameters(recurse=False, remove_duplicate=False):
-            name = f"{module_name}.{param_name}" if module_name else param_name
-            wants = param_name in matrices and module is not head and param.ndim >= 2 and not _excluded(name, exclude)
-            label_of.setdefault(id(param), MUON if wants else ADAMW)
-    return {name: label_of[id(param)] for name, param in model.named_parameters()}
+    labels = {}
+    for name, param in model.named_parameters():  # (a tied weight once, under its first name)
+        module_name, _, param_name = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if isinstance(module, nn.MultiheadAttention):  # (its out_proj is an nn.Linear of its own)
+            matrix = param_name in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
+        else:
+            linear = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd)
+            matrix = param_name == "weight" and (isinstance(module, linear) or type(module).__name__ == "Conv1D")
+        wants = matrix and module is not head and param.ndim >= 2 and not matching_fragments([name], exclude)
+        labels[name] = MUON if wants else ADAMW
+    return labels
 
 
 def views_from_module(model: nn.Module) -> dict[str, MatrixView]:
@@ -202,11 +203,6 @@ def warn_routing(message: str) -> None:
     warnings.warn(message, RoutingWarning, stacklevel=level)
 
 
-def matching_fragments(names: Iterable[str], exclude: Sequence[str] = DEFAULT_EXCLUDE) -> list[str]:
-    """The fragments of ``exclude`` that some of ``names`` contain, as :func:`label_params` matches them."""
-    return [fragment for fragment in exclude if any(_excluded(name, (fragment,)) for name in names)]
-
-
 def shown(names: Sequence[str], limit: int = 3) -> str:
     """Up to ``limit`` names, quoted, and how many more."""
     return ", ".join(repr(n) for n in names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
@@ -216,7 +212,7 @@ def warn_if_every_matrix_excluded(where: str, params: TensorDictBase, shards: It
     """A :class:`RoutingWarning` when the default labels send no leaf to Muon although some are matrices,
     each excluded by its name (LoRA adapters given alone): the optimizer is then plain AdamW."""
     matrices = [name for name, label in label_params(params, exclude=(), shards=shards).items() if label == MUON]
-    if matrices and all(_excluded(name, DEFAULT_EXCLUDE) for name in matrices):
+    if matrices and MUON not in label_params(params, shards=shards).values():
         fragments = matching_fragments(matrices)
         warn_routing(
             f"{where}: no parameter is labelled 'muon', so this optimizer is plain AdamW: every matrix "
