@@ -405,10 +405,9 @@ def adaptation(
         rms = scale_by_element_rms(
             beta2, bias_correction=second_moment_bias_correction, state_dtype=state_dtype, **shared
         )
-        # where both count their updates (a correction each, or a bf16 state), the momentum's count is
+        # where both count their updates (a bf16 state, or a correction each), the momentum's count is
         # "step" and this one's nested
-        narrow = state_dtype == torch.bfloat16
-        both = (momentum_bias_correction or narrow) and (second_moment_bias_correction or narrow)
+        both = state_dtype == torch.bfloat16 or (momentum_bias_correction and second_moment_bias_correction)
         return sign_momentum, named("second_moment", rms) if both else rms
 
     return adapt
@@ -435,11 +434,7 @@ def _preset(variant: str, arguments: dict[str, Any]) -> Transform:
     rates = {MUON: options.lr, ADAMW: options.lr if options.adamw_lr is None else options.adamw_lr}
     schedules = {name: BranchSchedule(rate, name) for name, rate in rates.items() if is_schedule(rate)}
     rates.update(schedules)
-    branch = matrix_branch(
-        adapt, rates[MUON], options.momentum, options.nesterov, options.momentum_bias_correction, options.weight_decay,
-        options.cautious_weight_decay, options.cautious_mode, options.ns, options.scale,
-        options.views, options.weight_decay_mask, options.orthogonalizer, options.donate_state, options.state_dtype,
-    )  # fmt: skip
+    branch = matrix_branch(adapt, rates[MUON], **{name: getattr(options, name) for name in BRANCH_OPTIONS})
     other = adamw(
         rates[ADAMW],
         betas=options.adamw_betas,
@@ -570,3 +565,7 @@ def matrix_branch(
         direction = cautious(direction, mode=cautious_mode, sum_shards=getattr(orthogonalizer, "sum_shards", None))
     decay = add_decayed_weights(weight_decay, mask=weight_decay_mask, cautious=cautious_weight_decay)
     return chain(direction, decay, scale_by_learning_rate(lr))
+
+
+#: The options of a preset that :func:`matrix_branch` takes after the adaptation and the learning rate, by name.
+BRANCH_OPTIONS: tuple[str, ...] = tuple(inspect.signature(matrix_branch).parameters)[2:]
