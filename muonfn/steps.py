@@ -928,13 +928,6 @@ def _refuse_sharded(names: Sequence[str], values: Sequence[torch.Tensor]) -> Non
             )
 
 
-def row_moment_shape(view: MatrixView, shape: Sequence[int]) -> tuple[int, ...]:
-    """A leaf's row statistics: its batch dimensions, the logical rows, one column per column block."""
-    rows = view.matrix_shape(shape)[0]
-    blocks = len(view.split) if view.split is not None and view.split_dim == 1 else 1
-    return (*shape[: view.batch_dims], rows, blocks)
-
-
 def scale_by_neuron_norm(
     beta: Scalar = 0.95,
     *,
@@ -956,7 +949,8 @@ def scale_by_neuron_norm(
     :func:`orthogonalize` (``scale="none"``) and before the shape scale; sharded leaves are refused.
 
     Returns:
-        A :class:`Transform` with state ``{"row_second_moment": v}`` (see :func:`row_moment_shape`).
+        A :class:`Transform` with state ``{"row_second_moment": v}``, a leaf's ``v`` shaped as its batch
+        dimensions, the logical matrix's rows, and one column per column block.
 
     Example:
         >>> params = TensorDict({"w": torch.zeros(2, 3)}, [])
@@ -971,7 +965,9 @@ def scale_by_neuron_norm(
     def init(params: TensorDictBase) -> TensorDictBase:
         moments = {}
         for (name, p), view in zip(params.items(), _checked_views(views, params)):
-            moments[name] = p.new_zeros(row_moment_shape(view, p.shape), dtype=second_moment_dtype(p.dtype))
+            blocks = len(view.split) if view.split is not None and view.split_dim == 1 else 1
+            shape = (*p.shape[: view.batch_dims], view.matrix_shape(p.shape)[0], blocks)
+            moments[name] = p.new_zeros(shape, dtype=second_moment_dtype(p.dtype))
         return build({"row_second_moment": build(moments, params.batch_size)}, params.batch_size)
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
