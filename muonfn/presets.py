@@ -363,9 +363,9 @@ def adamuon(
     return _preset("adamuon", locals())
 
 
-#: NorMuon's or AdaMuon's adaptation, made for a preset's views and donation: whether the momentum's
-#: sign goes into Newton–Schulz, and the transform that adapts its result
-Adaptation: TypeAlias = Callable[[ViewsLike, bool, torch.dtype | None], tuple[bool, Transform]]
+#: NorMuon's or AdaMuon's adaptation, made for a preset's views and donation: the steps before Newton–Schulz
+#: (the momentum's sign), and those that adapt its result
+Adaptation: TypeAlias = Callable[[ViewsLike, bool, torch.dtype | None], tuple[list[Transform], list[Transform]]]
 
 
 #: Each variant's defaults for the settings whose defaults differ between variants (the keywords its preset
@@ -398,17 +398,19 @@ def adaptation(
     if variant == "normuon" and (sign_momentum or second_moment_bias_correction):
         raise ValueError("normuon: sign_momentum and second_moment_bias_correction are AdaMuon's options")
 
-    def adapt(views: ViewsLike, donate_state: bool, state_dtype: torch.dtype | None) -> tuple[bool, Transform]:
+    def adapt(
+        views: ViewsLike, donate_state: bool, state_dtype: torch.dtype | None
+    ) -> tuple[list[Transform], list[Transform]]:
         shared: dict[str, Any] = {"eps": adaptive_eps, "rescale": rescale, "views": views, "donate_state": donate_state}
         if variant == "normuon":
-            return False, scale_by_neuron_norm(beta2, **shared)
+            return [], [scale_by_neuron_norm(beta2, **shared)]
         rms = scale_by_element_rms(
             beta2, bias_correction=second_moment_bias_correction, state_dtype=state_dtype, **shared
         )
         # where both count their updates (a bf16 state, or a correction each), the momentum's count is
         # "step" and this one's nested
         both = state_dtype == torch.bfloat16 or (momentum_bias_correction and second_moment_bias_correction)
-        return sign_momentum, named("second_moment", rms) if both else rms
+        return [scale_by_sign()] if sign_momentum else [], [named("second_moment", rms) if both else rms]
 
     return adapt
 
@@ -540,18 +542,16 @@ def matrix_branch(
             donate_state=donate_state,
         )
     ]
-    fresh = fresh_updates(nesterov, momentum_bias_correction)  # (the look-ahead: this step's own tensors)
-    adapted: list[Transform] = []
-    if adaptation is not None:
-        if getattr(orthogonalizer, "sum_shards", None) is not None:  # (a sharded one's results are shards)
-            raise ValueError(
-                "the adapted variants need each whole orthogonalized matrix on the rank that holds its state, "
-                "and sharded orthogonalizers return shards: use muonfn.muon for sharded parameters"
-            )
-        sign, adapt = adaptation(views, donate_state, state_dtype)
-        steps += [scale_by_sign()] if sign else []
-        fresh = fresh or sign
-        adapted = [adapt]
+    # (a sharded orthogonalizer's results are shards)
+    if adaptation is not None and getattr(orthogonalizer, "sum_shards", None) is not None:
+        raise ValueError(
+            "the adapted variants need each whole orthogonalized matrix on the rank that holds its state, "
+            "and sharded orthogonalizers return shards: use muonfn.muon for sharded parameters"
+        )
+    signs, adapted = ([], []) if adaptation is None else adaptation(views, donate_state, state_dtype)
+    steps += signs
+    # the look-ahead, or the sign: this step's own tensors, which Newton–Schulz may overwrite
+    fresh = fresh_updates(nesterov, momentum_bias_correction) or bool(signs)
     plain = cautious_mode is None and not cautious_weight_decay
     # how Newton–Schulz runs, in orthogonalize or in descent's passes
     newton_schulz: dict[str, Any] = {"views": views, "orthogonalizer": orthogonalizer, "overwrite_input": fresh}
