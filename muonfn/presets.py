@@ -365,7 +365,8 @@ def adamuon(
 
 #: NorMuon's or AdaMuon's adaptation, made for a preset's views and donation: the steps before Newton–Schulz
 #: (the momentum's sign), and those that adapt its result
-Adaptation: TypeAlias = Callable[[ViewsLike, bool, torch.dtype | None], tuple[list[Transform], list[Transform]]]
+Adapted: TypeAlias = tuple[list[Transform], list[Transform]]
+Adaptation: TypeAlias = Callable[[ViewsLike, bool, torch.dtype | None], Adapted]
 
 
 #: Each variant's defaults for the settings whose defaults differ between variants (the keywords its preset
@@ -398,9 +399,7 @@ def adaptation(
     if variant == "normuon" and (sign_momentum or second_moment_bias_correction):
         raise ValueError("normuon: sign_momentum and second_moment_bias_correction are AdaMuon's options")
 
-    def adapt(
-        views: ViewsLike, donate_state: bool, state_dtype: torch.dtype | None
-    ) -> tuple[list[Transform], list[Transform]]:
+    def adapt(views: ViewsLike, donate_state: bool, state_dtype: torch.dtype | None) -> Adapted:
         shared: dict[str, Any] = {"eps": adaptive_eps, "rescale": rescale, "views": views, "donate_state": donate_state}
         if variant == "normuon":
             return [], [scale_by_neuron_norm(beta2, **shared)]
