@@ -252,11 +252,16 @@ class CountingCollectives(AsyncCollectives):
     methods start the wrapped collectives' own, or block when those have none.
     """
 
+    _sent: int
+    _received: int
+    _calls: dict[str, int]
+
     def __init__(self, inner: Collectives, _root: CountingCollectives | None = None) -> None:
         self.inner = inner
-        self._root = self if _root is None else _root  # the wrapper whose counters a sub-mesh's adds to
+        self._root = self if _root is None else _root  # the wrapper whose counters its sub-mesh wrappers share
         self._wrapped: dict[int, CountingCollectives] = {id(inner): self}  # by the collectives they wrap
-        self.reset()
+        if _root is None:
+            self.reset()
 
     @property
     def rank(self) -> int:
@@ -267,17 +272,26 @@ class CountingCollectives(AsyncCollectives):
         return self.inner.world_size
 
     @property
+    def bytes_sent(self) -> int:
+        return self._root._sent
+
+    @property
+    def bytes_received(self) -> int:
+        return self._root._received
+
+    @property
     def calls(self) -> dict[str, int]:
-        return dict(self._calls)
+        return dict(self._root._calls)
 
     def reset(self) -> None:
-        self.bytes_sent = self.bytes_received = 0
-        self._calls: dict[str, int] = {}
+        root = self._root
+        root._sent = root._received = 0
+        root._calls = {}
 
     def _count(self, name: str, sent: int, received: int) -> None:
         root = self._root
-        root.bytes_sent += sent
-        root.bytes_received += received
+        root._sent += sent
+        root._received += received
         root._calls[name] = root._calls.get(name, 0) + 1
 
     def all_gather_into_tensor_async(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
