@@ -252,16 +252,12 @@ class CountingCollectives(AsyncCollectives):
     methods start the wrapped collectives' own, or block when those have none.
     """
 
-    _sent: int
-    _received: int
-    _calls: dict[str, int]
-
     def __init__(self, inner: Collectives, _root: CountingCollectives | None = None) -> None:
         self.inner = inner
-        self._root = self if _root is None else _root  # the wrapper whose counters its sub-mesh wrappers share
+        self._root = self if _root is None else _root  # whose counters it adds to (its sub-mesh wrappers share them)
         self._wrapped: dict[int, CountingCollectives] = {id(inner): self}  # by the collectives they wrap
-        if _root is None:
-            self.reset()
+        self._sent = self._received = 0
+        self._calls: dict[str, int] = {}
 
     @property
     def rank(self) -> int:
@@ -284,9 +280,8 @@ class CountingCollectives(AsyncCollectives):
         return dict(self._root._calls)
 
     def reset(self) -> None:
-        root = self._root
-        root._sent = root._received = 0
-        root._calls = {}
+        self._root._sent = self._root._received = 0
+        self._root._calls = {}
 
     def _count(self, name: str, sent: int, received: int) -> None:
         root = self._root
