@@ -3,7 +3,7 @@ may write into its own temporaries (:func:`may_write_into`: eager and unrecorded
 
 The math (:mod:`muonfn.linalg`, :mod:`muonfn.steps`) is written once, in the form a CPU runs
 fastest. A GPU (and the meta device, which stands for one in the traffic counter) moves fewer
-bytes with three forms of its own, chosen here, by the tensors' device, in one function each:
+bytes with two forms of its own, chosen here, by the tensors' device, in one function each:
 
 - :func:`gpu_orthogonalized`: a Newton–Schulz batch of fp32 matrices iterated in a narrower dtype
   is normalised as it is built (each matrix's norm accumulated in fp64 from its own memory, the
