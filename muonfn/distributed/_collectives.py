@@ -60,7 +60,7 @@ class Collectives(Protocol):
 
 def check_collectives(collectives: object, required: Sequence[str]) -> None:
     """Raises unless ``collectives`` has every method and property of ``required``."""
-    if collectives is None or not all(hasattr(collectives, name) for name in required):
+    if not all(hasattr(collectives, name) for name in required):
         raise TypeError(f"collectives must implement muonfn.distributed.Collectives, got {collectives!r}")
 
 
@@ -196,7 +196,7 @@ class TorchCollectives(AsyncCollectives):
         ``mesh`` is the mesh of a DTensor leaf: this group's own mesh, or a sub-mesh of it.
         """
         if mesh not in self._by_mesh:  # (a mesh caches its hash: no look at its ranks)
-            mesh_ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+            mesh_ranks: list[int] = mesh.mesh.flatten().tolist()
             if not set(mesh_ranks) <= set(self.ranks):
                 raise ValueError(
                     f"a DTensor lives on a mesh of ranks {mesh_ranks}, outside the collectives' group "

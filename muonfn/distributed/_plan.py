@@ -228,7 +228,7 @@ class Unit:
     gathered: bool = False  # "gather": every holder assembles it; else it goes to owners
     one_owner: bool = False  # one owner serves every replica (else one owner per replica)
     held_whole: bool = False  # every holder keeps all of it: the owner is one of them, nothing comes in
-    owners: list[int] = field(default_factory=list)  # group ranks; one per replica unless one_owner
+    owners: list[int] = field(default_factory=list)  # group ranks: one per replica unless one_owner; all if gathered
 
     def sources(self, owner: int) -> list[int]:
         """The holders that send ``owner`` their pieces: those of its replica."""
@@ -449,13 +449,12 @@ def make_plan(
         else:
             gathered = strategy == "gather" and not held_whole
             one_owner = held_whole or (split_replicated and layout.replicas > 1)
+            everyone = list(range(w)) if gathered else []  # "gather": every rank takes part in every round of them
             units += [
-                Unit(i, shape, layout, holders[b], cost, gathered, one_owner and not gathered, held_whole)
+                Unit(i, shape, layout, holders[b], cost, gathered, one_owner and not gathered, held_whole, everyone)
                 for b in sorted(holders)
             ]
     gathered_units = [u for u, unit in enumerate(units) if unit.gathered]
-    for u in gathered_units:
-        units[u].owners = list(range(w))  # every rank takes part in every round of them
     order = _assign_owners(units, [u for u, unit in enumerate(units) if not unit.gathered], load)
     batches = []
     for gathered, members in ((True, gathered_units), (False, order)):
