@@ -187,11 +187,11 @@ class Muon(torch.optim.Optimizer):
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
         tensors, names = _read_params(param_group["params"], self.param_groups)
-        held_names = self._names()  # (first: a tensor put in params by hand takes its position before new ones)
+        # (the names read first: a tensor put in params by hand takes its position before new ones)
+        held = {p: (i, n) for i, ns in enumerate(self._names()) for p, n in zip(self.param_groups[i]["params"], ns)}
         positions = (str(i) for i in itertools.count(len(self._keys)))
         keys = names or [self._keys[p] if p in self._keys else next(positions) for p in tensors]
         # each tensor once, in no group yet, under a name no other parameter has
-        held = {p: (i, n) for i, g in enumerate(self.param_groups) for p, n in zip(g["params"], held_names[i])}
         taken = {n: i for i, n in held.values()}
         first: dict[torch.Tensor, str] = {}
         for p, key in zip(tensors, keys):
@@ -423,9 +423,8 @@ class Muon(torch.optim.Optimizer):
             run = self._compiled_run(work) if self._compile and work else _run
             for layout, (names, params, new_state) in zip(layouts, run(work)):
                 for torch_name, path in layout.items():
-                    held = new_state.get(path)
                     for name, p in zip(names, params):
-                        state[p][torch_name] = held[name]
+                        state[p][torch_name] = new_state[(*path, name)]
         return loss
 
     def _checked_work(self) -> tuple[list[dict[str, tuple[str, ...]]], list[tuple[Any, ...]]]:
@@ -449,15 +448,14 @@ class Muon(torch.optim.Optimizer):
                 if p.grad is not None:
                     stepped.append((name, p))
             branch = self._branch(i, group)
-            if stepped:  # (checked part by part: each part's transform runs unchecked)
-                for part in _parts(stepped, cap):
-                    names, params = map(list, zip(*part))
-                    grads = build(dict(zip(names, map(attrgetter("grad"), params))), SIZE)
-                    leaves = build(dict(zip(names, map(torch.Tensor.detach, params))), SIZE)
-                    state = self._group_state(branch.layout, branch.tx, names, params)
-                    self._check(f"param group {i}", i, branch.tx, grads, state, leaves, part)
-                    layouts.append(branch.layout)
-                    work.append((branch.tx, names, params, grads, state, leaves))
+            for part in _parts(stepped, cap) if stepped else ():  # (checked part by part: each runs unchecked)
+                names, params = map(list, zip(*part))
+                grads = build(dict(zip(names, map(attrgetter("grad"), params))), SIZE)
+                leaves = build(dict(zip(names, map(torch.Tensor.detach, params))), SIZE)
+                state = self._group_state(branch.layout, branch.tx, names, params)
+                self._check(f"param group {i}", i, branch.tx, grads, state, leaves, part)
+                layouts.append(branch.layout)
+                work.append((branch.tx, names, params, grads, state, leaves))
         if len(self._branches) > len(self.param_groups):  # (groups removed from param_groups)
             self._branches = {k: b for k, b in self._branches.items() if any(b.group is g for g in self.param_groups)}
         return layouts, work
