@@ -448,7 +448,7 @@ class Muon(torch.optim.Optimizer):
                 if p.grad is not None:
                     stepped.append((name, p))
             branch = self._branch(i, group)
-            for part in _parts(stepped, cap) if stepped else ():  # (checked part by part: each runs unchecked)
+            for part in _parts(stepped, cap) if stepped else ():  # (each part checked: its transform runs unchecked)
                 names, params = map(list, zip(*part))
                 grads = build(dict(zip(names, map(attrgetter("grad"), params))), SIZE)
                 leaves = build(dict(zip(names, map(torch.Tensor.detach, params))), SIZE)

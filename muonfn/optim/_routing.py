@@ -43,10 +43,9 @@ def warn_if_muon_idle(param_groups: Sequence[Mapping[str, Any]], names: Sequence
     if not muon and not matrices:
         return  # nothing here was ever Muon's: a model of vectors
     frozen = f"{len(muon)} routed to Muon, all frozen (requires_grad=False)" if muon else "none was routed to Muon"
-    trainable = [name for name, _ in training]
     message = (
         f"muonfn.optim.Muon: no parameter that trains goes to Muon, so this run is plain AdamW: {frozen}, "
-        f"while {len(training)} routed to AdamW train ({shown(trainable)})."
+        f"while {len(training)} routed to AdamW train ({shown([name for name, _ in training])})."
     )
     fragments = matching_fragments(matrices, DEFAULT_EXCLUDE)
     if fragments:
