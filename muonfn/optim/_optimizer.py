@@ -26,7 +26,7 @@ from ..presets import MUON, VARIANT_OPTIONS, adaptation, check_names, default_la
 from ..steps import AdamNesterov, NesterovLike, Rescale, ViewsLike, adamw, check_state_dtype, is_schedule
 from ..transforms import CautiousMode, LabelsLike, MaskLike, Transform, check_input
 from . import _groups, _migration, _routing
-from ._groups import ADAMW_SETTINGS, MUON_SETTINGS, NS_DEFAULTS, SCHEDULED, SHAPING
+from ._groups import ADAMW_SETTINGS, MUON_SETTINGS, NS_ENTRIES, SCHEDULED, SHAPING
 
 #: ``chunk_numel="auto"``: about this many parts, each of at least ``AUTO_MIN_CHUNK`` elements
 AUTO_PARTS, AUTO_MIN_CHUNK = 10, 2**18
@@ -267,7 +267,7 @@ class Muon(torch.optim.Optimizer):
         kind = group.get("use_muon")
         stray = next((k for k in group if k == "ns" or k.startswith("adamw_")), None)
         if stray == "ns":
-            raise ValueError(f"{where} holds 'ns'; a group keeps its Newton–Schulz setting as {list(NS_DEFAULTS)}")
+            raise ValueError(f"{where} holds 'ns'; a group keeps its Newton–Schulz setting as {list(NS_ENTRIES)}")
         if stray is not None:
             held = list(ADAMW_SETTINGS)
             raise ValueError(f"{where} holds {stray!r}, a keyword of the constructor; an AdamW group holds {held}")
