@@ -21,7 +21,7 @@ import sys
 import warnings
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from types import SimpleNamespace
-from typing import Any, TypeAlias
+from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -363,12 +363,6 @@ def adamuon(
     return _preset("adamuon", locals())
 
 
-#: NorMuon's or AdaMuon's adaptation, made for a preset's views and donation: the steps before Newton–Schulz
-#: (the momentum's sign), and those that adapt its result
-Adapted: TypeAlias = tuple[list[Transform], list[Transform]]
-Adaptation: TypeAlias = Callable[[ViewsLike, bool, torch.dtype | None], Adapted]
-
-
 #: Each variant's defaults for the settings whose defaults differ between variants (the keywords its preset
 #: takes beyond :data:`PRESET_OPTIONS`); an option the variant does not list does not apply to it.
 VARIANT_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -378,40 +372,38 @@ VARIANT_DEFAULTS: dict[str, dict[str, Any]] = {
 
 def adaptation(
     variant: str,
+    views: ViewsLike,
+    donate_state: bool,
+    state_dtype: torch.dtype | None,
+    momentum_bias_correction: bool,
     *,
     beta2: Scalar = 0.95,
     adaptive_eps: float = 1e-10,
     rescale: Rescale = "orthogonal",
     sign_momentum: bool = False,
     second_moment_bias_correction: bool = False,
-    momentum_bias_correction: bool = False,
-) -> Adaptation | None:
-    """What ``variant`` does between Newton–Schulz and the shape scale (``None`` for Muon): NorMuon's
-    row normalisation, or AdaMuon's element-wise one fed the momentum's sign; checked here."""
+) -> tuple[list[Transform], list[Transform]]:
+    """What ``variant`` does around Newton–Schulz, made for a preset's views and donation and checked here:
+    the steps before it (the momentum's sign) and those that adapt its result, NorMuon's row normalisation
+    or AdaMuon's element-wise one (none for Muon)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; choose one of {list(VARIANTS)}")
     if variant == MUON:
-        return None
+        return [], []
     unit_interval(f"{variant}: beta2", beta2)
     positive(f"{variant}: adaptive_eps", adaptive_eps)
     flag(f"{variant}: sign_momentum", sign_momentum)
     flag(f"{variant}: second_moment_bias_correction", second_moment_bias_correction)
     if variant == "normuon" and (sign_momentum or second_moment_bias_correction):
         raise ValueError("normuon: sign_momentum and second_moment_bias_correction are AdaMuon's options")
-
-    def adapt(views: ViewsLike, donate_state: bool, state_dtype: torch.dtype | None) -> Adapted:
-        shared: dict[str, Any] = {"eps": adaptive_eps, "rescale": rescale, "views": views, "donate_state": donate_state}
-        if variant == "normuon":
-            return [], [scale_by_neuron_norm(beta2, **shared)]
-        rms = scale_by_element_rms(
-            beta2, bias_correction=second_moment_bias_correction, state_dtype=state_dtype, **shared
-        )
-        # where both count their updates (a bf16 state, or a correction each), the momentum's count is
-        # "step" and this one's nested
-        both = state_dtype == torch.bfloat16 or (momentum_bias_correction and second_moment_bias_correction)
-        return [scale_by_sign()] if sign_momentum else [], [named("second_moment", rms) if both else rms]
-
-    return adapt
+    shared: dict[str, Any] = {"eps": adaptive_eps, "rescale": rescale, "views": views, "donate_state": donate_state}
+    if variant == "normuon":
+        return [], [scale_by_neuron_norm(beta2, **shared)]
+    rms = scale_by_element_rms(beta2, bias_correction=second_moment_bias_correction, state_dtype=state_dtype, **shared)
+    # where both count their updates (a bf16 state, or a correction each), the momentum's count is
+    # "step" and this one's nested
+    both = state_dtype == torch.bfloat16 or (momentum_bias_correction and second_moment_bias_correction)
+    return [scale_by_sign()] if sign_momentum else [], [named("second_moment", rms) if both else rms]
 
 
 #: The options only the adapted variants take: their adaptation's.
@@ -420,7 +412,7 @@ VARIANT_OPTIONS: tuple[str, ...] = tuple(_keywords(adaptation, PRESET_OPTIONS))
 
 def _preset(variant: str, arguments: dict[str, Any]) -> Transform:
     """The preset of ``variant`` made of the ``arguments`` its function was given (its ``locals()``, its
-    ``**options`` among them): its matrix branch (its :func:`adaptation` made of its variant's settings)
+    ``**options`` among them): its matrix branch (its variant's :func:`adaptation` made of its settings)
     beside :func:`adamw`, the options of :data:`PRESET_OPTIONS` at their defaults where not given; names in
     ``views``, ``weight_decay_mask`` and an orthogonalizer's ``shard_specs`` checked against the parameters
     at ``init`` (a typo is an error)."""
@@ -430,12 +422,11 @@ def _preset(variant: str, arguments: dict[str, Any]) -> Transform:
         raise TypeError(f"muonfn.{variant}() got an unexpected keyword argument {unknown[0]!r}")
     options = SimpleNamespace(**{**PRESET_OPTIONS, **given})
     settings = {name: value for name, value in given.items() if name in VARIANT_OPTIONS}
-    adapt = adaptation(variant, momentum_bias_correction=options.momentum_bias_correction, **settings)
     check_state_dtype(f"muonfn.{variant}", options.state_dtype)  # (named as the user called it)
     rates = {MUON: options.lr, ADAMW: options.lr if options.adamw_lr is None else options.adamw_lr}
     schedules = {name: BranchSchedule(rate, name) for name, rate in rates.items() if is_schedule(rate)}
     rates.update(schedules)
-    branch = matrix_branch(adapt, rates[MUON], **{name: getattr(options, name) for name in BRANCH_OPTIONS})
+    branch = matrix_branch(variant, rates[MUON], **{n: getattr(options, n) for n in BRANCH_OPTIONS}, **settings)
     other = adamw(
         rates[ADAMW],
         betas=options.adamw_betas,
@@ -508,7 +499,7 @@ class BranchSchedule:
 
 
 def matrix_branch(
-    adaptation: Adaptation | None,
+    variant: str,
     lr: ScalarOrSchedule,
     momentum: Scalar,
     nesterov: NesterovLike,
@@ -523,10 +514,11 @@ def matrix_branch(
     orthogonalizer: Orthogonalizer | None,
     donate_state: bool,
     state_dtype: torch.dtype | None = None,
+    **settings: Any,
 ) -> Transform:
-    r"""The matrix branch of a preset: the momentum, Newton–Schulz (and ``adaptation`` after it), then
-    :func:`descent`. With caution, the chain of building blocks: caution reads the direction before
-    the decay and the learning rate."""
+    r"""The matrix branch of a preset: the momentum, Newton–Schulz (and the :func:`adaptation` of ``variant``
+    made of its ``settings``, after it), then :func:`descent`. With caution, the chain of building blocks:
+    caution reads the direction before the decay and the learning rate."""
     flag("cautious_weight_decay", cautious_weight_decay)
     if cautious_mode is not None and cautious_mode not in CAUTIOUS_MODES:
         raise ValueError(f"unknown cautious mode {cautious_mode!r}; choose None or one of {list(CAUTIOUS_MODES)}")
@@ -541,13 +533,13 @@ def matrix_branch(
             donate_state=donate_state,
         )
     ]
+    signs, adapted = adaptation(variant, views, donate_state, state_dtype, momentum_bias_correction, **settings)
     # (a sharded orthogonalizer's results are shards)
-    if adaptation is not None and getattr(orthogonalizer, "sum_shards", None) is not None:
+    if variant != MUON and getattr(orthogonalizer, "sum_shards", None) is not None:
         raise ValueError(
             "the adapted variants need each whole orthogonalized matrix on the rank that holds its state, "
             "and sharded orthogonalizers return shards: use muonfn.muon for sharded parameters"
         )
-    signs, adapted = ([], []) if adaptation is None else adaptation(views, donate_state, state_dtype)
     steps += signs
     # the look-ahead, or the sign: this step's own tensors, which Newton–Schulz may overwrite
     fresh = fresh_updates(nesterov, momentum_bias_correction) or bool(signs)
@@ -566,5 +558,5 @@ def matrix_branch(
     return chain(direction, decay, scale_by_learning_rate(lr))
 
 
-#: The options of a preset that :func:`matrix_branch` takes after the adaptation and the learning rate, by name.
-BRANCH_OPTIONS: tuple[str, ...] = tuple(inspect.signature(matrix_branch).parameters)[2:]
+#: The options of a preset that :func:`matrix_branch` takes after the variant and the learning rate, by name.
+BRANCH_OPTIONS: tuple[str, ...] = tuple(inspect.signature(matrix_branch).parameters)[2:-1]

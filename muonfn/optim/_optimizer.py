@@ -22,7 +22,7 @@ from .. import transforms
 from .._tree import build
 from .._validation import Scalar, flag, positive, unit_interval
 from ..linalg import Orthogonalizer
-from ..presets import MUON, VARIANT_OPTIONS, adaptation, check_names, default_labels, matrix_branch
+from ..presets import MUON, VARIANT_OPTIONS, check_names, default_labels, matrix_branch
 from ..steps import AdamNesterov, NesterovLike, Rescale, ViewsLike, adamw, check_state_dtype, is_schedule
 from ..transforms import CautiousMode, LabelsLike, MaskLike, Transform, check_input
 from . import _groups, _migration, _routing
@@ -294,13 +294,12 @@ class Muon(torch.optim.Optimizer):
                            cautious_weight_decay=group["cautious_weight_decay"], donate_state=self._donate)  # fmt: skip
             else:
                 flag("momentum_bias_correction", group["momentum_bias_correction"])
-                options = {k: group[k] for k in ("momentum_bias_correction", *VARIANT_OPTIONS) if group[k] is not None}
-                adapt = adaptation(group["variant"], **options)
+                options = {k: group[k] for k in VARIANT_OPTIONS if group[k] is not None}
                 tx = matrix_branch(
-                    adapt, lr, momentum, group["nesterov"], group["momentum_bias_correction"], wd,
+                    group["variant"], lr, momentum, group["nesterov"], group["momentum_bias_correction"], wd,
                     group["cautious_weight_decay"], group["cautious_mode"], _groups.ns_of(group),
                     _groups.scale_of(group["adjust_lr_fn"], group["extra_scale"]), self._views, self._mask,
-                    self._orthogonalizer, self._donate, group["state_dtype"],
+                    self._orthogonalizer, self._donate, group["state_dtype"], **options,
                 )  # fmt: skip
         except (ValueError, TypeError) as error:
             raise type(error)(f"{where}: {error}") from None
