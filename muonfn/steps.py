@@ -144,10 +144,18 @@ def _counted(counts: Sequence[torch.Tensor], inplace: bool) -> tuple[list[Any], 
     return new, torch.stack(local).to(torch.float64) if local else torch.zeros(0, dtype=torch.float64)
 
 
-def _corrections(t: torch.Tensor, beta: Any, shift: float = 0.0) -> torch.Tensor:
-    r""":math:`1 - \beta^{t + \text{shift}}` in fp64 (``t`` stays a tensor: nothing is read back)."""
+def _corrections(t: torch.Tensor, beta: Any) -> torch.Tensor:
+    r""":math:`1 - \beta^t` in fp64 (``t`` stays a tensor: nothing is read back)."""
     beta = beta.detach().to(torch.float64) if isinstance(beta, torch.Tensor) else float(beta)
-    return torch.rsub(torch.pow(beta, t + shift if shift else t), 1.0)
+    return torch.rsub(torch.pow(beta, t), 1.0)
+
+
+def _nesterov_corrected(m: list[Any], g: list[Any], t: torch.Tensor, beta: Any, members: int) -> list[Any]:
+    r"""optax's bias-corrected Nesterov look-ahead, the moment and the gradient corrected each on its own:
+    :math:`\frac{\beta m}{1-\beta^{t+1}} + \frac{(1-\beta) g}{1-\beta^t}` (``t`` the stacked counts)."""
+    moment = _per_leaf(_corrections(t + 1.0, beta).reciprocal().mul(beta), g, members)
+    gradient = _per_leaf(_corrections(t, beta).reciprocal().mul(1 - beta), g, members)
+    return _foreach("add", _foreach("mul", m, moment), _foreach("mul", g, gradient), inplace=True)
 
 
 def _zeros(params: TensorDictBase, dtype: Callable[[torch.dtype], torch.dtype] = lambda d: d) -> TensorDictBase:
@@ -292,9 +300,7 @@ def ema_momentum(
             new["step"] = replaced(state["step"], names, counts)
         if bias_correction:
             if nesterov:
-                moment = _per_leaf(_corrections(t, mu, 1.0).reciprocal().mul(mu), buf, grads.batch_dims)
-                gradient = _per_leaf(_corrections(t, mu).reciprocal().mul(1 - mu), g, grads.batch_dims)
-                u = _foreach("add", _foreach("mul", buf, moment), _foreach("mul", g, gradient), inplace=True)
+                u = _nesterov_corrected(buf, g, t, mu, grads.batch_dims)
             else:
                 u = _foreach("div", buf, _per_leaf(_corrections(t, mu), buf, grads.batch_dims))
         elif nesterov == "add":
@@ -715,10 +721,8 @@ def _adam(
     denominators = _foreach("add", _foreach("div", roots, _per_leaf(root_c2, v, members)), eps)
     if nesterov == "timm":  # timm's NAdamW: one correction of the look-ahead
         numerators = _foreach("div", _lerp(m, g, 1.0 - b1, inplace=False), _per_leaf(c1, g, members))
-    else:  # optax's: the moment and the gradient corrected each on its own
-        moment = _per_leaf(_corrections(t, b1, 1.0).reciprocal().mul(b1), g, members)
-        gradient = _per_leaf(c1.reciprocal().mul(1.0 - b1), g, members)
-        numerators = _foreach("add", _foreach("mul", m, moment), _foreach("mul", g, gradient), inplace=True)
+    else:  # optax's
+        numerators = _nesterov_corrected(m, g, t, b1, members)
     direction = _foreach("div", numerators, denominators)
     if isinstance(factor, float) and factor == 1.0:
         return direction, new
