@@ -16,7 +16,7 @@ import math
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any, Literal, TypeAlias, TypeGuard
+from typing import Any, Literal, TypeAlias, TypeGuard, get_args
 
 import torch
 from tensordict import MemoryMappedTensor, TensorDictBase
@@ -45,7 +45,7 @@ ViewsLike: TypeAlias = Mapping[Any, MatrixView] | Callable[[str, torch.Tensor], 
 NesterovLike: TypeAlias = bool | Literal["add"]
 AdamNesterov: TypeAlias = bool | Literal["timm"]
 Rescale: TypeAlias = Literal["preserve_norm", "orthogonal", "none"]
-RESCALE_MODES: tuple[str, ...] = ("preserve_norm", "orthogonal", "none")
+RESCALE_MODES: tuple[str, ...] = get_args(Rescale)
 
 # ---------------------------------------------------------------------------------------------- arithmetic
 
