@@ -12,6 +12,7 @@ given to ``update`` is then consumed, and the results are the same bits.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -352,31 +353,28 @@ def matrix_map(ns: Any) -> MatrixFn:
     return ns
 
 
-def resolve_views(
-    views: ViewsLike, names: Sequence[str], tensors: Sequence[torch.Tensor], members: int
-) -> list[MatrixView]:
-    """One view per leaf: the declared one, else the default (2-D as is, ≥3-D as conv); for a stacked
+def resolve_views(views: ViewsLike, td: TensorDictBase) -> list[MatrixView]:
+    """One view per leaf of ``td``: the declared one, else the default (2-D as is, ≥3-D as conv); for a stacked
     ensemble every view takes the batch dimensions too (views describe one member's leaf)."""
     if views is None:
-        found = [DEFAULT_VIEW] * len(names)
+        found = [DEFAULT_VIEW] * len(td.keys())
     elif isinstance(views, Mapping):
-        table = named_table(views, names)
-        found = [table.get(n, DEFAULT_VIEW) for n in names]
+        table = named_table(views, td.keys())
+        found = [table.get(n, DEFAULT_VIEW) for n in td.keys()]
     else:
         found = []
-        for n, t in zip(names, tensors):
+        for n, t in td.items():
             view = views(n, t)
             if view is not None and not isinstance(view, MatrixView):
                 raise TypeError(f"views returned {view!r} for {n!r}; it must return a muonfn.MatrixView or None")
             found.append(view or DEFAULT_VIEW)
-    return [MatrixView(v.batch_dims + members, v.transposed, v.split, v.split_dim) for v in found] if members else found
+    return [dataclasses.replace(v, batch_dims=v.batch_dims + td.batch_dims) for v in found] if td.batch_dims else found
 
 
 def _checked_views(views: ViewsLike, tree: TensorDictBase) -> list[MatrixView]:
     """Every leaf's view (see :func:`resolve_views`), checked against the leaf's shape."""
-    names, values = list(tree.keys()), list(tree.values())
-    found = resolve_views(views, names, values, tree.batch_dims)
-    for name, t, view in zip(names, values, found):
+    found = resolve_views(views, tree)
+    for (name, t), view in zip(tree.items(), found):
         view.check(name, t.shape)
     return found
 
@@ -406,7 +404,7 @@ def _orthogonalizing(
 
     def check(params: TensorDictBase) -> None:
         names, values = list(params.keys()), list(params.values())
-        leaf_views = resolve_views(views, names, values, params.batch_dims)
+        leaf_views = resolve_views(views, params)
         refuse = getattr(chosen, "check", None)
         if callable(refuse):
             refuse(names, values, leaf_views)
@@ -419,7 +417,7 @@ def _orthogonalizing(
     def orthogonalized(grads: TensorDictBase, scale: Any) -> list[torch.Tensor]:
         names, values = list(grads.keys()), list(grads.values())
         options = {"overwrite_input": True} if fresh and may_write_into(*values) else {}
-        return chosen(names, values, resolve_views(views, names, values, grads.batch_dims), ns, scale, **options)
+        return chosen(names, values, resolve_views(views, grads), ns, scale, **options)
 
     return check, orthogonalized
 
@@ -978,7 +976,7 @@ def scale_by_neuron_norm(
         names, given = list(grads.keys()), list(grads.values())
         _refuse_sharded(names, given)
         held = state["row_second_moment"]
-        leaf_views = resolve_views(views, names, given, grads.batch_dims)
+        leaf_views = resolve_views(views, grads)
         blocks = [v.to_matrices(o.float() if o.dtype == torch.float16 else o) for o, v in zip(given, leaf_views)]
         means = [_row_means(v, b) for v, b in zip(leaf_views, blocks)]
         current = [held[n].reshape(m.shape) for n, m in zip(names, means)]
@@ -1065,7 +1063,7 @@ def scale_by_element_rms(
             root = _foreach("div", v, _per_leaf(_corrections(t, _number(beta)), v, grads.batch_dims))
         adapted = _foreach("div", values, _foreach("add", _foreach("sqrt", root), eps))
         if rescale != "none":
-            for i, (o, view) in enumerate(zip(values, resolve_views(views, names, given, grads.batch_dims))):
+            for i, (o, view) in enumerate(zip(values, resolve_views(views, grads))):
                 blocks = _rescaled(view.to_matrices(adapted[i]), view.to_matrices(o), rescale, eps)
                 adapted[i] = view.from_matrices(blocks, o.shape)
         return build(dict(zip(names, cast_like(adapted, given))), grads.batch_size), build(new, state.batch_size)
