@@ -976,6 +976,8 @@ def scale_by_neuron_norm(
         names, given = list(grads.keys()), list(grads.values())
         _refuse_sharded(names, given)
         held = state["row_second_moment"]
+        if donate_state:
+            _refuse_memory_mapped("scale_by_neuron_norm", "row_second_moment", held)
         leaf_views = resolve_views(views, grads)
         blocks = [v.to_matrices(o.float() if o.dtype == torch.float16 else o) for o, v in zip(given, leaf_views)]
         means = [_row_means(v, b) for v, b in zip(leaf_views, blocks)]
@@ -1049,6 +1051,8 @@ def scale_by_element_rms(
         _refuse_sharded(names, given)
         values = [o.float() if o.dtype == torch.float16 or state_dtype is not None else o for o in given]
         held = state["exp_avg_sq"]
+        if donate_state:
+            _refuse_memory_mapped("scale_by_element_rms", "exp_avg_sq", held)
         if counted:
             counts, t = _counted(named_leaves(state["step"], names), donate_state)
         starts = [x if state_dtype is None else x.float() for x in named_leaves(held, names)]
