@@ -290,11 +290,12 @@ def adamw_kernel(
         meshes.setdefault(id(getattr(t, "device_mesh", None)), []).append(i)
     lists = (updates, g, m, v, steps)
     calls = [lists] if plain else [[[x[i] for i in at] for x in lists] for at in meshes.values()]
+    # the kernel's options: the decay is in the updates already (see above)
+    options: dict[str, Any] = dict(
+        lr=kernel_lr, beta1=b1, beta2=b2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False
+    )
     for u, grad, exp_avg, exp_avg_sq, step in calls:
-        torch._fused_adamw_(
-            u, grad, exp_avg, exp_avg_sq, [], step,
-            lr=kernel_lr, beta1=b1, beta2=b2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
-        )  # fmt: skip
+        torch._fused_adamw_(u, grad, exp_avg, exp_avg_sq, [], step, **options)
     entries = {"step": replaced(state["step"], names, counts), "exp_avg": replaced(state["exp_avg"], names, m)}
     entries["exp_avg_sq"] = replaced(state["exp_avg_sq"], names, v)
     return build(dict(zip(names, updates)), grads.batch_size), entries

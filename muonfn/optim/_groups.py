@@ -16,10 +16,26 @@ from ..steps import second_moment_dtype
 
 #: A Muon group's settings (``eps``: Newton–Schulz's, as torch.optim.Muon's; ``adjust_lr_fn``: the shape scale)
 MUON_SETTINGS = (
-    "lr", "momentum", "weight_decay", "variant", "nesterov", "momentum_bias_correction", "cautious_weight_decay",
-    "cautious_mode", "ns_coefficients", "ns_steps", "eps", "ns_dtype", "ns_method", "ns_eps_mode", "ns_restarts",
-    "adjust_lr_fn", "extra_scale", "state_dtype", *VARIANT_OPTIONS,
-)  # fmt: skip
+    "lr",
+    "momentum",
+    "weight_decay",
+    "variant",
+    "nesterov",
+    "momentum_bias_correction",
+    "cautious_weight_decay",
+    "cautious_mode",
+    "ns_coefficients",
+    "ns_steps",
+    "eps",
+    "ns_dtype",
+    "ns_method",
+    "ns_eps_mode",
+    "ns_restarts",
+    "adjust_lr_fn",
+    "extra_scale",
+    "state_dtype",
+    *VARIANT_OPTIONS,
+)
 #: An AdamW group's settings: its β₁ is ``momentum``, so that torch's schedulers that cycle momentum
 #: (OneCycleLR, CyclicLR: ``"momentum"`` into every group unless ``"betas"`` is a default) move it too.
 ADAMW_SETTINGS = ("lr", "momentum", "beta2", "eps", "weight_decay", "nesterov", "cautious_weight_decay", "state_dtype")
@@ -34,8 +50,14 @@ ADAMW_SPELLINGS = {"adamw_betas": ("momentum", "beta2"), "adamw_eps": ("eps",), 
 #: A split group's AdamW half: its ``lr`` and ``weight_decay``
 SPLIT_HALVES = {"adamw_lr": "lr", "adamw_weight_decay": "weight_decay"}
 #: A group's Newton–Schulz entries at their defaults (``ns_method`` besides: "standard", "gram", "svd", "qr", a map)
-NS_DEFAULTS = {"ns_coefficients": "keller", "ns_steps": None, "eps": 1e-7, "ns_dtype": None, "ns_eps_mode": "clamp",
-               "ns_restarts": None}  # fmt: skip
+NS_DEFAULTS = {
+    "ns_coefficients": "keller",
+    "ns_steps": None,
+    "eps": 1e-7,
+    "ns_dtype": None,
+    "ns_eps_mode": "clamp",
+    "ns_restarts": None,
+}
 #: Every Newton–Schulz entry of a group at its default
 NS_ENTRIES = {**NS_DEFAULTS, "ns_method": "standard"}
 #: The entries of a state that are counts (exact int64) and second moments (fp32 for fp16 parameters)
@@ -128,8 +150,15 @@ def ns_entries(where: str, ns: Any, given: Mapping[str, Any]) -> dict[str, Any]:
             f"group's other ns_* entries) out with it; beside ns={ns!r}, {', '.join(ignored)} would be ignored"
         )
     if isinstance(ns, NewtonSchulz):
-        return {"ns_coefficients": _plain(ns.coefficients), "ns_steps": ns.steps, "eps": ns.eps, "ns_dtype": ns.dtype,
-                "ns_method": ns.method, "ns_eps_mode": ns.eps_mode, "ns_restarts": ns.restarts}  # fmt: skip
+        return {
+            "ns_coefficients": _plain(ns.coefficients),
+            "ns_steps": ns.steps,
+            "eps": ns.eps,
+            "ns_dtype": ns.dtype,
+            "ns_method": ns.method,
+            "ns_eps_mode": ns.eps_mode,
+            "ns_restarts": ns.restarts,
+        }
     if ns not in ("svd", "qr", "gram") and (isinstance(ns, str) or not callable(ns)):
         raise TypeError(
             f"{where}: ns must be a muonfn.NewtonSchulz, 'svd', 'qr', 'gram' or a map of (count, m, n) batches, "
@@ -156,8 +185,15 @@ def ns_of(group: Mapping[str, Any]) -> Any:
         coefficients = group["ns_coefficients"]
         if isinstance(coefficients, tuple) and coefficients and coefficients[0][:1] == ("norm_factor",):
             coefficients = Coefficients(tuple(coefficients[1:]), coefficients[0][1])
-        return NewtonSchulz(coefficients, group["ns_steps"], group["eps"], group["ns_dtype"], method,
-                            group["ns_eps_mode"], group["ns_restarts"])  # fmt: skip
+        return NewtonSchulz(
+            coefficients,
+            group["ns_steps"],
+            group["eps"],
+            group["ns_dtype"],
+            method,
+            group["ns_eps_mode"],
+            group["ns_restarts"],
+        )
     if isinstance(method, str) and method not in ("svd", "qr"):
         raise ValueError(f"unknown ns_method {method!r}; choose 'standard', 'gram', 'svd', 'qr' or a map of one's own")
     ignored = [f"{k}={group[k]!r}" for k, default in NS_DEFAULTS.items() if group[k] != default]

@@ -26,16 +26,35 @@ from ._groups import ADAMW_SETTINGS, COUNTS, MUON_SETTINGS
 KINDS = {True: "torch.optim.Muon", False: "torch.optim.AdamW"}
 #: The settings torch's optimizers run at these values only (the shim's key -> values torch runs).
 TORCH_RUNS: dict[bool, dict[str, tuple[Any, ...]]] = {
-    True: {"variant": ("muon",), "momentum_bias_correction": (False,), "cautious_weight_decay": (False,),
-           "cautious_mode": (None,), "ns_method": ("standard", "gram"), "ns_eps_mode": ("clamp",),
-           "adjust_lr_fn": ("original", "match_rms_adamw", None), "extra_scale": (1.0,), "nesterov": (True, False)},
+    True: {
+        "variant": ("muon",),
+        "momentum_bias_correction": (False,),
+        "cautious_weight_decay": (False,),
+        "cautious_mode": (None,),
+        "ns_method": ("standard", "gram"),
+        "ns_eps_mode": ("clamp",),
+        "adjust_lr_fn": ("original", "match_rms_adamw", None),
+        "extra_scale": (1.0,),
+        "nesterov": (True, False),
+    },
     False: {"cautious_weight_decay": (False,), "nesterov": (False,)},
-}  # fmt: skip
+}
 #: torch.optim.AdamW's group settings that muonfn's AdamW runs at these values only (the others: its defaults)
 ADAMW_FLAGS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None)
 #: The shim's group keys with no counterpart in torch's (left out of its groups).
-SHIM_ONLY = {"use_muon", "variant", "momentum_bias_correction", "cautious_weight_decay", "cautious_mode", "ns_dtype",
-             "ns_method", "ns_eps_mode", "ns_restarts", "extra_scale", "state_dtype"}  # fmt: skip
+SHIM_ONLY = {
+    "use_muon",
+    "variant",
+    "momentum_bias_correction",
+    "cautious_weight_decay",
+    "cautious_mode",
+    "ns_dtype",
+    "ns_method",
+    "ns_eps_mode",
+    "ns_restarts",
+    "extra_scale",
+    "state_dtype",
+}
 
 
 #: 0.1.0's spellings of a Muon group's entries

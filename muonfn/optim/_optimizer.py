@@ -159,10 +159,15 @@ class Muon(torch.optim.Optimizer):
         ns_settings = _groups.ns_entries(where, ns, settings)
         muon_defaults = {**settings, **ns_settings, "adjust_lr_fn": adjust_lr_fn or "original"}
         adamw_defaults = {
-            "lr": lr if adamw_lr is None else adamw_lr, "momentum": adamw_betas[0], "beta2": adamw_betas[1],
-            "eps": adamw_eps, "weight_decay": weight_decay if adamw_weight_decay is None else adamw_weight_decay,
-            "nesterov": adamw_nesterov, "cautious_weight_decay": cautious_weight_decay, "state_dtype": state_dtype,
-        }  # fmt: skip
+            "lr": lr if adamw_lr is None else adamw_lr,
+            "momentum": adamw_betas[0],
+            "beta2": adamw_betas[1],
+            "eps": adamw_eps,
+            "weight_decay": weight_decay if adamw_weight_decay is None else adamw_weight_decay,
+            "nesterov": adamw_nesterov,
+            "cautious_weight_decay": cautious_weight_decay,
+            "state_dtype": state_dtype,
+        }
         split = {"adamw_lr": adamw_lr, "adamw_weight_decay": adamw_weight_decay}
         self._constructor = _groups.Constructor(muon_defaults, adamw_defaults, split)
         self._branches: dict[int, Branch] = {}  # (by the group's identity)
@@ -289,18 +294,38 @@ class Muon(torch.optim.Optimizer):
                 unit_interval("beta2", group["beta2"])
                 if group["nesterov"] not in (True, False, "timm"):
                     raise ValueError(f"nesterov must be True, False or 'timm' (AdamW's), got {group['nesterov']!r}")
-                tx = adamw(lr, betas=(momentum, group["beta2"]), eps=group["eps"], weight_decay=wd,
-                           weight_decay_mask=self._mask, nesterov=group["nesterov"], state_dtype=group["state_dtype"],
-                           cautious_weight_decay=group["cautious_weight_decay"], donate_state=self._donate)  # fmt: skip
+                tx = adamw(
+                    lr,
+                    betas=(momentum, group["beta2"]),
+                    eps=group["eps"],
+                    weight_decay=wd,
+                    weight_decay_mask=self._mask,
+                    nesterov=group["nesterov"],
+                    state_dtype=group["state_dtype"],
+                    cautious_weight_decay=group["cautious_weight_decay"],
+                    donate_state=self._donate,
+                )
             else:
                 flag("momentum_bias_correction", group["momentum_bias_correction"])
                 options = {k: group[k] for k in VARIANT_OPTIONS if group[k] is not None}
                 tx = matrix_branch(
-                    group["variant"], lr, momentum, group["nesterov"], group["momentum_bias_correction"], wd,
-                    group["cautious_weight_decay"], group["cautious_mode"], _groups.ns_of(group),
-                    _groups.scale_of(group["adjust_lr_fn"], group["extra_scale"]), self._views, self._mask,
-                    self._orthogonalizer, self._donate, group["state_dtype"], **options,
-                )  # fmt: skip
+                    group["variant"],
+                    lr,
+                    momentum,
+                    nesterov=group["nesterov"],
+                    momentum_bias_correction=group["momentum_bias_correction"],
+                    weight_decay=wd,
+                    cautious_weight_decay=group["cautious_weight_decay"],
+                    cautious_mode=group["cautious_mode"],
+                    ns=_groups.ns_of(group),
+                    scale=_groups.scale_of(group["adjust_lr_fn"], group["extra_scale"]),
+                    views=self._views,
+                    weight_decay_mask=self._mask,
+                    orthogonalizer=self._orthogonalizer,
+                    donate_state=self._donate,
+                    state_dtype=group["state_dtype"],
+                    **options,
+                )
         except (ValueError, TypeError) as error:
             raise type(error)(f"{where}: {error}") from None
         shaping = {k: group.get(k) for k in ("use_muon", *SHAPING)}
