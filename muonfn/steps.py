@@ -695,8 +695,6 @@ def _adam(
     per leaf in fp64): a factor of 0 makes :math:`D = \pm\infty` and the direction 0, never ``nan``."""
     names, g, b1, members = list(grads.keys()), list(grads.values()), _number(b1), grads.batch_dims
     held_m, held_v = state["exp_avg"], state["exp_avg_sq"]
-    if donate:
-        _refuse_memory_mapped("adam", "exp_avg", held_m)
     counts, t = _counted(named_leaves(state["step"], names), donate)
     starts_m, starts_v = named_leaves(held_m, names), named_leaves(held_v, names)
     writable = donate or state_dtype == torch.bfloat16  # (a bf16 state's widened copies are this step's)
@@ -772,6 +770,8 @@ def scale_by_adam(
     check_state_dtype("scale_by_adam", state_dtype)
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
+        if donate_state:
+            _refuse_memory_mapped("scale_by_adam", "exp_avg", state["exp_avg"])
         u, new = _adam(grads, state, b1, b2, eps, 1.0, nesterov, donate_state, state_dtype)
         updates = build(dict(zip(grads.keys(), cast_like(u, list(grads.values())))), grads.batch_size)
         return updates, build(new, state.batch_size)
@@ -845,6 +845,8 @@ def adamw(
     kernel_may_take = not nesterov and state_dtype is None
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
+        if donate_state:  # (the kernel too writes the moments in place)
+            _refuse_memory_mapped("adamw", "exp_avg", state["exp_avg"])
         rate, new = _rate(lr, state, grads)
         names, g, members = list(grads.keys()), list(grads.values()), grads.batch_dims
         lam, beta1 = _number(weight_decay), _number(b1)

@@ -175,11 +175,12 @@ def _file_contents(directory: pathlib.Path) -> dict[str, bytes]:
     [
         lambda: muonfn.muon(**HP, donate_state=True),
         lambda: muonfn.adamw(lr=0.01, donate_state=True),
+        lambda: muonfn.adamw(lr=0.01, donate_state=True, fused=True),
         lambda: muonfn.apply_if_finite(muonfn.muon(**HP, donate_state=True)),
         lambda: muonfn.masked(muonfn.scale_by_neuron_norm(donate_state=True), "matrices"),
         lambda: muonfn.masked(muonfn.scale_by_element_rms(bias_correction=True, donate_state=True), "matrices"),
     ],
-    ids=["muon", "adamw", "apply_if_finite(muon)", "scale_by_neuron_norm", "scale_by_element_rms"],
+    ids=["muon", "adamw", "adamw(fused=True)", "apply_if_finite(muon)", "scale_by_neuron_norm", "scale_by_element_rms"],
 )
 def test_a_donating_update_refuses_a_memory_mapped_state_and_leaves_the_checkpoint(tmp_path: pathlib.Path, make):
     """A state restored with TensorDict.load_memmap and donated would be stepped in its checkpoint's files."""
