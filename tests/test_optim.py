@@ -970,6 +970,36 @@ def test_load_state_dict_mismatch_names_the_parameter_and_changes_nothing():
     assert_unchanged(model, opt, before)
 
 
+@pytest.mark.parametrize("turned_on", [True, False])
+def test_a_refused_load_state_dict_keeps_a_pending_bias_correction_edit_and_the_defaults(turned_on: bool):
+    """A bias correction turned on (off) in param_groups lays out the state anew at the next step: the momentum
+    restarted (its count dropped). A load_state_dict refused in between, after torch's loader ran, keeps that
+    hand-off pending, and the optimizer's defaults as they were."""
+    runs = []
+    for refused in (False, True):
+        model = mlp()
+        opt = Muon(model.named_parameters(), **HP, momentum_bias_correction=not turned_on)
+        shim_steps(model, opt, batches(2))
+        saved = copy.deepcopy(opt.state_dict())
+        defaults = copy.deepcopy(opt.defaults)
+        opt.param_groups[0]["momentum_bias_correction"] = turned_on
+        if refused:
+            saved["param_groups"][0]["momentum_bias_correction"] = turned_on
+            for k in saved["param_groups"][0]["params"]:
+                if turned_on:
+                    saved["state"][k]["step"] = torch.tensor(2.0)
+                else:
+                    del saved["state"][k]["step"]
+            saved["state"][0]["momentum_buffer"] = torch.zeros(3, 3)
+            with pytest.raises(ValueError, match=r"'muon.momentum.0.weight' is a .* of shape \(3, 3\)"):
+                opt.load_state_dict(saved)
+            assert opt.defaults == defaults
+        shim_steps(model, opt, batches(1, seed=3))
+        runs.append((params_of(model), opt.functional_state))
+    assert_bitwise(runs[1][0], runs[0][0])
+    assert_bitwise(runs[1][1], runs[0][1])
+
+
 def test_functional_state_assignment_is_checked():
     model = mlp()
     opt = Muon(model.named_parameters(), **HP)

@@ -585,7 +585,8 @@ class Muon(torch.optim.Optimizer):
                     state[p] = _migration.loaded_entries(where, state_dict["state"][k], theirs, p)
         numbered = {k for group in saved for k in group["params"]}  # (the others kept as torch keeps them)
         state.update({k: entries for k, entries in state_dict["state"].items() if k not in numbered})
-        before = self.param_groups, self.__dict__["state"]
+        # (torch's loader resets the branches, which carry an edit's pending relayout, and widens the defaults)
+        before = self.param_groups, self.__dict__["state"], self._branches, self._compiled, dict(self.defaults)
         try:
             super().load_state_dict({"state": {}, "param_groups": saved})
             self.state = state
@@ -595,7 +596,7 @@ class Muon(torch.optim.Optimizer):
                 loaded = self._group_state(branch.layout, None, names, group["params"])
                 self._check(f"load_state_dict: param group {i}", i, branch.tx, leaves, loaded, leaves)
         except Exception:
-            self.__dict__.update(param_groups=before[0], state=before[1])
+            self.__dict__.update(zip(("param_groups", "state", "_branches", "_compiled", "defaults"), before))
             raise
 
     def load_torch_state_dicts(
