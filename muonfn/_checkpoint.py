@@ -28,12 +28,15 @@ def save(tree: TensorDictBase | Mapping[str, Any], path: PathLike) -> None:
     The file is ``torch.save(tree.to_dict())``'s. It is written to a temporary file in
     the same directory, flushed to disk and renamed over ``path`` in one step, so a
     crash mid-save leaves the previous checkpoint at ``path`` intact. The directory must
-    exist (``FileNotFoundError`` naming it otherwise; nothing is written).
+    exist (``FileNotFoundError`` naming it otherwise; nothing is written). A tensor on the meta device holds no
+    values: it is refused (``ValueError`` naming it; nothing is written).
     """
     td = tree if isinstance(tree, TensorDictBase) else TensorDict(dict(tree), batch_size=[])
     for key, value in td.items(True, True, is_leaf=lambda cls: not issubclass(cls, TensorDictBase)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"save: {dotted(key)!r} is a {type(value).__name__}; a checkpoint holds tensors only")
+        if value.is_meta:  # (written, it would replace the last checkpoint with one that holds no values)
+            raise ValueError(f"save: {dotted(key)!r} is on the meta device, which holds no values")
     # nested dicts of plain tensors (no subclasses such as memory-mapped tensors or parameters)
     data = td.apply(lambda t: t.detach().as_subclass(torch.Tensor)).to_dict()
     path = os.fspath(path)

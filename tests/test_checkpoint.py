@@ -287,6 +287,19 @@ def test_save_refuses_what_is_not_a_tensor(tmp_path: pathlib.Path):
     assert os.listdir(tmp_path) == []
 
 
+def test_save_refuses_a_tensor_on_meta_and_keeps_the_previous_checkpoint(tmp_path: pathlib.Path):
+    """A state made on meta (a model not yet materialised) holds no values: saved, it would replace the last
+    checkpoint with one that loads as meta tensors."""
+    path = tmp_path / "ckpt.pt"
+    good = trained_state()
+    muonfn.save(good, path)
+    on_meta = trained_state().to("meta")
+    with pytest.raises(ValueError, match=r"save: '[\w.]+' is on the meta device, which holds no values"):
+        muonfn.save(on_meta, path)
+    assert_bitwise(muonfn.load(path), good)
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
+
+
 def test_shim_with_polar_express_resumes_from_a_file_bitwise(tmp_path: pathlib.Path):
     """The schedule's norm factor (1.01) is saved as plain data and restored with the triples."""
     coefficients = muonfn.COEFFICIENTS["polar_express"]
