@@ -286,7 +286,7 @@ def ema_momentum(
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
         names, g, held = list(grads.keys()), list(grads.values()), state["momentum"]
         if donate_state:
-            _refuse_memory_mapped("ema_momentum", "momentum", held)
+            refuse_memory_mapped("ema_momentum", "momentum", held)
         if counted:
             counts, t = _counted(named_leaves(state["step"], names), donate_state)
         mu = _number(momentum)
@@ -316,7 +316,7 @@ def ema_momentum(
     return transform(init, update, donates_state=donate_state)
 
 
-def _refuse_memory_mapped(where: str, field: str, held: TensorDictBase) -> None:
+def refuse_memory_mapped(where: str, field: str, held: TensorDictBase) -> None:
     """A donated update writes the state in place: a memory-mapped one (``TensorDict.load_memmap``, whose
     TensorDict need not say so: its leaves do) would rewrite its checkpoint. Type checks only: traceable."""
     for name, t in held.items():
@@ -771,7 +771,7 @@ def scale_by_adam(
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
         if donate_state:
-            _refuse_memory_mapped("scale_by_adam", "exp_avg", state["exp_avg"])
+            refuse_memory_mapped("scale_by_adam", "exp_avg", state["exp_avg"])
         u, new = _adam(grads, state, b1, b2, eps, 1.0, nesterov, donate_state, state_dtype)
         updates = build(dict(zip(grads.keys(), cast_like(u, list(grads.values())))), grads.batch_size)
         return updates, build(new, state.batch_size)
@@ -846,7 +846,7 @@ def adamw(
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
         if donate_state:  # (the kernel too writes the moments in place)
-            _refuse_memory_mapped("adamw", "exp_avg", state["exp_avg"])
+            refuse_memory_mapped("adamw", "exp_avg", state["exp_avg"])
         rate, new = _rate(lr, state, grads)
         names, g, members = list(grads.keys()), list(grads.values()), grads.batch_dims
         lam, beta1 = _number(weight_decay), _number(b1)
@@ -979,7 +979,7 @@ def scale_by_neuron_norm(
         _refuse_sharded(names, given)
         held = state["row_second_moment"]
         if donate_state:
-            _refuse_memory_mapped("scale_by_neuron_norm", "row_second_moment", held)
+            refuse_memory_mapped("scale_by_neuron_norm", "row_second_moment", held)
         leaf_views = resolve_views(views, grads)
         blocks = [v.to_matrices(o.float() if o.dtype == torch.float16 else o) for o, v in zip(given, leaf_views)]
         means = [_row_means(v, b) for v, b in zip(leaf_views, blocks)]
@@ -1054,7 +1054,7 @@ def scale_by_element_rms(
         values = [o.float() if o.dtype == torch.float16 or state_dtype is not None else o for o in given]
         held = state["exp_avg_sq"]
         if donate_state:
-            _refuse_memory_mapped("scale_by_element_rms", "exp_avg_sq", held)
+            refuse_memory_mapped("scale_by_element_rms", "exp_avg_sq", held)
         if counted:
             counts, t = _counted(named_leaves(state["step"], names), donate_state)
         starts = [x if state_dtype is None else x.float() for x in named_leaves(held, names)]

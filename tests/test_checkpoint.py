@@ -390,3 +390,28 @@ def test_a_stacked_ensemble_comes_back_with_like_and_is_refused_without(tmp_path
     ):
         tx.update(bare["params"].apply(torch.randn_like), bare["state"], bare["params"])
     assert_bitwise(bare["state"], before)
+
+
+@pytest.mark.parametrize("mapped", ["muon", "adamw"])
+def test_the_shim_refuses_a_memory_mapped_state_when_it_is_handed_over(tmp_path: pathlib.Path, mapped: str):
+    """A group's state restored with TensorDict.load_memmap and handed to the shim (``functional_state``), which
+    steps its state in place, is refused at the hand-over: otherwise the groups before it would step before
+    that group's update refused it. The optimizer's state and the checkpoint stay as they were."""
+    net = model()
+    opt = Muon(net.named_parameters(), **HP)
+    for i, p in enumerate(net.parameters()):
+        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(i))
+    opt.step()
+    state = opt.functional_state
+    state[mapped].memmap(tmp_path / "mm")
+    saved = _file_contents(tmp_path / "mm")
+    state[mapped] = TensorDict.load_memmap(tmp_path / "mm")
+    held = opt.functional_state.clone()
+    with pytest.raises(ValueError, match=r"functional_state: state '[\w.]+' is memory-mapped from .*mm"):
+        opt.functional_state = state
+    assert_bitwise(opt.functional_state, held)
+    params = TensorDict.from_module(net).detach().clone()
+    opt.step()  # its own state, in memory
+    after = TensorDict.from_module(net).detach()
+    assert not all(torch.equal(a, b) for a, b in zip(params.values(True, True), after.values(True, True)))
+    assert _file_contents(tmp_path / "mm") == saved

@@ -18,7 +18,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 from tensordict import TensorDictBase
 
-from .. import transforms
+from .. import steps, transforms
 from .._tree import build
 from .._validation import Scalar, flag, positive, unit_interval
 from ..linalg import Orthogonalizer
@@ -407,6 +407,8 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"{where}: unexpected {unexpected[0]!r}")
         for i, (label, group, names) in enumerate(zip(labels, self.param_groups, self._names())):
             branch, part = self._branch(i, group), state.get(label, build({}, SIZE))
+            if self._donate:  # (stepped in place, a memory-mapped state would write every step into its file)
+                steps.refuse_memory_mapped(where, label, part.flatten_keys("."))
             given = {".".join((label, *key)): v for key, v in part.items(True, True)}
             for name, p in zip(names, group["params"]):
                 keys = {torch_name: ".".join((label, *path, name)) for torch_name, path in branch.layout.items()}
