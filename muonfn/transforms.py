@@ -393,11 +393,12 @@ def apply_if_finite(tx: Transform, *, sum_shards: Any = None) -> Transform:
     """Skips a step whose gradients hold NaN or Inf: zero updates, the state unchanged.
 
     Skipped steps are counted in ``state["notfinite_count"]``. A ``tx`` that writes its state in
-    place (``donate_state=True``) gets a copy of it kept each step, restored on a skipped one. The
-    test is a tensor (no ``.item()``), so the update stays traceable; for a stacked ensemble each
-    member is tested, skipped and counted on its own. ``sum_shards``: for leaves that are one rank's
-    shard of a larger tensor, the sums over every rank's shard (:func:`muonfn.distributed.shard_sums`),
-    so that every rank skips the same steps (DTensor leaves need none).
+    place (``donate_state=True``) gets a copy of it kept each step, restored on a skipped one and on a
+    step that raises after a member wrote it. The test is a tensor (no ``.item()``), so the update stays
+    traceable; for a stacked ensemble each member is tested, skipped and counted on its own.
+    ``sum_shards``: for leaves that are one rank's shard of a larger tensor, the sums over every rank's
+    shard (:func:`muonfn.distributed.shard_sums`), so that every rank skips the same steps (DTensor
+    leaves need none).
     """
     member = unchecked(tx)
     check_sum_shards("apply_if_finite", sum_shards)
@@ -421,7 +422,12 @@ def apply_if_finite(tx: Transform, *, sum_shards: Any = None) -> Transform:
         finite = torch.stack(flags).all(0) if flags else torch.ones(grads.batch_size, dtype=torch.bool)
         inner = build({k: v for k, v in state.items() if k != NOTFINITE_COUNT}, state.batch_size)  # (traceable)
         kept = inner.clone() if donates_state(tx) else inner
-        updates, new = member(grads, inner, params)
+        try:
+            updates, new = member(grads, inner, params)
+        except BaseException:
+            if donates_state(tx):  # a failed step: the donated tensors take back what they held
+                inner.apply(lambda n, o: n.copy_(o), kept)
+            raise
         chosen = new.apply(lambda n, o: _where(finite, n, o, members), kept)
         if donates_state(tx):  # written back into the donated tensors, which keep their addresses
             chosen = new.apply(lambda n, c: n.copy_(c), chosen)

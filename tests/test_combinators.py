@@ -347,3 +347,28 @@ def test_what_writes_its_state_in_place_says_so_through_every_combinator(index: 
     assert_td_equal(state.exclude("notfinite_count"), before.exclude("notfinite_count"))
     if donate:
         assert all(a is b for a, b in zip(state.exclude("notfinite_count").values(True, True), tensors))
+
+
+def _float64_map(x: torch.Tensor) -> torch.Tensor:
+    """A map of one's own that cannot run on meta tensors (so init cannot try it) and returns fp64."""
+    return torch.from_numpy(x.detach().numpy().copy())
+
+
+@pytest.mark.parametrize(
+    "tx",
+    [
+        muonfn.chain(muonfn.ema_momentum(donate_state=True), muonfn.scale_by_learning_rate(lambda count: -1.0)),
+        muonfn.scale_by_muon(ns=lambda x: _float64_map(x).double(), donate_state=True),
+    ],
+    ids=["a schedule's bad value", "a map's result of another dtype"],
+)
+def test_apply_if_finite_keeps_a_donated_state_when_its_step_fails(tx: muonfn.Transform) -> None:
+    """What only a member's update tells raises after an earlier member wrote its donated state: the copy
+    apply_if_finite keeps for a skipped step is written back, so a failed step leaves the state as it was."""
+    params = td({"w": torch.randn(4, 3)})
+    guarded = muonfn.apply_if_finite(tx)
+    state = guarded.init(params)
+    before = state.clone()
+    with pytest.raises((ValueError, TypeError), match=r"schedule returned -1\.0|ns=.* returned a torch\.float64"):
+        guarded.update(random_like(params, 0), state, params)
+    assert_td_equal(state, before)
