@@ -427,11 +427,15 @@ def _preset(variant: str, arguments: dict[str, Any]) -> Transform:
     schedules = {name: BranchSchedule(rate, name) for name, rate in rates.items() if is_schedule(rate)}
     rates.update(schedules)
     branch = matrix_branch(variant, rates[MUON], **{n: getattr(options, n) for n in BRANCH_OPTIONS}, **settings)
+    decays = (
+        options.weight_decay,
+        options.weight_decay if options.adamw_weight_decay is None else options.adamw_weight_decay,
+    )
     other = adamw(
         rates[ADAMW],
         betas=options.adamw_betas,
         eps=options.adamw_eps,
-        weight_decay=options.weight_decay if options.adamw_weight_decay is None else options.adamw_weight_decay,
+        weight_decay=decays[1],
         weight_decay_mask=options.weight_decay_mask,
         nesterov=options.adamw_nesterov,
         cautious_weight_decay=options.cautious_weight_decay,
@@ -449,12 +453,15 @@ def _preset(variant: str, arguments: dict[str, Any]) -> Transform:
             warn_if_every_matrix_excluded(f"muonfn.{variant}(...).init", leaves, shards)
         return state
 
-    if not (options.donate_state and schedules):
+    if not options.donate_state:
         return Transform(init, tx.update)
 
     def update(
         grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None = None
     ) -> tuple[TensorDictBase, TensorDictBase]:
+        # what only the update tells, refused before either branch writes its donated state: the decay's params
+        if params is None and any(isinstance(d, torch.Tensor) or d != 0 for d in decays):
+            raise ValueError(f"muonfn.{variant}: the weight decay needs params: call update(grads, state, params)")
         # each schedule's value made before either branch writes its donated state: a bad one leaves it as it was
         for name, schedule in schedules.items():
             count = state.get((name, "count"), None) if isinstance(state, TensorDictBase) else None

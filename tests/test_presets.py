@@ -764,3 +764,17 @@ def test_every_keyword_of_a_preset_reaches_its_branches(preset, keyword) -> None
         changed = [not (a == b).all() for a, b in zip(updates, other_updates)]
         layouts = (set(preset(**default).init(params).keys(True, True)), set(other_state.keys(True, True)))
         assert any(changed) or layouts[0] != layouts[1]
+
+
+@pytest.mark.parametrize("preset", [muonfn.muon, muonfn.normuon, muonfn.adamuon])
+@pytest.mark.parametrize("cautious", [False, True])
+def test_a_donated_preset_without_params_refuses_before_writing_its_state(preset, cautious: bool):
+    """The weight decay needs the params: a donated preset updated without them raises before either branch
+    writes its state in place (the matrix branch's momentum was stepped, then its decay raised)."""
+    params = TensorDict({"w": torch.randn(4, 3), "b": torch.randn(3)}, [])
+    tx = preset(lr=0.02, weight_decay=0.1, cautious_weight_decay=cautious, donate_state=True)
+    state = tx.init(params)
+    before = state.clone()
+    with pytest.raises(ValueError, match=r"needs params: call update\(grads, state, params\)"):
+        tx.update(params.apply(torch.ones_like), state)
+    assert all(torch.equal(state[k], before[k]) for k in before.keys(True, True))
