@@ -845,8 +845,10 @@ def adamw(
     kernel_may_take = not nesterov and state_dtype is None
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
-        if donate_state:  # (the kernel too writes the moments in place)
+        if donate_state:  # refused before the moments are written in place (by the kernel too)
             refuse_memory_mapped("adamw", "exp_avg", state["exp_avg"])
+            if params is None and not (isinstance(weight_decay, int | float) and weight_decay == 0):
+                raise ValueError("adamw needs params: call update(grads, state, params)")
         rate, new = _rate(lr, state, grads)
         names, g, members = list(grads.keys()), list(grads.values()), grads.batch_dims
         lam, beta1 = _number(weight_decay), _number(b1)

@@ -612,11 +612,18 @@ def test_a_schedule_is_called_once_an_update_though_checked_before_it() -> None:
     assert calls == [0, 1, 2]
 
 
-def test_decay_without_params() -> None:
-    tx = muonfn.adamw(weight_decay=0.1)
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("donate", [False, True])
+def test_decay_without_params(donate: bool, fused: bool) -> None:
+    """Refused before the moments are written: a donated state is left as it was."""
+    tx = muonfn.adamw(weight_decay=0.1, donate_state=donate, fused=fused)
     p = params()
+    state = tx.init(p)
+    _, state = tx.update(p.apply(torch.ones_like), state, p)
+    before = state.clone()
     with pytest.raises(ValueError, match=r"adamw needs params: call update\(grads, state, params\)"):
-        tx.update(p.apply(torch.ones_like), tx.init(p))
+        tx.update(p.apply(torch.ones_like), state)
+    assert all(torch.equal(state[k], before[k]) for k in before.keys(True, True))
 
 
 # --- names and views, rejected by init -------------------------------------------------------------------
