@@ -45,7 +45,9 @@ ROOT = Path(__file__).resolve().parent.parent
 STEPS = ("functional_cpu", "shim_cpu", "functional_meta", "shim_meta")
 COUNTS = ("lines", "functions", "files")
 
-#: The figures measured when the budget test was written: none may grow.
+#: Today's figures: none may grow. (The package's and the core's rose once, at the eighth stage of
+#: benchmarks/RESULTS.md: the formatter's own layout where ``# fmt: skip`` had packed lines, and eight
+#: defect fixes.)
 CEILINGS: dict[str, Any] = {
     "package_code_lines": 5384,
     "core_code_lines": 2641,
