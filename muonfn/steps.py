@@ -20,7 +20,7 @@ from functools import partial
 from typing import Any, Literal, TypeAlias, TypeGuard, get_args
 
 import torch
-from tensordict import MemoryMappedTensor, TensorDictBase
+from tensordict import TensorDictBase
 
 from . import _devices
 from ._tree import build, cast_like, named_leaves, named_table, nested_like, replaced
@@ -285,8 +285,6 @@ def ema_momentum(
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
         names, g, held = list(grads.keys()), list(grads.values()), state["momentum"]
-        if donate_state:
-            refuse_memory_mapped("ema_momentum", "momentum", held)
         if counted:
             counts, t = _counted(named_leaves(state["step"], names), donate_state)
         mu = _number(momentum)
@@ -314,19 +312,6 @@ def ema_momentum(
         return updates, build(new, state.batch_size)
 
     return transform(init, update, donates_state=donate_state)
-
-
-def refuse_memory_mapped(where: str, field: str, held: TensorDictBase) -> None:
-    """A donated update writes the state in place: a memory-mapped one (``TensorDict.load_memmap``, whose
-    TensorDict need not say so: its leaves do) would rewrite its checkpoint. Type checks only: traceable."""
-    for name, t in held.items():
-        # (_filename: the public property raises for a memory-mapped tensor in anonymous shared memory)
-        filename = t._filename if isinstance(t, MemoryMappedTensor) else None
-        if filename is not None:
-            raise ValueError(
-                f"{where}: state '{field}.{name}' is memory-mapped from {filename!r}; donate_state=True would write "
-                "the step into that checkpoint. Load the state into memory first: state = state.to_tensordict()"
-            )
 
 
 def fresh_updates(nesterov: object, bias_correction: bool) -> bool:
@@ -770,8 +755,6 @@ def scale_by_adam(
     check_state_dtype("scale_by_adam", state_dtype)
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
-        if donate_state:
-            refuse_memory_mapped("scale_by_adam", "exp_avg", state["exp_avg"])
         u, new = _adam(grads, state, b1, b2, eps, 1.0, nesterov, donate_state, state_dtype)
         updates = build(dict(zip(grads.keys(), cast_like(u, list(grads.values())))), grads.batch_size)
         return updates, build(new, state.batch_size)
@@ -845,10 +828,9 @@ def adamw(
     kernel_may_take = not nesterov and state_dtype is None
 
     def update(grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> Any:
-        if donate_state:  # refused before the moments are written in place (by the kernel too)
-            refuse_memory_mapped("adamw", "exp_avg", state["exp_avg"])
-            if params is None and not (isinstance(weight_decay, int | float) and weight_decay == 0):
-                raise ValueError("adamw needs params: call update(grads, state, params)")
+        if donate_state and params is None and not (isinstance(weight_decay, int | float) and weight_decay == 0):
+            # (refused before the moments are written in place)
+            raise ValueError("adamw needs params: call update(grads, state, params)")
         rate, new = _rate(lr, state, grads)
         names, g, members = list(grads.keys()), list(grads.values()), grads.batch_dims
         lam, beta1 = _number(weight_decay), _number(b1)
@@ -980,8 +962,6 @@ def scale_by_neuron_norm(
         names, given = list(grads.keys()), list(grads.values())
         _refuse_sharded(names, given)
         held = state["row_second_moment"]
-        if donate_state:
-            refuse_memory_mapped("scale_by_neuron_norm", "row_second_moment", held)
         leaf_views = resolve_views(views, grads)
         blocks = [v.to_matrices(o.float() if o.dtype == torch.float16 else o) for o, v in zip(given, leaf_views)]
         means = [_row_means(v, b) for v, b in zip(leaf_views, blocks)]
@@ -1055,8 +1035,6 @@ def scale_by_element_rms(
         _refuse_sharded(names, given)
         values = [o.float() if o.dtype == torch.float16 or state_dtype is not None else o for o in given]
         held = state["exp_avg_sq"]
-        if donate_state:
-            refuse_memory_mapped("scale_by_element_rms", "exp_avg_sq", held)
         if counted:
             counts, t = _counted(named_leaves(state["step"], names), donate_state)
         starts = [x if state_dtype is None else x.float() for x in named_leaves(held, names)]

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal, NamedTuple, Protocol, TypeAlias
 
 import torch
-from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor
+from tensordict import MemoryMappedTensor, TensorDict, TensorDictBase, is_leaf_nontensor
 
 from ._tree import build, dotted, flat, named_leaves, named_table, nested_like
 from ._validation import check_params
@@ -93,7 +93,7 @@ def transform(init: InitFn, update: FlatUpdate, *, donates_state: bool = False) 
                 raise TypeError(f"update: state must be a TensorDict made by init, got {type(state).__name__}")
             state = build({}, grads.batch_size)  # a stateless transform may be given {}
         if not torch.compiler.is_compiling():  # (traced, the eager update's check stands: it reads no value)
-            check_input(entry_init, flat_grads, state, flat_params)
+            check_input(entry_init, flat_grads, state, flat_params, donated=donates_state)
         updates, new_state = update(flat_grads, state, flat_params)
         return (updates if flat_grads is grads else nested_like(updates, grads)), new_state
 
@@ -135,10 +135,15 @@ def _structure(td: TensorDictBase) -> Any:
     )
 
 
-def check_input(init: InitFn, grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None) -> None:
+def check_input(
+    init: InitFn, grads: TensorDictBase, state: TensorDictBase, params: TensorDictBase | None, *, donated: bool = False
+) -> None:
     """Raises naming the first gradient, parameter or state entry that does not fit (see the module).
-    The check reads metadata alone: an input of a structure that passed it once passes again."""
+    The check reads metadata alone: an input of a structure that passed it once passes again. A state
+    ``donated`` to an update that writes it in place must hold no entry memory-mapped from a file."""
     structure = (init, _structure(grads), _structure(state), None if params is None else _structure(params))
+    if donated:
+        _refuse_memory_mapped(state, structure[2][1])
     if structure in _PASSED:
         return
     if grads.batch_size != state.batch_size:
@@ -188,6 +193,20 @@ def check_input(init: InitFn, grads: TensorDictBase, state: TensorDictBase, para
     if params is not None and given:
         raise ValueError(f"update: state entry {'.'.join(next(iter(given)))!r} belongs to no parameter of this update")
     _PASSED.append(structure)
+
+
+def _refuse_memory_mapped(state: TensorDictBase, entries: tuple[tuple[Any, ...], ...]) -> None:
+    """A donated state is written in place: an entry memory-mapped from a file (``TensorDict.load_memmap``,
+    whose TensorDict need not say so: its leaves do) would have its checkpoint rewritten. ``entries``: the
+    state's as :func:`_structure` lists them, ``(key, type, ...)``; type checks only: traceable."""
+    for key, kind, *_ in entries:
+        # (_filename: the public property raises for a memory-mapped tensor in anonymous shared memory)
+        filename = state.get(key)._filename if issubclass(kind, MemoryMappedTensor) else None
+        if filename is not None:
+            raise ValueError(
+                f"update: state '{dotted(key)}' is memory-mapped from {filename!r}; donate_state=True would write "
+                "the step into that checkpoint. Load the state into memory first: state = state.to_tensordict()"
+            )
 
 
 def _expected_state(init: InitFn, leaves: TensorDictBase) -> dict[tuple[str, ...], Any] | None:

@@ -415,3 +415,30 @@ def test_the_shim_refuses_a_memory_mapped_state_when_it_is_handed_over(tmp_path:
     after = TensorDict.from_module(net).detach()
     assert not all(torch.equal(a, b) for a, b in zip(params.values(True, True), after.values(True, True)))
     assert _file_contents(tmp_path / "mm") == saved
+
+
+@pytest.mark.parametrize(
+    ("make", "mapped"),
+    [
+        (lambda: muonfn.muon(**HP, donate_state=True), "adamw"),
+        (lambda: muonfn.muon(**HP, momentum_bias_correction=True, donate_state=True), "muon.step"),
+        (lambda: muonfn.adamw(lr=0.01, donate_state=True), "exp_avg_sq"),
+    ],
+    ids=["one branch", "the counts", "the second moment"],
+)
+def test_a_donating_update_refuses_a_state_with_any_memory_mapped_entry(tmp_path: pathlib.Path, make, mapped: str):
+    """One entry of a state memory-mapped from a file is refused before any member writes: the other entries,
+    stepped in place, and the file stay as they were."""
+    params = TensorDict.from_module(model()).detach()
+    tx = make()
+    grads = params.apply(lambda p: torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    _, state = tx.update(grads, tx.init(params), params)
+    key = tuple(mapped.split("."))
+    state[key].memmap(tmp_path / "mm")
+    saved = _file_contents(tmp_path / "mm")
+    state[key] = TensorDict.load_memmap(tmp_path / "mm")
+    before = state.to_tensordict().clone()
+    with pytest.raises(ValueError, match=r"state '[\w.]+' is memory-mapped from .*mm.*state\.to_tensordict\(\)"):
+        tx.update(grads, state, params)
+    assert _file_contents(tmp_path / "mm") == saved
+    assert_bitwise(state.to_tensordict(), before)

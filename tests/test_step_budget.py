@@ -49,13 +49,13 @@ COUNTS = ("lines", "functions", "files")
 #: benchmarks/RESULTS.md: the formatter's own layout where ``# fmt: skip`` had packed lines, and eight
 #: defect fixes.)
 CEILINGS: dict[str, Any] = {
-    "package_code_lines": 5384,
-    "core_code_lines": 2641,
+    "package_code_lines": 5376,
+    "core_code_lines": 2635,
     "muon_keywords": 20,
     "functional_cpu": {"lines": 236, "functions": 47, "files": 6},
-    "shim_cpu": {"lines": 297, "functions": 61, "files": 7},
+    "shim_cpu": {"lines": 295, "functions": 61, "files": 7},
     "functional_meta": {"lines": 230, "functions": 47, "files": 6},
-    "shim_meta": {"lines": 287, "functions": 61, "files": 7},
+    "shim_meta": {"lines": 285, "functions": 61, "files": 7},
 }
 
 #: The issue's targets (the meta device's are the CPU's).

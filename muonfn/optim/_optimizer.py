@@ -18,7 +18,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 from tensordict import TensorDictBase
 
-from .. import steps, transforms
+from .. import transforms
 from .._tree import build
 from .._validation import Scalar, flag, positive, unit_interval
 from ..linalg import Orthogonalizer
@@ -407,8 +407,6 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"{where}: unexpected {unexpected[0]!r}")
         for i, (label, group, names) in enumerate(zip(labels, self.param_groups, self._names())):
             branch, part = self._branch(i, group), state.get(label, build({}, SIZE))
-            if self._donate:  # (stepped in place, a memory-mapped state would write every step into its file)
-                steps.refuse_memory_mapped(where, label, part.flatten_keys("."))
             given = {".".join((label, *key)): v for key, v in part.items(True, True)}
             for name, p in zip(names, group["params"]):
                 keys = {torch_name: ".".join((label, *path, name)) for torch_name, path in branch.layout.items()}
@@ -491,7 +489,7 @@ class Muon(torch.optim.Optimizer):
         the state entry by the group's label; with ``stepped`` (a step's names and parameters), a state that
         is stale (on another device or of another dtype than its parameter) named with its remedies."""
         try:
-            check_input(tx.init, grads, state, leaves)
+            check_input(tx.init, grads, state, leaves, donated=self._donate)
         except ValueError as error:
             problem = _groups.stale(stepped, self.state, self.param_groups[i])
             label = self._labels_of()[i]
