@@ -345,7 +345,8 @@ def partition(transforms: Mapping[str, Transform], labels: LabelsLike) -> Transf
         cache = {} if torch.compiler.is_compiling() else routes
         if leaves not in cache:
             assigned = route(labels, grads if params is None else params, transforms)
-            cache.clear() if len(cache) > 16 else None
+            if len(cache) > 16:
+                cache.clear()
             branches = {label: [n for n in leaves if assigned[n] == label] for label in transforms}
             cache[leaves] = {label: names for label, names in branches.items() if names}  # (labels of no leaf: not run)
         out, new = dict.fromkeys(leaves), dict(state.items())  # (the updates in the gradients' order)

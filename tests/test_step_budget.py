@@ -49,8 +49,8 @@ COUNTS = ("lines", "functions", "files")
 #: benchmarks/RESULTS.md: the formatter's own layout where ``# fmt: skip`` had packed lines, and eight
 #: defect fixes.)
 CEILINGS: dict[str, Any] = {
-    "package_code_lines": 5376,
-    "core_code_lines": 2635,
+    "package_code_lines": 5377,
+    "core_code_lines": 2636,
     "muon_keywords": 20,
     "functional_cpu": {"lines": 236, "functions": 47, "files": 6},
     "shim_cpu": {"lines": 295, "functions": 61, "files": 7},
