@@ -372,3 +372,20 @@ def test_apply_if_finite_keeps_a_donated_state_when_its_step_fails(tx: muonfn.Tr
     with pytest.raises((ValueError, TypeError), match=r"schedule returned -1\.0|ns=.* returned a torch\.float64"):
         guarded.update(random_like(params, 0), state, params)
     assert_td_equal(state, before)
+
+
+def test_partition_routes_every_set_of_leaves_past_its_cache() -> None:
+    """An update of some of the leaves (the others frozen) routes them by their labels, however many
+    different sets of leaves come (the routes of the latest 16 sets are kept)."""
+    names = [f"w{i}" for i in range(5)]
+    params = td({n: torch.randn(3) for n in names})
+    labels = {n: "scaled" if i % 2 else "signs" for i, n in enumerate(names)}
+    transforms = {"scaled": muonfn.scale_by_learning_rate(0.5), "signs": muonfn.scale_by_sign()}
+    tx = muonfn.partition(transforms, lambda leaves: {n: labels[n] for n in leaves.keys()})
+    state = tx.init(params)
+    subsets = [[n for j, n in enumerate(names) if k >> j & 1] for k in range(1, 32)]
+    for subset in subsets + subsets[:3]:  # past the 16 kept, and back to the first sets
+        grads = td({n: torch.randn(3) for n in subset})
+        updates, _ = tx.update(grads, state)
+        expected = {n: g.mul(-0.5) if labels[n] == "scaled" else g.sign() for n, g in grads.items()}
+        assert_td_equal(updates, td(expected))
